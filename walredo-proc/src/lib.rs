@@ -1,0 +1,13 @@
+//! The WAL redo child's library: everything both ends of the redo pipe share, and nothing else.
+//!
+//! - [`protocol`]: framing and the messages in both directions (encode and decode, hard limits).
+//! - [`page`]: the PostgreSQL page layout (header fields, line pointers).
+//! - [`record`]: the versioned record set, its encoding and its apply functions.
+//!
+//! **Invariant:** this library does no I/O, spawns nothing and never panics on input: every
+//! length it reads is checked against a limit before it is used. The daemon links it; the
+//! sandbox lives in the binary (`src/main.rs`), so the daemon never links the sandbox code.
+
+pub mod page;
+pub mod protocol;
+pub mod record;
