@@ -1,1 +1,7 @@
+//! The pageserver daemon's library.
+//!
+//! - [`walredo`]: the redo child process managers (sync and async kinds).
+//! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary.
 
+pub mod test_support;
+pub mod walredo;

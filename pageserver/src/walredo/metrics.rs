@@ -1,0 +1,132 @@
+//! Metrics of the walredo managers, registered once per daemon and shared by every tenant.
+//!
+//! Names follow Neon's where one exists, prefixed `pageserver_`. The registry is the caller's
+//! (the daemon exports it at `GET /metrics`); tests make a fresh one each.
+
+use prometheus::{
+    exponential_buckets, Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
+
+use super::ProcessKind;
+
+/// Why a child process stopped; the `cause` label of `pageserver_wal_redo_process_stopped_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopCause {
+    /// Unused for longer than the idle timeout.
+    Idle,
+    /// The manager shut down.
+    Shutdown,
+    /// The tenant's process kind changed; the old child drained its requests first.
+    KindChange,
+    /// EOF, a failed read or write, or the child exited on its own.
+    Crashed,
+    /// A round trip took longer than `wal_redo_timeout`.
+    Timeout,
+    /// The child sent something that is not the protocol.
+    ProtocolViolation,
+    /// The hello was missing or wrong.
+    BadHello,
+    /// A request was cancelled halfway through writing it, leaving the stream unusable.
+    CancelledWrite,
+    /// The last reference went away without a retirement (the manager was dropped).
+    Dropped,
+}
+
+impl StopCause {
+    pub fn label(self) -> &'static str {
+        match self {
+            StopCause::Idle => "idle",
+            StopCause::Shutdown => "shutdown",
+            StopCause::KindChange => "kind_change",
+            StopCause::Crashed => "crashed",
+            StopCause::Timeout => "timeout",
+            StopCause::ProtocolViolation => "protocol_violation",
+            StopCause::BadHello => "bad_hello",
+            StopCause::CancelledWrite => "cancelled_write",
+            StopCause::Dropped => "dropped",
+        }
+    }
+
+    /// Whether the child may still finish what is in flight before it is killed.
+    pub fn is_graceful(self) -> bool {
+        matches!(self, StopCause::Idle | StopCause::KindChange | StopCause::Dropped)
+    }
+}
+
+pub struct WalRedoMetrics {
+    /// Wall time of a redo request, spawn and retry included.
+    pub redo_seconds: Histogram,
+    pub records_per_request: Histogram,
+    pub bytes_per_request: Histogram,
+    /// Requests by outcome: ok, rejected (error frame), timeout, process_failed, cancelled, invalid.
+    pub requests: IntCounterVec,
+    pub process_launch_seconds: Histogram,
+    pub processes_started: IntCounterVec,
+    pub processes_stopped: IntCounterVec,
+    /// Live child processes of each kind (`sync`, `async`).
+    pub process_kind: IntGaugeVec,
+}
+
+impl WalRedoMetrics {
+    pub fn new(registry: &Registry) -> anyhow::Result<WalRedoMetrics> {
+        let histogram = |name: &str, help: &str, buckets: Vec<f64>| -> anyhow::Result<Histogram> {
+            let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))?;
+            registry.register(Box::new(h.clone()))?;
+            Ok(h)
+        };
+        let counter_vec = |name: &str, help: &str, label: &str| -> anyhow::Result<IntCounterVec> {
+            let c = IntCounterVec::new(Opts::new(name, help), &[label])?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
+        let metrics = WalRedoMetrics {
+            redo_seconds: histogram(
+                "pageserver_wal_redo_seconds",
+                "Time spent on WAL redo requests",
+                exponential_buckets(5e-6, 2.0, 22)?,
+            )?,
+            records_per_request: histogram(
+                "pageserver_wal_redo_records_histogram",
+                "Number of records per WAL redo request",
+                exponential_buckets(1.0, 2.0, 14)?,
+            )?,
+            bytes_per_request: histogram(
+                "pageserver_wal_redo_bytes_histogram",
+                "Bytes of records (and base image) per WAL redo request",
+                exponential_buckets(64.0, 2.0, 16)?,
+            )?,
+            requests: counter_vec(
+                "pageserver_wal_redo_requests_total",
+                "WAL redo requests by outcome",
+                "result",
+            )?,
+            process_launch_seconds: histogram(
+                "pageserver_wal_redo_process_launch_seconds",
+                "Time to spawn a walredo process and read its hello",
+                exponential_buckets(1e-4, 2.0, 16)?,
+            )?,
+            processes_started: counter_vec(
+                "pageserver_wal_redo_process_started_total",
+                "walredo processes started, by process kind",
+                "kind",
+            )?,
+            processes_stopped: counter_vec(
+                "pageserver_wal_redo_process_stopped_total",
+                "walredo processes stopped, by cause",
+                "cause",
+            )?,
+            process_kind: {
+                let g = IntGaugeVec::new(
+                    Opts::new("pageserver_walredo_process_kind", "Live walredo processes of each kind"),
+                    &["kind"],
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                for kind in [ProcessKind::Sync, ProcessKind::Async] {
+                    g.with_label_values(&[kind.as_str()]).set(0);
+                }
+                g
+            },
+        };
+        Ok(metrics)
+    }
+}

@@ -1,0 +1,465 @@
+//! WAL redo: turns a base image and the records above it into the page at an LSN, by piping
+//! them to a sandboxed child process (`walredo-proc`).
+//!
+//! - this file: [`WalRedoManager`], one per tenant: spawns a child on demand, retries once on a
+//!   child failure, retires idle and broken children, switches the process kind at runtime,
+//!   shuts down;
+//! - [`process`]: one child (spawn, hello, stderr, kill and reap) and its two kinds of pipes;
+//! - [`pipeline`]: reply assembly and matching of pipelined replies to requests;
+//! - [`metrics`]: the registry entries.
+//!
+//! The wire protocol itself lives in `walredo_proc::protocol`; this module does the I/O.
+//!
+//! Trust model: the child is not trusted once it has seen a request; nothing it sends can
+//! panic the daemon, hang it past `wal_redo_timeout`, or reach another request's caller.
+//!
+//! Invariants:
+//! - a tenant has at most one child in service; a retired child serves no new request;
+//! - a redo request fails with the error of its own reply or of its own process, never with
+//!   another request's page;
+//! - after [`WalRedoManager::shutdown`] returns, no child of this manager is alive or a zombie.
+
+pub mod metrics;
+mod pipeline;
+mod process;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use walredo_proc::page::{Page, BLCKSZ};
+use walredo_proc::protocol::{self, BufferTag, ErrorCode};
+
+pub use metrics::{StopCause, WalRedoMetrics};
+use pipeline::Reply;
+use process::{Process, ProcessError, Reaping};
+
+/// Default of `wal_redo_timeout`.
+pub const DEFAULT_WAL_REDO_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default idle time after which a child is stopped (Neon: 180 s; an idle child costs memory).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(180);
+/// Most records in one redo request.
+pub const MAX_RECORDS_PER_REQUEST: usize = 65536;
+
+/// How the daemon drives the child's pipes; read each time a child is spawned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ProcessKind {
+    /// Non-blocking pipes and `nix::poll`; blocks the calling thread for the round trip.
+    #[default]
+    Sync,
+    /// tokio `ChildStdin`/`ChildStdout`; yields while waiting.
+    Async,
+}
+
+impl ProcessKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProcessKind::Sync => "sync",
+            ProcessKind::Async => "async",
+        }
+    }
+}
+
+impl std::str::FromStr for ProcessKind {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<ProcessKind> {
+        match s {
+            "sync" => Ok(ProcessKind::Sync),
+            "async" => Ok(ProcessKind::Async),
+            other => anyhow::bail!("unknown walredo process kind {other:?}, expected \"sync\" or \"async\""),
+        }
+    }
+}
+
+impl std::fmt::Display for ProcessKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Settings of a manager (the daemon fills them from its config).
+#[derive(Debug, Clone)]
+pub struct WalRedoConf {
+    /// The `walredo-proc` binary.
+    pub binary: PathBuf,
+    /// Extra arguments for the child; only tests and debugging set them.
+    pub args: Vec<String>,
+    /// Kind of the children spawned from now on; [`WalRedoManager::set_process_kind`] changes it.
+    pub process_kind: ProcessKind,
+    /// Longest round trip (`wal_redo_timeout`); also bounds spawning and the hello.
+    pub timeout: Duration,
+    /// A child unused this long is stopped; the next request spawns a new one.
+    pub idle_timeout: Duration,
+}
+
+impl WalRedoConf {
+    /// Defaults, with the child binary found next to the running executable.
+    pub fn with_binary(binary: PathBuf) -> WalRedoConf {
+        WalRedoConf {
+            binary,
+            args: Vec::new(),
+            process_kind: ProcessKind::default(),
+            timeout: DEFAULT_WAL_REDO_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+        }
+    }
+}
+
+/// The path of `walredo-proc` next to the running executable (how the daemon is shipped).
+pub fn default_binary_path() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().map_err(|e| anyhow::anyhow!("locate the running executable: {e}"))?;
+    let dir = exe.parent().ok_or_else(|| anyhow::anyhow!("executable {} has no directory", exe.display()))?;
+    Ok(dir.join("walredo-proc"))
+}
+
+/// Why a redo request failed; callers branch on it (retry, report, give up).
+#[derive(Debug, thiserror::Error)]
+pub enum RedoError {
+    /// The child answered this request with an error frame; the child lives on.
+    #[error("redo rejected by walredo process ({}): {message}", .code.name())]
+    Rejected { code: ErrorCode, message: String },
+    #[error("walredo request timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("walredo process failed: {0:#}")]
+    ProcessFailed(anyhow::Error),
+    #[error("invalid redo request: {0}")]
+    InvalidRequest(String),
+    #[error("walredo manager is shutting down")]
+    ShuttingDown,
+}
+
+impl RedoError {
+    fn result_label(&self) -> &'static str {
+        match self {
+            RedoError::Rejected { .. } => "rejected",
+            RedoError::Timeout(_) => "timeout",
+            RedoError::ProcessFailed(_) => "process_failed",
+            RedoError::InvalidRequest(_) => "invalid",
+            RedoError::ShuttingDown => "shutting_down",
+        }
+    }
+}
+
+/// What a manager reports about itself (tenant status, tests).
+#[derive(Debug, Clone, Serialize)]
+pub struct WalRedoStatus {
+    /// Kind of the next child spawned.
+    pub process_kind: ProcessKind,
+    /// The child in service, if one is running.
+    pub process: Option<ProcessStatus>,
+    /// Requests answered (page or error frame) over the manager's life.
+    pub requests_served: u64,
+    /// Exit status of the last child reaped, e.g. `pid 42: killed by SIGKILL`.
+    pub last_exit: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ProcessStatus {
+    pub kind: ProcessKind,
+    pub pid: u32,
+    pub uptime_seconds: f64,
+    pub requests_served: u64,
+}
+
+/// One tenant's access to WAL redo. See the module doc.
+pub struct WalRedoManager {
+    tenant_id: String,
+    conf: WalRedoConf,
+    kind: Mutex<ProcessKind>,
+    /// The child in service. A std mutex: held for a few instructions, never across an await.
+    process: Mutex<Option<Arc<Process>>>,
+    /// Serializes spawning, so that a burst of requests spawns one child, not one each.
+    spawn_lock: tokio::sync::Mutex<()>,
+    metrics: Arc<WalRedoMetrics>,
+    served: AtomicU64,
+    reaping: Arc<Reaping>,
+    cancel: CancellationToken,
+    in_flight: TaskTracker,
+}
+
+impl WalRedoManager {
+    /// Creates the manager; no child is spawned until the first request. Inside a tokio
+    /// runtime, also starts the task that stops an idle child.
+    pub fn new(tenant_id: &str, conf: WalRedoConf, metrics: Arc<WalRedoMetrics>) -> Arc<WalRedoManager> {
+        let manager = Arc::new(WalRedoManager {
+            tenant_id: tenant_id.to_string(),
+            kind: Mutex::new(conf.process_kind),
+            conf,
+            process: Mutex::new(None),
+            spawn_lock: tokio::sync::Mutex::new(()),
+            metrics,
+            served: AtomicU64::new(0),
+            reaping: Reaping::new(),
+            cancel: CancellationToken::new(),
+            in_flight: TaskTracker::new(),
+        });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(idle_watcher(Arc::downgrade(&manager), manager.cancel.clone(), manager.conf.idle_timeout));
+        }
+        manager
+    }
+
+    /// Reconstructs the page `tag` at `lsn` from an optional base image and the records above
+    /// it (oldest first, each already encoded, with its LSN).
+    ///
+    /// Without records, the base image is returned as is and no child is involved. A child
+    /// failure (crash, EOF, protocol violation) is retried once on a new child, since redo is a
+    /// pure function of its input; a timeout or an error frame is not.
+    ///
+    /// Cancel-safe for the async kind: dropping the future never hands its reply to another
+    /// request. The sync kind does not yield during a round trip.
+    pub async fn request_redo(
+        &self,
+        tag: BufferTag,
+        lsn: u64,
+        base: Option<Bytes>,
+        records: &[(u64, Bytes)],
+    ) -> Result<Bytes, RedoError> {
+        let base_page = validate_request(lsn, base.as_ref(), records)?;
+        if records.is_empty() {
+            if let Some(base) = base {
+                return Ok(base);
+            }
+        }
+        let request = pipeline::encode_redo_request(&tag, base_page, records);
+        self.metrics.records_per_request.observe(records.len() as f64);
+        self.metrics.bytes_per_request.observe(request.len() as f64);
+        match self.execute(&request, true).await? {
+            Reply::Page(page) => Ok(page),
+            Reply::Error(code, message) => Err(self.count(RedoError::Rejected { code, message })),
+            Reply::Hello(_) => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("unexpected hello")))),
+        }
+    }
+
+    /// Round trip to the child with a ping (spawning it if needed); the reply is a zero page.
+    ///
+    /// Cancel-safe in the same way as [`WalRedoManager::request_redo`].
+    pub async fn ping(&self) -> Result<(), RedoError> {
+        let mut request = Vec::new();
+        protocol::encode_ping(&mut request);
+        match self.execute(&request, true).await? {
+            Reply::Page(page) if page.len() == BLCKSZ && page.iter().all(|&b| b == 0) => Ok(()),
+            other => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("bad ping reply {other:?}")))),
+        }
+    }
+
+    /// Sends `request` to the child in service, retrying once on a new child after a failure.
+    async fn execute(&self, request: &[u8], retry: bool) -> Result<Reply, RedoError> {
+        if self.cancel.is_cancelled() {
+            return Err(self.count(RedoError::ShuttingDown));
+        }
+        let _in_flight = self.in_flight.token();
+        let started = Instant::now();
+        let mut attempts_left = if retry { 2 } else { 1 };
+        loop {
+            attempts_left -= 1;
+            let process = self.get_or_spawn().await.map_err(|e| self.count(e))?;
+            let result = process.round_trip(request, self.conf.timeout).await;
+            process.mark_used();
+            process.in_flight.fetch_sub(1, Ordering::Relaxed);
+            match result {
+                Ok(reply) => {
+                    self.served.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.redo_seconds.observe(started.elapsed().as_secs_f64());
+                    let label = if matches!(reply, Reply::Page(_)) { "ok" } else { "rejected" };
+                    if label == "ok" {
+                        self.metrics.requests.with_label_values(&[label]).inc();
+                    }
+                    return Ok(reply);
+                }
+                Err(e) => {
+                    self.retire(&process, e.stop_cause());
+                    let retryable = !matches!(e, ProcessError::Timeout(_)) && !self.cancel.is_cancelled();
+                    if retryable && attempts_left > 0 {
+                        tracing::warn!(tenant_id = self.tenant_id, pid = process.pid, "walredo round trip failed, retrying on a new process: {e:#}");
+                        continue;
+                    }
+                    return Err(self.count(match e {
+                        ProcessError::Timeout(t) => RedoError::Timeout(t),
+                        other => RedoError::ProcessFailed(anyhow::Error::new(other).context(format!("walredo process {}", process.pid))),
+                    }));
+                }
+            }
+        }
+    }
+
+    /// Counts a failed request by outcome and hands the error back.
+    fn count(&self, e: RedoError) -> RedoError {
+        self.metrics.requests.with_label_values(&[e.result_label()]).inc();
+        e
+    }
+
+    /// Returns the child in service with its in-flight count raised, spawning one if needed.
+    async fn get_or_spawn(&self) -> Result<Arc<Process>, RedoError> {
+        if let Some(process) = self.take_current() {
+            return Ok(process);
+        }
+        let _spawning = self.spawn_lock.lock().await;
+        if let Some(process) = self.take_current() {
+            return Ok(process);
+        }
+        if self.cancel.is_cancelled() {
+            return Err(RedoError::ShuttingDown);
+        }
+        let kind = *lock(&self.kind);
+        let process =
+            Process::spawn(&self.conf, kind, &self.tenant_id, Arc::clone(&self.metrics), Arc::clone(&self.reaping))
+                .await
+                .map_err(RedoError::ProcessFailed)?;
+        process.in_flight.fetch_add(1, Ordering::Relaxed);
+        let mut slot = lock(&self.process);
+        if self.cancel.is_cancelled() {
+            drop(slot);
+            process.retire(StopCause::Shutdown);
+            return Err(RedoError::ShuttingDown);
+        }
+        *slot = Some(Arc::clone(&process));
+        Ok(process)
+    }
+
+    /// The child in service, if any, with its in-flight count raised under the slot's lock (so
+    /// that the idle check never retires a child that a request has just taken).
+    fn take_current(&self) -> Option<Arc<Process>> {
+        let slot = lock(&self.process);
+        let process = slot.as_ref()?;
+        process.in_flight.fetch_add(1, Ordering::Relaxed);
+        Some(Arc::clone(process))
+    }
+
+    /// Takes `process` out of service (if it still is) and retires it for `cause`.
+    fn retire(&self, process: &Arc<Process>, cause: StopCause) {
+        let mut slot = lock(&self.process);
+        if slot.as_ref().is_some_and(|current| Arc::ptr_eq(current, process)) {
+            *slot = None;
+        }
+        drop(slot);
+        process.retire(cause);
+    }
+
+    /// Changes the kind of children spawned from now on. The child in service (if of the other
+    /// kind) is taken out of service at once: requests already on it finish, then it exits.
+    pub fn set_process_kind(&self, kind: ProcessKind) {
+        *lock(&self.kind) = kind;
+        let old = {
+            let mut slot = lock(&self.process);
+            if slot.as_ref().is_some_and(|p| p.kind != kind) {
+                slot.take()
+            } else {
+                None
+            }
+        };
+        if let Some(old) = old {
+            tracing::info!(tenant_id = self.tenant_id, pid = old.pid, kind = kind.as_str(), "walredo process kind changed");
+            old.retire(StopCause::KindChange);
+        }
+    }
+
+    pub fn process_kind(&self) -> ProcessKind {
+        *lock(&self.kind)
+    }
+
+    pub fn status(&self) -> WalRedoStatus {
+        let process = lock(&self.process).as_ref().map(|p| ProcessStatus {
+            kind: p.kind,
+            pid: p.pid,
+            uptime_seconds: p.started.elapsed().as_secs_f64(),
+            requests_served: p.served.load(Ordering::Relaxed),
+        });
+        WalRedoStatus {
+            process_kind: self.process_kind(),
+            process,
+            requests_served: self.served.load(Ordering::Relaxed),
+            last_exit: self.reaping.last_exit(),
+        }
+    }
+
+    /// Stops taking requests, waits for the ones in flight, then kills and reaps the child.
+    /// Idempotent. Cancel-safe: if dropped, the child is still killed and reaped, in the
+    /// background, once the last request lets go of it.
+    pub async fn shutdown(&self) {
+        self.cancel.cancel();
+        self.in_flight.close();
+        self.in_flight.wait().await;
+        // Take the spawn lock so that no spawn is half done while we look at the slot.
+        let _spawning = self.spawn_lock.lock().await;
+        let process = lock(&self.process).take();
+        if let Some(process) = process {
+            process.retire_and_wait(StopCause::Shutdown).await;
+        }
+        // Children retired earlier (failed, drained after a kind change) may still be reaping.
+        self.reaping.all_reaped().await;
+    }
+
+    /// Stops the child if it has been idle for `idle_timeout` and nothing is in flight on it.
+    fn stop_if_idle(&self, idle_timeout: Duration) {
+        let idle = {
+            let mut slot = lock(&self.process);
+            let is_idle = slot.as_ref().is_some_and(|p| {
+                p.in_flight.load(Ordering::Relaxed) == 0 && p.idle_for() >= idle_timeout
+            });
+            if is_idle {
+                slot.take()
+            } else {
+                None
+            }
+        };
+        if let Some(process) = idle {
+            process.retire(StopCause::Idle);
+        }
+    }
+}
+
+/// Checks the idle child now and then, until the manager is gone or shut down.
+async fn idle_watcher(manager: Weak<WalRedoManager>, cancel: CancellationToken, idle_timeout: Duration) {
+    let period = (idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(10));
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(period) => {}
+        }
+        match manager.upgrade() {
+            Some(manager) => manager.stop_if_idle(idle_timeout),
+            None => return,
+        }
+    }
+}
+
+/// Checks a request before anything is spawned or written; returns the base image as a page.
+fn validate_request<'a>(lsn: u64, base: Option<&'a Bytes>, records: &[(u64, Bytes)]) -> Result<Option<&'a Page>, RedoError> {
+    let invalid = |message: String| Err(RedoError::InvalidRequest(message));
+    if base.is_none() && records.is_empty() {
+        return invalid("no base image and no records".to_string());
+    }
+    if records.len() > MAX_RECORDS_PER_REQUEST {
+        return invalid(format!("{} records, at most {MAX_RECORDS_PER_REQUEST} allowed", records.len()));
+    }
+    let mut previous = 0;
+    for (record_lsn, record) in records {
+        if let Err(e) = protocol::check_record_len(record) {
+            return invalid(format!("record at LSN {record_lsn:#x}: {e}"));
+        }
+        if *record_lsn < previous || *record_lsn > lsn {
+            return invalid(format!("record LSN {record_lsn:#x} out of order or above the request LSN {lsn:#x}"));
+        }
+        previous = *record_lsn;
+    }
+    match base {
+        None => Ok(None),
+        Some(base) => match <&Page>::try_from(base.as_ref()) {
+            Ok(page) => Ok(Some(page)),
+            Err(_) => invalid(format!("base image of {} bytes, expected {BLCKSZ}", base.len())),
+        },
+    }
+}
+
+/// Locks a std mutex, going on after a panic elsewhere: the data guarded here stays
+/// consistent between statements, so a poisoned lock is no reason to fail.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -1,0 +1,281 @@
+//! Pipelining bookkeeping shared by both process kinds: reply assembly and reply matching.
+//!
+//! Many requests are in flight on one child. Each request is written whole under the stdin lock
+//! and takes a sequence number there; the child answers strictly in order, so the `n`-th reply
+//! read belongs to sequence number `n`. Whoever holds the stdout lock reads replies until its own
+//! has arrived, parking the others' replies in [`Replies`] for their owners to take.
+//!
+//! Invariants:
+//! - a reply is handed only to the request with its sequence number: a request that gave up
+//!   after its write (cancelled, timed out) marks its slot abandoned and its reply is dropped
+//!   when it arrives, so it can never be taken by the next request (the gap Neon left open);
+//! - [`ReplyReader`] reads a page straight into the allocation that becomes the returned
+//!   `Bytes` (no copy), and never reads past the end of the reply it expects except after a
+//!   short reply (error frame), whose excess bytes it carries over;
+//! - nothing here trusts the child: every header is checked, a bad one is a [`FrameError`].
+
+use std::collections::{BTreeSet, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+use walredo_proc::page::BLCKSZ;
+use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
+
+/// A decoded reply of the child.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Reply {
+    Hello(Hello),
+    Page(Bytes),
+    Error(ErrorCode, String),
+}
+
+/// Assembles replies from the bytes read off the child's stdout.
+///
+/// Usage: read into [`ReplyReader::spare`], report with [`ReplyReader::advance`], then call
+/// [`ReplyReader::take`] until it returns `None`.
+pub(crate) struct ReplyReader {
+    /// Sized for the largest reply; `buf[..filled]` holds bytes read but not yet taken.
+    buf: BytesMut,
+    filled: usize,
+}
+
+const LARGEST_REPLY: usize = HEADER_LEN + BLCKSZ;
+
+impl ReplyReader {
+    pub(crate) fn new() -> ReplyReader {
+        ReplyReader { buf: BytesMut::zeroed(LARGEST_REPLY), filled: 0 }
+    }
+
+    /// Where the next read goes: up to the end of the reply being read, assuming a page until
+    /// the header says otherwise (pages are the common case and this makes one read suffice).
+    pub(crate) fn spare(&mut self) -> &mut [u8] {
+        let end = match self.header() {
+            Some(Ok(kind)) => HEADER_LEN + kind.payload_len(),
+            _ => LARGEST_REPLY,
+        };
+        let end = end.max(self.filled);
+        &mut self.buf[self.filled..end]
+    }
+
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.filled += n;
+        debug_assert!(self.filled <= self.buf.len());
+    }
+
+    /// Whether some bytes of an unfinished reply have been read.
+    #[cfg(test)]
+    pub(crate) fn has_partial(&self) -> bool {
+        self.filled > 0
+    }
+
+    fn header(&self) -> Option<Result<ReplyKind, FrameError>> {
+        let header: &[u8; HEADER_LEN] = self.buf.get(..HEADER_LEN)?.try_into().ok()?;
+        (self.filled >= HEADER_LEN).then(|| protocol::decode_reply_header(header))
+    }
+
+    /// Takes the next complete reply, if all of it has been read.
+    pub(crate) fn take(&mut self) -> Result<Option<Reply>, FrameError> {
+        let Some(kind) = self.header().transpose()? else {
+            return Ok(None);
+        };
+        let total = HEADER_LEN + kind.payload_len();
+        if self.filled < total {
+            return Ok(None);
+        }
+        // Move the bytes of this reply out; the buffer for the next one starts with the excess.
+        let mut next = BytesMut::zeroed(LARGEST_REPLY);
+        let excess = self.filled - total;
+        next[..excess].copy_from_slice(&self.buf[total..self.filled]);
+        let mut this = std::mem::replace(&mut self.buf, next);
+        self.filled = excess;
+        this.truncate(total);
+        let payload = this.freeze().slice(HEADER_LEN..);
+        Ok(Some(match kind {
+            ReplyKind::Page => Reply::Page(payload),
+            ReplyKind::Hello => Reply::Hello(Hello::decode(&payload)?),
+            ReplyKind::Error { .. } => {
+                let (code, message) = protocol::decode_error_payload(&payload);
+                Reply::Error(code, message)
+            }
+        }))
+    }
+}
+
+/// Replies read off the pipe but not yet taken by their requests, by sequence number.
+#[derive(Default)]
+pub(crate) struct Replies {
+    /// Sequence number of `slots[0]`.
+    first: u64,
+    /// `None`: taken or abandoned; trailing `None`s are trimmed from the front.
+    slots: VecDeque<Option<Reply>>,
+    /// Requests that gave up before their reply was read.
+    abandoned: BTreeSet<u64>,
+}
+
+impl Replies {
+    /// Sequence number of the next reply to be read.
+    pub(crate) fn next_to_read(&self) -> u64 {
+        self.first + self.slots.len() as u64
+    }
+
+    /// Files the next reply read off the pipe.
+    pub(crate) fn push(&mut self, reply: Reply) {
+        let seq = self.next_to_read();
+        let keep = !self.abandoned.remove(&seq);
+        self.slots.push_back(keep.then_some(reply));
+        self.trim();
+    }
+
+    /// Takes the reply for `seq`, if it has been read.
+    pub(crate) fn take(&mut self, seq: u64) -> Option<Reply> {
+        let index = usize::try_from(seq.checked_sub(self.first)?).ok()?;
+        let reply = self.slots.get_mut(index)?.take();
+        self.trim();
+        reply
+    }
+
+    /// Gives up on `seq`: its reply is dropped, now or when it arrives.
+    pub(crate) fn abandon(&mut self, seq: u64) {
+        if seq >= self.next_to_read() {
+            self.abandoned.insert(seq);
+        } else if let Some(slot) = usize::try_from(seq.saturating_sub(self.first)).ok().and_then(|i| self.slots.get_mut(i)) {
+            *slot = None;
+            self.trim();
+        }
+    }
+
+    /// Replies held for requests.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    fn trim(&mut self) {
+        while let Some(None) = self.slots.front() {
+            self.slots.pop_front();
+            self.first += 1;
+        }
+    }
+}
+
+/// Encodes one redo request, `B [P] A* G`, ready for a single write.
+pub(crate) fn encode_redo_request(
+    tag: &protocol::BufferTag,
+    base: Option<&walredo_proc::page::Page>,
+    records: &[(u64, Bytes)],
+) -> Vec<u8> {
+    let records_len: usize = records.iter().map(|(_, r)| HEADER_LEN + 8 + r.len()).sum();
+    let mut out = Vec::with_capacity(3 * (HEADER_LEN + protocol::BUFFER_TAG_LEN) + BLCKSZ + records_len);
+    protocol::encode_begin(&mut out, tag);
+    if let Some(page) = base {
+        protocol::encode_push_page(&mut out, tag, page);
+    }
+    for (lsn, record) in records {
+        protocol::encode_apply_raw(&mut out, *lsn, record);
+    }
+    protocol::encode_get_page(&mut out, tag);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page_reply(fill: u8) -> Vec<u8> {
+        let mut out = Vec::new();
+        protocol::encode_page_reply_header(&mut out);
+        out.extend_from_slice(&[fill; BLCKSZ]);
+        out
+    }
+
+    fn error_reply(message: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        protocol::encode_error_reply(&mut out, ErrorCode::ApplyFailed, message);
+        out
+    }
+
+    /// Feeds `stream` to a reader in chunks of at most `chunk` bytes, collecting replies.
+    fn feed(stream: &[u8], chunk: usize) -> Vec<Reply> {
+        let mut reader = ReplyReader::new();
+        let mut replies = Vec::new();
+        let mut pos = 0;
+        while pos < stream.len() {
+            let spare = reader.spare();
+            let n = spare.len().min(chunk).min(stream.len() - pos);
+            assert!(n > 0, "reader must always want more bytes before a reply is complete");
+            spare[..n].copy_from_slice(&stream[pos..pos + n]);
+            reader.advance(n);
+            pos += n;
+            while let Some(reply) = reader.take().unwrap() {
+                replies.push(reply);
+            }
+        }
+        assert!(!reader.has_partial());
+        replies
+    }
+
+    #[test]
+    fn reader_splits_mixed_replies_for_any_chunking() {
+        let mut stream = page_reply(1);
+        stream.extend(error_reply("bad"));
+        stream.extend(error_reply("worse"));
+        stream.extend(page_reply(2));
+        for chunk in [1, 3, 5, 7, 100, 8197, 100_000] {
+            let replies = feed(&stream, chunk);
+            assert_eq!(replies.len(), 4, "chunk {chunk}");
+            assert_eq!(replies[0], Reply::Page(Bytes::from(vec![1; BLCKSZ])));
+            assert_eq!(replies[1], Reply::Error(ErrorCode::ApplyFailed, "bad".into()));
+            assert_eq!(replies[2], Reply::Error(ErrorCode::ApplyFailed, "worse".into()));
+            assert_eq!(replies[3], Reply::Page(Bytes::from(vec![2; BLCKSZ])));
+        }
+    }
+
+    #[test]
+    fn reader_reads_a_page_reply_in_one_read_without_copying() {
+        let stream = page_reply(7);
+        let mut reader = ReplyReader::new();
+        let spare = reader.spare();
+        assert_eq!(spare.len(), stream.len());
+        let spare_ptr = spare.as_ptr();
+        spare.copy_from_slice(&stream);
+        reader.advance(stream.len());
+        let Some(Reply::Page(page)) = reader.take().unwrap() else { panic!("expected a page") };
+        // The page is the very buffer the read went into, past the header.
+        assert_eq!(page.as_ptr(), spare_ptr.wrapping_add(HEADER_LEN));
+    }
+
+    #[test]
+    fn reader_rejects_a_bad_header() {
+        let mut reader = ReplyReader::new();
+        reader.spare()[..5].copy_from_slice(b"p\0\0\0\x09");
+        reader.advance(5);
+        assert!(reader.take().is_err());
+    }
+
+    #[test]
+    fn replies_go_to_their_own_sequence_numbers() {
+        let mut replies = Replies::default();
+        replies.push(Reply::Error(ErrorCode::BadRequest, "0".into()));
+        replies.push(Reply::Error(ErrorCode::BadRequest, "1".into()));
+        assert_eq!(replies.take(1), Some(Reply::Error(ErrorCode::BadRequest, "1".into())));
+        assert_eq!(replies.take(2), None);
+        assert_eq!(replies.take(0), Some(Reply::Error(ErrorCode::BadRequest, "0".into())));
+        assert_eq!(replies.held(), 0);
+        assert_eq!(replies.next_to_read(), 2);
+    }
+
+    #[test]
+    fn abandoned_reply_is_dropped_not_handed_to_the_next_request() {
+        let mut replies = Replies::default();
+        replies.abandon(0); // gave up before its reply was read
+        replies.push(Reply::Page(Bytes::from_static(b"for request 0")));
+        replies.push(Reply::Page(Bytes::from_static(b"for request 1")));
+        assert_eq!(replies.take(1), Some(Reply::Page(Bytes::from_static(b"for request 1"))));
+        assert_eq!(replies.held(), 0);
+
+        // Gave up after its reply was read: dropped at once.
+        replies.push(Reply::Page(Bytes::from_static(b"for request 2")));
+        replies.abandon(2);
+        assert_eq!(replies.held(), 0);
+        assert_eq!(replies.take(2), None);
+    }
+}

@@ -1,0 +1,430 @@
+//! End-to-end tests of the walredo manager against the real `walredo-proc` child, for both
+//! process kinds: correctness under pipelining, cancellation, crashes, hangs, bad records, the
+//! sandbox, idle stop, kind switch and shutdown.
+//!
+//! Hermetic: every test makes its own manager and metrics registry; waits are on conditions
+//! with deadlines, never sleeps as synchronisation.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pageserver::test_support::walredo_proc_binary;
+use pageserver::walredo::{ProcessKind, RedoError, WalRedoConf, WalRedoManager, WalRedoMetrics};
+use walredo_proc::page::{Page, BLCKSZ};
+use walredo_proc::protocol::{BufferTag, ErrorCode};
+use walredo_proc::record::Record;
+
+const KINDS: [ProcessKind; 2] = [ProcessKind::Sync, ProcessKind::Async];
+
+fn conf(kind: ProcessKind) -> WalRedoConf {
+    let mut conf = WalRedoConf::with_binary(walredo_proc_binary());
+    conf.process_kind = kind;
+    conf.timeout = Duration::from_secs(20);
+    conf
+}
+
+fn manager_with(conf: WalRedoConf) -> (Arc<WalRedoManager>, prometheus::Registry) {
+    let registry = prometheus::Registry::new();
+    let metrics = Arc::new(WalRedoMetrics::new(&registry).expect("register metrics"));
+    (WalRedoManager::new("tenant-test", conf, metrics), registry)
+}
+
+fn tag(blknum: u32) -> BufferTag {
+    BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum }
+}
+
+fn encode(record: Record<'_>) -> Bytes {
+    let mut out = Vec::new();
+    record.encode(&mut out);
+    Bytes::from(out)
+}
+
+/// Records of a request that builds a distinct page for `n` from nothing: init, two tuples.
+fn records_for(n: u32) -> Vec<(u64, Bytes)> {
+    let tuple = format!("tuple of request {n} ").repeat(20);
+    vec![
+        (0x100, encode(Record::InitPage { special_size: 0 })),
+        (0x200, encode(Record::InsertTuple { offnum: 0, data: tuple.as_bytes() })),
+        (0x300, encode(Record::PutBytes { offset: 8000, data: &n.to_be_bytes() })),
+    ]
+}
+
+/// The page those records make, computed in this process with the same apply code: the test
+/// is about transport and matching, the apply itself is tested in walredo-proc.
+fn expected_for(n: u32) -> Bytes {
+    let mut page: Box<Page> = Box::new([0; BLCKSZ]);
+    for (lsn, record) in records_for(n) {
+        Record::decode(&record).expect("valid record").apply(&mut page, lsn).expect("record applies");
+    }
+    Bytes::copy_from_slice(&page[..])
+}
+
+async fn redo(manager: &WalRedoManager, n: u32) -> Result<Bytes, RedoError> {
+    manager.request_redo(tag(n), 0x300, None, &records_for(n)).await
+}
+
+/// Compares two byte strings, reporting the first difference instead of both strings.
+fn assert_same_bytes(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(at) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!("{what}: first difference at byte {at}: got {:#04x}, want {:#04x}", got[at], want[at]);
+    }
+}
+
+fn pid_of(manager: &WalRedoManager) -> Option<u32> {
+    manager.status().process.map(|p| p.pid)
+}
+
+/// Waits until `condition` holds, failing the test after `within`.
+async fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Whether `pid` is gone for good: no process and no zombie.
+fn is_reaped(pid: u32) -> bool {
+    !std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+fn signal(pid: u32, signal: nix::sys::signal::Signal) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).expect("signal the child");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redo_from_nothing_and_from_base_image_gives_exact_pages() {
+    for kind in KINDS {
+        let (manager, _) = manager_with(conf(kind));
+        assert_same_bytes(&redo(&manager, 1).await.expect("redo"), &expected_for(1), kind.as_str());
+
+        // On top of a base image: only the record above it is applied.
+        let base = expected_for(2);
+        let record = encode(Record::SetBits { offset: 7000, mask: &[0x0f] });
+        let page = manager.request_redo(tag(2), 0x400, Some(base.clone()), &[(0x400, record)]).await.expect("redo");
+        assert_eq!(page[7000], 0x0f, "{kind}");
+        assert_eq!(walredo_proc::page::page_lsn(page[..].try_into().expect("page")), 0x400);
+        assert_same_bytes(&page[8..7000], &base[8..7000], "page below the set bits, past pd_lsn");
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_without_records_returns_base_image_without_a_child() {
+    for kind in KINDS {
+        let (manager, _) = manager_with(conf(kind));
+        let base = expected_for(3);
+        let page = manager.request_redo(tag(3), 0x500, Some(base.clone()), &[]).await.expect("redo");
+        assert_eq!(page, base);
+        assert_eq!(pid_of(&manager), None, "{kind}: no child should be spawned");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_requests_are_rejected_before_reaching_the_child() {
+    let (manager, _) = manager_with(conf(ProcessKind::Async));
+    let short_base = Bytes::from_static(b"not a page");
+    let result = manager.request_redo(tag(1), 1, Some(short_base), &records_for(1)).await;
+    assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
+    let result = manager.request_redo(tag(1), 1, None, &[]).await;
+    assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
+    let too_long = Bytes::from(vec![0x08; walredo_proc::record::MAX_RECORD_LEN + 1]);
+    let result = manager.request_redo(tag(1), 1, None, &[(1, too_long)]).await;
+    assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
+    // Records above the request LSN make no sense.
+    let result = manager.request_redo(tag(1), 0x200, None, &records_for(1)).await;
+    assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
+    assert_eq!(pid_of(&manager), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_concurrent_requests_on_one_child_all_get_their_own_page() {
+    for kind in KINDS {
+        let (manager, _) = manager_with(conf(kind));
+        manager.ping().await.expect("ping");
+        let pid = pid_of(&manager);
+        let tasks: Vec<_> = (0..64)
+            .map(|n| {
+                let manager = Arc::clone(&manager);
+                tokio::spawn(async move { (n, redo(&manager, n).await) })
+            })
+            .collect();
+        for task in tasks {
+            let (n, result) = task.await.expect("task");
+            assert_same_bytes(&result.expect("redo"), &expected_for(n), &format!("{kind}: request {n}"));
+        }
+        let status = manager.status();
+        assert_eq!(pid_of(&manager), pid, "{kind}: one child served all");
+        assert_eq!(status.requests_served, 65);
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_requests_do_not_corrupt_other_requests() {
+    for kind in KINDS {
+        let (manager, _) = manager_with(conf(kind));
+        manager.ping().await.expect("ping");
+        for round in 0..5u32 {
+            let mut tasks = Vec::new();
+            for i in 0..40u32 {
+                let n = round * 100 + i;
+                let manager = Arc::clone(&manager);
+                tasks.push(tokio::spawn(async move { (n, redo(&manager, n).await) }));
+            }
+            // Cancel every third request at whatever point it has reached.
+            for (i, task) in tasks.iter().enumerate() {
+                if i % 3 == 0 {
+                    tokio::task::yield_now().await;
+                    task.abort();
+                }
+            }
+            for task in tasks {
+                match task.await {
+                    Ok((n, result)) => {
+                        assert_same_bytes(&result.expect("redo"), &expected_for(n), &format!("{kind}: request {n}"))
+                    }
+                    Err(e) => assert!(e.is_cancelled(), "{e}"),
+                }
+            }
+        }
+        // And afterwards nothing is left over in the pipeline.
+        for n in 1000..1010 {
+            assert_same_bytes(&redo(&manager, n).await.expect("redo"), &expected_for(n), kind.as_str());
+        }
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_request_dropped_after_its_write_leaves_no_orphan_reply() {
+    // Poll a request until it has written and waits for its reply, then drop it: its reply
+    // must not reach the next request (the gap in Neon's pipelining).
+    let (manager, _) = manager_with(conf(ProcessKind::Async));
+    manager.ping().await.expect("ping");
+    let mut dropped_waiting = 0;
+    for n in 0..100u32 {
+        let mut request = Box::pin(redo(&manager, n));
+        let polls = 1 + n % 3;
+        let mut finished = false;
+        for _ in 0..polls {
+            let poll = std::future::poll_fn(|cx| std::task::Poll::Ready(request.as_mut().poll(cx))).await;
+            if poll.is_ready() {
+                finished = true;
+                break;
+            }
+        }
+        if !finished {
+            dropped_waiting += 1;
+        }
+        drop(request);
+        let m = 10_000 + n;
+        assert_same_bytes(&redo(&manager, m).await.expect("redo"), &expected_for(m), &format!("request {m}"));
+    }
+    assert!(dropped_waiting >= 10, "only {dropped_waiting} requests were dropped while waiting for a reply");
+    manager.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_of_the_child_fails_requests_cleanly_and_a_new_child_serves_the_next() {
+    for kind in KINDS {
+        let (manager, _) = manager_with(conf(kind));
+        manager.ping().await.expect("ping");
+        let old_pid = pid_of(&manager).expect("a child");
+        let tasks: Vec<_> = (0..32)
+            .map(|n| {
+                let manager = Arc::clone(&manager);
+                tokio::spawn(async move { (n, redo(&manager, n).await) })
+            })
+            .collect();
+        signal(old_pid, nix::sys::signal::Signal::SIGKILL);
+        for task in tasks {
+            let (n, result) = task.await.expect("task");
+            match result {
+                Ok(page) => assert_same_bytes(&page, &expected_for(n), kind.as_str()),
+                Err(RedoError::ProcessFailed(_)) => {}
+                Err(other) => panic!("{kind}: unexpected error {other}"),
+            }
+        }
+        assert_same_bytes(&redo(&manager, 99).await.expect("redo after the crash"), &expected_for(99), "after crash");
+        let new_pid = pid_of(&manager).expect("a child");
+        assert_ne!(new_pid, old_pid, "{kind}");
+        wait_for("the killed child to be reaped", Duration::from_secs(10), || is_reaped(old_pid)).await;
+        manager.shutdown().await;
+        assert!(is_reaped(new_pid));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_child_times_out_within_the_configured_time_and_is_replaced() {
+    for kind in KINDS {
+        let mut conf = conf(kind);
+        conf.timeout = Duration::from_millis(500);
+        let (manager, _) = manager_with(conf);
+        manager.ping().await.expect("ping");
+        let old_pid = pid_of(&manager).expect("a child");
+        signal(old_pid, nix::sys::signal::Signal::SIGSTOP);
+
+        let started = Instant::now();
+        let result = redo(&manager, 1).await;
+        let took = started.elapsed();
+        assert!(matches!(result, Err(RedoError::Timeout(_))), "{kind}: {result:?}");
+        assert!(took >= Duration::from_millis(500), "{kind}: gave up early, after {took:?}");
+        assert!(took < Duration::from_secs(10), "{kind}: took {took:?}");
+
+        assert_same_bytes(&redo(&manager, 2).await.expect("redo on a new child"), &expected_for(2), "new child");
+        assert_ne!(pid_of(&manager), Some(old_pid));
+        wait_for("the stopped child to be killed and reaped", Duration::from_secs(10), || is_reaped(old_pid)).await;
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_record_fails_only_its_request_and_the_child_lives_on() {
+    for kind in KINDS {
+        let (manager, _) = manager_with(conf(kind));
+        manager.ping().await.expect("ping");
+        let pid = pid_of(&manager);
+        let mut tasks = Vec::new();
+        for n in 0..20u32 {
+            let manager = Arc::clone(&manager);
+            tasks.push(tokio::spawn(async move {
+                if n % 5 == 0 {
+                    // Deleting a tuple of an empty page does not apply; an unknown kind does not decode.
+                    let bad = if n % 10 == 0 {
+                        encode(Record::DeleteTuple { offnum: 7 })
+                    } else {
+                        Bytes::from_static(&[0x7f, 1, 2])
+                    };
+                    let records = vec![(0x100, encode(Record::InitPage { special_size: 0 })), (0x200, bad)];
+                    (n, manager.request_redo(tag(n), 0x200, None, &records).await)
+                } else {
+                    (n, redo(&manager, n).await)
+                }
+            }));
+        }
+        for task in tasks {
+            let (n, result) = task.await.expect("task");
+            match (n % 10, result) {
+                (0, Err(RedoError::Rejected { code: ErrorCode::ApplyFailed, message })) => {
+                    assert!(message.contains("0/200"), "{message}")
+                }
+                (5, Err(RedoError::Rejected { code: ErrorCode::BadRecord, .. })) => {}
+                (_, Ok(page)) if n % 5 != 0 => assert_same_bytes(&page, &expected_for(n), "valid request"),
+                (_, other) => panic!("{kind}: request {n}: unexpected {other:?}"),
+            }
+        }
+        assert_eq!(pid_of(&manager), pid, "{kind}: the child survived the bad records");
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forbidden_syscall_in_the_sandbox_kills_the_child_and_the_manager_recovers() {
+    for kind in KINDS {
+        let mut conf = conf(kind);
+        conf.args = vec!["--test-forbidden-syscall-on-ping".to_string()];
+        let (manager, _) = manager_with(conf);
+        let result = manager.ping().await;
+        assert!(matches!(result, Err(RedoError::ProcessFailed(_))), "{kind}: {result:?}");
+        wait_for("the killed child's exit status", Duration::from_secs(10), || {
+            manager.status().last_exit.is_some_and(|exit| exit.contains("SIGSYS"))
+        })
+        .await;
+        // Redo requests never trigger the test hook: a new child serves them.
+        assert_same_bytes(&redo(&manager, 5).await.expect("redo after SIGSYS"), &expected_for(5), "after SIGSYS");
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_child_is_stopped_and_respawned_on_demand() {
+    for kind in KINDS {
+        let mut conf = conf(kind);
+        conf.idle_timeout = Duration::from_millis(200);
+        let (manager, registry) = manager_with(conf);
+        manager.ping().await.expect("ping");
+        let old_pid = pid_of(&manager).expect("a child");
+        wait_for("the idle child to stop", Duration::from_secs(10), || pid_of(&manager).is_none()).await;
+        wait_for("the idle child to be reaped", Duration::from_secs(10), || is_reaped(old_pid)).await;
+        let stopped = metric(&registry, "pageserver_wal_redo_process_stopped_total", "idle");
+        assert_eq!(stopped, 1.0, "{kind}");
+        manager.ping().await.expect("ping after idle stop");
+        assert_ne!(pid_of(&manager), Some(old_pid));
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kind_switch_at_runtime_drains_the_old_child_and_spawns_the_new_kind() {
+    let (manager, registry) = manager_with(conf(ProcessKind::Sync));
+    manager.ping().await.expect("ping");
+    let old_pid = pid_of(&manager).expect("a child");
+    assert_eq!(metric(&registry, "pageserver_walredo_process_kind", "sync"), 1.0);
+
+    // Requests keep flowing while the kind changes; none may fail.
+    let load: Vec<_> = (0..200u32)
+        .map(|n| {
+            let manager = Arc::clone(&manager);
+            tokio::spawn(async move { (n, redo(&manager, n).await) })
+        })
+        .collect();
+    tokio::task::yield_now().await;
+    manager.set_process_kind(ProcessKind::Async);
+    for task in load {
+        let (n, result) = task.await.expect("task");
+        assert_same_bytes(&result.expect("redo during the switch"), &expected_for(n), "during the switch");
+    }
+    manager.ping().await.expect("ping");
+    let status = manager.status();
+    assert_eq!(status.process_kind, ProcessKind::Async);
+    let process = status.process.expect("a child");
+    assert_eq!(process.kind, ProcessKind::Async);
+    assert_ne!(process.pid, old_pid);
+    wait_for("the old child to exit", Duration::from_secs(10), || is_reaped(old_pid)).await;
+    assert_eq!(metric(&registry, "pageserver_walredo_process_kind", "sync"), 0.0);
+    assert_eq!(metric(&registry, "pageserver_walredo_process_kind", "async"), 1.0);
+    assert_eq!(metric(&registry, "pageserver_wal_redo_process_stopped_total", "kind_change"), 1.0);
+    manager.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_in_flight_requests_and_leaves_no_child() {
+    for kind in KINDS {
+        let (manager, registry) = manager_with(conf(kind));
+        manager.ping().await.expect("ping");
+        let pid = pid_of(&manager).expect("a child");
+        let tasks: Vec<_> = (0..16)
+            .map(|n| {
+                let manager = Arc::clone(&manager);
+                tokio::spawn(async move { (n, redo(&manager, n).await) })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        manager.shutdown().await;
+        assert!(is_reaped(pid), "{kind}: shutdown returned with the child alive");
+        for task in tasks {
+            let (n, result) = task.await.expect("task");
+            match result {
+                Ok(page) => assert_same_bytes(&page, &expected_for(n), "during shutdown"),
+                Err(RedoError::ShuttingDown) => {}
+                Err(other) => panic!("{kind}: unexpected error {other}"),
+            }
+        }
+        assert!(matches!(manager.ping().await, Err(RedoError::ShuttingDown)));
+        assert_eq!(pid_of(&manager), None);
+        assert_eq!(metric(&registry, "pageserver_walredo_process_kind", kind.as_str()), 0.0);
+    }
+}
+
+/// Reads one labelled sample from the registry's text exposition (0 when absent).
+fn metric(registry: &prometheus::Registry, name: &str, label_value: &str) -> f64 {
+    let text = prometheus::TextEncoder::new().encode_to_string(&registry.gather()).expect("encode metrics");
+    text.lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")) && line.contains(&format!("=\"{label_value}\"")))
+        .find_map(|line| line.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}

@@ -1,0 +1,172 @@
+//! The child's request state machine: turns decoded requests into replies.
+//!
+//! Pure code (no I/O), so that it can be tested without a process. One redo request is
+//! `B [P] A* G`; the state between `B` and `G` is the page being built and the first error seen.
+//! An error fails only the request it belongs to: it is reported at `G` and the next `B` starts
+//! clean.
+
+use walredo_proc::page::{Page, BLCKSZ};
+use walredo_proc::protocol::{BufferTag, ErrorCode, Request};
+use walredo_proc::record::Record;
+
+static ZERO_PAGE: Page = [0; BLCKSZ];
+
+/// What to send back for a request, if anything.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reply<'a> {
+    Page(&'a Page),
+    Error(ErrorCode, String),
+}
+
+pub struct RedoState {
+    /// The block of the request in progress, set by `B`.
+    tag: Option<BufferTag>,
+    page: Box<Page>,
+    /// Whether the page was pushed (`P`) or a record applied; a `P` after either is out of order.
+    started: bool,
+    /// The first error of the request in progress; later records are skipped.
+    failed: Option<(ErrorCode, String)>,
+}
+
+impl RedoState {
+    pub fn new() -> RedoState {
+        RedoState { tag: None, page: Box::new([0; BLCKSZ]), started: false, failed: None }
+    }
+
+    /// Handles one request; returns the reply for `G` and `H`, nothing for the others.
+    pub fn handle(&mut self, request: Request<'_>) -> Option<Reply<'_>> {
+        match request {
+            Request::Begin(tag) => {
+                self.tag = Some(tag);
+                self.page.fill(0);
+                self.started = false;
+                self.failed = None;
+                None
+            }
+            Request::PushPage { tag, page } => {
+                if let Some(problem) = self.check_tag("P", tag) {
+                    self.fail(ErrorCode::BadRequest, problem);
+                } else if self.started {
+                    self.fail(ErrorCode::BadRequest, "P after P or A".to_string());
+                } else {
+                    self.page.copy_from_slice(page);
+                    self.started = true;
+                }
+                None
+            }
+            Request::Apply { lsn, record } => {
+                if self.tag.is_none() {
+                    self.fail(ErrorCode::BadRequest, "A without B".to_string());
+                } else if self.failed.is_none() {
+                    self.started = true;
+                    match Record::decode(record) {
+                        Err(e) => self.fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", fmt_lsn(lsn))),
+                        Ok(record) => {
+                            if let Err(e) = record.apply(&mut self.page, lsn) {
+                                let kind = record.kind_name();
+                                self.fail(ErrorCode::ApplyFailed, format!("{kind} at LSN {}: {e}", fmt_lsn(lsn)));
+                            }
+                        }
+                    }
+                }
+                None
+            }
+            Request::GetPage(tag) => {
+                let problem = self.check_tag("G", tag);
+                self.tag = None;
+                let failed = self.failed.take();
+                Some(match (problem, failed) {
+                    (Some(problem), _) => Reply::Error(ErrorCode::BadRequest, problem),
+                    (None, Some((code, message))) => Reply::Error(code, message),
+                    (None, None) => Reply::Page(&self.page),
+                })
+            }
+            Request::Ping => Some(Reply::Page(&ZERO_PAGE)),
+        }
+    }
+
+    fn check_tag(&self, what: &str, tag: BufferTag) -> Option<String> {
+        match self.tag {
+            None => Some(format!("{what} without B")),
+            Some(begun) if begun != tag => Some(format!("{what} for {tag} inside the request for {begun}")),
+            Some(_) => None,
+        }
+    }
+
+    fn fail(&mut self, code: ErrorCode, message: String) {
+        if self.failed.is_none() {
+            self.failed = Some((code, message));
+        }
+    }
+}
+
+fn fmt_lsn(lsn: u64) -> String {
+    format!("{:X}/{:X}", lsn >> 32, lsn as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tag(blknum: u32) -> BufferTag {
+        BufferTag { spcnode: 1663, dbnode: 1, relnode: 2, forknum: 0, blknum }
+    }
+
+    fn record_bytes(record: Record<'_>) -> Vec<u8> {
+        let mut out = Vec::new();
+        record.encode(&mut out);
+        out
+    }
+
+    #[test]
+    fn request_without_base_page_applies_records_to_a_zero_page() {
+        let mut state = RedoState::new();
+        let put = record_bytes(Record::PutBytes { offset: 100, data: b"abc" });
+        assert_eq!(state.handle(Request::Begin(tag(1))), None);
+        assert_eq!(state.handle(Request::Apply { lsn: 0x10, record: &put }), None);
+        let Some(Reply::Page(page)) = state.handle(Request::GetPage(tag(1))) else { panic!("expected a page") };
+        assert_eq!(&page[100..103], b"abc");
+        assert_eq!(walredo_proc::page::page_lsn(page), 0x10);
+    }
+
+    #[test]
+    fn failed_record_fails_only_its_request() {
+        let mut state = RedoState::new();
+        let bad = record_bytes(Record::PutBytes { offset: 8190, data: b"abcdef" });
+        state.handle(Request::Begin(tag(1)));
+        state.handle(Request::Apply { lsn: 0x20, record: &bad });
+        let Some(Reply::Error(code, message)) = state.handle(Request::GetPage(tag(1))) else { panic!("expected an error") };
+        assert_eq!(code, ErrorCode::ApplyFailed);
+        assert!(message.contains("0/20"), "{message}");
+
+        state.handle(Request::Begin(tag(2)));
+        assert!(matches!(state.handle(Request::GetPage(tag(2))), Some(Reply::Page(_))));
+    }
+
+    #[test]
+    fn undecodable_record_is_bad_record() {
+        let mut state = RedoState::new();
+        state.handle(Request::Begin(tag(1)));
+        state.handle(Request::Apply { lsn: 1, record: &[0x7f] });
+        assert!(matches!(state.handle(Request::GetPage(tag(1))), Some(Reply::Error(ErrorCode::BadRecord, _))));
+    }
+
+    #[test]
+    fn out_of_order_messages_are_bad_requests() {
+        let mut state = RedoState::new();
+        assert!(matches!(state.handle(Request::GetPage(tag(1))), Some(Reply::Error(ErrorCode::BadRequest, _))));
+        state.handle(Request::Begin(tag(1)));
+        assert!(matches!(state.handle(Request::GetPage(tag(2))), Some(Reply::Error(ErrorCode::BadRequest, _))));
+        let page = [0u8; BLCKSZ];
+        state.handle(Request::Begin(tag(1)));
+        state.handle(Request::PushPage { tag: tag(1), page: &page });
+        state.handle(Request::PushPage { tag: tag(1), page: &page });
+        assert!(matches!(state.handle(Request::GetPage(tag(1))), Some(Reply::Error(ErrorCode::BadRequest, _))));
+    }
+
+    #[test]
+    fn ping_replies_with_a_zero_page() {
+        let mut state = RedoState::new();
+        assert_eq!(state.handle(Request::Ping), Some(Reply::Page(&ZERO_PAGE)));
+    }
+}
