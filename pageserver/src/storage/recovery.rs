@@ -208,7 +208,7 @@ mod tests {
 
     use super::*;
     use crate::storage::test_support::*;
-    use crate::storage::{GetError, Timeline};
+    use crate::storage::{GetError, Key, Timeline, Value};
 
     const BIG: u64 = 1 << 30;
 
@@ -488,5 +488,109 @@ mod tests {
             std::fs::read(dir.path().join("notes.txt")).unwrap(),
             b"hello"
         );
+    }
+
+    const KILL9_DIR_ENV: &str = "PAGESERVER_STORAGE_KILL9_CHILD_DIR";
+    const KILL9_LAYER_SIZE: u64 = 64 << 10;
+
+    /// The value the kill -9 child ingests at `lsn` (one per batch): an image every 10th LSN.
+    fn kill9_value(lsn: u64) -> (Key, Value) {
+        let k = key((lsn % 50) as u32);
+        if lsn % 10 == 0 {
+            (k, image(lsn as u8))
+        } else {
+            (k, record(&format!("rec{lsn}")))
+        }
+    }
+
+    /// Child role: ingests 16 batches at a time in LSN order and prints `ACK <lsn>` after each
+    /// acknowledgement, until killed (or a safety cap).
+    fn kill9_child(dir: &Path) {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let tl = open(dir, KILL9_LAYER_SIZE, &metrics());
+            let mut next = tl.last_durable_lsn().0 + 1;
+            while next < 1_000_000 {
+                let futs = (next..next + 16)
+                    .map(|lsn| {
+                        let (k, v) = kill9_value(lsn);
+                        tl.ingest(batch(vec![(k, lsn, v)]))
+                    })
+                    .collect();
+                for r in join_in_order(futs).await {
+                    println!("ACK {}", r.unwrap().0);
+                }
+                next += 16;
+            }
+        });
+    }
+
+    /// Kills the child on drop, so a failing parent does not leak it.
+    struct KillOnDrop(std::process::Child);
+
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    /// Runs a real process that ingests (and seals every few batches) and SIGKILLs it at
+    /// several points; every batch it acknowledged must be served after recovery, and
+    /// recovery must leave a directory that the next run continues in.
+    #[test]
+    fn kill_9_during_ingest_and_seals_loses_no_acknowledged_batch() {
+        if let Some(dir) = std::env::var_os(KILL9_DIR_ENV) {
+            return kill9_child(Path::new(&dir));
+        }
+        use std::io::BufRead;
+        let dir = tempfile::tempdir().unwrap();
+        let mut max_acked = 0u64;
+        for kill_after in [50u64, 333, 1000, 2017] {
+            let child = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "storage::recovery::tests::kill_9_during_ingest_and_seals_loses_no_acknowledged_batch",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(KILL9_DIR_ENV, dir.path())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut child = KillOnDrop(child);
+            let stdout = child.0.stdout.take().unwrap();
+            let mut acks = 0;
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Some(lsn) = line
+                    .unwrap()
+                    .strip_prefix("ACK ")
+                    .map(|l| l.parse::<u64>().unwrap())
+                else {
+                    continue;
+                };
+                assert!(
+                    lsn > max_acked,
+                    "child acknowledged {lsn} after {max_acked}"
+                );
+                max_acked = lsn;
+                acks += 1;
+                if acks == kill_after {
+                    break;
+                }
+            }
+            assert_eq!(acks, kill_after, "child ended early");
+            drop(child); // SIGKILL, then reap
+
+            let tl = open(dir.path(), KILL9_LAYER_SIZE, &metrics());
+            assert!(tl.last_durable_lsn() >= Lsn(max_acked));
+            for lsn in 1..=max_acked {
+                let (k, v) = kill9_value(lsn);
+                let d = tl.get_reconstruct_data(k, Lsn(lsn)).unwrap();
+                let newest = d.records.last().or(d.image.as_ref()).unwrap();
+                assert_eq!(newest, &(Lsn(lsn), bytes_of(&v)), "lsn {lsn}");
+            }
+        }
+        assert!(layer_count(dir.path()) > 10);
     }
 }
