@@ -248,6 +248,9 @@ mod tests {
         let fsyncs = m.fsyncs.get() - fsyncs_before;
         assert!(fsyncs < 64, "{fsyncs} fsyncs for 64 batches");
         assert_eq!(m.ingested_batches.get(), 64);
+        assert_eq!(m.ingested_values.get(), 64);
+        let bytes: usize = (1..=64).map(|lsn| format!("v{lsn}").len()).sum();
+        assert_eq!(m.ingested_bytes.get(), bytes as u64);
         assert_eq!(m.group_commit_batches.get_sample_sum(), 64.0);
         assert_eq!(m.group_commit_batches.get_sample_count(), fsyncs);
         for i in 0..64u32 {

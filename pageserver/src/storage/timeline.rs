@@ -95,6 +95,7 @@ pub struct Timeline {
 impl Timeline {
     /// Opens or creates the storage in `dir` (creating it), recovering from a crash: finishes an
     /// interrupted seal and cuts a torn tail. Fails if another `Timeline` has `dir` open.
+    /// Blocking (reads every layer's index): from async code, call it in `spawn_blocking`.
     pub fn open(
         dir: &Path,
         conf: StorageConf,
