@@ -1,0 +1,212 @@
+//! Byte-level building blocks shared by the active segment and sealed layers: the file header,
+//! the key encoding, the value kind and the little-endian cursor used to decode them.
+//!
+//! The whole format is specified in `docs/storage-format.md`; this module is its single source of
+//! truth for constants. **Invariant:** nothing here does I/O, and every decoder checks a length
+//! before it slices, so a corrupt file yields an error, never a panic.
+
+use anyhow::{bail, ensure, Context};
+
+use super::{Key, Lsn};
+
+/// Magic at offset 0 of every storage file (active segment and sealed layer).
+pub(crate) const FILE_MAGIC: [u8; 8] = *b"PSSTOR01";
+/// Format version stored right after [`FILE_MAGIC`].
+pub(crate) const FORMAT_VERSION: u32 = 1;
+/// `magic(8) | version u32 | crc32c(bytes 0..12) u32`.
+pub(crate) const FILE_HEADER_LEN: u64 = 16;
+
+/// Encoded size of a [`Key`]: spcnode, dbnode, relnode (u32 each), forknum (u8), blknum (u32).
+pub(crate) const KEY_LEN: usize = 17;
+
+/// Size of a full page image.
+pub const PAGE_SIZE: usize = 8192;
+/// Largest redo record accepted.
+pub const MAX_RECORD_LEN: usize = 16384;
+
+/// Kind byte of a stored value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Image,
+    Record,
+}
+
+impl Kind {
+    pub(crate) fn to_byte(self) -> u8 {
+        match self {
+            Kind::Image => 0,
+            Kind::Record => 1,
+        }
+    }
+
+    pub(crate) fn from_byte(b: u8) -> anyhow::Result<Kind> {
+        match b {
+            0 => Ok(Kind::Image),
+            1 => Ok(Kind::Record),
+            other => bail!("unknown value kind {other}"),
+        }
+    }
+
+    /// Checks a stored length against the limits of this kind.
+    pub(crate) fn check_len(self, len: usize) -> anyhow::Result<()> {
+        match self {
+            Kind::Image => ensure!(len == PAGE_SIZE, "image of {len} bytes, want {PAGE_SIZE}"),
+            Kind::Record => ensure!(
+                (1..=MAX_RECORD_LEN).contains(&len),
+                "record of {len} bytes, want 1..={MAX_RECORD_LEN}"
+            ),
+        }
+        Ok(())
+    }
+}
+
+/// Where one value's bytes live: the unit of both the in-memory index and a layer's index block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct IndexEntry {
+    pub key: Key,
+    pub lsn: Lsn,
+    pub kind: Kind,
+    /// Absolute byte offset of the value in its file.
+    pub offset: u64,
+    pub len: u32,
+    /// crc32c of the value bytes, checked on every read.
+    pub crc: u32,
+}
+
+pub(crate) fn file_header() -> [u8; FILE_HEADER_LEN as usize] {
+    let mut h = [0u8; FILE_HEADER_LEN as usize];
+    h[..8].copy_from_slice(&FILE_MAGIC);
+    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    let crc = crc32c::crc32c(&h[..12]);
+    h[12..16].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+pub(crate) fn check_file_header(h: &[u8]) -> anyhow::Result<()> {
+    ensure!(h.len() >= FILE_HEADER_LEN as usize, "file header too short");
+    ensure!(h[..8] == FILE_MAGIC, "bad file magic");
+    let mut c = Cursor::new(&h[8..16]);
+    let version = c.u32()?;
+    let crc = c.u32()?;
+    ensure!(
+        crc == crc32c::crc32c(&h[..12]),
+        "file header checksum mismatch"
+    );
+    ensure!(
+        version == FORMAT_VERSION,
+        "unsupported format version {version}"
+    );
+    Ok(())
+}
+
+pub(crate) fn put_key(out: &mut Vec<u8>, key: &Key) {
+    out.extend_from_slice(&key.spcnode.to_le_bytes());
+    out.extend_from_slice(&key.dbnode.to_le_bytes());
+    out.extend_from_slice(&key.relnode.to_le_bytes());
+    out.push(key.forknum);
+    out.extend_from_slice(&key.blknum.to_le_bytes());
+}
+
+/// A little-endian reader over a byte slice that fails instead of panicking at the end.
+pub(crate) struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        Cursor { buf, pos: 0 }
+    }
+
+    pub(crate) fn pos(&self) -> usize {
+        self.pos
+    }
+
+    pub(crate) fn bytes(&mut self, n: usize) -> anyhow::Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).context("length overflow")?;
+        let s = self
+            .buf
+            .get(self.pos..end)
+            .with_context(|| format!("truncated: need {n} bytes at {}", self.pos))?;
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> anyhow::Result<[u8; N]> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.bytes(N)?);
+        Ok(a)
+    }
+
+    pub(crate) fn u8(&mut self) -> anyhow::Result<u8> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    pub(crate) fn u32(&mut self) -> anyhow::Result<u32> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    pub(crate) fn u64(&mut self) -> anyhow::Result<u64> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    pub(crate) fn key(&mut self) -> anyhow::Result<Key> {
+        Ok(Key {
+            spcnode: self.u32()?,
+            dbnode: self.u32()?,
+            relnode: self.u32()?,
+            forknum: self.u8()?,
+            blknum: self.u32()?,
+        })
+    }
+
+    pub(crate) fn lsn(&mut self) -> anyhow::Result<Lsn> {
+        Ok(Lsn(self.u64()?))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_roundtrip_through_cursor_is_identity() {
+        let key = Key {
+            spcnode: 1,
+            dbnode: 2,
+            relnode: 3,
+            forknum: 4,
+            blknum: 0xdead_beef,
+        };
+        let mut out = Vec::new();
+        put_key(&mut out, &key);
+        assert_eq!(out.len(), KEY_LEN);
+        assert_eq!(Cursor::new(&out).key().unwrap(), key);
+    }
+
+    #[test]
+    fn file_header_with_flipped_bit_is_rejected() {
+        let mut h = file_header();
+        check_file_header(&h).unwrap();
+        h[9] ^= 1;
+        assert!(check_file_header(&h).is_err());
+    }
+
+    #[test]
+    fn cursor_past_end_fails_without_panic() {
+        let mut c = Cursor::new(&[1, 2, 3]);
+        assert!(c.u32().is_err());
+        assert_eq!(c.u8().unwrap(), 1);
+    }
+
+    #[test]
+    fn kind_len_limits_are_enforced() {
+        assert!(Kind::Image.check_len(PAGE_SIZE).is_ok());
+        assert!(Kind::Image.check_len(PAGE_SIZE - 1).is_err());
+        assert!(Kind::Record.check_len(0).is_err());
+        assert!(Kind::Record.check_len(MAX_RECORD_LEN).is_ok());
+        assert!(Kind::Record.check_len(MAX_RECORD_LEN + 1).is_err());
+        assert!(Kind::from_byte(7).is_err());
+    }
+}

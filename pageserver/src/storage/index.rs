@@ -1,0 +1,284 @@
+//! The in-memory index of one timeline: `(key, lsn) -> (file, offset, len, kind, crc)`, plus the
+//! open files those entries point into, and the read path that turns a lookup into
+//! [`ReconstructData`] with positional reads.
+//!
+//! Why: values stay on disk and memory grows only with the number of values (about 80 bytes per
+//! value), never with their size. One ordered map keyed by `(key, lsn)` keeps a key's versions
+//! adjacent, so a lookup is one range scan backwards from `lsn` to the newest image.
+//!
+//! **Invariants:** the index only holds durable values (the committer inserts after fsync);
+//! a `(key, lsn)` is inserted at most once; every entry's file is in `files`. Reads take the lock
+//! only to plan, never across I/O, and check each value's crc32c before returning it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::ops::Bound;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use anyhow::{ensure, Context};
+use bytes::Bytes;
+
+use super::format::{IndexEntry, Kind};
+use super::{Key, Lsn, ReconstructData};
+
+#[derive(Debug, Clone, Copy)]
+struct ValueRef {
+    file: u32,
+    kind: Kind,
+    offset: u64,
+    len: u32,
+    crc: u32,
+}
+
+/// The index. Lives behind the timeline's `RwLock`.
+#[derive(Default)]
+pub(crate) struct Index {
+    map: BTreeMap<(Key, Lsn), ValueRef>,
+    files: HashMap<u32, Arc<File>>,
+    keys: u64,
+}
+
+/// One value to read: where, how long, and the checksum it must have.
+pub(crate) struct ValueRead {
+    lsn: Lsn,
+    file: Arc<File>,
+    offset: u64,
+    len: u32,
+    crc: u32,
+}
+
+/// What a lookup found, planned under the lock and executed without it.
+pub(crate) struct ReadPlan {
+    image: Option<ValueRead>,
+    /// Oldest first.
+    records: Vec<ValueRead>,
+}
+
+impl Index {
+    /// Registers an open file under `id`; entries may then point into it.
+    pub(crate) fn add_file(&mut self, id: u32, file: Arc<File>) {
+        self.files.insert(id, file);
+    }
+
+    /// Adds entries of file `id`. Fails, without adding any, if the file is unknown or a
+    /// `(key, lsn)` is already present (overlapping files: a bug or a foreign file).
+    pub(crate) fn insert(&mut self, id: u32, entries: &[IndexEntry]) -> anyhow::Result<()> {
+        ensure!(
+            self.files.contains_key(&id),
+            "index entries for unknown file {id}"
+        );
+        if let Some(e) = entries
+            .iter()
+            .find(|e| self.map.contains_key(&(e.key, e.lsn)))
+        {
+            anyhow::bail!("duplicate value for {:?} at lsn {}", e.key, e.lsn);
+        }
+        for e in entries {
+            let r = ValueRef {
+                file: id,
+                kind: e.kind,
+                offset: e.offset,
+                len: e.len,
+                crc: e.crc,
+            };
+            if !self.has_key(&e.key) {
+                self.keys += 1;
+            }
+            self.map.insert((e.key, e.lsn), r);
+        }
+        Ok(())
+    }
+
+    fn has_key(&self, key: &Key) -> bool {
+        self.map
+            .range((*key, Lsn(0))..=(*key, Lsn(u64::MAX)))
+            .next()
+            .is_some()
+    }
+
+    /// Number of distinct keys.
+    pub(crate) fn keys(&self) -> u64 {
+        self.keys
+    }
+
+    /// Number of values.
+    pub(crate) fn values(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// The LSN of the newest value of `key` at or below `lsn`.
+    pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
+        let range = (Bound::Included((key, Lsn(0))), Bound::Included((key, lsn)));
+        self.map.range(range).next_back().map(|(&(_, at), _)| at)
+    }
+
+    /// Plans the reads for `key` as of `lsn`: the newest image at or below `lsn` and the records
+    /// above it, or all records at or below `lsn` if there is no image. `None` if nothing.
+    pub(crate) fn plan(&self, key: Key, lsn: Lsn) -> anyhow::Result<Option<ReadPlan>> {
+        let range = (Bound::Included((key, Lsn(0))), Bound::Included((key, lsn)));
+        let mut image = None;
+        let mut records = Vec::new();
+        for (&(_, at), r) in self.map.range(range).rev() {
+            let file = self
+                .files
+                .get(&r.file)
+                .with_context(|| format!("file {} gone", r.file))?;
+            let read = ValueRead {
+                lsn: at,
+                file: file.clone(),
+                offset: r.offset,
+                len: r.len,
+                crc: r.crc,
+            };
+            match r.kind {
+                Kind::Image => {
+                    image = Some(read);
+                    break;
+                }
+                Kind::Record => records.push(read),
+            }
+        }
+        if image.is_none() && records.is_empty() {
+            return Ok(None);
+        }
+        records.reverse();
+        Ok(Some(ReadPlan { image, records }))
+    }
+}
+
+impl ReadPlan {
+    /// Reads every planned value with positional reads and checks its checksum.
+    pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
+        let image = self
+            .image
+            .map(|r| Ok::<_, anyhow::Error>((r.lsn, read_value(&r)?)));
+        Ok(ReconstructData {
+            image: image.transpose()?,
+            records: self
+                .records
+                .iter()
+                .map(|r| Ok((r.lsn, read_value(r)?)))
+                .collect::<anyhow::Result<_>>()?,
+        })
+    }
+}
+
+fn read_value(r: &ValueRead) -> anyhow::Result<Bytes> {
+    let mut buf = vec![0u8; r.len as usize];
+    r.file
+        .read_exact_at(&mut buf, r.offset)
+        .with_context(|| format!("read value at lsn {} (offset {})", r.lsn, r.offset))?;
+    ensure!(
+        crc32c::crc32c(&buf) == r.crc,
+        "checksum mismatch in value at lsn {} (offset {})",
+        r.lsn,
+        r.offset
+    );
+    Ok(Bytes::from(buf))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn key(blk: u32) -> Key {
+        Key {
+            spcnode: 1,
+            dbnode: 1,
+            relnode: 1,
+            forknum: 0,
+            blknum: blk,
+        }
+    }
+
+    /// A file holding `vals` back to back, and their entries.
+    fn file_with(vals: &[(Key, u64, Kind, &[u8])]) -> (Arc<File>, Vec<IndexEntry>) {
+        let mut f = tempfile::tempfile().unwrap();
+        let mut entries = Vec::new();
+        let mut off = 0u64;
+        for (k, lsn, kind, b) in vals {
+            std::io::Write::write_all(&mut f, b).unwrap();
+            let len = b.len() as u32;
+            entries.push(IndexEntry {
+                key: *k,
+                lsn: Lsn(*lsn),
+                kind: *kind,
+                offset: off,
+                len,
+                crc: crc32c::crc32c(b),
+            });
+            off += u64::from(len);
+        }
+        (Arc::new(f), entries)
+    }
+
+    #[test]
+    fn plan_picks_newest_image_and_later_records_oldest_first() {
+        let (f, entries) = file_with(&[
+            (key(1), 10, Kind::Record, b"r10"),
+            (key(1), 20, Kind::Image, b"i20"),
+            (key(1), 30, Kind::Record, b"r30"),
+            (key(1), 40, Kind::Record, b"r40"),
+            (key(2), 15, Kind::Record, b"k2"),
+        ]);
+        let mut idx = Index::default();
+        idx.add_file(3, f);
+        idx.insert(3, &entries).unwrap();
+        assert_eq!((idx.keys(), idx.values()), (2, 5));
+
+        let d = idx
+            .plan(key(1), Lsn(35))
+            .unwrap()
+            .unwrap()
+            .execute()
+            .unwrap();
+        assert_eq!(d.image, Some((Lsn(20), Bytes::from_static(b"i20"))));
+        assert_eq!(d.records, vec![(Lsn(30), Bytes::from_static(b"r30"))]);
+
+        let d = idx
+            .plan(key(1), Lsn(19))
+            .unwrap()
+            .unwrap()
+            .execute()
+            .unwrap();
+        assert_eq!(d.image, None);
+        assert_eq!(d.records, vec![(Lsn(10), Bytes::from_static(b"r10"))]);
+
+        assert!(idx.plan(key(1), Lsn(9)).unwrap().is_none());
+        assert!(idx.plan(key(2), Lsn(14)).unwrap().is_none());
+        assert!(idx.plan(key(3), Lsn(100)).unwrap().is_none());
+    }
+
+    #[test]
+    fn insert_of_duplicate_key_lsn_fails_and_adds_nothing() {
+        let (f, entries) = file_with(&[
+            (key(1), 10, Kind::Record, b"a"),
+            (key(2), 10, Kind::Record, b"b"),
+        ]);
+        let mut idx = Index::default();
+        idx.add_file(0, f);
+        idx.insert(0, &entries[..1]).unwrap();
+        assert!(idx.insert(0, &entries).is_err());
+        assert_eq!(idx.values(), 1);
+        assert!(idx.insert(9, &entries[1..]).is_err());
+    }
+
+    #[test]
+    fn read_of_value_with_wrong_checksum_is_an_error() {
+        let (f, mut entries) = file_with(&[(key(1), 10, Kind::Record, b"abc")]);
+        entries[0].crc ^= 1;
+        let mut idx = Index::default();
+        idx.add_file(0, f);
+        idx.insert(0, &entries).unwrap();
+        let err = idx
+            .plan(key(1), Lsn(10))
+            .unwrap()
+            .unwrap()
+            .execute()
+            .err()
+            .unwrap();
+        assert!(format!("{err:#}").contains("checksum mismatch"), "{err:#}");
+    }
+}

@@ -1,0 +1,351 @@
+//! Sealed layer files: immutable files holding values, an index block and a fixed-size footer,
+//! named by the LSN range they cover (`layer_<first>_<last>.layer`, 16 hex digits each).
+//!
+//! A layer is what a full active segment becomes: the committer appends the index block and the
+//! footer after the last frame, fsyncs, and renames the file, so sealing copies no value bytes
+//! and open readers keep their file descriptor. Opening a layer reads only the footer and the
+//! index block, never the values. The data region before the index is opaque to readers (for a
+//! sealed segment it is batch frames; a compactor may write bare values): only index entries
+//! point into it.
+//!
+//! **Invariants:** a file is a layer only if its footer, footer checksum and index checksum are
+//! valid and its index and footer end exactly at the end of the file; a layer file is never
+//! written again once renamed; every entry lies inside the data region.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use anyhow::{ensure, Context};
+
+use super::format::{self, put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
+use super::segment::read_at;
+use super::Lsn;
+
+/// First 4 bytes of an index block ("INDX"); never equal to a batch frame's magic.
+pub(crate) const INDEX_MAGIC: u32 = u32::from_le_bytes(*b"INDX");
+/// Size of one index entry: key, lsn u64, kind u8, offset u64, len u32, crc u32.
+pub(crate) const INDEX_ENTRY_LEN: usize = KEY_LEN + 8 + 1 + 8 + 4 + 4;
+/// Magic at the start of the footer.
+pub(crate) const FOOTER_MAGIC: [u8; 8] = *b"PSLAYER1";
+/// magic(8) version u32 entry_count u64 index_offset u64 index_len u64 first_lsn u64
+/// last_lsn u64 index_crc u32 footer_crc u32.
+pub(crate) const FOOTER_LEN: u64 = 60;
+
+/// The decoded footer of a layer file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Footer {
+    pub entry_count: u64,
+    pub index_offset: u64,
+    pub index_len: u64,
+    pub first_lsn: Lsn,
+    pub last_lsn: Lsn,
+    pub index_crc: u32,
+}
+
+/// File name of a layer covering `first..=last`.
+pub(crate) fn file_name(first: Lsn, last: Lsn) -> String {
+    format!("layer_{:016X}_{:016X}.layer", first.0, last.0)
+}
+
+/// Parses a name made by [`file_name`]; `None` for anything else.
+pub(crate) fn parse_file_name(name: &str) -> Option<(Lsn, Lsn)> {
+    let rest = name.strip_prefix("layer_")?.strip_suffix(".layer")?;
+    let (a, b) = rest.split_once('_')?;
+    let hex = |s: &str| {
+        (s.len() == 16 && s.bytes().all(|c| c.is_ascii_hexdigit()))
+            .then(|| u64::from_str_radix(s, 16).ok())
+            .flatten()
+    };
+    Some((Lsn(hex(a)?), Lsn(hex(b)?)))
+}
+
+/// Appends the index block (entries sorted by key, then LSN) and the footer at `data_end` of
+/// `file`, without fsync. Returns the new file length. `entries` must be non-empty and lie
+/// below `data_end`.
+pub(crate) fn append_index_and_footer(
+    file: &File,
+    data_end: u64,
+    entries: &[IndexEntry],
+) -> anyhow::Result<u64> {
+    let mut sorted = entries.to_vec();
+    sorted.sort_by_key(|e| (e.key, e.lsn));
+    let first_lsn = sorted
+        .iter()
+        .map(|e| e.lsn)
+        .min()
+        .context("seal an empty layer")?;
+    let last_lsn = sorted
+        .iter()
+        .map(|e| e.lsn)
+        .max()
+        .context("seal an empty layer")?;
+
+    let mut buf = Vec::with_capacity(4 + sorted.len() * INDEX_ENTRY_LEN + FOOTER_LEN as usize);
+    buf.extend_from_slice(&INDEX_MAGIC.to_le_bytes());
+    for e in &sorted {
+        put_key(&mut buf, &e.key);
+        buf.extend_from_slice(&e.lsn.0.to_le_bytes());
+        buf.push(e.kind.to_byte());
+        buf.extend_from_slice(&e.offset.to_le_bytes());
+        buf.extend_from_slice(&e.len.to_le_bytes());
+        buf.extend_from_slice(&e.crc.to_le_bytes());
+    }
+    let index_len = buf.len() as u64;
+    let footer = Footer {
+        entry_count: sorted.len() as u64,
+        index_offset: data_end,
+        index_len,
+        first_lsn,
+        last_lsn,
+        index_crc: crc32c::crc32c(&buf),
+    };
+    encode_footer(&footer, &mut buf);
+    file.write_all_at(&buf, data_end)
+        .context("write layer index and footer")?;
+    Ok(data_end + buf.len() as u64)
+}
+
+fn encode_footer(f: &Footer, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&FOOTER_MAGIC);
+    out.extend_from_slice(&format::FORMAT_VERSION.to_le_bytes());
+    for v in [
+        f.entry_count,
+        f.index_offset,
+        f.index_len,
+        f.first_lsn.0,
+        f.last_lsn.0,
+    ] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out.extend_from_slice(&f.index_crc.to_le_bytes());
+    let crc = crc32c::crc32c(&out[start..]);
+    out.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// Reads and checks the footer of a file of `file_len` bytes. An error means "not a complete
+/// layer" (for the active segment: sealing had not finished).
+pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> {
+    ensure!(
+        file_len >= FILE_HEADER_LEN + 4 + FOOTER_LEN,
+        "file too short for a footer"
+    );
+    let mut raw = [0u8; FOOTER_LEN as usize];
+    read_at(file, &mut raw, file_len - FOOTER_LEN).context("read footer")?;
+    ensure!(raw[..8] == FOOTER_MAGIC, "bad footer magic");
+    let body = &raw[..FOOTER_LEN as usize - 4];
+    let mut c = Cursor::new(&raw[8..]);
+    let version = c.u32()?;
+    let f = Footer {
+        entry_count: c.u64()?,
+        index_offset: c.u64()?,
+        index_len: c.u64()?,
+        first_lsn: c.lsn()?,
+        last_lsn: c.lsn()?,
+        index_crc: c.u32()?,
+    };
+    ensure!(c.u32()? == crc32c::crc32c(body), "footer checksum mismatch");
+    ensure!(
+        version == format::FORMAT_VERSION,
+        "unsupported layer version {version}"
+    );
+    ensure!(
+        f.index_offset >= FILE_HEADER_LEN,
+        "index inside the file header"
+    );
+    ensure!(
+        f.index_offset
+            .checked_add(f.index_len)
+            .and_then(|x| x.checked_add(FOOTER_LEN))
+            == Some(file_len),
+        "index and footer do not end at the end of the file"
+    );
+    ensure!(
+        f.entry_count
+            .checked_mul(INDEX_ENTRY_LEN as u64)
+            .and_then(|x| x.checked_add(4))
+            == Some(f.index_len),
+        "index length does not match {} entries",
+        f.entry_count
+    );
+    ensure!(
+        f.entry_count > 0 && f.first_lsn <= f.last_lsn,
+        "empty or inverted layer"
+    );
+    Ok(f)
+}
+
+/// Reads and checks the index block described by `footer`.
+pub(crate) fn read_index(file: &File, footer: &Footer) -> anyhow::Result<Vec<IndexEntry>> {
+    let len = usize::try_from(footer.index_len).context("index too large")?;
+    let mut raw = vec![0u8; len];
+    read_at(file, &mut raw, footer.index_offset).context("read layer index")?;
+    ensure!(
+        crc32c::crc32c(&raw) == footer.index_crc,
+        "index checksum mismatch"
+    );
+    let mut c = Cursor::new(&raw);
+    ensure!(c.u32()? == INDEX_MAGIC, "bad index magic");
+    let mut entries = Vec::with_capacity(footer.entry_count as usize);
+    for _ in 0..footer.entry_count {
+        let e = IndexEntry {
+            key: c.key()?,
+            lsn: c.lsn()?,
+            kind: Kind::from_byte(c.u8()?)?,
+            offset: c.u64()?,
+            len: c.u32()?,
+            crc: c.u32()?,
+        };
+        e.kind.check_len(e.len as usize)?;
+        ensure!(
+            e.offset >= FILE_HEADER_LEN && e.offset + u64::from(e.len) <= footer.index_offset,
+            "entry outside the data region"
+        );
+        ensure!(
+            (footer.first_lsn..=footer.last_lsn).contains(&e.lsn),
+            "entry lsn {} outside the layer's range",
+            e.lsn
+        );
+        entries.push(e);
+    }
+    Ok(entries)
+}
+
+/// An opened, checked layer file.
+pub(crate) struct OpenLayer {
+    pub file: File,
+    pub footer: Footer,
+    pub entries: Vec<IndexEntry>,
+    pub len: u64,
+}
+
+/// Opens the layer at `path` read-only and loads its index; checks its header, footer, index and
+/// that its name matches its LSN range.
+pub(crate) fn open(path: &Path) -> anyhow::Result<OpenLayer> {
+    let file = File::open(path).context("open layer file")?;
+    let len = file.metadata().context("stat layer file")?.len();
+    let mut header = [0u8; FILE_HEADER_LEN as usize];
+    read_at(&file, &mut header, 0).context("read layer header")?;
+    format::check_file_header(&header)?;
+    let footer = read_footer(&file, len)?;
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    ensure!(
+        parse_file_name(name) == Some((footer.first_lsn, footer.last_lsn)),
+        "name does not match the footer's lsn range {}..={}",
+        footer.first_lsn,
+        footer.last_lsn
+    );
+    let entries = read_index(&file, &footer)?;
+    Ok(OpenLayer {
+        file,
+        footer,
+        entries,
+        len,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::storage::segment::ActiveSegment;
+    use crate::storage::{Key, StorageMetrics, Value};
+    use bytes::Bytes;
+
+    fn key(blk: u32) -> Key {
+        Key {
+            spcnode: 1,
+            dbnode: 2,
+            relnode: 3,
+            forknum: 0,
+            blknum: blk,
+        }
+    }
+
+    #[test]
+    fn file_name_roundtrip_and_foreign_names_rejected() {
+        let name = file_name(Lsn(0x1_0000_002A), Lsn(u64::MAX));
+        assert_eq!(name, "layer_000000010000002A_FFFFFFFFFFFFFFFF.layer");
+        assert_eq!(
+            parse_file_name(&name),
+            Some((Lsn(0x1_0000_002A), Lsn(u64::MAX)))
+        );
+        for bad in [
+            "layer_1_2.layer",
+            "active.seg",
+            "layer_000000010000002A_FFFFFFFFFFFFFFFF",
+        ] {
+            assert_eq!(parse_file_name(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn sealed_segment_opens_as_layer_with_sorted_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let dir_file = File::open(dir.path()).unwrap();
+        let mut seg =
+            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered())
+                .unwrap();
+        let mut buf = Vec::new();
+        let rec = |b: &'static [u8]| Value::Record(Bytes::from_static(b));
+        seg.append(
+            &[(key(9), Lsn(5), rec(b"a")), (key(1), Lsn(5), rec(b"b"))],
+            &mut buf,
+        )
+        .unwrap();
+        seg.append(&[(key(1), Lsn(7), rec(b"c"))], &mut buf)
+            .unwrap();
+        let end = append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
+        let path = dir.path().join(file_name(Lsn(5), Lsn(7)));
+        std::fs::rename(dir.path().join("active.seg"), &path).unwrap();
+
+        let layer = open(&path).unwrap();
+        assert_eq!(layer.len, end);
+        assert_eq!(
+            (layer.footer.first_lsn, layer.footer.last_lsn),
+            (Lsn(5), Lsn(7))
+        );
+        let order: Vec<_> = layer
+            .entries
+            .iter()
+            .map(|e| (e.key.blknum, e.lsn.0))
+            .collect();
+        assert_eq!(order, vec![(1, 5), (1, 7), (9, 5)]);
+        let mut sorted = seg.entries.clone();
+        sorted.sort_by_key(|e| (e.key, e.lsn));
+        assert_eq!(layer.entries, sorted);
+    }
+
+    #[test]
+    fn layer_with_corrupt_index_or_wrong_name_fails_to_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let dir_file = File::open(dir.path()).unwrap();
+        let mut seg =
+            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered())
+                .unwrap();
+        let mut buf = Vec::new();
+        seg.append(
+            &[(key(1), Lsn(5), Value::Record(Bytes::from_static(b"a")))],
+            &mut buf,
+        )
+        .unwrap();
+        append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
+        let wrong = dir.path().join(file_name(Lsn(5), Lsn(6)));
+        std::fs::rename(dir.path().join("active.seg"), &wrong).unwrap();
+        assert!(open(&wrong).is_err());
+
+        let right = dir.path().join(file_name(Lsn(5), Lsn(5)));
+        std::fs::rename(&wrong, &right).unwrap();
+        open(&right).unwrap();
+        seg.file.write_all_at(&[0xee], seg.len + 6).unwrap();
+        let err = open(&right).err().unwrap();
+        assert!(
+            format!("{err:#}").contains("index checksum mismatch"),
+            "{err:#}"
+        );
+    }
+}

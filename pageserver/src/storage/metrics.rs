@@ -1,0 +1,123 @@
+//! Prometheus metrics of the storage layer, created once per process and shared by every
+//! timeline (`Arc<StorageMetrics>`), so they are totals over all tenants.
+//!
+//! **Invariant:** every fsync the storage performs goes through [`StorageMetrics::fsync`], so
+//! `pageserver_storage_fsyncs_total` counts them all (group commits, seals, directory syncs).
+
+use std::time::Instant;
+
+use anyhow::Context;
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
+
+/// The storage metrics, registered in the caller's registry.
+#[derive(Debug, Clone)]
+pub struct StorageMetrics {
+    pub ingested_batches: IntCounter,
+    pub ingested_values: IntCounter,
+    pub ingested_bytes: IntCounter,
+    pub fsyncs: IntCounter,
+    pub fsync_seconds: Histogram,
+    pub group_commit_batches: Histogram,
+    pub layer_files: IntGauge,
+    pub torn_tail_truncations: IntCounter,
+}
+
+impl StorageMetrics {
+    /// Creates the metrics and registers them in `registry`. Fails if they are already there:
+    /// create them once and share the `Arc`.
+    pub fn new(registry: &Registry) -> anyhow::Result<Self> {
+        let counter = |name: &str, help: &str| -> anyhow::Result<IntCounter> {
+            let c = IntCounter::new(name, help).with_context(|| format!("create {name}"))?;
+            registry
+                .register(Box::new(c.clone()))
+                .with_context(|| format!("register {name}"))?;
+            Ok(c)
+        };
+        let histogram = |name: &str, help: &str, buckets: Vec<f64>| -> anyhow::Result<Histogram> {
+            let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+                .with_context(|| format!("create {name}"))?;
+            registry
+                .register(Box::new(h.clone()))
+                .with_context(|| format!("register {name}"))?;
+            Ok(h)
+        };
+        let layer_files = IntGauge::new(
+            "pageserver_storage_layer_files",
+            "Sealed layer files currently open, over all timelines",
+        )
+        .context("create pageserver_storage_layer_files")?;
+        registry
+            .register(Box::new(layer_files.clone()))
+            .context("register pageserver_storage_layer_files")?;
+        Ok(StorageMetrics {
+            ingested_batches: counter(
+                "pageserver_storage_ingested_batches_total",
+                "Ingest batches made durable",
+            )?,
+            ingested_values: counter(
+                "pageserver_storage_ingested_values_total",
+                "Values (images and records) made durable",
+            )?,
+            ingested_bytes: counter(
+                "pageserver_storage_ingested_bytes_total",
+                "Value bytes made durable (payload only, no framing)",
+            )?,
+            fsyncs: counter(
+                "pageserver_storage_fsyncs_total",
+                "fsync/fdatasync calls on storage files and directories",
+            )?,
+            fsync_seconds: histogram(
+                "pageserver_storage_fsync_seconds",
+                "Duration of storage fsync/fdatasync calls",
+                prometheus::exponential_buckets(0.000_05, 2.0, 16)
+                    .context("fsync_seconds buckets")?,
+            )?,
+            group_commit_batches: histogram(
+                "pageserver_storage_group_commit_batches",
+                "Ingest batches made durable by one group-commit fsync",
+                prometheus::exponential_buckets(1.0, 2.0, 12)
+                    .context("group_commit_batches buckets")?,
+            )?,
+            layer_files,
+            torn_tail_truncations: counter(
+                "pageserver_storage_torn_tail_truncations_total",
+                "Torn or corrupt active-segment tails cut during recovery",
+            )?,
+        })
+    }
+
+    /// Metrics registered in a throwaway registry, for tests.
+    #[cfg(test)]
+    pub(crate) fn unregistered() -> Self {
+        StorageMetrics::new(&Registry::new()).expect("fresh registry has no metrics")
+    }
+
+    /// Runs one fsync-like call, timing and counting it.
+    pub(crate) fn fsync<T>(&self, f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+        let start = Instant::now();
+        let r = f();
+        self.fsyncs.inc();
+        self.fsync_seconds.observe(start.elapsed().as_secs_f64());
+        r
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_registered_twice_in_one_registry_fail_and_names_are_prefixed() {
+        let registry = Registry::new();
+        let m = StorageMetrics::new(&registry).unwrap();
+        m.fsync(|| Ok(())).unwrap();
+        assert!(StorageMetrics::new(&registry).is_err());
+        let families = registry.gather();
+        assert_eq!(families.len(), 8);
+        assert!(families
+            .iter()
+            .all(|f| f.name().starts_with("pageserver_storage_")));
+        assert_eq!(m.fsyncs.get(), 1);
+    }
+}

@@ -1,0 +1,366 @@
+//! Durable per-timeline storage of page images and WAL redo records, read back "as of" an LSN.
+//!
+//! One [`Timeline`] owns one directory. Ingested batches are appended as checksummed frames to
+//! the active segment by a committer thread that writes every queued batch and then fsyncs
+//! once (group commit); only then are the batches acknowledged, indexed and visible. A full
+//! active segment is sealed in place into an immutable layer file (index + footer appended,
+//! fsync, rename, fsync directory). On open, recovery finishes an interrupted seal, loads every
+//! layer's index, and cuts a torn tail off the active segment. The byte format and the recovery
+//! procedure are specified in `docs/storage-format.md`.
+//!
+//! Code map: `format` (shared constants and codecs), `segment` (batch frames, the active
+//! segment, the scan), `layer` (index block, footer, layer files), `index` (in-memory index
+//! and the read path), `timeline` (the handle: ingest queue, reads, waits, shutdown),
+//! `commit` (the committer thread: group commit, sealing), `recovery` (open-time repair),
+//! `metrics`.
+//!
+//! **Invariants:**
+//! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it;
+//! - a batch is acknowledged only after it was written and fdatasync'd, and it is visible to
+//!   readers ([`Timeline::get_reconstruct_data`], [`Timeline::last_durable_lsn`]) only then;
+//! - value bytes are never held in memory beyond a read or a queued batch;
+//! - after a failed write or fsync the timeline accepts no more ingests (fsync errors are not
+//!   retryable: the page cache may have dropped the dirty pages); reopening recovers;
+//! - one `Timeline` per directory at a time, enforced by an exclusive `flock` on `lock`.
+
+mod commit;
+mod format;
+mod index;
+mod layer;
+mod metrics;
+mod recovery;
+mod segment;
+#[cfg(test)]
+mod test_support;
+mod timeline;
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
+pub use metrics::StorageMetrics;
+pub use timeline::Timeline;
+
+/// The key of a page: relation fork and block number.
+pub type Key = walredo_proc::protocol::BufferTag;
+
+/// A WAL position. Displays like PostgreSQL: high and low 32 bits in hex, `16/B374D848`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Lsn(pub u64);
+
+impl fmt::Display for Lsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:X}/{:X}", self.0 >> 32, self.0 & 0xffff_ffff)
+    }
+}
+
+impl From<u64> for Lsn {
+    fn from(v: u64) -> Self {
+        Lsn(v)
+    }
+}
+
+/// Default size at which the active segment is sealed into a layer.
+pub const DEFAULT_LAYER_SIZE: u64 = 64 << 20;
+
+/// Storage settings of a timeline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageConf {
+    /// The active segment is sealed into a layer once it is at least this large (bytes).
+    pub layer_size: u64,
+}
+
+impl Default for StorageConf {
+    fn default() -> Self {
+        StorageConf {
+            layer_size: DEFAULT_LAYER_SIZE,
+        }
+    }
+}
+
+/// A value stored at a (key, lsn).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Value {
+    /// A full page image, exactly [`PAGE_SIZE`] bytes.
+    Image(Bytes),
+    /// An opaque WAL redo record, 1..=[`MAX_RECORD_LEN`] bytes.
+    Record(Bytes),
+}
+
+impl Value {
+    fn bytes(&self) -> &Bytes {
+        match self {
+            Value::Image(b) | Value::Record(b) => b,
+        }
+    }
+
+    fn kind(&self) -> format::Kind {
+        match self {
+            Value::Image(_) => format::Kind::Image,
+            Value::Record(_) => format::Kind::Record,
+        }
+    }
+}
+
+/// Values to make durable together: all or none of them survive a crash.
+#[derive(Debug, Clone, Default)]
+pub struct IngestBatch {
+    /// LSNs non-decreasing; the first above every LSN ingested before; no (key, lsn) twice.
+    pub values: Vec<(Key, Lsn, Value)>,
+}
+
+/// What a page at an LSN is rebuilt from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReconstructData {
+    /// The newest image at or below the requested LSN.
+    pub image: Option<(Lsn, Bytes)>,
+    /// Records above the image (or all, without one) up to the requested LSN, oldest first.
+    pub records: Vec<(Lsn, Bytes)>,
+}
+
+/// Counters describing a timeline's storage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimelineStats {
+    pub keys: u64,
+    pub values: u64,
+    pub layers: u64,
+    pub on_disk_bytes: u64,
+    pub last_durable_lsn: Lsn,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error("timeline is shutting down")]
+    ShuttingDown,
+    #[error("invalid ingest batch: {0}")]
+    Invalid(String),
+    #[error("ingest lsn went backwards: batch starts at {got}, last ingested is {last}")]
+    LsnWentBackwards { last: Lsn, got: Lsn },
+    /// Writing or syncing failed; the timeline now refuses every further ingest.
+    #[error("storage I/O failed: {0:#}")]
+    Io(anyhow::Error),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GetError {
+    #[error("no value for {key:?} at or below lsn {lsn}")]
+    NotFound { key: Key, lsn: Lsn },
+    #[error("storage read failed: {0:#}")]
+    Io(anyhow::Error),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WaitLsnError {
+    #[error(
+        "timed out after {timeout:?} waiting for lsn {wanted}, last durable is {last_durable}"
+    )]
+    Timeout {
+        wanted: Lsn,
+        last_durable: Lsn,
+        timeout: Duration,
+    },
+    #[error("timeline shut down while waiting for lsn {wanted}, last durable is {last_durable}")]
+    ShuttingDown { wanted: Lsn, last_durable: Lsn },
+}
+
+/// Writes a small file durably: a temp file, fsync, rename over `name`, fsync of `dir`.
+/// Readers see the old content or the new, never a mix; after a crash, one of the two.
+pub fn durable_write(dir: &std::path::Path, name: &str, data: &[u8]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut file = std::fs::File::create(&tmp).with_context(|| format!("create {}", tmp.display()))?;
+    file.write_all(data).with_context(|| format!("write {}", tmp.display()))?;
+    file.sync_all().with_context(|| format!("sync {}", tmp.display()))?;
+    let path = dir.join(name);
+    std::fs::rename(&tmp, &path).with_context(|| format!("rename {} to {}", tmp.display(), path.display()))?;
+    fsync_dir(dir)
+}
+
+/// Makes the entries of `dir` (creations, renames, removals) durable.
+pub fn fsync_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("sync directory {}", dir.display()))
+}
+
+/// Checks a batch; returns its first and last LSN and encoded frame length.
+pub(crate) fn validate(values: &[(Key, Lsn, Value)]) -> Result<(Lsn, Lsn, usize), IngestError> {
+    let invalid = |i: usize, what: String| {
+        let (key, lsn, _) = &values[i];
+        IngestError::Invalid(format!("value {i} ({key:?} at {lsn}): {what}"))
+    };
+    let (first, last) = match (values.first(), values.last()) {
+        (Some(f), Some(l)) => (f.1, l.1),
+        _ => return Err(IngestError::Invalid("empty batch".to_string())),
+    };
+    let mut seen = std::collections::HashSet::new();
+    for (i, (key, lsn, value)) in values.iter().enumerate() {
+        value
+            .kind()
+            .check_len(value.bytes().len())
+            .map_err(|e| invalid(i, format!("{e}")))?;
+        if i > 0 && *lsn < values[i - 1].1 {
+            return Err(invalid(
+                i,
+                format!("lsn below the previous value's {}", values[i - 1].1),
+            ));
+        }
+        if i > 0 && *lsn != values[i - 1].1 {
+            seen.clear();
+        }
+        if !seen.insert(*key) {
+            return Err(invalid(
+                i,
+                "same key and lsn twice in the batch".to_string(),
+            ));
+        }
+    }
+    let frame_len = segment::frame_len(values);
+    if frame_len > segment::FRAME_HEADER_LEN + segment::MAX_FRAME_BODY {
+        return Err(IngestError::Invalid(format!(
+            "batch encodes to {frame_len} bytes, more than {}",
+            segment::MAX_FRAME_BODY
+        )));
+    }
+    Ok((first, last, frame_len))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::test_support::*;
+    use super::*;
+
+    #[test]
+    fn lsn_displays_like_postgres() {
+        assert_eq!(Lsn(0x16_B374_D848).to_string(), "16/B374D848");
+        assert_eq!(Lsn(0).to_string(), "0/0");
+    }
+
+    #[test]
+    fn validate_returns_lsn_range_and_frame_length_of_a_good_batch() {
+        let b = batch(vec![
+            (key(1), 5, record("ab")),
+            (key(2), 5, image(0)),
+            (key(1), 9, record("c")),
+        ]);
+        let (first, last, len) = validate(&b.values).unwrap();
+        assert_eq!((first, last), (Lsn(5), Lsn(9)));
+        assert_eq!(len, segment::frame_len(&b.values));
+    }
+
+    #[tokio::test]
+    async fn get_of_unknown_key_or_below_first_value_is_not_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        assert!(matches!(
+            tl.get_reconstruct_data(key(1), Lsn(5)),
+            Err(GetError::NotFound { .. })
+        ));
+        tl.ingest(batch(vec![(key(1), 10, record("a"))]))
+            .await
+            .unwrap();
+        let err = tl.get_reconstruct_data(key(1), Lsn(9)).unwrap_err();
+        assert!(
+            matches!(err, GetError::NotFound { lsn: Lsn(9), .. }),
+            "{err}"
+        );
+        assert!(matches!(
+            tl.get_reconstruct_data(key(2), Lsn(10)),
+            Err(GetError::NotFound { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn ingest_starting_at_or_below_last_lsn_is_rejected_as_backwards() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        tl.ingest(batch(vec![
+            (key(1), 10, record("a")),
+            (key(2), 20, record("b")),
+        ]))
+        .await
+        .unwrap();
+        for got in [20, 15, 1] {
+            let err = tl
+                .ingest(batch(vec![(key(3), got, record("x"))]))
+                .await
+                .unwrap_err();
+            match err {
+                IngestError::LsnWentBackwards { last, got: g } => {
+                    assert_eq!((last, g), (Lsn(20), Lsn(got)));
+                }
+                other => panic!("unexpected {other}"),
+            }
+        }
+        let err = tl
+            .ingest(batch(vec![(key(3), 0, record("x"))]))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("last ingested is 0/14"), "{err}");
+        tl.ingest(batch(vec![(key(3), 21, record("c"))]))
+            .await
+            .unwrap();
+        assert!(matches!(
+            tl.get_reconstruct_data(key(3), Lsn(20)),
+            Err(GetError::NotFound { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn invalid_batches_are_rejected_and_write_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        tl.ingest(batch(vec![(key(1), 10, record("a"))]))
+            .await
+            .unwrap();
+        let before = tl.stats();
+        let file_len = || {
+            std::fs::metadata(dir.path().join("active.seg"))
+                .unwrap()
+                .len()
+        };
+        let len_before = file_len();
+        let short_image = Value::Image(Bytes::from(vec![0u8; PAGE_SIZE - 1]));
+        let long_record = Value::Record(Bytes::from(vec![0u8; MAX_RECORD_LEN + 1]));
+        let cases = vec![
+            ("empty batch", vec![]),
+            (
+                "image of 8191",
+                vec![(key(2), 20, record("ok")), (key(2), 21, short_image)],
+            ),
+            (
+                "record of 0",
+                vec![(key(2), 20, Value::Record(Bytes::new()))],
+            ),
+            ("record of 16385", vec![(key(2), 20, long_record)]),
+            (
+                "below the previous",
+                vec![(key(2), 30, record("a")), (key(3), 29, record("b"))],
+            ),
+            (
+                "twice",
+                vec![
+                    (key(2), 30, record("a")),
+                    (key(3), 30, record("b")),
+                    (key(2), 30, record("c")),
+                ],
+            ),
+        ];
+        for (want, values) in cases {
+            let err = tl.ingest(batch(values)).await.unwrap_err();
+            assert!(matches!(err, IngestError::Invalid(_)), "{want}: {err}");
+            assert!(err.to_string().contains(want), "{want}: {err}");
+        }
+        assert_eq!(tl.stats(), before);
+        assert_eq!(file_len(), len_before);
+        // The rejected batches did not advance the LSN either.
+        tl.ingest(batch(vec![(key(2), 11, record("b"))]))
+            .await
+            .unwrap();
+    }
+}

@@ -1,0 +1,353 @@
+//! The active segment: the one append-only file (`active.seg`) that ingested batches go to.
+//!
+//! A batch is written as one self-checking frame (a crc32c over the frame header and body), so
+//! that after a crash the recovery scan can tell a complete batch from a torn one and a batch is
+//! all-or-nothing. This module encodes frames, appends them, and scans a segment back.
+//!
+//! **Invariants:** bytes are only ever appended at [`ActiveSegment::len`], the end of the last
+//! complete frame; nothing here calls fsync (the committer does, once per group, and counts it);
+//! the scan never skips over a bad frame: everything from the first bad frame on is a torn tail.
+
+use std::fs::{File, OpenOptions};
+use std::io::ErrorKind;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{ensure, Context};
+
+use super::format::{self, put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
+use super::{Key, Lsn, StorageMetrics, Value};
+
+/// File name of the active segment inside a timeline directory.
+pub(crate) const ACTIVE_NAME: &str = "active.seg";
+/// First 4 bytes of a batch frame ("BTCH" read as little-endian bytes).
+pub(crate) const BATCH_MAGIC: u32 = u32::from_le_bytes(*b"BTCH");
+/// `magic u32 | body_len u32 | value_count u32 | crc32c u32`.
+pub(crate) const FRAME_HEADER_LEN: usize = 16;
+/// Per value inside a frame body: key, lsn u64, kind u8, len u32, value crc32c u32.
+pub(crate) const VALUE_HEADER_LEN: usize = KEY_LEN + 8 + 1 + 4 + 4;
+/// Largest frame body; bigger batches are rejected at ingest, bigger lengths on disk are torn.
+pub(crate) const MAX_FRAME_BODY: usize = 64 << 20;
+
+/// Encoded frame size of a batch (header + body), used for validation and queue budgeting.
+pub(crate) fn frame_len(values: &[(Key, Lsn, Value)]) -> usize {
+    FRAME_HEADER_LEN
+        + values
+            .iter()
+            .map(|(_, _, v)| VALUE_HEADER_LEN + v.bytes().len())
+            .sum::<usize>()
+}
+
+/// Encodes one batch as a frame into `out` (cleared first) and appends the index entries of its
+/// values, with absolute offsets assuming the frame is written at `frame_offset`.
+/// The batch must have been validated: its length fits [`MAX_FRAME_BODY`].
+pub(crate) fn encode_frame(
+    values: &[(Key, Lsn, Value)],
+    frame_offset: u64,
+    out: &mut Vec<u8>,
+    entries: &mut Vec<IndexEntry>,
+) {
+    out.clear();
+    out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
+    for (key, lsn, value) in values {
+        let bytes = value.bytes();
+        let crc = crc32c::crc32c(bytes);
+        put_key(out, key);
+        out.extend_from_slice(&lsn.0.to_le_bytes());
+        out.push(value.kind().to_byte());
+        out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        out.extend_from_slice(&crc.to_le_bytes());
+        entries.push(IndexEntry {
+            key: *key,
+            lsn: *lsn,
+            kind: value.kind(),
+            offset: frame_offset + out.len() as u64,
+            len: bytes.len() as u32,
+            crc,
+        });
+        out.extend_from_slice(bytes);
+    }
+    let body_len = (out.len() - FRAME_HEADER_LEN) as u32;
+    out[0..4].copy_from_slice(&BATCH_MAGIC.to_le_bytes());
+    out[4..8].copy_from_slice(&body_len.to_le_bytes());
+    out[8..12].copy_from_slice(&(values.len() as u32).to_le_bytes());
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[..12]), &out[FRAME_HEADER_LEN..]);
+    out[12..16].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// The active segment as the committer sees it.
+pub(crate) struct ActiveSegment {
+    pub file: Arc<File>,
+    /// Id of this file in the in-memory index; it survives sealing (same inode).
+    pub file_id: u32,
+    /// End of the last complete frame: where the next frame goes.
+    pub len: u64,
+    /// Entries of every value in this segment, in append order (becomes the layer index).
+    pub entries: Vec<IndexEntry>,
+}
+
+impl ActiveSegment {
+    /// Creates a fresh `active.seg` holding only the file header, durably (file and directory).
+    /// An existing file of that name is replaced: callers only do this when there is none or it
+    /// holds a torn header and nothing else.
+    pub(crate) fn create(
+        dir: &Path,
+        dir_file: &File,
+        file_id: u32,
+        metrics: &StorageMetrics,
+    ) -> anyhow::Result<Self> {
+        let path = dir.join(ACTIVE_NAME);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .context("create active segment")?;
+        file.write_all_at(&format::file_header(), 0)
+            .context("write active segment header")?;
+        metrics
+            .fsync(|| file.sync_all())
+            .context("fsync new active segment")?;
+        metrics
+            .fsync(|| dir_file.sync_all())
+            .context("fsync timeline directory")?;
+        Ok(ActiveSegment {
+            file: Arc::new(file),
+            file_id,
+            len: FILE_HEADER_LEN,
+            entries: Vec::new(),
+        })
+    }
+
+    /// First and last LSN stored in this segment, if it holds anything.
+    pub(crate) fn lsn_range(&self) -> Option<(Lsn, Lsn)> {
+        Some((self.entries.first()?.lsn, self.entries.last()?.lsn))
+    }
+
+    /// Appends one validated batch as a frame at the end (not fsync'd). Returns the index of its
+    /// first entry in [`ActiveSegment::entries`]. On error the segment must not be appended to
+    /// again: the file may hold a partial frame past `len`.
+    pub(crate) fn append(
+        &mut self,
+        values: &[(Key, Lsn, Value)],
+        buf: &mut Vec<u8>,
+    ) -> anyhow::Result<usize> {
+        let first_entry = self.entries.len();
+        encode_frame(values, self.len, buf, &mut self.entries);
+        if let Err(e) = self.file.write_all_at(buf, self.len) {
+            self.entries.truncate(first_entry);
+            return Err(e).context("write batch frame");
+        }
+        self.len += buf.len() as u64;
+        Ok(first_entry)
+    }
+}
+
+/// What a scan of a segment found.
+#[derive(Debug)]
+pub(crate) struct Scan {
+    /// Entries of all complete, valid frames, in file order.
+    pub entries: Vec<IndexEntry>,
+    /// End of the last valid frame.
+    pub valid_len: u64,
+    /// Why the scan stopped before the end of the file, if it did.
+    pub torn: Option<String>,
+}
+
+/// Scans the frames of a segment whose header has been checked, from [`FILE_HEADER_LEN`] to
+/// `file_len`. A frame that is incomplete or fails its checksum ends the scan (a torn tail). A
+/// frame that passes its checksum but makes no sense (LSNs going backwards, bad kind or length)
+/// is an error: it is not a torn write, and cutting it could lose acknowledged data.
+pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn) -> anyhow::Result<Scan> {
+    let mut entries = Vec::new();
+    let mut pos = FILE_HEADER_LEN;
+    let mut header = [0u8; FRAME_HEADER_LEN];
+    let mut body = Vec::new();
+    let torn = loop {
+        if pos == file_len {
+            break None;
+        }
+        if file_len - pos < FRAME_HEADER_LEN as u64 {
+            break Some(format!(
+                "{} trailing bytes, less than a frame header",
+                file_len - pos
+            ));
+        }
+        read_at(file, &mut header, pos).context("read frame header")?;
+        let mut c = Cursor::new(&header);
+        let (magic, body_len, count, crc) = (c.u32()?, c.u32()?, c.u32()?, c.u32()?);
+        if magic != BATCH_MAGIC {
+            break Some(format!("bad frame magic {magic:#010x}"));
+        }
+        let body_len = body_len as usize;
+        let body_start = pos + FRAME_HEADER_LEN as u64;
+        if body_len > MAX_FRAME_BODY || body_start + body_len as u64 > file_len {
+            break Some(format!("frame body of {body_len} bytes runs past the end"));
+        }
+        body.resize(body_len, 0);
+        read_at(file, &mut body, body_start).context("read frame body")?;
+        if crc32c::crc32c_append(crc32c::crc32c(&header[..12]), &body) != crc {
+            break Some("frame checksum mismatch".to_string());
+        }
+        let first = entries.len();
+        parse_body(&body, count, body_start, &mut entries)
+            .with_context(|| format!("checksummed frame at offset {pos} is invalid"))?;
+        let batch = &entries[first..];
+        ensure!(
+            batch[0].lsn > last_lsn,
+            "frame at offset {pos} starts at lsn {} after lsn {last_lsn}",
+            batch[0].lsn
+        );
+        ensure!(
+            batch.windows(2).all(|w| w[0].lsn <= w[1].lsn),
+            "frame at offset {pos} has decreasing lsns"
+        );
+        last_lsn = batch[batch.len() - 1].lsn;
+        pos = body_start + body_len as u64;
+    };
+    Ok(Scan {
+        entries,
+        valid_len: pos,
+        torn,
+    })
+}
+
+/// Decodes `count` values of a checksummed frame body that starts at file offset `body_start`.
+fn parse_body(
+    body: &[u8],
+    count: u32,
+    body_start: u64,
+    entries: &mut Vec<IndexEntry>,
+) -> anyhow::Result<()> {
+    ensure!(count > 0, "empty frame");
+    let mut c = Cursor::new(body);
+    for _ in 0..count {
+        let key = c.key()?;
+        let lsn = c.lsn()?;
+        let kind = Kind::from_byte(c.u8()?)?;
+        let len = c.u32()?;
+        let crc = c.u32()?;
+        kind.check_len(len as usize)?;
+        let offset = body_start + c.pos() as u64;
+        let bytes = c.bytes(len as usize)?;
+        ensure!(
+            crc32c::crc32c(bytes) == crc,
+            "value checksum mismatch at {offset}"
+        );
+        entries.push(IndexEntry {
+            key,
+            lsn,
+            kind,
+            offset,
+            len,
+            crc,
+        });
+    }
+    ensure!(
+        c.pos() == body.len(),
+        "{} stray bytes after the values",
+        body.len() - c.pos()
+    );
+    Ok(())
+}
+
+/// `read_exact_at` that reports a short file as `UnexpectedEof` context rather than a bare error.
+pub(crate) fn read_at(file: &File, buf: &mut [u8], offset: u64) -> anyhow::Result<()> {
+    file.read_exact_at(buf, offset).map_err(|e| {
+        if e.kind() == ErrorKind::UnexpectedEof {
+            anyhow::anyhow!("file ends before {} bytes at offset {offset}", buf.len())
+        } else {
+            anyhow::Error::new(e).context(format!("read {} bytes at offset {offset}", buf.len()))
+        }
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn key(blk: u32) -> Key {
+        Key {
+            spcnode: 1663,
+            dbnode: 5,
+            relnode: 16384,
+            forknum: 0,
+            blknum: blk,
+        }
+    }
+
+    fn segment_with(batches: &[Vec<(Key, Lsn, Value)>]) -> (tempfile::TempDir, ActiveSegment) {
+        let dir = tempfile::tempdir().unwrap();
+        let dir_file = File::open(dir.path()).unwrap();
+        let mut seg =
+            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered())
+                .unwrap();
+        let mut buf = Vec::new();
+        for b in batches {
+            seg.append(b, &mut buf).unwrap();
+        }
+        (dir, seg)
+    }
+
+    fn two_batches() -> Vec<Vec<(Key, Lsn, Value)>> {
+        vec![
+            vec![
+                (
+                    key(1),
+                    Lsn(10),
+                    Value::Image(Bytes::from(vec![7u8; format::PAGE_SIZE])),
+                ),
+                (key(2), Lsn(10), Value::Record(Bytes::from_static(b"abc"))),
+            ],
+            vec![(key(1), Lsn(20), Value::Record(Bytes::from_static(b"xy")))],
+        ]
+    }
+
+    #[test]
+    fn scan_of_appended_frames_returns_every_entry_with_exact_offsets() {
+        let (_dir, seg) = segment_with(&two_batches());
+        let scan = scan(&seg.file, seg.len, Lsn(0)).unwrap();
+        assert!(scan.torn.is_none());
+        assert_eq!(scan.valid_len, seg.len);
+        assert_eq!(scan.entries, seg.entries);
+        let e = &scan.entries[2];
+        let mut b = vec![0u8; e.len as usize];
+        seg.file.read_exact_at(&mut b, e.offset).unwrap();
+        assert_eq!(b, b"xy");
+        assert_eq!(
+            frame_len(&two_batches()[1]),
+            FRAME_HEADER_LEN + VALUE_HEADER_LEN + 2
+        );
+    }
+
+    #[test]
+    fn scan_with_truncated_last_frame_stops_at_previous_frame() {
+        let (_dir, seg) = segment_with(&two_batches());
+        let end_of_first = seg.entries[1].offset + 3;
+        for cut in [seg.len - 1, end_of_first + 5, end_of_first + 20] {
+            let scan = scan(&seg.file, cut, Lsn(0)).unwrap();
+            assert!(scan.torn.is_some(), "cut at {cut}");
+            assert_eq!(scan.valid_len, end_of_first);
+            assert_eq!(scan.entries.len(), 2);
+        }
+    }
+
+    #[test]
+    fn scan_with_flipped_bit_in_last_frame_stops_at_previous_frame() {
+        let (_dir, seg) = segment_with(&two_batches());
+        seg.file.write_all_at(&[0xff], seg.len - 1).unwrap();
+        let scan = scan(&seg.file, seg.len, Lsn(0)).unwrap();
+        assert_eq!(scan.torn.as_deref(), Some("frame checksum mismatch"));
+        assert_eq!(scan.entries.len(), 2);
+    }
+
+    #[test]
+    fn scan_of_valid_frame_at_or_below_previous_lsn_is_an_error() {
+        let (_dir, seg) = segment_with(&two_batches());
+        assert!(scan(&seg.file, seg.len, Lsn(10)).is_err());
+    }
+}

@@ -1,0 +1,88 @@
+//! Helpers shared by the unit tests of every storage module: keys and values, opening a
+//! timeline with throwaway metrics, an in-order concurrent join, and a crash snapshot.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::{IngestBatch, Key, Lsn, StorageConf, StorageMetrics, Timeline, Value, PAGE_SIZE};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+
+/// Polls all `futs` concurrently, each round in order (so ingests are queued in order),
+/// and returns their outputs in order.
+pub(crate) async fn join_in_order<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
+    let mut futs: Vec<Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut done = true;
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => *o = Some(v),
+                    Poll::Pending => done = false,
+                }
+            }
+        }
+        if done {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    out.into_iter().map(|o| o.unwrap()).collect()
+}
+
+pub(crate) fn key(blk: u32) -> Key {
+    Key {
+        spcnode: 1663,
+        dbnode: 13010,
+        relnode: 16384,
+        forknum: 0,
+        blknum: blk,
+    }
+}
+
+/// A page image whose bytes are all `fill`.
+pub(crate) fn image(fill: u8) -> Value {
+    Value::Image(Bytes::from(vec![fill; PAGE_SIZE]))
+}
+
+pub(crate) fn record(text: &str) -> Value {
+    Value::Record(Bytes::copy_from_slice(text.as_bytes()))
+}
+
+pub(crate) fn batch(values: Vec<(Key, u64, Value)>) -> IngestBatch {
+    IngestBatch {
+        values: values.into_iter().map(|(k, l, v)| (k, Lsn(l), v)).collect(),
+    }
+}
+
+pub(crate) fn metrics() -> Arc<StorageMetrics> {
+    Arc::new(StorageMetrics::unregistered())
+}
+
+pub(crate) fn open(dir: &Path, layer_size: u64, metrics: &Arc<StorageMetrics>) -> Arc<Timeline> {
+    Timeline::open(dir, StorageConf { layer_size }, metrics.clone()).unwrap()
+}
+
+/// The bytes of `v`, for comparing with what a read returns.
+pub(crate) fn bytes_of(v: &Value) -> Bytes {
+    v.bytes().clone()
+}
+
+/// Copies every file of `from` into a new directory: what `kill -9` at this moment would
+/// leave on disk (the page cache survives a process crash). Not atomic across files, so
+/// callers avoid seals while copying.
+pub(crate) fn snapshot(from: &Path) -> tempfile::TempDir {
+    let to = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.path().join(entry.file_name())).unwrap();
+    }
+    to
+}

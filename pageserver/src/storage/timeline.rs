@@ -1,0 +1,623 @@
+//! The [`Timeline`] handle: the ingest queue in front of the committer, reads, `wait_lsn`,
+//! shutdown, and the directory lock.
+//!
+//! Why separate from the committer: callers (async tasks) only validate, queue and wait here;
+//! all file writes happen on the committer thread ([`super::commit`]).
+//!
+//! **Invariants:** the queue's `last_queued` only grows and is checked and advanced under the
+//! queue lock, in the same critical section that queues the batch; nothing is queued once
+//! `stopping` or `failed` is set; the directory lock is held for as long as any part of the
+//! timeline (handle or committer) is alive.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
+use std::time::Duration;
+
+use anyhow::Context;
+use nix::fcntl::{Flock, FlockArg};
+use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    commit, index, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn,
+    ReconstructData, StorageConf, StorageMetrics, TimelineStats, Value, WaitLsnError,
+};
+
+/// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
+const QUEUE_BUDGET_KIB: usize = 256 << 10;
+/// Name of the lock file in a timeline directory.
+pub(super) const LOCK_NAME: &str = "lock";
+
+/// A batch waiting for the committer.
+pub(super) struct Pending {
+    pub(super) values: Vec<(Key, Lsn, Value)>,
+    pub(super) last_lsn: Lsn,
+    pub(super) done: oneshot::Sender<Result<Lsn, IngestError>>,
+    /// Queue budget held until the batch is written.
+    pub(super) _permit: OwnedSemaphorePermit,
+}
+
+/// The ingest queue, shared by `ingest` callers and the committer (std mutex: never held across
+/// an await).
+pub(super) struct Queue {
+    pub(super) pending: Vec<Pending>,
+    /// Last LSN accepted into the queue (durable or not).
+    pub(super) last_queued: Lsn,
+    pub(super) stopping: bool,
+    /// Set after a failed write or fsync: why ingests are refused.
+    pub(super) failed: Option<String>,
+    /// Test hook: the committer leaves the queue alone while set (and not stopping).
+    pub(super) hold: bool,
+    /// Test hook: the committer's next group fsync fails.
+    pub(super) fail_next_fsync: bool,
+}
+
+/// State shared by the [`Timeline`] handle and its committer thread.
+pub(super) struct Shared {
+    pub(super) dir: PathBuf,
+    pub(super) conf: StorageConf,
+    pub(super) metrics: Arc<StorageMetrics>,
+    pub(super) queue: Mutex<Queue>,
+    pub(super) queue_cv: Condvar,
+    pub(super) index: RwLock<index::Index>,
+    pub(super) durable: watch::Sender<Lsn>,
+    pub(super) layers: AtomicU64,
+    pub(super) sealed_bytes: AtomicU64,
+    pub(super) active_len: AtomicU64,
+    /// Cancelled when the committer thread has exited: nothing becomes durable after that.
+    pub(super) stopped: CancellationToken,
+    pub(super) budget: Arc<Semaphore>,
+    pub(super) span: tracing::Span,
+    pub(super) _lock: Flock<File>,
+}
+
+impl Shared {
+    pub(super) fn queue(&self) -> MutexGuard<'_, Queue> {
+        // A panic under this lock leaves a consistent queue (no multi-step updates).
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn begin_stop(&self) {
+        self.queue().stopping = true;
+        self.queue_cv.notify_all();
+        self.budget.close();
+    }
+}
+
+/// The storage of one timeline. See the module doc.
+pub struct Timeline {
+    shared: Arc<Shared>,
+    committer: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Timeline {
+    /// Opens or creates the storage in `dir` (creating it), recovering from a crash: finishes an
+    /// interrupted seal and cuts a torn tail. Fails if another `Timeline` has `dir` open.
+    /// Blocking (reads every layer's index): from async code, call it in `spawn_blocking`.
+    pub fn open(
+        dir: &Path,
+        conf: StorageConf,
+        metrics: Arc<StorageMetrics>,
+    ) -> anyhow::Result<Arc<Timeline>> {
+        anyhow::ensure!(conf.layer_size > 0, "layer_size must be positive");
+        let span = tracing::info_span!("timeline", dir = %dir.display());
+        let _enter = span.enter();
+        create_dir_durably(dir)?;
+        let dir_file = File::open(dir).context("open timeline directory")?;
+        let lock = lock_dir(dir)?;
+        let rec = recovery::recover(dir, &dir_file, &metrics)?;
+        tracing::info!(
+            last_lsn = %rec.last_lsn, layers = rec.layers, values = rec.index.values(),
+            "opened timeline storage"
+        );
+        let layers = rec.layers;
+        let shared = Arc::new(Shared {
+            dir: dir.to_path_buf(),
+            conf,
+            metrics,
+            queue: Mutex::new(Queue {
+                pending: Vec::new(),
+                last_queued: rec.last_lsn,
+                stopping: false,
+                failed: None,
+                hold: false,
+                fail_next_fsync: false,
+            }),
+            queue_cv: Condvar::new(),
+            index: RwLock::new(rec.index),
+            durable: watch::Sender::new(rec.last_lsn),
+            layers: AtomicU64::new(rec.layers),
+            sealed_bytes: AtomicU64::new(rec.sealed_bytes),
+            active_len: AtomicU64::new(rec.segment.len),
+            stopped: CancellationToken::new(),
+            budget: Arc::new(Semaphore::new(QUEUE_BUDGET_KIB)),
+            span: span.clone(),
+            _lock: lock,
+        });
+        let committer = commit::spawn(shared.clone(), dir_file, rec.segment, rec.next_file_id)?;
+        // Added only once `Drop` (which subtracts the timeline's layers) can run.
+        shared.metrics.layer_files.add(layers as i64);
+        Ok(Arc::new(Timeline {
+            shared,
+            committer: Mutex::new(Some(committer)),
+        }))
+    }
+
+    /// Queues `batch` and returns its last LSN once it is durable (written and fdatasync'd,
+    /// together with whatever else was queued: group commit).
+    ///
+    /// The LSN check happens when the batch is queued, normally at the future's first poll
+    /// (later only if the queue budget is exhausted), so a caller that pipelines several ingests
+    /// must poll them in LSN order (e.g. with an ordered join), or one may be rejected as
+    /// `LsnWentBackwards`.
+    ///
+    /// The batch is checked completely before anything is written; an invalid batch changes
+    /// nothing. Cancel-safe in this sense: dropped before the batch is queued (while waiting for
+    /// queue room), nothing happens; dropped after, the batch still becomes durable (or fails
+    /// with the timeline), it is just not acknowledged, and its LSNs count as ingested.
+    pub async fn ingest(&self, batch: IngestBatch) -> Result<Lsn, IngestError> {
+        self.submit(batch).await?.await
+    }
+
+    /// Queues `batch` and returns once it is queued (its LSN order fixed), with a future that
+    /// resolves when it is durable. Callers that pipeline ingests call this in LSN order and
+    /// await the returned futures in any order. Waits only for queue room (the memory budget).
+    ///
+    /// Cancel-safe: dropped while waiting for room, nothing happens. The returned future, if
+    /// dropped, leaves the batch queued: it becomes durable (or fails) unacknowledged.
+    pub async fn submit(
+        &self,
+        batch: IngestBatch,
+    ) -> Result<impl std::future::Future<Output = Result<Lsn, IngestError>> + Send + 'static, IngestError> {
+        let (first, last, frame_len) = validate(&batch.values)?;
+        let permits = u32::try_from(frame_len.div_ceil(1024))
+            .map_err(|_| IngestError::Invalid("batch too large".to_string()))?;
+        let permit = self
+            .shared
+            .budget
+            .clone()
+            .acquire_many_owned(permits)
+            .await
+            .map_err(|_| self.refusal())?;
+        let (done, rx) = oneshot::channel();
+        {
+            let mut q = self.shared.queue();
+            if let Some(reason) = &q.failed {
+                return Err(failed_error(reason));
+            }
+            if q.stopping {
+                return Err(IngestError::ShuttingDown);
+            }
+            if first <= q.last_queued {
+                return Err(IngestError::LsnWentBackwards {
+                    last: q.last_queued,
+                    got: first,
+                });
+            }
+            q.last_queued = last;
+            q.pending.push(Pending {
+                values: batch.values,
+                last_lsn: last,
+                done,
+                _permit: permit,
+            });
+        }
+        self.shared.queue_cv.notify_one();
+        Ok(async move {
+            match rx.await {
+                Ok(result) => result,
+                Err(_) => Err(IngestError::Io(anyhow::anyhow!(
+                    "committer exited without an answer"
+                ))),
+            }
+        })
+    }
+
+    /// Why an ingest is refused once the queue budget is closed.
+    fn refusal(&self) -> IngestError {
+        match &self.shared.queue().failed {
+            Some(reason) => failed_error(reason),
+            None => IngestError::ShuttingDown,
+        }
+    }
+
+    /// The highest LSN whose batch is durable (0/0 for an empty timeline).
+    pub fn last_durable_lsn(&self) -> Lsn {
+        *self.shared.durable.borrow()
+    }
+
+    /// Waits until [`Timeline::last_durable_lsn`] is at least `lsn`, for at most `timeout`.
+    /// Fails early with `ShuttingDown` once the committer has stopped below `lsn`.
+    /// Cancel-safe: it only watches.
+    pub async fn wait_lsn(&self, lsn: Lsn, timeout: Duration) -> Result<(), WaitLsnError> {
+        let mut rx = self.shared.durable.subscribe();
+        let reached = tokio::select! {
+            biased;
+            r = tokio::time::timeout(timeout, rx.wait_for(|d| *d >= lsn)) => match r {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(_)) => false,
+                Err(_) => {
+                    let last_durable = self.last_durable_lsn();
+                    return Err(WaitLsnError::Timeout { wanted: lsn, last_durable, timeout });
+                }
+            },
+            _ = self.shared.stopped.cancelled() => self.last_durable_lsn() >= lsn,
+        };
+        if reached {
+            return Ok(());
+        }
+        Err(WaitLsnError::ShuttingDown {
+            wanted: lsn,
+            last_durable: self.last_durable_lsn(),
+        })
+    }
+
+    /// The LSN of the newest value of `key` at or below `lsn`: which version of the page `lsn`
+    /// sees. In-memory only, no I/O. `None` if the key has nothing at or below `lsn`.
+    pub fn version_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
+        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
+        index.newest_at(key, lsn)
+    }
+
+    /// The newest image of `key` at or below `lsn` and the records above it up to `lsn`, oldest
+    /// first; without an image, all records at or below `lsn`. Blocking file reads (positional,
+    /// mostly from the page cache); every value's checksum is verified.
+    pub fn get_reconstruct_data(&self, key: Key, lsn: Lsn) -> Result<ReconstructData, GetError> {
+        let plan = {
+            let index = self
+                .shared
+                .index
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            index.plan(key, lsn).map_err(GetError::Io)?
+        };
+        match plan {
+            None => Err(GetError::NotFound { key, lsn }),
+            Some(plan) => plan.execute().map_err(GetError::Io),
+        }
+    }
+
+    /// Stops accepting ingests, completes the queued ones (durable), stops the committer.
+    /// Reads keep working. Idempotent; cancel-safe (the stop, once begun, goes on without it).
+    pub async fn shutdown(&self) {
+        self.shared.begin_stop();
+        self.shared.stopped.cancelled().await;
+        let handle = self
+            .committer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(handle) = handle {
+            // The thread has signalled its exit; joining only reaps it.
+            let _ = tokio::task::spawn_blocking(move || handle.join()).await;
+        }
+    }
+
+    /// Keys, values, layers, bytes on disk, last durable LSN.
+    pub fn stats(&self) -> TimelineStats {
+        let (keys, values) = {
+            let index = self
+                .shared
+                .index
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            (index.keys(), index.values())
+        };
+        TimelineStats {
+            keys,
+            values,
+            layers: self.shared.layers.load(Ordering::Relaxed),
+            on_disk_bytes: self.shared.sealed_bytes.load(Ordering::Relaxed)
+                + self.shared.active_len.load(Ordering::Relaxed),
+            last_durable_lsn: self.last_durable_lsn(),
+        }
+    }
+
+    /// Test hook: while held, the committer leaves queued batches alone.
+    #[cfg(test)]
+    pub(super) fn hold_commits(&self, hold: bool) {
+        self.shared.queue().hold = hold;
+        self.shared.queue_cv.notify_all();
+    }
+
+    /// Test hook: makes the next group fsync fail.
+    #[cfg(test)]
+    pub(super) fn fail_next_fsync(&self) {
+        self.shared.queue().fail_next_fsync = true;
+    }
+
+    #[cfg(test)]
+    pub(super) fn queued_batches(&self) -> usize {
+        self.shared.queue().pending.len()
+    }
+}
+
+impl Drop for Timeline {
+    /// Stops the committer like `shutdown` and blocks until it has finished the queued batches,
+    /// so that the directory can be reopened as soon as this returns.
+    fn drop(&mut self) {
+        self.shared.begin_stop();
+        let handle = self
+            .committer
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(handle) = handle {
+            let _ = handle.join();
+        }
+        let layers = self.shared.layers.load(Ordering::Relaxed);
+        self.shared.metrics.layer_files.sub(layers as i64);
+    }
+}
+
+pub(super) fn failed_error(reason: &str) -> IngestError {
+    IngestError::Io(anyhow::anyhow!(
+        "timeline refuses ingests after a failed commit (reopen to recover): {reason}"
+    ))
+}
+
+/// Creates `dir` if missing and makes its directory entry durable.
+fn create_dir_durably(dir: &Path) -> anyhow::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).context("create timeline directory")?;
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        File::open(parent)
+            .and_then(|p| p.sync_all())
+            .context("fsync parent of timeline directory")?;
+    }
+    Ok(())
+}
+
+/// Takes the exclusive lock that keeps a second `Timeline` off `dir`.
+fn lock_dir(dir: &Path) -> anyhow::Result<Flock<File>> {
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(LOCK_NAME))
+        .context("open lock file")?;
+    Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| {
+        anyhow::anyhow!(
+            "timeline directory is already open ({errno}): {}",
+            dir.display()
+        )
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::storage::test_support::*;
+    use crate::storage::DEFAULT_LAYER_SIZE;
+
+    const T: Duration = Duration::from_secs(30);
+
+    #[tokio::test]
+    async fn ingest_then_get_returns_exact_image_and_records_at_latest_and_historical_lsns() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        let (k, other) = (key(1), key(2));
+        let lsn = tl
+            .ingest(batch(vec![
+                (k, 10, record("init")),
+                (other, 10, image(9)),
+                (k, 20, record("r20")),
+            ]))
+            .await
+            .unwrap();
+        assert_eq!(lsn, Lsn(20));
+        tl.ingest(batch(vec![(k, 30, image(3))])).await.unwrap();
+        tl.ingest(batch(vec![(k, 40, record("r40")), (k, 50, record("r50"))]))
+            .await
+            .unwrap();
+        assert_eq!(tl.last_durable_lsn(), Lsn(50));
+
+        let latest = tl.get_reconstruct_data(k, Lsn(u64::MAX)).unwrap();
+        assert_eq!(latest.image, Some((Lsn(30), bytes_of(&image(3)))));
+        let recs = vec![
+            (Lsn(40), bytes_of(&record("r40"))),
+            (Lsn(50), bytes_of(&record("r50"))),
+        ];
+        assert_eq!(latest.records, recs);
+
+        let at45 = tl.get_reconstruct_data(k, Lsn(45)).unwrap();
+        assert_eq!(at45.image, Some((Lsn(30), bytes_of(&image(3)))));
+        assert_eq!(at45.records, recs[..1]);
+
+        let at30 = tl.get_reconstruct_data(k, Lsn(30)).unwrap();
+        assert_eq!(
+            (at30.image.map(|i| i.0), at30.records.len()),
+            (Some(Lsn(30)), 0)
+        );
+
+        let at29 = tl.get_reconstruct_data(k, Lsn(29)).unwrap();
+        assert_eq!(at29.image, None);
+        let old = vec![
+            (Lsn(10), bytes_of(&record("init"))),
+            (Lsn(20), bytes_of(&record("r20"))),
+        ];
+        assert_eq!(at29.records, old);
+
+        let o = tl.get_reconstruct_data(other, Lsn(10)).unwrap();
+        assert_eq!(
+            (o.image, o.records.len()),
+            (Some((Lsn(10), bytes_of(&image(9)))), 0)
+        );
+        assert_eq!(
+            tl.stats(),
+            TimelineStats {
+                keys: 2,
+                values: 6,
+                layers: 0,
+                on_disk_bytes: std::fs::metadata(dir.path().join("active.seg"))
+                    .unwrap()
+                    .len(),
+                last_durable_lsn: Lsn(50),
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn several_keys_sharing_one_lsn_are_all_stored() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        let values = (0..100)
+            .map(|b| (key(b), 7, record(&format!("v{b}"))))
+            .collect();
+        tl.ingest(batch(values)).await.unwrap();
+        for b in 0..100 {
+            let d = tl.get_reconstruct_data(key(b), Lsn(7)).unwrap();
+            assert_eq!(
+                d.records,
+                vec![(Lsn(7), bytes_of(&record(&format!("v{b}"))))]
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn wait_lsn_succeeds_when_ingest_arrives() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        let waiter = tokio::spawn({
+            let tl = tl.clone();
+            async move { tl.wait_lsn(Lsn(100), T).await }
+        });
+        tl.ingest(batch(vec![(key(1), 50, record("a"))]))
+            .await
+            .unwrap();
+        // Durable is 50 now, below what the waiter wants: it cannot have finished.
+        assert!(!waiter.is_finished());
+        tl.ingest(batch(vec![(key(1), 100, record("b"))]))
+            .await
+            .unwrap();
+        waiter.await.unwrap().unwrap();
+        tl.wait_lsn(Lsn(100), Duration::ZERO).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn wait_lsn_without_ingest_times_out_naming_both_lsns() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        tl.ingest(batch(vec![(key(1), 0x10, record("a"))]))
+            .await
+            .unwrap();
+        let err = tl
+            .wait_lsn(Lsn(0x1_0000_0020), Duration::from_millis(20))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, WaitLsnError::Timeout { .. }));
+        let msg = err.to_string();
+        assert!(msg.contains("1/20") && msg.contains("0/10"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn shutdown_completes_queued_ingests_then_refuses_new_ones_and_is_idempotent() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        tl.hold_commits(true);
+        let queued = tokio::spawn({
+            let tl = tl.clone();
+            async move { tl.ingest(batch(vec![(key(1), 5, record("a"))])).await }
+        });
+        while tl.queued_batches() == 0 {
+            tokio::task::yield_now().await;
+        }
+        tl.shutdown().await;
+        assert_eq!(queued.await.unwrap().unwrap(), Lsn(5));
+        tl.shutdown().await;
+        let err = tl
+            .ingest(batch(vec![(key(1), 6, record("b"))]))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, IngestError::ShuttingDown), "{err}");
+        let err = tl.wait_lsn(Lsn(6), T).await.unwrap_err();
+        assert!(matches!(err, WaitLsnError::ShuttingDown { .. }), "{err}");
+        // Reads keep working after shutdown.
+        assert_eq!(
+            tl.get_reconstruct_data(key(1), Lsn(5))
+                .unwrap()
+                .records
+                .len(),
+            1
+        );
+    }
+
+    #[tokio::test]
+    async fn second_open_of_an_open_directory_fails_until_the_first_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = metrics();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
+        let err = Timeline::open(dir.path(), StorageConf::default(), m.clone())
+            .err()
+            .unwrap();
+        assert!(format!("{err:#}").contains("already open"), "{err:#}");
+        drop(tl);
+        open(dir.path(), DEFAULT_LAYER_SIZE, &m);
+    }
+
+    #[tokio::test]
+    async fn reopen_after_shutdown_serves_everything_and_continues_lsns() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = metrics();
+        let tl = open(&dir.path().join("tenant/timeline"), DEFAULT_LAYER_SIZE, &m);
+        for i in 1..=20u32 {
+            let v = if i % 5 == 0 {
+                image(i as u8)
+            } else {
+                record(&format!("r{i}"))
+            };
+            tl.ingest(batch(vec![(key(i % 3), u64::from(i) * 10, v)]))
+                .await
+                .unwrap();
+        }
+        tl.shutdown().await;
+        let stats = tl.stats();
+        drop(tl);
+
+        let tl = open(&dir.path().join("tenant/timeline"), DEFAULT_LAYER_SIZE, &m);
+        assert_eq!(tl.stats(), stats);
+        for i in 1..=20u32 {
+            let d = tl
+                .get_reconstruct_data(key(i % 3), Lsn(u64::from(i) * 10))
+                .unwrap();
+            let newest = d
+                .records
+                .last()
+                .map(|r| r.0)
+                .or(d.image.as_ref().map(|i| i.0));
+            assert_eq!(newest, Some(Lsn(u64::from(i) * 10)));
+        }
+        let err = tl
+            .ingest(batch(vec![(key(0), 200, record("x"))]))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, IngestError::LsnWentBackwards { .. }));
+        tl.ingest(batch(vec![(key(0), 201, record("x"))]))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn reopen_after_drop_without_shutdown_keeps_every_acknowledged_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = metrics();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
+        for i in 1..=10u64 {
+            tl.ingest(batch(vec![(key(1), i, record(&format!("r{i}")))]))
+                .await
+                .unwrap();
+        }
+        drop(tl);
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
+        let d = tl.get_reconstruct_data(key(1), Lsn(10)).unwrap();
+        let want: Vec<_> = (1..=10u64)
+            .map(|i| (Lsn(i), bytes_of(&record(&format!("r{i}")))))
+            .collect();
+        assert_eq!(d.records, want);
+    }
+}
