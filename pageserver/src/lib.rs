@@ -1,9 +1,22 @@
-//! The pageserver daemon's library.
+//! The pageserver daemon's library: everything the `pageserver` binary runs, callable from tests.
 //!
-//! - [`storage`]: durable per-tenant storage (append log, immutable layers, index).
-//! - [`walredo`]: the redo child process managers (sync and async kinds).
+//! - [`server`]: `run(conf, shutdown)`, the daemon as a function;
+//! - [`config`]: settings (file, overrides, defaults);
+//! - [`tenants`] / [`tenant`]: the tenants and the GetPage@LSN path;
+//! - [`storage`]: durable per-tenant storage (append log, immutable layers, index);
+//! - [`page_cache`]: reconstructed pages, bounded in bytes;
+//! - [`page_service`]: the TCP data path (GetPage, Ingest) and its wire protocol;
+//! - [`http`]: the management API;
+//! - [`walredo`]: the redo child process managers (sync and async kinds);
 //! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary.
 
+pub mod config;
+pub mod http;
+pub mod page_cache;
+pub mod page_service;
+pub mod server;
 pub mod storage;
+pub mod tenant;
+pub mod tenants;
 pub mod test_support;
 pub mod walredo;

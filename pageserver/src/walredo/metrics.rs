@@ -51,6 +51,11 @@ impl StopCause {
     pub fn is_graceful(self) -> bool {
         matches!(self, StopCause::Idle | StopCause::KindChange | StopCause::Dropped)
     }
+
+    /// Whether the stop is a fault (logged as a warning), not part of normal operation.
+    pub fn is_failure(self) -> bool {
+        !matches!(self, StopCause::Idle | StopCause::KindChange | StopCause::Dropped | StopCause::Shutdown)
+    }
 }
 
 pub struct WalRedoMetrics {

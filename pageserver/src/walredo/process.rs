@@ -264,10 +264,10 @@ impl Process {
         }
         self.metrics.processes_stopped.with_label_values(&[cause.label()]).inc();
         self.metrics.process_kind.with_label_values(&[self.kind.as_str()]).dec();
-        if cause.is_graceful() {
-            tracing::info!(pid = self.pid, cause = cause.label(), "retiring walredo process");
-        } else {
+        if cause.is_failure() {
             tracing::warn!(pid = self.pid, cause = cause.label(), "killing walredo process");
+        } else {
+            tracing::info!(pid = self.pid, cause = cause.label(), "stopping walredo process");
         }
         true
     }

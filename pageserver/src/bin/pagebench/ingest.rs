@@ -1,0 +1,284 @@
+//! `pagebench ingest`: creates the tenant (`POST /v1/tenant`) and loads the data set of
+//! [`crate::dataset`] over one page service connection, in batches of many values per Ingest
+//! frame with several batches in flight.
+//!
+//! One connection, because the daemon applies the batches of a connection in the order sent and
+//! ingest LSNs must only grow; the pipeline hides the fsync of each batch behind the next ones.
+//! A sender (this task) generates and writes batches while a receiver task reads the IngestOks;
+//! a semaphore of `--in-flight` permits bounds the batches written but not yet acknowledged.
+//!
+//! Resuming: if the tenant's last durable LSN is already inside the data set's LSN range, the
+//! load continues with the first value above it (the data set is the same for the same flags);
+//! at or past the end there is nothing to do.
+//!
+//! Any Error reply or broken connection stops the load: a partial data set would make every
+//! later measurement wrong.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use pageserver::page_service::client::{describe, Client, ClientReader, ServerError};
+use pageserver::page_service::proto::{ClientMessage, ServerMessage, MAX_FRAME_LEN};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::sync::{mpsc, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::dataset::{Shape, FIRST_LSN};
+use crate::http;
+use crate::report::{self, Counters};
+use crate::{ShapeArgs, Target};
+
+/// Longest wait for one IngestOk (an fsync of a batch, behind at most `in_flight` others).
+const ACK_TIMEOUT: Duration = Duration::from_secs(120);
+/// Room left in a frame for its header (len, type, request id, count).
+const FRAME_OVERHEAD: usize = 4 + 1 + 8 + 4;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    target: Target,
+    #[command(flatten)]
+    shape: ShapeArgs,
+    /// Go on if the tenant exists already (HTTP 409), resuming after its last durable LSN.
+    #[arg(long)]
+    exists_ok: bool,
+    /// Target size of one Ingest frame in bytes (at most 8 MiB).
+    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(9000..=i64::from(MAX_FRAME_LEN)))]
+    batch_bytes: u32,
+    /// Ingest frames written and not yet acknowledged.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    in_flight: u32,
+    /// Per-tenant walredo process kind, set when the tenant is created (default: the daemon's).
+    #[arg(long, value_parser = ["sync", "async"])]
+    walredo_process_kind: Option<String>,
+}
+
+/// A batch written and not yet acknowledged.
+struct Pending {
+    request_id: u64,
+    last_lsn: u64,
+    values: u64,
+    bytes: u64,
+}
+
+pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
+    let shape = args.shape.shape();
+    create_tenant(&args).await?;
+
+    let client = Client::connect(args.target.page_service.as_str(), &args.target.tenant).await?;
+    let last_durable_lsn = client.last_durable_lsn();
+    let first_value = shape.first_value_above(last_durable_lsn);
+    let total = shape.values();
+    if last_durable_lsn >= FIRST_LSN && first_value < total {
+        eprintln!(
+            "ingest: tenant {} is at LSN {last_durable_lsn}: resuming with value {first_value} of {total}",
+            args.target.tenant
+        );
+    }
+    if first_value >= total {
+        eprintln!(
+            "ingest: tenant {} is at LSN {last_durable_lsn}, at or past the data set's end LSN {}: nothing to load",
+            args.target.tenant,
+            shape.end_lsn()
+        );
+    }
+    eprintln!(
+        "ingest: {} pages ({} relations x {} blocks), chain length {}, {} values, LSNs {:#x}..={:#x}",
+        shape.pages(),
+        shape.relations,
+        shape.blocks,
+        shape.chain_length,
+        total,
+        shape.lsn_of_value(0),
+        shape.end_lsn()
+    );
+
+    let start = Instant::now();
+    let counters = Arc::new(Counters::default());
+    let stop_progress = CancellationToken::new();
+    let to_load = total - first_value;
+    let progress = tokio::spawn(report::progress(
+        counters.clone(),
+        start,
+        stop_progress.clone(),
+        Box::new(move |t| {
+            format!(
+                "ingest: {:5.1}% {}/{} values, {:.0} values/s, {:.1} MB/s",
+                100.0 * t.done as f64 / to_load.max(1) as f64,
+                t.done,
+                to_load,
+                t.done_per_s,
+                t.bytes_per_s / 1e6
+            )
+        }),
+    ));
+
+    let outcome = load(client, shape, first_value, &args, counters.clone(), cancel.clone()).await;
+    stop_progress.cancel();
+    let _ = progress.await;
+    outcome?;
+
+    let elapsed = start.elapsed().as_secs_f64();
+    let (values, _, bytes) = counters.snapshot();
+    let interrupted = cancel.is_cancelled() && first_value + values < total;
+    eprintln!(
+        "ingest: {}loaded {values} values ({:.1} MB) in {elapsed:.1} s: {:.0} values/s, {:.1} MB/s",
+        if interrupted { "interrupted: " } else { "" },
+        bytes as f64 / 1e6,
+        values as f64 / elapsed.max(1e-9),
+        bytes as f64 / 1e6 / elapsed.max(1e-9),
+    );
+    let summary = serde_json::json!({
+        "values": values,
+        "bytes": bytes,
+        "seconds": (elapsed * 1000.0).round() / 1000.0,
+        "values_per_s": (values as f64 / elapsed.max(1e-9)).round(),
+        "mb_per_s": (bytes as f64 / 1e6 / elapsed.max(1e-9) * 10.0).round() / 10.0,
+        "end_lsn": shape.end_lsn(),
+        "complete": !interrupted,
+    });
+    println!("{summary}");
+    if interrupted {
+        bail!("load the whole data set: interrupted");
+    }
+    Ok(())
+}
+
+/// `POST /v1/tenant`; 409 is fine only with `--exists-ok`.
+async fn create_tenant(args: &Args) -> anyhow::Result<()> {
+    let mut body = serde_json::json!({ "id": args.target.tenant });
+    if let Some(kind) = &args.walredo_process_kind {
+        body["config"] = serde_json::json!({ "walredo_process_kind": kind });
+    }
+    let response = http::request_json(&args.target.http, "POST", "/v1/tenant", &body).await?;
+    match response.status {
+        200 | 201 => {
+            eprintln!("ingest: created tenant {}", args.target.tenant);
+            Ok(())
+        }
+        409 if args.exists_ok => {
+            eprintln!("ingest: tenant {} exists already (--exists-ok)", args.target.tenant);
+            Ok(())
+        }
+        409 => bail!(
+            "create tenant {}: it exists already (pass --exists-ok to load into it)",
+            args.target.tenant
+        ),
+        status => bail!("create tenant {}: HTTP {status}: {}", args.target.tenant, response.body.trim()),
+    }
+}
+
+/// Writes every value from `first_value` on, in batches, and waits for the last IngestOk.
+async fn load(
+    client: Client,
+    shape: Shape,
+    first_value: u64,
+    args: &Args,
+    counters: Arc<Counters>,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    let in_flight = args.in_flight as usize;
+    let (reader, mut writer) = client.into_split();
+    let permits = Arc::new(Semaphore::new(in_flight));
+    let (pending_tx, pending_rx) = mpsc::channel::<Pending>(in_flight);
+    // The receiver cancels this when it fails, so that the sender stops waiting for permits.
+    let failed = cancel.child_token();
+    let receiver = tokio::spawn(receive(reader, pending_rx, permits.clone(), counters, failed.clone()));
+
+    let budget = args.batch_bytes as usize - FRAME_OVERHEAD;
+    let mut next = first_value;
+    let mut request_id = 0u64;
+    let sent: anyhow::Result<()> = async {
+        while next < shape.values() {
+            let permit = tokio::select! {
+                _ = failed.cancelled() => break,
+                permit = permits.acquire() => permit.context("wait for an ingest slot")?,
+            };
+            permit.forget();
+            let mut values = Vec::new();
+            let mut bytes = FRAME_OVERHEAD;
+            while next < shape.values() {
+                let value = shape.value(next);
+                let len = Shape::encoded_len(&value);
+                if !values.is_empty() && bytes + len > budget {
+                    break;
+                }
+                bytes += len;
+                values.push(value);
+                next += 1;
+            }
+            request_id += 1;
+            let last_lsn = values.last().map_or(0, |v| v.lsn);
+            let pending = Pending { request_id, last_lsn, values: values.len() as u64, bytes: bytes as u64 };
+            writer.send(&ClientMessage::Ingest { request_id, values });
+            if pending_tx.send(pending).await.is_err() {
+                break; // the receiver stopped; its error is the one to report
+            }
+            tokio::select! {
+                _ = failed.cancelled() => break,
+                flushed = writer.flush() => flushed?,
+            }
+        }
+        Ok(())
+    }
+    .await;
+    // No more batches: the receiver ends after the last acknowledgement. The writer stays open
+    // until then, so the daemon does not see EOF with batches still in flight.
+    drop(pending_tx);
+    let received = match sent {
+        Ok(()) => receiver.await.context("join the ingest receiver")?,
+        Err(send_error) => {
+            // The connection broke under the sender; the receiver may hold the daemon's reason
+            // (an Error reply before the close), which says more than a write error.
+            match tokio::time::timeout(Duration::from_secs(2), receiver).await {
+                Ok(Ok(Err(receive_error))) => Err(receive_error),
+                _ => Err(send_error),
+            }
+        }
+    };
+    drop(writer);
+    received
+}
+
+/// Reads one IngestOk per pending batch, in order.
+async fn receive(
+    mut reader: ClientReader<OwnedReadHalf>,
+    mut pending_rx: mpsc::Receiver<Pending>,
+    permits: Arc<Semaphore>,
+    counters: Arc<Counters>,
+    failed: CancellationToken,
+) -> anyhow::Result<()> {
+    let result = async {
+        while let Some(pending) = pending_rx.recv().await {
+            let reply = tokio::time::timeout(ACK_TIMEOUT, reader.recv()).await.with_context(|| {
+                format!("wait for ingest batch {}: no answer in {ACK_TIMEOUT:?}", pending.request_id)
+            })?;
+            match reply.context("read an ingest acknowledgement")? {
+                ServerMessage::IngestOk { request_id, durable_lsn }
+                    if request_id == pending.request_id && durable_lsn == pending.last_lsn => {}
+                ServerMessage::Error { request_id, code, message } => {
+                    return Err(ServerError { request_id, code, message }).with_context(|| {
+                        format!("ingest batch {} (up to LSN {})", pending.request_id, pending.last_lsn)
+                    });
+                }
+                other => bail!(
+                    "ingest batch {} up to LSN {}: expected its IngestOk, got {}",
+                    pending.request_id,
+                    pending.last_lsn,
+                    describe(&other)
+                ),
+            }
+            counters.done.fetch_add(pending.values, Ordering::Relaxed);
+            counters.bytes.fetch_add(pending.bytes, Ordering::Relaxed);
+            permits.add_permits(1);
+        }
+        Ok(())
+    }
+    .await;
+    if result.is_err() {
+        failed.cancel();
+    }
+    result
+}

@@ -1,0 +1,287 @@
+//! The daemon's settings (docs/settings.md): the file form read from `pageserver.toml` and
+//! `-c key=value` overrides, and the runtime form the rest of the daemon uses.
+//!
+//! Invariants:
+//! - every setting has a default, so the daemon starts without a file;
+//! - an unknown key or a bad value is an error that names the key: the daemon refuses to start
+//!   rather than run with a setting it did not understand;
+//! - the runtime form is built by destructuring the file form, so a new field cannot be
+//!   forgotten.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use crate::walredo::{self, ProcessKind, WalRedoConf};
+
+pub const DEFAULT_WORKDIR: &str = ".pageserver";
+pub const CONFIG_FILE_NAME: &str = "pageserver.toml";
+pub const DEFAULT_PG_ADDR: &str = "127.0.0.1:64000";
+pub const DEFAULT_HTTP_ADDR: &str = "127.0.0.1:9898";
+pub const DEFAULT_WAIT_LSN_TIMEOUT: Duration = Duration::from_secs(60);
+pub const DEFAULT_PAGE_CACHE_SIZE: u64 = 128 << 20;
+pub const DEFAULT_LAYER_SIZE: u64 = 64 << 20;
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1000;
+pub const DEFAULT_PROCESS_KIND: ProcessKind = ProcessKind::Async;
+
+/// Log line format on stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Plain,
+    Json,
+}
+
+/// `pageserver.toml` as written; see docs/settings.md.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct ConfigFile {
+    listen_pg_addr: String,
+    listen_http_addr: String,
+    walredo_process_kind: ProcessKind,
+    #[serde(with = "humantime_serde")]
+    wal_redo_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    walredo_idle_timeout: Duration,
+    walredo_proc_path: Option<PathBuf>,
+    #[serde(with = "humantime_serde")]
+    wait_lsn_timeout: Duration,
+    page_cache_size: ByteSize,
+    layer_size: ByteSize,
+    max_connections: usize,
+    log_format: LogFormat,
+}
+
+impl Default for ConfigFile {
+    fn default() -> ConfigFile {
+        ConfigFile {
+            listen_pg_addr: DEFAULT_PG_ADDR.to_string(),
+            listen_http_addr: DEFAULT_HTTP_ADDR.to_string(),
+            walredo_process_kind: DEFAULT_PROCESS_KIND,
+            wal_redo_timeout: walredo::DEFAULT_WAL_REDO_TIMEOUT,
+            walredo_idle_timeout: walredo::DEFAULT_IDLE_TIMEOUT,
+            walredo_proc_path: None,
+            wait_lsn_timeout: DEFAULT_WAIT_LSN_TIMEOUT,
+            page_cache_size: ByteSize(DEFAULT_PAGE_CACHE_SIZE),
+            layer_size: ByteSize(DEFAULT_LAYER_SIZE),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            log_format: LogFormat::Plain,
+        }
+    }
+}
+
+/// The settings in force.
+#[derive(Debug, Clone)]
+pub struct PageServerConf {
+    pub workdir: PathBuf,
+    pub listen_pg_addr: SocketAddr,
+    pub listen_http_addr: SocketAddr,
+    /// Defaults of every tenant's redo manager; `process_kind` is the global default kind.
+    pub walredo: WalRedoConf,
+    pub wait_lsn_timeout: Duration,
+    /// 0 disables the page cache.
+    pub page_cache_size: u64,
+    pub layer_size: u64,
+    pub max_connections: usize,
+    pub log_format: LogFormat,
+}
+
+impl PageServerConf {
+    /// Reads `<workdir>/pageserver.toml` (if present) and applies `overrides` (`key=value`).
+    pub fn load(workdir: &Path, overrides: &[String]) -> anyhow::Result<PageServerConf> {
+        let path = workdir.join(CONFIG_FILE_NAME);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
+        };
+        let mut table: toml::Table = toml::from_str(&text).with_context(|| format!("parse {}", path.display()))?;
+        for item in overrides {
+            let (key, value) = parse_override(item)?;
+            table.insert(key, value);
+        }
+        Self::from_table(workdir, table)
+    }
+
+    /// Builds the settings from a TOML table (file and overrides merged).
+    pub fn from_table(workdir: &Path, table: toml::Table) -> anyhow::Result<PageServerConf> {
+        // Round-trip through text: toml's errors then name the offending key.
+        let text = toml::to_string(&table).context("re-encode settings")?;
+        let file: ConfigFile = toml::from_str(&text).map_err(|e| {
+            // Name the key: the error's span points into the line `key = value`.
+            let key = e
+                .span()
+                .and_then(|span| text[..span.start.min(text.len())].rsplit('\n').next())
+                .and_then(|line| line.split('=').next())
+                .map(str::trim)
+                .filter(|key| !key.is_empty());
+            match key {
+                Some(key) => anyhow::anyhow!("invalid setting {key}: {}", e.message()),
+                None => anyhow::anyhow!("invalid setting: {}", e.message()),
+            }
+        })?;
+        let ConfigFile {
+            listen_pg_addr,
+            listen_http_addr,
+            walredo_process_kind,
+            wal_redo_timeout,
+            walredo_idle_timeout,
+            walredo_proc_path,
+            wait_lsn_timeout,
+            page_cache_size,
+            layer_size,
+            max_connections,
+            log_format,
+        } = file;
+        let addr = |key: &str, value: &str| -> anyhow::Result<SocketAddr> {
+            value.parse().map_err(|e| anyhow::anyhow!("invalid setting {key} = {value:?}: {e}"))
+        };
+        let positive = |key: &str, d: Duration| -> anyhow::Result<Duration> {
+            anyhow::ensure!(!d.is_zero(), "invalid setting {key}: must be more than zero");
+            Ok(d)
+        };
+        anyhow::ensure!(max_connections >= 1, "invalid setting max_connections: must be at least 1");
+        anyhow::ensure!(layer_size.0 >= 64 << 10, "invalid setting layer_size: must be at least 64 KiB");
+        let binary = match walredo_proc_path {
+            Some(path) => path,
+            None => walredo::default_binary_path()?,
+        };
+        Ok(PageServerConf {
+            workdir: workdir.to_path_buf(),
+            listen_pg_addr: addr("listen_pg_addr", &listen_pg_addr)?,
+            listen_http_addr: addr("listen_http_addr", &listen_http_addr)?,
+            walredo: WalRedoConf {
+                binary,
+                args: Vec::new(),
+                process_kind: walredo_process_kind,
+                timeout: positive("wal_redo_timeout", wal_redo_timeout)?,
+                idle_timeout: positive("walredo_idle_timeout", walredo_idle_timeout)?,
+            },
+            wait_lsn_timeout: positive("wait_lsn_timeout", wait_lsn_timeout)?,
+            page_cache_size: page_cache_size.0,
+            layer_size: layer_size.0,
+            max_connections,
+            log_format,
+        })
+    }
+}
+
+/// Splits `key=value`; the value is TOML, or else taken as a plain string.
+fn parse_override(item: &str) -> anyhow::Result<(String, toml::Value)> {
+    let (key, raw) = item.split_once('=').with_context(|| format!("override {item:?} is not key=value"))?;
+    let key = key.trim();
+    anyhow::ensure!(!key.is_empty(), "override {item:?} has no key");
+    let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t.remove("v").unwrap_or_else(|| toml::Value::String(raw.to_string())),
+        Err(_) => toml::Value::String(raw.trim().to_string()),
+    };
+    Ok((key.to_string(), value))
+}
+
+/// A size in bytes, written as a number or as `"<number> <unit>"` (B, KiB, MiB, GiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<ByteSize, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        match Raw::deserialize(deserializer)? {
+            Raw::Number(n) => Ok(ByteSize(n)),
+            Raw::Text(text) => parse_size(&text).map(ByteSize).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().map_err(|_| format!("size {text:?} does not start with a number"))?;
+    let multiplier: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => return Err(format!("size {text:?} has unknown unit {other:?}; use B, KiB, MiB or GiB")),
+    };
+    number.checked_mul(multiplier).ok_or_else(|| format!("size {text:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(overrides: &[&str]) -> anyhow::Result<PageServerConf> {
+        let dir = tempfile::tempdir().unwrap();
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        PageServerConf::load(dir.path(), &overrides)
+    }
+
+    #[test]
+    fn defaults_need_no_file() {
+        let conf = load(&[]).unwrap();
+        assert_eq!(conf.listen_pg_addr.to_string(), DEFAULT_PG_ADDR);
+        assert_eq!(conf.listen_http_addr.to_string(), DEFAULT_HTTP_ADDR);
+        assert_eq!(conf.walredo.process_kind, DEFAULT_PROCESS_KIND);
+        assert_eq!(conf.walredo.timeout, Duration::from_secs(60));
+        assert_eq!(conf.page_cache_size, DEFAULT_PAGE_CACHE_SIZE);
+    }
+
+    #[test]
+    fn file_and_overrides_combine_with_overrides_winning() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(CONFIG_FILE_NAME),
+            "walredo_process_kind = \"sync\"\nwal_redo_timeout = \"5 s\"\npage_cache_size = \"64 MiB\"\n",
+        )
+        .unwrap();
+        let conf = PageServerConf::load(
+            dir.path(),
+            &["walredo_process_kind=async".to_string(), "wait_lsn_timeout=\"500 ms\"".to_string()],
+        )
+        .unwrap();
+        assert_eq!(conf.walredo.process_kind, ProcessKind::Async);
+        assert_eq!(conf.walredo.timeout, Duration::from_secs(5));
+        assert_eq!(conf.wait_lsn_timeout, Duration::from_millis(500));
+        assert_eq!(conf.page_cache_size, 64 << 20);
+    }
+
+    #[test]
+    fn unknown_key_is_refused_by_name() {
+        let err = load(&["no_such_setting=1"]).unwrap_err();
+        assert!(format!("{err:#}").contains("no_such_setting"), "{err:#}");
+    }
+
+    #[test]
+    fn bad_values_are_refused_by_name() {
+        for (item, key) in [
+            ("walredo_process_kind=fast", "walredo_process_kind"),
+            ("listen_pg_addr=nowhere", "listen_pg_addr"),
+            ("wal_redo_timeout=\"soon\"", "wal_redo_timeout"),
+            ("page_cache_size=\"12 parsecs\"", "page_cache_size"),
+            ("max_connections=0", "max_connections"),
+            ("max_connections=\"many\"", "max_connections"),
+        ] {
+            let err = load(&[item]).unwrap_err();
+            assert!(format!("{err:#}").contains(key), "{item}: {err:#}");
+        }
+    }
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_size("64 KiB"), Ok(64 << 10));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert!(parse_size("1 PB").is_err());
+        assert!(parse_size("99999999999999 GiB").is_err());
+    }
+}

@@ -1,0 +1,114 @@
+//! The daemon as a library call: [`run`] starts everything the settings describe and returns
+//! when `shutdown` fires and everything has stopped cleanly.
+//!
+//! Shutdown order: stop accepting; connections stop reading and finish the requests they have
+//! (a GetPage still waiting for ingest to reach its LSN gets `shutting_down`); the management
+//! API stops; every tenant makes its queued ingests durable and stops its redo child. Then `run`
+//! returns `Ok`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::PageServerConf;
+use crate::page_cache::PageCache;
+use crate::page_service::{self, PageServiceMetrics};
+use crate::storage::{self, StorageMetrics};
+use crate::tenants::Tenants;
+use crate::walredo::WalRedoMetrics;
+
+/// File in the workdir naming the addresses the daemon listens on (JSON).
+pub const PORTS_FILE: &str = "ports.json";
+/// File in the workdir locked while a daemon runs there.
+pub const LOCK_FILE: &str = "pageserver.lock";
+
+pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&conf.workdir).with_context(|| format!("create workdir {}", conf.workdir.display()))?;
+    let _lock = lock_workdir(&conf)?;
+    anyhow::ensure!(
+        conf.walredo.binary.is_file(),
+        "the walredo child {} does not exist (setting walredo_proc_path)",
+        conf.walredo.binary.display()
+    );
+
+    let registry = prometheus::Registry::new();
+    let walredo_metrics = Arc::new(WalRedoMetrics::new(&registry)?);
+    let storage_metrics = Arc::new(StorageMetrics::new(&registry)?);
+    let page_service_metrics = Arc::new(PageServiceMetrics::new(&registry)?);
+    let cache = Arc::new(PageCache::new(conf.page_cache_size, &registry)?);
+    let tenants_cancel = CancellationToken::new();
+    let tenants = Arc::new(
+        Tenants::load(&conf, cache, storage_metrics, walredo_metrics, tenants_cancel.clone()).context("load tenants")?,
+    );
+
+    let pg_listener = tokio::net::TcpListener::bind(conf.listen_pg_addr)
+        .await
+        .with_context(|| format!("bind listen_pg_addr {}", conf.listen_pg_addr))?;
+    let http_listener = tokio::net::TcpListener::bind(conf.listen_http_addr)
+        .await
+        .with_context(|| format!("bind listen_http_addr {}", conf.listen_http_addr))?;
+    let (pg_addr, http_addr) = (pg_listener.local_addr()?, http_listener.local_addr()?);
+    write_ports_file(&conf, pg_addr, http_addr)?;
+    tracing::info!(
+        workdir = %conf.workdir.display(),
+        tenants = tenants.len(),
+        walredo_process_kind = conf.walredo.process_kind.as_str(),
+        "pageserver started"
+    );
+    tracing::info!("page service listening on {pg_addr}");
+    tracing::info!("management API listening on http://{http_addr}");
+
+    let connections_cancel = CancellationToken::new();
+    let connections = TaskTracker::new();
+    let page_service = tokio::spawn(page_service::serve(
+        pg_listener,
+        Arc::clone(&tenants),
+        conf.max_connections,
+        page_service_metrics,
+        connections_cancel.clone(),
+        connections.clone(),
+    ));
+    let http_cancel = CancellationToken::new();
+    let http = tokio::spawn(crate::http::serve(http_listener, Arc::clone(&tenants), registry, http_cancel.clone()));
+
+    shutdown.cancelled().await;
+    tracing::info!("shutting down: no new connections, finishing requests in flight");
+    connections_cancel.cancel();
+    // Requests waiting for an LSN that may never come end now (shutting_down); the rest finish.
+    tenants_cancel.cancel();
+    page_service.await.context("page service task")?;
+    connections.close();
+    connections.wait().await;
+    http_cancel.cancel();
+    match http.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!("management API stopped with an error: {e:#}"),
+        Err(e) => tracing::warn!("management API task failed: {e}"),
+    }
+    tracing::info!("stopping tenants: making ingest durable, stopping redo processes");
+    tenants.shutdown().await;
+    tracing::info!("pageserver stopped");
+    Ok(())
+}
+
+/// Takes an exclusive lock on the workdir, so that two daemons never share one.
+fn lock_workdir(conf: &PageServerConf) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+    let path = conf.workdir.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("open {}", path.display()))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| {
+        anyhow::anyhow!("another pageserver is running in {} ({errno})", conf.workdir.display())
+    })
+}
+
+fn write_ports_file(conf: &PageServerConf, pg: SocketAddr, http: SocketAddr) -> anyhow::Result<()> {
+    let text = serde_json::json!({ "pg": pg.to_string(), "http": http.to_string() }).to_string();
+    storage::durable_write(&conf.workdir, PORTS_FILE, text.as_bytes()).context("write ports file")
+}

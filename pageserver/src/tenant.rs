@@ -1,0 +1,262 @@
+//! One tenant: its storage (a [`Timeline`]), its redo manager, its config overrides, and the
+//! GetPage@LSN path that ties them together through the page cache.
+//!
+//! GetPage(key, lsn):
+//! 1. "latest" resolves to the last durable LSN; a higher LSN waits (bounded) for ingest;
+//! 2. the page version (LSN of the newest value at or below `lsn`) is looked up in the index;
+//!    none: not found;
+//! 3. page cache hit: done;
+//! 4. otherwise the newest image and the records above it are read from disk; an image with no
+//!    records is the page itself, else the redo manager reconstructs it; the page is cached.
+//!
+//! Invariant: every request carries the tenant id in its tracing span; page bytes are shared
+//! `Bytes` end to end (storage or redo child -> cache -> reply).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+use walredo_proc::protocol::BufferTag;
+
+use crate::page_cache::PageCache;
+use crate::page_service::proto::{IngestValue, ValueKind, LSN_LATEST};
+use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, Timeline, Value, WaitLsnError};
+use crate::walredo::{lock, ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
+
+/// File in the tenant's directory holding its overrides; its presence marks a complete tenant.
+pub const TENANT_CONFIG_FILE: &str = "tenant.toml";
+
+/// A tenant's own settings; `None` falls back to the daemon's.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfOverrides {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub walredo_process_kind: Option<ProcessKind>,
+}
+
+/// The settings in force for a tenant.
+#[derive(Debug, Clone, Serialize)]
+pub struct EffectiveTenantConf {
+    pub walredo_process_kind: ProcessKind,
+}
+
+/// Why a GetPage failed; the page service maps each to an error code.
+#[derive(Debug, thiserror::Error)]
+pub enum GetPageError {
+    #[error("no page {key} at or below LSN {lsn}")]
+    NotFound { key: BufferTag, lsn: Lsn },
+    #[error(transparent)]
+    WaitLsn(#[from] WaitLsnError),
+    #[error(transparent)]
+    Redo(#[from] RedoError),
+    #[error("tenant is shutting down")]
+    ShuttingDown,
+    #[error("read page: {0:#}")]
+    Internal(anyhow::Error),
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TenantStatus {
+    pub id: String,
+    pub last_durable_lsn: u64,
+    pub config: TenantConfOverrides,
+    pub effective_config: EffectiveTenantConf,
+    pub walredo: WalRedoStatus,
+    pub storage: StorageStatus,
+    pub counters: TenantCounters,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StorageStatus {
+    pub keys: u64,
+    pub values: u64,
+    pub layers: u64,
+    pub disk_bytes: u64,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TenantCounters {
+    pub get_page_requests: u64,
+    pub ingest_batches: u64,
+    pub ingested_values: u64,
+}
+
+/// What a tenant needs from the daemon.
+pub struct TenantDeps {
+    pub cache: Arc<PageCache>,
+    pub wait_lsn_timeout: Duration,
+    pub default_process_kind: ProcessKind,
+}
+
+/// A tenant; built by [`crate::tenants::Tenants`], which owns the directory layout.
+pub struct Tenant {
+    pub id: String,
+    /// Unique per process, so that a re-created tenant never sees its predecessor's cache.
+    pub(crate) generation: u64,
+    pub(crate) dir: PathBuf,
+    pub(crate) timeline: Arc<Timeline>,
+    pub(crate) walredo: Arc<WalRedoManager>,
+    pub(crate) overrides: Mutex<TenantConfOverrides>,
+    pub(crate) deps: Arc<TenantDeps>,
+    /// Cancelled when the tenant stops; connections watch it.
+    pub cancel: CancellationToken,
+    pub(crate) counters: Counters,
+}
+
+/// Request counters of a tenant.
+#[derive(Default)]
+pub(crate) struct Counters {
+    get_page_requests: AtomicU64,
+    ingest_batches: AtomicU64,
+    ingested_values: AtomicU64,
+}
+
+impl Tenant {
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn last_durable_lsn(&self) -> u64 {
+        self.timeline.last_durable_lsn().0
+    }
+
+    /// The page `key` as of `lsn` ([`LSN_LATEST`]: the last durable LSN), and the LSN served.
+    ///
+    /// Cancel-safe: dropping it abandons the wait or the redo (see
+    /// [`WalRedoManager::request_redo`]); nothing is left half done.
+    pub async fn get_page(&self, key: BufferTag, lsn: u64) -> Result<(u64, Bytes), GetPageError> {
+        self.counters.get_page_requests.fetch_add(1, Ordering::Relaxed);
+        if self.cancel.is_cancelled() {
+            return Err(GetPageError::ShuttingDown);
+        }
+        let lsn = if lsn == LSN_LATEST {
+            self.timeline.last_durable_lsn()
+        } else {
+            let lsn = Lsn(lsn);
+            tokio::select! {
+                waited = self.timeline.wait_lsn(lsn, self.deps.wait_lsn_timeout) => waited?,
+                () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
+            }
+            lsn
+        };
+        let version = self.timeline.version_at(key, lsn).ok_or(GetPageError::NotFound { key, lsn })?;
+        let cache_key = (self.generation, key, version.0);
+        if let Some(page) = self.deps.cache.get(&cache_key) {
+            return Ok((lsn.0, page));
+        }
+        let data = match self.timeline.get_reconstruct_data(key, lsn) {
+            Ok(data) => data,
+            Err(GetError::NotFound { .. }) => return Err(GetPageError::NotFound { key, lsn }),
+            Err(GetError::Io(e)) => return Err(GetPageError::Internal(e)),
+        };
+        let page = match (data.image, data.records.is_empty()) {
+            (Some((_, image)), true) => image,
+            (image, _) => {
+                let records: Vec<(u64, Bytes)> = data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
+                self.walredo.request_redo(key, lsn.0, image.map(|(_, page)| page), &records).await?
+            }
+        };
+        self.deps.cache.insert(cache_key, page.clone());
+        Ok((lsn.0, page))
+    }
+
+    /// Queues a batch for durable storage, in call order; the returned future resolves once
+    /// it is durable (fsync'd) with its last LSN.
+    ///
+    /// Not cancel-safe in the sense that a queued batch stays queued: dropping the returned
+    /// future means the batch becomes durable (or fails) unacknowledged.
+    pub async fn submit_ingest(
+        &self,
+        values: Vec<IngestValue>,
+    ) -> Result<impl std::future::Future<Output = Result<u64, IngestError>> + Send + 'static, IngestError> {
+        if self.cancel.is_cancelled() {
+            return Err(IngestError::ShuttingDown);
+        }
+        let count = values.len() as u64;
+        let values = values
+            .into_iter()
+            .map(|v| {
+                let value = match v.kind {
+                    ValueKind::Image => Value::Image(v.data),
+                    ValueKind::Record => Value::Record(v.data),
+                };
+                (v.key, Lsn(v.lsn), value)
+            })
+            .collect();
+        let durable = self.timeline.submit(IngestBatch { values }).await?;
+        self.counters.ingest_batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.ingested_values.fetch_add(count, Ordering::Relaxed);
+        Ok(async move { durable.await.map(|lsn| lsn.0) })
+    }
+
+    pub fn overrides(&self) -> TenantConfOverrides {
+        lock(&self.overrides).clone()
+    }
+
+    pub fn effective_conf(&self) -> EffectiveTenantConf {
+        let overrides = lock(&self.overrides);
+        EffectiveTenantConf {
+            walredo_process_kind: overrides.walredo_process_kind.unwrap_or(self.deps.default_process_kind),
+        }
+    }
+
+    /// Stores new overrides with the tenant and puts them in force: a changed process kind
+    /// applies to the next child (the current one drains and exits).
+    pub fn set_overrides(&self, overrides: TenantConfOverrides) -> anyhow::Result<()> {
+        write_overrides(&self.dir, &overrides)?;
+        *lock(&self.overrides) = overrides;
+        self.walredo.set_process_kind(self.effective_conf().walredo_process_kind);
+        Ok(())
+    }
+
+    pub fn status(&self) -> TenantStatus {
+        let stats = self.timeline.stats();
+        TenantStatus {
+            id: self.id.clone(),
+            last_durable_lsn: stats.last_durable_lsn.0,
+            config: self.overrides(),
+            effective_config: self.effective_conf(),
+            walredo: self.walredo.status(),
+            storage: StorageStatus {
+                keys: stats.keys,
+                values: stats.values,
+                layers: stats.layers,
+                disk_bytes: stats.on_disk_bytes,
+            },
+            counters: TenantCounters {
+                get_page_requests: self.counters.get_page_requests.load(Ordering::Relaxed),
+                ingest_batches: self.counters.ingest_batches.load(Ordering::Relaxed),
+                ingested_values: self.counters.ingested_values.load(Ordering::Relaxed),
+            },
+        }
+    }
+
+    /// Stops the tenant: connections are told, queued ingests become durable, the redo child
+    /// is stopped and reaped. Idempotent.
+    pub async fn shutdown(&self) {
+        self.cancel.cancel();
+        self.timeline.shutdown().await;
+        self.walredo.shutdown().await;
+    }
+}
+
+/// Reads a tenant's overrides; `Ok(None)` if the file is missing (an incomplete tenant).
+pub(crate) fn read_overrides(dir: &Path) -> anyhow::Result<Option<TenantConfOverrides>> {
+    let path = dir.join(TENANT_CONFIG_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => toml::from_str(&text).map(Some).with_context(|| format!("parse {}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("read {}", path.display())),
+    }
+}
+
+/// Writes the overrides durably: temp file, fsync, rename, fsync of the directory.
+pub(crate) fn write_overrides(dir: &Path, overrides: &TenantConfOverrides) -> anyhow::Result<()> {
+    let text = toml::to_string(overrides).context("encode tenant config")?;
+    storage::durable_write(dir, TENANT_CONFIG_FILE, text.as_bytes()).context("write tenant config")
+}

@@ -1,0 +1,85 @@
+"""Fixtures for the end-to-end tests (docs: /work/shared/DESIGN.md section 8).
+
+- `pageserver_factory(**config)`: start a daemon in its own temp work dir on free ports; every
+  daemon started is stopped at teardown (SIGTERM, exit status 0), then checked: no redo child
+  outlives it, and its log has no ERROR/WARN line the test did not allow
+  (`daemon.allowed_errors.append(regex)`).
+- `pageserver`: one daemon with the default config, or with `walredo_process_kind` set from the
+  `process_kind` fixture when the test uses it.
+- `process_kind`: "sync" and "async"; a test that takes it runs once per kind.
+- `tenant`: a fresh tenant on `pageserver`.
+
+The binary is `$PAGESERVER_BIN_DIR/pageserver` (default `<repo>/target/debug`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures.daemon import Pageserver, default_bin_dir, new_tenant_id
+from fixtures.util import wait_until
+
+PROCESS_KINDS = ["sync", "async"]
+
+
+@pytest.fixture(scope="session")
+def bin_dir():
+    d = default_bin_dir()
+    assert (d / "pageserver").exists(), (
+        f"no pageserver binary in {d}: run `cargo build --workspace --bins` or set PAGESERVER_BIN_DIR"
+    )
+    return d
+
+
+@pytest.fixture(params=PROCESS_KINDS)
+def process_kind(request):
+    return request.param
+
+
+@pytest.fixture
+def pageserver_factory(bin_dir, tmp_path):
+    daemons: list[Pageserver] = []
+
+    def make(start: bool = True, raw_args: list[str] | None = None, env: dict | None = None,
+             **config) -> Pageserver:
+        d = Pageserver(bin_dir, tmp_path / f"pageserver{len(daemons)}", config, raw_args, env)
+        daemons.append(d)
+        if start:
+            d.start()
+        return d
+
+    yield make
+
+    problems = []
+    for d in daemons:
+        if d.running:
+            try:
+                d.stop()
+            except AssertionError as e:
+                problems.append(str(e))
+        if d.proc is not None:
+            d._force_kill()
+        try:
+            wait_until(lambda d=d: not d.leftover_children(), timeout=10,
+                       desc="redo children to exit")
+        except AssertionError:
+            problems.append(f"redo children left behind by {d.workdir}: {d.leftover_children()}")
+        bad = d.check_log()
+        if bad:
+            shown = "\n".join(bad[:30])
+            problems.append(f"unexpected ERROR/WARN lines in {d.log_path} ({len(bad)}):\n{shown}")
+    if problems:
+        pytest.fail("\n\n".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def pageserver(request, pageserver_factory):
+    config = {}
+    if "process_kind" in request.fixturenames:
+        config["walredo_process_kind"] = request.getfixturevalue("process_kind")
+    return pageserver_factory(**config)
+
+
+@pytest.fixture
+def tenant(pageserver):
+    return pageserver.create_tenant(new_tenant_id())

@@ -1,0 +1,67 @@
+"""Settings (docs/settings.md): bad keys and values stop the daemon at start-up with a message
+naming the key; the config file and `-c` overrides are applied."""
+
+import pytest
+
+from fixtures import oracle as o
+from fixtures.oracle import Key
+
+BAD = [
+    ("no_such_key=1", "no_such_key"),
+    ("walredo_process_kind=fast", "walredo_process_kind"),
+    ("walredo_process_kind=3", "walredo_process_kind"),
+    ('wait_lsn_timeout="soon"', "wait_lsn_timeout"),
+    ('wal_redo_timeout="5 parsecs"', "wal_redo_timeout"),
+    ("walredo_idle_timeout=true", "walredo_idle_timeout"),
+    ('page_cache_size="lots"', "page_cache_size"),
+    ('layer_size="-1 MiB"', "layer_size"),
+    ("max_connections=-1", "max_connections"),
+    ('max_connections="many"', "max_connections"),
+    ("log_format=xml", "log_format"),
+]
+
+
+@pytest.mark.parametrize("arg,key", BAD, ids=[a for a, _ in BAD])
+def test_bad_setting_refuses_to_start(pageserver_factory, arg, key):
+    ps = pageserver_factory(start=False, raw_args=[arg])
+    rc, output = ps.run_expect_failure()
+    assert rc != 0, output
+    assert key in output, f"the output does not name {key}:\n{output}"
+    assert not (ps.workdir / "ports.json").exists()
+    ps.allowed_errors.append(".")  # its start-up error is the point of the test
+
+
+def test_bad_key_in_config_file_refuses_to_start(pageserver_factory):
+    ps = pageserver_factory(start=False)
+    ps.workdir.mkdir(parents=True)
+    (ps.workdir / "pageserver.toml").write_text('walredo_process_kind = "sync"\nbogus_setting = 5\n')
+    rc, output = ps.run_expect_failure()
+    assert rc != 0
+    assert "bogus_setting" in output, output
+    ps.allowed_errors.append(".")
+
+
+def test_config_file_and_overrides(pageserver_factory):
+    ps = pageserver_factory(start=False, raw_args=['wait_lsn_timeout="300 ms"'])
+    ps.workdir.mkdir(parents=True)
+    (ps.workdir / "pageserver.toml").write_text(
+        'walredo_process_kind = "sync"\nwait_lsn_timeout = "60 s"\npage_cache_size = "4 MiB"\n')
+    ps.start()
+    t = ps.create_tenant()
+    assert ps.http.tenant_status(t)["effective_config"]["walredo_process_kind"] == "sync"
+    # the -c override wins over the file: a GetPage ahead of ingest fails fast
+    k = Key.rel_block(11000, 1)
+    with ps.connect(t) as conn:
+        conn.ingest([(k, 10, o.RECORD, o.init_page(0))])
+        conn.send_get_page(k, 11)
+        reply = conn.read_reply(timeout=10)
+        assert getattr(reply, "name", None) == "lsn_timeout", reply
+
+
+def test_duration_and_size_forms(pageserver_factory):
+    ps = pageserver_factory(wait_lsn_timeout="3 min", wal_redo_timeout="60 s", walredo_idle_timeout="500 ms",
+                            page_cache_size=1048576, layer_size="1 MiB", max_connections=10)
+    t = ps.create_tenant()
+    with ps.connect(t) as conn:
+        conn.ingest([(Key.rel_block(11000, 2), 10, o.RECORD, o.init_page(0))])
+        assert conn.get_page(Key.rel_block(11000, 2))[12:14] == b"\x18\x00"

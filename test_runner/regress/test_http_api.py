@@ -1,0 +1,181 @@
+"""The management API (docs/http-api.md): tenants, their status and config, errors, metrics."""
+
+import pytest
+
+from fixtures import oracle as o
+from fixtures.oracle import Key
+from fixtures.page_client import PageServiceError
+
+KEY = Key.rel_block(10000, 1)
+
+
+def _error(resp, status):
+    assert resp.status == status, resp
+    assert isinstance(resp.body, dict) and isinstance(resp.body.get("error"), str) and resp.body["error"], resp
+
+
+def test_status(pageserver):
+    st = pageserver.http.status()
+    assert isinstance(st["version"], str) and st["version"]
+    assert st["tenants"] == 0
+    pageserver.create_tenant()
+    assert pageserver.http.status()["tenants"] == 1
+
+
+def test_tenant_lifecycle(pageserver):
+    http = pageserver.http
+    assert http.list_tenants() == []
+    created = http.create_tenant("beta")
+    assert created["id"] == "beta"
+    assert created["last_durable_lsn"] == 0
+    assert created["walredo"]["process"] is None  # no child before the first redo
+    http.create_tenant("alpha", {"walredo_process_kind": "sync"})
+    http.create_tenant("Gamma_9-x")
+    ids = [t["id"] for t in http.list_tenants()]
+    assert ids == sorted(["beta", "alpha", "Gamma_9-x"])
+    st = http.tenant_status("alpha")
+    assert st["config"]["walredo_process_kind"] == "sync"
+    assert st["effective_config"]["walredo_process_kind"] == "sync"
+    for field in ("storage", "counters", "walredo"):
+        assert isinstance(st[field], dict), st
+    assert set(st["storage"]) >= {"keys", "values", "layers", "disk_bytes"}
+    assert set(st["counters"]) >= {"get_page_requests", "ingest_batches", "ingested_values"}
+
+    # status follows the data
+    with pageserver.connect("alpha") as conn:
+        conn.ingest([(KEY, 10, o.RECORD, o.init_page(0)), (KEY, 11, o.RECORD, o.insert(b"a")),
+                     (Key.rel_block(10000, 2), 11, o.IMAGE, bytes(8192))])
+        conn.get_page(KEY)
+        conn.get_page(KEY, 10)
+    st = http.tenant_status("alpha")
+    assert st["last_durable_lsn"] == 11
+    assert st["storage"]["keys"] == 2
+    assert st["storage"]["values"] == 3
+    assert st["counters"] == {**st["counters"], "get_page_requests": 2, "ingest_batches": 1, "ingested_values": 3}
+    assert st["walredo"]["process"]["kind"] == "sync"
+
+    assert http.delete_tenant("beta") == {}
+    assert [t["id"] for t in http.list_tenants()] == sorted(["alpha", "Gamma_9-x"])
+    assert http.status()["tenants"] == 2
+
+
+def test_tenant_errors(pageserver):
+    http = pageserver.http
+    pageserver.create_tenant("exists")
+    _error(http.get("/v1/tenant/nope"), 404)
+    _error(http.request("DELETE", "/v1/tenant/nope"), 404)
+    _error(http.request("PUT", "/v1/tenant/nope/config", {"walredo_process_kind": "sync"}), 404)
+    _error(http.request("POST", "/v1/tenant", {"id": "exists"}), 409)
+    # the failed create changed nothing
+    assert [t["id"] for t in http.list_tenants()] == ["exists"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"id": ""},
+        {"id": "x" * 65},
+        {"id": "has space"},
+        {"id": "dot.ted"},
+        {"id": "slash/ed"},
+        {"id": "ünïcode"},
+        {"id": 42},
+        {},
+        {"id": "ok", "config": {"walredo_process_kind": "fast"}},
+        {"id": "ok", "config": {"walredo_process_kind": 1}},
+        {"id": "ok", "config": "sync"},
+    ],
+    ids=["empty", "too_long", "space", "dot", "slash", "unicode", "number", "no_id", "bad_kind",
+         "kind_not_string", "config_not_object"],
+)
+def test_create_tenant_bad_request(pageserver, body):
+    _error(pageserver.http.request("POST", "/v1/tenant", body), 400)
+    assert pageserver.http.list_tenants() == []
+
+
+def test_create_tenant_malformed_json(pageserver):
+    _error(pageserver.http.request("POST", "/v1/tenant", raw=b"{not json"), 400)
+    assert pageserver.http.list_tenants() == []
+
+
+def test_tenant_id_of_64_chars_is_accepted(pageserver):
+    tid = "a" * 64
+    pageserver.http.create_tenant(tid)
+    with pageserver.connect(tid) as conn:
+        assert conn.hello_ok.last_durable_lsn == 0
+
+
+def test_put_config(pageserver):
+    http = pageserver.http
+    t = pageserver.create_tenant()
+    st = http.set_tenant_config(t, {"walredo_process_kind": "sync"})
+    assert st["config"]["walredo_process_kind"] == "sync"
+    assert st["effective_config"]["walredo_process_kind"] == "sync"
+    assert st["walredo"]["process_kind"] == "sync"
+    # null falls back to the daemon's setting (async by default)
+    st = http.set_tenant_config(t, {"walredo_process_kind": None})
+    assert st["config"].get("walredo_process_kind") is None
+    assert st["effective_config"]["walredo_process_kind"] == "async"
+    http.set_tenant_config(t, {"walredo_process_kind": "sync"})
+    # absent also falls back: the body replaces the overrides
+    st = http.set_tenant_config(t, {})
+    assert st["effective_config"]["walredo_process_kind"] == "async"
+    assert http.tenant_status(t)["effective_config"]["walredo_process_kind"] == "async"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"walredo_process_kind": "fast"}', b'{"walredo_process_kind": 3}', b"[1]", b"nope"],
+    ids=["bad_kind", "kind_not_string", "not_object", "not_json"],
+)
+def test_put_config_bad_body(pageserver, raw):
+    t = pageserver.create_tenant(kind="sync")
+    _error(pageserver.http.request("PUT", f"/v1/tenant/{t}/config", raw=raw), 400)
+    st = pageserver.http.tenant_status(t)
+    assert st["effective_config"]["walredo_process_kind"] == "sync"
+
+
+def test_delete_tenant_removes_data(pageserver):
+    t = pageserver.create_tenant()
+    with pageserver.connect(t) as conn:
+        conn.ingest([(KEY, 10, o.RECORD, o.init_page(0))])
+    before = sorted(p.name for p in pageserver.workdir.rglob("*") if t in p.name)
+    assert before, "the tenant has no files named after it in the work dir"
+    pageserver.http.delete_tenant(t)
+    left = [p for p in pageserver.workdir.rglob("*") if t in str(p.relative_to(pageserver.workdir))]
+    assert not left, left
+    pageserver.restart()
+    _error(pageserver.http.get(f"/v1/tenant/{t}"), 404)
+    with pytest.raises(PageServiceError) as e:
+        pageserver.connect(t)
+    assert e.value.name == "no_such_tenant"
+
+
+METRIC_PREFIXES = ["pageserver_wal_redo_", "pageserver_storage_", "pageserver_page_cache_",
+                   "pageserver_page_service_"]
+
+
+def test_metrics(pageserver):
+    t = pageserver.create_tenant()
+    with pageserver.connect(t) as conn:
+        conn.ingest([(KEY, 10, o.RECORD, o.init_page(0)), (KEY, 11, o.RECORD, o.insert(b"m"))])
+        conn.get_page(KEY)
+        conn.get_page(KEY)
+    resp = pageserver.http.get("/metrics")
+    assert resp.status == 200
+    ctype = next(v for k, v in resp.headers.items() if k.lower() == "content-type")
+    assert ctype.replace(" ", "").startswith("text/plain;version=0.0.4"), ctype
+    m = pageserver.http.metrics()
+    names = m.names()
+    assert all(n.startswith("pageserver_") for n in names), sorted(n for n in names if not n.startswith("pageserver_"))
+    for prefix in METRIC_PREFIXES:
+        assert any(n.startswith(prefix) for n in names), f"no metric family {prefix}*: {sorted(names)}"
+    assert m.value("pageserver_walredo_process_kind", kind="async") is not None
+    assert m.value("pageserver_walredo_process_kind", kind="sync") is not None
+    # families declare their type
+    for name in names:
+        base = name
+        for suffix in ("_bucket", "_sum", "_count", "_total", "_created"):
+            if base.endswith(suffix) and base[: -len(suffix)] in m.types:
+                base = base[: -len(suffix)]
+        assert base in m.types or name in m.types, f"{name} has no # TYPE line"

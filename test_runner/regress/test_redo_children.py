@@ -1,0 +1,159 @@
+"""The redo child processes: one per tenant on demand, replaced when it dies, stopped when idle,
+and never left behind (alive or zombie) by a tenant delete or a daemon stop."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from fixtures import oracle as o
+from fixtures.oracle import Key
+from fixtures.page_client import ErrorReply, PageServiceError
+from fixtures.util import proc_info, proc_state, wait_until
+
+KEY = Key.rel_block(7000, 1)
+REDO_WARNINGS = [r"(?i)walredo", r"(?i)redo (child|process)"]
+
+
+def start_child(ps, tenant, lsn=100):
+    """Ingest a short chain and read it back, so the tenant has a redo child; return its pid."""
+    values = [(KEY, lsn, o.RECORD, o.init_page(0)), (KEY, lsn + 1, o.RECORD, o.insert(b"tuple"))]
+    with ps.connect(tenant) as conn:
+        conn.ingest(values)
+        page = conn.get_page(KEY)
+    assert o.tuple_data(page, 1) == b"tuple"
+    return current_child(ps, tenant)
+
+
+def current_child(ps, tenant):
+    status = ps.http.tenant_status(tenant)
+    proc = status["walredo"]["process"]
+    assert proc is not None, f"no redo child after a redo request: {status['walredo']}"
+    pid = proc["pid"]
+    kids = {p.pid: p for p in ps.redo_children()}
+    assert pid in kids, f"status names pid {pid}, but the daemon's walredo-proc children are {sorted(kids)}"
+    return kids[pid]
+
+
+def assert_reaped(ps, child, timeout=10):
+    """The child is gone, not a zombie of the daemon."""
+    wait_until(lambda: proc_state(child) == "gone", timeout=timeout,
+               desc=f"redo child {child.pid} to exit and be reaped (state {proc_state(child)})")
+    assert not ps.zombie_children(), ps.zombie_children()
+
+
+def test_tenant_delete_leaves_no_redo_child(pageserver, process_kind):
+    doomed, kept = pageserver.create_tenant(), pageserver.create_tenant()
+    child = start_child(pageserver, doomed)
+    other = start_child(pageserver, kept)
+    assert child.pid != other.pid
+    conn = pageserver.connect(doomed)
+
+    assert pageserver.http.delete_tenant(doomed) == {}
+    # an open connection of the tenant gets shutting_down and is closed
+    if not conn.reply_pending(3.0):
+        conn.send_get_page(KEY)
+    reply = conn.read_reply(timeout=10)
+    assert isinstance(reply, ErrorReply) and reply.name == "shutting_down", reply
+    conn.wait_closed()
+    conn.close()
+
+    assert_reaped(pageserver, child)
+    assert pageserver.http.get(f"/v1/tenant/{doomed}").status == 404
+    assert doomed not in [t["id"] for t in pageserver.http.list_tenants()]
+    with pytest.raises(PageServiceError) as e:
+        pageserver.connect(doomed)
+    assert e.value.name == "no_such_tenant"
+    # the other tenant and its child are untouched
+    assert proc_state(other) == "alive"
+    with pageserver.connect(kept) as c:
+        assert o.tuple_data(c.get_page(KEY), 1) == b"tuple"
+    # the id can be used again, starting empty
+    pageserver.create_tenant(doomed)
+    with pageserver.connect(doomed) as c:
+        assert c.hello_ok.last_durable_lsn == 0
+        with pytest.raises(PageServiceError) as e:
+            c.get_page(KEY)
+        assert e.value.name == "not_found"
+
+
+def test_daemon_stop_leaves_no_redo_child(pageserver_factory, process_kind):
+    ps = pageserver_factory(walredo_process_kind=process_kind)
+    tenants = [ps.create_tenant(), ps.create_tenant(kind="sync"), ps.create_tenant(kind="async")]
+    children = [start_child(ps, t) for t in tenants]
+    assert len({c.pid for c in children}) == 3
+    conn = ps.connect(tenants[0])  # an open connection does not hold up the stop
+    ps.stop()
+    for c in children:
+        wait_until(lambda c=c: proc_state(c) == "gone", timeout=10,
+                   desc=f"redo child {c.pid} to be gone after stop (state {proc_state(c)})")
+    conn.close()
+
+
+def test_daemon_kill9_redo_children_exit(pageserver, process_kind):
+    pageserver.allowed_errors.extend(REDO_WARNINGS)
+    children = [start_child(pageserver, pageserver.create_tenant()) for _ in range(2)]
+    pageserver.kill()
+    # the children see EOF on stdin and exit; their new parent reaps them
+    for c in children:
+        wait_until(lambda c=c: proc_state(c) != "alive", timeout=10,
+                   desc=f"redo child {c.pid} to exit after the daemon was killed")
+
+
+def test_killed_redo_child_is_replaced(pageserver, process_kind):
+    pageserver.allowed_errors.extend(REDO_WARNINGS)
+    t = pageserver.create_tenant()
+    child = start_child(pageserver, t)
+    os.kill(child.pid, signal.SIGKILL)
+
+    with pageserver.connect(t) as conn:
+        # a request that raced with the death may fail; after that, requests succeed
+        failures = []
+        deadline = time.monotonic() + 20
+        lsn = 200
+        while True:
+            conn.ingest([(KEY, lsn, o.RECORD, o.insert(b"n%d" % lsn))])
+            try:
+                page = conn.get_page(KEY, lsn)
+                break
+            except PageServiceError as e:
+                failures.append(e)
+                assert e.name == "redo_failed", e
+            assert time.monotonic() < deadline, f"no page served after the child was killed: {failures}"
+            lsn += 1
+        assert len(failures) <= 1, failures
+        assert o.read_header(page).lsn == lsn
+    assert_reaped(pageserver, child)
+    new = current_child(pageserver, t)
+    assert new.pid != child.pid
+    status = pageserver.http.tenant_status(t)
+    assert str(child.pid) in (status["walredo"]["last_exit"] or ""), status["walredo"]
+
+
+def test_idle_redo_child_is_stopped_and_restarted_on_demand(pageserver_factory, process_kind):
+    ps = pageserver_factory(walredo_process_kind=process_kind, walredo_idle_timeout="1 s")
+    t = ps.create_tenant()
+    child = start_child(ps, t)
+    wait_until(lambda: ps.http.tenant_status(t)["walredo"]["process"] is None, timeout=20,
+               desc="the idle redo child to be stopped")
+    assert_reaped(ps, child)
+    with ps.connect(t) as conn:
+        conn.ingest([(KEY, 300, o.RECORD, o.insert(b"again"))])
+        assert o.tuple_data(conn.get_page(KEY), 2) == b"again"
+    new = current_child(ps, t)
+    assert new.pid != child.pid
+    assert proc_info(new.pid).ppid == ps.pid
+
+
+def test_one_redo_child_per_tenant(pageserver, process_kind):
+    tenants = [pageserver.create_tenant() for _ in range(3)]
+    pids = [start_child(pageserver, t).pid for t in tenants]
+    assert len(set(pids)) == 3
+    # more requests on the same tenant reuse its child
+    with pageserver.connect(tenants[0]) as conn:
+        for i in range(5):
+            conn.ingest([(KEY, 500 + i, o.RECORD, o.insert(b"more"))])
+            conn.get_page(KEY)
+    assert current_child(pageserver, tenants[0]).pid == pids[0]
+    assert len(pageserver.redo_children()) == 3
