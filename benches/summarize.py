@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Prints the markdown table of bench_walredo from criterion's estimates.
+
+Reads <criterion dir>/<group>/<workload>/<N>/new/estimates.json (criterion writes the
+benchmark id `async/short/64` as the directory `async/short/64` or `async/short_64`,
+depending on its version), takes `median.point_estimate` (nanoseconds, per request), and
+prints, per workload and N: the async and sync medians, async/sync, async/floor and sync/floor
+(the floor exists at N = 1 only: `floor/echo/1`, `floor/echo-short/1`, `floor/echo-medium/1`),
+and async throughput N / median relative to N = 1; then the two pinned floors
+(`floor/echo-same-cpu/1`, `floor/echo-cross-cpu/1`).
+
+Usage: python3 benches/summarize.py [CRITERION_DIR]   (default: target/criterion, or
+$CARGO_TARGET_DIR/criterion, looked up from the workspace root)
+"""
+
+import json
+import os
+import sys
+
+WORKLOADS = ["ping", "short", "medium"]
+CLIENTS = [1, 2, 4, 8, 16, 32, 64, 128]
+FLOOR = {"ping": "echo", "short": "echo-short", "medium": "echo-medium"}
+
+
+def default_dir():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(root, "target"))
+    return os.path.join(target, "criterion")
+
+
+def median_ns(base, group, function, n):
+    for name in (os.path.join(group, function, str(n)), os.path.join(group, f"{function}_{n}")):
+        path = os.path.join(base, name, "new", "estimates.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)["median"]["point_estimate"]
+    return None
+
+
+def us(ns):
+    return "-" if ns is None else f"{ns / 1000:.1f}"
+
+
+def ratio(a, b):
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def main():
+    base = sys.argv[1] if len(sys.argv) > 1 else default_dir()
+    if not os.path.isdir(base):
+        sys.exit(f"no criterion results in {base}: run cargo bench -p benches --bench bench_walredo first")
+    print("| workload | N | async median (us) | sync median (us) | async/sync | floor (us) "
+          "| async/floor | sync/floor | async req/s | async thr. vs N=1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for workload in WORKLOADS:
+        floor = median_ns(base, "floor", FLOOR[workload], 1)
+        async_one = median_ns(base, "async", workload, 1)
+        for n in CLIENTS:
+            a = median_ns(base, "async", workload, n)
+            s = median_ns(base, "sync", workload, n)
+            f = floor if n == 1 else None
+            throughput = None if a is None else n / (a / 1e9)
+            scaling = "-" if a is None or async_one is None else f"{(n / a) / (1 / async_one):.2f}"
+            print(f"| {workload} | {n} | {us(a)} | {us(s)} | {ratio(a, s)} | {us(f)} | {ratio(a, f)} "
+                  f"| {ratio(s, f)} | {'-' if throughput is None else f'{throughput:,.0f}'} | {scaling} |")
+    print()
+    print("Pinned floors (ping): " + ", ".join(
+        f"{name} {us(median_ns(base, 'floor', name, 1))} us" for name in ("echo-same-cpu", "echo-cross-cpu")))
+
+
+if __name__ == "__main__":
+    main()
