@@ -1,0 +1,460 @@
+#!/usr/bin/env python3
+"""Runs the pagebench matrix of docs/performance.md and records what bounds each figure.
+
+Not a test (pytest collects only test_*.py): a script to reproduce the published table.
+
+    cargo build --release --bins
+    python3 test_runner/performance/measure.py --bin-dir target/release --out /tmp/pagebench.json
+
+For each scenario and each walredo process kind it starts a fresh daemon in a temp work dir (free
+ports), loads the scenario's data set with `pagebench ingest`, optionally warms up, then runs
+`pagebench get-page` --repeat times per (connections, depth) point and reports the run with the
+median throughput. The daemons of both process kinds run side by side (idle when not measured)
+and their runs alternate, so that a drift in the machine's speed (it is a shared VM) hits both
+kinds alike. While a run goes, it samples /proc every 0.5 s: the machine's CPU split
+(/proc/stat), and the CPU time and context switches of the daemon, of its redo children, and of
+pagebench itself; the daemon's /metrics are read before and after. Samples from the first second
+are dropped (ramp-up).
+
+The machine is shared (other sessions build and benchmark on the same 2 vCPUs), so before each
+run the script waits for the machine to be quiet (--quiet-below), and a run during which other
+processes used more than --max-other-cpu, or the hypervisor stole more than --max-steal, is
+discarded and redone (at most --repeat discards per point).
+
+With --strace, one extra run per scenario and kind is made under `strace -c -f` on the daemon and
+its redo child, and the syscall counts are divided by the requests served meanwhile; that run's
+throughput is not reported (strace slows everything down).
+
+Every daemon started is stopped (SIGTERM, then SIGKILL after 30 s) and its work dir removed
+(unless --keep) before the script exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+SCENARIOS = {
+    # A small working set that fits the default page cache, asked at the latest LSN: after the
+    # warm-up every request is a cache hit.
+    "cached": {
+        "config": [],
+        "shape": ["--relations", "1", "--blocks", "1024", "--chain-length", "10"],
+        "lsn": "latest",
+        "warmup": 3.0,
+    },
+    # Every request rebuilds the page from its image and 10 records in the redo child.
+    "chain10": {
+        "config": ["page_cache_size=0"],
+        "shape": ["--relations", "10", "--blocks", "1000", "--chain-length", "10"],
+        "lsn": "latest",
+        "warmup": 0.0,
+    },
+}
+
+
+def read_cpu_ticks(pid: int) -> int | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return int(rest[11]) + int(rest[12])  # utime + stime (fields 14, 15)
+
+
+def read_ctx_switches(pid: int) -> tuple[int, int]:
+    vol = invol = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0, 0
+    for tid in tasks:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except FileNotFoundError:
+            continue
+        vol += int(re.search(r"voluntary_ctxt_switches:\s+(\d+)", text).group(1))
+        invol += int(re.search(r"nonvoluntary_ctxt_switches:\s+(\d+)", text).group(1))
+    return vol, invol
+
+
+def children(ppid: int, comm: str) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{name}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        c = raw[raw.index("(") + 1 : raw.rindex(")")]
+        rest = raw[raw.rindex(")") + 2 :].split()
+        if int(rest[1]) == ppid and c == comm and rest[0] not in ("Z", "X"):
+            out.append(int(name))
+    return out
+
+
+def read_system_cpu() -> dict[str, int]:
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    names = ["user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"]
+    return {n: int(v) for n, v in zip(names, fields)}
+
+
+def metrics(http: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            pass
+    return out
+
+
+class Daemon:
+    def __init__(self, bin_dir: Path, config: list[str]):
+        self.workdir = Path(tempfile.mkdtemp(prefix="pagebench-daemon-"))
+        args = [str(bin_dir / "pageserver"), "-D", str(self.workdir),
+                "-c", "listen_pg_addr=127.0.0.1:0", "-c", "listen_http_addr=127.0.0.1:0"]
+        for c in config:
+            args += ["-c", c]
+        self.args = args
+        self.log = open(self.workdir / "pageserver.log", "wb")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        ports = self.workdir / "ports.json"
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited at start-up, see {self.workdir}/pageserver.log")
+            try:
+                p = json.loads(ports.read_text())
+                self.pg, self.http = p["pg"], p["http"]
+                break
+            except (FileNotFoundError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("daemon did not write ports.json in 30 s")
+            time.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def redo_children(self) -> list[int]:
+        return children(self.pid, "walredo-proc")
+
+    def stop(self, keep: bool = False) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        if not keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class Sampler(threading.Thread):
+    """Samples CPU of the daemon, its redo children, pagebench and the machine."""
+
+    def __init__(self, daemon: Daemon, bench_pid: int, skip: float):
+        super().__init__(daemon=True)
+        self.daemon_proc = daemon
+        self.bench_pid = bench_pid
+        self.skip = skip
+        self.stop_event = threading.Event()
+        self.first = None
+        self.last = None
+
+    def snapshot(self) -> dict:
+        kids = self.daemon_proc.redo_children()
+        return {
+            "t": time.monotonic(),
+            "daemon": read_cpu_ticks(self.daemon_proc.pid) or 0,
+            "redo": {k: read_cpu_ticks(k) or 0 for k in kids},
+            "bench": read_cpu_ticks(self.bench_pid) or 0,
+            "system": read_system_cpu(),
+            "daemon_ctx": read_ctx_switches(self.daemon_proc.pid),
+            "redo_ctx": {k: read_ctx_switches(k) for k in kids},
+        }
+
+    def run(self) -> None:
+        time.sleep(self.skip)
+        if self.stop_event.is_set():
+            return
+        self.first = self.snapshot()
+        while not self.stop_event.wait(0.5):
+            self.last = self.snapshot()
+
+    def result(self) -> dict | None:
+        if self.first is None or self.last is None:
+            return None
+        a, b = self.first, self.last
+        secs = b["t"] - a["t"]
+        pct = lambda ticks: round(100.0 * ticks / CLK_TCK / secs, 1)  # noqa: E731 - % of one CPU
+        redo = sum(b["redo"].get(k, 0) - a["redo"].get(k, 0) for k in b["redo"] if k in a["redo"])
+        sys_d = {k: b["system"][k] - a["system"][k] for k in a["system"]}
+        total = sum(sys_d.values()) or 1
+        redo_vol = sum(b["redo_ctx"][k][0] - a["redo_ctx"][k][0] for k in b["redo_ctx"] if k in a["redo_ctx"])
+        busy = 100.0 * os.cpu_count() * (total - sys_d["idle"] - sys_d["iowait"]) / total
+        ours = pct(b["daemon"] - a["daemon"]) + pct(redo) + pct(b["bench"] - a["bench"])
+        return {
+            "seconds": round(secs, 2),
+            "daemon_cpu_pct": pct(b["daemon"] - a["daemon"]),
+            "redo_cpu_pct": pct(redo),
+            "bench_cpu_pct": pct(b["bench"] - a["bench"]),
+            "machine_pct": {k: round(100.0 * v / total, 1) for k, v in sys_d.items()},
+            # CPU (% of one CPU) used by processes other than the daemon, its children and
+            # pagebench: another workload on the machine makes the run suspect.
+            "other_cpu_pct": round(busy - ours, 1),
+            "daemon_vol_cs_per_s": round((b["daemon_ctx"][0] - a["daemon_ctx"][0]) / secs),
+            "daemon_invol_cs_per_s": round((b["daemon_ctx"][1] - a["daemon_ctx"][1]) / secs),
+            "redo_vol_cs_per_s": round(redo_vol / secs),
+        }
+
+
+def machine_busy_pct(seconds: float = 1.0) -> float:
+    """Busy CPU of the whole machine over `seconds`, in % of one CPU."""
+    a = read_system_cpu()
+    time.sleep(seconds)
+    b = read_system_cpu()
+    d = {k: b[k] - a[k] for k in a}
+    total = sum(d.values()) or 1
+    return 100.0 * os.cpu_count() * (total - d["idle"] - d["iowait"]) / total
+
+
+def wait_for_quiet_machine(limit: float, max_wait: float) -> float:
+    """Waits (up to `max_wait` s) until the machine's busy CPU is below `limit` % of one CPU;
+    returns the last reading. Other sessions' builds and benchmarks would skew the figures."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        busy = machine_busy_pct()
+        if busy < limit or time.monotonic() > deadline:
+            return round(busy, 1)
+        print(f"   machine busy ({busy:.0f}% of one CPU), waiting", file=sys.stderr)
+        time.sleep(4)
+
+
+def pagebench(bin_dir: Path, daemon: Daemon, args: list[str]) -> subprocess.Popen:
+    command = [str(bin_dir / "pagebench"), *args, "--page-service", daemon.pg, "--http", daemon.http]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pagebench failed ({proc.returncode}):\n{err}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def delta(after: dict, before: dict, name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def run_point(bin_dir, daemon, scenario, conns, depth, duration, threads, quiet) -> dict:
+    busy_before = wait_for_quiet_machine(*quiet)
+    before = metrics(daemon.http)
+    proc = pagebench(bin_dir, daemon, ["get-page", "--tenant", "bench", *scenario["shape"],
+                                       "--lsn", scenario["lsn"], "--connections", str(conns),
+                                       "--depth", str(depth), "--duration", str(duration),
+                                       "--threads", str(threads)])
+    sampler = Sampler(daemon, proc.pid, skip=1.0)
+    sampler.start()
+    # Stop sampling before the tail (draining replies) to measure the steady state.
+    time.sleep(max(duration - 0.5, 0))
+    sampler.stop_event.set()
+    summary = finish(proc, duration + 120)
+    sampler.join()
+    after = metrics(daemon.http)
+    requests = max(summary["requests"], 1)
+    redo_count = delta(after, before, "pageserver_wal_redo_seconds_count")
+    return {
+        "connections": conns,
+        "depth": depth,
+        "machine_busy_before_pct": busy_before,
+        "summary": summary,
+        "cpu": sampler.result(),
+        "per_request": {
+            "cache_hit_ratio": round(delta(after, before, "pageserver_page_cache_hits_total")
+                                     / requests, 3),
+            "redos": round(redo_count / requests, 3),
+            "redo_us_mean": round(1e6 * delta(after, before, "pageserver_wal_redo_seconds_sum")
+                                  / max(redo_count, 1), 1),
+            "replies_per_write": round(delta(after, before, "pageserver_page_service_replies_per_write_sum")
+                                       / max(delta(after, before, "pageserver_page_service_replies_per_write_count"), 1), 2),
+            "fsyncs": delta(after, before, "pageserver_storage_fsyncs_total"),
+        },
+    }
+
+
+def run_strace(bin_dir, daemon, scenario, conns, depth, seconds=4.0) -> dict:
+    """Syscalls per request of the daemon (all threads) and its redo child, from strace -c."""
+    proc = pagebench(bin_dir, daemon, ["get-page", "--tenant", "bench", *scenario["shape"],
+                                       "--lsn", scenario["lsn"], "--connections", str(conns),
+                                       "--depth", str(depth), "--duration", str(seconds + 3)])
+    time.sleep(1.0)
+    targets = [daemon.pid, *daemon.redo_children()]
+    out_path = daemon.workdir / "strace.txt"
+    before = metrics(daemon.http)
+    strace = subprocess.Popen(["strace", "-c", "-f", "-o", str(out_path),
+                               *sum((["-p", str(p)] for p in targets), [])],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(seconds)
+    strace.send_signal(signal.SIGINT)
+    strace.wait(timeout=30)
+    after = metrics(daemon.http)
+    finish(proc, 120)
+    served = max(delta(after, before, "pageserver_page_service_requests_total{type=\"get_page\"}"), 1)
+    calls = {}
+    for line in out_path.read_text().splitlines():
+        parts = line.split()
+        # % time, seconds, usecs/call, calls, [errors], syscall
+        if len(parts) >= 5 and parts[0].replace(".", "").isdigit() and parts[-1] != "total":
+            try:
+                calls[parts[-1]] = int(parts[3])
+            except ValueError:
+                pass
+    top = sorted(calls.items(), key=lambda kv: -kv[1])[:8]
+    return {"connections": conns, "depth": depth, "requests_during_strace": served,
+            "syscalls_per_request": {k: round(v / served, 2) for k, v in top},
+            "total_per_request": round(sum(calls.values()) / served, 2)}
+
+
+def disturbed(run: dict, opts) -> bool:
+    """Whether other processes or the hypervisor took a share of the machine during the run."""
+    cpu = run["cpu"] or {}
+    return (cpu.get("other_cpu_pct", 0) > opts.max_other_cpu
+            or (cpu.get("machine_pct") or {}).get("steal", 0) > opts.max_steal)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main() -> int:
+    # SIGTERM and SIGINT (ignored when started in the background by a script) unwind through
+    # the `finally` that stops the daemon.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bin-dir", type=Path, default=Path("target/release"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--points", default="1x1,8x1,64x1,8x16",
+                        help="CONNECTIONSxDEPTH, comma separated")
+    parser.add_argument("--kinds", default="sync,async")
+    parser.add_argument("--scenarios", default="cached,chain10")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per point; the median is reported")
+    parser.add_argument("--threads", type=int, default=1, help="pagebench --threads")
+    parser.add_argument("--strace", default="8x1", help="point traced with strace -c, or 'none'")
+    parser.add_argument("--quiet-below", type=float, default=15.0,
+                        help="before each run, wait until the machine's busy CPU is below this %% of one CPU")
+    parser.add_argument("--quiet-max-wait", type=float, default=600.0)
+    parser.add_argument("--max-other-cpu", type=float, default=10.0,
+                        help="a run during which other processes used more (%% of one CPU) is redone")
+    parser.add_argument("--max-steal", type=float, default=3.0,
+                        help="a run with more hypervisor steal (%% of the machine) is redone")
+    parser.add_argument("--keep", action="store_true", help="keep the daemons' work dirs (logs, strace output)")
+    opts = parser.parse_args()
+
+    points = [tuple(int(x) for x in p.split("x")) for p in opts.points.split(",")]
+    kinds = opts.kinds.split(",")
+    results = []
+    for scenario_name in opts.scenarios.split(","):
+        scenario = SCENARIOS[scenario_name]
+        daemons: dict[str, Daemon] = {}
+        try:
+            # One daemon per kind, alive together; runs alternate between them (ABAB...), so that
+            # a drift of the machine's speed hits both kinds alike.
+            for kind in kinds:
+                daemons[kind] = daemon = Daemon(opts.bin_dir, [f"walredo_process_kind={kind}", *scenario["config"]])
+                print(f"== {scenario_name} {kind}: daemon pid {daemon.pid} in {daemon.workdir}", file=sys.stderr)
+                ingest = finish(pagebench(opts.bin_dir, daemon, ["ingest", "--tenant", "bench", *scenario["shape"]]),
+                                600)
+                print(f"   ingest {ingest}", file=sys.stderr)
+                if scenario["warmup"]:
+                    finish(pagebench(opts.bin_dir, daemon, ["get-page", "--tenant", "bench", *scenario["shape"],
+                                                            "--lsn", scenario["lsn"], "--connections", "8",
+                                                            "--duration", str(scenario["warmup"])]), 120)
+            for conns, depth in points:
+                runs = {kind: [] for kind in kinds}
+                discarded = {kind: 0 for kind in kinds}
+                last = {}
+                for _ in range(opts.repeat * 2):
+                    for kind in kinds:
+                        if len(runs[kind]) >= opts.repeat or discarded[kind] >= opts.repeat:
+                            continue
+                        run = run_point(opts.bin_dir, daemons[kind], scenario, conns, depth, opts.duration,
+                                        opts.threads, (opts.quiet_below, opts.quiet_max_wait))
+                        last[kind] = run
+                        if disturbed(run, opts):
+                            discarded[kind] += 1
+                            print(f"   {kind} {conns}x{depth}: run disturbed ({run['cpu']}), redone", file=sys.stderr)
+                            continue
+                        runs[kind].append(run)
+                for kind in kinds:
+                    kind_runs = sorted(runs[kind] or [last[kind]], key=lambda run: run["summary"]["rps"])
+                    # The run with the median throughput stands for the point; the others give its spread.
+                    r = dict(kind_runs[len(kind_runs) // 2])
+                    r.update(scenario=scenario_name, kind=kind, discarded_runs=discarded[kind],
+                             rps_runs=[run["summary"]["rps"] for run in kind_runs],
+                             p50_runs=[run["summary"]["latency_us"]["p50"] for run in kind_runs],
+                             other_cpu_runs=[(run["cpu"] or {}).get("other_cpu_pct") for run in kind_runs])
+                    results.append(r)
+                    s = r["summary"]
+                    print(f"   {kind:<5} {conns:>3}x{depth:<3} rps {s['rps']:>9} p50 {s['latency_us']['p50']:>6} "
+                          f"p99 {s['latency_us']['p99']:>6} p999 {s['latency_us']['p999']:>6} "
+                          f"errors {s['errors']} runs {r['rps_runs']} cpu {r['cpu']} per_request {r['per_request']}",
+                          file=sys.stderr)
+                opts.out.write_text(json.dumps(results, indent=1))
+            if opts.strace != "none":
+                conns, depth = (int(x) for x in opts.strace.split("x"))
+                for kind in kinds:
+                    st = run_strace(opts.bin_dir, daemons[kind], scenario, conns, depth)
+                    st.update(scenario=scenario_name, kind=kind, strace=True)
+                    results.append(st)
+                    print(f"   strace {st}", file=sys.stderr)
+        finally:
+            for daemon in daemons.values():
+                daemon.stop(keep=opts.keep)
+        opts.out.write_text(json.dumps(results, indent=1))
+    opts.out.write_text(json.dumps(results, indent=1))
+
+    results.sort(key=lambda r: (r["scenario"], r["kind"], r.get("strace", False)))
+    print("| scenario | kind | conns x depth | rps (median) | rps (runs) | p50 us | p99 us | p99.9 us | errors "
+          "| daemon CPU % | redo CPU % | pagebench CPU % | idle % | other CPU % |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        if r.get("strace"):
+            continue
+        s, c = r["summary"], r["cpu"] or {}
+        lat = s["latency_us"]
+        runs = "/".join(f"{x / 1000:.1f}k" for x in r.get("rps_runs", [s["rps"]]))
+        print(f"| {r['scenario']} | {r['kind']} | {r['connections']} x {r['depth']} | {s['rps']:.0f} | {runs} | {lat['p50']} "
+              f"| {lat['p99']} | {lat['p999']} | {s['errors']} | {c.get('daemon_cpu_pct')} | {c.get('redo_cpu_pct')} "
+              f"| {c.get('bench_cpu_pct')} | {(c.get('machine_pct') or {}).get('idle')} | {c.get('other_cpu_pct')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
