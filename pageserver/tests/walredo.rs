@@ -428,3 +428,20 @@ fn metric(registry: &prometheus::Registry, name: &str, label_value: &str) -> f64
         .find_map(|line| line.rsplit(' ').next()?.parse().ok())
         .unwrap_or(0.0)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_dropped_mid_flight_does_not_keep_the_child_from_its_idle_stop() {
+    let mut conf = conf(ProcessKind::Async);
+    conf.idle_timeout = Duration::from_millis(200);
+    let (manager, _) = manager_with(conf);
+    manager.ping().await.expect("ping");
+    let pid = pid_of(&manager).expect("a child");
+    // Poll once: the request takes the child and writes, then is dropped before its reply.
+    let mut request = Box::pin(redo(&manager, 1));
+    let poll = std::future::poll_fn(|cx| std::task::Poll::Ready(request.as_mut().poll(cx))).await;
+    assert!(poll.is_pending(), "the reply cannot be there before the first poll returns");
+    drop(request);
+    wait_for("the idle child to stop", Duration::from_secs(10), || pid_of(&manager).is_none()).await;
+    wait_for("the idle child to be reaped", Duration::from_secs(10), || is_reaped(pid)).await;
+    manager.shutdown().await;
+}

@@ -37,7 +37,7 @@ use walredo_proc::protocol::{self, BufferTag, ErrorCode};
 
 pub use metrics::{StopCause, WalRedoMetrics};
 use pipeline::Reply;
-use process::{Process, ProcessError, Reaping};
+use process::{InUse, Process, ProcessError, Reaping};
 
 /// Default of `wal_redo_timeout`.
 pub const DEFAULT_WAL_REDO_TIMEOUT: Duration = Duration::from_secs(60);
@@ -261,8 +261,6 @@ impl WalRedoManager {
             attempts_left -= 1;
             let process = self.get_or_spawn().await.map_err(|e| self.count(e))?;
             let result = process.round_trip(request, self.conf.timeout).await;
-            process.mark_used();
-            process.in_flight.fetch_sub(1, Ordering::Relaxed);
             match result {
                 Ok(reply) => {
                     self.served.fetch_add(1, Ordering::Relaxed);
@@ -295,8 +293,8 @@ impl WalRedoManager {
         e
     }
 
-    /// Returns the child in service with its in-flight count raised, spawning one if needed.
-    async fn get_or_spawn(&self) -> Result<Arc<Process>, RedoError> {
+    /// Returns the child in service, counted as in use, spawning one if needed.
+    async fn get_or_spawn(&self) -> Result<InUse, RedoError> {
         if let Some(process) = self.take_current() {
             return Ok(process);
         }
@@ -312,24 +310,21 @@ impl WalRedoManager {
             Process::spawn(&self.conf, kind, &self.tenant_id, Arc::clone(&self.metrics), Arc::clone(&self.reaping))
                 .await
                 .map_err(RedoError::ProcessFailed)?;
-        process.in_flight.fetch_add(1, Ordering::Relaxed);
         let mut slot = lock(&self.process);
         if self.cancel.is_cancelled() {
             drop(slot);
             process.retire(StopCause::Shutdown);
             return Err(RedoError::ShuttingDown);
         }
-        *slot = Some(Arc::clone(&process));
-        Ok(process)
+        let in_use = InUse::new(&process);
+        *slot = Some(process);
+        Ok(in_use)
     }
 
-    /// The child in service, if any, with its in-flight count raised under the slot's lock (so
-    /// that the idle check never retires a child that a request has just taken).
-    fn take_current(&self) -> Option<Arc<Process>> {
-        let slot = lock(&self.process);
-        let process = slot.as_ref()?;
-        process.in_flight.fetch_add(1, Ordering::Relaxed);
-        Some(Arc::clone(process))
+    /// The child in service, if any, counted as in use under the slot's lock (so that the idle
+    /// check never retires a child that a request has just taken).
+    fn take_current(&self) -> Option<InUse> {
+        lock(&self.process).as_ref().map(InUse::new)
     }
 
     /// Takes `process` out of service (if it still is) and retires it for `cause`.

@@ -229,7 +229,7 @@ impl Process {
         Ok(reply)
     }
 
-    pub(crate) fn mark_used(&self) {
+    fn mark_used(&self) {
         self.last_used_ms.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
@@ -281,6 +281,32 @@ impl Process {
         if let Err(e) = spawned {
             tracing::error!(pid, "failed to start a reaper thread, the child stays a zombie: {e}");
         }
+    }
+}
+
+/// A process taken by one request: counted in its `in_flight` (which keeps the idle check
+/// away) until dropped, also when the request is cancelled halfway.
+pub(crate) struct InUse(Arc<Process>);
+
+impl InUse {
+    /// Counts a new user of `process`; callers hold the manager's slot lock while they call it.
+    pub(crate) fn new(process: &Arc<Process>) -> InUse {
+        process.in_flight.fetch_add(1, Ordering::Relaxed);
+        InUse(Arc::clone(process))
+    }
+}
+
+impl std::ops::Deref for InUse {
+    type Target = Arc<Process>;
+    fn deref(&self) -> &Arc<Process> {
+        &self.0
+    }
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        self.0.mark_used();
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
