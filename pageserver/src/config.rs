@@ -99,7 +99,8 @@ impl PageServerConf {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
             Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
         };
-        let mut table: toml::Table = toml::from_str(&text).with_context(|| format!("parse {}", path.display()))?;
+        let mut table: toml::Table =
+            toml::from_str(&text).with_context(|| format!("parse {}", path.display()))?;
         for item in overrides {
             let (key, value) = parse_override(item)?;
             table.insert(key, value);

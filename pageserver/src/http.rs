@@ -92,7 +92,10 @@ struct CreateTenant {
     config: TenantConfOverrides,
 }
 
-async fn create_tenant(State(state): State<Arc<AppState>>, body: Result<Json<CreateTenant>, JsonRejection>) -> ApiResult {
+async fn create_tenant(
+    State(state): State<Arc<AppState>>,
+    body: Result<Json<CreateTenant>, JsonRejection>,
+) -> ApiResult {
     let Json(request) = body?;
     let tenant = state.tenants.create(&request.id, request.config).await?;
     Ok((StatusCode::CREATED, Json(tenant.status())).into_response())

@@ -46,7 +46,8 @@ impl PageCache {
         capacity.set(i64::try_from(size_bytes).unwrap_or(i64::MAX));
         let pages = (size_bytes / walredo_proc::page::BLCKSZ as u64) as usize;
         Ok(PageCache {
-            cache: (pages > 0).then(|| quick_cache::sync::Cache::with_weighter(pages, size_bytes, PageWeight)),
+            cache: (pages > 0)
+                .then(|| quick_cache::sync::Cache::with_weighter(pages, size_bytes, PageWeight)),
             hits: counter("pageserver_page_cache_hits_total", "Page cache lookups that found the page")?,
             misses: counter("pageserver_page_cache_misses_total", "Page cache lookups that did not")?,
             bytes,

@@ -26,7 +26,8 @@ pub const PORTS_FILE: &str = "ports.json";
 pub const LOCK_FILE: &str = "pageserver.lock";
 
 pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&conf.workdir).with_context(|| format!("create workdir {}", conf.workdir.display()))?;
+    std::fs::create_dir_all(&conf.workdir)
+        .with_context(|| format!("create workdir {}", conf.workdir.display()))?;
     let _lock = lock_workdir(&conf)?;
     anyhow::ensure!(
         conf.walredo.binary.is_file(),
@@ -41,7 +42,8 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let cache = Arc::new(PageCache::new(conf.page_cache_size, &registry)?);
     let tenants_cancel = CancellationToken::new();
     let tenants = Arc::new(
-        Tenants::load(&conf, cache, storage_metrics, walredo_metrics, tenants_cancel.clone()).context("load tenants")?,
+        Tenants::load(&conf, cache, storage_metrics, walredo_metrics, tenants_cancel.clone())
+            .context("load tenants")?,
     );
 
     let pg_listener = tokio::net::TcpListener::bind(conf.listen_pg_addr)
@@ -72,7 +74,8 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         connections.clone(),
     ));
     let http_cancel = CancellationToken::new();
-    let http = tokio::spawn(crate::http::serve(http_listener, Arc::clone(&tenants), registry, http_cancel.clone()));
+    let http =
+        tokio::spawn(crate::http::serve(http_listener, Arc::clone(&tenants), registry, http_cancel.clone()));
 
     shutdown.cancelled().await;
     tracing::info!("shutting down: no new connections, finishing requests in flight");

@@ -157,7 +157,8 @@ impl Tenant {
         let page = match (data.image, data.records.is_empty()) {
             (Some((_, image)), true) => image,
             (image, _) => {
-                let records: Vec<(u64, Bytes)> = data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
+                let records: Vec<(u64, Bytes)> =
+                    data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
                 self.walredo.request_redo(key, lsn.0, image.map(|(_, page)| page), &records).await?
             }
         };
@@ -173,7 +174,8 @@ impl Tenant {
     pub async fn submit_ingest(
         &self,
         values: Vec<IngestValue>,
-    ) -> Result<impl std::future::Future<Output = Result<u64, IngestError>> + Send + 'static, IngestError> {
+    ) -> Result<impl std::future::Future<Output = Result<u64, IngestError>> + Send + 'static, IngestError>
+    {
         if self.cancel.is_cancelled() {
             return Err(IngestError::ShuttingDown);
         }

@@ -41,7 +41,8 @@ pub enum TenantError {
 }
 
 pub fn validate_tenant_id(id: &str) -> Result<(), TenantError> {
-    let ok = (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    let ok = (1..=64).contains(&id.len())
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
     if ok {
         Ok(())
     } else {
@@ -113,8 +114,14 @@ impl Tenants {
                     std::fs::remove_dir_all(&path).with_context(|| format!("remove {}", path.display()))?;
                 }
                 Some(overrides) => {
-                    let tenant = tenants.open(&name, &path, overrides).with_context(|| format!("load tenant {name}"))?;
-                    tracing::info!(tenant_id = name, last_durable_lsn = tenant.last_durable_lsn(), "loaded tenant");
+                    let tenant = tenants
+                        .open(&name, &path, overrides)
+                        .with_context(|| format!("load tenant {name}"))?;
+                    tracing::info!(
+                        tenant_id = name,
+                        last_durable_lsn = tenant.last_durable_lsn(),
+                        "loaded tenant"
+                    );
                     lock(&tenants.tenants).insert(name, tenant);
                 }
             }
@@ -124,12 +131,21 @@ impl Tenants {
 
     /// Opens an existing tenant's storage (blocking) and assembles the tenant.
     fn open(&self, id: &str, dir: &Path, overrides: TenantConfOverrides) -> anyhow::Result<Arc<Tenant>> {
-        let timeline =
-            Timeline::open(&dir.join(TIMELINE_DIR), self.storage_conf.clone(), Arc::clone(&self.storage_metrics))?;
+        let timeline = Timeline::open(
+            &dir.join(TIMELINE_DIR),
+            self.storage_conf.clone(),
+            Arc::clone(&self.storage_metrics),
+        )?;
         Ok(self.assemble(id, dir, overrides, timeline))
     }
 
-    fn assemble(&self, id: &str, dir: &Path, overrides: TenantConfOverrides, timeline: Arc<Timeline>) -> Arc<Tenant> {
+    fn assemble(
+        &self,
+        id: &str,
+        dir: &Path,
+        overrides: TenantConfOverrides,
+        timeline: Arc<Timeline>,
+    ) -> Arc<Tenant> {
         let mut walredo_conf = self.walredo_conf.clone();
         walredo_conf.process_kind = overrides.walredo_process_kind.unwrap_or(self.deps.default_process_kind);
         let walredo = WalRedoManager::new(id, walredo_conf, Arc::clone(&self.walredo_metrics));
@@ -206,7 +222,8 @@ impl Tenants {
         let doomed = self.dir.join(format!("{DELETED_PREFIX}{id}-{generation}"));
         let (tenant_dir, tenants_dir) = (tenant.dir().to_path_buf(), self.dir.clone());
         tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
-            std::fs::rename(&tenant_dir, &doomed).with_context(|| format!("rename {}", tenant_dir.display()))?;
+            std::fs::rename(&tenant_dir, &doomed)
+                .with_context(|| format!("rename {}", tenant_dir.display()))?;
             storage::fsync_dir(&tenants_dir).context("sync tenants directory")?;
             std::fs::remove_dir_all(&doomed).with_context(|| format!("remove {}", doomed.display()))
         })

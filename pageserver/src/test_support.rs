@@ -18,7 +18,8 @@ pub fn walredo_proc_binary() -> PathBuf {
         .get_or_init(|| {
             let exe = std::env::current_exe().expect("the test knows its own path");
             // target/<profile>/deps/<test binary>
-            let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("test binary lives in deps/");
+            let profile_dir =
+                exe.parent().and_then(|deps| deps.parent()).expect("test binary lives in deps/");
             let release = profile_dir.file_name().is_some_and(|name| name == "release");
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
             let mut build = Command::new(cargo);

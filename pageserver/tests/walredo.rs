@@ -104,7 +104,8 @@ async fn redo_from_nothing_and_from_base_image_gives_exact_pages() {
         // On top of a base image: only the record above it is applied.
         let base = expected_for(2);
         let record = encode(Record::SetBits { offset: 7000, mask: &[0x0f] });
-        let page = manager.request_redo(tag(2), 0x400, Some(base.clone()), &[(0x400, record)]).await.expect("redo");
+        let page =
+            manager.request_redo(tag(2), 0x400, Some(base.clone()), &[(0x400, record)]).await.expect("redo");
         assert_eq!(page[7000], 0x0f, "{kind}");
         assert_eq!(walredo_proc::page::page_lsn(page[..].try_into().expect("page")), 0x400);
         assert_same_bytes(&page[8..7000], &base[8..7000], "page below the set bits, past pd_lsn");
@@ -184,9 +185,11 @@ async fn cancelled_requests_do_not_corrupt_other_requests() {
             }
             for task in tasks {
                 match task.await {
-                    Ok((n, result)) => {
-                        assert_same_bytes(&result.expect("redo"), &expected_for(n), &format!("{kind}: request {n}"))
-                    }
+                    Ok((n, result)) => assert_same_bytes(
+                        &result.expect("redo"),
+                        &expected_for(n),
+                        &format!("{kind}: request {n}"),
+                    ),
                     Err(e) => assert!(e.is_cancelled(), "{e}"),
                 }
             }
@@ -249,7 +252,11 @@ async fn sigkill_of_the_child_fails_requests_cleanly_and_a_new_child_serves_the_
                 Err(other) => panic!("{kind}: unexpected error {other}"),
             }
         }
-        assert_same_bytes(&redo(&manager, 99).await.expect("redo after the crash"), &expected_for(99), "after crash");
+        assert_same_bytes(
+            &redo(&manager, 99).await.expect("redo after the crash"),
+            &expected_for(99),
+            "after crash",
+        );
         let new_pid = pid_of(&manager).expect("a child");
         assert_ne!(new_pid, old_pid, "{kind}");
         wait_for("the killed child to be reaped", Duration::from_secs(10), || is_reaped(old_pid)).await;
@@ -275,9 +282,14 @@ async fn stopped_child_times_out_within_the_configured_time_and_is_replaced() {
         assert!(took >= Duration::from_millis(500), "{kind}: gave up early, after {took:?}");
         assert!(took < Duration::from_secs(10), "{kind}: took {took:?}");
 
-        assert_same_bytes(&redo(&manager, 2).await.expect("redo on a new child"), &expected_for(2), "new child");
+        assert_same_bytes(
+            &redo(&manager, 2).await.expect("redo on a new child"),
+            &expected_for(2),
+            "new child",
+        );
         assert_ne!(pid_of(&manager), Some(old_pid));
-        wait_for("the stopped child to be killed and reaped", Duration::from_secs(10), || is_reaped(old_pid)).await;
+        wait_for("the stopped child to be killed and reaped", Duration::from_secs(10), || is_reaped(old_pid))
+            .await;
         manager.shutdown().await;
     }
 }
@@ -335,7 +347,11 @@ async fn forbidden_syscall_in_the_sandbox_kills_the_child_and_the_manager_recove
         })
         .await;
         // Redo requests never trigger the test hook: a new child serves them.
-        assert_same_bytes(&redo(&manager, 5).await.expect("redo after SIGSYS"), &expected_for(5), "after SIGSYS");
+        assert_same_bytes(
+            &redo(&manager, 5).await.expect("redo after SIGSYS"),
+            &expected_for(5),
+            "after SIGSYS",
+        );
         manager.shutdown().await;
     }
 }
@@ -424,7 +440,9 @@ async fn shutdown_waits_for_in_flight_requests_and_leaves_no_child() {
 fn metric(registry: &prometheus::Registry, name: &str, label_value: &str) -> f64 {
     let text = prometheus::TextEncoder::new().encode_to_string(&registry.gather()).expect("encode metrics");
     text.lines()
-        .filter(|line| line.starts_with(&format!("{name}{{")) && line.contains(&format!("=\"{label_value}\"")))
+        .filter(|line| {
+            line.starts_with(&format!("{name}{{")) && line.contains(&format!("=\"{label_value}\""))
+        })
         .find_map(|line| line.rsplit(' ').next()?.parse().ok())
         .unwrap_or(0.0)
 }

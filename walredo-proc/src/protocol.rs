@@ -53,7 +53,13 @@ impl BufferTag {
     /// Decodes the 17-byte wire form.
     pub fn decode(b: &[u8; BUFFER_TAG_LEN]) -> BufferTag {
         let u32_at = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        BufferTag { forknum: b[0], spcnode: u32_at(1), dbnode: u32_at(5), relnode: u32_at(9), blknum: u32_at(13) }
+        BufferTag {
+            forknum: b[0],
+            spcnode: u32_at(1),
+            dbnode: u32_at(5),
+            relnode: u32_at(9),
+            blknum: u32_at(13),
+        }
     }
 }
 
@@ -340,9 +346,10 @@ pub fn encode_error_reply(out: &mut Vec<u8>, code: ErrorCode, message: &str) {
 /// Decodes an `e` payload; invalid UTF-8 in the message is replaced, not an error.
 pub fn decode_error_payload(payload: &[u8]) -> (ErrorCode, String) {
     match payload {
-        [hi, lo, message @ ..] => {
-            (ErrorCode::from_u16(u16::from_be_bytes([*hi, *lo])), String::from_utf8_lossy(message).into_owned())
-        }
+        [hi, lo, message @ ..] => (
+            ErrorCode::from_u16(u16::from_be_bytes([*hi, *lo])),
+            String::from_utf8_lossy(message).into_owned(),
+        ),
         // decode_reply_header guarantees at least two bytes; stay total anyway.
         _ => (ErrorCode::Unknown(0), String::from("(empty error frame)")),
     }
@@ -439,7 +446,8 @@ mod tests {
 
     #[test]
     fn hello_round_trips_and_rejects_other_versions() {
-        let hello = Hello { version: PROTOCOL_VERSION, pid: 42, max_record_len: 16384, flags: HELLO_FLAG_SECCOMP };
+        let hello =
+            Hello { version: PROTOCOL_VERSION, pid: 42, max_record_len: 16384, flags: HELLO_FLAG_SECCOMP };
         let mut out = Vec::new();
         hello.encode(&mut out);
         assert_eq!(decode_reply_header(out[..5].try_into().unwrap()), Ok(ReplyKind::Hello));

@@ -60,7 +60,11 @@ fn pipelined_requests_are_answered_in_order_and_an_error_frame_fails_only_its_re
             // Does not apply: no tuple 9 on a fresh page.
             protocol::encode_apply(&mut requests, 0x20, &Record::DeleteTuple { offnum: 9 });
         } else {
-            protocol::encode_apply(&mut requests, 0x20, &Record::PutBytes { offset: 4000, data: &n.to_be_bytes() });
+            protocol::encode_apply(
+                &mut requests,
+                0x20,
+                &Record::PutBytes { offset: 4000, data: &n.to_be_bytes() },
+            );
         }
         protocol::encode_get_page(&mut requests, &tag(n));
     }

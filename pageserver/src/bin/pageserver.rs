@@ -30,13 +30,14 @@ fn main() -> ExitCode {
         }
     };
     init_logging(conf.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("pageserver").build() {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            tracing::error!("failed to start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let runtime =
+        match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("pageserver").build() {
+            Ok(runtime) => runtime,
+            Err(e) => {
+                tracing::error!("failed to start the async runtime: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
     let result = runtime.block_on(async {
         let shutdown = CancellationToken::new();
         tokio::spawn(watch_signals(shutdown.clone()));
@@ -72,7 +73,8 @@ async fn watch_signals(shutdown: CancellationToken) {
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false);
+    let builder =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false);
     match format {
         LogFormat::Plain => builder.init(),
         LogFormat::Json => builder.json().init(),

@@ -57,7 +57,8 @@ pub struct PageServiceMetrics {
 
 impl PageServiceMetrics {
     pub fn new(registry: &Registry) -> anyhow::Result<PageServiceMetrics> {
-        let connections = IntGauge::new("pageserver_page_service_connections", "Open page service connections")?;
+        let connections =
+            IntGauge::new("pageserver_page_service_connections", "Open page service connections")?;
         let requests = IntCounterVec::new(
             Opts::new("pageserver_page_service_requests_total", "Page service requests by type"),
             &["type"],
@@ -67,12 +68,18 @@ impl PageServiceMetrics {
             &["code"],
         )?;
         let get_page_seconds = Histogram::with_opts(
-            HistogramOpts::new("pageserver_page_service_get_page_seconds", "GetPage time, request read to reply ready")
-                .buckets(prometheus::exponential_buckets(5e-6, 2.0, 22)?),
+            HistogramOpts::new(
+                "pageserver_page_service_get_page_seconds",
+                "GetPage time, request read to reply ready",
+            )
+            .buckets(prometheus::exponential_buckets(5e-6, 2.0, 22)?),
         )?;
         let replies_per_write = Histogram::with_opts(
-            HistogramOpts::new("pageserver_page_service_replies_per_write", "Replies gathered into one socket write")
-                .buckets(prometheus::exponential_buckets(1.0, 2.0, 7)?),
+            HistogramOpts::new(
+                "pageserver_page_service_replies_per_write",
+                "Replies gathered into one socket write",
+            )
+            .buckets(prometheus::exponential_buckets(1.0, 2.0, 7)?),
         )?;
         registry.register(Box::new(connections.clone()))?;
         registry.register(Box::new(requests.clone()))?;
@@ -142,7 +149,11 @@ pub async fn serve(
     }
 }
 
-async fn send_error_and_close(mut stream: TcpStream, code: ErrorCode, message: String) -> std::io::Result<()> {
+async fn send_error_and_close(
+    mut stream: TcpStream,
+    code: ErrorCode,
+    message: String,
+) -> std::io::Result<()> {
     let mut out = BytesMut::new();
     ServerMessage::Error { request_id: 0, code, message }.encode(&mut out);
     stream.write_all(&out).await?;
@@ -195,7 +206,10 @@ async fn handle_connection(
 
     let tenant = match hello(&mut reader, &mut buf, tenants, metrics, &cancel).await {
         Ok(tenant) => {
-            let ok = ServerMessage::HelloOk { version: PROTOCOL_VERSION, last_durable_lsn: tenant.last_durable_lsn() };
+            let ok = ServerMessage::HelloOk {
+                version: PROTOCOL_VERSION,
+                last_durable_lsn: tenant.last_durable_lsn(),
+            };
             let _ = replies.send(Pending::Ready(Reply::message(&ok))).await;
             Some(tenant)
         }
@@ -236,10 +250,14 @@ async fn hello(
             if version != PROTOCOL_VERSION {
                 return Err(refuse(
                     ErrorCode::UnsupportedVersion,
-                    format!("protocol version {version} is not supported, this daemon speaks {PROTOCOL_VERSION}"),
+                    format!(
+                        "protocol version {version} is not supported, this daemon speaks {PROTOCOL_VERSION}"
+                    ),
                 ));
             }
-            tenants.get(&tenant_id).ok_or_else(|| refuse(ErrorCode::NoSuchTenant, format!("no tenant {tenant_id}")))
+            tenants
+                .get(&tenant_id)
+                .ok_or_else(|| refuse(ErrorCode::NoSuchTenant, format!("no tenant {tenant_id}")))
         }
         Ok(_) => Err(refuse(ErrorCode::BadFrame, "the first message must be Hello".into())),
         Err(e) => Err(refuse(e.code(), e.to_string())),
@@ -268,9 +286,12 @@ async fn read_requests(
         let pending = match frame.map(proto::decode_client) {
             Err(reply) => Pending::Ready(reply),
             Ok(Err(e)) => Pending::Ready(Reply::error(metrics, 0, e.code(), e.to_string())),
-            Ok(Ok(ClientMessage::Hello { .. })) => {
-                Pending::Ready(Reply::error(metrics, 0, ErrorCode::BadFrame, "Hello may come only once".into()))
-            }
+            Ok(Ok(ClientMessage::Hello { .. })) => Pending::Ready(Reply::error(
+                metrics,
+                0,
+                ErrorCode::BadFrame,
+                "Hello may come only once".into(),
+            )),
             Ok(Ok(ClientMessage::GetPage { request_id, key, lsn })) => {
                 metrics.requests.with_label_values(&["get_page"]).inc();
                 let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
@@ -298,12 +319,24 @@ async fn read_requests(
                         let metrics = Arc::clone(metrics);
                         Pending::Task(tokio::spawn(async move {
                             match durable.await {
-                                Ok(lsn) => Reply::message(&ServerMessage::IngestOk { request_id, durable_lsn: lsn }),
-                                Err(e) => Reply::error(&metrics, request_id, ingest_error_code(&e), format!("{e:#}")),
+                                Ok(lsn) => {
+                                    Reply::message(&ServerMessage::IngestOk { request_id, durable_lsn: lsn })
+                                }
+                                Err(e) => Reply::error(
+                                    &metrics,
+                                    request_id,
+                                    ingest_error_code(&e),
+                                    format!("{e:#}"),
+                                ),
                             }
                         }))
                     }
-                    Err(e) => Pending::Ready(Reply::error(metrics, request_id, ingest_error_code(&e), format!("{e:#}"))),
+                    Err(e) => Pending::Ready(Reply::error(
+                        metrics,
+                        request_id,
+                        ingest_error_code(&e),
+                        format!("{e:#}"),
+                    )),
                 }
             }
         };
@@ -318,9 +351,13 @@ fn get_page_error_code(e: &GetPageError) -> ErrorCode {
     match e {
         GetPageError::NotFound { .. } => ErrorCode::NotFound,
         GetPageError::WaitLsn(WaitLsnError::Timeout { .. }) => ErrorCode::LsnTimeout,
-        GetPageError::WaitLsn(WaitLsnError::ShuttingDown { .. }) | GetPageError::ShuttingDown => ErrorCode::ShuttingDown,
+        GetPageError::WaitLsn(WaitLsnError::ShuttingDown { .. }) | GetPageError::ShuttingDown => {
+            ErrorCode::ShuttingDown
+        }
         GetPageError::Redo(RedoError::ShuttingDown) => ErrorCode::ShuttingDown,
-        GetPageError::Redo(RedoError::Rejected { .. } | RedoError::Timeout(_) | RedoError::InvalidRequest(_)) => {
+        GetPageError::Redo(
+            RedoError::Rejected { .. } | RedoError::Timeout(_) | RedoError::InvalidRequest(_),
+        ) => {
             tracing::warn!("failed to reconstruct a page: {e:#}");
             ErrorCode::RedoFailed
         }
@@ -358,7 +395,12 @@ async fn read_frame(reader: &mut OwnedReadHalf, buf: &mut BytesMut) -> Result<Op
         }
         match reader.read_buf(buf).await {
             Ok(0) if buf.is_empty() => return Ok(None),
-            Ok(0) => return Err(DecodeError::Malformed(format!("connection closed inside a frame ({} bytes of it)", buf.len()))),
+            Ok(0) => {
+                return Err(DecodeError::Malformed(format!(
+                    "connection closed inside a frame ({} bytes of it)",
+                    buf.len()
+                )))
+            }
             Ok(_) => {}
             Err(e) => {
                 tracing::debug!("read failed: {e}");
@@ -399,7 +441,9 @@ async fn write_replies(
             }
             let reply = match waiting.pop_front() {
                 Some(Pending::Ready(reply)) => reply,
-                Some(Pending::Task(task)) => task.await.map_err(|e| anyhow::anyhow!("request task failed: {e}"))?,
+                Some(Pending::Task(task)) => {
+                    task.await.map_err(|e| anyhow::anyhow!("request task failed: {e}"))?
+                }
                 None => break,
             };
             replies += 1;

@@ -224,7 +224,8 @@ impl Reader {
     }
     fn key(&mut self) -> Result<BufferTag, DecodeError> {
         let raw = self.bytes(BUFFER_TAG_LEN)?;
-        let raw: &[u8; BUFFER_TAG_LEN] = raw.as_ref().try_into().expect("split_to gave exactly that many bytes");
+        let raw: &[u8; BUFFER_TAG_LEN] =
+            raw.as_ref().try_into().expect("split_to gave exactly that many bytes");
         Ok(BufferTag::decode(raw))
     }
     fn finish(self) -> Result<(), DecodeError> {
@@ -248,7 +249,8 @@ pub fn decode_client(frame: Bytes) -> Result<ClientMessage, DecodeError> {
             }
             let raw = r.bytes(len)?;
             r.finish()?;
-            let tenant_id = String::from_utf8(raw.to_vec()).or_else(|_| malformed("tenant id is not UTF-8"))?;
+            let tenant_id =
+                String::from_utf8(raw.to_vec()).or_else(|_| malformed("tenant id is not UTF-8"))?;
             Ok(ClientMessage::Hello { version, tenant_id })
         }
         GET_PAGE => {
@@ -353,7 +355,8 @@ impl ClientMessage {
                 });
             }
             ClientMessage::Ingest { request_id, values } => {
-                let len = 8 + 4 + values.iter().map(|v| BUFFER_TAG_LEN + 8 + 1 + 4 + v.data.len()).sum::<usize>();
+                let len =
+                    8 + 4 + values.iter().map(|v| BUFFER_TAG_LEN + 8 + 1 + 4 + v.data.len()).sum::<usize>();
                 put_frame(out, INGEST, len, |out| {
                     out.put_u64(*request_id);
                     out.put_u32(values.len() as u32);
@@ -440,14 +443,28 @@ mod tests {
         round_trip_client(ClientMessage::Ingest {
             request_id: 8,
             values: vec![
-                IngestValue { key: key(), lsn: 10, kind: ValueKind::Image, data: Bytes::from(vec![1; BLCKSZ]) },
-                IngestValue { key: key(), lsn: 11, kind: ValueKind::Record, data: Bytes::from_static(b"\x05") },
+                IngestValue {
+                    key: key(),
+                    lsn: 10,
+                    kind: ValueKind::Image,
+                    data: Bytes::from(vec![1; BLCKSZ]),
+                },
+                IngestValue {
+                    key: key(),
+                    lsn: 11,
+                    kind: ValueKind::Record,
+                    data: Bytes::from_static(b"\x05"),
+                },
             ],
         });
         round_trip_server(ServerMessage::HelloOk { version: 1, last_durable_lsn: 99 });
         round_trip_server(ServerMessage::Page { request_id: 1, lsn: 2, page: Bytes::from(vec![3; BLCKSZ]) });
         round_trip_server(ServerMessage::IngestOk { request_id: 4, durable_lsn: 5 });
-        round_trip_server(ServerMessage::Error { request_id: 6, code: ErrorCode::NotFound, message: "no".into() });
+        round_trip_server(ServerMessage::Error {
+            request_id: 6,
+            code: ErrorCode::NotFound,
+            message: "no".into(),
+        });
     }
 
     #[test]

@@ -34,13 +34,7 @@ pub(super) fn spawn(
     segment: ActiveSegment,
     next_file_id: u32,
 ) -> anyhow::Result<JoinHandle<()>> {
-    let committer = Committer {
-        shared,
-        dir_file,
-        segment,
-        next_file_id,
-        buf: Vec::new(),
-    };
+    let committer = Committer { shared, dir_file, segment, next_file_id, buf: Vec::new() };
     std::thread::Builder::new()
         .name("storage-commit".to_string())
         .spawn(move || committer.run())
@@ -65,10 +59,7 @@ impl Drop for StoppedGuard {
         if q.failed.is_none() && std::thread::panicking() {
             q.failed = Some("committer thread panicked".to_string());
         }
-        let reason = q
-            .failed
-            .clone()
-            .unwrap_or_else(|| "timeline shut down".to_string());
+        let reason = q.failed.clone().unwrap_or_else(|| "timeline shut down".to_string());
         for p in q.pending.drain(..) {
             let _ = p.done.send(Err(failed_error(&reason)));
         }
@@ -105,11 +96,7 @@ impl Committer {
             if q.stopping {
                 return None;
             }
-            q = self
-                .shared
-                .queue_cv
-                .wait(q)
-                .unwrap_or_else(PoisonError::into_inner);
+            q = self.shared.queue_cv.wait(q).unwrap_or_else(PoisonError::into_inner);
         }
     }
 
@@ -140,11 +127,7 @@ impl Committer {
         let mut bytes = 0u64;
         for p in group {
             self.segment.append(&p.values, &mut self.buf)?;
-            bytes += p
-                .values
-                .iter()
-                .map(|(_, _, v)| v.bytes().len() as u64)
-                .sum::<u64>();
+            bytes += p.values.iter().map(|(_, _, v)| v.bytes().len() as u64).sum::<u64>();
         }
         let m = &self.shared.metrics;
         m.fsync(|| match fail_fsync {
@@ -154,8 +137,7 @@ impl Committer {
         .context("fdatasync active segment")?;
         m.group_commit_batches.observe(group.len() as f64);
         m.ingested_batches.inc_by(group.len() as u64);
-        m.ingested_values
-            .inc_by((self.segment.entries.len() - first_entry) as u64);
+        m.ingested_values.inc_by((self.segment.entries.len() - first_entry) as u64);
         m.ingested_bytes.inc_by(bytes);
 
         self.shared
@@ -164,9 +146,7 @@ impl Committer {
             .unwrap_or_else(PoisonError::into_inner)
             .insert(self.segment.file_id, &self.segment.entries[first_entry..])
             .context("index committed values")?;
-        self.shared
-            .active_len
-            .store(self.segment.len, Ordering::Relaxed);
+        self.shared.active_len.store(self.segment.len, Ordering::Relaxed);
         if let Some(last) = group.last() {
             self.shared.durable.send_replace(last.last_lsn);
         }
@@ -182,13 +162,11 @@ impl Committer {
         let m = self.shared.metrics.clone();
         let file = &self.segment.file;
         let len = layer::append_index_and_footer(file, self.segment.len, &self.segment.entries)?;
-        m.fsync(|| file.sync_data())
-            .context("fdatasync sealed layer")?;
+        m.fsync(|| file.sync_data()).context("fdatasync sealed layer")?;
         let name = layer::file_name(first, last);
         let dir = &self.shared.dir;
         std::fs::rename(dir.join(ACTIVE_NAME), dir.join(&name)).context("rename sealed layer")?;
-        m.fsync(|| self.dir_file.sync_all())
-            .context("fsync timeline directory")?;
+        m.fsync(|| self.dir_file.sync_all()).context("fsync timeline directory")?;
         self.shared.layers.fetch_add(1, Ordering::Relaxed);
         self.shared.sealed_bytes.fetch_add(len, Ordering::Relaxed);
         m.layer_files.inc();
@@ -197,11 +175,7 @@ impl Committer {
         let id = self.next_file_id;
         self.next_file_id += 1;
         let segment = ActiveSegment::create(dir, &self.dir_file, id, &m)?;
-        self.shared
-            .index
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .add_file(id, segment.file.clone());
+        self.shared.index.write().unwrap_or_else(PoisonError::into_inner).add_file(id, segment.file.clone());
         self.shared.active_len.store(segment.len, Ordering::Relaxed);
         self.segment = segment;
         Ok(())
@@ -226,11 +200,7 @@ mod tests {
         (0..n)
             .map(|i| {
                 let lsn = first_lsn + i;
-                tl.ingest(batch(vec![(
-                    key(i as u32),
-                    lsn,
-                    record(&format!("v{lsn}")),
-                )]))
+                tl.ingest(batch(vec![(key(i as u32), lsn, record(&format!("v{lsn}")))]))
             })
             .collect()
     }
@@ -298,10 +268,7 @@ mod tests {
         tl.wait_lsn(Lsn(42), T).await.unwrap();
         let d = tl.get_reconstruct_data(key(1), Lsn(42)).unwrap();
         assert_eq!(d.records, vec![(Lsn(42), bytes_of(&record("x")))]);
-        let err = tl
-            .ingest(batch(vec![(key(2), 42, record("y"))]))
-            .await
-            .unwrap_err();
+        let err = tl.ingest(batch(vec![(key(2), 42, record("y"))])).await.unwrap_err();
         assert!(matches!(err, IngestError::LsnWentBackwards { .. }), "{err}");
     }
 
@@ -310,30 +277,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = metrics();
         let tl = open(dir.path(), 1 << 30, &m);
-        tl.ingest(batch(vec![(key(1), 1, record("a"))]))
-            .await
-            .unwrap();
+        tl.ingest(batch(vec![(key(1), 1, record("a"))])).await.unwrap();
         tl.fail_next_fsync();
-        let err = tl
-            .ingest(batch(vec![(key(1), 2, record("b"))]))
-            .await
-            .unwrap_err();
+        let err = tl.ingest(batch(vec![(key(1), 2, record("b"))])).await.unwrap_err();
         assert!(format!("{err}").contains("injected fsync failure"), "{err}");
-        let err = tl
-            .ingest(batch(vec![(key(1), 3, record("c"))]))
-            .await
-            .unwrap_err();
+        let err = tl.ingest(batch(vec![(key(1), 3, record("c"))])).await.unwrap_err();
         assert!(matches!(err, IngestError::Io(_)), "{err}");
         assert!(format!("{err}").contains("refuses ingests"), "{err}");
         // Nothing of the failed batch is visible; earlier data still is.
         assert_eq!(tl.last_durable_lsn(), Lsn(1));
-        assert_eq!(
-            tl.get_reconstruct_data(key(1), Lsn(2))
-                .unwrap()
-                .records
-                .len(),
-            1
-        );
+        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(2)).unwrap().records.len(), 1);
         tl.shutdown().await;
         drop(tl);
 
@@ -341,9 +294,7 @@ mod tests {
         // but the timeline accepts ingests again.
         let tl = open(dir.path(), 1 << 30, &m);
         let next = tl.last_durable_lsn().0 + 1;
-        tl.ingest(batch(vec![(key(1), next, record("d"))]))
-            .await
-            .unwrap();
+        tl.ingest(batch(vec![(key(1), next, record("d"))])).await.unwrap();
     }
 
     #[tokio::test]
@@ -352,10 +303,7 @@ mod tests {
         let m = metrics();
         let tl = open(dir.path(), 20_000, &m);
         for i in 1..=30u64 {
-            let values = vec![
-                (key(1), i * 10, image(i as u8)),
-                (key(2), i * 10, record(&format!("r{i}"))),
-            ];
+            let values = vec![(key(1), i * 10, image(i as u8)), (key(2), i * 10, record(&format!("r{i}")))];
             tl.ingest(batch(values)).await.unwrap();
         }
         // A seal runs after the acknowledgements of its round: let it finish before counting.
@@ -365,13 +313,7 @@ mod tests {
         assert_eq!(m.layer_files.get(), stats.layers as i64);
         let layer_files = std::fs::read_dir(dir.path())
             .unwrap()
-            .filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .file_name()
-                    .to_string_lossy()
-                    .ends_with(".layer")
-            })
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".layer"))
             .count();
         assert_eq!(layer_files as u64, stats.layers);
 
@@ -381,15 +323,9 @@ mod tests {
                 assert_eq!(d.image, Some((Lsn(i * 10), bytes_of(&image(i as u8)))));
                 let d = tl.get_reconstruct_data(key(2), Lsn(i * 10)).unwrap();
                 assert_eq!(d.records.len(), i as usize);
-                assert_eq!(
-                    d.records[i as usize - 1],
-                    (Lsn(i * 10), bytes_of(&record(&format!("r{i}"))))
-                );
+                assert_eq!(d.records[i as usize - 1], (Lsn(i * 10), bytes_of(&record(&format!("r{i}")))));
             }
-            assert!(matches!(
-                tl.get_reconstruct_data(key(1), Lsn(9)),
-                Err(GetError::NotFound { .. })
-            ));
+            assert!(matches!(tl.get_reconstruct_data(key(1), Lsn(9)), Err(GetError::NotFound { .. })));
         };
         check(&tl);
         drop(tl);

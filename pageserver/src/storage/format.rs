@@ -88,14 +88,8 @@ pub(crate) fn check_file_header(h: &[u8]) -> anyhow::Result<()> {
     let mut c = Cursor::new(&h[8..16]);
     let version = c.u32()?;
     let crc = c.u32()?;
-    ensure!(
-        crc == crc32c::crc32c(&h[..12]),
-        "file header checksum mismatch"
-    );
-    ensure!(
-        version == FORMAT_VERSION,
-        "unsupported format version {version}"
-    );
+    ensure!(crc == crc32c::crc32c(&h[..12]), "file header checksum mismatch");
+    ensure!(version == FORMAT_VERSION, "unsupported format version {version}");
     Ok(())
 }
 
@@ -172,13 +166,7 @@ mod tests {
 
     #[test]
     fn key_roundtrip_through_cursor_is_identity() {
-        let key = Key {
-            spcnode: 1,
-            dbnode: 2,
-            relnode: 3,
-            forknum: 4,
-            blknum: 0xdead_beef,
-        };
+        let key = Key { spcnode: 1, dbnode: 2, relnode: 3, forknum: 4, blknum: 0xdead_beef };
         let mut out = Vec::new();
         put_key(&mut out, &key);
         assert_eq!(out.len(), KEY_LEN);

@@ -64,24 +64,12 @@ impl Index {
     /// Adds entries of file `id`. Fails, without adding any, if the file is unknown or a
     /// `(key, lsn)` is already present (overlapping files: a bug or a foreign file).
     pub(crate) fn insert(&mut self, id: u32, entries: &[IndexEntry]) -> anyhow::Result<()> {
-        ensure!(
-            self.files.contains_key(&id),
-            "index entries for unknown file {id}"
-        );
-        if let Some(e) = entries
-            .iter()
-            .find(|e| self.map.contains_key(&(e.key, e.lsn)))
-        {
+        ensure!(self.files.contains_key(&id), "index entries for unknown file {id}");
+        if let Some(e) = entries.iter().find(|e| self.map.contains_key(&(e.key, e.lsn))) {
             anyhow::bail!("duplicate value for {:?} at lsn {}", e.key, e.lsn);
         }
         for e in entries {
-            let r = ValueRef {
-                file: id,
-                kind: e.kind,
-                offset: e.offset,
-                len: e.len,
-                crc: e.crc,
-            };
+            let r = ValueRef { file: id, kind: e.kind, offset: e.offset, len: e.len, crc: e.crc };
             if !self.has_key(&e.key) {
                 self.keys += 1;
             }
@@ -91,10 +79,7 @@ impl Index {
     }
 
     fn has_key(&self, key: &Key) -> bool {
-        self.map
-            .range((*key, Lsn(0))..=(*key, Lsn(u64::MAX)))
-            .next()
-            .is_some()
+        self.map.range((*key, Lsn(0))..=(*key, Lsn(u64::MAX))).next().is_some()
     }
 
     /// Number of distinct keys.
@@ -120,17 +105,8 @@ impl Index {
         let mut image = None;
         let mut records = Vec::new();
         for (&(_, at), r) in self.map.range(range).rev() {
-            let file = self
-                .files
-                .get(&r.file)
-                .with_context(|| format!("file {} gone", r.file))?;
-            let read = ValueRead {
-                lsn: at,
-                file: file.clone(),
-                offset: r.offset,
-                len: r.len,
-                crc: r.crc,
-            };
+            let file = self.files.get(&r.file).with_context(|| format!("file {} gone", r.file))?;
+            let read = ValueRead { lsn: at, file: file.clone(), offset: r.offset, len: r.len, crc: r.crc };
             match r.kind {
                 Kind::Image => {
                     image = Some(read);
@@ -150,9 +126,7 @@ impl Index {
 impl ReadPlan {
     /// Reads every planned value with positional reads and checks its checksum.
     pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
-        let image = self
-            .image
-            .map(|r| Ok::<_, anyhow::Error>((r.lsn, read_value(&r)?)));
+        let image = self.image.map(|r| Ok::<_, anyhow::Error>((r.lsn, read_value(&r)?)));
         Ok(ReconstructData {
             image: image.transpose()?,
             records: self
@@ -184,13 +158,7 @@ mod tests {
     use super::*;
 
     fn key(blk: u32) -> Key {
-        Key {
-            spcnode: 1,
-            dbnode: 1,
-            relnode: 1,
-            forknum: 0,
-            blknum: blk,
-        }
+        Key { spcnode: 1, dbnode: 1, relnode: 1, forknum: 0, blknum: blk }
     }
 
     /// A file holding `vals` back to back, and their entries.
@@ -228,21 +196,11 @@ mod tests {
         idx.insert(3, &entries).unwrap();
         assert_eq!((idx.keys(), idx.values()), (2, 5));
 
-        let d = idx
-            .plan(key(1), Lsn(35))
-            .unwrap()
-            .unwrap()
-            .execute()
-            .unwrap();
+        let d = idx.plan(key(1), Lsn(35)).unwrap().unwrap().execute().unwrap();
         assert_eq!(d.image, Some((Lsn(20), Bytes::from_static(b"i20"))));
         assert_eq!(d.records, vec![(Lsn(30), Bytes::from_static(b"r30"))]);
 
-        let d = idx
-            .plan(key(1), Lsn(19))
-            .unwrap()
-            .unwrap()
-            .execute()
-            .unwrap();
+        let d = idx.plan(key(1), Lsn(19)).unwrap().unwrap().execute().unwrap();
         assert_eq!(d.image, None);
         assert_eq!(d.records, vec![(Lsn(10), Bytes::from_static(b"r10"))]);
 
@@ -253,10 +211,7 @@ mod tests {
 
     #[test]
     fn insert_of_duplicate_key_lsn_fails_and_adds_nothing() {
-        let (f, entries) = file_with(&[
-            (key(1), 10, Kind::Record, b"a"),
-            (key(2), 10, Kind::Record, b"b"),
-        ]);
+        let (f, entries) = file_with(&[(key(1), 10, Kind::Record, b"a"), (key(2), 10, Kind::Record, b"b")]);
         let mut idx = Index::default();
         idx.add_file(0, f);
         idx.insert(0, &entries[..1]).unwrap();
@@ -272,13 +227,7 @@ mod tests {
         let mut idx = Index::default();
         idx.add_file(0, f);
         idx.insert(0, &entries).unwrap();
-        let err = idx
-            .plan(key(1), Lsn(10))
-            .unwrap()
-            .unwrap()
-            .execute()
-            .err()
-            .unwrap();
+        let err = idx.plan(key(1), Lsn(10)).unwrap().unwrap().execute().err().unwrap();
         assert!(format!("{err:#}").contains("checksum mismatch"), "{err:#}");
     }
 }

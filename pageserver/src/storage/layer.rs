@@ -70,16 +70,8 @@ pub(crate) fn append_index_and_footer(
 ) -> anyhow::Result<u64> {
     let mut sorted = entries.to_vec();
     sorted.sort_by_key(|e| (e.key, e.lsn));
-    let first_lsn = sorted
-        .iter()
-        .map(|e| e.lsn)
-        .min()
-        .context("seal an empty layer")?;
-    let last_lsn = sorted
-        .iter()
-        .map(|e| e.lsn)
-        .max()
-        .context("seal an empty layer")?;
+    let first_lsn = sorted.iter().map(|e| e.lsn).min().context("seal an empty layer")?;
+    let last_lsn = sorted.iter().map(|e| e.lsn).max().context("seal an empty layer")?;
 
     let mut buf = Vec::with_capacity(4 + sorted.len() * INDEX_ENTRY_LEN + FOOTER_LEN as usize);
     buf.extend_from_slice(&INDEX_MAGIC.to_le_bytes());
@@ -101,8 +93,7 @@ pub(crate) fn append_index_and_footer(
         index_crc: crc32c::crc32c(&buf),
     };
     encode_footer(&footer, &mut buf);
-    file.write_all_at(&buf, data_end)
-        .context("write layer index and footer")?;
+    file.write_all_at(&buf, data_end).context("write layer index and footer")?;
     Ok(data_end + buf.len() as u64)
 }
 
@@ -110,13 +101,7 @@ fn encode_footer(f: &Footer, out: &mut Vec<u8>) {
     let start = out.len();
     out.extend_from_slice(&FOOTER_MAGIC);
     out.extend_from_slice(&format::FORMAT_VERSION.to_le_bytes());
-    for v in [
-        f.entry_count,
-        f.index_offset,
-        f.index_len,
-        f.first_lsn.0,
-        f.last_lsn.0,
-    ] {
+    for v in [f.entry_count, f.index_offset, f.index_len, f.first_lsn.0, f.last_lsn.0] {
         out.extend_from_slice(&v.to_le_bytes());
     }
     out.extend_from_slice(&f.index_crc.to_le_bytes());
@@ -127,10 +112,7 @@ fn encode_footer(f: &Footer, out: &mut Vec<u8>) {
 /// Reads and checks the footer of a file of `file_len` bytes. An error means "not a complete
 /// layer" (for the active segment: sealing had not finished).
 pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> {
-    ensure!(
-        file_len >= FILE_HEADER_LEN + 4 + FOOTER_LEN,
-        "file too short for a footer"
-    );
+    ensure!(file_len >= FILE_HEADER_LEN + 4 + FOOTER_LEN, "file too short for a footer");
     let mut raw = [0u8; FOOTER_LEN as usize];
     read_at(file, &mut raw, file_len - FOOTER_LEN).context("read footer")?;
     ensure!(raw[..8] == FOOTER_MAGIC, "bad footer magic");
@@ -146,33 +128,18 @@ pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> 
         index_crc: c.u32()?,
     };
     ensure!(c.u32()? == crc32c::crc32c(body), "footer checksum mismatch");
+    ensure!(version == format::FORMAT_VERSION, "unsupported layer version {version}");
+    ensure!(f.index_offset >= FILE_HEADER_LEN, "index inside the file header");
     ensure!(
-        version == format::FORMAT_VERSION,
-        "unsupported layer version {version}"
-    );
-    ensure!(
-        f.index_offset >= FILE_HEADER_LEN,
-        "index inside the file header"
-    );
-    ensure!(
-        f.index_offset
-            .checked_add(f.index_len)
-            .and_then(|x| x.checked_add(FOOTER_LEN))
-            == Some(file_len),
+        f.index_offset.checked_add(f.index_len).and_then(|x| x.checked_add(FOOTER_LEN)) == Some(file_len),
         "index and footer do not end at the end of the file"
     );
     ensure!(
-        f.entry_count
-            .checked_mul(INDEX_ENTRY_LEN as u64)
-            .and_then(|x| x.checked_add(4))
-            == Some(f.index_len),
+        f.entry_count.checked_mul(INDEX_ENTRY_LEN as u64).and_then(|x| x.checked_add(4)) == Some(f.index_len),
         "index length does not match {} entries",
         f.entry_count
     );
-    ensure!(
-        f.entry_count > 0 && f.first_lsn <= f.last_lsn,
-        "empty or inverted layer"
-    );
+    ensure!(f.entry_count > 0 && f.first_lsn <= f.last_lsn, "empty or inverted layer");
     Ok(f)
 }
 
@@ -181,10 +148,7 @@ pub(crate) fn read_index(file: &File, footer: &Footer) -> anyhow::Result<Vec<Ind
     let len = usize::try_from(footer.index_len).context("index too large")?;
     let mut raw = vec![0u8; len];
     read_at(file, &mut raw, footer.index_offset).context("read layer index")?;
-    ensure!(
-        crc32c::crc32c(&raw) == footer.index_crc,
-        "index checksum mismatch"
-    );
+    ensure!(crc32c::crc32c(&raw) == footer.index_crc, "index checksum mismatch");
     let mut c = Cursor::new(&raw);
     ensure!(c.u32()? == INDEX_MAGIC, "bad index magic");
     let mut entries = Vec::with_capacity(footer.entry_count as usize);
@@ -229,10 +193,7 @@ pub(crate) fn open(path: &Path) -> anyhow::Result<OpenLayer> {
     read_at(&file, &mut header, 0).context("read layer header")?;
     format::check_file_header(&header)?;
     let footer = read_footer(&file, len)?;
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or_default();
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
     ensure!(
         parse_file_name(name) == Some((footer.first_lsn, footer.last_lsn)),
         "name does not match the footer's lsn range {}..={}",
@@ -240,12 +201,7 @@ pub(crate) fn open(path: &Path) -> anyhow::Result<OpenLayer> {
         footer.last_lsn
     );
     let entries = read_index(&file, &footer)?;
-    Ok(OpenLayer {
-        file,
-        footer,
-        entries,
-        len,
-    })
+    Ok(OpenLayer { file, footer, entries, len })
 }
 
 #[cfg(test)]
@@ -257,28 +213,15 @@ mod tests {
     use bytes::Bytes;
 
     fn key(blk: u32) -> Key {
-        Key {
-            spcnode: 1,
-            dbnode: 2,
-            relnode: 3,
-            forknum: 0,
-            blknum: blk,
-        }
+        Key { spcnode: 1, dbnode: 2, relnode: 3, forknum: 0, blknum: blk }
     }
 
     #[test]
     fn file_name_roundtrip_and_foreign_names_rejected() {
         let name = file_name(Lsn(0x1_0000_002A), Lsn(u64::MAX));
         assert_eq!(name, "layer_000000010000002A_FFFFFFFFFFFFFFFF.layer");
-        assert_eq!(
-            parse_file_name(&name),
-            Some((Lsn(0x1_0000_002A), Lsn(u64::MAX)))
-        );
-        for bad in [
-            "layer_1_2.layer",
-            "active.seg",
-            "layer_000000010000002A_FFFFFFFFFFFFFFFF",
-        ] {
+        assert_eq!(parse_file_name(&name), Some((Lsn(0x1_0000_002A), Lsn(u64::MAX))));
+        for bad in ["layer_1_2.layer", "active.seg", "layer_000000010000002A_FFFFFFFFFFFFFFFF"] {
             assert_eq!(parse_file_name(bad), None, "{bad}");
         }
     }
@@ -288,32 +231,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let dir_file = File::open(dir.path()).unwrap();
         let mut seg =
-            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered())
-                .unwrap();
+            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
         let mut buf = Vec::new();
         let rec = |b: &'static [u8]| Value::Record(Bytes::from_static(b));
-        seg.append(
-            &[(key(9), Lsn(5), rec(b"a")), (key(1), Lsn(5), rec(b"b"))],
-            &mut buf,
-        )
-        .unwrap();
-        seg.append(&[(key(1), Lsn(7), rec(b"c"))], &mut buf)
-            .unwrap();
+        seg.append(&[(key(9), Lsn(5), rec(b"a")), (key(1), Lsn(5), rec(b"b"))], &mut buf).unwrap();
+        seg.append(&[(key(1), Lsn(7), rec(b"c"))], &mut buf).unwrap();
         let end = append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
         let path = dir.path().join(file_name(Lsn(5), Lsn(7)));
         std::fs::rename(dir.path().join("active.seg"), &path).unwrap();
 
         let layer = open(&path).unwrap();
         assert_eq!(layer.len, end);
-        assert_eq!(
-            (layer.footer.first_lsn, layer.footer.last_lsn),
-            (Lsn(5), Lsn(7))
-        );
-        let order: Vec<_> = layer
-            .entries
-            .iter()
-            .map(|e| (e.key.blknum, e.lsn.0))
-            .collect();
+        assert_eq!((layer.footer.first_lsn, layer.footer.last_lsn), (Lsn(5), Lsn(7)));
+        let order: Vec<_> = layer.entries.iter().map(|e| (e.key.blknum, e.lsn.0)).collect();
         assert_eq!(order, vec![(1, 5), (1, 7), (9, 5)]);
         let mut sorted = seg.entries.clone();
         sorted.sort_by_key(|e| (e.key, e.lsn));
@@ -325,14 +255,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let dir_file = File::open(dir.path()).unwrap();
         let mut seg =
-            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered())
-                .unwrap();
+            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
         let mut buf = Vec::new();
-        seg.append(
-            &[(key(1), Lsn(5), Value::Record(Bytes::from_static(b"a")))],
-            &mut buf,
-        )
-        .unwrap();
+        seg.append(&[(key(1), Lsn(5), Value::Record(Bytes::from_static(b"a")))], &mut buf).unwrap();
         append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
         let wrong = dir.path().join(file_name(Lsn(5), Lsn(6)));
         std::fs::rename(dir.path().join("active.seg"), &wrong).unwrap();
@@ -343,9 +268,6 @@ mod tests {
         open(&right).unwrap();
         seg.file.write_all_at(&[0xee], seg.len + 6).unwrap();
         let err = open(&right).err().unwrap();
-        assert!(
-            format!("{err:#}").contains("index checksum mismatch"),
-            "{err:#}"
-        );
+        assert!(format!("{err:#}").contains("index checksum mismatch"), "{err:#}");
     }
 }

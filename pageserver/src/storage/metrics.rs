@@ -28,17 +28,13 @@ impl StorageMetrics {
     pub fn new(registry: &Registry) -> anyhow::Result<Self> {
         let counter = |name: &str, help: &str| -> anyhow::Result<IntCounter> {
             let c = IntCounter::new(name, help).with_context(|| format!("create {name}"))?;
-            registry
-                .register(Box::new(c.clone()))
-                .with_context(|| format!("register {name}"))?;
+            registry.register(Box::new(c.clone())).with_context(|| format!("register {name}"))?;
             Ok(c)
         };
         let histogram = |name: &str, help: &str, buckets: Vec<f64>| -> anyhow::Result<Histogram> {
             let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
                 .with_context(|| format!("create {name}"))?;
-            registry
-                .register(Box::new(h.clone()))
-                .with_context(|| format!("register {name}"))?;
+            registry.register(Box::new(h.clone())).with_context(|| format!("register {name}"))?;
             Ok(h)
         };
         let layer_files = IntGauge::new(
@@ -69,14 +65,12 @@ impl StorageMetrics {
             fsync_seconds: histogram(
                 "pageserver_storage_fsync_seconds",
                 "Duration of storage fsync/fdatasync calls",
-                prometheus::exponential_buckets(0.000_05, 2.0, 16)
-                    .context("fsync_seconds buckets")?,
+                prometheus::exponential_buckets(0.000_05, 2.0, 16).context("fsync_seconds buckets")?,
             )?,
             group_commit_batches: histogram(
                 "pageserver_storage_group_commit_batches",
                 "Ingest batches made durable by one group-commit fsync",
-                prometheus::exponential_buckets(1.0, 2.0, 12)
-                    .context("group_commit_batches buckets")?,
+                prometheus::exponential_buckets(1.0, 2.0, 12).context("group_commit_batches buckets")?,
             )?,
             layer_files,
             torn_tail_truncations: counter(
@@ -115,9 +109,7 @@ mod tests {
         assert!(StorageMetrics::new(&registry).is_err());
         let families = registry.gather();
         assert_eq!(families.len(), 8);
-        assert!(families
-            .iter()
-            .all(|f| f.name().starts_with("pageserver_storage_")));
+        assert!(families.iter().all(|f| f.name().starts_with("pageserver_storage_")));
         assert_eq!(m.fsyncs.get(), 1);
     }
 }

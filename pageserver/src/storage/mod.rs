@@ -74,9 +74,7 @@ pub struct StorageConf {
 
 impl Default for StorageConf {
     fn default() -> Self {
-        StorageConf {
-            layer_size: DEFAULT_LAYER_SIZE,
-        }
+        StorageConf { layer_size: DEFAULT_LAYER_SIZE }
     }
 }
 
@@ -153,14 +151,8 @@ pub enum GetError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum WaitLsnError {
-    #[error(
-        "timed out after {timeout:?} waiting for lsn {wanted}, last durable is {last_durable}"
-    )]
-    Timeout {
-        wanted: Lsn,
-        last_durable: Lsn,
-        timeout: Duration,
-    },
+    #[error("timed out after {timeout:?} waiting for lsn {wanted}, last durable is {last_durable}")]
+    Timeout { wanted: Lsn, last_durable: Lsn, timeout: Duration },
     #[error("timeline shut down while waiting for lsn {wanted}, last durable is {last_durable}")]
     ShuttingDown { wanted: Lsn, last_durable: Lsn },
 }
@@ -175,7 +167,8 @@ pub fn durable_write(dir: &std::path::Path, name: &str, data: &[u8]) -> anyhow::
     file.write_all(data).with_context(|| format!("write {}", tmp.display()))?;
     file.sync_all().with_context(|| format!("sync {}", tmp.display()))?;
     let path = dir.join(name);
-    std::fs::rename(&tmp, &path).with_context(|| format!("rename {} to {}", tmp.display(), path.display()))?;
+    std::fs::rename(&tmp, &path)
+        .with_context(|| format!("rename {} to {}", tmp.display(), path.display()))?;
     fsync_dir(dir)
 }
 
@@ -199,24 +192,15 @@ pub(crate) fn validate(values: &[(Key, Lsn, Value)]) -> Result<(Lsn, Lsn, usize)
     };
     let mut seen = std::collections::HashSet::new();
     for (i, (key, lsn, value)) in values.iter().enumerate() {
-        value
-            .kind()
-            .check_len(value.bytes().len())
-            .map_err(|e| invalid(i, format!("{e}")))?;
+        value.kind().check_len(value.bytes().len()).map_err(|e| invalid(i, format!("{e}")))?;
         if i > 0 && *lsn < values[i - 1].1 {
-            return Err(invalid(
-                i,
-                format!("lsn below the previous value's {}", values[i - 1].1),
-            ));
+            return Err(invalid(i, format!("lsn below the previous value's {}", values[i - 1].1)));
         }
         if i > 0 && *lsn != values[i - 1].1 {
             seen.clear();
         }
         if !seen.insert(*key) {
-            return Err(invalid(
-                i,
-                "same key and lsn twice in the batch".to_string(),
-            ));
+            return Err(invalid(i, "same key and lsn twice in the batch".to_string()));
         }
     }
     let frame_len = segment::frame_len(values);
@@ -243,11 +227,7 @@ mod tests {
 
     #[test]
     fn validate_returns_lsn_range_and_frame_length_of_a_good_batch() {
-        let b = batch(vec![
-            (key(1), 5, record("ab")),
-            (key(2), 5, image(0)),
-            (key(1), 9, record("c")),
-        ]);
+        let b = batch(vec![(key(1), 5, record("ab")), (key(2), 5, image(0)), (key(1), 9, record("c"))]);
         let (first, last, len) = validate(&b.values).unwrap();
         assert_eq!((first, last), (Lsn(5), Lsn(9)));
         assert_eq!(len, segment::frame_len(&b.values));
@@ -257,39 +237,20 @@ mod tests {
     async fn get_of_unknown_key_or_below_first_value_is_not_found() {
         let dir = tempfile::tempdir().unwrap();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
-        assert!(matches!(
-            tl.get_reconstruct_data(key(1), Lsn(5)),
-            Err(GetError::NotFound { .. })
-        ));
-        tl.ingest(batch(vec![(key(1), 10, record("a"))]))
-            .await
-            .unwrap();
+        assert!(matches!(tl.get_reconstruct_data(key(1), Lsn(5)), Err(GetError::NotFound { .. })));
+        tl.ingest(batch(vec![(key(1), 10, record("a"))])).await.unwrap();
         let err = tl.get_reconstruct_data(key(1), Lsn(9)).unwrap_err();
-        assert!(
-            matches!(err, GetError::NotFound { lsn: Lsn(9), .. }),
-            "{err}"
-        );
-        assert!(matches!(
-            tl.get_reconstruct_data(key(2), Lsn(10)),
-            Err(GetError::NotFound { .. })
-        ));
+        assert!(matches!(err, GetError::NotFound { lsn: Lsn(9), .. }), "{err}");
+        assert!(matches!(tl.get_reconstruct_data(key(2), Lsn(10)), Err(GetError::NotFound { .. })));
     }
 
     #[tokio::test]
     async fn ingest_starting_at_or_below_last_lsn_is_rejected_as_backwards() {
         let dir = tempfile::tempdir().unwrap();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
-        tl.ingest(batch(vec![
-            (key(1), 10, record("a")),
-            (key(2), 20, record("b")),
-        ]))
-        .await
-        .unwrap();
+        tl.ingest(batch(vec![(key(1), 10, record("a")), (key(2), 20, record("b"))])).await.unwrap();
         for got in [20, 15, 1] {
-            let err = tl
-                .ingest(batch(vec![(key(3), got, record("x"))]))
-                .await
-                .unwrap_err();
+            let err = tl.ingest(batch(vec![(key(3), got, record("x"))])).await.unwrap_err();
             match err {
                 IngestError::LsnWentBackwards { last, got: g } => {
                     assert_eq!((last, g), (Lsn(20), Lsn(got)));
@@ -297,59 +258,29 @@ mod tests {
                 other => panic!("unexpected {other}"),
             }
         }
-        let err = tl
-            .ingest(batch(vec![(key(3), 0, record("x"))]))
-            .await
-            .unwrap_err();
+        let err = tl.ingest(batch(vec![(key(3), 0, record("x"))])).await.unwrap_err();
         assert!(err.to_string().contains("last ingested is 0/14"), "{err}");
-        tl.ingest(batch(vec![(key(3), 21, record("c"))]))
-            .await
-            .unwrap();
-        assert!(matches!(
-            tl.get_reconstruct_data(key(3), Lsn(20)),
-            Err(GetError::NotFound { .. })
-        ));
+        tl.ingest(batch(vec![(key(3), 21, record("c"))])).await.unwrap();
+        assert!(matches!(tl.get_reconstruct_data(key(3), Lsn(20)), Err(GetError::NotFound { .. })));
     }
 
     #[tokio::test]
     async fn invalid_batches_are_rejected_and_write_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
-        tl.ingest(batch(vec![(key(1), 10, record("a"))]))
-            .await
-            .unwrap();
+        tl.ingest(batch(vec![(key(1), 10, record("a"))])).await.unwrap();
         let before = tl.stats();
-        let file_len = || {
-            std::fs::metadata(dir.path().join("active.seg"))
-                .unwrap()
-                .len()
-        };
+        let file_len = || std::fs::metadata(dir.path().join("active.seg")).unwrap().len();
         let len_before = file_len();
         let short_image = Value::Image(Bytes::from(vec![0u8; PAGE_SIZE - 1]));
         let long_record = Value::Record(Bytes::from(vec![0u8; MAX_RECORD_LEN + 1]));
         let cases = vec![
             ("empty batch", vec![]),
-            (
-                "image of 8191",
-                vec![(key(2), 20, record("ok")), (key(2), 21, short_image)],
-            ),
-            (
-                "record of 0",
-                vec![(key(2), 20, Value::Record(Bytes::new()))],
-            ),
+            ("image of 8191", vec![(key(2), 20, record("ok")), (key(2), 21, short_image)]),
+            ("record of 0", vec![(key(2), 20, Value::Record(Bytes::new()))]),
             ("record of 16385", vec![(key(2), 20, long_record)]),
-            (
-                "below the previous",
-                vec![(key(2), 30, record("a")), (key(3), 29, record("b"))],
-            ),
-            (
-                "twice",
-                vec![
-                    (key(2), 30, record("a")),
-                    (key(3), 30, record("b")),
-                    (key(2), 30, record("c")),
-                ],
-            ),
+            ("below the previous", vec![(key(2), 30, record("a")), (key(3), 29, record("b"))]),
+            ("twice", vec![(key(2), 30, record("a")), (key(3), 30, record("b")), (key(2), 30, record("c"))]),
         ];
         for (want, values) in cases {
             let err = tl.ingest(batch(values)).await.unwrap_err();
@@ -359,8 +290,6 @@ mod tests {
         assert_eq!(tl.stats(), before);
         assert_eq!(file_len(), len_before);
         // The rejected batches did not advance the LSN either.
-        tl.ingest(batch(vec![(key(2), 11, record("b"))]))
-            .await
-            .unwrap();
+        tl.ingest(batch(vec![(key(2), 11, record("b"))])).await.unwrap();
     }
 }

@@ -40,11 +40,7 @@ pub(crate) struct Recovered {
 }
 
 /// Recovers the timeline directory `dir` (already created and locked).
-pub(crate) fn recover(
-    dir: &Path,
-    dir_file: &File,
-    metrics: &StorageMetrics,
-) -> anyhow::Result<Recovered> {
+pub(crate) fn recover(dir: &Path, dir_file: &File, metrics: &StorageMetrics) -> anyhow::Result<Recovered> {
     let mut layer_paths = Vec::new();
     let mut active = None;
     for entry in std::fs::read_dir(dir).context("list timeline directory")? {
@@ -82,9 +78,7 @@ pub(crate) fn recover(
         );
         let l = layer::open(path).with_context(|| format!("open layer {}", path.display()))?;
         index.add_file(next_file_id, Arc::new(l.file));
-        index
-            .insert(next_file_id, &l.entries)
-            .with_context(|| format!("index layer {}", path.display()))?;
+        index.insert(next_file_id, &l.entries).with_context(|| format!("index layer {}", path.display()))?;
         next_file_id += 1;
         last_lsn = l.footer.last_lsn;
         sealed_bytes += l.len;
@@ -95,9 +89,7 @@ pub(crate) fn recover(
         None => ActiveSegment::create(dir, dir_file, next_file_id, metrics)?,
     };
     index.add_file(next_file_id, segment.file.clone());
-    index
-        .insert(next_file_id, &segment.entries)
-        .context("index active segment")?;
+    index.insert(next_file_id, &segment.entries).context("index active segment")?;
     if let Some((_, last)) = segment.lsn_range() {
         last_lsn = last;
     }
@@ -119,11 +111,7 @@ fn finish_interrupted_seal(
     dir_file: &File,
     metrics: &StorageMetrics,
 ) -> anyhow::Result<Option<String>> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .context("open active.seg")?;
+    let file = OpenOptions::new().read(true).write(true).open(path).context("open active.seg")?;
     let len = file.metadata().context("stat active.seg")?.len();
     let mut header = [0u8; FILE_HEADER_LEN as usize];
     if len < FILE_HEADER_LEN || read_at(&file, &mut header, 0).is_err() {
@@ -137,17 +125,10 @@ fn finish_interrupted_seal(
     }
     let name = layer::file_name(footer.first_lsn, footer.last_lsn);
     let target: PathBuf = dir.join(&name);
-    ensure!(
-        !target.exists(),
-        "interrupted seal of {name}, but that layer already exists"
-    );
-    metrics
-        .fsync(|| file.sync_all())
-        .context("fsync interrupted layer")?;
+    ensure!(!target.exists(), "interrupted seal of {name}, but that layer already exists");
+    metrics.fsync(|| file.sync_all()).context("fsync interrupted layer")?;
     std::fs::rename(path, &target).context("rename interrupted layer")?;
-    metrics
-        .fsync(|| dir_file.sync_all())
-        .context("fsync timeline directory")?;
+    metrics.fsync(|| dir_file.sync_all()).context("fsync timeline directory")?;
     tracing::info!(layer = %name, "finished a seal interrupted by a crash");
     Ok(Some(name))
 }
@@ -161,11 +142,7 @@ fn open_active(
     last_lsn: Lsn,
     metrics: &StorageMetrics,
 ) -> anyhow::Result<ActiveSegment> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .context("open active.seg")?;
+    let file = OpenOptions::new().read(true).write(true).open(path).context("open active.seg")?;
     let len = file.metadata().context("stat active.seg")?.len();
     let mut header = [0u8; FILE_HEADER_LEN as usize];
     let header_ok = len >= FILE_HEADER_LEN
@@ -187,17 +164,10 @@ fn open_active(
             "cutting torn tail of active.seg"
         );
         file.set_len(scan.valid_len).context("truncate torn tail")?;
-        metrics
-            .fsync(|| file.sync_all())
-            .context("fsync truncated active.seg")?;
+        metrics.fsync(|| file.sync_all()).context("fsync truncated active.seg")?;
         metrics.torn_tail_truncations.inc();
     }
-    Ok(ActiveSegment {
-        file: Arc::new(file),
-        file_id,
-        len: scan.valid_len,
-        entries: scan.entries,
-    })
+    Ok(ActiveSegment { file: Arc::new(file), file_id, len: scan.valid_len, entries: scan.entries })
 }
 
 #[cfg(test)]
@@ -219,9 +189,7 @@ mod tests {
     fn layer_count(dir: &Path) -> usize {
         std::fs::read_dir(dir)
             .unwrap()
-            .filter(|e| {
-                layer::parse_file_name(&e.as_ref().unwrap().file_name().to_string_lossy()).is_some()
-            })
+            .filter(|e| layer::parse_file_name(&e.as_ref().unwrap().file_name().to_string_lossy()).is_some())
             .count()
     }
 
@@ -230,9 +198,7 @@ mod tests {
     async fn three_batches(dir: &Path, m: &Arc<StorageMetrics>) {
         let tl = open(dir, BIG, m);
         for lsn in [10u64, 20, 30] {
-            tl.ingest(batch(vec![(key(1), lsn, record(&format!("r{lsn}")))]))
-                .await
-                .unwrap();
+            tl.ingest(batch(vec![(key(1), lsn, record(&format!("r{lsn}")))])).await.unwrap();
         }
         tl.shutdown().await;
     }
@@ -251,10 +217,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let m = metrics();
             three_batches(dir.path(), &m).await;
-            let f = OpenOptions::new()
-                .write(true)
-                .open(active_path(dir.path()))
-                .unwrap();
+            let f = OpenOptions::new().write(true).open(active_path(dir.path())).unwrap();
             let len = f.metadata().unwrap().len();
             match damage {
                 "truncate" => f.set_len(len - 3).unwrap(),
@@ -264,17 +227,11 @@ mod tests {
 
             let tl = open(dir.path(), BIG, &m);
             assert_eq!(m.torn_tail_truncations.get(), 1, "{damage}");
-            let want: &[u64] = if damage == "garbage" {
-                &[10, 20, 30]
-            } else {
-                &[10, 20]
-            };
+            let want: &[u64] = if damage == "garbage" { &[10, 20, 30] } else { &[10, 20] };
             assert_eq!(records_of(&tl, 100), want, "{damage}");
             let last = *want.last().unwrap();
             assert_eq!(tl.last_durable_lsn(), Lsn(last));
-            tl.ingest(batch(vec![(key(1), last + 1, record("after"))]))
-                .await
-                .unwrap();
+            tl.ingest(batch(vec![(key(1), last + 1, record("after"))])).await.unwrap();
             drop(tl);
 
             let m2 = metrics();
@@ -300,11 +257,7 @@ mod tests {
                 loop {
                     let futs = (0..8)
                         .map(|i| {
-                            tl.ingest(batch(vec![(
-                                key(1),
-                                next + i,
-                                record(&format!("v{}", next + i)),
-                            )]))
+                            tl.ingest(batch(vec![(key(1), next + i, record(&format!("v{}", next + i)))]))
                         })
                         .collect();
                     for r in join_in_order(futs).await {
@@ -318,9 +271,7 @@ mod tests {
         });
         // Crash (copy what is on disk) at several points while ingests are in flight.
         for round in 1..=5u64 {
-            tl.wait_lsn(Lsn(round * 40), Duration::from_secs(30))
-                .await
-                .unwrap();
+            tl.wait_lsn(Lsn(round * 40), Duration::from_secs(30)).await.unwrap();
             let acked = tl.last_durable_lsn();
             let crashed = snapshot(dir.path());
             let recovered = open(crashed.path(), BIG, &metrics());
@@ -331,8 +282,7 @@ mod tests {
                 .records
                 .iter()
                 .enumerate()
-                .all(|(i, r)| r.0 == Lsn(i as u64 + 1)
-                    && r.1 == bytes_of(&record(&format!("v{}", i + 1)))));
+                .all(|(i, r)| r.0 == Lsn(i as u64 + 1) && r.1 == bytes_of(&record(&format!("v{}", i + 1)))));
         }
         tl.shutdown().await;
         writer.await.unwrap();
@@ -341,11 +291,7 @@ mod tests {
     /// Leaves `dir` as a crash after seal step 1 or 2 would: `active.seg` with its index and
     /// footer appended (all of it, or only its first `keep` bytes), not renamed.
     fn append_seal_index(dir: &Path, keep: Option<u64>) {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(active_path(dir))
-            .unwrap();
+        let file = OpenOptions::new().read(true).write(true).open(active_path(dir)).unwrap();
         let len = file.metadata().unwrap().len();
         let scan = segment::scan(&file, len, Lsn(0)).unwrap();
         let end = layer::append_index_and_footer(&file, len, &scan.entries).unwrap();
@@ -368,9 +314,7 @@ mod tests {
         assert_eq!(tl.stats().layers, 1);
         assert_eq!(m.torn_tail_truncations.get(), 0);
         assert_eq!(records_of(&tl, 30), [10, 20, 30]);
-        tl.ingest(batch(vec![(key(1), 40, record("r40"))]))
-            .await
-            .unwrap();
+        tl.ingest(batch(vec![(key(1), 40, record("r40"))])).await.unwrap();
         drop(tl);
         let tl = open(dir.path(), BIG, &m);
         assert_eq!(records_of(&tl, 40), [10, 20, 30, 40]);
@@ -384,15 +328,9 @@ mod tests {
             three_batches(dir.path(), &m).await;
             append_seal_index(dir.path(), Some(keep));
             let tl = open(dir.path(), BIG, &m);
-            assert_eq!(
-                (layer_count(dir.path()), m.torn_tail_truncations.get()),
-                (0, 1),
-                "{keep}"
-            );
+            assert_eq!((layer_count(dir.path()), m.torn_tail_truncations.get()), (0, 1), "{keep}");
             assert_eq!(records_of(&tl, 30), [10, 20, 30]);
-            tl.ingest(batch(vec![(key(1), 40, record("r40"))]))
-                .await
-                .unwrap();
+            tl.ingest(batch(vec![(key(1), 40, record("r40"))])).await.unwrap();
             drop(tl);
             let tl = open(dir.path(), BIG, &m);
             assert_eq!(records_of(&tl, 40), [10, 20, 30, 40]);
@@ -405,32 +343,23 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let m = metrics();
             let tl = open(dir.path(), 8_000, &m);
-            tl.ingest(batch(vec![(key(1), 10, image(1))]))
-                .await
-                .unwrap();
-            tl.ingest(batch(vec![(key(1), 20, image(2))]))
-                .await
-                .unwrap();
+            tl.ingest(batch(vec![(key(1), 10, image(1))])).await.unwrap();
+            tl.ingest(batch(vec![(key(1), 20, image(2))])).await.unwrap();
             tl.shutdown().await;
             drop(tl);
             assert_eq!(layer_count(dir.path()), 2);
             match leftover {
                 None => std::fs::remove_file(active_path(dir.path())).unwrap(),
-                Some(n) => File::options()
-                    .write(true)
-                    .open(active_path(dir.path()))
-                    .unwrap()
-                    .set_len(n)
-                    .unwrap(),
+                Some(n) => {
+                    File::options().write(true).open(active_path(dir.path())).unwrap().set_len(n).unwrap()
+                }
             }
             let tl = open(dir.path(), 8_000, &m);
             assert_eq!(tl.stats().layers, 2);
             assert_eq!(tl.last_durable_lsn(), Lsn(20));
             let d = tl.get_reconstruct_data(key(1), Lsn(15)).unwrap();
             assert_eq!(d.image, Some((Lsn(10), bytes_of(&image(1)))));
-            tl.ingest(batch(vec![(key(1), 30, record("r30"))]))
-                .await
-                .unwrap();
+            tl.ingest(batch(vec![(key(1), 30, record("r30"))])).await.unwrap();
             drop(tl);
             let tl = open(dir.path(), 8_000, &m);
             let d = tl.get_reconstruct_data(key(1), Lsn(30)).unwrap();
@@ -449,15 +378,9 @@ mod tests {
         let path = dir.path().join(layer::file_name(Lsn(10), Lsn(30)));
         let f = OpenOptions::new().write(true).open(&path).unwrap();
         let len = f.metadata().unwrap().len();
-        f.write_all_at(&[0xAA], len - layer::FOOTER_LEN - 3)
-            .unwrap();
-        let err = Timeline::open(dir.path(), Default::default(), m.clone())
-            .err()
-            .unwrap();
-        assert!(
-            format!("{err:#}").contains("index checksum mismatch"),
-            "{err:#}"
-        );
+        f.write_all_at(&[0xAA], len - layer::FOOTER_LEN - 3).unwrap();
+        let err = Timeline::open(dir.path(), Default::default(), m.clone()).err().unwrap();
+        assert!(format!("{err:#}").contains("index checksum mismatch"), "{err:#}");
     }
 
     #[tokio::test]
@@ -465,14 +388,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = metrics();
         three_batches(dir.path(), &m).await;
-        let f = OpenOptions::new()
-            .write(true)
-            .open(active_path(dir.path()))
-            .unwrap();
+        let f = OpenOptions::new().write(true).open(active_path(dir.path())).unwrap();
         f.write_all_at(b"NOTOURS!", 0).unwrap();
-        let err = Timeline::open(dir.path(), Default::default(), m.clone())
-            .err()
-            .unwrap();
+        let err = Timeline::open(dir.path(), Default::default(), m.clone()).err().unwrap();
         assert!(format!("{err:#}").contains("bad header"), "{err:#}");
     }
 
@@ -484,10 +402,7 @@ mod tests {
         std::fs::write(dir.path().join("notes.txt"), b"hello").unwrap();
         let tl = open(dir.path(), BIG, &m);
         assert_eq!(records_of(&tl, 30), [10, 20, 30]);
-        assert_eq!(
-            std::fs::read(dir.path().join("notes.txt")).unwrap(),
-            b"hello"
-        );
+        assert_eq!(std::fs::read(dir.path().join("notes.txt")).unwrap(), b"hello");
     }
 
     const KILL9_DIR_ENV: &str = "PAGESERVER_STORAGE_KILL9_CHILD_DIR";
@@ -562,17 +477,10 @@ mod tests {
             let stdout = child.0.stdout.take().unwrap();
             let mut acks = 0;
             for line in std::io::BufReader::new(stdout).lines() {
-                let Some(lsn) = line
-                    .unwrap()
-                    .strip_prefix("ACK ")
-                    .map(|l| l.parse::<u64>().unwrap())
-                else {
+                let Some(lsn) = line.unwrap().strip_prefix("ACK ").map(|l| l.parse::<u64>().unwrap()) else {
                     continue;
                 };
-                assert!(
-                    lsn > max_acked,
-                    "child acknowledged {lsn} after {max_acked}"
-                );
+                assert!(lsn > max_acked, "child acknowledged {lsn} after {max_acked}");
                 max_acked = lsn;
                 acks += 1;
                 if acks == kill_after {

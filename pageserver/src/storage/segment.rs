@@ -32,11 +32,7 @@ pub(crate) const MAX_FRAME_BODY: usize = 64 << 20;
 
 /// Encoded frame size of a batch (header + body), used for validation and queue budgeting.
 pub(crate) fn frame_len(values: &[(Key, Lsn, Value)]) -> usize {
-    FRAME_HEADER_LEN
-        + values
-            .iter()
-            .map(|(_, _, v)| VALUE_HEADER_LEN + v.bytes().len())
-            .sum::<usize>()
+    FRAME_HEADER_LEN + values.iter().map(|(_, _, v)| VALUE_HEADER_LEN + v.bytes().len()).sum::<usize>()
 }
 
 /// Encodes one batch as a frame into `out` (cleared first) and appends the index entries of its
@@ -105,20 +101,10 @@ impl ActiveSegment {
             .truncate(true)
             .open(&path)
             .context("create active segment")?;
-        file.write_all_at(&format::file_header(), 0)
-            .context("write active segment header")?;
-        metrics
-            .fsync(|| file.sync_all())
-            .context("fsync new active segment")?;
-        metrics
-            .fsync(|| dir_file.sync_all())
-            .context("fsync timeline directory")?;
-        Ok(ActiveSegment {
-            file: Arc::new(file),
-            file_id,
-            len: FILE_HEADER_LEN,
-            entries: Vec::new(),
-        })
+        file.write_all_at(&format::file_header(), 0).context("write active segment header")?;
+        metrics.fsync(|| file.sync_all()).context("fsync new active segment")?;
+        metrics.fsync(|| dir_file.sync_all()).context("fsync timeline directory")?;
+        Ok(ActiveSegment { file: Arc::new(file), file_id, len: FILE_HEADER_LEN, entries: Vec::new() })
     }
 
     /// First and last LSN stored in this segment, if it holds anything.
@@ -170,10 +156,7 @@ pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn) -> anyhow::Res
             break None;
         }
         if file_len - pos < FRAME_HEADER_LEN as u64 {
-            break Some(format!(
-                "{} trailing bytes, less than a frame header",
-                file_len - pos
-            ));
+            break Some(format!("{} trailing bytes, less than a frame header", file_len - pos));
         }
         read_at(file, &mut header, pos).context("read frame header")?;
         let mut c = Cursor::new(&header);
@@ -200,27 +183,15 @@ pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn) -> anyhow::Res
             "frame at offset {pos} starts at lsn {} after lsn {last_lsn}",
             batch[0].lsn
         );
-        ensure!(
-            batch.windows(2).all(|w| w[0].lsn <= w[1].lsn),
-            "frame at offset {pos} has decreasing lsns"
-        );
+        ensure!(batch.windows(2).all(|w| w[0].lsn <= w[1].lsn), "frame at offset {pos} has decreasing lsns");
         last_lsn = batch[batch.len() - 1].lsn;
         pos = body_start + body_len as u64;
     };
-    Ok(Scan {
-        entries,
-        valid_len: pos,
-        torn,
-    })
+    Ok(Scan { entries, valid_len: pos, torn })
 }
 
 /// Decodes `count` values of a checksummed frame body that starts at file offset `body_start`.
-fn parse_body(
-    body: &[u8],
-    count: u32,
-    body_start: u64,
-    entries: &mut Vec<IndexEntry>,
-) -> anyhow::Result<()> {
+fn parse_body(body: &[u8], count: u32, body_start: u64, entries: &mut Vec<IndexEntry>) -> anyhow::Result<()> {
     ensure!(count > 0, "empty frame");
     let mut c = Cursor::new(body);
     for _ in 0..count {
@@ -232,24 +203,10 @@ fn parse_body(
         kind.check_len(len as usize)?;
         let offset = body_start + c.pos() as u64;
         let bytes = c.bytes(len as usize)?;
-        ensure!(
-            crc32c::crc32c(bytes) == crc,
-            "value checksum mismatch at {offset}"
-        );
-        entries.push(IndexEntry {
-            key,
-            lsn,
-            kind,
-            offset,
-            len,
-            crc,
-        });
+        ensure!(crc32c::crc32c(bytes) == crc, "value checksum mismatch at {offset}");
+        entries.push(IndexEntry { key, lsn, kind, offset, len, crc });
     }
-    ensure!(
-        c.pos() == body.len(),
-        "{} stray bytes after the values",
-        body.len() - c.pos()
-    );
+    ensure!(c.pos() == body.len(), "{} stray bytes after the values", body.len() - c.pos());
     Ok(())
 }
 
@@ -271,21 +228,14 @@ mod tests {
     use bytes::Bytes;
 
     fn key(blk: u32) -> Key {
-        Key {
-            spcnode: 1663,
-            dbnode: 5,
-            relnode: 16384,
-            forknum: 0,
-            blknum: blk,
-        }
+        Key { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: blk }
     }
 
     fn segment_with(batches: &[Vec<(Key, Lsn, Value)>]) -> (tempfile::TempDir, ActiveSegment) {
         let dir = tempfile::tempdir().unwrap();
         let dir_file = File::open(dir.path()).unwrap();
         let mut seg =
-            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered())
-                .unwrap();
+            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
         let mut buf = Vec::new();
         for b in batches {
             seg.append(b, &mut buf).unwrap();
@@ -296,11 +246,7 @@ mod tests {
     fn two_batches() -> Vec<Vec<(Key, Lsn, Value)>> {
         vec![
             vec![
-                (
-                    key(1),
-                    Lsn(10),
-                    Value::Image(Bytes::from(vec![7u8; format::PAGE_SIZE])),
-                ),
+                (key(1), Lsn(10), Value::Image(Bytes::from(vec![7u8; format::PAGE_SIZE]))),
                 (key(2), Lsn(10), Value::Record(Bytes::from_static(b"abc"))),
             ],
             vec![(key(1), Lsn(20), Value::Record(Bytes::from_static(b"xy")))],
@@ -318,10 +264,7 @@ mod tests {
         let mut b = vec![0u8; e.len as usize];
         seg.file.read_exact_at(&mut b, e.offset).unwrap();
         assert_eq!(b, b"xy");
-        assert_eq!(
-            frame_len(&two_batches()[1]),
-            FRAME_HEADER_LEN + VALUE_HEADER_LEN + 2
-        );
+        assert_eq!(frame_len(&two_batches()[1]), FRAME_HEADER_LEN + VALUE_HEADER_LEN + 2);
     }
 
     #[test]

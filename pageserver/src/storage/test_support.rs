@@ -38,13 +38,7 @@ pub(crate) async fn join_in_order<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
 }
 
 pub(crate) fn key(blk: u32) -> Key {
-    Key {
-        spcnode: 1663,
-        dbnode: 13010,
-        relnode: 16384,
-        forknum: 0,
-        blknum: blk,
-    }
+    Key { spcnode: 1663, dbnode: 13010, relnode: 16384, forknum: 0, blknum: blk }
 }
 
 /// A page image whose bytes are all `fill`.
@@ -57,9 +51,7 @@ pub(crate) fn record(text: &str) -> Value {
 }
 
 pub(crate) fn batch(values: Vec<(Key, u64, Value)>) -> IngestBatch {
-    IngestBatch {
-        values: values.into_iter().map(|(k, l, v)| (k, Lsn(l), v)).collect(),
-    }
+    IngestBatch { values: values.into_iter().map(|(k, l, v)| (k, Lsn(l), v)).collect() }
 }
 
 pub(crate) fn metrics() -> Arc<StorageMetrics> {

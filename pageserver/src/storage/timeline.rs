@@ -21,8 +21,8 @@ use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    commit, index, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn,
-    ReconstructData, StorageConf, StorageMetrics, TimelineStats, Value, WaitLsnError,
+    commit, index, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReconstructData,
+    StorageConf, StorageMetrics, TimelineStats, Value, WaitLsnError,
 };
 
 /// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
@@ -139,10 +139,7 @@ impl Timeline {
         let committer = commit::spawn(shared.clone(), dir_file, rec.segment, rec.next_file_id)?;
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
         shared.metrics.layer_files.add(layers as i64);
-        Ok(Arc::new(Timeline {
-            shared,
-            committer: Mutex::new(Some(committer)),
-        }))
+        Ok(Arc::new(Timeline { shared, committer: Mutex::new(Some(committer)) }))
     }
 
     /// Queues `batch` and returns its last LSN once it is durable (written and fdatasync'd,
@@ -170,17 +167,13 @@ impl Timeline {
     pub async fn submit(
         &self,
         batch: IngestBatch,
-    ) -> Result<impl std::future::Future<Output = Result<Lsn, IngestError>> + Send + 'static, IngestError> {
+    ) -> Result<impl std::future::Future<Output = Result<Lsn, IngestError>> + Send + 'static, IngestError>
+    {
         let (first, last, frame_len) = validate(&batch.values)?;
         let permits = u32::try_from(frame_len.div_ceil(1024))
             .map_err(|_| IngestError::Invalid("batch too large".to_string()))?;
-        let permit = self
-            .shared
-            .budget
-            .clone()
-            .acquire_many_owned(permits)
-            .await
-            .map_err(|_| self.refusal())?;
+        let permit =
+            self.shared.budget.clone().acquire_many_owned(permits).await.map_err(|_| self.refusal())?;
         let (done, rx) = oneshot::channel();
         {
             let mut q = self.shared.queue();
@@ -191,26 +184,16 @@ impl Timeline {
                 return Err(IngestError::ShuttingDown);
             }
             if first <= q.last_queued {
-                return Err(IngestError::LsnWentBackwards {
-                    last: q.last_queued,
-                    got: first,
-                });
+                return Err(IngestError::LsnWentBackwards { last: q.last_queued, got: first });
             }
             q.last_queued = last;
-            q.pending.push(Pending {
-                values: batch.values,
-                last_lsn: last,
-                done,
-                _permit: permit,
-            });
+            q.pending.push(Pending { values: batch.values, last_lsn: last, done, _permit: permit });
         }
         self.shared.queue_cv.notify_one();
         Ok(async move {
             match rx.await {
                 Ok(result) => result,
-                Err(_) => Err(IngestError::Io(anyhow::anyhow!(
-                    "committer exited without an answer"
-                ))),
+                Err(_) => Err(IngestError::Io(anyhow::anyhow!("committer exited without an answer"))),
             }
         })
     }
@@ -248,10 +231,7 @@ impl Timeline {
         if reached {
             return Ok(());
         }
-        Err(WaitLsnError::ShuttingDown {
-            wanted: lsn,
-            last_durable: self.last_durable_lsn(),
-        })
+        Err(WaitLsnError::ShuttingDown { wanted: lsn, last_durable: self.last_durable_lsn() })
     }
 
     /// The LSN of the newest value of `key` at or below `lsn`: which version of the page `lsn`
@@ -266,11 +246,7 @@ impl Timeline {
     /// mostly from the page cache); every value's checksum is verified.
     pub fn get_reconstruct_data(&self, key: Key, lsn: Lsn) -> Result<ReconstructData, GetError> {
         let plan = {
-            let index = self
-                .shared
-                .index
-                .read()
-                .unwrap_or_else(PoisonError::into_inner);
+            let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
             index.plan(key, lsn).map_err(GetError::Io)?
         };
         match plan {
@@ -284,11 +260,7 @@ impl Timeline {
     pub async fn shutdown(&self) {
         self.shared.begin_stop();
         self.shared.stopped.cancelled().await;
-        let handle = self
-            .committer
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let handle = self.committer.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(handle) = handle {
             // The thread has signalled its exit; joining only reaps it.
             let _ = tokio::task::spawn_blocking(move || handle.join()).await;
@@ -298,11 +270,7 @@ impl Timeline {
     /// Keys, values, layers, bytes on disk, last durable LSN.
     pub fn stats(&self) -> TimelineStats {
         let (keys, values) = {
-            let index = self
-                .shared
-                .index
-                .read()
-                .unwrap_or_else(PoisonError::into_inner);
+            let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
             (index.keys(), index.values())
         };
         TimelineStats {
@@ -339,11 +307,7 @@ impl Drop for Timeline {
     /// so that the directory can be reopened as soon as this returns.
     fn drop(&mut self) {
         self.shared.begin_stop();
-        let handle = self
-            .committer
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let handle = self.committer.get_mut().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(handle) = handle {
             let _ = handle.join();
         }
@@ -365,9 +329,7 @@ fn create_dir_durably(dir: &Path) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(dir).context("create timeline directory")?;
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        File::open(parent)
-            .and_then(|p| p.sync_all())
-            .context("fsync parent of timeline directory")?;
+        File::open(parent).and_then(|p| p.sync_all()).context("fsync parent of timeline directory")?;
     }
     Ok(())
 }
@@ -381,10 +343,7 @@ fn lock_dir(dir: &Path) -> anyhow::Result<Flock<File>> {
         .open(dir.join(LOCK_NAME))
         .context("open lock file")?;
     Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| {
-        anyhow::anyhow!(
-            "timeline directory is already open ({errno}): {}",
-            dir.display()
-        )
+        anyhow::anyhow!("timeline directory is already open ({errno}): {}", dir.display())
     })
 }
 
@@ -403,26 +362,17 @@ mod tests {
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
         let (k, other) = (key(1), key(2));
         let lsn = tl
-            .ingest(batch(vec![
-                (k, 10, record("init")),
-                (other, 10, image(9)),
-                (k, 20, record("r20")),
-            ]))
+            .ingest(batch(vec![(k, 10, record("init")), (other, 10, image(9)), (k, 20, record("r20"))]))
             .await
             .unwrap();
         assert_eq!(lsn, Lsn(20));
         tl.ingest(batch(vec![(k, 30, image(3))])).await.unwrap();
-        tl.ingest(batch(vec![(k, 40, record("r40")), (k, 50, record("r50"))]))
-            .await
-            .unwrap();
+        tl.ingest(batch(vec![(k, 40, record("r40")), (k, 50, record("r50"))])).await.unwrap();
         assert_eq!(tl.last_durable_lsn(), Lsn(50));
 
         let latest = tl.get_reconstruct_data(k, Lsn(u64::MAX)).unwrap();
         assert_eq!(latest.image, Some((Lsn(30), bytes_of(&image(3)))));
-        let recs = vec![
-            (Lsn(40), bytes_of(&record("r40"))),
-            (Lsn(50), bytes_of(&record("r50"))),
-        ];
+        let recs = vec![(Lsn(40), bytes_of(&record("r40"))), (Lsn(50), bytes_of(&record("r50")))];
         assert_eq!(latest.records, recs);
 
         let at45 = tl.get_reconstruct_data(k, Lsn(45)).unwrap();
@@ -430,33 +380,22 @@ mod tests {
         assert_eq!(at45.records, recs[..1]);
 
         let at30 = tl.get_reconstruct_data(k, Lsn(30)).unwrap();
-        assert_eq!(
-            (at30.image.map(|i| i.0), at30.records.len()),
-            (Some(Lsn(30)), 0)
-        );
+        assert_eq!((at30.image.map(|i| i.0), at30.records.len()), (Some(Lsn(30)), 0));
 
         let at29 = tl.get_reconstruct_data(k, Lsn(29)).unwrap();
         assert_eq!(at29.image, None);
-        let old = vec![
-            (Lsn(10), bytes_of(&record("init"))),
-            (Lsn(20), bytes_of(&record("r20"))),
-        ];
+        let old = vec![(Lsn(10), bytes_of(&record("init"))), (Lsn(20), bytes_of(&record("r20")))];
         assert_eq!(at29.records, old);
 
         let o = tl.get_reconstruct_data(other, Lsn(10)).unwrap();
-        assert_eq!(
-            (o.image, o.records.len()),
-            (Some((Lsn(10), bytes_of(&image(9)))), 0)
-        );
+        assert_eq!((o.image, o.records.len()), (Some((Lsn(10), bytes_of(&image(9)))), 0));
         assert_eq!(
             tl.stats(),
             TimelineStats {
                 keys: 2,
                 values: 6,
                 layers: 0,
-                on_disk_bytes: std::fs::metadata(dir.path().join("active.seg"))
-                    .unwrap()
-                    .len(),
+                on_disk_bytes: std::fs::metadata(dir.path().join("active.seg")).unwrap().len(),
                 last_durable_lsn: Lsn(50),
             }
         );
@@ -466,16 +405,11 @@ mod tests {
     async fn several_keys_sharing_one_lsn_are_all_stored() {
         let dir = tempfile::tempdir().unwrap();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
-        let values = (0..100)
-            .map(|b| (key(b), 7, record(&format!("v{b}"))))
-            .collect();
+        let values = (0..100).map(|b| (key(b), 7, record(&format!("v{b}")))).collect();
         tl.ingest(batch(values)).await.unwrap();
         for b in 0..100 {
             let d = tl.get_reconstruct_data(key(b), Lsn(7)).unwrap();
-            assert_eq!(
-                d.records,
-                vec![(Lsn(7), bytes_of(&record(&format!("v{b}"))))]
-            );
+            assert_eq!(d.records, vec![(Lsn(7), bytes_of(&record(&format!("v{b}"))))]);
         }
     }
 
@@ -487,14 +421,10 @@ mod tests {
             let tl = tl.clone();
             async move { tl.wait_lsn(Lsn(100), T).await }
         });
-        tl.ingest(batch(vec![(key(1), 50, record("a"))]))
-            .await
-            .unwrap();
+        tl.ingest(batch(vec![(key(1), 50, record("a"))])).await.unwrap();
         // Durable is 50 now, below what the waiter wants: it cannot have finished.
         assert!(!waiter.is_finished());
-        tl.ingest(batch(vec![(key(1), 100, record("b"))]))
-            .await
-            .unwrap();
+        tl.ingest(batch(vec![(key(1), 100, record("b"))])).await.unwrap();
         waiter.await.unwrap().unwrap();
         tl.wait_lsn(Lsn(100), Duration::ZERO).await.unwrap();
     }
@@ -503,13 +433,8 @@ mod tests {
     async fn wait_lsn_without_ingest_times_out_naming_both_lsns() {
         let dir = tempfile::tempdir().unwrap();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
-        tl.ingest(batch(vec![(key(1), 0x10, record("a"))]))
-            .await
-            .unwrap();
-        let err = tl
-            .wait_lsn(Lsn(0x1_0000_0020), Duration::from_millis(20))
-            .await
-            .unwrap_err();
+        tl.ingest(batch(vec![(key(1), 0x10, record("a"))])).await.unwrap();
+        let err = tl.wait_lsn(Lsn(0x1_0000_0020), Duration::from_millis(20)).await.unwrap_err();
         assert!(matches!(err, WaitLsnError::Timeout { .. }));
         let msg = err.to_string();
         assert!(msg.contains("1/20") && msg.contains("0/10"), "{msg}");
@@ -530,21 +455,12 @@ mod tests {
         tl.shutdown().await;
         assert_eq!(queued.await.unwrap().unwrap(), Lsn(5));
         tl.shutdown().await;
-        let err = tl
-            .ingest(batch(vec![(key(1), 6, record("b"))]))
-            .await
-            .unwrap_err();
+        let err = tl.ingest(batch(vec![(key(1), 6, record("b"))])).await.unwrap_err();
         assert!(matches!(err, IngestError::ShuttingDown), "{err}");
         let err = tl.wait_lsn(Lsn(6), T).await.unwrap_err();
         assert!(matches!(err, WaitLsnError::ShuttingDown { .. }), "{err}");
         // Reads keep working after shutdown.
-        assert_eq!(
-            tl.get_reconstruct_data(key(1), Lsn(5))
-                .unwrap()
-                .records
-                .len(),
-            1
-        );
+        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(5)).unwrap().records.len(), 1);
     }
 
     #[tokio::test]
@@ -552,9 +468,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = metrics();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
-        let err = Timeline::open(dir.path(), StorageConf::default(), m.clone())
-            .err()
-            .unwrap();
+        let err = Timeline::open(dir.path(), StorageConf::default(), m.clone()).err().unwrap();
         assert!(format!("{err:#}").contains("already open"), "{err:#}");
         drop(tl);
         open(dir.path(), DEFAULT_LAYER_SIZE, &m);
@@ -566,14 +480,8 @@ mod tests {
         let m = metrics();
         let tl = open(&dir.path().join("tenant/timeline"), DEFAULT_LAYER_SIZE, &m);
         for i in 1..=20u32 {
-            let v = if i % 5 == 0 {
-                image(i as u8)
-            } else {
-                record(&format!("r{i}"))
-            };
-            tl.ingest(batch(vec![(key(i % 3), u64::from(i) * 10, v)]))
-                .await
-                .unwrap();
+            let v = if i % 5 == 0 { image(i as u8) } else { record(&format!("r{i}")) };
+            tl.ingest(batch(vec![(key(i % 3), u64::from(i) * 10, v)])).await.unwrap();
         }
         tl.shutdown().await;
         let stats = tl.stats();
@@ -582,24 +490,13 @@ mod tests {
         let tl = open(&dir.path().join("tenant/timeline"), DEFAULT_LAYER_SIZE, &m);
         assert_eq!(tl.stats(), stats);
         for i in 1..=20u32 {
-            let d = tl
-                .get_reconstruct_data(key(i % 3), Lsn(u64::from(i) * 10))
-                .unwrap();
-            let newest = d
-                .records
-                .last()
-                .map(|r| r.0)
-                .or(d.image.as_ref().map(|i| i.0));
+            let d = tl.get_reconstruct_data(key(i % 3), Lsn(u64::from(i) * 10)).unwrap();
+            let newest = d.records.last().map(|r| r.0).or(d.image.as_ref().map(|i| i.0));
             assert_eq!(newest, Some(Lsn(u64::from(i) * 10)));
         }
-        let err = tl
-            .ingest(batch(vec![(key(0), 200, record("x"))]))
-            .await
-            .unwrap_err();
+        let err = tl.ingest(batch(vec![(key(0), 200, record("x"))])).await.unwrap_err();
         assert!(matches!(err, IngestError::LsnWentBackwards { .. }));
-        tl.ingest(batch(vec![(key(0), 201, record("x"))]))
-            .await
-            .unwrap();
+        tl.ingest(batch(vec![(key(0), 201, record("x"))])).await.unwrap();
     }
 
     #[tokio::test]
@@ -608,16 +505,12 @@ mod tests {
         let m = metrics();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
         for i in 1..=10u64 {
-            tl.ingest(batch(vec![(key(1), i, record(&format!("r{i}")))]))
-                .await
-                .unwrap();
+            tl.ingest(batch(vec![(key(1), i, record(&format!("r{i}")))])).await.unwrap();
         }
         drop(tl);
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
         let d = tl.get_reconstruct_data(key(1), Lsn(10)).unwrap();
-        let want: Vec<_> = (1..=10u64)
-            .map(|i| (Lsn(i), bytes_of(&record(&format!("r{i}")))))
-            .collect();
+        let want: Vec<_> = (1..=10u64).map(|i| (Lsn(i), bytes_of(&record(&format!("r{i}"))))).collect();
         assert_eq!(d.records, want);
     }
 }

@@ -3,9 +3,7 @@
 //! Names follow Neon's where one exists, prefixed `pageserver_`. The registry is the caller's
 //! (the daemon exports it at `GET /metrics`); tests make a fresh one each.
 
-use prometheus::{
-    exponential_buckets, Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry,
-};
+use prometheus::{exponential_buckets, Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 use super::ProcessKind;
 

@@ -200,7 +200,11 @@ impl WalRedoManager {
             in_flight: TaskTracker::new(),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(idle_watcher(Arc::downgrade(&manager), manager.cancel.clone(), manager.conf.idle_timeout));
+            runtime.spawn(idle_watcher(
+                Arc::downgrade(&manager),
+                manager.cancel.clone(),
+                manager.conf.idle_timeout,
+            ));
         }
         manager
     }
@@ -275,12 +279,18 @@ impl WalRedoManager {
                     self.retire(&process, e.stop_cause());
                     let retryable = !matches!(e, ProcessError::Timeout(_)) && !self.cancel.is_cancelled();
                     if retryable && attempts_left > 0 {
-                        tracing::warn!(tenant_id = self.tenant_id, pid = process.pid, "walredo round trip failed, retrying on a new process: {e:#}");
+                        tracing::warn!(
+                            tenant_id = self.tenant_id,
+                            pid = process.pid,
+                            "walredo round trip failed, retrying on a new process: {e:#}"
+                        );
                         continue;
                     }
                     return Err(self.count(match e {
                         ProcessError::Timeout(t) => RedoError::Timeout(t),
-                        other => RedoError::ProcessFailed(anyhow::Error::new(other).context(format!("walredo process {}", process.pid))),
+                        other => RedoError::ProcessFailed(
+                            anyhow::Error::new(other).context(format!("walredo process {}", process.pid)),
+                        ),
                     }));
                 }
             }
@@ -306,10 +316,15 @@ impl WalRedoManager {
             return Err(RedoError::ShuttingDown);
         }
         let kind = *lock(&self.kind);
-        let process =
-            Process::spawn(&self.conf, kind, &self.tenant_id, Arc::clone(&self.metrics), Arc::clone(&self.reaping))
-                .await
-                .map_err(RedoError::ProcessFailed)?;
+        let process = Process::spawn(
+            &self.conf,
+            kind,
+            &self.tenant_id,
+            Arc::clone(&self.metrics),
+            Arc::clone(&self.reaping),
+        )
+        .await
+        .map_err(RedoError::ProcessFailed)?;
         let mut slot = lock(&self.process);
         if self.cancel.is_cancelled() {
             drop(slot);
@@ -350,7 +365,12 @@ impl WalRedoManager {
             }
         };
         if let Some(old) = old {
-            tracing::info!(tenant_id = self.tenant_id, pid = old.pid, kind = kind.as_str(), "walredo process kind changed");
+            tracing::info!(
+                tenant_id = self.tenant_id,
+                pid = old.pid,
+                kind = kind.as_str(),
+                "walredo process kind changed"
+            );
             old.retire(StopCause::KindChange);
         }
     }
@@ -395,9 +415,9 @@ impl WalRedoManager {
     fn stop_if_idle(&self, idle_timeout: Duration) {
         let idle = {
             let mut slot = lock(&self.process);
-            let is_idle = slot.as_ref().is_some_and(|p| {
-                p.in_flight.load(Ordering::Relaxed) == 0 && p.idle_for() >= idle_timeout
-            });
+            let is_idle = slot
+                .as_ref()
+                .is_some_and(|p| p.in_flight.load(Ordering::Relaxed) == 0 && p.idle_for() >= idle_timeout);
             if is_idle {
                 slot.take()
             } else {
@@ -426,7 +446,11 @@ async fn idle_watcher(manager: Weak<WalRedoManager>, cancel: CancellationToken, 
 }
 
 /// Checks a request before anything is spawned or written; returns the base image as a page.
-fn validate_request<'a>(lsn: u64, base: Option<&'a Bytes>, records: &[(u64, Bytes)]) -> Result<Option<&'a Page>, RedoError> {
+fn validate_request<'a>(
+    lsn: u64,
+    base: Option<&'a Bytes>,
+    records: &[(u64, Bytes)],
+) -> Result<Option<&'a Page>, RedoError> {
     let invalid = |message: String| Err(RedoError::InvalidRequest(message));
     if base.is_none() && records.is_empty() {
         return invalid("no base image and no records".to_string());
@@ -440,7 +464,9 @@ fn validate_request<'a>(lsn: u64, base: Option<&'a Bytes>, records: &[(u64, Byte
             return invalid(format!("record at LSN {record_lsn:#x}: {e}"));
         }
         if *record_lsn < previous || *record_lsn > lsn {
-            return invalid(format!("record LSN {record_lsn:#x} out of order or above the request LSN {lsn:#x}"));
+            return invalid(format!(
+                "record LSN {record_lsn:#x} out of order or above the request LSN {lsn:#x}"
+            ));
         }
         previous = *record_lsn;
     }

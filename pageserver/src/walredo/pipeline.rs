@@ -137,7 +137,9 @@ impl Replies {
     pub(crate) fn abandon(&mut self, seq: u64) {
         if seq >= self.next_to_read() {
             self.abandoned.insert(seq);
-        } else if let Some(slot) = usize::try_from(seq.saturating_sub(self.first)).ok().and_then(|i| self.slots.get_mut(i)) {
+        } else if let Some(slot) =
+            usize::try_from(seq.saturating_sub(self.first)).ok().and_then(|i| self.slots.get_mut(i))
+        {
             *slot = None;
             self.trim();
         }

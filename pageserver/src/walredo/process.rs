@@ -223,7 +223,9 @@ impl Process {
     pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
         let reply = match &self.pipes {
             Pipes::Sync(pipes) => pipes.round_trip(request, timeout),
-            Pipes::Async(pipes) => pipes.round_trip(request, timeout, || self.retire(StopCause::CancelledWrite)).await,
+            Pipes::Async(pipes) => {
+                pipes.round_trip(request, timeout, || self.retire(StopCause::CancelledWrite)).await
+            }
         }?;
         self.served.fetch_add(1, Ordering::Relaxed);
         Ok(reply)
@@ -234,7 +236,9 @@ impl Process {
     }
 
     pub(crate) fn idle_for(&self) -> Duration {
-        self.started.elapsed().saturating_sub(Duration::from_millis(self.last_used_ms.load(Ordering::Relaxed)))
+        self.started
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.last_used_ms.load(Ordering::Relaxed)))
     }
 
     /// Takes the process out of service for `cause`; the first cause given wins.

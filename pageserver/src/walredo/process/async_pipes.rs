@@ -108,7 +108,12 @@ async fn read_reply(stdout: &mut Reader) -> Result<Reply, ProcessError> {
         if let Some(reply) = stdout.reader.take()? {
             return Ok(reply);
         }
-        let n = stdout.stdout.read(stdout.reader.spare()).await.context("read walredo stdout").map_err(ProcessError::Io)?;
+        let n = stdout
+            .stdout
+            .read(stdout.reader.spare())
+            .await
+            .context("read walredo stdout")
+            .map_err(ProcessError::Io)?;
         if n == 0 {
             return Err(ProcessError::Io(anyhow::anyhow!("walredo stdout closed (EOF)")));
         }

@@ -85,7 +85,12 @@ fn set_nonblocking(fd: BorrowedFd<'_>) -> nix::Result<()> {
 }
 
 /// Waits until `fd` is ready for `events` or the deadline passes.
-fn wait(fd: BorrowedFd<'_>, events: PollFlags, deadline: Instant, timeout: Duration) -> Result<(), ProcessError> {
+fn wait(
+    fd: BorrowedFd<'_>,
+    events: PollFlags,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(), ProcessError> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -104,7 +109,12 @@ fn wait(fd: BorrowedFd<'_>, events: PollFlags, deadline: Instant, timeout: Durat
     }
 }
 
-fn write_all(fd: BorrowedFd<'_>, mut buf: &[u8], deadline: Instant, timeout: Duration) -> Result<(), ProcessError> {
+fn write_all(
+    fd: BorrowedFd<'_>,
+    mut buf: &[u8],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(), ProcessError> {
     while !buf.is_empty() {
         match nix::unistd::write(fd, buf) {
             Ok(n) => buf = &buf[n..],

@@ -60,11 +60,16 @@ impl RedoState {
                 } else if self.failed.is_none() {
                     self.started = true;
                     match Record::decode(record) {
-                        Err(e) => self.fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", fmt_lsn(lsn))),
+                        Err(e) => {
+                            self.fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", fmt_lsn(lsn)))
+                        }
                         Ok(record) => {
                             if let Err(e) = record.apply(&mut self.page, lsn) {
                                 let kind = record.kind_name();
-                                self.fail(ErrorCode::ApplyFailed, format!("{kind} at LSN {}: {e}", fmt_lsn(lsn)));
+                                self.fail(
+                                    ErrorCode::ApplyFailed,
+                                    format!("{kind} at LSN {}: {e}", fmt_lsn(lsn)),
+                                );
                             }
                         }
                     }
@@ -124,7 +129,9 @@ mod tests {
         let put = record_bytes(Record::PutBytes { offset: 100, data: b"abc" });
         assert_eq!(state.handle(Request::Begin(tag(1))), None);
         assert_eq!(state.handle(Request::Apply { lsn: 0x10, record: &put }), None);
-        let Some(Reply::Page(page)) = state.handle(Request::GetPage(tag(1))) else { panic!("expected a page") };
+        let Some(Reply::Page(page)) = state.handle(Request::GetPage(tag(1))) else {
+            panic!("expected a page")
+        };
         assert_eq!(&page[100..103], b"abc");
         assert_eq!(walredo_proc::page::page_lsn(page), 0x10);
     }
@@ -135,7 +142,9 @@ mod tests {
         let bad = record_bytes(Record::PutBytes { offset: 8190, data: b"abcdef" });
         state.handle(Request::Begin(tag(1)));
         state.handle(Request::Apply { lsn: 0x20, record: &bad });
-        let Some(Reply::Error(code, message)) = state.handle(Request::GetPage(tag(1))) else { panic!("expected an error") };
+        let Some(Reply::Error(code, message)) = state.handle(Request::GetPage(tag(1))) else {
+            panic!("expected an error")
+        };
         assert_eq!(code, ErrorCode::ApplyFailed);
         assert!(message.contains("0/20"), "{message}");
 
@@ -148,20 +157,32 @@ mod tests {
         let mut state = RedoState::new();
         state.handle(Request::Begin(tag(1)));
         state.handle(Request::Apply { lsn: 1, record: &[0x7f] });
-        assert!(matches!(state.handle(Request::GetPage(tag(1))), Some(Reply::Error(ErrorCode::BadRecord, _))));
+        assert!(matches!(
+            state.handle(Request::GetPage(tag(1))),
+            Some(Reply::Error(ErrorCode::BadRecord, _))
+        ));
     }
 
     #[test]
     fn out_of_order_messages_are_bad_requests() {
         let mut state = RedoState::new();
-        assert!(matches!(state.handle(Request::GetPage(tag(1))), Some(Reply::Error(ErrorCode::BadRequest, _))));
+        assert!(matches!(
+            state.handle(Request::GetPage(tag(1))),
+            Some(Reply::Error(ErrorCode::BadRequest, _))
+        ));
         state.handle(Request::Begin(tag(1)));
-        assert!(matches!(state.handle(Request::GetPage(tag(2))), Some(Reply::Error(ErrorCode::BadRequest, _))));
+        assert!(matches!(
+            state.handle(Request::GetPage(tag(2))),
+            Some(Reply::Error(ErrorCode::BadRequest, _))
+        ));
         let page = [0u8; BLCKSZ];
         state.handle(Request::Begin(tag(1)));
         state.handle(Request::PushPage { tag: tag(1), page: &page });
         state.handle(Request::PushPage { tag: tag(1), page: &page });
-        assert!(matches!(state.handle(Request::GetPage(tag(1))), Some(Reply::Error(ErrorCode::BadRequest, _))));
+        assert!(matches!(
+            state.handle(Request::GetPage(tag(1))),
+            Some(Reply::Error(ErrorCode::BadRequest, _))
+        ));
     }
 
     #[test]
