@@ -73,6 +73,19 @@ fn assert_same_bytes(got: &[u8], want: &[u8], what: &str) {
     }
 }
 
+/// Starts one task per `n` in `range`, each running `redo(n)`; the tasks yield `(n, result)`.
+fn spawn_redos(
+    manager: &Arc<WalRedoManager>,
+    range: std::ops::Range<u32>,
+) -> Vec<tokio::task::JoinHandle<(u32, Result<Bytes, RedoError>)>> {
+    range
+        .map(|n| {
+            let manager = Arc::clone(manager);
+            tokio::spawn(async move { (n, redo(&manager, n).await) })
+        })
+        .collect()
+}
+
 fn pid_of(manager: &WalRedoManager) -> Option<u32> {
     manager.status().process.map(|p| p.pid)
 }
@@ -147,12 +160,7 @@ async fn sixty_four_concurrent_requests_on_one_child_all_get_their_own_page() {
         let (manager, _) = manager_with(conf(kind));
         manager.ping().await.expect("ping");
         let pid = pid_of(&manager);
-        let tasks: Vec<_> = (0..64)
-            .map(|n| {
-                let manager = Arc::clone(&manager);
-                tokio::spawn(async move { (n, redo(&manager, n).await) })
-            })
-            .collect();
+        let tasks = spawn_redos(&manager, 0..64);
         for task in tasks {
             let (n, result) = task.await.expect("task");
             assert_same_bytes(&result.expect("redo"), &expected_for(n), &format!("{kind}: request {n}"));
@@ -170,12 +178,7 @@ async fn cancelled_requests_do_not_corrupt_other_requests() {
         let (manager, _) = manager_with(conf(kind));
         manager.ping().await.expect("ping");
         for round in 0..5u32 {
-            let mut tasks = Vec::new();
-            for i in 0..40u32 {
-                let n = round * 100 + i;
-                let manager = Arc::clone(&manager);
-                tasks.push(tokio::spawn(async move { (n, redo(&manager, n).await) }));
-            }
+            let tasks = spawn_redos(&manager, round * 100..round * 100 + 40);
             // Cancel every third request at whatever point it has reached.
             for (i, task) in tasks.iter().enumerate() {
                 if i % 3 == 0 {
@@ -237,12 +240,7 @@ async fn sigkill_of_the_child_fails_requests_cleanly_and_a_new_child_serves_the_
         let (manager, _) = manager_with(conf(kind));
         manager.ping().await.expect("ping");
         let old_pid = pid_of(&manager).expect("a child");
-        let tasks: Vec<_> = (0..32)
-            .map(|n| {
-                let manager = Arc::clone(&manager);
-                tokio::spawn(async move { (n, redo(&manager, n).await) })
-            })
-            .collect();
+        let tasks = spawn_redos(&manager, 0..32);
         signal(old_pid, nix::sys::signal::Signal::SIGKILL);
         for task in tasks {
             let (n, result) = task.await.expect("task");
@@ -382,12 +380,7 @@ async fn kind_switch_at_runtime_drains_the_old_child_and_spawns_the_new_kind() {
     assert_eq!(metric(&registry, "pageserver_walredo_process_kind", "sync"), 1.0);
 
     // Requests keep flowing while the kind changes; none may fail.
-    let load: Vec<_> = (0..200u32)
-        .map(|n| {
-            let manager = Arc::clone(&manager);
-            tokio::spawn(async move { (n, redo(&manager, n).await) })
-        })
-        .collect();
+    let load = spawn_redos(&manager, 0..200);
     tokio::task::yield_now().await;
     manager.set_process_kind(ProcessKind::Async);
     for task in load {
@@ -413,12 +406,7 @@ async fn shutdown_waits_for_in_flight_requests_and_leaves_no_child() {
         let (manager, registry) = manager_with(conf(kind));
         manager.ping().await.expect("ping");
         let pid = pid_of(&manager).expect("a child");
-        let tasks: Vec<_> = (0..16)
-            .map(|n| {
-                let manager = Arc::clone(&manager);
-                tokio::spawn(async move { (n, redo(&manager, n).await) })
-            })
-            .collect();
+        let tasks = spawn_redos(&manager, 0..16);
         tokio::task::yield_now().await;
         manager.shutdown().await;
         assert!(is_reaped(pid), "{kind}: shutdown returned with the child alive");
