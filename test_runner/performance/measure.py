@@ -4,7 +4,7 @@
 Not a test (pytest collects only test_*.py): a script to reproduce the published table.
 
     cargo build --release --bins
-    python3 test_runner/performance/measure.py --bin-dir target/release --out /tmp/pagebench.json
+    python3 test_runner/performance/measure.py --bin-dir target/release --out pagebench.json
 
 For each scenario and each walredo process kind it starts a fresh daemon in a temp work dir (free
 ports), loads the scenario's data set with `pagebench ingest`, optionally warms up, then runs
