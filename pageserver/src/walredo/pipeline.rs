@@ -100,6 +100,37 @@ impl ReplyReader {
     }
 }
 
+/// The write side of a child's pipes, kept under the stdin lock by both process kinds.
+pub(crate) struct Writer<W> {
+    pub(crate) pipe: W,
+    /// Sequence number of the next request written.
+    next_seq: u64,
+}
+
+impl<W> Writer<W> {
+    pub(crate) fn new(pipe: W) -> Writer<W> {
+        Writer { pipe, next_seq: 0 }
+    }
+
+    /// Takes the sequence number of the request just written whole.
+    pub(crate) fn written(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq - 1
+    }
+}
+
+/// The read side of a child's pipes, kept under the stdout lock by both process kinds.
+pub(crate) struct Reader<R> {
+    pub(crate) pipe: R,
+    pub(crate) replies: ReplyReader,
+}
+
+impl<R> Reader<R> {
+    pub(crate) fn new(pipe: R) -> Reader<R> {
+        Reader { pipe, replies: ReplyReader::new() }
+    }
+}
+
 /// Replies read off the pipe but not yet taken by their requests, by sequence number.
 #[derive(Default)]
 pub(crate) struct Replies {

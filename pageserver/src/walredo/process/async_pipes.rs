@@ -9,7 +9,7 @@
 //! - during its write: the child has part of a frame and the stream cannot be repaired, so the
 //!   process is retired ([`super::ProcessError::CancelledWrite`] for the others);
 //! - after its write: its reply slot is marked abandoned and the reply is dropped on arrival;
-//! - during a read: the bytes read so far stay in the shared [`ReplyReader`], whose next holder
+//! - during a read: the bytes read so far stay in the shared [`pipeline::ReplyReader`], whose next holder
 //!   carries on (`AsyncReadExt::read` is cancel-safe).
 
 use std::process::{ChildStdin as StdChildStdin, ChildStdout as StdChildStdout};
@@ -22,18 +22,10 @@ use tokio::process::{ChildStdin, ChildStdout};
 
 use super::ProcessError;
 use crate::walredo::lock;
-use crate::walredo::pipeline::{Replies, Reply, ReplyReader};
+use crate::walredo::pipeline::{self, Replies, Reply};
 
-struct Writer {
-    stdin: ChildStdin,
-    /// Sequence number of the next request written.
-    next_seq: u64,
-}
-
-struct Reader {
-    stdout: ChildStdout,
-    reader: ReplyReader,
-}
+type Writer = pipeline::Writer<ChildStdin>;
+type Reader = pipeline::Reader<ChildStdout>;
 
 pub(crate) struct AsyncPipes {
     stdin: tokio::sync::Mutex<Writer>,
@@ -48,8 +40,8 @@ impl AsyncPipes {
         let stdin = ChildStdin::from_std(stdin).context("register walredo stdin with tokio")?;
         let stdout = ChildStdout::from_std(stdout).context("register walredo stdout with tokio")?;
         Ok(AsyncPipes {
-            stdin: tokio::sync::Mutex::new(Writer { stdin, next_seq: 0 }),
-            stdout: tokio::sync::Mutex::new(Reader { stdout, reader: ReplyReader::new() }),
+            stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
+            stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
             replies: Mutex::new(Replies::default()),
         })
     }
@@ -73,11 +65,10 @@ impl AsyncPipes {
             let seq = {
                 let mut writer = self.stdin.lock().await;
                 let broken = BrokenWriteGuard(Some(on_broken_write));
-                let written = writer.stdin.write_all(request).await;
+                let written = writer.pipe.write_all(request).await;
                 broken.disarm();
                 written.context("write to walredo stdin").map_err(ProcessError::Io)?;
-                writer.next_seq += 1;
-                writer.next_seq - 1
+                writer.written()
             };
             let mut claim = Claim { replies: &self.replies, seq, done: false };
             let reply = self.read_until(seq).await;
@@ -105,19 +96,19 @@ impl AsyncPipes {
 
 async fn read_reply(stdout: &mut Reader) -> Result<Reply, ProcessError> {
     loop {
-        if let Some(reply) = stdout.reader.take()? {
+        if let Some(reply) = stdout.replies.take()? {
             return Ok(reply);
         }
         let n = stdout
-            .stdout
-            .read(stdout.reader.spare())
+            .pipe
+            .read(stdout.replies.spare())
             .await
             .context("read walredo stdout")
             .map_err(ProcessError::Io)?;
         if n == 0 {
             return Err(ProcessError::Io(anyhow::anyhow!("walredo stdout closed (EOF)")));
         }
-        stdout.reader.advance(n);
+        stdout.replies.advance(n);
     }
 }
 

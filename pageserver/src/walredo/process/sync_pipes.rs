@@ -20,18 +20,10 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::ProcessError;
 use crate::walredo::lock;
-use crate::walredo::pipeline::{Replies, Reply, ReplyReader};
+use crate::walredo::pipeline::{self, Replies, Reply};
 
-struct Writer {
-    stdin: ChildStdin,
-    /// Sequence number of the next request written.
-    next_seq: u64,
-}
-
-struct Reader {
-    stdout: ChildStdout,
-    reader: ReplyReader,
-}
+type Writer = pipeline::Writer<ChildStdin>;
+type Reader = pipeline::Reader<ChildStdout>;
 
 pub(crate) struct SyncPipes {
     stdin: Mutex<Writer>,
@@ -45,8 +37,8 @@ impl SyncPipes {
             set_nonblocking(fd).context("make walredo pipe non-blocking")?;
         }
         Ok(SyncPipes {
-            stdin: Mutex::new(Writer { stdin, next_seq: 0 }),
-            stdout: Mutex::new(Reader { stdout, reader: ReplyReader::new() }),
+            stdin: Mutex::new(Writer::new(stdin)),
+            stdout: Mutex::new(Reader::new(stdout)),
             replies: Mutex::new(Replies::default()),
         })
     }
@@ -62,9 +54,8 @@ impl SyncPipes {
         let deadline = Instant::now() + timeout;
         let seq = {
             let mut writer = lock(&self.stdin);
-            write_all(writer.stdin.as_fd(), request, deadline, timeout)?;
-            writer.next_seq += 1;
-            writer.next_seq - 1
+            write_all(writer.pipe.as_fd(), request, deadline, timeout)?;
+            writer.written()
         };
         let mut stdout = lock(&self.stdout);
         loop {
@@ -128,13 +119,13 @@ fn write_all(
 
 fn read_reply(stdout: &mut Reader, deadline: Instant, timeout: Duration) -> Result<Reply, ProcessError> {
     loop {
-        if let Some(reply) = stdout.reader.take()? {
+        if let Some(reply) = stdout.replies.take()? {
             return Ok(reply);
         }
-        match nix::unistd::read(stdout.stdout.as_fd(), stdout.reader.spare()) {
+        match nix::unistd::read(stdout.pipe.as_fd(), stdout.replies.spare()) {
             Ok(0) => return Err(ProcessError::Io(anyhow::anyhow!("walredo stdout closed (EOF)"))),
-            Ok(n) => stdout.reader.advance(n),
-            Err(Errno::EAGAIN) => wait(stdout.stdout.as_fd(), PollFlags::POLLIN, deadline, timeout)?,
+            Ok(n) => stdout.replies.advance(n),
+            Err(Errno::EAGAIN) => wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?,
             Err(Errno::EINTR) => {}
             Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("read walredo stdout"))),
         }
