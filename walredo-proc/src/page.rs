@@ -16,7 +16,7 @@
 use std::ops::Range;
 
 /// Size of a page in bytes.
-pub const BLCKSZ: usize = 8192;
+pub const BLCKSZ: usize = page_types::PAGE_SIZE;
 /// A page, in PostgreSQL's on-disk layout.
 pub type Page = [u8; BLCKSZ];
 /// Size of the page header; the line pointer array starts here.

@@ -16,8 +16,7 @@ use crate::record::{Record, MAX_RECORD_LEN};
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Tag byte plus the length field.
 pub const HEADER_LEN: usize = 5;
-/// Size of an encoded [`BufferTag`].
-pub const BUFFER_TAG_LEN: usize = 17;
+pub use page_types::BUFFER_TAG_LEN;
 /// Largest value of a frame's length field (it counts itself): an `A` frame with the largest record.
 pub const MAX_FRAME_LEN: usize = 4 + 8 + MAX_RECORD_LEN;
 /// Longest error message carried by an `e` frame; longer messages are cut.
@@ -27,47 +26,7 @@ pub const HELLO_LEN: usize = 16;
 /// Hello flag: the child runs under its seccomp sandbox.
 pub const HELLO_FLAG_SECCOMP: u32 = 1;
 
-/// Identifies one page: relation (tablespace, database, relation, fork) and block number.
-///
-/// Field order gives the sort order used by storage (relation, then fork, then block); the wire
-/// order is different (see [`BufferTag::encode`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct BufferTag {
-    pub spcnode: u32,
-    pub dbnode: u32,
-    pub relnode: u32,
-    pub forknum: u8,
-    pub blknum: u32,
-}
-
-impl BufferTag {
-    /// Appends the 17-byte wire form: forknum, spcnode, dbnode, relnode, blknum.
-    pub fn encode(&self, out: &mut Vec<u8>) {
-        out.push(self.forknum);
-        out.extend_from_slice(&self.spcnode.to_be_bytes());
-        out.extend_from_slice(&self.dbnode.to_be_bytes());
-        out.extend_from_slice(&self.relnode.to_be_bytes());
-        out.extend_from_slice(&self.blknum.to_be_bytes());
-    }
-
-    /// Decodes the 17-byte wire form.
-    pub fn decode(b: &[u8; BUFFER_TAG_LEN]) -> BufferTag {
-        let u32_at = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        BufferTag {
-            forknum: b[0],
-            spcnode: u32_at(1),
-            dbnode: u32_at(5),
-            relnode: u32_at(9),
-            blknum: u32_at(13),
-        }
-    }
-}
-
-impl std::fmt::Display for BufferTag {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}/{}.{} blk {}", self.spcnode, self.dbnode, self.relnode, self.forknum, self.blknum)
-    }
-}
+pub use page_types::BufferTag;
 
 /// A message from the daemon to the child, borrowing from the read buffer.
 #[derive(Debug, PartialEq, Eq)]

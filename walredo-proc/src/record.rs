@@ -22,7 +22,7 @@ use std::fmt;
 /// version.
 pub const RECORD_FORMAT_VERSION: u32 = 1;
 /// Largest encoded record (kind byte included).
-pub const MAX_RECORD_LEN: usize = 16384;
+pub use page_types::MAX_RECORD_LEN;
 
 pub const KIND_INIT_PAGE: u8 = 0x01;
 pub const KIND_INSERT_TUPLE: u8 = 0x02;

@@ -16,11 +16,10 @@ use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::process::ExitCode;
 
-const HEADER_LEN: usize = 5;
-const BLCKSZ: usize = 8192;
+use walredo_proc::page::BLCKSZ;
+use walredo_proc::protocol::{HEADER_LEN, MAX_FRAME_LEN};
+
 const READ_BUF_LEN: usize = 256 * 1024;
-/// Largest frame `walredo-proc` accepts (4 + LSN + largest record).
-const MAX_FRAME_LEN: usize = 4 + 8 + 16384;
 
 fn main() -> ExitCode {
     match run() {

@@ -19,10 +19,7 @@ pub(crate) const FILE_HEADER_LEN: u64 = 16;
 /// Encoded size of a [`Key`]: spcnode, dbnode, relnode (u32 each), forknum (u8), blknum (u32).
 pub(crate) const KEY_LEN: usize = 17;
 
-/// Size of a full page image.
-pub const PAGE_SIZE: usize = 8192;
-/// Largest redo record accepted.
-pub const MAX_RECORD_LEN: usize = 16384;
+pub use page_types::{MAX_RECORD_LEN, PAGE_SIZE};
 
 /// Kind byte of a stored value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -34,7 +34,6 @@ mod segment;
 mod test_support;
 mod timeline;
 
-use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -44,23 +43,9 @@ pub use metrics::StorageMetrics;
 pub use timeline::Timeline;
 
 /// The key of a page: relation fork and block number.
-pub type Key = walredo_proc::protocol::BufferTag;
+pub type Key = page_types::BufferTag;
 
-/// A WAL position. Displays like PostgreSQL: high and low 32 bits in hex, `16/B374D848`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct Lsn(pub u64);
-
-impl fmt::Display for Lsn {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:X}/{:X}", self.0 >> 32, self.0 & 0xffff_ffff)
-    }
-}
-
-impl From<u64> for Lsn {
-    fn from(v: u64) -> Self {
-        Lsn(v)
-    }
-}
+pub use page_types::Lsn;
 
 /// Default size at which the active segment is sealed into a layer.
 pub const DEFAULT_LAYER_SIZE: u64 = 64 << 20;

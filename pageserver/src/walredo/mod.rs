@@ -43,8 +43,7 @@ use process::{InUse, Process, ProcessError, Reaping};
 pub const DEFAULT_WAL_REDO_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default idle time after which a child is stopped (Neon: 180 s; an idle child costs memory).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(180);
-/// Most records in one redo request.
-pub const MAX_RECORDS_PER_REQUEST: usize = 65536;
+pub use page_types::MAX_RECORDS_PER_REQUEST;
 
 /// How the daemon drives the child's pipes; read each time a child is spawned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
