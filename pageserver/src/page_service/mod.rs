@@ -313,30 +313,15 @@ async fn read_requests(
             }
             Ok(Ok(ClientMessage::Ingest { request_id, values })) => {
                 metrics.requests.with_label_values(&["ingest"]).inc();
-                // Queue it here, before reading on, so the batches of a connection keep their order.
-                match tenant.submit_ingest(values).await {
-                    Ok(durable) => {
-                        let metrics = Arc::clone(metrics);
-                        Pending::Task(tokio::spawn(async move {
-                            match durable.await {
-                                Ok(lsn) => {
-                                    Reply::message(&ServerMessage::IngestOk { request_id, durable_lsn: lsn })
-                                }
-                                Err(e) => Reply::error(
-                                    &metrics,
-                                    request_id,
-                                    ingest_error_code(&e),
-                                    format!("{e:#}"),
-                                ),
-                            }
-                        }))
-                    }
-                    Err(e) => Pending::Ready(Reply::error(
+                match proto::reserved_lsn(&values) {
+                    Some((i, why)) => Pending::Ready(Reply::error(
                         metrics,
                         request_id,
-                        ingest_error_code(&e),
-                        format!("{e:#}"),
+                        ErrorCode::InvalidRequest,
+                        format!("invalid ingest batch: value {i}: {why}"),
                     )),
+                    // Queued here, before reading on, so the batches of a connection keep their order.
+                    None => start_ingest(tenant, metrics, request_id, values).await,
                 }
             }
         };
@@ -344,6 +329,27 @@ async fn read_requests(
         if replies.send(pending).await.is_err() || closes {
             return;
         }
+    }
+}
+
+/// Queues an Ingest batch; the reply comes once it is durable (or failed).
+async fn start_ingest(
+    tenant: &Tenant,
+    metrics: &Arc<PageServiceMetrics>,
+    request_id: u64,
+    values: Vec<proto::IngestValue>,
+) -> Pending {
+    match tenant.submit_ingest(values).await {
+        Ok(durable) => {
+            let metrics = Arc::clone(metrics);
+            Pending::Task(tokio::spawn(async move {
+                match durable.await {
+                    Ok(lsn) => Reply::message(&ServerMessage::IngestOk { request_id, durable_lsn: lsn }),
+                    Err(e) => Reply::error(&metrics, request_id, ingest_error_code(&e), format!("{e:#}")),
+                }
+            }))
+        }
+        Err(e) => Pending::Ready(Reply::error(metrics, request_id, ingest_error_code(&e), format!("{e:#}"))),
     }
 }
 

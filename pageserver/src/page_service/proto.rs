@@ -17,6 +17,18 @@ pub const PROTOCOL_VERSION: u32 = 1;
 pub const MAX_FRAME_LEN: u32 = 8 << 20;
 /// GetPage at this LSN means "the latest durable LSN".
 pub const LSN_LATEST: u64 = u64::MAX;
+
+/// The first value of an Ingest at a reserved LSN, with the reason: 0 lies below every
+/// tenant's start, and [`LSN_LATEST`] is GetPage's "latest" sentinel (a value stored there would
+/// put every later batch "below" it and freeze the tenant's ingest for good).
+pub fn reserved_lsn(values: &[IngestValue]) -> Option<(usize, &'static str)> {
+    values.iter().enumerate().find_map(|(i, v)| match v.lsn {
+        0 => Some((i, "LSN 0/0 is reserved: it lies below every tenant's first LSN")),
+        LSN_LATEST => Some((i, "LSN \"latest\" (0xFFFFFFFFFFFFFFFF) is reserved for GetPage")),
+        _ => None,
+    })
+}
+
 /// Longest tenant id.
 pub const MAX_TENANT_ID_LEN: usize = 64;
 
@@ -494,6 +506,15 @@ mod tests {
         assert!(matches!(bad(b"\0\0\0\x0e\x03\0\0\0\0\0\0\0\x01\x40\0\0\0\0"), DecodeError::Malformed(_)));
         // Hello with an empty tenant id.
         assert!(matches!(bad(b"\0\0\0\x07\x01\0\0\0\x01\0\0"), DecodeError::Malformed(_)));
+    }
+
+    #[test]
+    fn only_lsn_zero_and_latest_are_reserved_for_ingest() {
+        let value =
+            |lsn| IngestValue { key: key(), lsn, kind: ValueKind::Record, data: Bytes::from_static(b"x") };
+        assert_eq!(reserved_lsn(&[value(1), value(LSN_LATEST - 1)]), None);
+        assert_eq!(reserved_lsn(&[value(5), value(LSN_LATEST)]).map(|(i, _)| i), Some(1));
+        assert_eq!(reserved_lsn(&[value(0), value(5)]).map(|(i, _)| i), Some(0));
     }
 
     proptest! {
