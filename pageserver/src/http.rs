@@ -56,6 +56,9 @@ impl From<JsonRejection> for ApiError {
 type ApiResult = Result<Response, ApiError>;
 
 /// Serves the API on `listener` until `cancel`.
+///
+/// Cancel-safe: dropping it drops the listener and every connection; requests in flight are
+/// dropped too, which each handler tolerates (tenant deletion runs to its end on its own).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     tenants: Arc<Tenants>,

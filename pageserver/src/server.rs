@@ -25,6 +25,10 @@ pub const PORTS_FILE: &str = "ports.json";
 /// File in the workdir locked while a daemon runs there.
 pub const LOCK_FILE: &str = "pageserver.lock";
 
+/// Runs the daemon until `shutdown` fires, then stops it cleanly.
+///
+/// Not cancel-safe: dropping it midway leaves tenants running and children unreaped. Cancel
+/// `shutdown` instead and await the result.
 pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::Result<()> {
     std::fs::create_dir_all(&conf.workdir)
         .with_context(|| format!("create workdir {}", conf.workdir.display()))?;

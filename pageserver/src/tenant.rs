@@ -240,6 +240,9 @@ impl Tenant {
 
     /// Stops the tenant: connections are told, queued ingests become durable, the redo child
     /// is stopped and reaped. Idempotent.
+    ///
+    /// Cancel-safe in the sense that calling it again finishes the job: the tenant is
+    /// cancelled at the first poll, and each step is idempotent.
     pub async fn shutdown(&self) {
         self.cancel.cancel();
         self.timeline.shutdown().await;

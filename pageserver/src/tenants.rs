@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
@@ -179,8 +180,12 @@ impl Tenants {
         self.len() == 0
     }
 
-    /// Creates a tenant with empty storage. Cancel-safe up to the final insert: an interrupted
-    /// creation leaves a directory without `tenant.toml`, removed at the next start.
+    /// Creates a tenant with empty storage.
+    ///
+    /// Cancel-safe as far as the disk goes: an interrupted creation leaves a directory without
+    /// `tenant.toml` (removed at the next start or by the next creation of that id), or, when
+    /// dropped while the files were being written, a complete tenant that is served from the
+    /// next start on; the caller was not told either way.
     pub async fn create(&self, id: &str, overrides: TenantConfOverrides) -> Result<Arc<Tenant>, TenantError> {
         validate_tenant_id(id)?;
         let _changing = self.change_lock.lock().await;
@@ -214,7 +219,30 @@ impl Tenants {
     }
 
     /// Stops a tenant (its connections are told, its child is reaped) and removes its data.
-    pub async fn delete(&self, id: &str) -> Result<(), TenantError> {
+    ///
+    /// Cancel-safe: the deletion runs as a task of its own, so a caller that goes away (an
+    /// HTTP client hanging up) does not stop it halfway: once called, the tenant is gone from
+    /// memory and disk (or the error is logged). On disk the point of no return is the atomic
+    /// rename to a `.deleted-` tombstone, which the next start removes if the daemon dies first.
+    pub async fn delete(self: &Arc<Self>, id: &str) -> Result<(), TenantError> {
+        let (tenants, id) = (Arc::clone(self), id.to_string());
+        let span = tracing::info_span!("delete_tenant", tenant_id = id);
+        let deletion = tokio::spawn(
+            async move {
+                let result = tenants.delete_now(&id).await;
+                if let Err(e @ TenantError::Other(_)) = &result {
+                    tracing::error!("failed to delete tenant: {e:#}");
+                }
+                result
+            }
+            .instrument(span),
+        );
+        deletion.await.map_err(|e| TenantError::Other(anyhow::anyhow!("tenant deletion task failed: {e}")))?
+    }
+
+    /// The body of [`Tenants::delete`]; not cancel-safe (dropped after the tenant left the map
+    /// and before the rename, the tenant would come back at the next start).
+    async fn delete_now(&self, id: &str) -> Result<(), TenantError> {
         let _changing = self.change_lock.lock().await;
         let tenant = lock(&self.tenants).remove(id).ok_or_else(|| TenantError::NotFound(id.to_string()))?;
         tenant.shutdown().await;
@@ -234,6 +262,9 @@ impl Tenants {
     }
 
     /// Stops every tenant: ingests made durable, children reaped.
+    ///
+    /// Not cancel-safe: dropped midway, some tenants are stopped and others not (every
+    /// tenant is cancelled first, so none serves new requests). Call it once, at the end.
     pub async fn shutdown(&self) {
         let _changing = self.change_lock.lock().await;
         let tenants = self.list();
@@ -243,5 +274,65 @@ impl Tenants {
         for tenant in tenants {
             tenant.shutdown().await;
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn conf(workdir: &Path) -> PageServerConf {
+        let mut table = toml::Table::new();
+        // No test here redoes a page: the child is never started.
+        table.insert("walredo_proc_path".into(), toml::Value::String("/bin/false".into()));
+        PageServerConf::from_table(workdir, table).unwrap()
+    }
+
+    fn load(conf: &PageServerConf) -> Arc<Tenants> {
+        let registry = prometheus::Registry::new();
+        let cache = Arc::new(PageCache::new(0, &registry).unwrap());
+        let storage_metrics = Arc::new(StorageMetrics::new(&registry).unwrap());
+        let walredo_metrics = Arc::new(WalRedoMetrics::new(&registry).unwrap());
+        Arc::new(
+            Tenants::load(conf, cache, storage_metrics, walredo_metrics, CancellationToken::new()).unwrap(),
+        )
+    }
+
+    async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn delete_whose_caller_goes_away_midway_still_deletes_for_good() {
+        let workdir = tempfile::tempdir().unwrap();
+        let conf = conf(workdir.path());
+        let tenants = load(&conf);
+        tenants.create("t1", TenantConfOverrides::default()).await.unwrap();
+        let dir = workdir.path().join(TENANTS_DIR).join("t1");
+
+        // Poll the deletion once, then drop it, as when the HTTP client hangs up.
+        let mut deletion = Box::pin(tenants.delete("t1"));
+        tokio::select! {
+            biased;
+            _ = &mut deletion => {}
+            () = std::future::ready(()) => {}
+        }
+        drop(deletion);
+
+        wait_for("the deletion to finish without its caller", || {
+            tenants.get("t1").is_none() && !dir.exists()
+        })
+        .await;
+        tenants.shutdown().await;
+        drop(tenants);
+        let tenants = load(&conf);
+        assert!(tenants.get("t1").is_none(), "the deleted tenant came back at the next start");
+        tenants.shutdown().await;
     }
 }

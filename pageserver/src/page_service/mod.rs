@@ -92,6 +92,8 @@ impl PageServiceMetrics {
 
 /// Accepts connections until `cancel`; each runs on `tracker`. Connections stop reading when
 /// `cancel` fires and finish the requests they have.
+///
+/// Cancel-safe: dropping it only stops accepting; the connections run on `tracker`.
 pub async fn serve(
     listener: TcpListener,
     tenants: Arc<Tenants>,
