@@ -36,6 +36,7 @@ impl From<TenantError> for ApiError {
         let status = match &e {
             TenantError::Exists(_) => StatusCode::CONFLICT,
             TenantError::NotFound(_) => StatusCode::NOT_FOUND,
+            TenantError::Broken { .. } => StatusCode::CONFLICT,
             TenantError::InvalidId(_) => StatusCode::BAD_REQUEST,
             TenantError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             TenantError::Other(_) => {
@@ -105,7 +106,7 @@ async fn create_tenant(
 }
 
 async fn get_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
-    let tenant = state.tenants.get(&id).ok_or(TenantError::NotFound(id))?;
+    let tenant = state.tenants.slot(&id).ok_or(TenantError::NotFound(id))?;
     Ok(Json(tenant.status()).into_response())
 }
 
@@ -120,7 +121,7 @@ async fn put_tenant_config(
     body: Result<Json<TenantConfOverrides>, JsonRejection>,
 ) -> ApiResult {
     let Json(overrides) = body?;
-    let tenant = state.tenants.get(&id).ok_or(TenantError::NotFound(id))?;
+    let tenant = state.tenants.get(&id)?;
     tenant.set_overrides(overrides).map_err(TenantError::Other)?;
     tracing::info!(tenant_id = tenant.id, config = ?tenant.overrides(), "tenant config changed");
     Ok(Json(tenant.status()).into_response())

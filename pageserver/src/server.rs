@@ -17,7 +17,7 @@ use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
 use crate::page_service::{self, PageServiceMetrics};
 use crate::storage::{self, StorageMetrics};
-use crate::tenants::Tenants;
+use crate::tenants::{Tenants, TenantsMetrics};
 use crate::walredo::WalRedoMetrics;
 
 /// File in the workdir naming the addresses the daemon listens on (JSON).
@@ -44,10 +44,19 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let storage_metrics = Arc::new(StorageMetrics::new(&registry)?);
     let page_service_metrics = Arc::new(PageServiceMetrics::new(&registry)?);
     let cache = Arc::new(PageCache::new(conf.page_cache_size, &registry)?);
+    let tenants_metrics = Arc::new(TenantsMetrics::new(&registry)?);
     let tenants_cancel = CancellationToken::new();
     let tenants = Arc::new(
-        Tenants::load(&conf, cache, storage_metrics, walredo_metrics, tenants_cancel.clone())
-            .context("load tenants")?,
+        Tenants::load(
+            &conf,
+            cache,
+            storage_metrics,
+            walredo_metrics,
+            tenants_metrics,
+            tenants_cancel.clone(),
+        )
+        .await
+        .context("load tenants")?,
     );
 
     let pg_listener = tokio::net::TcpListener::bind(conf.listen_pg_addr)

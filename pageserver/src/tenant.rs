@@ -60,9 +60,18 @@ pub enum GetPageError {
     Internal(anyhow::Error),
 }
 
+/// Whether a tenant serves (`active`) or could not be loaded (`broken`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TenantState {
+    Active,
+    Broken,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct TenantStatus {
     pub id: String,
+    pub state: TenantState,
     pub last_durable_lsn: u64,
     pub config: TenantConfOverrides,
     pub effective_config: EffectiveTenantConf,
@@ -220,6 +229,7 @@ impl Tenant {
         let stats = self.timeline.stats();
         TenantStatus {
             id: self.id.clone(),
+            state: TenantState::Active,
             last_durable_lsn: stats.last_durable_lsn.0,
             config: self.overrides(),
             effective_config: self.effective_conf(),

@@ -6,7 +6,14 @@
 //! `.deleted-<id>-<n>` (atomic), then removes it; leftovers of an interrupted deletion are
 //! removed at start-up.
 //!
+//! Loading opens the tenants' storage on the blocking pool, [`LOAD_PARALLELISM`] at a time,
+//! never on the async runtime. A tenant that cannot be loaded (a damaged file, a `tenant.toml`
+//! that does not parse, a panic while opening) is held as **broken** with the reason: it shows
+//! in the API and the `pageserver_tenants{state}` gauge, refuses connections with
+//! `tenant_broken`, and can be deleted; the daemon and every other tenant serve.
+//!
 //! Invariant: a tenant id is 1 to 64 characters of `[A-Za-z0-9_-]`, so it is a safe file name.
+//! Invariant: one tenant's damage never stops the daemon from starting.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,18 +21,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
+use prometheus::{IntGaugeVec, Opts, Registry};
+use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
 use crate::storage::{self, StorageConf, StorageMetrics, Timeline};
-use crate::tenant::{read_overrides, write_overrides, Tenant, TenantConfOverrides, TenantDeps};
+use crate::tenant::{
+    read_overrides, write_overrides, Tenant, TenantConfOverrides, TenantDeps, TenantState, TenantStatus,
+};
 use crate::walredo::{lock, WalRedoConf, WalRedoManager, WalRedoMetrics};
 
 const TENANTS_DIR: &str = "tenants";
 const TIMELINE_DIR: &str = "timeline";
 const DELETED_PREFIX: &str = ".deleted-";
+/// Tenants opened at once at start-up (each open reads its storage's indexes from disk).
+pub const LOAD_PARALLELISM: usize = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TenantError {
@@ -33,6 +46,8 @@ pub enum TenantError {
     Exists(String),
     #[error("no tenant {0}")]
     NotFound(String),
+    #[error("tenant {id} is broken: {reason}")]
+    Broken { id: String, reason: String },
     #[error("invalid tenant id {0:?}: use 1 to 64 characters of A-Z a-z 0-9 _ -")]
     InvalidId(String),
     #[error("the daemon is shutting down")]
@@ -51,9 +66,79 @@ pub fn validate_tenant_id(id: &str) -> Result<(), TenantError> {
     }
 }
 
+/// A tenant whose files could not be loaded; it holds nothing open.
+#[derive(Debug)]
+pub struct BrokenTenant {
+    pub id: String,
+    dir: PathBuf,
+    /// Why it could not be loaded (the error chain).
+    pub reason: String,
+}
+
+/// A tenant as the daemon holds it.
+#[derive(Clone)]
+pub enum TenantSlot {
+    Active(Arc<Tenant>),
+    Broken(Arc<BrokenTenant>),
+}
+
+/// What the API shows of a tenant: the full status, or the reason it is broken.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum TenantStatusView {
+    Active(TenantStatus),
+    Broken { id: String, state: TenantState, broken_reason: String },
+}
+
+impl TenantSlot {
+    pub fn status(&self) -> TenantStatusView {
+        match self {
+            TenantSlot::Active(tenant) => TenantStatusView::Active(tenant.status()),
+            TenantSlot::Broken(broken) => TenantStatusView::Broken {
+                id: broken.id.clone(),
+                state: TenantState::Broken,
+                broken_reason: broken.reason.clone(),
+            },
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        match self {
+            TenantSlot::Active(tenant) => tenant.dir(),
+            TenantSlot::Broken(broken) => &broken.dir,
+        }
+    }
+}
+
+/// `pageserver_tenants{state}`: tenants by state.
+pub struct TenantsMetrics {
+    tenants: IntGaugeVec,
+}
+
+impl TenantsMetrics {
+    pub fn new(registry: &Registry) -> anyhow::Result<TenantsMetrics> {
+        let tenants = IntGaugeVec::new(
+            Opts::new("pageserver_tenants", "Tenants by state: active, broken (could not be loaded)"),
+            &["state"],
+        )?;
+        registry.register(Box::new(tenants.clone()))?;
+        for state in ["active", "broken"] {
+            tenants.with_label_values(&[state]).set(0);
+        }
+        Ok(TenantsMetrics { tenants })
+    }
+}
+
+/// What loading found in one tenant's directory.
+enum Loaded {
+    Opened(TenantConfOverrides, Arc<Timeline>),
+    /// An interrupted creation, now removed.
+    Incomplete,
+}
+
 pub struct Tenants {
     dir: PathBuf,
-    tenants: Mutex<BTreeMap<String, Arc<Tenant>>>,
+    tenants: Mutex<BTreeMap<String, TenantSlot>>,
     /// Serializes creations and deletions (they touch the disk); lookups do not wait for it.
     change_lock: tokio::sync::Mutex<()>,
     deps: Arc<TenantDeps>,
@@ -61,23 +146,29 @@ pub struct Tenants {
     storage_conf: StorageConf,
     storage_metrics: Arc<StorageMetrics>,
     walredo_metrics: Arc<WalRedoMetrics>,
+    metrics: Arc<TenantsMetrics>,
     next_generation: AtomicU64,
     cancel: CancellationToken,
 }
 
 impl Tenants {
-    /// Loads every tenant under `<workdir>/tenants`, recovering their storage.
-    pub fn load(
+    /// Loads every tenant under `<workdir>/tenants`, recovering their storage on the blocking
+    /// pool ([`LOAD_PARALLELISM`] at once). A tenant that fails to load is held as broken
+    /// (logged as an ERROR with its reason); only a tenants directory that cannot be created
+    /// or listed is an error.
+    ///
+    /// Not cancel-safe: dropped midway, the storage opened so far is closed again (nothing is
+    /// lost, but the blocking opens still in flight run to their end).
+    pub async fn load(
         conf: &PageServerConf,
         cache: Arc<PageCache>,
         storage_metrics: Arc<StorageMetrics>,
         walredo_metrics: Arc<WalRedoMetrics>,
+        metrics: Arc<TenantsMetrics>,
         cancel: CancellationToken,
     ) -> anyhow::Result<Tenants> {
-        let dir = conf.workdir.join(TENANTS_DIR);
-        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
         let tenants = Tenants {
-            dir,
+            dir: conf.workdir.join(TENANTS_DIR),
             tenants: Mutex::new(BTreeMap::new()),
             change_lock: tokio::sync::Mutex::new(()),
             deps: Arc::new(TenantDeps {
@@ -89,55 +180,59 @@ impl Tenants {
             storage_conf: StorageConf { layer_size: conf.layer_size },
             storage_metrics,
             walredo_metrics,
+            metrics,
             next_generation: AtomicU64::new(1),
             cancel,
         };
-        let mut entries: Vec<_> = std::fs::read_dir(&tenants.dir)
-            .with_context(|| format!("list {}", tenants.dir.display()))?
-            .collect::<Result<_, _>>()
-            .with_context(|| format!("list {}", tenants.dir.display()))?;
-        entries.sort_by_key(|e| e.file_name());
-        for entry in entries {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let path = entry.path();
-            if name.starts_with(DELETED_PREFIX) {
-                tracing::info!(path = %path.display(), "removing the rest of a deleted tenant");
-                std::fs::remove_dir_all(&path).with_context(|| format!("remove {}", path.display()))?;
-                continue;
-            }
-            if validate_tenant_id(&name).is_err() {
-                tracing::warn!(path = %path.display(), "ignoring a file that is not a tenant");
-                continue;
-            }
-            match read_overrides(&path)? {
-                None => {
-                    tracing::warn!(tenant_id = name, "removing a tenant whose creation did not finish");
-                    std::fs::remove_dir_all(&path).with_context(|| format!("remove {}", path.display()))?;
-                }
-                Some(overrides) => {
-                    let tenant = tenants
-                        .open(&name, &path, overrides)
-                        .with_context(|| format!("load tenant {name}"))?;
+        let dir = tenants.dir.clone();
+        let candidates =
+            tokio::task::spawn_blocking(move || list_tenant_dirs(&dir)).await.context("list tenants")??;
+
+        let limit = Arc::new(tokio::sync::Semaphore::new(LOAD_PARALLELISM));
+        let mut opening = Vec::with_capacity(candidates.len());
+        for (id, path) in candidates {
+            let permit = Arc::clone(&limit).acquire_owned().await.context("load tenants")?;
+            let (storage_conf, storage_metrics) =
+                (tenants.storage_conf.clone(), Arc::clone(&tenants.storage_metrics));
+            let tenant_dir = path.clone();
+            let span = tracing::info_span!("load_tenant", tenant_id = id);
+            let job = tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                let _entered = span.enter();
+                load_tenant_dir(&tenant_dir, storage_conf, storage_metrics)
+            });
+            opening.push((id, path, job));
+        }
+        let (mut active, mut broken) = (0, 0);
+        for (id, path, job) in opening {
+            let loaded = match job.await {
+                Ok(loaded) => loaded,
+                Err(e) => Err(anyhow::anyhow!("loading it failed: {e}")),
+            };
+            let slot = match loaded {
+                Ok(Loaded::Incomplete) => continue,
+                Ok(Loaded::Opened(overrides, timeline)) => {
+                    let tenant = tenants.assemble(&id, &path, overrides, timeline);
                     tracing::info!(
-                        tenant_id = name,
+                        tenant_id = id,
                         last_durable_lsn = tenant.last_durable_lsn(),
                         "loaded tenant"
                     );
-                    lock(&tenants.tenants).insert(name, tenant);
+                    active += 1;
+                    TenantSlot::Active(tenant)
                 }
-            }
+                Err(e) => {
+                    let reason = format!("{e:#}");
+                    tracing::error!(tenant_id = id, "failed to load tenant, it is broken: {reason}");
+                    broken += 1;
+                    TenantSlot::Broken(Arc::new(BrokenTenant { id: id.clone(), dir: path, reason }))
+                }
+            };
+            lock(&tenants.tenants).insert(id, slot);
         }
+        tenants.update_metrics();
+        tracing::info!(active, broken, "loaded tenants");
         Ok(tenants)
-    }
-
-    /// Opens an existing tenant's storage (blocking) and assembles the tenant.
-    fn open(&self, id: &str, dir: &Path, overrides: TenantConfOverrides) -> anyhow::Result<Arc<Tenant>> {
-        let timeline = Timeline::open(
-            &dir.join(TIMELINE_DIR),
-            self.storage_conf.clone(),
-            Arc::clone(&self.storage_metrics),
-        )?;
-        Ok(self.assemble(id, dir, overrides, timeline))
     }
 
     fn assemble(
@@ -163,15 +258,52 @@ impl Tenants {
         })
     }
 
-    pub fn get(&self, id: &str) -> Option<Arc<Tenant>> {
+    fn update_metrics(&self) {
+        let (mut active, mut broken) = (0, 0);
+        for slot in lock(&self.tenants).values() {
+            match slot {
+                TenantSlot::Active(_) => active += 1,
+                TenantSlot::Broken(_) => broken += 1,
+            }
+        }
+        self.metrics.tenants.with_label_values(&["active"]).set(active);
+        self.metrics.tenants.with_label_values(&["broken"]).set(broken);
+    }
+
+    /// The active tenant `id`; [`TenantError::Broken`] or [`TenantError::NotFound`] otherwise.
+    pub fn get(&self, id: &str) -> Result<Arc<Tenant>, TenantError> {
+        match self.slot(id) {
+            Some(TenantSlot::Active(tenant)) => Ok(tenant),
+            Some(TenantSlot::Broken(broken)) => {
+                Err(TenantError::Broken { id: broken.id.clone(), reason: broken.reason.clone() })
+            }
+            None => Err(TenantError::NotFound(id.to_string())),
+        }
+    }
+
+    /// The tenant `id`, active or broken.
+    pub fn slot(&self, id: &str) -> Option<TenantSlot> {
         lock(&self.tenants).get(id).cloned()
     }
 
-    /// Every tenant, sorted by id.
-    pub fn list(&self) -> Vec<Arc<Tenant>> {
+    /// Every tenant, active or broken, sorted by id.
+    pub fn list(&self) -> Vec<TenantSlot> {
         lock(&self.tenants).values().cloned().collect()
     }
 
+    /// The active tenants, sorted by id.
+    pub fn active(&self) -> Vec<Arc<Tenant>> {
+        let tenants = lock(&self.tenants);
+        tenants
+            .values()
+            .filter_map(|slot| match slot {
+                TenantSlot::Active(tenant) => Some(Arc::clone(tenant)),
+                TenantSlot::Broken(_) => None,
+            })
+            .collect()
+    }
+
+    /// Tenants, active and broken.
     pub fn len(&self) -> usize {
         lock(&self.tenants).len()
     }
@@ -192,7 +324,7 @@ impl Tenants {
         if self.cancel.is_cancelled() {
             return Err(TenantError::ShuttingDown);
         }
-        if self.get(id).is_some() {
+        if self.slot(id).is_some() {
             return Err(TenantError::Exists(id.to_string()));
         }
         let dir = self.dir.join(id);
@@ -213,7 +345,8 @@ impl Tenants {
         .await
         .context("create tenant storage")??;
         let tenant = self.assemble(id, &dir, overrides, timeline);
-        lock(&self.tenants).insert(id.to_string(), Arc::clone(&tenant));
+        lock(&self.tenants).insert(id.to_string(), TenantSlot::Active(Arc::clone(&tenant)));
+        self.update_metrics();
         tracing::info!(tenant_id = id, "created tenant");
         Ok(tenant)
     }
@@ -244,11 +377,14 @@ impl Tenants {
     /// and before the rename, the tenant would come back at the next start).
     async fn delete_now(&self, id: &str) -> Result<(), TenantError> {
         let _changing = self.change_lock.lock().await;
-        let tenant = lock(&self.tenants).remove(id).ok_or_else(|| TenantError::NotFound(id.to_string()))?;
-        tenant.shutdown().await;
+        let slot = lock(&self.tenants).remove(id).ok_or_else(|| TenantError::NotFound(id.to_string()))?;
+        self.update_metrics();
+        if let TenantSlot::Active(tenant) = &slot {
+            tenant.shutdown().await;
+        }
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         let doomed = self.dir.join(format!("{DELETED_PREFIX}{id}-{generation}"));
-        let (tenant_dir, tenants_dir) = (tenant.dir().to_path_buf(), self.dir.clone());
+        let (tenant_dir, tenants_dir) = (slot.dir().to_path_buf(), self.dir.clone());
         tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
             std::fs::rename(&tenant_dir, &doomed)
                 .with_context(|| format!("rename {}", tenant_dir.display()))?;
@@ -267,12 +403,60 @@ impl Tenants {
     /// tenant is cancelled first, so none serves new requests). Call it once, at the end.
     pub async fn shutdown(&self) {
         let _changing = self.change_lock.lock().await;
-        let tenants = self.list();
+        let tenants = self.active();
         for tenant in &tenants {
             tenant.cancel.cancel();
         }
         for tenant in tenants {
             tenant.shutdown().await;
+        }
+    }
+}
+
+/// Lists the tenant directories to load, removing the leftovers of interrupted deletions.
+fn list_tenant_dirs(dir: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .with_context(|| format!("list {}", dir.display()))?
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("list {}", dir.display()))?;
+    entries.sort_by_key(|e| e.file_name());
+    let mut tenants = Vec::new();
+    for entry in entries {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path();
+        if name.starts_with(DELETED_PREFIX) {
+            tracing::info!(path = %path.display(), "removing the rest of a deleted tenant");
+            if let Err(e) = std::fs::remove_dir_all(&path) {
+                // It is no tenant any more; try again at the next start.
+                tracing::warn!(path = %path.display(), "failed to remove the rest of a deleted tenant: {e}");
+            }
+            continue;
+        }
+        if validate_tenant_id(&name).is_err() {
+            tracing::warn!(path = %path.display(), "ignoring a file that is not a tenant");
+            continue;
+        }
+        tenants.push((name, path));
+    }
+    Ok(tenants)
+}
+
+/// Opens one tenant's directory (blocking): its overrides, then its storage.
+fn load_tenant_dir(
+    dir: &Path,
+    storage_conf: StorageConf,
+    storage_metrics: Arc<StorageMetrics>,
+) -> anyhow::Result<Loaded> {
+    match read_overrides(dir)? {
+        None => {
+            tracing::warn!("removing a tenant whose creation did not finish");
+            std::fs::remove_dir_all(dir).with_context(|| format!("remove {}", dir.display()))?;
+            Ok(Loaded::Incomplete)
+        }
+        Some(overrides) => {
+            let timeline = Timeline::open(&dir.join(TIMELINE_DIR), storage_conf, storage_metrics)?;
+            Ok(Loaded::Opened(overrides, timeline))
         }
     }
 }
@@ -290,14 +474,15 @@ mod tests {
         PageServerConf::from_table(workdir, table).unwrap()
     }
 
-    fn load(conf: &PageServerConf) -> Arc<Tenants> {
+    async fn load(conf: &PageServerConf) -> Arc<Tenants> {
         let registry = prometheus::Registry::new();
         let cache = Arc::new(PageCache::new(0, &registry).unwrap());
         let storage_metrics = Arc::new(StorageMetrics::new(&registry).unwrap());
         let walredo_metrics = Arc::new(WalRedoMetrics::new(&registry).unwrap());
-        Arc::new(
-            Tenants::load(conf, cache, storage_metrics, walredo_metrics, CancellationToken::new()).unwrap(),
-        )
+        let metrics = Arc::new(TenantsMetrics::new(&registry).unwrap());
+        let cancel = CancellationToken::new();
+        let tenants = Tenants::load(conf, cache, storage_metrics, walredo_metrics, metrics, cancel).await;
+        Arc::new(tenants.unwrap())
     }
 
     async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
@@ -312,7 +497,7 @@ mod tests {
     async fn delete_whose_caller_goes_away_midway_still_deletes_for_good() {
         let workdir = tempfile::tempdir().unwrap();
         let conf = conf(workdir.path());
-        let tenants = load(&conf);
+        let tenants = load(&conf).await;
         tenants.create("t1", TenantConfOverrides::default()).await.unwrap();
         let dir = workdir.path().join(TENANTS_DIR).join("t1");
 
@@ -326,13 +511,13 @@ mod tests {
         drop(deletion);
 
         wait_for("the deletion to finish without its caller", || {
-            tenants.get("t1").is_none() && !dir.exists()
+            tenants.slot("t1").is_none() && !dir.exists()
         })
         .await;
         tenants.shutdown().await;
         drop(tenants);
-        let tenants = load(&conf);
-        assert!(tenants.get("t1").is_none(), "the deleted tenant came back at the next start");
+        let tenants = load(&conf).await;
+        assert!(tenants.slot("t1").is_none(), "the deleted tenant came back at the next start");
         tenants.shutdown().await;
     }
 }

@@ -36,7 +36,7 @@ use tracing::Instrument;
 
 use crate::storage::{IngestError, WaitLsnError};
 use crate::tenant::{GetPageError, Tenant};
-use crate::tenants::Tenants;
+use crate::tenants::{TenantError, Tenants};
 use crate::walredo::RedoError;
 use proto::{ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
 
@@ -257,9 +257,11 @@ async fn hello(
                     ),
                 ));
             }
-            tenants
-                .get(&tenant_id)
-                .ok_or_else(|| refuse(ErrorCode::NoSuchTenant, format!("no tenant {tenant_id}")))
+            tenants.get(&tenant_id).map_err(|e| match e {
+                TenantError::NotFound(_) => refuse(ErrorCode::NoSuchTenant, format!("no tenant {tenant_id}")),
+                TenantError::Broken { .. } => refuse(ErrorCode::TenantBroken, e.to_string()),
+                other => refuse(ErrorCode::Internal, other.to_string()),
+            })
         }
         Ok(_) => Err(refuse(ErrorCode::BadFrame, "the first message must be Hello".into())),
         Err(e) => Err(refuse(e.code(), e.to_string())),

@@ -86,6 +86,7 @@ pub enum ErrorCode {
     RedoFailed,
     ShuttingDown,
     Internal,
+    TenantBroken,
     /// A code this version does not know.
     Unknown(u16),
 }
@@ -104,6 +105,7 @@ impl ErrorCode {
             ErrorCode::RedoFailed => 9,
             ErrorCode::ShuttingDown => 10,
             ErrorCode::Internal => 11,
+            ErrorCode::TenantBroken => 12,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -121,6 +123,7 @@ impl ErrorCode {
             9 => ErrorCode::RedoFailed,
             10 => ErrorCode::ShuttingDown,
             11 => ErrorCode::Internal,
+            12 => ErrorCode::TenantBroken,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -138,6 +141,7 @@ impl ErrorCode {
             ErrorCode::RedoFailed => "redo_failed",
             ErrorCode::ShuttingDown => "shutting_down",
             ErrorCode::Internal => "internal",
+            ErrorCode::TenantBroken => "tenant_broken",
             ErrorCode::Unknown(_) => "unknown",
         }
     }
@@ -152,6 +156,7 @@ impl ErrorCode {
                 | ErrorCode::NoSuchTenant
                 | ErrorCode::TooManyConnections
                 | ErrorCode::ShuttingDown
+                | ErrorCode::TenantBroken
         )
     }
 }
