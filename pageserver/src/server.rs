@@ -1,6 +1,9 @@
 //! The daemon as a library call: [`run`] starts everything the settings describe and returns
 //! when `shutdown` fires and everything has stopped cleanly.
 //!
+//! `ports.json` is written best-effort, after the listeners are bound: a daemon that cannot
+//! write it (a full disk) logs a WARN and serves anyway.
+//!
 //! Shutdown order: stop accepting; connections stop reading and finish the requests they have
 //! (a GetPage still waiting for ingest to reach its LSN gets `shutting_down`); the management
 //! API stops; every tenant makes its queued ingests durable and stops its redo child. Then `run`
@@ -66,7 +69,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         .await
         .with_context(|| format!("bind listen_http_addr {}", conf.listen_http_addr))?;
     let (pg_addr, http_addr) = (pg_listener.local_addr()?, http_listener.local_addr()?);
-    write_ports_file(&conf, pg_addr, http_addr)?;
+    write_ports_file(&conf, pg_addr, http_addr).await;
     tracing::info!(
         workdir = %conf.workdir.display(),
         tenants = tenants.len(),
@@ -124,7 +127,24 @@ fn lock_workdir(conf: &PageServerConf) -> anyhow::Result<nix::fcntl::Flock<std::
     })
 }
 
-fn write_ports_file(conf: &PageServerConf, pg: SocketAddr, http: SocketAddr) -> anyhow::Result<()> {
+/// Writes `ports.json`, best-effort: the daemon serves even when it cannot (a full disk must not
+/// stop it from serving reads). On failure it logs a WARN (the addresses are in the log lines
+/// that follow) and removes any `ports.json` of an earlier run, so that no stale addresses are
+/// read; removing needs no space.
+async fn write_ports_file(conf: &PageServerConf, pg: SocketAddr, http: SocketAddr) {
     let text = serde_json::json!({ "pg": pg.to_string(), "http": http.to_string() }).to_string();
-    storage::durable_write(&conf.workdir, PORTS_FILE, text.as_bytes()).context("write ports file")
+    let workdir = conf.workdir.clone();
+    let written = tokio::task::spawn_blocking(move || {
+        storage::durable_write(&workdir, PORTS_FILE, text.as_bytes()).inspect_err(|_| {
+            for stale in [PORTS_FILE.to_string(), format!(".{PORTS_FILE}.tmp")] {
+                let _ = std::fs::remove_file(workdir.join(stale));
+            }
+        })
+    })
+    .await;
+    match written {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!("failed to write {PORTS_FILE}, serving without it: {e:#}"),
+        Err(e) => tracing::warn!("failed to write {PORTS_FILE}, serving without it: {e}"),
+    }
 }
