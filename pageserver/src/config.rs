@@ -53,6 +53,8 @@ struct ConfigFile {
     page_cache_size: ByteSize,
     layer_size: ByteSize,
     max_connections: usize,
+    #[serde(with = "humantime_serde")]
+    page_service_idle_timeout: Duration,
     log_format: LogFormat,
 }
 
@@ -69,6 +71,7 @@ impl Default for ConfigFile {
             page_cache_size: ByteSize(DEFAULT_PAGE_CACHE_SIZE),
             layer_size: ByteSize(DEFAULT_LAYER_SIZE),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            page_service_idle_timeout: crate::page_service::DEFAULT_IDLE_TIMEOUT,
             log_format: LogFormat::Plain,
         }
     }
@@ -87,6 +90,7 @@ pub struct PageServerConf {
     pub page_cache_size: u64,
     pub layer_size: u64,
     pub max_connections: usize,
+    pub page_service_idle_timeout: Duration,
     pub log_format: LogFormat,
 }
 
@@ -136,6 +140,7 @@ impl PageServerConf {
             page_cache_size,
             layer_size,
             max_connections,
+            page_service_idle_timeout,
             log_format,
         } = file;
         let addr = |key: &str, value: &str| -> anyhow::Result<SocketAddr> {
@@ -166,6 +171,7 @@ impl PageServerConf {
             page_cache_size: page_cache_size.0,
             layer_size: layer_size.0,
             max_connections,
+            page_service_idle_timeout: positive("page_service_idle_timeout", page_service_idle_timeout)?,
             log_format,
         })
     }

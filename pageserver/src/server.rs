@@ -5,12 +5,15 @@
 //! write it (a full disk) logs a WARN and serves anyway.
 //!
 //! Shutdown order: stop accepting; connections stop reading and finish the requests they have
-//! (a GetPage still waiting for ingest to reach its LSN gets `shutting_down`); the management
+//! (a GetPage still waiting for ingest to reach its LSN gets `shutting_down`), for at most
+//! [`SHUTDOWN_GRACE`], after which the rest are closed (a client that never reads its replies
+//! cannot hold up shutdown); the management
 //! API stops; every tenant makes its queued ingests durable and stops its redo child. Then `run`
 //! returns `Ok`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
@@ -18,13 +21,16 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
-use crate::page_service::{self, PageServiceMetrics};
+use crate::page_service::{self, PageServiceConf, PageServiceMetrics};
 use crate::storage::{self, StorageMetrics};
 use crate::tenants::{Tenants, TenantsMetrics};
 use crate::walredo::WalRedoMetrics;
 
 /// File in the workdir naming the addresses the daemon listens on (JSON).
 pub const PORTS_FILE: &str = "ports.json";
+/// How long page service connections get, once shutdown begins, to answer the requests they
+/// have before they are closed regardless.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// File in the workdir locked while a daemon runs there.
 pub const LOCK_FILE: &str = "pageserver.lock";
 
@@ -80,11 +86,17 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     tracing::info!("management API listening on http://{http_addr}");
 
     let connections_cancel = CancellationToken::new();
+    let connections_abort = CancellationToken::new();
     let connections = TaskTracker::new();
+    let page_service_conf = PageServiceConf {
+        max_connections: conf.max_connections,
+        idle_timeout: conf.page_service_idle_timeout,
+        abort: connections_abort.clone(),
+    };
     let page_service = tokio::spawn(page_service::serve(
         pg_listener,
         Arc::clone(&tenants),
-        conf.max_connections,
+        page_service_conf,
         page_service_metrics,
         connections_cancel.clone(),
         connections.clone(),
@@ -100,7 +112,14 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     tenants_cancel.cancel();
     page_service.await.context("page service task")?;
     connections.close();
-    connections.wait().await;
+    if tokio::time::timeout(SHUTDOWN_GRACE, connections.wait()).await.is_err() {
+        tracing::warn!(
+            "{} page service connections still open {SHUTDOWN_GRACE:?} into shutdown (clients not reading their replies): closing them",
+            connections.len()
+        );
+        connections_abort.cancel();
+        connections.wait().await;
+    }
     http_cancel.cancel();
     match http.await {
         Ok(Ok(())) => {}

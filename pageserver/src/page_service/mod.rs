@@ -28,7 +28,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::tenants::Tenants;
-use connection::{handle_connection, send_error_and_close};
+use connection::{handle_connection, send_error_and_close, ConnectionConf};
 use proto::ErrorCode;
 
 /// Requests a connection may have in flight; the reader stops reading beyond that.
@@ -37,6 +37,22 @@ pub const MAX_IN_FLIGHT: usize = 256;
 pub(crate) const MAX_REPLIES_PER_WRITE: usize = 64;
 /// How long a new connection may take to send its Hello.
 pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Default of `page_service_idle_timeout`.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How the page service runs.
+#[derive(Debug, Clone)]
+pub struct PageServiceConf {
+    /// Connections at once; more are refused with `too_many_connections`.
+    pub max_connections: usize,
+    /// A connection with nothing in flight that sends nothing this long is closed
+    /// (`idle_timeout`); a client that accepts no reply bytes this long is disconnected.
+    pub idle_timeout: Duration,
+    /// Cancelled when shutdown's grace is over: every connection is dropped at once, whatever
+    /// it was writing (a client that never reads cannot hold up shutdown).
+    pub abort: CancellationToken,
+}
 
 pub struct PageServiceMetrics {
     connections: IntGauge,
@@ -88,11 +104,13 @@ impl PageServiceMetrics {
 pub async fn serve(
     listener: TcpListener,
     tenants: Arc<Tenants>,
-    max_connections: usize,
+    conf: PageServiceConf,
     metrics: Arc<PageServiceMetrics>,
     cancel: CancellationToken,
     tracker: TaskTracker,
 ) {
+    let PageServiceConf { max_connections, idle_timeout, abort } = conf;
+    let connection_conf = ConnectionConf { idle_timeout };
     let slots = Arc::new(Semaphore::new(max_connections));
     let mut next_id: u64 = 0;
     loop {
@@ -114,11 +132,14 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         match Arc::clone(&slots).try_acquire_owned() {
             Ok(slot) => {
-                let (tenants, metrics, cancel) = (Arc::clone(&tenants), Arc::clone(&metrics), cancel.clone());
+                let (tenants, metrics) = (Arc::clone(&tenants), Arc::clone(&metrics));
+                let (stop, abort) = (cancel.clone(), abort.clone());
                 tracker.spawn(
                     async move {
                         metrics.connections.inc();
-                        if let Err(e) = handle_connection(stream, &tenants, &metrics, cancel).await {
+                        let served =
+                            handle_connection(stream, &tenants, &metrics, connection_conf, stop, abort);
+                        if let Err(e) = served.await {
                             tracing::debug!("connection ended: {e:#}");
                         }
                         metrics.connections.dec();
@@ -129,11 +150,16 @@ pub async fn serve(
             }
             Err(_) => {
                 metrics.errors.with_label_values(&[ErrorCode::TooManyConnections.name()]).inc();
+                let abort = abort.clone();
                 tracker.spawn(
                     async move {
                         tracing::warn!(max_connections, "refusing a connection: too many connections");
                         let message = format!("the daemon serves at most {max_connections} connections");
-                        let _ = send_error_and_close(stream, ErrorCode::TooManyConnections, message).await;
+                        let refusal = send_error_and_close(stream, ErrorCode::TooManyConnections, message);
+                        tokio::select! {
+                            _ = tokio::time::timeout(HELLO_TIMEOUT, refusal) => {}
+                            () = abort.cancelled() => {}
+                        }
                     }
                     .instrument(span),
                 );

@@ -15,6 +15,9 @@ use walredo_proc::protocol::{BufferTag, BUFFER_TAG_LEN};
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest `len` of a frame (type and payload).
 pub const MAX_FRAME_LEN: u32 = 8 << 20;
+/// Largest `len` of a frame before Hello: a Hello is under 100 bytes, and a connection that has
+/// not said who it is gets no room for more.
+pub const MAX_HELLO_FRAME_LEN: u32 = 4096;
 /// GetPage at this LSN means "the latest durable LSN".
 pub const LSN_LATEST: u64 = u64::MAX;
 
@@ -87,6 +90,7 @@ pub enum ErrorCode {
     ShuttingDown,
     Internal,
     TenantBroken,
+    IdleTimeout,
     /// A code this version does not know.
     Unknown(u16),
 }
@@ -106,6 +110,7 @@ impl ErrorCode {
             ErrorCode::ShuttingDown => 10,
             ErrorCode::Internal => 11,
             ErrorCode::TenantBroken => 12,
+            ErrorCode::IdleTimeout => 13,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -124,6 +129,7 @@ impl ErrorCode {
             10 => ErrorCode::ShuttingDown,
             11 => ErrorCode::Internal,
             12 => ErrorCode::TenantBroken,
+            13 => ErrorCode::IdleTimeout,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -142,6 +148,7 @@ impl ErrorCode {
             ErrorCode::ShuttingDown => "shutting_down",
             ErrorCode::Internal => "internal",
             ErrorCode::TenantBroken => "tenant_broken",
+            ErrorCode::IdleTimeout => "idle_timeout",
             ErrorCode::Unknown(_) => "unknown",
         }
     }
@@ -157,6 +164,7 @@ impl ErrorCode {
                 | ErrorCode::TooManyConnections
                 | ErrorCode::ShuttingDown
                 | ErrorCode::TenantBroken
+                | ErrorCode::IdleTimeout
         )
     }
 }
@@ -166,6 +174,8 @@ impl ErrorCode {
 pub enum DecodeError {
     #[error("frame length {0} is outside 1..={MAX_FRAME_LEN}")]
     TooLarge(u32),
+    #[error("frame length {0} is more than the {MAX_HELLO_FRAME_LEN} allowed before Hello")]
+    TooLargeBeforeHello(u32),
     #[error("malformed frame: {0}")]
     Malformed(String),
 }
@@ -173,7 +183,7 @@ pub enum DecodeError {
 impl DecodeError {
     pub fn code(&self) -> ErrorCode {
         match self {
-            DecodeError::TooLarge(_) => ErrorCode::FrameTooLarge,
+            DecodeError::TooLarge(_) | DecodeError::TooLargeBeforeHello(_) => ErrorCode::FrameTooLarge,
             DecodeError::Malformed(_) => ErrorCode::BadFrame,
         }
     }
@@ -194,6 +204,18 @@ pub fn frame_len(buf: &[u8]) -> Result<Option<usize>, DecodeError> {
     }
     let total = 4 + len as usize;
     Ok((buf.len() >= total).then_some(total))
+}
+
+/// [`frame_len`] with a lower limit than [`MAX_FRAME_LEN`] (before Hello:
+/// [`MAX_HELLO_FRAME_LEN`]), also checked from the length alone.
+pub fn frame_len_max(buf: &[u8], max: u32) -> Result<Option<usize>, DecodeError> {
+    if let Some(len) = buf.get(..4) {
+        let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]);
+        if len > max && max < MAX_FRAME_LEN {
+            return Err(DecodeError::TooLargeBeforeHello(len));
+        }
+    }
+    frame_len(buf)
 }
 
 /// Splits a whole frame (as measured by [`frame_len`]) into its type and payload.
@@ -500,6 +522,15 @@ mod tests {
         assert_eq!(frame_len(&[0, 0, 0, 0]), Err(DecodeError::TooLarge(0)));
         assert_eq!(frame_len(&[0, 0, 0]), Ok(None));
         assert_eq!(frame_len(&[0, 0, 0, 2, 1]), Ok(None));
+        assert_eq!(
+            frame_len_max(&[0, 0, 0x10, 1], MAX_HELLO_FRAME_LEN),
+            Err(DecodeError::TooLargeBeforeHello(4097))
+        );
+        assert_eq!(frame_len_max(&[0, 0, 0x10, 0], MAX_HELLO_FRAME_LEN), Ok(None));
+        assert_eq!(
+            frame_len_max(&[0, 0x80, 0, 1], MAX_FRAME_LEN),
+            Err(DecodeError::TooLarge(MAX_FRAME_LEN + 1))
+        );
     }
 
     #[test]
