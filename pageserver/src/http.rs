@@ -61,7 +61,7 @@ type ApiResult = Result<Response, ApiError>;
 /// Cancel-safe: dropping it drops the listener and every connection; requests in flight are
 /// dropped too, which each handler tolerates (tenant deletion runs to its end on its own).
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    listener: crate::server::HttpListener,
     tenants: Arc<Tenants>,
     registry: prometheus::Registry,
     cancel: CancellationToken,

@@ -26,6 +26,12 @@ use crate::storage::{self, StorageMetrics};
 use crate::tenants::{Tenants, TenantsMetrics};
 use crate::walredo::WalRedoMetrics;
 
+mod fds;
+mod http_listener;
+
+pub use fds::HTTP_MAX_CONNECTIONS;
+pub use http_listener::{HttpListener, HTTP_IDLE_TIMEOUT};
+
 /// File in the workdir naming the addresses the daemon listens on (JSON).
 pub const PORTS_FILE: &str = "ports.json";
 /// How long page service connections get, once shutdown begins, to answer the requests they
@@ -42,6 +48,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     std::fs::create_dir_all(&conf.workdir)
         .with_context(|| format!("create workdir {}", conf.workdir.display()))?;
     let _lock = lock_workdir(&conf)?;
+    let fd_limit = fds::raise_limit();
     anyhow::ensure!(
         conf.walredo.binary.is_file(),
         "the walredo child {} does not exist (setting walredo_proc_path)",
@@ -89,7 +96,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let connections_abort = CancellationToken::new();
     let connections = TaskTracker::new();
     let page_service_conf = PageServiceConf {
-        max_connections: conf.max_connections,
+        max_connections: page_service_connections(&conf, fd_limit),
         idle_timeout: conf.page_service_idle_timeout,
         abort: connections_abort.clone(),
     };
@@ -102,6 +109,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         connections.clone(),
     ));
     let http_cancel = CancellationToken::new();
+    let http_listener = HttpListener::new(http_listener);
     let http =
         tokio::spawn(crate::http::serve(http_listener, Arc::clone(&tenants), registry, http_cancel.clone()));
 
@@ -130,6 +138,23 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     tenants.shutdown().await;
     tracing::info!("pageserver stopped");
     Ok(())
+}
+
+/// `max_connections`, lowered (with a WARN) when the descriptor limit leaves less room.
+fn page_service_connections(conf: &PageServerConf, fd_limit: Option<u64>) -> usize {
+    let (Some(limit), Some(open)) = (fd_limit, fds::open_now()) else { return conf.max_connections };
+    let connections = fds::page_service_connections(conf.max_connections, limit, open);
+    if connections < conf.max_connections {
+        tracing::warn!(
+            max_connections = conf.max_connections,
+            fd_limit = limit,
+            fds_open = open,
+            fds_reserved = fds::reserve(limit),
+            http_connections = fds::HTTP_MAX_CONNECTIONS,
+            "page service connections capped at {connections}: the file descriptor limit leaves no room for more"
+        );
+    }
+    connections
 }
 
 /// Takes an exclusive lock on the workdir, so that two daemons never share one.
