@@ -28,15 +28,12 @@ use crate::tenant::{GetPageError, Tenant};
 use crate::tenants::{TenantError, Tenants};
 use crate::walredo::RedoError;
 
-pub(super) async fn send_error_and_close(
-    mut stream: TcpStream,
-    code: ErrorCode,
-    message: String,
-) -> std::io::Result<()> {
+/// Sends an Error without waiting (it fits in an empty socket buffer; if not, it is lost);
+/// the caller then drops the stream, which closes it.
+pub(super) fn refuse_now(stream: &TcpStream, code: ErrorCode, message: String) {
     let mut out = BytesMut::new();
     ServerMessage::Error { request_id: 0, code, message }.encode(&mut out);
-    stream.write_all(&out).await?;
-    stream.shutdown().await
+    let _ = stream.try_write(&out);
 }
 
 /// A reply on its way to the writer.

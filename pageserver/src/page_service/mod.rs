@@ -28,7 +28,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::tenants::Tenants;
-use connection::{handle_connection, send_error_and_close, ConnectionConf};
+use connection::{handle_connection, refuse_now, ConnectionConf};
 use proto::ErrorCode;
 
 /// Requests a connection may have in flight; the reader stops reading beyond that.
@@ -150,19 +150,12 @@ pub async fn serve(
             }
             Err(_) => {
                 metrics.errors.with_label_values(&[ErrorCode::TooManyConnections.name()]).inc();
-                let abort = abort.clone();
-                tracker.spawn(
-                    async move {
-                        tracing::warn!(max_connections, "refusing a connection: too many connections");
-                        let message = format!("the daemon serves at most {max_connections} connections");
-                        let refusal = send_error_and_close(stream, ErrorCode::TooManyConnections, message);
-                        tokio::select! {
-                            _ = tokio::time::timeout(HELLO_TIMEOUT, refusal) => {}
-                            () = abort.cancelled() => {}
-                        }
-                    }
-                    .instrument(span),
-                );
+                // Refused here and now, without waiting on the client: under a flood, refused
+                // connections must not pile up holding descriptors.
+                let _entered = span.enter();
+                tracing::warn!(max_connections, "refusing a connection: too many connections");
+                let message = format!("the daemon serves at most {max_connections} connections");
+                refuse_now(&stream, ErrorCode::TooManyConnections, message);
             }
         }
     }
