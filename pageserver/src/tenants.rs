@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
-use prometheus::{IntGaugeVec, Opts, Registry};
+use prometheus::{IntGauge, IntGaugeVec, Opts, Registry};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -30,7 +30,8 @@ use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
 use crate::storage::{self, StorageConf, StorageMetrics, Timeline};
 use crate::tenant::{
-    read_overrides, write_overrides, Tenant, TenantConfOverrides, TenantDeps, TenantState, TenantStatus,
+    read_overrides, write_overrides, RedoBudget, Tenant, TenantConfOverrides, TenantDeps, TenantState,
+    TenantStatus,
 };
 use crate::walredo::{lock, WalRedoConf, WalRedoManager, WalRedoMetrics};
 
@@ -113,6 +114,7 @@ impl TenantSlot {
 /// `pageserver_tenants{state}`: tenants by state.
 pub struct TenantsMetrics {
     tenants: IntGaugeVec,
+    redo_budget_used: IntGauge,
 }
 
 impl TenantsMetrics {
@@ -125,7 +127,12 @@ impl TenantsMetrics {
         for state in ["active", "broken"] {
             tenants.with_label_values(&[state]).set(0);
         }
-        Ok(TenantsMetrics { tenants })
+        let redo_budget_used = IntGauge::new(
+            "pageserver_walredo_memory_budget_used_bytes",
+            "Bytes of page reconstruction data reserved in walredo_memory_budget",
+        )?;
+        registry.register(Box::new(redo_budget_used.clone()))?;
+        Ok(TenantsMetrics { tenants, redo_budget_used })
     }
 }
 
@@ -173,6 +180,11 @@ impl Tenants {
             change_lock: tokio::sync::Mutex::new(()),
             deps: Arc::new(TenantDeps {
                 cache,
+                redo_budget: Arc::new(RedoBudget::new(
+                    conf.walredo_memory_budget,
+                    conf.walredo.timeout,
+                    metrics.redo_budget_used.clone(),
+                )),
                 wait_lsn_timeout: conf.wait_lsn_timeout,
                 default_process_kind: conf.walredo.process_kind,
             }),

@@ -334,6 +334,10 @@ fn get_page_error_code(e: &GetPageError) -> ErrorCode {
             ErrorCode::ShuttingDown
         }
         GetPageError::Redo(RedoError::ShuttingDown) => ErrorCode::ShuttingDown,
+        GetPageError::Overloaded { .. } => {
+            tracing::warn!("failed to get a page: {e:#}");
+            ErrorCode::Overloaded
+        }
         GetPageError::Redo(
             RedoError::Rejected { .. } | RedoError::Timeout(_) | RedoError::InvalidRequest(_),
         ) => {

@@ -91,6 +91,7 @@ pub enum ErrorCode {
     Internal,
     TenantBroken,
     IdleTimeout,
+    Overloaded,
     /// A code this version does not know.
     Unknown(u16),
 }
@@ -111,6 +112,7 @@ impl ErrorCode {
             ErrorCode::Internal => 11,
             ErrorCode::TenantBroken => 12,
             ErrorCode::IdleTimeout => 13,
+            ErrorCode::Overloaded => 14,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -130,6 +132,7 @@ impl ErrorCode {
             11 => ErrorCode::Internal,
             12 => ErrorCode::TenantBroken,
             13 => ErrorCode::IdleTimeout,
+            14 => ErrorCode::Overloaded,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -149,6 +152,7 @@ impl ErrorCode {
             ErrorCode::Internal => "internal",
             ErrorCode::TenantBroken => "tenant_broken",
             ErrorCode::IdleTimeout => "idle_timeout",
+            ErrorCode::Overloaded => "overloaded",
             ErrorCode::Unknown(_) => "unknown",
         }
     }
