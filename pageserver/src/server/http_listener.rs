@@ -137,3 +137,47 @@ impl AsyncWrite for IdleTimeoutStream {
         self.stream.is_write_vectored()
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use axum::serve::Listener;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn a_stream_on_which_no_byte_moves_fails_and_frees_its_slot() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let slots = Arc::new(Semaphore::new(1));
+        let slot = Arc::clone(&slots).try_acquire_owned().unwrap();
+        let mut stream = IdleTimeoutStream::new(server, slot, Duration::from_millis(200));
+
+        client.write_all(b"x").await.unwrap();
+        let mut byte = [0u8; 1];
+        stream.read_exact(&mut byte).await.unwrap();
+        let err = stream.read(&mut byte).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        drop(stream);
+        assert_eq!(slots.available_permits(), 1);
+    }
+
+    #[tokio::test]
+    async fn the_listener_accepts_no_more_than_its_cap_until_one_closes() {
+        let mut listener = HttpListener::new(TcpListener::bind("127.0.0.1:0").await.unwrap());
+        let addr = listener.local_addr().unwrap();
+        let mut clients = Vec::new();
+        let mut accepted = Vec::new();
+        for _ in 0..HTTP_MAX_CONNECTIONS {
+            clients.push(TcpStream::connect(addr).await.unwrap());
+            accepted.push(listener.accept().await.0);
+        }
+        clients.push(TcpStream::connect(addr).await.unwrap());
+        // The next one stays in the backlog while the cap is reached ...
+        assert!(tokio::time::timeout(Duration::from_millis(200), listener.accept()).await.is_err());
+        // ... and is accepted once a connection closes.
+        accepted.pop();
+        tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.unwrap();
+    }
+}
