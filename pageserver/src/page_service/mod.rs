@@ -113,6 +113,7 @@ pub async fn serve(
     let connection_conf = ConnectionConf { idle_timeout };
     let slots = Arc::new(Semaphore::new(max_connections));
     let mut next_id: u64 = 0;
+    let (mut refusals, mut accept_failures) = (LogEvery::new(), LogEvery::new());
     loop {
         let accepted = tokio::select! {
             () = cancel.cancelled() => return,
@@ -122,7 +123,11 @@ pub async fn serve(
             Ok(accepted) => accepted,
             Err(e) => {
                 // Out of fds and the like: back off briefly instead of spinning.
-                tracing::warn!("failed to accept a page service connection: {e}");
+                if let Some(failed) = accept_failures.count() {
+                    tracing::warn!(
+                        "failed to accept a page service connection ({failed} since the last such line): {e}"
+                    );
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
@@ -153,10 +158,58 @@ pub async fn serve(
                 // Refused here and now, without waiting on the client: under a flood, refused
                 // connections must not pile up holding descriptors.
                 let _entered = span.enter();
-                tracing::warn!(max_connections, "refusing a connection: too many connections");
+                if let Some(refused) = refusals.count() {
+                    tracing::warn!(
+                        max_connections,
+                        refused,
+                        "refusing a connection: too many connections ({refused} refused since the last such line)"
+                    );
+                }
                 let message = format!("the daemon serves at most {max_connections} connections");
                 refuse_now(&stream, ErrorCode::TooManyConnections, message);
             }
         }
+    }
+}
+
+/// Counts events that would flood the log (a connection flood): the first is logged, then at
+/// most one line per [`LogEvery::INTERVAL`], with the count since the last line.
+struct LogEvery {
+    since_last: u64,
+    last: Option<std::time::Instant>,
+}
+
+impl LogEvery {
+    const INTERVAL: Duration = Duration::from_secs(10);
+
+    fn new() -> LogEvery {
+        LogEvery { since_last: 0, last: None }
+    }
+
+    /// Counts one event; `Some(count since the last line)` when this one is to be logged.
+    fn count(&mut self) -> Option<u64> {
+        self.since_last += 1;
+        let now = std::time::Instant::now();
+        if self.last.is_some_and(|last| now.duration_since(last) < Self::INTERVAL) {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.since_last))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_of_events_makes_one_log_line_per_interval() {
+        let mut every = LogEvery::new();
+        assert_eq!(every.count(), Some(1));
+        for _ in 0..1000 {
+            assert_eq!(every.count(), None);
+        }
+        every.last = every.last.and_then(|last| last.checked_sub(LogEvery::INTERVAL));
+        assert_eq!(every.count(), Some(1001));
     }
 }
