@@ -340,15 +340,16 @@ impl Tenants {
             return Err(TenantError::Exists(id.to_string()));
         }
         let dir = self.dir.join(id);
-        if dir.exists() {
-            // A leftover of a creation that did not finish while we run: start afresh.
-            std::fs::remove_dir_all(&dir).with_context(|| format!("remove {}", dir.display()))?;
-        }
-        std::fs::create_dir(&dir).with_context(|| format!("create {}", dir.display()))?;
-        // Opening storage and writing the config wait on the disk: keep that off the executor.
+        // Everything here waits on the disk: keep it off the executor.
         let (storage_conf, storage_metrics) = (self.storage_conf.clone(), Arc::clone(&self.storage_metrics));
         let (tenant_dir, tenants_dir, written) = (dir.clone(), self.dir.clone(), overrides.clone());
         let timeline = tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<Timeline>> {
+            if tenant_dir.exists() {
+                // A leftover of a creation that did not finish while we run: start afresh.
+                std::fs::remove_dir_all(&tenant_dir)
+                    .with_context(|| format!("remove {}", tenant_dir.display()))?;
+            }
+            std::fs::create_dir(&tenant_dir).with_context(|| format!("create {}", tenant_dir.display()))?;
             let timeline = Timeline::open(&tenant_dir.join(TIMELINE_DIR), storage_conf, storage_metrics)?;
             write_overrides(&tenant_dir, &written)?;
             storage::fsync_dir(&tenants_dir).context("sync tenants directory")?;
