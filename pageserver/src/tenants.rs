@@ -533,4 +533,40 @@ mod tests {
         assert!(tenants.slot("t1").is_none(), "the deleted tenant came back at the next start");
         tenants.shutdown().await;
     }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn loading_leaves_the_runtime_free_and_holds_a_damaged_tenant_as_broken() {
+        let workdir = tempfile::tempdir().unwrap();
+        let conf = conf(workdir.path());
+        let tenants = load(&conf).await;
+        for i in 0..8 {
+            tenants.create(&format!("t{i}"), TenantConfOverrides::default()).await.unwrap();
+        }
+        tenants.shutdown().await;
+        drop(tenants);
+        std::fs::write(workdir.path().join(TENANTS_DIR).join("t3").join("tenant.toml"), "[[[").unwrap();
+
+        // On a single-threaded runtime, another task runs while the tenants load.
+        let ticks = Arc::new(AtomicU64::new(0));
+        let ticker = tokio::spawn({
+            let ticks = Arc::clone(&ticks);
+            async move {
+                loop {
+                    ticks.fetch_add(1, Ordering::Relaxed);
+                    tokio::task::yield_now().await;
+                }
+            }
+        });
+        let tenants = load(&conf).await;
+        assert!(ticks.load(Ordering::Relaxed) > 0, "loading blocked the runtime");
+        ticker.abort();
+
+        assert_eq!(tenants.active().len(), 7);
+        match tenants.get("t3") {
+            Err(TenantError::Broken { reason, .. }) => assert!(reason.contains("tenant.toml"), "{reason}"),
+            Err(e) => panic!("t3 is not broken but {e}"),
+            Ok(_) => panic!("t3 loaded although its tenant.toml is damaged"),
+        }
+        tenants.shutdown().await;
+    }
 }
