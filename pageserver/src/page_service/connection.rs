@@ -203,15 +203,18 @@ impl Connection<'_> {
     ) {
         let (tenant, metrics) = (self.tenant, self.metrics);
         loop {
+            // Biased: once the writer is gone or shutdown began, no further frame is read.
             let slot = tokio::select! {
+                biased;
+                () = self.writer_gone.cancelled() => return,
                 slot = Arc::clone(slots).acquire_owned() => match slot {
                     Ok(slot) => slot,
                     Err(_) => return,
                 },
-                () = self.writer_gone.cancelled() => return,
                 () = self.stop.cancelled() => return,
             };
             let frame = tokio::select! {
+                biased;
                 () = self.writer_gone.cancelled() => return,
                 () = self.stop.cancelled() => Err(Reply::error(metrics, 0, ErrorCode::ShuttingDown, "the daemon is shutting down".into())),
                 () = tenant.cancel.cancelled() => Err(Reply::error(metrics, 0, ErrorCode::ShuttingDown, "the tenant is shutting down".into())),
