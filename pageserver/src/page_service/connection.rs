@@ -87,6 +87,9 @@ struct Queued {
 ///
 /// `stop` (shutdown begins): the reader stops and the requests in flight are answered. `abort`
 /// (shutdown's grace is over): the connection is dropped at once, whatever it was writing.
+///
+/// Cancel-safe in that sense: dropping it closes the connection; requests already started
+/// finish on their own tasks and their replies are dropped.
 pub(crate) async fn handle_connection(
     stream: TcpStream,
     tenants: &Tenants,
