@@ -53,6 +53,9 @@ struct ConfigFile {
     page_cache_size: ByteSize,
     layer_size: ByteSize,
     max_connections: usize,
+    #[serde(with = "humantime_serde")]
+    page_service_idle_timeout: Duration,
+    walredo_memory_budget: ByteSize,
     log_format: LogFormat,
 }
 
@@ -69,6 +72,8 @@ impl Default for ConfigFile {
             page_cache_size: ByteSize(DEFAULT_PAGE_CACHE_SIZE),
             layer_size: ByteSize(DEFAULT_LAYER_SIZE),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            page_service_idle_timeout: crate::page_service::DEFAULT_IDLE_TIMEOUT,
+            walredo_memory_budget: ByteSize(crate::tenant::DEFAULT_REDO_MEMORY_BUDGET),
             log_format: LogFormat::Plain,
         }
     }
@@ -87,6 +92,9 @@ pub struct PageServerConf {
     pub page_cache_size: u64,
     pub layer_size: u64,
     pub max_connections: usize,
+    pub page_service_idle_timeout: Duration,
+    /// Bytes of page reconstruction data in flight, daemon-wide.
+    pub walredo_memory_budget: u64,
     pub log_format: LogFormat,
 }
 
@@ -136,6 +144,8 @@ impl PageServerConf {
             page_cache_size,
             layer_size,
             max_connections,
+            page_service_idle_timeout,
+            walredo_memory_budget,
             log_format,
         } = file;
         let addr = |key: &str, value: &str| -> anyhow::Result<SocketAddr> {
@@ -147,6 +157,10 @@ impl PageServerConf {
         };
         anyhow::ensure!(max_connections >= 1, "invalid setting max_connections: must be at least 1");
         anyhow::ensure!(layer_size.0 >= 64 << 10, "invalid setting layer_size: must be at least 64 KiB");
+        anyhow::ensure!(
+            (1 << 20..=1 << 40).contains(&walredo_memory_budget.0),
+            "invalid setting walredo_memory_budget: must be between 1 MiB and 1 TiB"
+        );
         let binary = match walredo_proc_path {
             Some(path) => path,
             None => walredo::default_binary_path()?,
@@ -166,6 +180,8 @@ impl PageServerConf {
             page_cache_size: page_cache_size.0,
             layer_size: layer_size.0,
             max_connections,
+            page_service_idle_timeout: positive("page_service_idle_timeout", page_service_idle_timeout)?,
+            walredo_memory_budget: walredo_memory_budget.0,
             log_format,
         })
     }

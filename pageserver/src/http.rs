@@ -36,6 +36,7 @@ impl From<TenantError> for ApiError {
         let status = match &e {
             TenantError::Exists(_) => StatusCode::CONFLICT,
             TenantError::NotFound(_) => StatusCode::NOT_FOUND,
+            TenantError::Broken { .. } => StatusCode::CONFLICT,
             TenantError::InvalidId(_) => StatusCode::BAD_REQUEST,
             TenantError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             TenantError::Other(_) => {
@@ -56,8 +57,11 @@ impl From<JsonRejection> for ApiError {
 type ApiResult = Result<Response, ApiError>;
 
 /// Serves the API on `listener` until `cancel`.
+///
+/// Cancel-safe: dropping it drops the listener and every connection; requests in flight are
+/// dropped too, which each handler tolerates (tenant deletion runs to its end on its own).
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    listener: crate::server::HttpListener,
     tenants: Arc<Tenants>,
     registry: prometheus::Registry,
     cancel: CancellationToken,
@@ -102,7 +106,7 @@ async fn create_tenant(
 }
 
 async fn get_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
-    let tenant = state.tenants.get(&id).ok_or(TenantError::NotFound(id))?;
+    let tenant = state.tenants.slot(&id).ok_or(TenantError::NotFound(id))?;
     Ok(Json(tenant.status()).into_response())
 }
 
@@ -117,7 +121,7 @@ async fn put_tenant_config(
     body: Result<Json<TenantConfOverrides>, JsonRejection>,
 ) -> ApiResult {
     let Json(overrides) = body?;
-    let tenant = state.tenants.get(&id).ok_or(TenantError::NotFound(id))?;
+    let tenant = state.tenants.get(&id)?;
     tenant.set_overrides(overrides).map_err(TenantError::Other)?;
     tracing::info!(tenant_id = tenant.id, config = ?tenant.overrides(), "tenant config changed");
     Ok(Json(tenant.status()).into_response())

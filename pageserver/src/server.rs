@@ -1,13 +1,19 @@
 //! The daemon as a library call: [`run`] starts everything the settings describe and returns
 //! when `shutdown` fires and everything has stopped cleanly.
 //!
+//! `ports.json` is written best-effort, after the listeners are bound: a daemon that cannot
+//! write it (a full disk) logs a WARN and serves anyway.
+//!
 //! Shutdown order: stop accepting; connections stop reading and finish the requests they have
-//! (a GetPage still waiting for ingest to reach its LSN gets `shutting_down`); the management
+//! (a GetPage still waiting for ingest to reach its LSN gets `shutting_down`), for at most
+//! [`SHUTDOWN_GRACE`], after which the rest are closed (a client that never reads its replies
+//! cannot hold up shutdown); the management
 //! API stops; every tenant makes its queued ingests durable and stops its redo child. Then `run`
 //! returns `Ok`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
@@ -15,20 +21,34 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
-use crate::page_service::{self, PageServiceMetrics};
+use crate::page_service::{self, PageServiceConf, PageServiceMetrics};
 use crate::storage::{self, StorageMetrics};
-use crate::tenants::Tenants;
+use crate::tenants::{Tenants, TenantsMetrics};
 use crate::walredo::WalRedoMetrics;
+
+mod fds;
+mod http_listener;
+
+pub use fds::HTTP_MAX_CONNECTIONS;
+pub use http_listener::{HttpListener, HTTP_IDLE_TIMEOUT};
 
 /// File in the workdir naming the addresses the daemon listens on (JSON).
 pub const PORTS_FILE: &str = "ports.json";
+/// How long page service connections get, once shutdown begins, to answer the requests they
+/// have before they are closed regardless.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// File in the workdir locked while a daemon runs there.
 pub const LOCK_FILE: &str = "pageserver.lock";
 
+/// Runs the daemon until `shutdown` fires, then stops it cleanly.
+///
+/// Not cancel-safe: dropping it midway leaves tenants running and children unreaped. Cancel
+/// `shutdown` instead and await the result.
 pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::Result<()> {
     std::fs::create_dir_all(&conf.workdir)
         .with_context(|| format!("create workdir {}", conf.workdir.display()))?;
     let _lock = lock_workdir(&conf)?;
+    let fd_limit = fds::raise_limit();
     anyhow::ensure!(
         conf.walredo.binary.is_file(),
         "the walredo child {} does not exist (setting walredo_proc_path)",
@@ -40,10 +60,19 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let storage_metrics = Arc::new(StorageMetrics::new(&registry)?);
     let page_service_metrics = Arc::new(PageServiceMetrics::new(&registry)?);
     let cache = Arc::new(PageCache::new(conf.page_cache_size, &registry)?);
+    let tenants_metrics = Arc::new(TenantsMetrics::new(&registry)?);
     let tenants_cancel = CancellationToken::new();
     let tenants = Arc::new(
-        Tenants::load(&conf, cache, storage_metrics, walredo_metrics, tenants_cancel.clone())
-            .context("load tenants")?,
+        Tenants::load(
+            &conf,
+            cache,
+            storage_metrics,
+            walredo_metrics,
+            tenants_metrics,
+            tenants_cancel.clone(),
+        )
+        .await
+        .context("load tenants")?,
     );
 
     let pg_listener = tokio::net::TcpListener::bind(conf.listen_pg_addr)
@@ -53,7 +82,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         .await
         .with_context(|| format!("bind listen_http_addr {}", conf.listen_http_addr))?;
     let (pg_addr, http_addr) = (pg_listener.local_addr()?, http_listener.local_addr()?);
-    write_ports_file(&conf, pg_addr, http_addr)?;
+    write_ports_file(&conf, pg_addr, http_addr).await;
     tracing::info!(
         workdir = %conf.workdir.display(),
         tenants = tenants.len(),
@@ -64,16 +93,23 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     tracing::info!("management API listening on http://{http_addr}");
 
     let connections_cancel = CancellationToken::new();
+    let connections_abort = CancellationToken::new();
     let connections = TaskTracker::new();
+    let page_service_conf = PageServiceConf {
+        max_connections: page_service_connections(&conf, fd_limit),
+        idle_timeout: conf.page_service_idle_timeout,
+        abort: connections_abort.clone(),
+    };
     let page_service = tokio::spawn(page_service::serve(
         pg_listener,
         Arc::clone(&tenants),
-        conf.max_connections,
+        page_service_conf,
         page_service_metrics,
         connections_cancel.clone(),
         connections.clone(),
     ));
     let http_cancel = CancellationToken::new();
+    let http_listener = HttpListener::new(http_listener);
     let http =
         tokio::spawn(crate::http::serve(http_listener, Arc::clone(&tenants), registry, http_cancel.clone()));
 
@@ -84,7 +120,14 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     tenants_cancel.cancel();
     page_service.await.context("page service task")?;
     connections.close();
-    connections.wait().await;
+    if tokio::time::timeout(SHUTDOWN_GRACE, connections.wait()).await.is_err() {
+        tracing::warn!(
+            "{} page service connections still open {SHUTDOWN_GRACE:?} into shutdown (clients not reading their replies): closing them",
+            connections.len()
+        );
+        connections_abort.cancel();
+        connections.wait().await;
+    }
     http_cancel.cancel();
     match http.await {
         Ok(Ok(())) => {}
@@ -95,6 +138,23 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     tenants.shutdown().await;
     tracing::info!("pageserver stopped");
     Ok(())
+}
+
+/// `max_connections`, lowered (with a WARN) when the descriptor limit leaves less room.
+fn page_service_connections(conf: &PageServerConf, fd_limit: Option<u64>) -> usize {
+    let (Some(limit), Some(open)) = (fd_limit, fds::open_now()) else { return conf.max_connections };
+    let connections = fds::page_service_connections(conf.max_connections, limit, open);
+    if connections < conf.max_connections {
+        tracing::warn!(
+            max_connections = conf.max_connections,
+            fd_limit = limit,
+            fds_open = open,
+            fds_reserved = fds::reserve(limit),
+            http_connections = fds::HTTP_MAX_CONNECTIONS,
+            "page service connections capped at {connections}: the file descriptor limit leaves no room for more"
+        );
+    }
+    connections
 }
 
 /// Takes an exclusive lock on the workdir, so that two daemons never share one.
@@ -111,7 +171,24 @@ fn lock_workdir(conf: &PageServerConf) -> anyhow::Result<nix::fcntl::Flock<std::
     })
 }
 
-fn write_ports_file(conf: &PageServerConf, pg: SocketAddr, http: SocketAddr) -> anyhow::Result<()> {
+/// Writes `ports.json`, best-effort: the daemon serves even when it cannot (a full disk must not
+/// stop it from serving reads). On failure it logs a WARN (the addresses are in the log lines
+/// that follow) and removes any `ports.json` of an earlier run, so that no stale addresses are
+/// read; removing needs no space.
+async fn write_ports_file(conf: &PageServerConf, pg: SocketAddr, http: SocketAddr) {
     let text = serde_json::json!({ "pg": pg.to_string(), "http": http.to_string() }).to_string();
-    storage::durable_write(&conf.workdir, PORTS_FILE, text.as_bytes()).context("write ports file")
+    let workdir = conf.workdir.clone();
+    let written = tokio::task::spawn_blocking(move || {
+        storage::durable_write(&workdir, PORTS_FILE, text.as_bytes()).inspect_err(|_| {
+            for stale in [PORTS_FILE.to_string(), format!(".{PORTS_FILE}.tmp")] {
+                let _ = std::fs::remove_file(workdir.join(stale));
+            }
+        })
+    })
+    .await;
+    match written {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!("failed to write {PORTS_FILE}, serving without it: {e:#}"),
+        Err(e) => tracing::warn!("failed to write {PORTS_FILE}, serving without it: {e}"),
+    }
 }

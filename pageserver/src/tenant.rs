@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use bytes::Bytes;
+use prometheus::IntGauge;
 use serde::{Deserialize, Serialize};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use walredo_proc::protocol::BufferTag;
 
@@ -56,13 +58,26 @@ pub enum GetPageError {
     Redo(#[from] RedoError),
     #[error("tenant is shutting down")]
     ShuttingDown,
+    #[error(
+        "the daemon's redo memory budget (walredo_memory_budget) had no room for this request's {bytes} bytes within {waited:?}"
+    )]
+    Overloaded { bytes: u64, waited: Duration },
     #[error("read page: {0:#}")]
     Internal(anyhow::Error),
+}
+
+/// Whether a tenant serves (`active`) or could not be loaded (`broken`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TenantState {
+    Active,
+    Broken,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TenantStatus {
     pub id: String,
+    pub state: TenantState,
     pub last_durable_lsn: u64,
     pub config: TenantConfOverrides,
     pub effective_config: EffectiveTenantConf,
@@ -86,9 +101,69 @@ pub struct TenantCounters {
     pub ingested_values: u64,
 }
 
+/// Default of `walredo_memory_budget`.
+pub const DEFAULT_REDO_MEMORY_BUDGET: u64 = 256 << 20;
+
+/// The daemon-wide budget of bytes read for page reconstruction and not yet done with: a
+/// GetPage reserves what it will read (image and records, known from the index) before reading,
+/// and holds it until its page is built. A request larger than the whole budget takes all of it,
+/// so it runs alone rather than never. Counted in KiB (the semaphore's permits are `u32`).
+pub struct RedoBudget {
+    kib: Arc<Semaphore>,
+    total_kib: u32,
+    /// Longest wait for room (`wal_redo_timeout`); then the request fails `Overloaded`.
+    wait: Duration,
+    /// `pageserver_walredo_memory_budget_used_bytes`.
+    used: IntGauge,
+}
+
+/// Bytes reserved in the [`RedoBudget`], given back on drop.
+#[derive(Debug)]
+pub struct Reservation {
+    _permit: OwnedSemaphorePermit,
+    bytes: i64,
+    used: IntGauge,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.used.sub(self.bytes);
+    }
+}
+
+impl RedoBudget {
+    pub fn new(bytes: u64, wait: Duration, used: IntGauge) -> RedoBudget {
+        let total_kib =
+            u32::try_from(bytes.div_ceil(1024).clamp(1, Semaphore::MAX_PERMITS as u64)).unwrap_or(u32::MAX);
+        RedoBudget { kib: Arc::new(Semaphore::new(total_kib as usize)), total_kib, wait, used }
+    }
+
+    /// Reserves `bytes` (at most the whole budget), waiting for room up to the budget's wait.
+    ///
+    /// Cancel-safe: dropped while waiting, nothing is reserved.
+    pub async fn reserve(&self, bytes: u64) -> Result<Reservation, GetPageError> {
+        let kib = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).clamp(1, self.total_kib);
+        match tokio::time::timeout(self.wait, Arc::clone(&self.kib).acquire_many_owned(kib)).await {
+            Ok(Ok(permit)) => {
+                let bytes = i64::from(kib) * 1024;
+                self.used.add(bytes);
+                Ok(Reservation { _permit: permit, bytes, used: self.used.clone() })
+            }
+            Ok(Err(_)) => Err(GetPageError::ShuttingDown),
+            Err(_) => Err(GetPageError::Overloaded { bytes, waited: self.wait }),
+        }
+    }
+
+    /// Bytes reserved now.
+    pub fn in_use(&self) -> u64 {
+        u64::from(self.total_kib).saturating_sub(self.kib.available_permits() as u64) * 1024
+    }
+}
+
 /// What a tenant needs from the daemon.
 pub struct TenantDeps {
     pub cache: Arc<PageCache>,
+    pub redo_budget: Arc<RedoBudget>,
     pub wait_lsn_timeout: Duration,
     pub default_process_kind: ProcessKind,
 }
@@ -149,6 +224,11 @@ impl Tenant {
         if let Some(page) = self.deps.cache.get(&cache_key) {
             return Ok((lsn.0, page));
         }
+        // Reserve the memory before reading; held until the page is built.
+        let _reserved = tokio::select! {
+            reserved = self.deps.redo_budget.reserve(self.timeline.reconstruct_bytes(key, lsn)) => reserved?,
+            () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
+        };
         let data = match self.timeline.get_reconstruct_data(key, lsn) {
             Ok(data) => data,
             Err(GetError::NotFound { .. }) => return Err(GetPageError::NotFound { key, lsn }),
@@ -220,6 +300,7 @@ impl Tenant {
         let stats = self.timeline.stats();
         TenantStatus {
             id: self.id.clone(),
+            state: TenantState::Active,
             last_durable_lsn: stats.last_durable_lsn.0,
             config: self.overrides(),
             effective_config: self.effective_conf(),
@@ -240,6 +321,9 @@ impl Tenant {
 
     /// Stops the tenant: connections are told, queued ingests become durable, the redo child
     /// is stopped and reaped. Idempotent.
+    ///
+    /// Cancel-safe in the sense that calling it again finishes the job: the tenant is
+    /// cancelled at the first poll, and each step is idempotent.
     pub async fn shutdown(&self) {
         self.cancel.cancel();
         self.timeline.shutdown().await;
@@ -261,4 +345,40 @@ pub(crate) fn read_overrides(dir: &Path) -> anyhow::Result<Option<TenantConfOver
 pub(crate) fn write_overrides(dir: &Path, overrides: &TenantConfOverrides) -> anyhow::Result<()> {
     let text = toml::to_string(overrides).context("encode tenant config")?;
     storage::durable_write(dir, TENANT_CONFIG_FILE, text.as_bytes()).context("write tenant config")
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn redo_budget_makes_requests_wait_then_refuses_them_as_overloaded() {
+        let budget =
+            RedoBudget::new(1 << 20, Duration::from_millis(50), IntGauge::new("used", "used").unwrap());
+        let big = budget.reserve(600 << 10).await.unwrap();
+        assert_eq!(budget.in_use(), 600 << 10);
+        // Does not fit next to `big`: waits, then is refused.
+        let err = budget.reserve(600 << 10).await.unwrap_err();
+        assert!(matches!(err, GetPageError::Overloaded { bytes, .. } if bytes == 600 << 10), "{err}");
+        // Fits next to it.
+        let small = budget.reserve(8192).await.unwrap();
+        drop((big, small));
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    #[tokio::test]
+    async fn redo_budget_gives_a_request_larger_than_itself_the_whole_budget() {
+        let budget =
+            RedoBudget::new(1 << 20, Duration::from_millis(50), IntGauge::new("used", "used").unwrap());
+        let huge = budget.reserve(12 << 20).await.unwrap();
+        assert_eq!(budget.in_use(), 1 << 20);
+        assert!(budget.reserve(1).await.is_err());
+        drop(huge);
+        let waiting = tokio::spawn({
+            let budget = Arc::new(budget);
+            async move { budget.reserve(1 << 20).await.map(drop) }
+        });
+        waiting.await.unwrap().unwrap();
+    }
 }

@@ -6,7 +6,14 @@
 //! `.deleted-<id>-<n>` (atomic), then removes it; leftovers of an interrupted deletion are
 //! removed at start-up.
 //!
+//! Loading opens the tenants' storage on the blocking pool, [`LOAD_PARALLELISM`] at a time,
+//! never on the async runtime. A tenant that cannot be loaded (a damaged file, a `tenant.toml`
+//! that does not parse, a panic while opening) is held as **broken** with the reason: it shows
+//! in the API and the `pageserver_tenants{state}` gauge, refuses connections with
+//! `tenant_broken`, and can be deleted; the daemon and every other tenant serve.
+//!
 //! Invariant: a tenant id is 1 to 64 characters of `[A-Za-z0-9_-]`, so it is a safe file name.
+//! Invariant: one tenant's damage never stops the daemon from starting.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,17 +21,25 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
+use prometheus::{IntGauge, IntGaugeVec, Opts, Registry};
+use serde::Serialize;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
 use crate::storage::{self, StorageConf, StorageMetrics, Timeline};
-use crate::tenant::{read_overrides, write_overrides, Tenant, TenantConfOverrides, TenantDeps};
+use crate::tenant::{
+    read_overrides, write_overrides, RedoBudget, Tenant, TenantConfOverrides, TenantDeps, TenantState,
+    TenantStatus,
+};
 use crate::walredo::{lock, WalRedoConf, WalRedoManager, WalRedoMetrics};
 
 const TENANTS_DIR: &str = "tenants";
 const TIMELINE_DIR: &str = "timeline";
 const DELETED_PREFIX: &str = ".deleted-";
+/// Tenants opened at once at start-up (each open reads its storage's indexes from disk).
+pub const LOAD_PARALLELISM: usize = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TenantError {
@@ -32,6 +47,8 @@ pub enum TenantError {
     Exists(String),
     #[error("no tenant {0}")]
     NotFound(String),
+    #[error("tenant {id} is broken: {reason}")]
+    Broken { id: String, reason: String },
     #[error("invalid tenant id {0:?}: use 1 to 64 characters of A-Z a-z 0-9 _ -")]
     InvalidId(String),
     #[error("the daemon is shutting down")]
@@ -50,9 +67,85 @@ pub fn validate_tenant_id(id: &str) -> Result<(), TenantError> {
     }
 }
 
+/// A tenant whose files could not be loaded; it holds nothing open.
+#[derive(Debug)]
+pub struct BrokenTenant {
+    pub id: String,
+    dir: PathBuf,
+    /// Why it could not be loaded (the error chain).
+    pub reason: String,
+}
+
+/// A tenant as the daemon holds it.
+#[derive(Clone)]
+pub enum TenantSlot {
+    Active(Arc<Tenant>),
+    Broken(Arc<BrokenTenant>),
+}
+
+/// What the API shows of a tenant: the full status, or the reason it is broken.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum TenantStatusView {
+    Active(TenantStatus),
+    Broken { id: String, state: TenantState, broken_reason: String },
+}
+
+impl TenantSlot {
+    pub fn status(&self) -> TenantStatusView {
+        match self {
+            TenantSlot::Active(tenant) => TenantStatusView::Active(tenant.status()),
+            TenantSlot::Broken(broken) => TenantStatusView::Broken {
+                id: broken.id.clone(),
+                state: TenantState::Broken,
+                broken_reason: broken.reason.clone(),
+            },
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        match self {
+            TenantSlot::Active(tenant) => tenant.dir(),
+            TenantSlot::Broken(broken) => &broken.dir,
+        }
+    }
+}
+
+/// `pageserver_tenants{state}`: tenants by state.
+pub struct TenantsMetrics {
+    tenants: IntGaugeVec,
+    redo_budget_used: IntGauge,
+}
+
+impl TenantsMetrics {
+    pub fn new(registry: &Registry) -> anyhow::Result<TenantsMetrics> {
+        let tenants = IntGaugeVec::new(
+            Opts::new("pageserver_tenants", "Tenants by state: active, broken (could not be loaded)"),
+            &["state"],
+        )?;
+        registry.register(Box::new(tenants.clone()))?;
+        for state in ["active", "broken"] {
+            tenants.with_label_values(&[state]).set(0);
+        }
+        let redo_budget_used = IntGauge::new(
+            "pageserver_walredo_memory_budget_used_bytes",
+            "Bytes of page reconstruction data reserved in walredo_memory_budget",
+        )?;
+        registry.register(Box::new(redo_budget_used.clone()))?;
+        Ok(TenantsMetrics { tenants, redo_budget_used })
+    }
+}
+
+/// What loading found in one tenant's directory.
+enum Loaded {
+    Opened(TenantConfOverrides, Arc<Timeline>),
+    /// An interrupted creation, now removed.
+    Incomplete,
+}
+
 pub struct Tenants {
     dir: PathBuf,
-    tenants: Mutex<BTreeMap<String, Arc<Tenant>>>,
+    tenants: Mutex<BTreeMap<String, TenantSlot>>,
     /// Serializes creations and deletions (they touch the disk); lookups do not wait for it.
     change_lock: tokio::sync::Mutex<()>,
     deps: Arc<TenantDeps>,
@@ -60,27 +153,38 @@ pub struct Tenants {
     storage_conf: StorageConf,
     storage_metrics: Arc<StorageMetrics>,
     walredo_metrics: Arc<WalRedoMetrics>,
+    metrics: Arc<TenantsMetrics>,
     next_generation: AtomicU64,
     cancel: CancellationToken,
 }
 
 impl Tenants {
-    /// Loads every tenant under `<workdir>/tenants`, recovering their storage.
-    pub fn load(
+    /// Loads every tenant under `<workdir>/tenants`, recovering their storage on the blocking
+    /// pool ([`LOAD_PARALLELISM`] at once). A tenant that fails to load is held as broken
+    /// (logged as an ERROR with its reason); only a tenants directory that cannot be created
+    /// or listed is an error.
+    ///
+    /// Not cancel-safe: dropped midway, the storage opened so far is closed again (nothing is
+    /// lost, but the blocking opens still in flight run to their end).
+    pub async fn load(
         conf: &PageServerConf,
         cache: Arc<PageCache>,
         storage_metrics: Arc<StorageMetrics>,
         walredo_metrics: Arc<WalRedoMetrics>,
+        metrics: Arc<TenantsMetrics>,
         cancel: CancellationToken,
     ) -> anyhow::Result<Tenants> {
-        let dir = conf.workdir.join(TENANTS_DIR);
-        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
         let tenants = Tenants {
-            dir,
+            dir: conf.workdir.join(TENANTS_DIR),
             tenants: Mutex::new(BTreeMap::new()),
             change_lock: tokio::sync::Mutex::new(()),
             deps: Arc::new(TenantDeps {
                 cache,
+                redo_budget: Arc::new(RedoBudget::new(
+                    conf.walredo_memory_budget,
+                    conf.walredo.timeout,
+                    metrics.redo_budget_used.clone(),
+                )),
                 wait_lsn_timeout: conf.wait_lsn_timeout,
                 default_process_kind: conf.walredo.process_kind,
             }),
@@ -88,55 +192,59 @@ impl Tenants {
             storage_conf: StorageConf { layer_size: conf.layer_size },
             storage_metrics,
             walredo_metrics,
+            metrics,
             next_generation: AtomicU64::new(1),
             cancel,
         };
-        let mut entries: Vec<_> = std::fs::read_dir(&tenants.dir)
-            .with_context(|| format!("list {}", tenants.dir.display()))?
-            .collect::<Result<_, _>>()
-            .with_context(|| format!("list {}", tenants.dir.display()))?;
-        entries.sort_by_key(|e| e.file_name());
-        for entry in entries {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let path = entry.path();
-            if name.starts_with(DELETED_PREFIX) {
-                tracing::info!(path = %path.display(), "removing the rest of a deleted tenant");
-                std::fs::remove_dir_all(&path).with_context(|| format!("remove {}", path.display()))?;
-                continue;
-            }
-            if validate_tenant_id(&name).is_err() {
-                tracing::warn!(path = %path.display(), "ignoring a file that is not a tenant");
-                continue;
-            }
-            match read_overrides(&path)? {
-                None => {
-                    tracing::warn!(tenant_id = name, "removing a tenant whose creation did not finish");
-                    std::fs::remove_dir_all(&path).with_context(|| format!("remove {}", path.display()))?;
-                }
-                Some(overrides) => {
-                    let tenant = tenants
-                        .open(&name, &path, overrides)
-                        .with_context(|| format!("load tenant {name}"))?;
+        let dir = tenants.dir.clone();
+        let candidates =
+            tokio::task::spawn_blocking(move || list_tenant_dirs(&dir)).await.context("list tenants")??;
+
+        let limit = Arc::new(tokio::sync::Semaphore::new(LOAD_PARALLELISM));
+        let mut opening = Vec::with_capacity(candidates.len());
+        for (id, path) in candidates {
+            let permit = Arc::clone(&limit).acquire_owned().await.context("load tenants")?;
+            let (storage_conf, storage_metrics) =
+                (tenants.storage_conf.clone(), Arc::clone(&tenants.storage_metrics));
+            let tenant_dir = path.clone();
+            let span = tracing::info_span!("load_tenant", tenant_id = id);
+            let job = tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                let _entered = span.enter();
+                load_tenant_dir(&tenant_dir, storage_conf, storage_metrics)
+            });
+            opening.push((id, path, job));
+        }
+        let (mut active, mut broken) = (0, 0);
+        for (id, path, job) in opening {
+            let loaded = match job.await {
+                Ok(loaded) => loaded,
+                Err(e) => Err(anyhow::anyhow!("loading it failed: {e}")),
+            };
+            let slot = match loaded {
+                Ok(Loaded::Incomplete) => continue,
+                Ok(Loaded::Opened(overrides, timeline)) => {
+                    let tenant = tenants.assemble(&id, &path, overrides, timeline);
                     tracing::info!(
-                        tenant_id = name,
+                        tenant_id = id,
                         last_durable_lsn = tenant.last_durable_lsn(),
                         "loaded tenant"
                     );
-                    lock(&tenants.tenants).insert(name, tenant);
+                    active += 1;
+                    TenantSlot::Active(tenant)
                 }
-            }
+                Err(e) => {
+                    let reason = format!("{e:#}");
+                    tracing::error!(tenant_id = id, "failed to load tenant, it is broken: {reason}");
+                    broken += 1;
+                    TenantSlot::Broken(Arc::new(BrokenTenant { id: id.clone(), dir: path, reason }))
+                }
+            };
+            lock(&tenants.tenants).insert(id, slot);
         }
+        tenants.update_metrics();
+        tracing::info!(active, broken, "loaded tenants");
         Ok(tenants)
-    }
-
-    /// Opens an existing tenant's storage (blocking) and assembles the tenant.
-    fn open(&self, id: &str, dir: &Path, overrides: TenantConfOverrides) -> anyhow::Result<Arc<Tenant>> {
-        let timeline = Timeline::open(
-            &dir.join(TIMELINE_DIR),
-            self.storage_conf.clone(),
-            Arc::clone(&self.storage_metrics),
-        )?;
-        Ok(self.assemble(id, dir, overrides, timeline))
     }
 
     fn assemble(
@@ -162,15 +270,52 @@ impl Tenants {
         })
     }
 
-    pub fn get(&self, id: &str) -> Option<Arc<Tenant>> {
+    fn update_metrics(&self) {
+        let (mut active, mut broken) = (0, 0);
+        for slot in lock(&self.tenants).values() {
+            match slot {
+                TenantSlot::Active(_) => active += 1,
+                TenantSlot::Broken(_) => broken += 1,
+            }
+        }
+        self.metrics.tenants.with_label_values(&["active"]).set(active);
+        self.metrics.tenants.with_label_values(&["broken"]).set(broken);
+    }
+
+    /// The active tenant `id`; [`TenantError::Broken`] or [`TenantError::NotFound`] otherwise.
+    pub fn get(&self, id: &str) -> Result<Arc<Tenant>, TenantError> {
+        match self.slot(id) {
+            Some(TenantSlot::Active(tenant)) => Ok(tenant),
+            Some(TenantSlot::Broken(broken)) => {
+                Err(TenantError::Broken { id: broken.id.clone(), reason: broken.reason.clone() })
+            }
+            None => Err(TenantError::NotFound(id.to_string())),
+        }
+    }
+
+    /// The tenant `id`, active or broken.
+    pub fn slot(&self, id: &str) -> Option<TenantSlot> {
         lock(&self.tenants).get(id).cloned()
     }
 
-    /// Every tenant, sorted by id.
-    pub fn list(&self) -> Vec<Arc<Tenant>> {
+    /// Every tenant, active or broken, sorted by id.
+    pub fn list(&self) -> Vec<TenantSlot> {
         lock(&self.tenants).values().cloned().collect()
     }
 
+    /// The active tenants, sorted by id.
+    pub fn active(&self) -> Vec<Arc<Tenant>> {
+        let tenants = lock(&self.tenants);
+        tenants
+            .values()
+            .filter_map(|slot| match slot {
+                TenantSlot::Active(tenant) => Some(Arc::clone(tenant)),
+                TenantSlot::Broken(_) => None,
+            })
+            .collect()
+    }
+
+    /// Tenants, active and broken.
     pub fn len(&self) -> usize {
         lock(&self.tenants).len()
     }
@@ -179,27 +324,32 @@ impl Tenants {
         self.len() == 0
     }
 
-    /// Creates a tenant with empty storage. Cancel-safe up to the final insert: an interrupted
-    /// creation leaves a directory without `tenant.toml`, removed at the next start.
+    /// Creates a tenant with empty storage.
+    ///
+    /// Cancel-safe as far as the disk goes: an interrupted creation leaves a directory without
+    /// `tenant.toml` (removed at the next start or by the next creation of that id), or, when
+    /// dropped while the files were being written, a complete tenant that is served from the
+    /// next start on; the caller was not told either way.
     pub async fn create(&self, id: &str, overrides: TenantConfOverrides) -> Result<Arc<Tenant>, TenantError> {
         validate_tenant_id(id)?;
         let _changing = self.change_lock.lock().await;
         if self.cancel.is_cancelled() {
             return Err(TenantError::ShuttingDown);
         }
-        if self.get(id).is_some() {
+        if self.slot(id).is_some() {
             return Err(TenantError::Exists(id.to_string()));
         }
         let dir = self.dir.join(id);
-        if dir.exists() {
-            // A leftover of a creation that did not finish while we run: start afresh.
-            std::fs::remove_dir_all(&dir).with_context(|| format!("remove {}", dir.display()))?;
-        }
-        std::fs::create_dir(&dir).with_context(|| format!("create {}", dir.display()))?;
-        // Opening storage and writing the config wait on the disk: keep that off the executor.
+        // Everything here waits on the disk: keep it off the executor.
         let (storage_conf, storage_metrics) = (self.storage_conf.clone(), Arc::clone(&self.storage_metrics));
         let (tenant_dir, tenants_dir, written) = (dir.clone(), self.dir.clone(), overrides.clone());
         let timeline = tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<Timeline>> {
+            if tenant_dir.exists() {
+                // A leftover of a creation that did not finish while we run: start afresh.
+                std::fs::remove_dir_all(&tenant_dir)
+                    .with_context(|| format!("remove {}", tenant_dir.display()))?;
+            }
+            std::fs::create_dir(&tenant_dir).with_context(|| format!("create {}", tenant_dir.display()))?;
             let timeline = Timeline::open(&tenant_dir.join(TIMELINE_DIR), storage_conf, storage_metrics)?;
             write_overrides(&tenant_dir, &written)?;
             storage::fsync_dir(&tenants_dir).context("sync tenants directory")?;
@@ -208,19 +358,46 @@ impl Tenants {
         .await
         .context("create tenant storage")??;
         let tenant = self.assemble(id, &dir, overrides, timeline);
-        lock(&self.tenants).insert(id.to_string(), Arc::clone(&tenant));
+        lock(&self.tenants).insert(id.to_string(), TenantSlot::Active(Arc::clone(&tenant)));
+        self.update_metrics();
         tracing::info!(tenant_id = id, "created tenant");
         Ok(tenant)
     }
 
     /// Stops a tenant (its connections are told, its child is reaped) and removes its data.
-    pub async fn delete(&self, id: &str) -> Result<(), TenantError> {
+    ///
+    /// Cancel-safe: the deletion runs as a task of its own, so a caller that goes away (an
+    /// HTTP client hanging up) does not stop it halfway: once called, the tenant is gone from
+    /// memory and disk (or the error is logged). On disk the point of no return is the atomic
+    /// rename to a `.deleted-` tombstone, which the next start removes if the daemon dies first.
+    pub async fn delete(self: &Arc<Self>, id: &str) -> Result<(), TenantError> {
+        let (tenants, id) = (Arc::clone(self), id.to_string());
+        let span = tracing::info_span!("delete_tenant", tenant_id = id);
+        let deletion = tokio::spawn(
+            async move {
+                let result = tenants.delete_now(&id).await;
+                if let Err(e @ TenantError::Other(_)) = &result {
+                    tracing::error!("failed to delete tenant: {e:#}");
+                }
+                result
+            }
+            .instrument(span),
+        );
+        deletion.await.map_err(|e| TenantError::Other(anyhow::anyhow!("tenant deletion task failed: {e}")))?
+    }
+
+    /// The body of [`Tenants::delete`]; not cancel-safe (dropped after the tenant left the map
+    /// and before the rename, the tenant would come back at the next start).
+    async fn delete_now(&self, id: &str) -> Result<(), TenantError> {
         let _changing = self.change_lock.lock().await;
-        let tenant = lock(&self.tenants).remove(id).ok_or_else(|| TenantError::NotFound(id.to_string()))?;
-        tenant.shutdown().await;
+        let slot = lock(&self.tenants).remove(id).ok_or_else(|| TenantError::NotFound(id.to_string()))?;
+        self.update_metrics();
+        if let TenantSlot::Active(tenant) = &slot {
+            tenant.shutdown().await;
+        }
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         let doomed = self.dir.join(format!("{DELETED_PREFIX}{id}-{generation}"));
-        let (tenant_dir, tenants_dir) = (tenant.dir().to_path_buf(), self.dir.clone());
+        let (tenant_dir, tenants_dir) = (slot.dir().to_path_buf(), self.dir.clone());
         tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
             std::fs::rename(&tenant_dir, &doomed)
                 .with_context(|| format!("rename {}", tenant_dir.display()))?;
@@ -234,14 +411,162 @@ impl Tenants {
     }
 
     /// Stops every tenant: ingests made durable, children reaped.
+    ///
+    /// Not cancel-safe: dropped midway, some tenants are stopped and others not (every
+    /// tenant is cancelled first, so none serves new requests). Call it once, at the end.
     pub async fn shutdown(&self) {
         let _changing = self.change_lock.lock().await;
-        let tenants = self.list();
+        let tenants = self.active();
         for tenant in &tenants {
             tenant.cancel.cancel();
         }
         for tenant in tenants {
             tenant.shutdown().await;
         }
+    }
+}
+
+/// Lists the tenant directories to load, removing the leftovers of interrupted deletions.
+fn list_tenant_dirs(dir: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .with_context(|| format!("list {}", dir.display()))?
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("list {}", dir.display()))?;
+    entries.sort_by_key(|e| e.file_name());
+    let mut tenants = Vec::new();
+    for entry in entries {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path();
+        if name.starts_with(DELETED_PREFIX) {
+            tracing::info!(path = %path.display(), "removing the rest of a deleted tenant");
+            if let Err(e) = std::fs::remove_dir_all(&path) {
+                // It is no tenant any more; try again at the next start.
+                tracing::warn!(path = %path.display(), "failed to remove the rest of a deleted tenant: {e}");
+            }
+            continue;
+        }
+        if validate_tenant_id(&name).is_err() {
+            tracing::warn!(path = %path.display(), "ignoring a file that is not a tenant");
+            continue;
+        }
+        tenants.push((name, path));
+    }
+    Ok(tenants)
+}
+
+/// Opens one tenant's directory (blocking): its overrides, then its storage.
+fn load_tenant_dir(
+    dir: &Path,
+    storage_conf: StorageConf,
+    storage_metrics: Arc<StorageMetrics>,
+) -> anyhow::Result<Loaded> {
+    match read_overrides(dir)? {
+        None => {
+            tracing::warn!("removing a tenant whose creation did not finish");
+            std::fs::remove_dir_all(dir).with_context(|| format!("remove {}", dir.display()))?;
+            Ok(Loaded::Incomplete)
+        }
+        Some(overrides) => {
+            let timeline = Timeline::open(&dir.join(TIMELINE_DIR), storage_conf, storage_metrics)?;
+            Ok(Loaded::Opened(overrides, timeline))
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn conf(workdir: &Path) -> PageServerConf {
+        let mut table = toml::Table::new();
+        // No test here redoes a page: the child is never started.
+        table.insert("walredo_proc_path".into(), toml::Value::String("/bin/false".into()));
+        PageServerConf::from_table(workdir, table).unwrap()
+    }
+
+    async fn load(conf: &PageServerConf) -> Arc<Tenants> {
+        let registry = prometheus::Registry::new();
+        let cache = Arc::new(PageCache::new(0, &registry).unwrap());
+        let storage_metrics = Arc::new(StorageMetrics::new(&registry).unwrap());
+        let walredo_metrics = Arc::new(WalRedoMetrics::new(&registry).unwrap());
+        let metrics = Arc::new(TenantsMetrics::new(&registry).unwrap());
+        let cancel = CancellationToken::new();
+        let tenants = Tenants::load(conf, cache, storage_metrics, walredo_metrics, metrics, cancel).await;
+        Arc::new(tenants.unwrap())
+    }
+
+    async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn delete_whose_caller_goes_away_midway_still_deletes_for_good() {
+        let workdir = tempfile::tempdir().unwrap();
+        let conf = conf(workdir.path());
+        let tenants = load(&conf).await;
+        tenants.create("t1", TenantConfOverrides::default()).await.unwrap();
+        let dir = workdir.path().join(TENANTS_DIR).join("t1");
+
+        // Poll the deletion once, then drop it, as when the HTTP client hangs up.
+        let mut deletion = Box::pin(tenants.delete("t1"));
+        tokio::select! {
+            biased;
+            _ = &mut deletion => {}
+            () = std::future::ready(()) => {}
+        }
+        drop(deletion);
+
+        wait_for("the deletion to finish without its caller", || {
+            tenants.slot("t1").is_none() && !dir.exists()
+        })
+        .await;
+        tenants.shutdown().await;
+        drop(tenants);
+        let tenants = load(&conf).await;
+        assert!(tenants.slot("t1").is_none(), "the deleted tenant came back at the next start");
+        tenants.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn loading_leaves_the_runtime_free_and_holds_a_damaged_tenant_as_broken() {
+        let workdir = tempfile::tempdir().unwrap();
+        let conf = conf(workdir.path());
+        let tenants = load(&conf).await;
+        for i in 0..8 {
+            tenants.create(&format!("t{i}"), TenantConfOverrides::default()).await.unwrap();
+        }
+        tenants.shutdown().await;
+        drop(tenants);
+        std::fs::write(workdir.path().join(TENANTS_DIR).join("t3").join("tenant.toml"), "[[[").unwrap();
+
+        // On a single-threaded runtime, another task runs while the tenants load.
+        let ticks = Arc::new(AtomicU64::new(0));
+        let ticker = tokio::spawn({
+            let ticks = Arc::clone(&ticks);
+            async move {
+                loop {
+                    ticks.fetch_add(1, Ordering::Relaxed);
+                    tokio::task::yield_now().await;
+                }
+            }
+        });
+        let tenants = load(&conf).await;
+        assert!(ticks.load(Ordering::Relaxed) > 0, "loading blocked the runtime");
+        ticker.abort();
+
+        assert_eq!(tenants.active().len(), 7);
+        match tenants.get("t3") {
+            Err(TenantError::Broken { reason, .. }) => assert!(reason.contains("tenant.toml"), "{reason}"),
+            Err(e) => panic!("t3 is not broken but {e}"),
+            Ok(_) => panic!("t3 loaded although its tenant.toml is damaged"),
+        }
+        tenants.shutdown().await;
     }
 }

@@ -15,8 +15,23 @@ use walredo_proc::protocol::{BufferTag, BUFFER_TAG_LEN};
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest `len` of a frame (type and payload).
 pub const MAX_FRAME_LEN: u32 = 8 << 20;
+/// Largest `len` of a frame before Hello: a Hello is under 100 bytes, and a connection that has
+/// not said who it is gets no room for more.
+pub const MAX_HELLO_FRAME_LEN: u32 = 4096;
 /// GetPage at this LSN means "the latest durable LSN".
 pub const LSN_LATEST: u64 = u64::MAX;
+
+/// The first value of an Ingest at a reserved LSN, with the reason: 0 lies below every
+/// tenant's start, and [`LSN_LATEST`] is GetPage's "latest" sentinel (a value stored there would
+/// put every later batch "below" it and freeze the tenant's ingest for good).
+pub fn reserved_lsn(values: &[IngestValue]) -> Option<(usize, &'static str)> {
+    values.iter().enumerate().find_map(|(i, v)| match v.lsn {
+        0 => Some((i, "LSN 0/0 is reserved: it lies below every tenant's first LSN")),
+        LSN_LATEST => Some((i, "LSN \"latest\" (0xFFFFFFFFFFFFFFFF) is reserved for GetPage")),
+        _ => None,
+    })
+}
+
 /// Longest tenant id.
 pub const MAX_TENANT_ID_LEN: usize = 64;
 
@@ -74,6 +89,9 @@ pub enum ErrorCode {
     RedoFailed,
     ShuttingDown,
     Internal,
+    TenantBroken,
+    IdleTimeout,
+    Overloaded,
     /// A code this version does not know.
     Unknown(u16),
 }
@@ -92,6 +110,9 @@ impl ErrorCode {
             ErrorCode::RedoFailed => 9,
             ErrorCode::ShuttingDown => 10,
             ErrorCode::Internal => 11,
+            ErrorCode::TenantBroken => 12,
+            ErrorCode::IdleTimeout => 13,
+            ErrorCode::Overloaded => 14,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -109,6 +130,9 @@ impl ErrorCode {
             9 => ErrorCode::RedoFailed,
             10 => ErrorCode::ShuttingDown,
             11 => ErrorCode::Internal,
+            12 => ErrorCode::TenantBroken,
+            13 => ErrorCode::IdleTimeout,
+            14 => ErrorCode::Overloaded,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -126,6 +150,9 @@ impl ErrorCode {
             ErrorCode::RedoFailed => "redo_failed",
             ErrorCode::ShuttingDown => "shutting_down",
             ErrorCode::Internal => "internal",
+            ErrorCode::TenantBroken => "tenant_broken",
+            ErrorCode::IdleTimeout => "idle_timeout",
+            ErrorCode::Overloaded => "overloaded",
             ErrorCode::Unknown(_) => "unknown",
         }
     }
@@ -140,6 +167,8 @@ impl ErrorCode {
                 | ErrorCode::NoSuchTenant
                 | ErrorCode::TooManyConnections
                 | ErrorCode::ShuttingDown
+                | ErrorCode::TenantBroken
+                | ErrorCode::IdleTimeout
         )
     }
 }
@@ -149,6 +178,8 @@ impl ErrorCode {
 pub enum DecodeError {
     #[error("frame length {0} is outside 1..={MAX_FRAME_LEN}")]
     TooLarge(u32),
+    #[error("frame length {0} is more than the {MAX_HELLO_FRAME_LEN} allowed before Hello")]
+    TooLargeBeforeHello(u32),
     #[error("malformed frame: {0}")]
     Malformed(String),
 }
@@ -156,7 +187,7 @@ pub enum DecodeError {
 impl DecodeError {
     pub fn code(&self) -> ErrorCode {
         match self {
-            DecodeError::TooLarge(_) => ErrorCode::FrameTooLarge,
+            DecodeError::TooLarge(_) | DecodeError::TooLargeBeforeHello(_) => ErrorCode::FrameTooLarge,
             DecodeError::Malformed(_) => ErrorCode::BadFrame,
         }
     }
@@ -177,6 +208,18 @@ pub fn frame_len(buf: &[u8]) -> Result<Option<usize>, DecodeError> {
     }
     let total = 4 + len as usize;
     Ok((buf.len() >= total).then_some(total))
+}
+
+/// [`frame_len`] with a lower limit than [`MAX_FRAME_LEN`] (before Hello:
+/// [`MAX_HELLO_FRAME_LEN`]), also checked from the length alone.
+pub fn frame_len_max(buf: &[u8], max: u32) -> Result<Option<usize>, DecodeError> {
+    if let Some(len) = buf.get(..4) {
+        let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]);
+        if len > max && max < MAX_FRAME_LEN {
+            return Err(DecodeError::TooLargeBeforeHello(len));
+        }
+    }
+    frame_len(buf)
 }
 
 /// Splits a whole frame (as measured by [`frame_len`]) into its type and payload.
@@ -483,6 +526,15 @@ mod tests {
         assert_eq!(frame_len(&[0, 0, 0, 0]), Err(DecodeError::TooLarge(0)));
         assert_eq!(frame_len(&[0, 0, 0]), Ok(None));
         assert_eq!(frame_len(&[0, 0, 0, 2, 1]), Ok(None));
+        assert_eq!(
+            frame_len_max(&[0, 0, 0x10, 1], MAX_HELLO_FRAME_LEN),
+            Err(DecodeError::TooLargeBeforeHello(4097))
+        );
+        assert_eq!(frame_len_max(&[0, 0, 0x10, 0], MAX_HELLO_FRAME_LEN), Ok(None));
+        assert_eq!(
+            frame_len_max(&[0, 0x80, 0, 1], MAX_FRAME_LEN),
+            Err(DecodeError::TooLarge(MAX_FRAME_LEN + 1))
+        );
     }
 
     #[test]
@@ -494,6 +546,15 @@ mod tests {
         assert!(matches!(bad(b"\0\0\0\x0e\x03\0\0\0\0\0\0\0\x01\x40\0\0\0\0"), DecodeError::Malformed(_)));
         // Hello with an empty tenant id.
         assert!(matches!(bad(b"\0\0\0\x07\x01\0\0\0\x01\0\0"), DecodeError::Malformed(_)));
+    }
+
+    #[test]
+    fn only_lsn_zero_and_latest_are_reserved_for_ingest() {
+        let value =
+            |lsn| IngestValue { key: key(), lsn, kind: ValueKind::Record, data: Bytes::from_static(b"x") };
+        assert_eq!(reserved_lsn(&[value(1), value(LSN_LATEST - 1)]), None);
+        assert_eq!(reserved_lsn(&[value(5), value(LSN_LATEST)]).map(|(i, _)| i), Some(1));
+        assert_eq!(reserved_lsn(&[value(0), value(5)]).map(|(i, _)| i), Some(0));
     }
 
     proptest! {

@@ -124,6 +124,11 @@ impl Index {
 }
 
 impl ReadPlan {
+    /// Bytes the plan reads: the lengths of its values.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.image.iter().chain(&self.records).map(|r| u64::from(r.len)).sum()
+    }
+
     /// Reads every planned value with positional reads and checks its checksum.
     pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
         let image = self.image.map(|r| Ok::<_, anyhow::Error>((r.lsn, read_value(&r)?)));

@@ -241,6 +241,13 @@ impl Timeline {
         index.newest_at(key, lsn)
     }
 
+    /// Bytes [`Timeline::get_reconstruct_data`] would read for `key` at `lsn`, from the index
+    /// alone (0 if nothing): for reserving memory before reading.
+    pub fn reconstruct_bytes(&self, key: Key, lsn: Lsn) -> u64 {
+        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
+        index.plan(key, lsn).ok().flatten().map_or(0, |plan| plan.bytes())
+    }
+
     /// The newest image of `key` at or below `lsn` and the records above it up to `lsn`, oldest
     /// first; without an image, all records at or below `lsn`. Blocking file reads (positional,
     /// mostly from the page cache); every value's checksum is verified.

@@ -1,0 +1,489 @@
+//! One page service connection: a reader that decodes requests and starts each as a task of
+//! its own, and a writer that sends the replies in request order, gathering the replies that
+//! are ready into one vectored write (page bytes are written from the shared `Bytes`, never
+//! copied into a send buffer).
+//!
+//! Invariants: replies leave in request order; the ingest batches of a connection reach
+//! storage in the order sent (the reader queues each before reading the next frame); a bad
+//! frame gets an error reply and closes its own connection only.
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
+use super::{PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT, MAX_REPLIES_PER_WRITE};
+use crate::storage::{IngestError, WaitLsnError};
+use crate::tenant::{GetPageError, Tenant};
+use crate::tenants::{TenantError, Tenants};
+use crate::walredo::RedoError;
+
+/// Sends an Error without waiting (it fits in an empty socket buffer; if not, it is lost);
+/// the caller then drops the stream, which closes it.
+pub(super) fn refuse_now(stream: &TcpStream, code: ErrorCode, message: String) {
+    let mut out = BytesMut::new();
+    ServerMessage::Error { request_id: 0, code, message }.encode(&mut out);
+    let _ = stream.try_write(&out);
+}
+
+/// A reply on its way to the writer.
+enum Pending {
+    Ready(Reply),
+    Task(JoinHandle<Reply>),
+}
+
+/// The bytes of one reply frame, and whether the connection closes after it.
+struct Reply {
+    chunks: Vec<Bytes>,
+    close: bool,
+}
+
+impl Reply {
+    fn message(message: &ServerMessage) -> Reply {
+        let mut out = BytesMut::new();
+        message.encode(&mut out);
+        Reply { chunks: vec![out.freeze()], close: false }
+    }
+
+    fn error(metrics: &PageServiceMetrics, request_id: u64, code: ErrorCode, message: String) -> Reply {
+        metrics.errors.with_label_values(&[code.name()]).inc();
+        let mut reply = Reply::message(&ServerMessage::Error { request_id, code, message });
+        reply.close = code.closes_connection();
+        reply
+    }
+
+    fn page(request_id: u64, lsn: u64, page: Bytes) -> Reply {
+        let mut header = BytesMut::with_capacity(proto::PAGE_REPLY_HEADER_LEN);
+        proto::encode_page_header(&mut header, request_id, lsn, page.len());
+        Reply { chunks: vec![header.freeze(), page], close: false }
+    }
+}
+
+/// Settings of a connection.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnectionConf {
+    /// A connection with nothing in flight that sends nothing this long is closed; a client
+    /// that accepts no reply bytes this long is disconnected.
+    pub idle_timeout: Duration,
+}
+
+/// A reply in the writer's queue, with the in-flight slot it holds until it is written.
+struct Queued {
+    pending: Pending,
+    _slot: OwnedSemaphorePermit,
+}
+
+/// Serves one connection until the client leaves, a bad frame, a timeout, or shutdown.
+///
+/// `stop` (shutdown begins): the reader stops and the requests in flight are answered. `abort`
+/// (shutdown's grace is over): the connection is dropped at once, whatever it was writing.
+///
+/// Cancel-safe in that sense: dropping it closes the connection; requests already started
+/// finish on their own tasks and their replies are dropped.
+pub(crate) async fn handle_connection(
+    stream: TcpStream,
+    tenants: &Tenants,
+    metrics: &Arc<PageServiceMetrics>,
+    conf: ConnectionConf,
+    stop: CancellationToken,
+    abort: CancellationToken,
+) -> anyhow::Result<()> {
+    let (mut reader, writer) = stream.into_split();
+    // Every request holds a slot from the frame's read until its reply is written: the reader
+    // waits for a free slot before it reads on, so a connection never has more in flight.
+    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let (replies, queue) = mpsc::channel::<Queued>(MAX_IN_FLIGHT);
+    let writer_gone = CancellationToken::new();
+    let write = async {
+        let written = write_replies(writer, queue, metrics, conf.idle_timeout).await;
+        writer_gone.cancel();
+        written
+    };
+    let read = async {
+        // Owned here, so that the writer sees the end of the queue when the reader is done.
+        let replies = replies;
+        // Small until Hello: a connection that never says it costs little.
+        let mut buf = BytesMut::with_capacity(proto::MAX_HELLO_FRAME_LEN as usize + 4);
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { return };
+        let tenant = match hello(&mut reader, &mut buf, tenants, metrics, &stop).await {
+            Ok(tenant) => {
+                let ok = ServerMessage::HelloOk {
+                    version: PROTOCOL_VERSION,
+                    last_durable_lsn: tenant.last_durable_lsn(),
+                };
+                let _ =
+                    replies.send(Queued { pending: Pending::Ready(Reply::message(&ok)), _slot: slot }).await;
+                tenant
+            }
+            Err(reply) => {
+                let _ = replies.send(Queued { pending: Pending::Ready(reply), _slot: slot }).await;
+                return;
+            }
+        };
+        let span = tracing::info_span!("tenant", tenant_id = tenant.id);
+        let connection =
+            Connection { tenant: &tenant, metrics, stop: &stop, writer_gone: &writer_gone, conf };
+        connection.read_requests(&mut reader, &mut buf, &slots, &replies).instrument(span).await;
+    };
+    let both = async {
+        let ((), written) = tokio::join!(read, write);
+        written
+    };
+    tokio::select! {
+        written = both => written,
+        () = abort.cancelled() => Err(anyhow::anyhow!("closed at shutdown before its replies were written")),
+    }
+}
+
+/// Reads and checks the Hello; an `Err` is the reply that refuses the connection.
+async fn hello(
+    reader: &mut OwnedReadHalf,
+    buf: &mut BytesMut,
+    tenants: &Tenants,
+    metrics: &PageServiceMetrics,
+    cancel: &CancellationToken,
+) -> Result<Arc<Tenant>, Reply> {
+    let refuse = |code, message: String| Reply::error(metrics, 0, code, message);
+    let frame = tokio::select! {
+        () = cancel.cancelled() => return Err(refuse(ErrorCode::ShuttingDown, "the daemon is shutting down".into())),
+        frame = tokio::time::timeout(HELLO_TIMEOUT, read_frame(reader, buf, proto::MAX_HELLO_FRAME_LEN)) => frame,
+    };
+    let frame = match frame {
+        Err(_) => return Err(refuse(ErrorCode::BadFrame, format!("no Hello within {HELLO_TIMEOUT:?}"))),
+        Ok(Err(e)) => return Err(refuse(e.code(), e.to_string())),
+        Ok(Ok(None)) => return Err(Reply { chunks: Vec::new(), close: true }),
+        Ok(Ok(Some(frame))) => frame,
+    };
+    match proto::decode_client(frame) {
+        Ok(ClientMessage::Hello { version, tenant_id }) => {
+            if version != PROTOCOL_VERSION {
+                return Err(refuse(
+                    ErrorCode::UnsupportedVersion,
+                    format!(
+                        "protocol version {version} is not supported, this daemon speaks {PROTOCOL_VERSION}"
+                    ),
+                ));
+            }
+            tenants.get(&tenant_id).map_err(|e| match e {
+                TenantError::NotFound(_) => refuse(ErrorCode::NoSuchTenant, format!("no tenant {tenant_id}")),
+                TenantError::Broken { .. } => refuse(ErrorCode::TenantBroken, e.to_string()),
+                other => refuse(ErrorCode::Internal, other.to_string()),
+            })
+        }
+        Ok(_) => Err(refuse(ErrorCode::BadFrame, "the first message must be Hello".into())),
+        Err(e) => Err(refuse(e.code(), e.to_string())),
+    }
+}
+
+/// What the request loop of a connection works with.
+struct Connection<'a> {
+    tenant: &'a Arc<Tenant>,
+    metrics: &'a Arc<PageServiceMetrics>,
+    stop: &'a CancellationToken,
+    writer_gone: &'a CancellationToken,
+    conf: ConnectionConf,
+}
+
+impl Connection<'_> {
+    /// Reads requests until EOF, a bad frame, idleness, shutdown, or the writer's end; starts
+    /// each and queues its reply. Waits for a free in-flight slot before reading each frame.
+    async fn read_requests(
+        &self,
+        reader: &mut OwnedReadHalf,
+        buf: &mut BytesMut,
+        slots: &Arc<Semaphore>,
+        replies: &mpsc::Sender<Queued>,
+    ) {
+        let (tenant, metrics) = (self.tenant, self.metrics);
+        loop {
+            // Biased: once the writer is gone or shutdown began, no further frame is read.
+            let slot = tokio::select! {
+                biased;
+                () = self.writer_gone.cancelled() => return,
+                slot = Arc::clone(slots).acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => return,
+                },
+                () = self.stop.cancelled() => return,
+            };
+            let frame = tokio::select! {
+                biased;
+                () = self.writer_gone.cancelled() => return,
+                () = self.stop.cancelled() => Err(Reply::error(metrics, 0, ErrorCode::ShuttingDown, "the daemon is shutting down".into())),
+                () = tenant.cancel.cancelled() => Err(Reply::error(metrics, 0, ErrorCode::ShuttingDown, "the tenant is shutting down".into())),
+                frame = self.read_request_frame(reader, buf, slots) => match frame {
+                    FrameRead::Frame(frame) => Ok(frame),
+                    FrameRead::Eof => return,
+                    FrameRead::Idle => Err(Reply::error(metrics, 0, ErrorCode::IdleTimeout, format!(
+                        "no request for {:?} with none in flight (page_service_idle_timeout)",
+                        self.conf.idle_timeout
+                    ))),
+                    FrameRead::Bad(e) => Err(Reply::error(metrics, 0, e.code(), e.to_string())),
+                },
+            };
+            let pending = match frame.map(proto::decode_client) {
+                Err(reply) => Pending::Ready(reply),
+                Ok(Err(e)) => Pending::Ready(Reply::error(metrics, 0, e.code(), e.to_string())),
+                Ok(Ok(ClientMessage::Hello { .. })) => Pending::Ready(Reply::error(
+                    metrics,
+                    0,
+                    ErrorCode::BadFrame,
+                    "Hello may come only once".into(),
+                )),
+                Ok(Ok(ClientMessage::GetPage { request_id, key, lsn })) => {
+                    metrics.requests.with_label_values(&["get_page"]).inc();
+                    let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
+                    Pending::Task(tokio::spawn(
+                        async move {
+                            let started = Instant::now();
+                            let reply = match tenant.get_page(key, lsn).await {
+                                Ok((lsn, page)) => Reply::page(request_id, lsn, page),
+                                Err(e) => {
+                                    let code = get_page_error_code(&e);
+                                    Reply::error(&metrics, request_id, code, format!("{e:#}"))
+                                }
+                            };
+                            metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
+                            reply
+                        }
+                        .in_current_span(),
+                    ))
+                }
+                Ok(Ok(ClientMessage::Ingest { request_id, values })) => {
+                    metrics.requests.with_label_values(&["ingest"]).inc();
+                    match proto::reserved_lsn(&values) {
+                        Some((i, why)) => Pending::Ready(Reply::error(
+                            metrics,
+                            request_id,
+                            ErrorCode::InvalidRequest,
+                            format!("invalid ingest batch: value {i}: {why}"),
+                        )),
+                        // Queued here, before reading on, so the batches of a connection keep their order.
+                        None => start_ingest(tenant, metrics, request_id, values).await,
+                    }
+                }
+            };
+            let closes = matches!(&pending, Pending::Ready(reply) if reply.close);
+            if replies.send(Queued { pending, _slot: slot }).await.is_err() || closes {
+                return;
+            }
+        }
+    }
+
+    /// Reads the next request frame; idle when the client sent nothing for the idle timeout
+    /// while none of its requests is in flight (the caller holds one slot for this frame).
+    /// Cancel-safe, as [`read_frame`].
+    async fn read_request_frame(
+        &self,
+        reader: &mut OwnedReadHalf,
+        buf: &mut BytesMut,
+        slots: &Semaphore,
+    ) -> FrameRead {
+        loop {
+            match tokio::time::timeout(self.conf.idle_timeout, read_frame(reader, buf, proto::MAX_FRAME_LEN))
+                .await
+            {
+                Ok(Ok(Some(frame))) => return FrameRead::Frame(frame),
+                Ok(Ok(None)) => return FrameRead::Eof,
+                Ok(Err(e)) => return FrameRead::Bad(e),
+                Err(_) if slots.available_permits() + 1 >= MAX_IN_FLIGHT => return FrameRead::Idle,
+                Err(_) => {}
+            }
+        }
+    }
+}
+
+/// The outcome of reading a request frame.
+enum FrameRead {
+    Frame(Bytes),
+    Eof,
+    Idle,
+    Bad(DecodeError),
+}
+
+/// Queues an Ingest batch; the reply comes once it is durable (or failed).
+async fn start_ingest(
+    tenant: &Tenant,
+    metrics: &Arc<PageServiceMetrics>,
+    request_id: u64,
+    values: Vec<proto::IngestValue>,
+) -> Pending {
+    match tenant.submit_ingest(values).await {
+        Ok(durable) => {
+            let metrics = Arc::clone(metrics);
+            Pending::Task(tokio::spawn(async move {
+                match durable.await {
+                    Ok(lsn) => Reply::message(&ServerMessage::IngestOk { request_id, durable_lsn: lsn }),
+                    Err(e) => Reply::error(&metrics, request_id, ingest_error_code(&e), format!("{e:#}")),
+                }
+            }))
+        }
+        Err(e) => Pending::Ready(Reply::error(metrics, request_id, ingest_error_code(&e), format!("{e:#}"))),
+    }
+}
+
+fn get_page_error_code(e: &GetPageError) -> ErrorCode {
+    match e {
+        GetPageError::NotFound { .. } => ErrorCode::NotFound,
+        GetPageError::WaitLsn(WaitLsnError::Timeout { .. }) => ErrorCode::LsnTimeout,
+        GetPageError::WaitLsn(WaitLsnError::ShuttingDown { .. }) | GetPageError::ShuttingDown => {
+            ErrorCode::ShuttingDown
+        }
+        GetPageError::Redo(RedoError::ShuttingDown) => ErrorCode::ShuttingDown,
+        GetPageError::Overloaded { .. } => {
+            tracing::warn!("failed to get a page: {e:#}");
+            ErrorCode::Overloaded
+        }
+        GetPageError::Redo(
+            RedoError::Rejected { .. } | RedoError::Timeout(_) | RedoError::InvalidRequest(_),
+        ) => {
+            tracing::warn!("failed to reconstruct a page: {e:#}");
+            ErrorCode::RedoFailed
+        }
+        GetPageError::Redo(RedoError::ProcessFailed(_)) | GetPageError::Internal(_) => {
+            tracing::error!("failed to get a page: {e:#}");
+            ErrorCode::Internal
+        }
+    }
+}
+
+fn ingest_error_code(e: &IngestError) -> ErrorCode {
+    match e {
+        IngestError::Invalid(_) | IngestError::LsnWentBackwards { .. } => ErrorCode::InvalidRequest,
+        IngestError::ShuttingDown => ErrorCode::ShuttingDown,
+        IngestError::Io(_) => {
+            tracing::error!("failed to ingest: {e:#}");
+            ErrorCode::Internal
+        }
+    }
+}
+
+/// Reads one whole frame of at most `max_len` (before Hello, [`proto::MAX_HELLO_FRAME_LEN`]):
+/// `Ok(None)` at EOF between frames. Cancel-safe: bytes read stay in `buf` for the next call.
+async fn read_frame(
+    reader: &mut OwnedReadHalf,
+    buf: &mut BytesMut,
+    max_len: u32,
+) -> Result<Option<Bytes>, DecodeError> {
+    loop {
+        if let Some(len) = proto::frame_len_max(buf, max_len)? {
+            return Ok(Some(buf.split_to(len).freeze()));
+        }
+        // Room for the whole frame once its length is known (bounded by `max_len`).
+        if buf.len() >= 4 {
+            let want = 4 + u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+            buf.reserve(want.saturating_sub(buf.len()));
+        } else {
+            buf.reserve((4 + max_len as usize).min(64 * 1024));
+        }
+        match reader.read_buf(buf).await {
+            Ok(0) if buf.is_empty() => return Ok(None),
+            Ok(0) => {
+                return Err(DecodeError::Malformed(format!(
+                    "connection closed inside a frame ({} bytes of it)",
+                    buf.len()
+                )))
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!("read failed: {e}");
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// Writes replies in order, gathering those already done into one vectored write; a reply's
+/// in-flight slot is freed once it is written. Fails when the client accepts no bytes of a
+/// write for `write_timeout`.
+async fn write_replies(
+    mut writer: OwnedWriteHalf,
+    mut queue: mpsc::Receiver<Queued>,
+    metrics: &PageServiceMetrics,
+    write_timeout: Duration,
+) -> anyhow::Result<()> {
+    // Holds at most MAX_IN_FLIGHT: every entry holds a slot.
+    let mut waiting: VecDeque<Queued> = VecDeque::new();
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut written_slots = Vec::new();
+    loop {
+        if waiting.is_empty() {
+            match queue.recv().await {
+                Some(queued) => waiting.push_back(queued),
+                None => break,
+            }
+        }
+        while let Ok(queued) = queue.try_recv() {
+            waiting.push_back(queued);
+        }
+        // The oldest reply goes first, whenever it is done; then whatever is done behind it.
+        let mut close = false;
+        let mut replies = 0;
+        while let Some(front) = waiting.front() {
+            let ready = match &front.pending {
+                Pending::Ready(_) => true,
+                Pending::Task(task) => task.is_finished(),
+            };
+            if replies > 0 && (!ready || replies >= MAX_REPLIES_PER_WRITE) {
+                break;
+            }
+            let Some(Queued { pending, _slot: slot }) = waiting.pop_front() else { break };
+            let reply = match pending {
+                Pending::Ready(reply) => reply,
+                Pending::Task(task) => task.await.map_err(|e| anyhow::anyhow!("request task failed: {e}"))?,
+            };
+            written_slots.push(slot);
+            replies += 1;
+            chunks.extend(reply.chunks);
+            if reply.close {
+                close = true;
+                break;
+            }
+        }
+        metrics.replies_per_write.observe(replies as f64);
+        match tokio::time::timeout(write_timeout, write_all_vectored(&mut writer, &mut chunks)).await {
+            Ok(written) => written?,
+            Err(_) => anyhow::bail!("the client accepted no reply for {write_timeout:?}"),
+        }
+        written_slots.clear();
+        if close {
+            let _ = tokio::time::timeout(write_timeout, writer.shutdown()).await;
+            return Ok(());
+        }
+    }
+    let _ = tokio::time::timeout(write_timeout, writer.shutdown()).await;
+    Ok(())
+}
+
+/// Writes every chunk, resuming mid-chunk after a partial write.
+async fn write_all_vectored(writer: &mut OwnedWriteHalf, chunks: &mut Vec<Bytes>) -> std::io::Result<()> {
+    let mut start = 0;
+    while start < chunks.len() {
+        let slices: Vec<IoSlice<'_>> = chunks[start..].iter().map(|c| IoSlice::new(c)).collect();
+        let mut written = writer.write_vectored(&slices).await?;
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        while written > 0 && start < chunks.len() {
+            let chunk = &mut chunks[start];
+            let n = written.min(chunk.len());
+            chunk.advance(n);
+            written -= n;
+            if chunk.is_empty() {
+                start += 1;
+            }
+        }
+    }
+    chunks.clear();
+    Ok(())
+}
