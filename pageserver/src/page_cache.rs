@@ -9,8 +9,8 @@
 //! cache never holds more than `page_cache_size` bytes of pages (0 disables it).
 
 use bytes::Bytes;
+use page_types::BufferTag;
 use prometheus::{IntCounter, IntGauge, Registry};
-use walredo_proc::protocol::BufferTag;
 
 /// What identifies one page version.
 pub type CacheKey = (u64, BufferTag, u64);

@@ -19,15 +19,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 use bytes::Bytes;
+use page_types::BufferTag;
 use prometheus::IntGauge;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
-use walredo_proc::protocol::BufferTag;
 
 use crate::page_cache::PageCache;
-use crate::page_service::proto::{IngestValue, ValueKind, LSN_LATEST};
-use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, Timeline, Value, WaitLsnError};
+use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, Timeline, WaitLsnError};
 use crate::walredo::{lock, ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
 /// File in the tenant's directory holding its overrides; its presence marks a complete tenant.
@@ -200,19 +199,18 @@ impl Tenant {
         self.timeline.last_durable_lsn().0
     }
 
-    /// The page `key` as of `lsn` ([`LSN_LATEST`]: the last durable LSN), and the LSN served.
+    /// The page `key` as of `lsn` ([`Lsn::LATEST`]: the last durable LSN), and the LSN served.
     ///
     /// Cancel-safe: dropping it abandons the wait or the redo (see
     /// [`WalRedoManager::request_redo`]); nothing is left half done.
-    pub async fn get_page(&self, key: BufferTag, lsn: u64) -> Result<(u64, Bytes), GetPageError> {
+    pub async fn get_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
         self.counters.get_page_requests.fetch_add(1, Ordering::Relaxed);
         if self.cancel.is_cancelled() {
             return Err(GetPageError::ShuttingDown);
         }
-        let lsn = if lsn == LSN_LATEST {
+        let lsn = if lsn == Lsn::LATEST {
             self.timeline.last_durable_lsn()
         } else {
-            let lsn = Lsn(lsn);
             tokio::select! {
                 waited = self.timeline.wait_lsn(lsn, self.deps.wait_lsn_timeout) => waited?,
                 () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
@@ -222,7 +220,7 @@ impl Tenant {
         let version = self.timeline.version_at(key, lsn).ok_or(GetPageError::NotFound { key, lsn })?;
         let cache_key = (self.generation, key, version.0);
         if let Some(page) = self.deps.cache.get(&cache_key) {
-            return Ok((lsn.0, page));
+            return Ok((lsn, page));
         }
         // Reserve the memory before reading; held until the page is built.
         let _reserved = tokio::select! {
@@ -243,7 +241,7 @@ impl Tenant {
             }
         };
         self.deps.cache.insert(cache_key, page.clone());
-        Ok((lsn.0, page))
+        Ok((lsn, page))
     }
 
     /// Queues a batch for durable storage, in call order; the returned future resolves once
@@ -253,27 +251,17 @@ impl Tenant {
     /// future means the batch becomes durable (or fails) unacknowledged.
     pub async fn submit_ingest(
         &self,
-        values: Vec<IngestValue>,
-    ) -> Result<impl std::future::Future<Output = Result<u64, IngestError>> + Send + 'static, IngestError>
+        batch: IngestBatch,
+    ) -> Result<impl std::future::Future<Output = Result<Lsn, IngestError>> + Send + 'static, IngestError>
     {
         if self.cancel.is_cancelled() {
             return Err(IngestError::ShuttingDown);
         }
-        let count = values.len() as u64;
-        let values = values
-            .into_iter()
-            .map(|v| {
-                let value = match v.kind {
-                    ValueKind::Image => Value::Image(v.data),
-                    ValueKind::Record => Value::Record(v.data),
-                };
-                (v.key, Lsn(v.lsn), value)
-            })
-            .collect();
-        let durable = self.timeline.submit(IngestBatch { values }).await?;
+        let count = batch.values.len() as u64;
+        let durable = self.timeline.submit(batch).await?;
         self.counters.ingest_batches.fetch_add(1, Ordering::Relaxed);
         self.counters.ingested_values.fetch_add(count, Ordering::Relaxed);
-        Ok(async move { durable.await.map(|lsn| lsn.0) })
+        Ok(durable)
     }
 
     pub fn overrides(&self) -> TenantConfOverrides {

@@ -23,10 +23,10 @@ use std::fmt;
 
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
+use page_types::BufferTag;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpStream, ToSocketAddrs};
-use walredo_proc::protocol::BufferTag;
 
 use super::proto::{self, ClientMessage, ErrorCode, IngestValue, ServerMessage};
 

@@ -23,7 +23,7 @@ use tracing::Instrument;
 
 use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
 use super::{PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT, MAX_REPLIES_PER_WRITE};
-use crate::storage::{IngestError, WaitLsnError};
+use crate::storage::{IngestError, Lsn, WaitLsnError};
 use crate::tenant::{GetPageError, Tenant};
 use crate::tenants::{TenantError, Tenants};
 use crate::walredo::RedoError;
@@ -246,8 +246,8 @@ impl Connection<'_> {
                     Pending::Task(tokio::spawn(
                         async move {
                             let started = Instant::now();
-                            let reply = match tenant.get_page(key, lsn).await {
-                                Ok((lsn, page)) => Reply::page(request_id, lsn, page),
+                            let reply = match tenant.get_page(key, Lsn(lsn)).await {
+                                Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
                                 Err(e) => {
                                     let code = get_page_error_code(&e);
                                     Reply::error(&metrics, request_id, code, format!("{e:#}"))
@@ -318,12 +318,12 @@ async fn start_ingest(
     request_id: u64,
     values: Vec<proto::IngestValue>,
 ) -> Pending {
-    match tenant.submit_ingest(values).await {
+    match tenant.submit_ingest(proto::to_batch(values)).await {
         Ok(durable) => {
             let metrics = Arc::clone(metrics);
             Pending::Task(tokio::spawn(async move {
                 match durable.await {
-                    Ok(lsn) => Reply::message(&ServerMessage::IngestOk { request_id, durable_lsn: lsn }),
+                    Ok(lsn) => Reply::message(&ServerMessage::IngestOk { request_id, durable_lsn: lsn.0 }),
                     Err(e) => Reply::error(&metrics, request_id, ingest_error_code(&e), format!("{e:#}")),
                 }
             }))

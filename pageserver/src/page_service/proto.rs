@@ -9,8 +9,9 @@
 //! and against [`MAX_FRAME_LEN`] before use.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use walredo_proc::page::BLCKSZ;
-use walredo_proc::protocol::{BufferTag, BUFFER_TAG_LEN};
+use page_types::{BufferTag, Lsn, BUFFER_TAG_LEN, PAGE_SIZE as BLCKSZ};
+
+use crate::storage::{IngestBatch, Value};
 
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest `len` of a frame (type and payload).
@@ -18,8 +19,8 @@ pub const MAX_FRAME_LEN: u32 = 8 << 20;
 /// Largest `len` of a frame before Hello: a Hello is under 100 bytes, and a connection that has
 /// not said who it is gets no room for more.
 pub const MAX_HELLO_FRAME_LEN: u32 = 4096;
-/// GetPage at this LSN means "the latest durable LSN".
-pub const LSN_LATEST: u64 = u64::MAX;
+/// GetPage at this LSN means "the latest durable LSN" ([`Lsn::LATEST`]).
+pub const LSN_LATEST: u64 = Lsn::LATEST.0;
 
 /// The first value of an Ingest at a reserved LSN, with the reason: 0 lies below every
 /// tenant's start, and [`LSN_LATEST`] is GetPage's "latest" sentinel (a value stored there would
@@ -30,6 +31,21 @@ pub fn reserved_lsn(values: &[IngestValue]) -> Option<(usize, &'static str)> {
         LSN_LATEST => Some((i, "LSN \"latest\" (0xFFFFFFFFFFFFFFFF) is reserved for GetPage")),
         _ => None,
     })
+}
+
+/// The storage form of an Ingest's values (wire -> domain; the LSNs are checked by storage).
+pub fn to_batch(values: Vec<IngestValue>) -> IngestBatch {
+    let values = values
+        .into_iter()
+        .map(|v| {
+            let value = match v.kind {
+                ValueKind::Image => Value::Image(v.data),
+                ValueKind::Record => Value::Record(v.data),
+            };
+            (v.key, Lsn(v.lsn), value)
+        })
+        .collect();
+    IngestBatch { values }
 }
 
 /// Longest tenant id.
