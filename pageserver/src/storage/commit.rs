@@ -11,7 +11,8 @@
 //! the segment reached `layer_size`.
 //!
 //! **Invariants:** only this thread writes to the timeline's directory after open; batches are
-//! written in queue order, which is LSN order; a write, fsync, index or seal error stops the
+//! written in queue order, which is LSN order; a failed group is cut off the segment (truncate
+//! to the group's start, fdatasync) before its batches get their error; a write, fsync, index or seal error stops the
 //! thread for good and fails every queued batch (an fsync error is not retryable, and a half-done
 //! seal must not be appended to); sealing writes the index and footer, fsyncs, renames and
 //! fsyncs the directory before the next frame can be written to a new `active.seg`.
@@ -122,19 +123,22 @@ impl Committer {
         Ok(())
     }
 
+    /// Writes and fsyncs `group`, then publishes it. If the write or the fsync fails, the
+    /// segment is cut back to where the group started (and synced), so that nothing of a group
+    /// answered with an error survives, not even the frames written before the failure.
     fn write_group(&mut self, group: &[Pending], fail_fsync: bool) -> anyhow::Result<()> {
+        let start = self.segment.len;
         let first_entry = self.segment.entries.len();
-        let mut bytes = 0u64;
-        for p in group {
-            self.segment.append(&p.values, &mut self.buf)?;
-            bytes += p.values.iter().map(|(_, _, v)| v.bytes().len() as u64).sum::<u64>();
+        if let Err(e) = self.append_and_sync(group, fail_fsync) {
+            return Err(match self.roll_back(start, first_entry) {
+                Ok(()) => e,
+                Err(cut) => e.context(format!(
+                    "and cutting the failed group off failed too ({cut:#}): it may survive a restart"
+                )),
+            });
         }
         let m = &self.shared.metrics;
-        m.fsync(|| match fail_fsync {
-            true => Err(std::io::Error::other("injected fsync failure")),
-            false => self.segment.file.sync_data(),
-        })
-        .context("fdatasync active segment")?;
+        let bytes: u64 = group.iter().flat_map(|p| &p.values).map(|(_, _, v)| v.bytes().len() as u64).sum();
         m.group_commit_batches.observe(group.len() as f64);
         m.ingested_batches.inc_by(group.len() as u64);
         m.ingested_values.inc_by((self.segment.entries.len() - first_entry) as u64);
@@ -151,6 +155,29 @@ impl Committer {
             self.shared.durable.send_replace(last.last_lsn);
         }
         Ok(())
+    }
+
+    fn append_and_sync(&mut self, group: &[Pending], fail_fsync: bool) -> anyhow::Result<()> {
+        for p in group {
+            self.segment.append(&p.values, &mut self.buf)?;
+        }
+        self.shared
+            .metrics
+            .fsync(|| match fail_fsync {
+                true => Err(std::io::Error::other("injected fsync failure")),
+                false => self.segment.file.sync_data(),
+            })
+            .context("fdatasync active segment")
+    }
+
+    /// Cuts the active segment back to `len` bytes and `entries` entries and makes the cut
+    /// durable: what a failed group wrote (whole frames or part of one) is gone from the file.
+    fn roll_back(&mut self, len: u64, entries: usize) -> anyhow::Result<()> {
+        self.segment.entries.truncate(entries);
+        self.segment.len = len;
+        let file = &self.segment.file;
+        file.set_len(len).context("truncate active segment")?;
+        self.shared.metrics.fsync(|| file.sync_data()).context("fdatasync truncated active segment")
     }
 
     /// Turns the active segment into a layer in place and starts a new active segment.
@@ -295,6 +322,55 @@ mod tests {
         let tl = open(dir.path(), 1 << 30, &m);
         let next = tl.last_durable_lsn().0 + 1;
         tl.ingest(batch(vec![(key(1), next, record("d"))])).await.unwrap();
+    }
+
+    /// Whether the value ingested at `lsn` for `k` is served after a reopen.
+    fn stored_at(tl: &Timeline, k: u32, lsn: u64) -> bool {
+        match tl.get_reconstruct_data(key(k), Lsn(lsn)) {
+            Ok(d) => d.image.is_some_and(|(at, _)| at == Lsn(lsn)),
+            Err(GetError::NotFound { .. }) => false,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn disk_full_in_the_middle_of_a_group_leaves_nothing_of_the_failed_batches() {
+        let fs = Tmpfs::mount(1 << 20);
+        let dir = fs.path().join("timeline");
+        let m = metrics();
+        let tl = open(&dir, 1 << 30, &m);
+        for lsn in 1..=10u64 {
+            tl.ingest(batch(vec![(key(lsn as u32), lsn, image(lsn as u8))])).await.unwrap();
+        }
+        // 200 images queued as one group: about 1.6 MiB, so the disk fills part-way through it.
+        tl.hold_commits(true);
+        let group = tokio::spawn({
+            let tl = tl.clone();
+            async move {
+                let futs = (11..=210u64)
+                    .map(|lsn| tl.ingest(batch(vec![(key(lsn as u32), lsn, image(lsn as u8))])))
+                    .collect();
+                join_in_order(futs).await
+            }
+        });
+        while tl.queued_batches() < 200 {
+            tokio::task::yield_now().await;
+        }
+        tl.hold_commits(false);
+        let results = group.await.unwrap();
+        let failed: Vec<u64> = (11..=210u64).filter(|lsn| results[(*lsn - 11) as usize].is_err()).collect();
+        assert!(!failed.is_empty(), "the tmpfs did not fill up");
+        let acked: Vec<u64> = (1..=210u64).filter(|lsn| !failed.contains(lsn)).collect();
+        tl.shutdown().await;
+        drop(tl);
+
+        let tl = open(&dir, 1 << 30, &m);
+        for &lsn in &acked {
+            assert!(stored_at(&tl, lsn as u32, lsn), "acknowledged lsn {lsn} lost");
+        }
+        let found: Vec<u64> = failed.iter().copied().filter(|&lsn| stored_at(&tl, lsn as u32, lsn)).collect();
+        assert!(found.is_empty(), "batches answered with an error were stored: {found:?}");
+        assert_eq!(tl.last_durable_lsn(), Lsn(*acked.last().unwrap()));
     }
 
     #[tokio::test]
