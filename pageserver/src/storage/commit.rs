@@ -25,6 +25,7 @@ use std::thread::JoinHandle;
 use anyhow::Context;
 
 use super::layer;
+use super::manifest::{self, LayerMeta, Manifest, SealIntent};
 use super::segment::{ActiveSegment, ACTIVE_NAME};
 use super::timeline::{failed_error, Pending, Shared};
 
@@ -34,8 +35,9 @@ pub(super) fn spawn(
     dir_file: File,
     segment: ActiveSegment,
     next_file_id: u32,
+    manifest: Manifest,
 ) -> anyhow::Result<JoinHandle<()>> {
-    let committer = Committer { shared, dir_file, segment, next_file_id, buf: Vec::new() };
+    let committer = Committer { shared, dir_file, segment, next_file_id, manifest, buf: Vec::new() };
     std::thread::Builder::new()
         .name("storage-commit".to_string())
         .spawn(move || committer.run())
@@ -47,6 +49,8 @@ struct Committer {
     dir_file: File,
     segment: ActiveSegment,
     next_file_id: u32,
+    /// The manifest as last written.
+    manifest: Manifest,
     /// Reused frame encoding buffer.
     buf: Vec<u8>,
 }
@@ -182,26 +186,42 @@ impl Committer {
 
     /// Turns the active segment into a layer in place and starts a new active segment.
     /// Steps (see docs/storage-format.md for what recovery does after a crash at each):
-    /// 1. append index block and footer, 2. fdatasync, 3. rename `active.seg` to the layer name,
-    /// 4. fsync the directory, 5. create a new `active.seg` (header, fsync, fsync directory).
+    /// 0. record the seal intent in the manifest, 1. append index block and footer,
+    /// 2. fdatasync, 3. rename `active.seg` to the layer name, 4. fsync the directory,
+    /// 5. create a new `active.seg` (header, fsync, fsync directory), 6. record the layer and
+    /// the new active segment in the manifest. Nothing is appended to the new `active.seg`
+    /// before step 6.
     fn seal(&mut self) -> anyhow::Result<()> {
         let (first, last) = self.segment.lsn_range().context("seal an empty segment")?;
         let m = self.shared.metrics.clone();
-        let file = &self.segment.file;
-        let len = layer::append_index_and_footer(file, self.segment.len, &self.segment.entries)?;
-        m.fsync(|| file.sync_data()).context("fdatasync sealed layer")?;
-        let name = layer::file_name(first, last);
         let dir = &self.shared.dir;
-        std::fs::rename(dir.join(ACTIVE_NAME), dir.join(&name)).context("rename sealed layer")?;
+        let data_len = self.segment.len;
+        let size = data_len + layer::index_and_footer_len(self.segment.entries.len());
+        let intent = SealIntent { layer: LayerMeta::new(first, last, size), data_len };
+        let mut with_intent = self.manifest.clone();
+        with_intent.sealing = Some(intent.clone());
+        manifest::write(dir, &self.dir_file, &mut with_intent, &m).context("record seal intent")?;
+        self.manifest = with_intent;
+
+        let file = &self.segment.file;
+        let len = layer::append_index_and_footer(file, data_len, &self.segment.entries)?;
+        anyhow::ensure!(len == size, "sealed layer has {len} bytes, expected {size}");
+        m.fsync(|| file.sync_data()).context("fdatasync sealed layer")?;
+        let name = &intent.layer.name;
+        std::fs::rename(dir.join(ACTIVE_NAME), dir.join(name)).context("rename sealed layer")?;
         m.fsync(|| self.dir_file.sync_all()).context("fsync timeline directory")?;
-        self.shared.layers.fetch_add(1, Ordering::Relaxed);
-        self.shared.sealed_bytes.fetch_add(len, Ordering::Relaxed);
-        m.layer_files.inc();
-        tracing::info!(layer = %name, values = self.segment.entries.len(), bytes = len, "sealed layer");
 
         let id = self.next_file_id;
         self.next_file_id += 1;
         let segment = ActiveSegment::create(dir, &self.dir_file, id, &m)?;
+        let mut done = self.manifest.with_seal_done(&intent);
+        manifest::write(dir, &self.dir_file, &mut done, &m).context("record sealed layer")?;
+        self.manifest = done;
+
+        self.shared.layers.fetch_add(1, Ordering::Relaxed);
+        self.shared.sealed_bytes.fetch_add(len, Ordering::Relaxed);
+        m.layer_files.inc();
+        tracing::info!(layer = %name, values = self.segment.entries.len(), bytes = len, "sealed layer");
         self.shared.index.write().unwrap_or_else(PoisonError::into_inner).add_file(id, segment.file.clone());
         self.shared.active_len.store(segment.len, Ordering::Relaxed);
         self.segment = segment;

@@ -60,6 +60,11 @@ pub(crate) fn parse_file_name(name: &str) -> Option<(Lsn, Lsn)> {
     Some((Lsn(hex(a)?), Lsn(hex(b)?)))
 }
 
+/// Bytes that [`append_index_and_footer`] adds for `entries` index entries.
+pub(crate) fn index_and_footer_len(entries: usize) -> u64 {
+    4 + (entries * INDEX_ENTRY_LEN) as u64 + FOOTER_LEN
+}
+
 /// Appends the index block (entries sorted by key, then LSN) and the footer at `data_end` of
 /// `file`, without fsync. Returns the new file length. `entries` must be non-empty and lie
 /// below `data_end`.

@@ -4,12 +4,14 @@
 //! the active segment by a committer thread that writes every queued batch and then fsyncs
 //! once (group commit); only then are the batches acknowledged, indexed and visible. A full
 //! active segment is sealed in place into an immutable layer file (index + footer appended,
-//! fsync, rename, fsync directory). On open, recovery finishes an interrupted seal, loads every
-//! layer's index, and cuts a torn tail off the active segment. The byte format and the recovery
+//! fsync, rename, fsync directory) and recorded in the manifest. On open, recovery checks the
+//! directory against the manifest, finishes or undoes an interrupted seal, loads every layer's
+//! index, and cuts a torn tail off the active segment. The byte format and the recovery
 //! procedure are specified in `docs/storage-format.md`.
 //!
 //! Code map: `format` (shared constants and codecs), `segment` (batch frames, the active
-//! segment, the scan), `layer` (index block, footer, layer files), `index` (in-memory index
+//! segment, the scan), `layer` (index block, footer, layer files), `manifest` (the list of the
+//! timeline's files and the seal intent), `index` (in-memory index
 //! and the read path), `timeline` (the handle: ingest queue, reads, waits, shutdown),
 //! `commit` (the committer thread: group commit, sealing), `recovery` (open-time repair),
 //! `metrics`.
@@ -27,6 +29,7 @@ mod commit;
 mod format;
 mod index;
 mod layer;
+mod manifest;
 mod metrics;
 mod recovery;
 mod segment;

@@ -136,7 +136,7 @@ impl Timeline {
             span: span.clone(),
             _lock: lock,
         });
-        let committer = commit::spawn(shared.clone(), dir_file, rec.segment, rec.next_file_id)?;
+        let committer = commit::spawn(shared.clone(), dir_file, rec.segment, rec.next_file_id, rec.manifest)?;
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
         shared.metrics.layer_files.add(layers as i64);
         Ok(Arc::new(Timeline { shared, committer: Mutex::new(Some(committer)) }))
