@@ -77,6 +77,17 @@ pub struct StorageStatus {
     pub values: u64,
     pub layers: u64,
     pub disk_bytes: u64,
+    /// Set while the tenant's storage writes fail (ingest refused): see docs/storage-format.md.
+    pub write_error: Option<StorageWriteErrorStatus>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StorageWriteErrorStatus {
+    pub error: String,
+    /// When this episode of failures began (RFC 3339, UTC).
+    pub since: String,
+    /// Not retried: the tenant must be reloaded (daemon restart).
+    pub fatal: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -229,6 +240,11 @@ impl Tenant {
                 values: stats.values,
                 layers: stats.layers,
                 disk_bytes: stats.on_disk_bytes,
+                write_error: self.timeline.write_error().map(|e| StorageWriteErrorStatus {
+                    error: e.error,
+                    since: humantime::format_rfc3339_seconds(e.since).to_string(),
+                    fatal: e.fatal,
+                }),
             },
             counters: TenantCounters {
                 get_page_requests: self.counters.get_page_requests.load(Ordering::Relaxed),

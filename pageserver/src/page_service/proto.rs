@@ -74,6 +74,7 @@ pub enum ErrorCode {
     RedoFailed,
     ShuttingDown,
     Internal,
+    StorageUnavailable,
     /// A code this version does not know.
     Unknown(u16),
 }
@@ -92,6 +93,7 @@ impl ErrorCode {
             ErrorCode::RedoFailed => 9,
             ErrorCode::ShuttingDown => 10,
             ErrorCode::Internal => 11,
+            ErrorCode::StorageUnavailable => 12,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -109,6 +111,7 @@ impl ErrorCode {
             9 => ErrorCode::RedoFailed,
             10 => ErrorCode::ShuttingDown,
             11 => ErrorCode::Internal,
+            12 => ErrorCode::StorageUnavailable,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -126,6 +129,7 @@ impl ErrorCode {
             ErrorCode::RedoFailed => "redo_failed",
             ErrorCode::ShuttingDown => "shutting_down",
             ErrorCode::Internal => "internal",
+            ErrorCode::StorageUnavailable => "storage_unavailable",
             ErrorCode::Unknown(_) => "unknown",
         }
     }

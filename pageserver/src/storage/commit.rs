@@ -1,33 +1,45 @@
 //! The committer: one std thread per timeline that owns the active segment, turns queued ingest
 //! batches into durable frames with one fdatasync per group (group commit), publishes them, and
-//! seals the segment into a layer when it is full.
+//! seals the segment into a layer when it is full (the seal's steps are in [`super::seal`]).
 //!
 //! Why a dedicated thread: fsync blocks for milliseconds; while it runs, new batches pile up in
 //! the queue and the next round takes them all, so the fsync rate adapts to the load without a
 //! timer or a knob.
 //!
-//! Round: take every queued batch -> append one frame per batch -> fdatasync -> insert the
-//! entries into the index -> publish the last LSN (watch) -> acknowledge every batch -> seal if
-//! the segment reached `layer_size`.
+//! Round: finish a seal left half-done by an earlier failure -> take every queued batch ->
+//! append one frame per batch -> fdatasync -> insert the entries into the index -> publish the
+//! last LSN (watch) -> acknowledge every batch -> seal if the segment reached `layer_size`.
+//!
+//! Failures: a round that fails (ENOSPC, EMFILE, EIO, ...) cuts its group off the segment, fails
+//! the group and everything queued behind it, and puts the timeline in the failed state: ingests
+//! are refused until a retry is due ([`RETRY_INTERVAL`]), then the next group is the retry; a
+//! round that succeeds ends the episode. A failed fsync makes the state fatal (no retry, reopen
+//! the timeline): the kernel may have dropped the dirty pages, so a later fsync proves nothing.
+//! An episode is logged once when it starts (and once more if it turns fatal), and once when it
+//! ends.
 //!
 //! **Invariants:** only this thread writes to the timeline's directory after open; batches are
-//! written in queue order, which is LSN order; a failed group is cut off the segment (truncate
-//! to the group's start, fdatasync) before its batches get their error; a write, fsync, index or seal error stops the
-//! thread for good and fails every queued batch (an fsync error is not retryable, and a half-done
-//! seal must not be appended to); sealing writes the index and footer, fsyncs, renames and
-//! fsyncs the directory before the next frame can be written to a new `active.seg`.
+//! written in queue order, which is LSN order; a failed group is cut off the segment (truncate to
+//! the group's start, fdatasync) before its batches get their error, so an error means "not
+//! stored"; nothing is appended while the manifest records a seal in progress; the sealing
+//! steps run in order, each at most once successfully, so a failed one is retried from where it
+//! stopped.
 
 use std::fs::File;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 
-use super::layer;
-use super::manifest::{self, LayerMeta, Manifest, SealIntent};
-use super::segment::{ActiveSegment, ACTIVE_NAME};
-use super::timeline::{failed_error, Pending, Shared};
+use super::manifest::{Manifest, SealIntent};
+use super::segment::ActiveSegment;
+use super::timeline::{Failure, Pending, Shared};
+use super::{FsyncFailed, IngestError, StorageWriteError};
+
+/// How long ingests are refused after a failed round before the next group may retry.
+pub(crate) const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Starts the committer thread of a timeline.
 pub(super) fn spawn(
@@ -37,22 +49,43 @@ pub(super) fn spawn(
     next_file_id: u32,
     manifest: Manifest,
 ) -> anyhow::Result<JoinHandle<()>> {
-    let committer = Committer { shared, dir_file, segment, next_file_id, manifest, buf: Vec::new() };
+    let committer = Committer {
+        shared,
+        dir_file,
+        segment,
+        next_file_id,
+        manifest,
+        seal: SealState::Idle,
+        buf: Vec::new(),
+    };
     std::thread::Builder::new()
         .name("storage-commit".to_string())
         .spawn(move || committer.run())
         .context("spawn committer thread")
 }
 
-struct Committer {
-    shared: Arc<Shared>,
-    dir_file: File,
-    segment: ActiveSegment,
-    next_file_id: u32,
+pub(super) struct Committer {
+    pub(super) shared: Arc<Shared>,
+    pub(super) dir_file: File,
+    /// The active segment (during a seal: the one being sealed).
+    pub(super) segment: ActiveSegment,
+    pub(super) next_file_id: u32,
     /// The manifest as last written.
-    manifest: Manifest,
+    pub(super) manifest: Manifest,
+    pub(super) seal: SealState,
     /// Reused frame encoding buffer.
     buf: Vec<u8>,
+}
+
+/// How far a seal has got; the manifest records the intent from `Intent` on.
+pub(super) enum SealState {
+    /// No seal in progress: groups may be appended.
+    Idle,
+    /// The intent is durable; `active.seg` is not renamed yet.
+    Intent(SealIntent),
+    /// `active.seg` is a layer now; the next active segment, once created, waits for the
+    /// manifest that records both.
+    Renamed { intent: SealIntent, next: Option<ActiveSegment> },
 }
 
 /// Marks the committer as stopped however its thread ends (including a panic).
@@ -61,18 +94,43 @@ struct StoppedGuard(Arc<Shared>);
 impl Drop for StoppedGuard {
     fn drop(&mut self) {
         let mut q = self.0.queue();
-        if q.failed.is_none() && std::thread::panicking() {
-            q.failed = Some("committer thread panicked".to_string());
-        }
-        let reason = q.failed.clone().unwrap_or_else(|| "timeline shut down".to_string());
+        let error = match &q.failure {
+            Some(f) => f.error(),
+            None if std::thread::panicking() => IngestError::Io(anyhow::anyhow!("committer thread panicked")),
+            None => IngestError::ShuttingDown,
+        };
         for p in q.pending.drain(..) {
-            let _ = p.done.send(Err(failed_error(&reason)));
+            let _ = p.done.send(Err(clone_error(&error)));
         }
         q.stopping = true;
+        if q.failure.take().is_some() {
+            self.0.metrics.failed_timelines.dec();
+        }
         drop(q);
         self.0.budget.close();
         self.0.stopped.cancel();
     }
+}
+
+fn clone_error(e: &IngestError) -> IngestError {
+    match e {
+        IngestError::StorageUnavailable { error, fatal } => {
+            IngestError::StorageUnavailable { error: error.clone(), fatal: *fatal }
+        }
+        IngestError::ShuttingDown => IngestError::ShuttingDown,
+        other => IngestError::Io(anyhow::anyhow!("{other}")),
+    }
+}
+
+/// A failure after which the state on disk is not known: fatal like a failed fsync.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Unrecoverable(String);
+
+/// Whether `e` is fatal for the timeline: a failed fsync (see [`FsyncFailed`]) or a failed
+/// cleanup after a failed write.
+fn is_fatal(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<FsyncFailed>() || c.is::<Unrecoverable>())
 }
 
 impl Committer {
@@ -80,11 +138,9 @@ impl Committer {
         let _guard = StoppedGuard(self.shared.clone());
         let _span = self.shared.span.clone().entered();
         while let Some((group, fail_fsync)) = self.next_group() {
-            if let Err(e) = self.commit_round(group, fail_fsync) {
-                let reason = format!("{e:#}");
-                tracing::error!("failed to commit, refusing further ingests: {reason}");
-                self.shared.queue().failed = Some(reason);
-                break;
+            match self.commit_round(group, fail_fsync) {
+                Ok(()) => self.succeeded(),
+                Err((e, unanswered)) => self.failed(e, unanswered),
             }
         }
     }
@@ -105,26 +161,74 @@ impl Committer {
         }
     }
 
-    /// Makes `group` durable and acknowledges it, then seals if the segment is full. On error,
-    /// every batch of the group gets the error.
-    fn commit_round(&mut self, group: Vec<Pending>, fail_fsync: bool) -> anyhow::Result<()> {
-        match self.write_group(&group, fail_fsync) {
-            Ok(()) => {
-                for p in group {
-                    let _ = p.done.send(Ok(p.last_lsn));
-                }
-            }
-            Err(e) => {
-                for p in group {
-                    let _ = p.done.send(Err(failed_error(&format!("{e:#}"))));
-                }
-                return Err(e);
+    /// Finishes a pending seal, makes `group` durable and acknowledges it, then seals if the
+    /// segment is full. A failure before the group is durable returns the group unanswered.
+    fn commit_round(
+        &mut self,
+        group: Vec<Pending>,
+        fail_fsync: bool,
+    ) -> Result<(), (anyhow::Error, Vec<Pending>)> {
+        if let Some(f) = self.shared.queue().failure.as_ref().filter(|f| f.state.fatal) {
+            return Err((anyhow::anyhow!("{}", f.state.error), group));
+        }
+        let written = self.advance_seal().and_then(|()| self.write_group(&group, fail_fsync));
+        if let Err(e) = written {
+            return Err((e, group));
+        }
+        for p in group {
+            let _ = p.done.send(Ok(p.last_lsn));
+        }
+        self.advance_seal().context("seal active segment").map_err(|e| (e, Vec::new()))
+    }
+
+    /// Ends a failure episode after a round that succeeded.
+    fn succeeded(&mut self) {
+        let mut q = self.shared.queue();
+        if q.failure.as_ref().is_some_and(|f| !f.state.fatal) {
+            if let Some(f) = q.failure.take() {
+                let failing_for = f.state.since.elapsed().unwrap_or_default();
+                tracing::info!(?failing_for, "storage writes work again, accepting ingests");
+                self.shared.metrics.failed_timelines.dec();
+                self.shared.health.send_replace(None);
             }
         }
-        if self.segment.len >= self.shared.conf.layer_size {
-            self.seal().context("seal active segment")?;
+    }
+
+    /// Starts or continues a failure episode: refuses ingests until the retry is due (or for
+    /// good), fails `unanswered` and everything queued (after the state is visible), and lets
+    /// the next batch start right above the durable LSN.
+    fn failed(&mut self, e: anyhow::Error, unanswered: Vec<Pending>) {
+        let fatal = is_fatal(&e);
+        let error = format!("{e:#}");
+        self.shared.metrics.write_errors.inc();
+        let mut q = self.shared.queue();
+        let (since, was_fatal) = match &q.failure {
+            Some(f) => (f.state.since, f.state.fatal),
+            None => {
+                self.shared.metrics.failed_timelines.inc();
+                (SystemTime::now(), false)
+            }
+        };
+        match (&q.failure, fatal && !was_fatal) {
+            (None, false) => tracing::error!(
+                retry_every = ?RETRY_INTERVAL,
+                "failed to write to storage, refusing ingests until a retry succeeds: {error}"
+            ),
+            (_, true) => tracing::error!(
+                "failed to sync storage, refusing ingests until the timeline is reopened: {error}"
+            ),
+            (Some(_), false) => tracing::debug!("failed to write to storage again: {error}"),
         }
-        Ok(())
+        let state = StorageWriteError { error, since, fatal: fatal || was_fatal };
+        let failure = Failure { state: state.clone(), retry_at: Instant::now() + RETRY_INTERVAL };
+        let error = failure.error();
+        let queued = std::mem::take(&mut q.pending);
+        q.failure = Some(failure);
+        q.last_queued = *self.shared.durable.borrow();
+        self.shared.health.send_replace(Some(state));
+        drop(q);
+        fail_all(unanswered, &error);
+        fail_all(queued, &error);
     }
 
     /// Writes and fsyncs `group`, then publishes it. If the write or the fsync fails, the
@@ -136,9 +240,9 @@ impl Committer {
         if let Err(e) = self.append_and_sync(group, fail_fsync) {
             return Err(match self.roll_back(start, first_entry) {
                 Ok(()) => e,
-                Err(cut) => e.context(format!(
-                    "and cutting the failed group off failed too ({cut:#}): it may survive a restart"
-                )),
+                Err(cut) => anyhow::Error::new(Unrecoverable(format!(
+                    "{e:#}; cutting the failed group off failed too ({cut:#}): it may survive a restart"
+                ))),
             });
         }
         let m = &self.shared.metrics;
@@ -171,7 +275,8 @@ impl Committer {
                 true => Err(std::io::Error::other("injected fsync failure")),
                 false => self.segment.file.sync_data(),
             })
-            .context("fdatasync active segment")
+            .context("fdatasync active segment")?;
+        Ok(())
     }
 
     /// Cuts the active segment back to `len` bytes and `entries` entries and makes the cut
@@ -181,51 +286,14 @@ impl Committer {
         self.segment.len = len;
         let file = &self.segment.file;
         file.set_len(len).context("truncate active segment")?;
-        self.shared.metrics.fsync(|| file.sync_data()).context("fdatasync truncated active segment")
-    }
-
-    /// Turns the active segment into a layer in place and starts a new active segment.
-    /// Steps (see docs/storage-format.md for what recovery does after a crash at each):
-    /// 0. record the seal intent in the manifest, 1. append index block and footer,
-    /// 2. fdatasync, 3. rename `active.seg` to the layer name, 4. fsync the directory,
-    /// 5. create a new `active.seg` (header, fsync, fsync directory), 6. record the layer and
-    /// the new active segment in the manifest. Nothing is appended to the new `active.seg`
-    /// before step 6.
-    fn seal(&mut self) -> anyhow::Result<()> {
-        let (first, last) = self.segment.lsn_range().context("seal an empty segment")?;
-        let m = self.shared.metrics.clone();
-        let dir = &self.shared.dir;
-        let data_len = self.segment.len;
-        let size = data_len + layer::index_and_footer_len(self.segment.entries.len());
-        let intent = SealIntent { layer: LayerMeta::new(first, last, size), data_len };
-        let mut with_intent = self.manifest.clone();
-        with_intent.sealing = Some(intent.clone());
-        manifest::write(dir, &self.dir_file, &mut with_intent, &m).context("record seal intent")?;
-        self.manifest = with_intent;
-
-        let file = &self.segment.file;
-        let len = layer::append_index_and_footer(file, data_len, &self.segment.entries)?;
-        anyhow::ensure!(len == size, "sealed layer has {len} bytes, expected {size}");
-        m.fsync(|| file.sync_data()).context("fdatasync sealed layer")?;
-        let name = &intent.layer.name;
-        std::fs::rename(dir.join(ACTIVE_NAME), dir.join(name)).context("rename sealed layer")?;
-        m.fsync(|| self.dir_file.sync_all()).context("fsync timeline directory")?;
-
-        let id = self.next_file_id;
-        self.next_file_id += 1;
-        let segment = ActiveSegment::create(dir, &self.dir_file, id, &m)?;
-        let mut done = self.manifest.with_seal_done(&intent);
-        manifest::write(dir, &self.dir_file, &mut done, &m).context("record sealed layer")?;
-        self.manifest = done;
-
-        self.shared.layers.fetch_add(1, Ordering::Relaxed);
-        self.shared.sealed_bytes.fetch_add(len, Ordering::Relaxed);
-        m.layer_files.inc();
-        tracing::info!(layer = %name, values = self.segment.entries.len(), bytes = len, "sealed layer");
-        self.shared.index.write().unwrap_or_else(PoisonError::into_inner).add_file(id, segment.file.clone());
-        self.shared.active_len.store(segment.len, Ordering::Relaxed);
-        self.segment = segment;
+        self.shared.metrics.fsync(|| file.sync_data()).context("fdatasync truncated active segment")?;
         Ok(())
+    }
+}
+
+fn fail_all(batches: Vec<Pending>, error: &IngestError) {
+    for p in batches {
+        let _ = p.done.send(Err(clone_error(error)));
     }
 }
 
@@ -329,13 +397,17 @@ mod tests {
         let err = tl.ingest(batch(vec![(key(1), 2, record("b"))])).await.unwrap_err();
         assert!(format!("{err}").contains("injected fsync failure"), "{err}");
         let err = tl.ingest(batch(vec![(key(1), 3, record("c"))])).await.unwrap_err();
-        assert!(matches!(err, IngestError::Io(_)), "{err}");
-        assert!(format!("{err}").contains("refuses ingests"), "{err}");
+        assert!(matches!(err, IngestError::StorageUnavailable { fatal: true, .. }), "{err}");
+        assert!(format!("{err}").contains("reopen"), "{err}");
+        let state = tl.write_error().unwrap();
+        assert!(state.fatal && state.error.contains("injected fsync failure"), "{state:?}");
+        assert_eq!((m.write_errors.get(), m.failed_timelines.get()), (1, 1));
         // Nothing of the failed batch is visible; earlier data still is.
         assert_eq!(tl.last_durable_lsn(), Lsn(1));
         assert_eq!(tl.get_reconstruct_data(key(1), Lsn(2)).unwrap().records.len(), 1);
         tl.shutdown().await;
         drop(tl);
+        assert_eq!(m.failed_timelines.get(), 0);
 
         // Reopening recovers: the failed batch was never acknowledged, either outcome is fine,
         // but the timeline accepts ingests again.

@@ -21,17 +21,22 @@
 //! - a batch is acknowledged only after it was written and fdatasync'd, and it is visible to
 //!   readers ([`Timeline::get_reconstruct_data`], [`Timeline::last_durable_lsn`]) only then;
 //! - value bytes are never held in memory beyond a read or a queued batch;
-//! - after a failed write or fsync the timeline accepts no more ingests (fsync errors are not
-//!   retryable: the page cache may have dropped the dirty pages); reopening recovers;
+//! - nothing of a failed group stays in the active segment; after a failed write the timeline
+//!   refuses ingests until a retry is due (then the next group is the retry), after a failed
+//!   fsync for good (not retryable: the page cache may have dropped the dirty pages; reopening
+//!   recovers);
 //! - one `Timeline` per directory at a time, enforced by an exclusive `flock` on `lock`.
 
 mod commit;
+#[cfg(test)]
+mod failure_tests;
 mod format;
 mod index;
 mod layer;
 mod manifest;
 mod metrics;
 mod recovery;
+mod seal;
 mod segment;
 #[cfg(test)]
 mod test_support;
@@ -43,7 +48,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
-pub use metrics::StorageMetrics;
+pub use metrics::{FsyncFailed, StorageMetrics};
 pub use timeline::Timeline;
 
 /// The key of a page: relation fork and block number.
@@ -139,9 +144,24 @@ pub enum IngestError {
     Invalid(String),
     #[error("ingest lsn went backwards: batch starts at {got}, last ingested is {last}")]
     LsnWentBackwards { last: Lsn, got: Lsn },
-    /// Writing or syncing failed; the timeline now refuses every further ingest.
+    /// Writing to storage failed (this batch's group, or an earlier one: then the timeline
+    /// refuses ingests until a retry is due). Nothing of the batch was stored.
+    #[error("storage unavailable{}: {error}", if *.fatal { " for good (fatal, reopen the timeline)" } else { "" })]
+    StorageUnavailable { error: String, fatal: bool },
+    /// The committer went away without answering (a bug or a panic).
     #[error("storage I/O failed: {0:#}")]
     Io(anyhow::Error),
+}
+
+/// Why a timeline's storage writes are failing: what the tenant status shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageWriteError {
+    /// The last error, with its context.
+    pub error: String,
+    /// When the current episode of failures began.
+    pub since: std::time::SystemTime,
+    /// An fsync failed: the timeline refuses ingests until it is reopened.
+    pub fatal: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -158,6 +178,8 @@ pub enum WaitLsnError {
     Timeout { wanted: Lsn, last_durable: Lsn, timeout: Duration },
     #[error("timeline shut down while waiting for lsn {wanted}, last durable is {last_durable}")]
     ShuttingDown { wanted: Lsn, last_durable: Lsn },
+    #[error("storage writes are failing, lsn {wanted} is above the last durable {last_durable}: {error}")]
+    StorageUnavailable { wanted: Lsn, last_durable: Lsn, error: String },
 }
 
 /// Writes a small file durably: a temp file, fsync, rename over `name`, fsync of `dir`.

@@ -6,14 +6,14 @@
 //!
 //! **Invariants:** the queue's `last_queued` only grows and is checked and advanced under the
 //! queue lock, in the same critical section that queues the batch; nothing is queued once
-//! `stopping` or `failed` is set; the directory lock is held for as long as any part of the
+//! `stopping` is set, nor while `failure` is set and its retry is not due; the directory lock is held for as long as any part of the
 //! timeline (handle or committer) is alive.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use nix::fcntl::{Flock, FlockArg};
@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     commit, index, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReconstructData,
-    StorageConf, StorageMetrics, TimelineStats, Value, WaitLsnError,
+    StorageConf, StorageMetrics, StorageWriteError, TimelineStats, Value, WaitLsnError,
 };
 
 /// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
@@ -46,12 +46,26 @@ pub(super) struct Queue {
     /// Last LSN accepted into the queue (durable or not).
     pub(super) last_queued: Lsn,
     pub(super) stopping: bool,
-    /// Set after a failed write or fsync: why ingests are refused.
-    pub(super) failed: Option<String>,
+    /// Set while storage writes fail: why, and when ingests are let through again.
+    pub(super) failure: Option<Failure>,
     /// Test hook: the committer leaves the queue alone while set (and not stopping).
     pub(super) hold: bool,
     /// Test hook: the committer's next group fsync fails.
     pub(super) fail_next_fsync: bool,
+}
+
+/// A failing storage: the public part, and when the next group may try again.
+pub(super) struct Failure {
+    pub(super) state: StorageWriteError,
+    /// Ingests are refused before this instant (always, if `state.fatal`); from then on they are
+    /// queued, and the next group is the retry.
+    pub(super) retry_at: Instant,
+}
+
+impl Failure {
+    pub(super) fn error(&self) -> IngestError {
+        IngestError::StorageUnavailable { error: self.state.error.clone(), fatal: self.state.fatal }
+    }
 }
 
 /// State shared by the [`Timeline`] handle and its committer thread.
@@ -63,6 +77,8 @@ pub(super) struct Shared {
     pub(super) queue_cv: Condvar,
     pub(super) index: RwLock<index::Index>,
     pub(super) durable: watch::Sender<Lsn>,
+    /// The failure of storage writes, if they are failing (set and cleared with `queue.failure`).
+    pub(super) health: watch::Sender<Option<StorageWriteError>>,
     pub(super) layers: AtomicU64,
     pub(super) sealed_bytes: AtomicU64,
     pub(super) active_len: AtomicU64,
@@ -121,13 +137,14 @@ impl Timeline {
                 pending: Vec::new(),
                 last_queued: rec.last_lsn,
                 stopping: false,
-                failed: None,
+                failure: None,
                 hold: false,
                 fail_next_fsync: false,
             }),
             queue_cv: Condvar::new(),
             index: RwLock::new(rec.index),
             durable: watch::Sender::new(rec.last_lsn),
+            health: watch::Sender::new(None),
             layers: AtomicU64::new(rec.layers),
             sealed_bytes: AtomicU64::new(rec.sealed_bytes),
             active_len: AtomicU64::new(rec.segment.len),
@@ -177,8 +194,8 @@ impl Timeline {
         let (done, rx) = oneshot::channel();
         {
             let mut q = self.shared.queue();
-            if let Some(reason) = &q.failed {
-                return Err(failed_error(reason));
+            if let Some(f) = q.failure.as_ref().filter(|f| f.state.fatal || Instant::now() < f.retry_at) {
+                return Err(f.error());
             }
             if q.stopping {
                 return Err(IngestError::ShuttingDown);
@@ -200,8 +217,8 @@ impl Timeline {
 
     /// Why an ingest is refused once the queue budget is closed.
     fn refusal(&self) -> IngestError {
-        match &self.shared.queue().failed {
-            Some(reason) => failed_error(reason),
+        match &self.shared.queue().failure {
+            Some(f) => f.error(),
             None => IngestError::ShuttingDown,
         }
     }
@@ -212,10 +229,12 @@ impl Timeline {
     }
 
     /// Waits until [`Timeline::last_durable_lsn`] is at least `lsn`, for at most `timeout`.
-    /// Fails early with `ShuttingDown` once the committer has stopped below `lsn`.
+    /// Fails early with `ShuttingDown` once the committer has stopped below `lsn`, and at once
+    /// with `StorageUnavailable` while storage writes fail (now or as soon as they start to).
     /// Cancel-safe: it only watches.
     pub async fn wait_lsn(&self, lsn: Lsn, timeout: Duration) -> Result<(), WaitLsnError> {
         let mut rx = self.shared.durable.subscribe();
+        let mut health = self.shared.health.subscribe();
         let reached = tokio::select! {
             biased;
             r = tokio::time::timeout(timeout, rx.wait_for(|d| *d >= lsn)) => match r {
@@ -226,6 +245,17 @@ impl Timeline {
                     return Err(WaitLsnError::Timeout { wanted: lsn, last_durable, timeout });
                 }
             },
+            h = health.wait_for(|h| h.is_some()) => {
+                let error = match h {
+                    Ok(h) => h.as_ref().map(|e| e.error.clone()).unwrap_or_default(),
+                    Err(_) => String::new(),
+                };
+                if self.last_durable_lsn() >= lsn {
+                    return Ok(());
+                }
+                let last_durable = self.last_durable_lsn();
+                return Err(WaitLsnError::StorageUnavailable { wanted: lsn, last_durable, error });
+            }
             _ = self.shared.stopped.cancelled() => self.last_durable_lsn() >= lsn,
         };
         if reached {
@@ -265,6 +295,11 @@ impl Timeline {
             // The thread has signalled its exit; joining only reaps it.
             let _ = tokio::task::spawn_blocking(move || handle.join()).await;
         }
+    }
+
+    /// Why storage writes are failing, if they are (`None` when healthy).
+    pub fn write_error(&self) -> Option<StorageWriteError> {
+        self.shared.health.borrow().clone()
     }
 
     /// Keys, values, layers, bytes on disk, last durable LSN.
@@ -314,12 +349,6 @@ impl Drop for Timeline {
         let layers = self.shared.layers.load(Ordering::Relaxed);
         self.shared.metrics.layer_files.sub(layers as i64);
     }
-}
-
-pub(super) fn failed_error(reason: &str) -> IngestError {
-    IngestError::Io(anyhow::anyhow!(
-        "timeline refuses ingests after a failed commit (reopen to recover): {reason}"
-    ))
 }
 
 /// Creates `dir` if missing and makes its directory entry durable.
