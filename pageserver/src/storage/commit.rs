@@ -1,10 +1,11 @@
-//! The committer: one std thread per timeline that owns the active segment, turns queued ingest
-//! batches into durable frames with one fdatasync per group (group commit), publishes them, and
-//! seals the segment into a layer when it is full (the seal's steps are in [`super::seal`]).
+//! The committer of a timeline: owns the active segment, turns queued ingest batches into
+//! durable frames with one fdatasync per group (group commit), publishes them, and seals the
+//! segment into a layer when it is full (the seal's steps are in [`super::seal`]). Its rounds
+//! run on the process's commit pool ([`super::pool`]), one round of a timeline at a time.
 //!
-//! Why a dedicated thread: fsync blocks for milliseconds; while it runs, new batches pile up in
-//! the queue and the next round takes them all, so the fsync rate adapts to the load without a
-//! timer or a knob.
+//! Why rounds: fsync blocks for milliseconds; while it runs, new batches pile up in the queue
+//! and the next round takes them all, so the fsync rate adapts to the load without a timer or a
+//! knob.
 //!
 //! Round: finish a seal left half-done by an earlier failure -> take every queued batch ->
 //! append one frame per batch -> fdatasync -> insert the entries into the index -> publish the
@@ -18,7 +19,7 @@
 //! An episode is logged once when it starts (and once more if it turns fatal), and once when it
 //! ends.
 //!
-//! **Invariants:** only this thread writes to the timeline's directory after open; batches are
+//! **Invariants:** only the committer writes to the timeline's directory after open; batches are
 //! written in queue order, which is LSN order; a failed group is cut off the segment (truncate to
 //! the group's start, fdatasync) before its batches get their error, so an error means "not
 //! stored"; nothing is appended while the manifest records a seal in progress; the sealing
@@ -26,14 +27,16 @@
 //! stopped.
 
 use std::fs::File;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 
 use super::manifest::{Manifest, SealIntent};
+use super::pool::{self, Pool};
 use super::segment::ActiveSegment;
 use super::timeline::{Failure, Pending, Shared};
 use super::{FsyncFailed, IngestError, StorageWriteError};
@@ -41,16 +44,27 @@ use super::{FsyncFailed, IngestError, StorageWriteError};
 /// How long ingests are refused after a failed round before the next group may retry.
 pub(crate) const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Starts the committer thread of a timeline.
-pub(super) fn spawn(
+/// A timeline's committer as the commit pool sees it: the committer state, and whether the
+/// timeline is in the pool's run queue (or being run).
+pub(super) struct Job {
     shared: Arc<Shared>,
+    /// `None` once the committer has stopped.
+    committer: Mutex<Option<Committer>>,
+    scheduled: AtomicBool,
+    pool: Arc<Pool>,
+}
+
+/// Sets up the committer of a timeline on the process's commit pool; `shared.wake()` then
+/// schedules it.
+pub(super) fn start(
+    shared: &Arc<Shared>,
     dir_file: File,
     segment: ActiveSegment,
     next_file_id: u32,
     manifest: Manifest,
-) -> anyhow::Result<JoinHandle<()>> {
+) -> anyhow::Result<Arc<Job>> {
     let committer = Committer {
-        shared,
+        shared: Arc::clone(shared),
         dir_file,
         segment,
         next_file_id,
@@ -58,10 +72,72 @@ pub(super) fn spawn(
         seal: SealState::Idle,
         buf: Vec::new(),
     };
-    std::thread::Builder::new()
-        .name("storage-commit".to_string())
-        .spawn(move || committer.run())
-        .context("spawn committer thread")
+    Ok(Arc::new(Job {
+        shared: Arc::clone(shared),
+        committer: Mutex::new(Some(committer)),
+        scheduled: AtomicBool::new(false),
+        pool: pool::get()?,
+    }))
+}
+
+impl Job {
+    /// Puts the timeline in the pool's run queue unless it is there (or running) already.
+    pub(super) fn schedule(self: &Arc<Self>) {
+        if !self.scheduled.swap(true, Ordering::SeqCst) {
+            self.pool.push(Arc::clone(self));
+        }
+    }
+
+    /// Runs one round on a pool worker, then reschedules if more work arrived meanwhile.
+    pub(super) fn run(self: &Arc<Self>) {
+        let mut slot = self.committer.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(committer) = slot.as_mut() else {
+            return;
+        };
+        let step = {
+            let _span = self.shared.span.clone().entered();
+            std::panic::catch_unwind(AssertUnwindSafe(|| committer.step()))
+        };
+        let panicked = step.is_err();
+        if panicked || step.is_ok_and(|go_on| !go_on) {
+            // Stopped (or broken): the committer and its files go; `scheduled` stays set, so
+            // the timeline is never queued again.
+            *slot = None;
+            drop(slot);
+            stopped(&self.shared, panicked);
+            return;
+        }
+        drop(slot);
+        self.scheduled.store(false, Ordering::SeqCst);
+        if self.shared.queue().has_work() {
+            self.schedule();
+        }
+    }
+}
+
+/// Marks the committer of `shared` as stopped: fails what is still queued, refuses ingests,
+/// wakes `wait_lsn` and `shutdown`.
+fn stopped(shared: &Shared, panicked: bool) {
+    let mut q = shared.queue();
+    if panicked {
+        tracing::error!(parent: &shared.span, "storage commit round panicked, refusing ingests");
+    }
+    let error = match &q.failure {
+        Some(f) => f.error(),
+        None if panicked => IngestError::Io(anyhow::anyhow!("storage commit round panicked")),
+        None => IngestError::ShuttingDown,
+    };
+    let queued = std::mem::take(&mut q.pending);
+    q.stopping = true;
+    if q.failure.take().is_some() {
+        shared.metrics.failed_timelines.dec();
+    }
+    drop(q);
+    fail_all(queued, &error);
+    shared.budget.close();
+    shared.stopped.cancel();
+    *shared.exited.lock().unwrap_or_else(PoisonError::into_inner) = true;
+    shared.exited_cv.notify_all();
 }
 
 pub(super) struct Committer {
@@ -88,30 +164,6 @@ pub(super) enum SealState {
     Renamed { intent: SealIntent, next: Option<ActiveSegment> },
 }
 
-/// Marks the committer as stopped however its thread ends (including a panic).
-struct StoppedGuard(Arc<Shared>);
-
-impl Drop for StoppedGuard {
-    fn drop(&mut self) {
-        let mut q = self.0.queue();
-        let error = match &q.failure {
-            Some(f) => f.error(),
-            None if std::thread::panicking() => IngestError::Io(anyhow::anyhow!("committer thread panicked")),
-            None => IngestError::ShuttingDown,
-        };
-        for p in q.pending.drain(..) {
-            let _ = p.done.send(Err(clone_error(&error)));
-        }
-        q.stopping = true;
-        if q.failure.take().is_some() {
-            self.0.metrics.failed_timelines.dec();
-        }
-        drop(q);
-        self.0.budget.close();
-        self.0.stopped.cancel();
-    }
-}
-
 fn clone_error(e: &IngestError) -> IngestError {
     match e {
         IngestError::StorageUnavailable { error, fatal } => {
@@ -134,31 +186,21 @@ fn is_fatal(e: &anyhow::Error) -> bool {
 }
 
 impl Committer {
-    fn run(mut self) {
-        let _guard = StoppedGuard(self.shared.clone());
-        let _span = self.shared.span.clone().entered();
-        while let Some((group, fail_fsync)) = self.next_group() {
-            match self.commit_round(group, fail_fsync) {
-                Ok(()) => self.succeeded(),
-                Err((e, unanswered)) => self.failed(e, unanswered),
+    /// One round: takes every queued batch (with the test hook `fail_next_fsync`) and commits
+    /// it as one group. `false` once stopping with nothing queued: the committer is done.
+    fn step(&mut self) -> bool {
+        let (group, fail_fsync) = {
+            let mut q = self.shared.queue();
+            if q.pending.is_empty() || (q.hold && !q.stopping) {
+                return !q.stopping;
             }
+            (std::mem::take(&mut q.pending), std::mem::take(&mut q.fail_next_fsync))
+        };
+        match self.commit_round(group, fail_fsync) {
+            Ok(()) => self.succeeded(),
+            Err((e, unanswered)) => self.failed(e, unanswered),
         }
-    }
-
-    /// Waits for queued batches and takes them all (with the test hook `fail_next_fsync`);
-    /// `None` once stopping with nothing queued.
-    fn next_group(&self) -> Option<(Vec<Pending>, bool)> {
-        let mut q = self.shared.queue();
-        loop {
-            if !q.pending.is_empty() && (!q.hold || q.stopping) {
-                let fail_fsync = std::mem::take(&mut q.fail_next_fsync);
-                return Some((std::mem::take(&mut q.pending), fail_fsync));
-            }
-            if q.stopping {
-                return None;
-            }
-            q = self.shared.queue_cv.wait(q).unwrap_or_else(PoisonError::into_inner);
-        }
+        true
     }
 
     /// Finishes a pending seal, makes `group` durable and acknowledges it, then seals if the

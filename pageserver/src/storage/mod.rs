@@ -1,7 +1,8 @@
 //! Durable per-timeline storage of page images and WAL redo records, read back "as of" an LSN.
 //!
 //! One [`Timeline`] owns one directory. Ingested batches are appended as checksummed frames to
-//! the active segment by a committer thread that writes every queued batch and then fsyncs
+//! the active segment by a committer (rounds on a small thread pool shared by all timelines)
+//! that writes every queued batch and then fsyncs
 //! once (group commit); only then are the batches acknowledged, indexed and visible. A full
 //! active segment is sealed in place into an immutable layer file (index + footer appended,
 //! fsync, rename, fsync directory) and recorded in the manifest. On open, recovery checks the
@@ -13,7 +14,8 @@
 //! segment, the scan), `layer` (index block, footer, layer files), `manifest` (the list of the
 //! timeline's files and the seal intent), `index` (in-memory index
 //! and the read path), `timeline` (the handle: ingest queue, reads, waits, shutdown),
-//! `commit` (the committer thread: group commit, sealing), `recovery` (open-time repair),
+//! `commit` (the committer: group commit, failure episodes), `seal` (sealing as retryable
+//! steps), `pool` (the commit threads shared by all timelines), `recovery` (open-time repair),
 //! `metrics`.
 //!
 //! **Invariants:**
@@ -35,6 +37,7 @@ mod index;
 mod layer;
 mod manifest;
 mod metrics;
+mod pool;
 mod recovery;
 mod seal;
 mod segment;

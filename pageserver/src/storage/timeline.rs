@@ -2,17 +2,18 @@
 //! shutdown, and the directory lock.
 //!
 //! Why separate from the committer: callers (async tasks) only validate, queue and wait here;
-//! all file writes happen on the committer thread ([`super::commit`]).
+//! all file writes happen in the committer's rounds on the commit pool ([`super::commit`]).
 //!
-//! **Invariants:** the queue's `last_queued` only grows and is checked and advanced under the
-//! queue lock, in the same critical section that queues the batch; nothing is queued once
-//! `stopping` is set, nor while `failure` is set and its retry is not due; the directory lock is held for as long as any part of the
-//! timeline (handle or committer) is alive.
+//! **Invariants:** the queue's `last_queued` is checked and advanced under the queue lock, in
+//! the same critical section that queues the batch; it only grows, except that a failed round
+//! sets it back to the last durable LSN (everything above was refused); nothing is queued once
+//! `stopping` is set, nor while `failure` is set and its retry is not due; the directory lock is
+//! held until the handle is dropped, which waits for the committer to stop.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -68,13 +69,17 @@ impl Failure {
     }
 }
 
-/// State shared by the [`Timeline`] handle and its committer thread.
+/// State shared by the [`Timeline`] handle and its committer.
 pub(super) struct Shared {
     pub(super) dir: PathBuf,
     pub(super) conf: StorageConf,
     pub(super) metrics: Arc<StorageMetrics>,
     pub(super) queue: Mutex<Queue>,
-    pub(super) queue_cv: Condvar,
+    /// The committer's place in the commit pool (set once, right after open).
+    pub(super) job: OnceLock<Weak<commit::Job>>,
+    /// Set (and `exited_cv` notified) when the committer has stopped: what `Drop` waits for.
+    pub(super) exited: Mutex<bool>,
+    pub(super) exited_cv: Condvar,
     pub(super) index: RwLock<index::Index>,
     pub(super) durable: watch::Sender<Lsn>,
     /// The failure of storage writes, if they are failing (set and cleared with `queue.failure`).
@@ -82,11 +87,17 @@ pub(super) struct Shared {
     pub(super) layers: AtomicU64,
     pub(super) sealed_bytes: AtomicU64,
     pub(super) active_len: AtomicU64,
-    /// Cancelled when the committer thread has exited: nothing becomes durable after that.
+    /// Cancelled when the committer has stopped: nothing becomes durable after that.
     pub(super) stopped: CancellationToken,
     pub(super) budget: Arc<Semaphore>,
     pub(super) span: tracing::Span,
-    pub(super) _lock: Flock<File>,
+}
+
+impl Queue {
+    /// Whether the committer has something to do: batches to commit (unless held), or a stop.
+    pub(super) fn has_work(&self) -> bool {
+        (!self.pending.is_empty() && !self.hold) || self.stopping
+    }
 }
 
 impl Shared {
@@ -97,15 +108,26 @@ impl Shared {
 
     fn begin_stop(&self) {
         self.queue().stopping = true;
-        self.queue_cv.notify_all();
+        self.wake();
         self.budget.close();
+    }
+
+    /// Schedules the committer on the commit pool to look at the queue.
+    pub(super) fn wake(&self) {
+        if let Some(job) = self.job.get().and_then(Weak::upgrade) {
+            job.schedule();
+        }
     }
 }
 
 /// The storage of one timeline. See the module doc.
 pub struct Timeline {
     shared: Arc<Shared>,
-    committer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Keeps the committer alive (the pool holds it only while it is queued or running).
+    _job: Arc<commit::Job>,
+    /// The directory lock, released when the handle is dropped (after the committer stopped;
+    /// a pool worker may hold `shared` a moment longer, but writes nothing any more).
+    _lock: Flock<File>,
 }
 
 impl Timeline {
@@ -141,7 +163,9 @@ impl Timeline {
                 hold: false,
                 fail_next_fsync: false,
             }),
-            queue_cv: Condvar::new(),
+            job: OnceLock::new(),
+            exited: Mutex::new(false),
+            exited_cv: Condvar::new(),
             index: RwLock::new(rec.index),
             durable: watch::Sender::new(rec.last_lsn),
             health: watch::Sender::new(None),
@@ -151,12 +175,12 @@ impl Timeline {
             stopped: CancellationToken::new(),
             budget: Arc::new(Semaphore::new(QUEUE_BUDGET_KIB)),
             span: span.clone(),
-            _lock: lock,
         });
-        let committer = commit::spawn(shared.clone(), dir_file, rec.segment, rec.next_file_id, rec.manifest)?;
+        let job = commit::start(&shared, dir_file, rec.segment, rec.next_file_id, rec.manifest)?;
+        let _ = shared.job.set(Arc::downgrade(&job));
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
         shared.metrics.layer_files.add(layers as i64);
-        Ok(Arc::new(Timeline { shared, committer: Mutex::new(Some(committer)) }))
+        Ok(Arc::new(Timeline { shared, _job: job, _lock: lock }))
     }
 
     /// Queues `batch` and returns its last LSN once it is durable (written and fdatasync'd,
@@ -206,7 +230,7 @@ impl Timeline {
             q.last_queued = last;
             q.pending.push(Pending { values: batch.values, last_lsn: last, done, _permit: permit });
         }
-        self.shared.queue_cv.notify_one();
+        self.shared.wake();
         Ok(async move {
             match rx.await {
                 Ok(result) => result,
@@ -290,11 +314,6 @@ impl Timeline {
     pub async fn shutdown(&self) {
         self.shared.begin_stop();
         self.shared.stopped.cancelled().await;
-        let handle = self.committer.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(handle) = handle {
-            // The thread has signalled its exit; joining only reaps it.
-            let _ = tokio::task::spawn_blocking(move || handle.join()).await;
-        }
     }
 
     /// Why storage writes are failing, if they are (`None` when healthy).
@@ -322,7 +341,7 @@ impl Timeline {
     #[cfg(test)]
     pub(super) fn hold_commits(&self, hold: bool) {
         self.shared.queue().hold = hold;
-        self.shared.queue_cv.notify_all();
+        self.shared.wake();
     }
 
     /// Test hook: makes the next group fsync fail.
@@ -342,9 +361,9 @@ impl Drop for Timeline {
     /// so that the directory can be reopened as soon as this returns.
     fn drop(&mut self) {
         self.shared.begin_stop();
-        let handle = self.committer.get_mut().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(handle) = handle {
-            let _ = handle.join();
+        let mut exited = self.shared.exited.lock().unwrap_or_else(PoisonError::into_inner);
+        while !*exited {
+            exited = self.shared.exited_cv.wait(exited).unwrap_or_else(PoisonError::into_inner);
         }
         let layers = self.shared.layers.load(Ordering::Relaxed);
         self.shared.metrics.layer_files.sub(layers as i64);
