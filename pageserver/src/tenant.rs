@@ -6,7 +6,8 @@
 //! 2. the page version (LSN of the newest value at or below `lsn`) is looked up in the index;
 //!    none: not found;
 //! 3. page cache hit: done;
-//! 4. otherwise the newest image and the records above it are read from disk; an image with no
+//! 4. otherwise the newest image and the records above it are read from disk (after checking
+//!    their count and size against the redo limits from the index alone); an image with no
 //!    records is the page itself, else the redo manager reconstructs it; the page is cached.
 //!
 //! Invariant: every request carries the tenant id in its tracing span; page bytes are shared
@@ -25,8 +26,16 @@ use walredo_proc::protocol::BufferTag;
 
 use crate::page_cache::PageCache;
 use crate::page_service::proto::{IngestValue, ValueKind, LSN_LATEST};
-use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, Timeline, Value, WaitLsnError};
-use crate::walredo::{lock, ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
+use crate::storage::{
+    self, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, Value, WaitLsnError,
+};
+use crate::walredo::{lock, ProcessKind, RedoError, WalRedoManager, WalRedoStatus, MAX_RECORDS_PER_REQUEST};
+
+/// What one GetPage may read to rebuild a page: at most the records one redo request may carry,
+/// and at most this many bytes of image and records (checked from the index before reading).
+pub const MAX_RECONSTRUCT_BYTES: u64 = 256 << 20;
+const RECONSTRUCT_LIMITS: ReadLimits =
+    ReadLimits { max_records: MAX_RECORDS_PER_REQUEST, max_bytes: MAX_RECONSTRUCT_BYTES };
 
 /// File in the tenant's directory holding its overrides; its presence marks a complete tenant.
 pub const TENANT_CONFIG_FILE: &str = "tenant.toml";
@@ -160,9 +169,11 @@ impl Tenant {
         if let Some(page) = self.deps.cache.get(&cache_key) {
             return Ok((lsn.0, page));
         }
-        let data = match self.timeline.get_reconstruct_data(key, lsn) {
+        let data = match self.timeline.get_reconstruct_data(key, lsn, RECONSTRUCT_LIMITS) {
             Ok(data) => data,
             Err(GetError::NotFound { .. }) => return Err(GetPageError::NotFound { key, lsn }),
+            // The same refusal the redo manager would give, before anything is read.
+            Err(GetError::TooLarge(why)) => return Err(GetPageError::Redo(RedoError::InvalidRequest(why))),
             Err(GetError::Io(e)) => return Err(GetPageError::Internal(e)),
         };
         let page = match (data.image, data.records.is_empty()) {

@@ -388,7 +388,7 @@ mod tests {
         assert_eq!(m.group_commit_batches.get_sample_sum(), 64.0);
         assert_eq!(m.group_commit_batches.get_sample_count(), fsyncs);
         for i in 0..64u32 {
-            tl.get_reconstruct_data(key(i), Lsn(64)).unwrap();
+            tl.get_reconstruct_data(key(i), Lsn(64), NO_LIMITS).unwrap();
         }
     }
 
@@ -430,7 +430,7 @@ mod tests {
         assert!(task.await.unwrap_err().is_cancelled());
         tl.hold_commits(false);
         tl.wait_lsn(Lsn(42), T).await.unwrap();
-        let d = tl.get_reconstruct_data(key(1), Lsn(42)).unwrap();
+        let d = tl.get_reconstruct_data(key(1), Lsn(42), NO_LIMITS).unwrap();
         assert_eq!(d.records, vec![(Lsn(42), bytes_of(&record("x")))]);
         let err = tl.ingest(batch(vec![(key(2), 42, record("y"))])).await.unwrap_err();
         assert!(matches!(err, IngestError::LsnWentBackwards { .. }), "{err}");
@@ -453,7 +453,7 @@ mod tests {
         assert_eq!((m.write_errors.get(), m.failed_timelines.get()), (1, 1));
         // Nothing of the failed batch is visible; earlier data still is.
         assert_eq!(tl.last_durable_lsn(), Lsn(1));
-        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(2)).unwrap().records.len(), 1);
+        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(2), NO_LIMITS).unwrap().records.len(), 1);
         tl.shutdown().await;
         drop(tl);
         assert_eq!(m.failed_timelines.get(), 0);
@@ -467,7 +467,7 @@ mod tests {
 
     /// Whether the value ingested at `lsn` for `k` is served after a reopen.
     fn stored_at(tl: &Timeline, k: u32, lsn: u64) -> bool {
-        match tl.get_reconstruct_data(key(k), Lsn(lsn)) {
+        match tl.get_reconstruct_data(key(k), Lsn(lsn), NO_LIMITS) {
             Ok(d) => d.image.is_some_and(|(at, _)| at == Lsn(lsn)),
             Err(GetError::NotFound { .. }) => false,
             Err(e) => panic!("{e}"),
@@ -536,13 +536,16 @@ mod tests {
 
         let check = |tl: &Timeline| {
             for i in 1..=30u64 {
-                let d = tl.get_reconstruct_data(key(1), Lsn(i * 10 + 5)).unwrap();
+                let d = tl.get_reconstruct_data(key(1), Lsn(i * 10 + 5), NO_LIMITS).unwrap();
                 assert_eq!(d.image, Some((Lsn(i * 10), bytes_of(&image(i as u8)))));
-                let d = tl.get_reconstruct_data(key(2), Lsn(i * 10)).unwrap();
+                let d = tl.get_reconstruct_data(key(2), Lsn(i * 10), NO_LIMITS).unwrap();
                 assert_eq!(d.records.len(), i as usize);
                 assert_eq!(d.records[i as usize - 1], (Lsn(i * 10), bytes_of(&record(&format!("r{i}")))));
             }
-            assert!(matches!(tl.get_reconstruct_data(key(1), Lsn(9)), Err(GetError::NotFound { .. })));
+            assert!(matches!(
+                tl.get_reconstruct_data(key(1), Lsn(9), NO_LIMITS),
+                Err(GetError::NotFound { .. })
+            ));
         };
         check(&tl);
         drop(tl);

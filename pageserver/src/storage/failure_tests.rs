@@ -39,7 +39,7 @@ async fn ingest_until_accepted(tl: &Timeline, lsn: u64) {
 
 /// Whether the image ingested at `lsn` is what `lsn` reads.
 fn has_image(tl: &Timeline, lsn: u64) -> bool {
-    match tl.get_reconstruct_data(key(lsn as u32 % 64), Lsn(lsn)) {
+    match tl.get_reconstruct_data(key(lsn as u32 % 64), Lsn(lsn), NO_LIMITS) {
         Ok(d) => d.image.is_some_and(|(at, img)| at == Lsn(lsn) && img == bytes_of(&image(lsn as u8))),
         Err(GetError::NotFound { .. }) => false,
         Err(e) => panic!("{e}"),

@@ -167,10 +167,23 @@ pub struct StorageWriteError {
     pub fatal: bool,
 }
 
+/// Limits on what one [`Timeline::get_reconstruct_data`] may read, checked from the in-memory
+/// index before any value is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadLimits {
+    /// Records above the newest image.
+    pub max_records: usize,
+    /// Bytes of the image and the records together.
+    pub max_bytes: u64,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GetError {
     #[error("no value for {key:?} at or below lsn {lsn}")]
     NotFound { key: Key, lsn: Lsn },
+    /// Rebuilding the page would need more than the read limits allow; nothing was read.
+    #[error("page too expensive to rebuild: {0}")]
+    TooLarge(String),
     #[error("storage read failed: {0:#}")]
     Io(anyhow::Error),
 }
@@ -265,11 +278,14 @@ mod tests {
     async fn get_of_unknown_key_or_below_first_value_is_not_found() {
         let dir = tempfile::tempdir().unwrap();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
-        assert!(matches!(tl.get_reconstruct_data(key(1), Lsn(5)), Err(GetError::NotFound { .. })));
+        assert!(matches!(tl.get_reconstruct_data(key(1), Lsn(5), NO_LIMITS), Err(GetError::NotFound { .. })));
         tl.ingest(batch(vec![(key(1), 10, record("a"))])).await.unwrap();
-        let err = tl.get_reconstruct_data(key(1), Lsn(9)).unwrap_err();
+        let err = tl.get_reconstruct_data(key(1), Lsn(9), NO_LIMITS).unwrap_err();
         assert!(matches!(err, GetError::NotFound { lsn: Lsn(9), .. }), "{err}");
-        assert!(matches!(tl.get_reconstruct_data(key(2), Lsn(10)), Err(GetError::NotFound { .. })));
+        assert!(matches!(
+            tl.get_reconstruct_data(key(2), Lsn(10), NO_LIMITS),
+            Err(GetError::NotFound { .. })
+        ));
     }
 
     #[tokio::test]
@@ -289,7 +305,10 @@ mod tests {
         let err = tl.ingest(batch(vec![(key(3), 0, record("x"))])).await.unwrap_err();
         assert!(err.to_string().contains("last ingested is 0/14"), "{err}");
         tl.ingest(batch(vec![(key(3), 21, record("c"))])).await.unwrap();
-        assert!(matches!(tl.get_reconstruct_data(key(3), Lsn(20)), Err(GetError::NotFound { .. })));
+        assert!(matches!(
+            tl.get_reconstruct_data(key(3), Lsn(20), NO_LIMITS),
+            Err(GetError::NotFound { .. })
+        ));
     }
 
     #[tokio::test]

@@ -107,3 +107,7 @@ impl Drop for Tmpfs {
         let _ = std::process::Command::new("umount").arg("-l").arg(self.dir.path()).status();
     }
 }
+
+/// Read limits that never refuse.
+pub(crate) const NO_LIMITS: super::ReadLimits =
+    super::ReadLimits { max_records: usize::MAX, max_bytes: u64::MAX };

@@ -22,8 +22,8 @@ use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    commit, index, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReconstructData,
-    StorageConf, StorageMetrics, StorageWriteError, TimelineStats, Value, WaitLsnError,
+    commit, index, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits,
+    ReconstructData, StorageConf, StorageMetrics, StorageWriteError, TimelineStats, Value, WaitLsnError,
 };
 
 /// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
@@ -297,11 +297,17 @@ impl Timeline {
 
     /// The newest image of `key` at or below `lsn` and the records above it up to `lsn`, oldest
     /// first; without an image, all records at or below `lsn`. Blocking file reads (positional,
-    /// mostly from the page cache); every value's checksum is verified.
-    pub fn get_reconstruct_data(&self, key: Key, lsn: Lsn) -> Result<ReconstructData, GetError> {
+    /// mostly from the page cache); every value's checksum is verified. More than `limits`
+    /// (counted from the index) is `TooLarge`, with nothing read.
+    pub fn get_reconstruct_data(
+        &self,
+        key: Key,
+        lsn: Lsn,
+        limits: ReadLimits,
+    ) -> Result<ReconstructData, GetError> {
         let plan = {
             let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-            index.plan(key, lsn).map_err(GetError::Io)?
+            index.plan(key, lsn, limits)?
         };
         match plan {
             None => Err(GetError::NotFound { key, lsn }),
@@ -418,24 +424,24 @@ mod tests {
         tl.ingest(batch(vec![(k, 40, record("r40")), (k, 50, record("r50"))])).await.unwrap();
         assert_eq!(tl.last_durable_lsn(), Lsn(50));
 
-        let latest = tl.get_reconstruct_data(k, Lsn(u64::MAX)).unwrap();
+        let latest = tl.get_reconstruct_data(k, Lsn(u64::MAX), NO_LIMITS).unwrap();
         assert_eq!(latest.image, Some((Lsn(30), bytes_of(&image(3)))));
         let recs = vec![(Lsn(40), bytes_of(&record("r40"))), (Lsn(50), bytes_of(&record("r50")))];
         assert_eq!(latest.records, recs);
 
-        let at45 = tl.get_reconstruct_data(k, Lsn(45)).unwrap();
+        let at45 = tl.get_reconstruct_data(k, Lsn(45), NO_LIMITS).unwrap();
         assert_eq!(at45.image, Some((Lsn(30), bytes_of(&image(3)))));
         assert_eq!(at45.records, recs[..1]);
 
-        let at30 = tl.get_reconstruct_data(k, Lsn(30)).unwrap();
+        let at30 = tl.get_reconstruct_data(k, Lsn(30), NO_LIMITS).unwrap();
         assert_eq!((at30.image.map(|i| i.0), at30.records.len()), (Some(Lsn(30)), 0));
 
-        let at29 = tl.get_reconstruct_data(k, Lsn(29)).unwrap();
+        let at29 = tl.get_reconstruct_data(k, Lsn(29), NO_LIMITS).unwrap();
         assert_eq!(at29.image, None);
         let old = vec![(Lsn(10), bytes_of(&record("init"))), (Lsn(20), bytes_of(&record("r20")))];
         assert_eq!(at29.records, old);
 
-        let o = tl.get_reconstruct_data(other, Lsn(10)).unwrap();
+        let o = tl.get_reconstruct_data(other, Lsn(10), NO_LIMITS).unwrap();
         assert_eq!((o.image, o.records.len()), (Some((Lsn(10), bytes_of(&image(9)))), 0));
         assert_eq!(
             tl.stats(),
@@ -456,7 +462,7 @@ mod tests {
         let values = (0..100).map(|b| (key(b), 7, record(&format!("v{b}")))).collect();
         tl.ingest(batch(values)).await.unwrap();
         for b in 0..100 {
-            let d = tl.get_reconstruct_data(key(b), Lsn(7)).unwrap();
+            let d = tl.get_reconstruct_data(key(b), Lsn(7), NO_LIMITS).unwrap();
             assert_eq!(d.records, vec![(Lsn(7), bytes_of(&record(&format!("v{b}"))))]);
         }
     }
@@ -508,7 +514,7 @@ mod tests {
         let err = tl.wait_lsn(Lsn(6), T).await.unwrap_err();
         assert!(matches!(err, WaitLsnError::ShuttingDown { .. }), "{err}");
         // Reads keep working after shutdown.
-        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(5)).unwrap().records.len(), 1);
+        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(5), NO_LIMITS).unwrap().records.len(), 1);
     }
 
     #[tokio::test]
@@ -538,7 +544,7 @@ mod tests {
         let tl = open(&dir.path().join("tenant/timeline"), DEFAULT_LAYER_SIZE, &m);
         assert_eq!(tl.stats(), stats);
         for i in 1..=20u32 {
-            let d = tl.get_reconstruct_data(key(i % 3), Lsn(u64::from(i) * 10)).unwrap();
+            let d = tl.get_reconstruct_data(key(i % 3), Lsn(u64::from(i) * 10), NO_LIMITS).unwrap();
             let newest = d.records.last().map(|r| r.0).or(d.image.as_ref().map(|i| i.0));
             assert_eq!(newest, Some(Lsn(u64::from(i) * 10)));
         }
@@ -557,7 +563,7 @@ mod tests {
         }
         drop(tl);
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
-        let d = tl.get_reconstruct_data(key(1), Lsn(10)).unwrap();
+        let d = tl.get_reconstruct_data(key(1), Lsn(10), NO_LIMITS).unwrap();
         let want: Vec<_> = (1..=10u64).map(|i| (Lsn(i), bytes_of(&record(&format!("r{i}"))))).collect();
         assert_eq!(d.records, want);
     }

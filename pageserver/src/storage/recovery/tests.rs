@@ -45,7 +45,7 @@ async fn three_batches(dir: &Path, m: &Arc<StorageMetrics>) {
 }
 
 fn records_of(tl: &Timeline, lsn: u64) -> Vec<u64> {
-    match tl.get_reconstruct_data(key(1), Lsn(lsn)) {
+    match tl.get_reconstruct_data(key(1), Lsn(lsn), NO_LIMITS) {
         Ok(d) => d.records.iter().map(|r| r.0 .0).collect(),
         Err(GetError::NotFound { .. }) => vec![],
         Err(e) => panic!("{e}"),
@@ -81,7 +81,7 @@ async fn torn_tail_of_active_segment_is_cut_and_later_ingests_survive_reopen() {
         let mut want = want.to_vec();
         want.push(last + 1);
         assert_eq!(records_of(&tl, 100), want, "{damage}");
-        let d = tl.get_reconstruct_data(key(1), Lsn(last + 1)).unwrap();
+        let d = tl.get_reconstruct_data(key(1), Lsn(last + 1), NO_LIMITS).unwrap();
         assert_eq!(d.records.last().unwrap().1, bytes_of(&record("after")));
     }
 }
@@ -115,7 +115,7 @@ async fn crash_during_concurrent_ingest_keeps_every_batch_acknowledged_before_it
         let crashed = snapshot(dir.path());
         let recovered = open(crashed.path(), BIG, &metrics());
         assert!(recovered.last_durable_lsn() >= acked);
-        let d = recovered.get_reconstruct_data(key(1), acked).unwrap();
+        let d = recovered.get_reconstruct_data(key(1), acked, NO_LIMITS).unwrap();
         assert_eq!(d.records.len() as u64, acked.0);
         assert!(d
             .records
@@ -243,12 +243,12 @@ async fn crash_after_rename_before_new_active_segment_recreates_it() {
         assert_eq!(tl.last_durable_lsn(), Lsn(20));
         let man = manifest::read(dir.path()).unwrap().unwrap();
         assert_eq!((man.layers.len(), man.sealing.is_none(), man.active.base_lsn), (2, true, 20));
-        let d = tl.get_reconstruct_data(key(1), Lsn(15)).unwrap();
+        let d = tl.get_reconstruct_data(key(1), Lsn(15), NO_LIMITS).unwrap();
         assert_eq!(d.image, Some((Lsn(10), bytes_of(&image(1)))));
         tl.ingest(batch(vec![(key(1), 30, record("r30"))])).await.unwrap();
         drop(tl);
         let tl = open(dir.path(), 8_000, &m);
-        let d = tl.get_reconstruct_data(key(1), Lsn(30)).unwrap();
+        let d = tl.get_reconstruct_data(key(1), Lsn(30), NO_LIMITS).unwrap();
         assert_eq!(d.image.unwrap().0, Lsn(20));
         assert_eq!(d.records, vec![(Lsn(30), bytes_of(&record("r30")))]);
     }
@@ -384,7 +384,7 @@ async fn client_value_that_forges_a_layer_footer_is_not_taken_for_an_interrupted
         assert_eq!(layer_count(dir.path()), 0, "v1: {v1}");
         assert_eq!(records_of(&tl, 40), [10, 20, 30], "v1: {v1}");
         assert_eq!(tl.last_durable_lsn(), Lsn(40));
-        assert!(tl.get_reconstruct_data(key(2), Lsn(40)).is_ok());
+        assert!(tl.get_reconstruct_data(key(2), Lsn(40), NO_LIMITS).is_ok());
         tl.ingest(batch(vec![(key(1), 50, record("r50"))])).await.unwrap();
         drop(tl);
         let tl = open(dir.path(), BIG, &m);
@@ -503,7 +503,7 @@ fn kill_9_during_ingest_and_seals_loses_no_acknowledged_batch() {
         assert!(tl.last_durable_lsn() >= Lsn(max_acked));
         for lsn in 1..=max_acked {
             let (k, v) = kill9_value(lsn);
-            let d = tl.get_reconstruct_data(k, Lsn(lsn)).unwrap();
+            let d = tl.get_reconstruct_data(k, Lsn(lsn), NO_LIMITS).unwrap();
             let newest = d.records.last().or(d.image.as_ref()).unwrap();
             assert_eq!(newest, &(Lsn(lsn), bytes_of(&v)), "lsn {lsn}");
         }
