@@ -226,6 +226,7 @@ fn recover_v1(
     mut listing: Listing,
     metrics: &StorageMetrics,
 ) -> anyhow::Result<Recovered> {
+    refuse_lost_manifest(dir, &listing)?;
     if listing.active {
         if let Some(name) = finish_interrupted_seal(dir, &dir.join(ACTIVE_NAME), dir_file, metrics)? {
             listing.layers.push(name);
@@ -254,6 +255,33 @@ fn recover_v1(
     }
     let floor = opened.last_lsn;
     opened.finish(segment, floor, m)
+}
+
+/// Fails if a file of the directory was written next to a manifest (format version 2): then the
+/// manifest was lost, and the listing alone cannot show what else is missing. One exception: an
+/// `active.seg` holding nothing but its header and no layers is a new timeline whose first open
+/// stopped before its manifest was written.
+fn refuse_lost_manifest(dir: &Path, listing: &Listing) -> anyhow::Result<()> {
+    let active = listing.active.then_some(ACTIVE_NAME);
+    for name in listing.layers.iter().map(String::as_str).chain(active) {
+        let Ok(file) = File::open(dir.join(name)) else {
+            continue;
+        };
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let mut header = [0u8; FILE_HEADER_LEN as usize];
+        let version = match read_at(&file, &mut header, 0) {
+            Ok(()) => format::check_file_header(&header).unwrap_or(0),
+            Err(_) => 0,
+        };
+        let new_timeline = name == ACTIVE_NAME && listing.layers.is_empty() && len <= FILE_HEADER_LEN;
+        if version >= 2 && !new_timeline {
+            bail!(
+                "{MANIFEST_NAME} is missing, but {name} was written with one (format version {version}): \
+                 restore the manifest; the directory alone cannot show which files are gone"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// If `active.seg` at `path` already is a complete layer (a sealed segment: frames, then an

@@ -146,7 +146,7 @@ fn append_seal_index(dir: &Path, keep: Option<u64>, v1: bool) {
         file.set_len(len + keep).unwrap();
     }
     if v1 {
-        std::fs::remove_file(dir.join(MANIFEST_NAME)).unwrap();
+        make_version_1(dir);
     }
 }
 
@@ -307,6 +307,38 @@ async fn unexpected_or_resized_layer_file_is_refused_naming_it() {
     assert!(err.contains("bytes") && err.contains("layer_"), "{err}");
 }
 
+/// Turns `dir` into what a version 1 pageserver would have left: no manifest, and version 1
+/// file headers on the active segment and every layer.
+fn make_version_1(dir: &Path) {
+    std::fs::remove_file(dir.join(MANIFEST_NAME)).unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name == ACTIVE_NAME || layer::parse_file_name(&name).is_some() {
+            let f = OpenOptions::new().write(true).open(&path).unwrap();
+            f.write_all_at(&format::file_header_of_version(1), 0).unwrap();
+        }
+    }
+}
+
+#[tokio::test]
+async fn lost_manifest_is_refused_when_the_files_were_written_with_one() {
+    let dir = tempfile::tempdir().unwrap();
+    two_layers(dir.path(), &metrics()).await;
+    std::fs::remove_file(dir.path().join(MANIFEST_NAME)).unwrap();
+    // Without the manifest, deleting the newest layer would go unnoticed: refuse instead.
+    std::fs::remove_file(dir.path().join(layer::file_name(Lsn(20), Lsn(20)))).unwrap();
+    let err = open_err(dir.path());
+    assert!(err.contains("manifest.json is missing"), "{err}");
+
+    // A new timeline whose first open stopped before its manifest: nothing to lose, it opens.
+    let dir = tempfile::tempdir().unwrap();
+    drop(open(dir.path(), BIG, &metrics()));
+    std::fs::remove_file(dir.path().join(MANIFEST_NAME)).unwrap();
+    let tl = open(dir.path(), BIG, &metrics());
+    assert_eq!(tl.last_durable_lsn(), Lsn(0));
+}
+
 #[tokio::test]
 async fn version_1_directory_without_manifest_opens_and_gets_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -316,7 +348,7 @@ async fn version_1_directory_without_manifest_opens_and_gets_one() {
     tl.ingest(batch(vec![(key(1), 30, record("r30"))])).await.unwrap();
     drop(tl);
     let before = manifest::read(dir.path()).unwrap().unwrap();
-    std::fs::remove_file(dir.path().join(MANIFEST_NAME)).unwrap();
+    make_version_1(dir.path());
 
     let tl = open(dir.path(), BIG, &m);
     assert_eq!((tl.stats().layers, tl.last_durable_lsn()), (2, Lsn(30)));
@@ -378,7 +410,7 @@ async fn client_value_that_forges_a_layer_footer_is_not_taken_for_an_interrupted
         ingest_forged_footer(&tl, dir.path(), 40).await;
         drop(tl);
         if v1 {
-            std::fs::remove_file(dir.path().join(MANIFEST_NAME)).unwrap();
+            make_version_1(dir.path());
         }
         let tl = open(dir.path(), BIG, &m);
         assert_eq!(layer_count(dir.path()), 0, "v1: {v1}");
