@@ -2,8 +2,8 @@
 //!
 //! One [`Timeline`] owns one directory. Ingested batches are appended as checksummed frames to
 //! the active segment by a committer (rounds on a small thread pool shared by all timelines)
-//! that writes every queued batch and then fsyncs
-//! once (group commit); only then are the batches acknowledged, indexed and visible. A full
+//! that writes every queued batch and then fsyncs once (group commit); only then are the
+//! batches acknowledged, indexed and visible. A full
 //! active segment is sealed in place into an immutable layer file (index + footer appended,
 //! fsync, rename, fsync directory) and recorded in the manifest. On open, recovery checks the
 //! directory against the manifest, finishes or undoes an interrupted seal, loads every layer's
@@ -12,14 +12,15 @@
 //!
 //! Code map: `format` (shared constants and codecs), `segment` (batch frames, the active
 //! segment, the scan), `layer` (index block, footer, layer files), `manifest` (the list of the
-//! timeline's files and the seal intent), `index` (in-memory index
-//! and the read path), `timeline` (the handle: ingest queue, reads, waits, shutdown),
+//! timeline's files and the seal intent), `index` (in-memory index and the read path, with its
+//! limits), `timeline` (the handle: ingest queue, reads, waits, shutdown),
 //! `commit` (the committer: group commit, failure episodes), `seal` (sealing as retryable
 //! steps), `pool` (the commit threads shared by all timelines), `recovery` (open-time repair),
 //! `metrics`.
 //!
 //! **Invariants:**
-//! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it;
+//! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it (after a
+//!   failed round, above the last durable LSN: everything above it was refused);
 //! - a batch is acknowledged only after it was written and fdatasync'd, and it is visible to
 //!   readers ([`Timeline::get_reconstruct_data`], [`Timeline::last_durable_lsn`]) only then;
 //! - value bytes are never held in memory beyond a read or a queued batch;
@@ -27,7 +28,8 @@
 //!   refuses ingests until a retry is due (then the next group is the retry), after a failed
 //!   fsync for good (not retryable: the page cache may have dropped the dirty pages; reopening
 //!   recovers);
-//! - one `Timeline` per directory at a time, enforced by an exclusive `flock` on `lock`.
+//! - one `Timeline` per directory at a time, enforced by an exclusive `flock` on `lock`;
+//! - the directory holds exactly the files its manifest lists (checked at every open).
 
 mod commit;
 #[cfg(test)]
