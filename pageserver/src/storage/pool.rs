@@ -75,3 +75,43 @@ impl Pool {
         }
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::storage::test_support::*;
+    use crate::storage::Lsn;
+
+    /// Threads of this process whose name starts with `prefix`.
+    fn threads_named(prefix: &str) -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter(|t| {
+                let comm =
+                    std::fs::read_to_string(t.as_ref().unwrap().path().join("comm")).unwrap_or_default();
+                comm.starts_with(prefix)
+            })
+            .count()
+    }
+
+    #[tokio::test]
+    async fn two_hundred_timelines_commit_on_the_pool_threads_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = metrics();
+        let timelines: Vec<_> =
+            (0..200).map(|i| open(&dir.path().join(format!("t{i}")), 1 << 30, &m)).collect();
+        let ingests = timelines.iter().enumerate().map(|(i, tl)| {
+            let values = (1..=3u64).map(|lsn| (key(i as u32), lsn, record(&format!("{i}@{lsn}")))).collect();
+            tl.ingest(batch(values))
+        });
+        for r in join_in_order(ingests.collect()).await {
+            assert_eq!(r.unwrap(), Lsn(3));
+        }
+        assert_eq!(threads_named("storage-commit"), COMMIT_THREADS);
+        for (i, tl) in timelines.iter().enumerate() {
+            let d = tl.get_reconstruct_data(key(i as u32), Lsn(3), NO_LIMITS).unwrap();
+            assert_eq!(d.records.len(), 3);
+        }
+    }
+}
