@@ -20,6 +20,9 @@ pub const PAGE_SIZE: usize = 8192;
 pub const MAX_RECORD_LEN: usize = 16384;
 /// Most records one redo request may carry, and so the longest chain a GetPage may need.
 pub const MAX_RECORDS_PER_REQUEST: usize = 65536;
+/// Most bytes (image and records) one GetPage may read to rebuild a page; checked from the index
+/// before anything is read.
+pub const MAX_RECONSTRUCT_BYTES: u64 = 256 << 20;
 /// Size of the wire form of a [`BufferTag`].
 pub const BUFFER_TAG_LEN: usize = 17;
 

@@ -6,7 +6,8 @@
 //! 2. the page version (LSN of the newest value at or below `lsn`) is looked up in the index;
 //!    none: not found;
 //! 3. page cache hit: done;
-//! 4. otherwise the newest image and the records above it are read from disk; an image with no
+//! 4. otherwise the newest image and the records above it are read from disk (after checking
+//!    their count and size against the redo limits from the index alone); an image with no
 //!    records is the page itself, else the redo manager reconstructs it; the page is cached.
 //!
 //! Invariant: every request carries the tenant id in its tracing span; page bytes are shared
@@ -26,8 +27,14 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::page_cache::PageCache;
-use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, Timeline, WaitLsnError};
+use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError};
 use crate::walredo::{lock, ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
+
+/// What one GetPage may read to rebuild a page (checked from the index before reading).
+const RECONSTRUCT_LIMITS: ReadLimits = ReadLimits {
+    max_records: page_types::MAX_RECORDS_PER_REQUEST,
+    max_bytes: page_types::MAX_RECONSTRUCT_BYTES,
+};
 
 /// File in the tenant's directory holding its overrides; its presence marks a complete tenant.
 pub const TENANT_CONFIG_FILE: &str = "tenant.toml";
@@ -91,6 +98,17 @@ pub struct StorageStatus {
     pub values: u64,
     pub layers: u64,
     pub disk_bytes: u64,
+    /// Set while the tenant's storage writes fail (ingest refused): see docs/storage-format.md.
+    pub write_error: Option<StorageWriteErrorStatus>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StorageWriteErrorStatus {
+    pub error: String,
+    /// When this episode of failures began (RFC 3339, UTC).
+    pub since: String,
+    /// Not retried: the tenant must be reloaded (daemon restart).
+    pub fatal: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -222,16 +240,19 @@ impl Tenant {
         if let Some(page) = self.deps.cache.get(&cache_key) {
             return Ok((lsn, page));
         }
-        // Reserve the memory before reading; held until the page is built.
+        let read_error = |e: GetError| match e {
+            GetError::NotFound { .. } => GetPageError::NotFound { key, lsn },
+            // The same refusal the redo manager would give, before anything is read.
+            GetError::TooLarge(why) => GetPageError::Redo(RedoError::InvalidRequest(why)),
+            GetError::Io(e) => GetPageError::Internal(e),
+        };
+        // Check the limits and reserve the memory before reading; held until the page is built.
+        let bytes = self.timeline.reconstruct_bytes(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
         let _reserved = tokio::select! {
-            reserved = self.deps.redo_budget.reserve(self.timeline.reconstruct_bytes(key, lsn)) => reserved?,
+            reserved = self.deps.redo_budget.reserve(bytes) => reserved?,
             () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
         };
-        let data = match self.timeline.get_reconstruct_data(key, lsn) {
-            Ok(data) => data,
-            Err(GetError::NotFound { .. }) => return Err(GetPageError::NotFound { key, lsn }),
-            Err(GetError::Io(e)) => return Err(GetPageError::Internal(e)),
-        };
+        let data = self.timeline.get_reconstruct_data(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
         let page = match (data.image, data.records.is_empty()) {
             (Some((_, image)), true) => image,
             (image, _) => {
@@ -298,6 +319,11 @@ impl Tenant {
                 values: stats.values,
                 layers: stats.layers,
                 disk_bytes: stats.on_disk_bytes,
+                write_error: self.timeline.write_error().map(|e| StorageWriteErrorStatus {
+                    error: e.error,
+                    since: humantime::format_rfc3339_seconds(e.since).to_string(),
+                    fatal: e.fatal,
+                }),
             },
             counters: TenantCounters {
                 get_page_requests: self.counters.get_page_requests.load(Ordering::Relaxed),

@@ -336,6 +336,7 @@ fn get_page_error_code(e: &GetPageError) -> ErrorCode {
     match e {
         GetPageError::NotFound { .. } => ErrorCode::NotFound,
         GetPageError::WaitLsn(WaitLsnError::Timeout { .. }) => ErrorCode::LsnTimeout,
+        GetPageError::WaitLsn(WaitLsnError::StorageUnavailable { .. }) => ErrorCode::StorageUnavailable,
         GetPageError::WaitLsn(WaitLsnError::ShuttingDown { .. }) | GetPageError::ShuttingDown => {
             ErrorCode::ShuttingDown
         }
@@ -361,6 +362,7 @@ fn ingest_error_code(e: &IngestError) -> ErrorCode {
     match e {
         IngestError::Invalid(_) | IngestError::LsnWentBackwards { .. } => ErrorCode::InvalidRequest,
         IngestError::ShuttingDown => ErrorCode::ShuttingDown,
+        IngestError::StorageUnavailable { .. } => ErrorCode::StorageUnavailable,
         IngestError::Io(_) => {
             tracing::error!("failed to ingest: {e:#}");
             ErrorCode::Internal

@@ -108,6 +108,7 @@ pub enum ErrorCode {
     TenantBroken,
     IdleTimeout,
     Overloaded,
+    StorageUnavailable,
     /// A code this version does not know.
     Unknown(u16),
 }
@@ -129,6 +130,7 @@ impl ErrorCode {
             ErrorCode::TenantBroken => 12,
             ErrorCode::IdleTimeout => 13,
             ErrorCode::Overloaded => 14,
+            ErrorCode::StorageUnavailable => 15,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -149,6 +151,7 @@ impl ErrorCode {
             12 => ErrorCode::TenantBroken,
             13 => ErrorCode::IdleTimeout,
             14 => ErrorCode::Overloaded,
+            15 => ErrorCode::StorageUnavailable,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -169,6 +172,7 @@ impl ErrorCode {
             ErrorCode::TenantBroken => "tenant_broken",
             ErrorCode::IdleTimeout => "idle_timeout",
             ErrorCode::Overloaded => "overloaded",
+            ErrorCode::StorageUnavailable => "storage_unavailable",
             ErrorCode::Unknown(_) => "unknown",
         }
     }

@@ -1,140 +1,301 @@
-//! The committer: one std thread per timeline that owns the active segment, turns queued ingest
-//! batches into durable frames with one fdatasync per group (group commit), publishes them, and
-//! seals the segment into a layer when it is full.
+//! The committer of a timeline: owns the active segment, turns queued ingest batches into
+//! durable frames with one fdatasync per group (group commit), publishes them, and seals the
+//! segment into a layer when it is full (the seal's steps are in [`super::seal`]). Its rounds
+//! run on the process's commit pool ([`super::pool`]), one round of a timeline at a time.
 //!
-//! Why a dedicated thread: fsync blocks for milliseconds; while it runs, new batches pile up in
-//! the queue and the next round takes them all, so the fsync rate adapts to the load without a
-//! timer or a knob.
+//! Why rounds: fsync blocks for milliseconds; while it runs, new batches pile up in the queue
+//! and the next round takes them all, so the fsync rate adapts to the load without a timer or a
+//! knob.
 //!
-//! Round: take every queued batch -> append one frame per batch -> fdatasync -> insert the
-//! entries into the index -> publish the last LSN (watch) -> acknowledge every batch -> seal if
-//! the segment reached `layer_size`.
+//! Round: finish a seal left half-done by an earlier failure -> take every queued batch ->
+//! append one frame per batch -> fdatasync -> insert the entries into the index -> publish the
+//! last LSN (watch) -> acknowledge every batch -> seal if the segment reached `layer_size`.
 //!
-//! **Invariants:** only this thread writes to the timeline's directory after open; batches are
-//! written in queue order, which is LSN order; a write, fsync, index or seal error stops the
-//! thread for good and fails every queued batch (an fsync error is not retryable, and a half-done
-//! seal must not be appended to); sealing writes the index and footer, fsyncs, renames and
-//! fsyncs the directory before the next frame can be written to a new `active.seg`.
+//! Failures: a round that fails (ENOSPC, EMFILE, EIO, ...) cuts its group off the segment, fails
+//! the group and everything queued behind it, and puts the timeline in the failed state: ingests
+//! are refused until a retry is due ([`RETRY_INTERVAL`]), then the next group is the retry; a
+//! round that succeeds ends the episode. A failed fsync makes the state fatal (no retry, reopen
+//! the timeline): the kernel may have dropped the dirty pages, so a later fsync proves nothing.
+//! An episode is logged once when it starts (and once more if it turns fatal), and once when it
+//! ends.
+//!
+//! **Invariants:** only the committer writes to the timeline's directory after open; batches are
+//! written in queue order, which is LSN order; a failed group is cut off the segment (truncate to
+//! the group's start, fdatasync) before its batches get their error, so an error means "not
+//! stored"; nothing is appended while the manifest records a seal in progress; the sealing
+//! steps run in order, each at most once successfully, so a failed one is retried from where it
+//! stopped.
 
 use std::fs::File;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 
-use super::layer;
-use super::segment::{ActiveSegment, ACTIVE_NAME};
-use super::timeline::{failed_error, Pending, Shared};
+use super::manifest::{Manifest, SealIntent};
+use super::pool::{self, Pool};
+use super::segment::ActiveSegment;
+use super::timeline::{Failure, Pending, Shared};
+use super::{FsyncFailed, IngestError, StorageWriteError};
 
-/// Starts the committer thread of a timeline.
-pub(super) fn spawn(
+/// How long ingests are refused after a failed round before the next group may retry.
+pub(crate) const RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A timeline's committer as the commit pool sees it: the committer state, and whether the
+/// timeline is in the pool's run queue (or being run).
+pub(super) struct Job {
     shared: Arc<Shared>,
-    dir_file: File,
-    segment: ActiveSegment,
-    next_file_id: u32,
-) -> anyhow::Result<JoinHandle<()>> {
-    let committer = Committer { shared, dir_file, segment, next_file_id, buf: Vec::new() };
-    std::thread::Builder::new()
-        .name("storage-commit".to_string())
-        .spawn(move || committer.run())
-        .context("spawn committer thread")
+    /// `None` once the committer has stopped.
+    committer: Mutex<Option<Committer>>,
+    scheduled: AtomicBool,
+    pool: Arc<Pool>,
 }
 
-struct Committer {
-    shared: Arc<Shared>,
+/// Sets up the committer of a timeline on the process's commit pool; `shared.wake()` then
+/// schedules it.
+pub(super) fn start(
+    shared: &Arc<Shared>,
     dir_file: File,
     segment: ActiveSegment,
     next_file_id: u32,
+    manifest: Manifest,
+) -> anyhow::Result<Arc<Job>> {
+    let committer = Committer {
+        shared: Arc::clone(shared),
+        dir_file,
+        segment,
+        next_file_id,
+        manifest,
+        seal: SealState::Idle,
+        buf: Vec::new(),
+    };
+    Ok(Arc::new(Job {
+        shared: Arc::clone(shared),
+        committer: Mutex::new(Some(committer)),
+        scheduled: AtomicBool::new(false),
+        pool: pool::get()?,
+    }))
+}
+
+impl Job {
+    /// Puts the timeline in the pool's run queue unless it is there (or running) already.
+    pub(super) fn schedule(self: &Arc<Self>) {
+        if !self.scheduled.swap(true, Ordering::SeqCst) {
+            self.pool.push(Arc::clone(self));
+        }
+    }
+
+    /// Runs one round on a pool worker, then reschedules if more work arrived meanwhile.
+    pub(super) fn run(self: &Arc<Self>) {
+        let mut slot = self.committer.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(committer) = slot.as_mut() else {
+            return;
+        };
+        let step = {
+            let _span = self.shared.span.clone().entered();
+            std::panic::catch_unwind(AssertUnwindSafe(|| committer.step()))
+        };
+        let panicked = step.is_err();
+        if panicked || step.is_ok_and(|go_on| !go_on) {
+            // Stopped (or broken): the committer and its files go; `scheduled` stays set, so
+            // the timeline is never queued again.
+            *slot = None;
+            drop(slot);
+            stopped(&self.shared, panicked);
+            return;
+        }
+        drop(slot);
+        self.scheduled.store(false, Ordering::SeqCst);
+        if self.shared.queue().has_work() {
+            self.schedule();
+        }
+    }
+}
+
+/// Marks the committer of `shared` as stopped: fails what is still queued, refuses ingests,
+/// wakes `wait_lsn` and `shutdown`.
+fn stopped(shared: &Shared, panicked: bool) {
+    let mut q = shared.queue();
+    if panicked {
+        tracing::error!(parent: &shared.span, "storage commit round panicked, refusing ingests");
+    }
+    let error = match &q.failure {
+        Some(f) => f.error(),
+        None if panicked => IngestError::Io(anyhow::anyhow!("storage commit round panicked")),
+        None => IngestError::ShuttingDown,
+    };
+    let queued = std::mem::take(&mut q.pending);
+    q.stopping = true;
+    if q.failure.take().is_some() {
+        shared.metrics.failed_timelines.dec();
+    }
+    drop(q);
+    fail_all(queued, &error);
+    shared.budget.close();
+    shared.stopped.cancel();
+    *shared.exited.lock().unwrap_or_else(PoisonError::into_inner) = true;
+    shared.exited_cv.notify_all();
+}
+
+pub(super) struct Committer {
+    pub(super) shared: Arc<Shared>,
+    pub(super) dir_file: File,
+    /// The active segment (during a seal: the one being sealed).
+    pub(super) segment: ActiveSegment,
+    pub(super) next_file_id: u32,
+    /// The manifest as last written.
+    pub(super) manifest: Manifest,
+    pub(super) seal: SealState,
     /// Reused frame encoding buffer.
     buf: Vec<u8>,
 }
 
-/// Marks the committer as stopped however its thread ends (including a panic).
-struct StoppedGuard(Arc<Shared>);
+/// How far a seal has got; the manifest records the intent from `Intent` on.
+pub(super) enum SealState {
+    /// No seal in progress: groups may be appended.
+    Idle,
+    /// The intent is durable; `active.seg` is not renamed yet.
+    Intent(SealIntent),
+    /// `active.seg` is a layer now; the next active segment, once created, waits for the
+    /// manifest that records both.
+    Renamed { intent: SealIntent, next: Option<ActiveSegment> },
+}
 
-impl Drop for StoppedGuard {
-    fn drop(&mut self) {
-        let mut q = self.0.queue();
-        if q.failed.is_none() && std::thread::panicking() {
-            q.failed = Some("committer thread panicked".to_string());
+fn clone_error(e: &IngestError) -> IngestError {
+    match e {
+        IngestError::StorageUnavailable { error, fatal } => {
+            IngestError::StorageUnavailable { error: error.clone(), fatal: *fatal }
         }
-        let reason = q.failed.clone().unwrap_or_else(|| "timeline shut down".to_string());
-        for p in q.pending.drain(..) {
-            let _ = p.done.send(Err(failed_error(&reason)));
-        }
-        q.stopping = true;
-        drop(q);
-        self.0.budget.close();
-        self.0.stopped.cancel();
+        IngestError::ShuttingDown => IngestError::ShuttingDown,
+        other => IngestError::Io(anyhow::anyhow!("{other}")),
     }
 }
 
+/// A failure after which the state on disk is not known: fatal like a failed fsync.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Unrecoverable(String);
+
+/// Whether `e` is fatal for the timeline: a failed fsync (see [`FsyncFailed`]) or a failed
+/// cleanup after a failed write.
+fn is_fatal(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<FsyncFailed>() || c.is::<Unrecoverable>())
+}
+
 impl Committer {
-    fn run(mut self) {
-        let _guard = StoppedGuard(self.shared.clone());
-        let _span = self.shared.span.clone().entered();
-        while let Some((group, fail_fsync)) = self.next_group() {
-            if let Err(e) = self.commit_round(group, fail_fsync) {
-                let reason = format!("{e:#}");
-                tracing::error!("failed to commit, refusing further ingests: {reason}");
-                self.shared.queue().failed = Some(reason);
-                break;
+    /// One round: takes every queued batch (with the test hook `fail_next_fsync`) and commits
+    /// it as one group. `false` once stopping with nothing queued: the committer is done.
+    fn step(&mut self) -> bool {
+        let (group, fail_fsync) = {
+            let mut q = self.shared.queue();
+            if q.pending.is_empty() || (q.hold && !q.stopping) {
+                return !q.stopping;
             }
+            (std::mem::take(&mut q.pending), std::mem::take(&mut q.fail_next_fsync))
+        };
+        match self.commit_round(group, fail_fsync) {
+            Ok(()) => self.succeeded(),
+            Err((e, unanswered)) => self.failed(e, unanswered),
         }
+        true
     }
 
-    /// Waits for queued batches and takes them all (with the test hook `fail_next_fsync`);
-    /// `None` once stopping with nothing queued.
-    fn next_group(&self) -> Option<(Vec<Pending>, bool)> {
-        let mut q = self.shared.queue();
-        loop {
-            if !q.pending.is_empty() && (!q.hold || q.stopping) {
-                let fail_fsync = std::mem::take(&mut q.fail_next_fsync);
-                return Some((std::mem::take(&mut q.pending), fail_fsync));
-            }
-            if q.stopping {
-                return None;
-            }
-            q = self.shared.queue_cv.wait(q).unwrap_or_else(PoisonError::into_inner);
+    /// Finishes a pending seal, makes `group` durable and acknowledges it, then seals if the
+    /// segment is full. A failure before the group is durable returns the group unanswered.
+    fn commit_round(
+        &mut self,
+        group: Vec<Pending>,
+        fail_fsync: bool,
+    ) -> Result<(), (anyhow::Error, Vec<Pending>)> {
+        if let Some(f) = self.shared.queue().failure.as_ref().filter(|f| f.state.fatal) {
+            return Err((anyhow::anyhow!("{}", f.state.error), group));
         }
-    }
-
-    /// Makes `group` durable and acknowledges it, then seals if the segment is full. On error,
-    /// every batch of the group gets the error.
-    fn commit_round(&mut self, group: Vec<Pending>, fail_fsync: bool) -> anyhow::Result<()> {
-        match self.write_group(&group, fail_fsync) {
-            Ok(()) => {
-                for p in group {
-                    let _ = p.done.send(Ok(p.last_lsn));
-                }
-            }
-            Err(e) => {
-                for p in group {
-                    let _ = p.done.send(Err(failed_error(&format!("{e:#}"))));
-                }
-                return Err(e);
-            }
+        let written = self.advance_seal().and_then(|()| self.write_group(&group, fail_fsync));
+        if let Err(e) = written {
+            return Err((e, group));
         }
-        if self.segment.len >= self.shared.conf.layer_size {
-            self.seal().context("seal active segment")?;
+        // The episode ends before the acknowledgements (whoever sees one sees the state
+        // healthy), unless a seal still has to run: then it ends when the seal is done too.
+        let seal_due =
+            !matches!(self.seal, SealState::Idle) || self.segment.len >= self.shared.conf.layer_size;
+        if !seal_due {
+            self.succeeded();
         }
-        Ok(())
-    }
-
-    fn write_group(&mut self, group: &[Pending], fail_fsync: bool) -> anyhow::Result<()> {
-        let first_entry = self.segment.entries.len();
-        let mut bytes = 0u64;
         for p in group {
-            self.segment.append(&p.values, &mut self.buf)?;
-            bytes += p.values.iter().map(|(_, _, v)| v.bytes().len() as u64).sum::<u64>();
+            let _ = p.done.send(Ok(p.last_lsn));
+        }
+        self.advance_seal().context("seal active segment").map_err(|e| (e, Vec::new()))
+    }
+
+    /// Ends a failure episode after a round that succeeded.
+    fn succeeded(&mut self) {
+        let mut q = self.shared.queue();
+        if q.failure.as_ref().is_some_and(|f| !f.state.fatal) {
+            if let Some(f) = q.failure.take() {
+                let failing_for = f.state.since.elapsed().unwrap_or_default();
+                tracing::info!(?failing_for, "storage writes work again, accepting ingests");
+                self.shared.metrics.failed_timelines.dec();
+                self.shared.health.send_replace(None);
+            }
+        }
+    }
+
+    /// Starts or continues a failure episode: refuses ingests until the retry is due (or for
+    /// good), fails `unanswered` and everything queued (after the state is visible), and lets
+    /// the next batch start right above the durable LSN.
+    fn failed(&mut self, e: anyhow::Error, unanswered: Vec<Pending>) {
+        let fatal = is_fatal(&e);
+        let error = format!("{e:#}");
+        self.shared.metrics.write_errors.inc();
+        let mut q = self.shared.queue();
+        let (since, was_fatal) = match &q.failure {
+            Some(f) => (f.state.since, f.state.fatal),
+            None => {
+                self.shared.metrics.failed_timelines.inc();
+                (SystemTime::now(), false)
+            }
+        };
+        match (&q.failure, fatal && !was_fatal) {
+            (None, false) => tracing::error!(
+                retry_every = ?RETRY_INTERVAL,
+                "failed to write to storage, refusing ingests until a retry succeeds: {error}"
+            ),
+            (_, true) => tracing::error!(
+                "failed to sync storage, refusing ingests until the timeline is reopened: {error}"
+            ),
+            (Some(_), false) => tracing::debug!("failed to write to storage again: {error}"),
+        }
+        let state = StorageWriteError { error, since, fatal: fatal || was_fatal };
+        let failure = Failure { state: state.clone(), retry_at: Instant::now() + RETRY_INTERVAL };
+        let error = failure.error();
+        let queued = std::mem::take(&mut q.pending);
+        q.failure = Some(failure);
+        q.last_queued = *self.shared.durable.borrow();
+        self.shared.health.send_replace(Some(state));
+        drop(q);
+        fail_all(unanswered, &error);
+        fail_all(queued, &error);
+    }
+
+    /// Writes and fsyncs `group`, then publishes it. If the write or the fsync fails, the
+    /// segment is cut back to where the group started (and synced), so that nothing of a group
+    /// answered with an error survives, not even the frames written before the failure.
+    fn write_group(&mut self, group: &[Pending], fail_fsync: bool) -> anyhow::Result<()> {
+        let start = self.segment.len;
+        let first_entry = self.segment.entries.len();
+        if let Err(e) = self.append_and_sync(group, fail_fsync) {
+            return Err(match self.roll_back(start, first_entry) {
+                Ok(()) => e,
+                Err(cut) => anyhow::Error::new(Unrecoverable(format!(
+                    "{e:#}; cutting the failed group off failed too ({cut:#}): it may survive a restart"
+                ))),
+            });
         }
         let m = &self.shared.metrics;
-        m.fsync(|| match fail_fsync {
-            true => Err(std::io::Error::other("injected fsync failure")),
-            false => self.segment.file.sync_data(),
-        })
-        .context("fdatasync active segment")?;
+        let bytes: u64 = group.iter().flat_map(|p| &p.values).map(|(_, _, v)| v.bytes().len() as u64).sum();
         m.group_commit_batches.observe(group.len() as f64);
         m.ingested_batches.inc_by(group.len() as u64);
         m.ingested_values.inc_by((self.segment.entries.len() - first_entry) as u64);
@@ -153,32 +314,35 @@ impl Committer {
         Ok(())
     }
 
-    /// Turns the active segment into a layer in place and starts a new active segment.
-    /// Steps (see docs/storage-format.md for what recovery does after a crash at each):
-    /// 1. append index block and footer, 2. fdatasync, 3. rename `active.seg` to the layer name,
-    /// 4. fsync the directory, 5. create a new `active.seg` (header, fsync, fsync directory).
-    fn seal(&mut self) -> anyhow::Result<()> {
-        let (first, last) = self.segment.lsn_range().context("seal an empty segment")?;
-        let m = self.shared.metrics.clone();
-        let file = &self.segment.file;
-        let len = layer::append_index_and_footer(file, self.segment.len, &self.segment.entries)?;
-        m.fsync(|| file.sync_data()).context("fdatasync sealed layer")?;
-        let name = layer::file_name(first, last);
-        let dir = &self.shared.dir;
-        std::fs::rename(dir.join(ACTIVE_NAME), dir.join(&name)).context("rename sealed layer")?;
-        m.fsync(|| self.dir_file.sync_all()).context("fsync timeline directory")?;
-        self.shared.layers.fetch_add(1, Ordering::Relaxed);
-        self.shared.sealed_bytes.fetch_add(len, Ordering::Relaxed);
-        m.layer_files.inc();
-        tracing::info!(layer = %name, values = self.segment.entries.len(), bytes = len, "sealed layer");
-
-        let id = self.next_file_id;
-        self.next_file_id += 1;
-        let segment = ActiveSegment::create(dir, &self.dir_file, id, &m)?;
-        self.shared.index.write().unwrap_or_else(PoisonError::into_inner).add_file(id, segment.file.clone());
-        self.shared.active_len.store(segment.len, Ordering::Relaxed);
-        self.segment = segment;
+    fn append_and_sync(&mut self, group: &[Pending], fail_fsync: bool) -> anyhow::Result<()> {
+        for p in group {
+            self.segment.append(&p.values, &mut self.buf)?;
+        }
+        self.shared
+            .metrics
+            .fsync(|| match fail_fsync {
+                true => Err(std::io::Error::other("injected fsync failure")),
+                false => self.segment.file.sync_data(),
+            })
+            .context("fdatasync active segment")?;
         Ok(())
+    }
+
+    /// Cuts the active segment back to `len` bytes and `entries` entries and makes the cut
+    /// durable: what a failed group wrote (whole frames or part of one) is gone from the file.
+    fn roll_back(&mut self, len: u64, entries: usize) -> anyhow::Result<()> {
+        self.segment.entries.truncate(entries);
+        self.segment.len = len;
+        let file = &self.segment.file;
+        file.set_len(len).context("truncate active segment")?;
+        self.shared.metrics.fsync(|| file.sync_data()).context("fdatasync truncated active segment")?;
+        Ok(())
+    }
+}
+
+fn fail_all(batches: Vec<Pending>, error: &IngestError) {
+    for p in batches {
+        let _ = p.done.send(Err(clone_error(error)));
     }
 }
 
@@ -224,7 +388,7 @@ mod tests {
         assert_eq!(m.group_commit_batches.get_sample_sum(), 64.0);
         assert_eq!(m.group_commit_batches.get_sample_count(), fsyncs);
         for i in 0..64u32 {
-            tl.get_reconstruct_data(key(i), Lsn(64)).unwrap();
+            tl.get_reconstruct_data(key(i), Lsn(64), NO_LIMITS).unwrap();
         }
     }
 
@@ -266,7 +430,7 @@ mod tests {
         assert!(task.await.unwrap_err().is_cancelled());
         tl.hold_commits(false);
         tl.wait_lsn(Lsn(42), T).await.unwrap();
-        let d = tl.get_reconstruct_data(key(1), Lsn(42)).unwrap();
+        let d = tl.get_reconstruct_data(key(1), Lsn(42), NO_LIMITS).unwrap();
         assert_eq!(d.records, vec![(Lsn(42), bytes_of(&record("x")))]);
         let err = tl.ingest(batch(vec![(key(2), 42, record("y"))])).await.unwrap_err();
         assert!(matches!(err, IngestError::LsnWentBackwards { .. }), "{err}");
@@ -282,19 +446,72 @@ mod tests {
         let err = tl.ingest(batch(vec![(key(1), 2, record("b"))])).await.unwrap_err();
         assert!(format!("{err}").contains("injected fsync failure"), "{err}");
         let err = tl.ingest(batch(vec![(key(1), 3, record("c"))])).await.unwrap_err();
-        assert!(matches!(err, IngestError::Io(_)), "{err}");
-        assert!(format!("{err}").contains("refuses ingests"), "{err}");
+        assert!(matches!(err, IngestError::StorageUnavailable { fatal: true, .. }), "{err}");
+        assert!(format!("{err}").contains("reopen"), "{err}");
+        let state = tl.write_error().unwrap();
+        assert!(state.fatal && state.error.contains("injected fsync failure"), "{state:?}");
+        assert_eq!((m.write_errors.get(), m.failed_timelines.get()), (1, 1));
         // Nothing of the failed batch is visible; earlier data still is.
         assert_eq!(tl.last_durable_lsn(), Lsn(1));
-        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(2)).unwrap().records.len(), 1);
+        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(2), NO_LIMITS).unwrap().records.len(), 1);
         tl.shutdown().await;
         drop(tl);
+        assert_eq!(m.failed_timelines.get(), 0);
 
         // Reopening recovers: the failed batch was never acknowledged, either outcome is fine,
         // but the timeline accepts ingests again.
         let tl = open(dir.path(), 1 << 30, &m);
         let next = tl.last_durable_lsn().0 + 1;
         tl.ingest(batch(vec![(key(1), next, record("d"))])).await.unwrap();
+    }
+
+    /// Whether the value ingested at `lsn` for `k` is served after a reopen.
+    fn stored_at(tl: &Timeline, k: u32, lsn: u64) -> bool {
+        match tl.get_reconstruct_data(key(k), Lsn(lsn), NO_LIMITS) {
+            Ok(d) => d.image.is_some_and(|(at, _)| at == Lsn(lsn)),
+            Err(GetError::NotFound { .. }) => false,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn disk_full_in_the_middle_of_a_group_leaves_nothing_of_the_failed_batches() {
+        let fs = Tmpfs::mount(1 << 20);
+        let dir = fs.path().join("timeline");
+        let m = metrics();
+        let tl = open(&dir, 1 << 30, &m);
+        for lsn in 1..=10u64 {
+            tl.ingest(batch(vec![(key(lsn as u32), lsn, image(lsn as u8))])).await.unwrap();
+        }
+        // 200 images queued as one group: about 1.6 MiB, so the disk fills part-way through it.
+        tl.hold_commits(true);
+        let group = tokio::spawn({
+            let tl = tl.clone();
+            async move {
+                let futs = (11..=210u64)
+                    .map(|lsn| tl.ingest(batch(vec![(key(lsn as u32), lsn, image(lsn as u8))])))
+                    .collect();
+                join_in_order(futs).await
+            }
+        });
+        while tl.queued_batches() < 200 {
+            tokio::task::yield_now().await;
+        }
+        tl.hold_commits(false);
+        let results = group.await.unwrap();
+        let failed: Vec<u64> = (11..=210u64).filter(|lsn| results[(*lsn - 11) as usize].is_err()).collect();
+        assert!(!failed.is_empty(), "the tmpfs did not fill up");
+        let acked: Vec<u64> = (1..=210u64).filter(|lsn| !failed.contains(lsn)).collect();
+        tl.shutdown().await;
+        drop(tl);
+
+        let tl = open(&dir, 1 << 30, &m);
+        for &lsn in &acked {
+            assert!(stored_at(&tl, lsn as u32, lsn), "acknowledged lsn {lsn} lost");
+        }
+        let found: Vec<u64> = failed.iter().copied().filter(|&lsn| stored_at(&tl, lsn as u32, lsn)).collect();
+        assert!(found.is_empty(), "batches answered with an error were stored: {found:?}");
+        assert_eq!(tl.last_durable_lsn(), Lsn(*acked.last().unwrap()));
     }
 
     #[tokio::test]
@@ -319,13 +536,16 @@ mod tests {
 
         let check = |tl: &Timeline| {
             for i in 1..=30u64 {
-                let d = tl.get_reconstruct_data(key(1), Lsn(i * 10 + 5)).unwrap();
+                let d = tl.get_reconstruct_data(key(1), Lsn(i * 10 + 5), NO_LIMITS).unwrap();
                 assert_eq!(d.image, Some((Lsn(i * 10), bytes_of(&image(i as u8)))));
-                let d = tl.get_reconstruct_data(key(2), Lsn(i * 10)).unwrap();
+                let d = tl.get_reconstruct_data(key(2), Lsn(i * 10), NO_LIMITS).unwrap();
                 assert_eq!(d.records.len(), i as usize);
                 assert_eq!(d.records[i as usize - 1], (Lsn(i * 10), bytes_of(&record(&format!("r{i}")))));
             }
-            assert!(matches!(tl.get_reconstruct_data(key(1), Lsn(9)), Err(GetError::NotFound { .. })));
+            assert!(matches!(
+                tl.get_reconstruct_data(key(1), Lsn(9), NO_LIMITS),
+                Err(GetError::NotFound { .. })
+            ));
         };
         check(&tl);
         drop(tl);

@@ -11,8 +11,12 @@ use super::{Key, Lsn};
 
 /// Magic at offset 0 of every storage file (active segment and sealed layer).
 pub(crate) const FILE_MAGIC: [u8; 8] = *b"PSSTOR01";
-/// Format version stored right after [`FILE_MAGIC`].
-pub(crate) const FORMAT_VERSION: u32 = 1;
+/// Format version written right after [`FILE_MAGIC`]: 2 means "this file's directory has a
+/// manifest" (a file with version 2 and no `manifest.json` beside it means the manifest was
+/// lost). Version 1 files (written before the manifest existed) are still read.
+pub(crate) const FORMAT_VERSION: u32 = 2;
+/// Oldest file format version still read.
+pub(crate) const MIN_FORMAT_VERSION: u32 = 1;
 /// `magic(8) | version u32 | crc32c(bytes 0..12) u32`.
 pub(crate) const FILE_HEADER_LEN: u64 = 16;
 
@@ -71,23 +75,28 @@ pub(crate) struct IndexEntry {
 }
 
 pub(crate) fn file_header() -> [u8; FILE_HEADER_LEN as usize] {
+    file_header_of_version(FORMAT_VERSION)
+}
+
+pub(crate) fn file_header_of_version(version: u32) -> [u8; FILE_HEADER_LEN as usize] {
     let mut h = [0u8; FILE_HEADER_LEN as usize];
     h[..8].copy_from_slice(&FILE_MAGIC);
-    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     let crc = crc32c::crc32c(&h[..12]);
     h[12..16].copy_from_slice(&crc.to_le_bytes());
     h
 }
 
-pub(crate) fn check_file_header(h: &[u8]) -> anyhow::Result<()> {
+/// Checks a file header; returns its format version.
+pub(crate) fn check_file_header(h: &[u8]) -> anyhow::Result<u32> {
     ensure!(h.len() >= FILE_HEADER_LEN as usize, "file header too short");
     ensure!(h[..8] == FILE_MAGIC, "bad file magic");
     let mut c = Cursor::new(&h[8..16]);
     let version = c.u32()?;
     let crc = c.u32()?;
     ensure!(crc == crc32c::crc32c(&h[..12]), "file header checksum mismatch");
-    ensure!(version == FORMAT_VERSION, "unsupported format version {version}");
-    Ok(())
+    ensure!((MIN_FORMAT_VERSION..=FORMAT_VERSION).contains(&version), "unsupported format version {version}");
+    Ok(version)
 }
 
 pub(crate) fn put_key(out: &mut Vec<u8>, key: &Key) {

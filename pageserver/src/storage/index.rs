@@ -7,6 +7,8 @@
 //! adjacent, so a lookup is one range scan backwards from `lsn` to the newest image.
 //!
 //! **Invariants:** the index only holds durable values (the committer inserts after fsync);
+//! a read's size (records and bytes) is checked against its limits from the index alone, before
+//! any value is read;
 //! a `(key, lsn)` is inserted at most once; every entry's file is in `files`. Reads take the lock
 //! only to plan, never across I/O, and check each value's crc32c before returning it.
 
@@ -20,7 +22,7 @@ use anyhow::{ensure, Context};
 use bytes::Bytes;
 
 use super::format::{IndexEntry, Kind};
-use super::{Key, Lsn, ReconstructData};
+use super::{GetError, Key, Lsn, ReadLimits, ReconstructData};
 
 #[derive(Debug, Clone, Copy)]
 struct ValueRef {
@@ -100,12 +102,31 @@ impl Index {
 
     /// Plans the reads for `key` as of `lsn`: the newest image at or below `lsn` and the records
     /// above it, or all records at or below `lsn` if there is no image. `None` if nothing.
-    pub(crate) fn plan(&self, key: Key, lsn: Lsn) -> anyhow::Result<Option<ReadPlan>> {
+    /// Fails with `TooLarge`, before any value is read, when more than `limits` would be read.
+    pub(crate) fn plan(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<ReadPlan>, GetError> {
         let range = (Bound::Included((key, Lsn(0))), Bound::Included((key, lsn)));
         let mut image = None;
         let mut records = Vec::new();
+        let mut bytes = 0u64;
         for (&(_, at), r) in self.map.range(range).rev() {
-            let file = self.files.get(&r.file).with_context(|| format!("file {} gone", r.file))?;
+            bytes += u64::from(r.len);
+            if bytes > limits.max_bytes {
+                return Err(GetError::TooLarge(format!(
+                    "{key:?} at lsn {lsn}: more than {} bytes of image and records from lsn {at} up",
+                    limits.max_bytes
+                )));
+            }
+            if r.kind == Kind::Record && records.len() == limits.max_records {
+                return Err(GetError::TooLarge(format!(
+                    "{key:?} at lsn {lsn}: more than {} records above the newest image (at lsn {at} and up)",
+                    limits.max_records
+                )));
+            }
+            let file = self
+                .files
+                .get(&r.file)
+                .with_context(|| format!("file {} gone", r.file))
+                .map_err(GetError::Io)?;
             let read = ValueRead { lsn: at, file: file.clone(), offset: r.offset, len: r.len, crc: r.crc };
             match r.kind {
                 Kind::Image => {
@@ -161,6 +182,7 @@ fn read_value(r: &ValueRead) -> anyhow::Result<Bytes> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::storage::test_support::NO_LIMITS;
 
     fn key(blk: u32) -> Key {
         Key { spcnode: 1, dbnode: 1, relnode: 1, forknum: 0, blknum: blk }
@@ -201,17 +223,17 @@ mod tests {
         idx.insert(3, &entries).unwrap();
         assert_eq!((idx.keys(), idx.values()), (2, 5));
 
-        let d = idx.plan(key(1), Lsn(35)).unwrap().unwrap().execute().unwrap();
+        let d = idx.plan(key(1), Lsn(35), NO_LIMITS).unwrap().unwrap().execute().unwrap();
         assert_eq!(d.image, Some((Lsn(20), Bytes::from_static(b"i20"))));
         assert_eq!(d.records, vec![(Lsn(30), Bytes::from_static(b"r30"))]);
 
-        let d = idx.plan(key(1), Lsn(19)).unwrap().unwrap().execute().unwrap();
+        let d = idx.plan(key(1), Lsn(19), NO_LIMITS).unwrap().unwrap().execute().unwrap();
         assert_eq!(d.image, None);
         assert_eq!(d.records, vec![(Lsn(10), Bytes::from_static(b"r10"))]);
 
-        assert!(idx.plan(key(1), Lsn(9)).unwrap().is_none());
-        assert!(idx.plan(key(2), Lsn(14)).unwrap().is_none());
-        assert!(idx.plan(key(3), Lsn(100)).unwrap().is_none());
+        assert!(idx.plan(key(1), Lsn(9), NO_LIMITS).unwrap().is_none());
+        assert!(idx.plan(key(2), Lsn(14), NO_LIMITS).unwrap().is_none());
+        assert!(idx.plan(key(3), Lsn(100), NO_LIMITS).unwrap().is_none());
     }
 
     #[test]
@@ -232,7 +254,31 @@ mod tests {
         let mut idx = Index::default();
         idx.add_file(0, f);
         idx.insert(0, &entries).unwrap();
-        let err = idx.plan(key(1), Lsn(10)).unwrap().unwrap().execute().err().unwrap();
+        let err = idx.plan(key(1), Lsn(10), NO_LIMITS).unwrap().unwrap().execute().err().unwrap();
         assert!(format!("{err:#}").contains("checksum mismatch"), "{err:#}");
+    }
+
+    #[test]
+    fn plan_over_the_limits_fails_before_reading_any_value() {
+        // Every stored checksum is wrong: reading any value would fail with a mismatch.
+        let vals: Vec<(Key, u64, Kind, &[u8])> = std::iter::once((key(1), 1, Kind::Image, &b"img"[..]))
+            .chain((2..=11).map(|lsn| (key(1), lsn, Kind::Record, &b"rec"[..])))
+            .collect();
+        let (f, mut entries) = file_with(&vals);
+        entries.iter_mut().for_each(|e| e.crc ^= 1);
+        let mut idx = Index::default();
+        idx.add_file(0, f);
+        idx.insert(0, &entries).unwrap();
+
+        let limits = |max_records, max_bytes| ReadLimits { max_records, max_bytes };
+        let err = idx.plan(key(1), Lsn(11), limits(9, u64::MAX)).err().unwrap();
+        assert!(matches!(&err, GetError::TooLarge(m) if m.contains("more than 9 records")), "{err}");
+        let err = idx.plan(key(1), Lsn(11), limits(100, 32)).err().unwrap();
+        assert!(matches!(&err, GetError::TooLarge(m) if m.contains("more than 32 bytes")), "{err}");
+        // Exactly at the limits: planned (and only then read, which finds the bad checksums).
+        let plan = idx.plan(key(1), Lsn(11), limits(10, 33)).unwrap().unwrap();
+        assert!(format!("{:#}", plan.execute().err().unwrap()).contains("checksum mismatch"));
+        // A key with fewer records than the limit above its image is unaffected by older ones.
+        assert!(idx.plan(key(1), Lsn(3), limits(2, 9)).unwrap().is_some());
     }
 }

@@ -26,6 +26,8 @@ use super::Lsn;
 pub(crate) const INDEX_MAGIC: u32 = u32::from_le_bytes(*b"INDX");
 /// Size of one index entry: key, lsn u64, kind u8, offset u64, len u32, crc u32.
 pub(crate) const INDEX_ENTRY_LEN: usize = KEY_LEN + 8 + 1 + 8 + 4 + 4;
+/// Version of the footer layout, independent of the file header's format version.
+pub(crate) const FOOTER_VERSION: u32 = 1;
 /// Magic at the start of the footer.
 pub(crate) const FOOTER_MAGIC: [u8; 8] = *b"PSLAYER1";
 /// magic(8) version u32 entry_count u64 index_offset u64 index_len u64 first_lsn u64
@@ -58,6 +60,11 @@ pub(crate) fn parse_file_name(name: &str) -> Option<(Lsn, Lsn)> {
             .flatten()
     };
     Some((Lsn(hex(a)?), Lsn(hex(b)?)))
+}
+
+/// Bytes that [`append_index_and_footer`] adds for `entries` index entries.
+pub(crate) fn index_and_footer_len(entries: usize) -> u64 {
+    4 + (entries * INDEX_ENTRY_LEN) as u64 + FOOTER_LEN
 }
 
 /// Appends the index block (entries sorted by key, then LSN) and the footer at `data_end` of
@@ -100,7 +107,7 @@ pub(crate) fn append_index_and_footer(
 fn encode_footer(f: &Footer, out: &mut Vec<u8>) {
     let start = out.len();
     out.extend_from_slice(&FOOTER_MAGIC);
-    out.extend_from_slice(&format::FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&FOOTER_VERSION.to_le_bytes());
     for v in [f.entry_count, f.index_offset, f.index_len, f.first_lsn.0, f.last_lsn.0] {
         out.extend_from_slice(&v.to_le_bytes());
     }
@@ -128,7 +135,7 @@ pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> 
         index_crc: c.u32()?,
     };
     ensure!(c.u32()? == crc32c::crc32c(body), "footer checksum mismatch");
-    ensure!(version == format::FORMAT_VERSION, "unsupported layer version {version}");
+    ensure!(version == FOOTER_VERSION, "unsupported layer footer version {version}");
     ensure!(f.index_offset >= FILE_HEADER_LEN, "index inside the file header");
     ensure!(
         f.index_offset.checked_add(f.index_len).and_then(|x| x.checked_add(FOOTER_LEN)) == Some(file_len),

@@ -20,7 +20,18 @@ pub struct StorageMetrics {
     pub group_commit_batches: Histogram,
     pub layer_files: IntGauge,
     pub torn_tail_truncations: IntCounter,
+    /// Failed commit rounds and seal attempts (write, fsync, file creation, ...).
+    pub write_errors: IntCounter,
+    /// Timelines whose storage writes are currently failing (transiently or for good).
+    pub failed_timelines: IntGauge,
 }
+
+/// An fsync-like call failed. Marks the error as one that is not retried: after a failed
+/// fsync the kernel may have dropped the dirty pages (PostgreSQL's "fsyncgate"), so a later
+/// successful fsync would not prove that the data is on disk.
+#[derive(Debug, thiserror::Error)]
+#[error("fsync failed")]
+pub struct FsyncFailed(#[source] pub std::io::Error);
 
 impl StorageMetrics {
     /// Creates the metrics and registers them in `registry`. Fails if they are already there:
@@ -36,6 +47,11 @@ impl StorageMetrics {
                 .with_context(|| format!("create {name}"))?;
             registry.register(Box::new(h.clone())).with_context(|| format!("register {name}"))?;
             Ok(h)
+        };
+        let gauge = |name: &str, help: &str| -> anyhow::Result<IntGauge> {
+            let g = IntGauge::new(name, help).with_context(|| format!("create {name}"))?;
+            registry.register(Box::new(g.clone())).with_context(|| format!("register {name}"))?;
+            Ok(g)
         };
         let layer_files = IntGauge::new(
             "pageserver_storage_layer_files",
@@ -77,6 +93,14 @@ impl StorageMetrics {
                 "pageserver_storage_torn_tail_truncations_total",
                 "Torn or corrupt active-segment tails cut during recovery",
             )?,
+            write_errors: counter(
+                "pageserver_storage_write_errors_total",
+                "Failed storage commit rounds and seal attempts (ENOSPC, EMFILE, EIO, ...)",
+            )?,
+            failed_timelines: gauge(
+                "pageserver_storage_failed_timelines",
+                "Timelines whose storage writes are failing now (ingest refused)",
+            )?,
         })
     }
 
@@ -86,13 +110,13 @@ impl StorageMetrics {
         StorageMetrics::new(&Registry::new()).expect("fresh registry has no metrics")
     }
 
-    /// Runs one fsync-like call, timing and counting it.
-    pub(crate) fn fsync<T>(&self, f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+    /// Runs one fsync-like call, timing and counting it. Its error is an [`FsyncFailed`].
+    pub(crate) fn fsync<T>(&self, f: impl FnOnce() -> std::io::Result<T>) -> Result<T, FsyncFailed> {
         let start = Instant::now();
         let r = f();
         self.fsyncs.inc();
         self.fsync_seconds.observe(start.elapsed().as_secs_f64());
-        r
+        r.map_err(FsyncFailed)
     }
 }
 
@@ -108,7 +132,7 @@ mod tests {
         m.fsync(|| Ok(())).unwrap();
         assert!(StorageMetrics::new(&registry).is_err());
         let families = registry.gather();
-        assert_eq!(families.len(), 8);
+        assert_eq!(families.len(), 10);
         assert!(families.iter().all(|f| f.name().starts_with("pageserver_storage_")));
         assert_eq!(m.fsyncs.get(), 1);
     }

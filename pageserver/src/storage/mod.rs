@@ -1,34 +1,47 @@
 //! Durable per-timeline storage of page images and WAL redo records, read back "as of" an LSN.
 //!
 //! One [`Timeline`] owns one directory. Ingested batches are appended as checksummed frames to
-//! the active segment by a committer thread that writes every queued batch and then fsyncs
-//! once (group commit); only then are the batches acknowledged, indexed and visible. A full
+//! the active segment by a committer (rounds on a small thread pool shared by all timelines)
+//! that writes every queued batch and then fsyncs once (group commit); only then are the
+//! batches acknowledged, indexed and visible. A full
 //! active segment is sealed in place into an immutable layer file (index + footer appended,
-//! fsync, rename, fsync directory). On open, recovery finishes an interrupted seal, loads every
-//! layer's index, and cuts a torn tail off the active segment. The byte format and the recovery
+//! fsync, rename, fsync directory) and recorded in the manifest. On open, recovery checks the
+//! directory against the manifest, finishes or undoes an interrupted seal, loads every layer's
+//! index, and cuts a torn tail off the active segment. The byte format and the recovery
 //! procedure are specified in `docs/storage-format.md`.
 //!
 //! Code map: `format` (shared constants and codecs), `segment` (batch frames, the active
-//! segment, the scan), `layer` (index block, footer, layer files), `index` (in-memory index
-//! and the read path), `timeline` (the handle: ingest queue, reads, waits, shutdown),
-//! `commit` (the committer thread: group commit, sealing), `recovery` (open-time repair),
+//! segment, the scan), `layer` (index block, footer, layer files), `manifest` (the list of the
+//! timeline's files and the seal intent), `index` (in-memory index and the read path, with its
+//! limits), `timeline` (the handle: ingest queue, reads, waits, shutdown),
+//! `commit` (the committer: group commit, failure episodes), `seal` (sealing as retryable
+//! steps), `pool` (the commit threads shared by all timelines), `recovery` (open-time repair),
 //! `metrics`.
 //!
 //! **Invariants:**
-//! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it;
+//! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it (after a
+//!   failed round, above the last durable LSN: everything above it was refused);
 //! - a batch is acknowledged only after it was written and fdatasync'd, and it is visible to
 //!   readers ([`Timeline::get_reconstruct_data`], [`Timeline::last_durable_lsn`]) only then;
 //! - value bytes are never held in memory beyond a read or a queued batch;
-//! - after a failed write or fsync the timeline accepts no more ingests (fsync errors are not
-//!   retryable: the page cache may have dropped the dirty pages); reopening recovers;
-//! - one `Timeline` per directory at a time, enforced by an exclusive `flock` on `lock`.
+//! - nothing of a failed group stays in the active segment; after a failed write the timeline
+//!   refuses ingests until a retry is due (then the next group is the retry), after a failed
+//!   fsync for good (not retryable: the page cache may have dropped the dirty pages; reopening
+//!   recovers);
+//! - one `Timeline` per directory at a time, enforced by an exclusive `flock` on `lock`;
+//! - the directory holds exactly the files its manifest lists (checked at every open).
 
 mod commit;
+#[cfg(test)]
+mod failure_tests;
 mod format;
 mod index;
 mod layer;
+mod manifest;
 mod metrics;
+mod pool;
 mod recovery;
+mod seal;
 mod segment;
 #[cfg(test)]
 mod test_support;
@@ -39,7 +52,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
-pub use metrics::StorageMetrics;
+pub use metrics::{FsyncFailed, StorageMetrics};
 pub use timeline::Timeline;
 
 /// The key of a page: relation fork and block number.
@@ -121,15 +134,43 @@ pub enum IngestError {
     Invalid(String),
     #[error("ingest lsn went backwards: batch starts at {got}, last ingested is {last}")]
     LsnWentBackwards { last: Lsn, got: Lsn },
-    /// Writing or syncing failed; the timeline now refuses every further ingest.
+    /// Writing to storage failed (this batch's group, or an earlier one: then the timeline
+    /// refuses ingests until a retry is due). Nothing of the batch was stored.
+    #[error("storage unavailable{}: {error}", if *.fatal { " for good (fatal, reopen the timeline)" } else { "" })]
+    StorageUnavailable { error: String, fatal: bool },
+    /// The committer went away without answering (a bug or a panic).
     #[error("storage I/O failed: {0:#}")]
     Io(anyhow::Error),
+}
+
+/// Why a timeline's storage writes are failing: what the tenant status shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageWriteError {
+    /// The last error, with its context.
+    pub error: String,
+    /// When the current episode of failures began.
+    pub since: std::time::SystemTime,
+    /// An fsync failed: the timeline refuses ingests until it is reopened.
+    pub fatal: bool,
+}
+
+/// Limits on what one [`Timeline::get_reconstruct_data`] may read, checked from the in-memory
+/// index before any value is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadLimits {
+    /// Records above the newest image.
+    pub max_records: usize,
+    /// Bytes of the image and the records together.
+    pub max_bytes: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum GetError {
     #[error("no value for {key:?} at or below lsn {lsn}")]
     NotFound { key: Key, lsn: Lsn },
+    /// Rebuilding the page would need more than the read limits allow; nothing was read.
+    #[error("page too expensive to rebuild: {0}")]
+    TooLarge(String),
     #[error("storage read failed: {0:#}")]
     Io(anyhow::Error),
 }
@@ -140,6 +181,8 @@ pub enum WaitLsnError {
     Timeout { wanted: Lsn, last_durable: Lsn, timeout: Duration },
     #[error("timeline shut down while waiting for lsn {wanted}, last durable is {last_durable}")]
     ShuttingDown { wanted: Lsn, last_durable: Lsn },
+    #[error("storage writes are failing, lsn {wanted} is above the last durable {last_durable}: {error}")]
+    StorageUnavailable { wanted: Lsn, last_durable: Lsn, error: String },
 }
 
 /// Writes a small file durably: a temp file, fsync, rename over `name`, fsync of `dir`.
@@ -222,11 +265,14 @@ mod tests {
     async fn get_of_unknown_key_or_below_first_value_is_not_found() {
         let dir = tempfile::tempdir().unwrap();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
-        assert!(matches!(tl.get_reconstruct_data(key(1), Lsn(5)), Err(GetError::NotFound { .. })));
+        assert!(matches!(tl.get_reconstruct_data(key(1), Lsn(5), NO_LIMITS), Err(GetError::NotFound { .. })));
         tl.ingest(batch(vec![(key(1), 10, record("a"))])).await.unwrap();
-        let err = tl.get_reconstruct_data(key(1), Lsn(9)).unwrap_err();
+        let err = tl.get_reconstruct_data(key(1), Lsn(9), NO_LIMITS).unwrap_err();
         assert!(matches!(err, GetError::NotFound { lsn: Lsn(9), .. }), "{err}");
-        assert!(matches!(tl.get_reconstruct_data(key(2), Lsn(10)), Err(GetError::NotFound { .. })));
+        assert!(matches!(
+            tl.get_reconstruct_data(key(2), Lsn(10), NO_LIMITS),
+            Err(GetError::NotFound { .. })
+        ));
     }
 
     #[tokio::test]
@@ -246,7 +292,10 @@ mod tests {
         let err = tl.ingest(batch(vec![(key(3), 0, record("x"))])).await.unwrap_err();
         assert!(err.to_string().contains("last ingested is 0/14"), "{err}");
         tl.ingest(batch(vec![(key(3), 21, record("c"))])).await.unwrap();
-        assert!(matches!(tl.get_reconstruct_data(key(3), Lsn(20)), Err(GetError::NotFound { .. })));
+        assert!(matches!(
+            tl.get_reconstruct_data(key(3), Lsn(20), NO_LIMITS),
+            Err(GetError::NotFound { .. })
+        ));
     }
 
     #[tokio::test]

@@ -78,3 +78,36 @@ pub(crate) fn snapshot(from: &Path) -> tempfile::TempDir {
     }
     to
 }
+
+/// A real tmpfs of a fixed size, mounted on a fresh temp directory and unmounted on drop: the
+/// way tests make a disk fill up (needs root, which the test environment has).
+pub(crate) struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    pub(crate) fn mount(size_bytes: u64) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size_bytes}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(status.success(), "mount tmpfs: {status}");
+        Tmpfs { dir }
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(self.dir.path()).status();
+    }
+}
+
+/// Read limits that never refuse.
+pub(crate) const NO_LIMITS: super::ReadLimits =
+    super::ReadLimits { max_records: usize::MAX, max_bytes: u64::MAX };

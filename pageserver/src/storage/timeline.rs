@@ -2,18 +2,19 @@
 //! shutdown, and the directory lock.
 //!
 //! Why separate from the committer: callers (async tasks) only validate, queue and wait here;
-//! all file writes happen on the committer thread ([`super::commit`]).
+//! all file writes happen in the committer's rounds on the commit pool ([`super::commit`]).
 //!
-//! **Invariants:** the queue's `last_queued` only grows and is checked and advanced under the
-//! queue lock, in the same critical section that queues the batch; nothing is queued once
-//! `stopping` or `failed` is set; the directory lock is held for as long as any part of the
-//! timeline (handle or committer) is alive.
+//! **Invariants:** the queue's `last_queued` is checked and advanced under the queue lock, in
+//! the same critical section that queues the batch; it only grows, except that a failed round
+//! sets it back to the last durable LSN (everything above was refused); nothing is queued once
+//! `stopping` is set, nor while `failure` is set and its retry is not due; the directory lock is
+//! held until the handle is dropped, which waits for the committer to stop.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use nix::fcntl::{Flock, FlockArg};
@@ -21,8 +22,8 @@ use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    commit, index, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReconstructData,
-    StorageConf, StorageMetrics, TimelineStats, Value, WaitLsnError,
+    commit, index, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits,
+    ReconstructData, StorageConf, StorageMetrics, StorageWriteError, TimelineStats, Value, WaitLsnError,
 };
 
 /// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
@@ -46,31 +47,57 @@ pub(super) struct Queue {
     /// Last LSN accepted into the queue (durable or not).
     pub(super) last_queued: Lsn,
     pub(super) stopping: bool,
-    /// Set after a failed write or fsync: why ingests are refused.
-    pub(super) failed: Option<String>,
+    /// Set while storage writes fail: why, and when ingests are let through again.
+    pub(super) failure: Option<Failure>,
     /// Test hook: the committer leaves the queue alone while set (and not stopping).
     pub(super) hold: bool,
     /// Test hook: the committer's next group fsync fails.
     pub(super) fail_next_fsync: bool,
 }
 
-/// State shared by the [`Timeline`] handle and its committer thread.
+/// A failing storage: the public part, and when the next group may try again.
+pub(super) struct Failure {
+    pub(super) state: StorageWriteError,
+    /// Ingests are refused before this instant (always, if `state.fatal`); from then on they are
+    /// queued, and the next group is the retry.
+    pub(super) retry_at: Instant,
+}
+
+impl Failure {
+    pub(super) fn error(&self) -> IngestError {
+        IngestError::StorageUnavailable { error: self.state.error.clone(), fatal: self.state.fatal }
+    }
+}
+
+/// State shared by the [`Timeline`] handle and its committer.
 pub(super) struct Shared {
     pub(super) dir: PathBuf,
     pub(super) conf: StorageConf,
     pub(super) metrics: Arc<StorageMetrics>,
     pub(super) queue: Mutex<Queue>,
-    pub(super) queue_cv: Condvar,
+    /// The committer's place in the commit pool (set once, right after open).
+    pub(super) job: OnceLock<Weak<commit::Job>>,
+    /// Set (and `exited_cv` notified) when the committer has stopped: what `Drop` waits for.
+    pub(super) exited: Mutex<bool>,
+    pub(super) exited_cv: Condvar,
     pub(super) index: RwLock<index::Index>,
     pub(super) durable: watch::Sender<Lsn>,
+    /// The failure of storage writes, if they are failing (set and cleared with `queue.failure`).
+    pub(super) health: watch::Sender<Option<StorageWriteError>>,
     pub(super) layers: AtomicU64,
     pub(super) sealed_bytes: AtomicU64,
     pub(super) active_len: AtomicU64,
-    /// Cancelled when the committer thread has exited: nothing becomes durable after that.
+    /// Cancelled when the committer has stopped: nothing becomes durable after that.
     pub(super) stopped: CancellationToken,
     pub(super) budget: Arc<Semaphore>,
     pub(super) span: tracing::Span,
-    pub(super) _lock: Flock<File>,
+}
+
+impl Queue {
+    /// Whether the committer has something to do: batches to commit (unless held), or a stop.
+    pub(super) fn has_work(&self) -> bool {
+        (!self.pending.is_empty() && !self.hold) || self.stopping
+    }
 }
 
 impl Shared {
@@ -81,15 +108,26 @@ impl Shared {
 
     fn begin_stop(&self) {
         self.queue().stopping = true;
-        self.queue_cv.notify_all();
+        self.wake();
         self.budget.close();
+    }
+
+    /// Schedules the committer on the commit pool to look at the queue.
+    pub(super) fn wake(&self) {
+        if let Some(job) = self.job.get().and_then(Weak::upgrade) {
+            job.schedule();
+        }
     }
 }
 
 /// The storage of one timeline. See the module doc.
 pub struct Timeline {
     shared: Arc<Shared>,
-    committer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Keeps the committer alive (the pool holds it only while it is queued or running).
+    _job: Arc<commit::Job>,
+    /// The directory lock, released when the handle is dropped (after the committer stopped;
+    /// a pool worker may hold `shared` a moment longer, but writes nothing any more).
+    _lock: Flock<File>,
 }
 
 impl Timeline {
@@ -121,25 +159,28 @@ impl Timeline {
                 pending: Vec::new(),
                 last_queued: rec.last_lsn,
                 stopping: false,
-                failed: None,
+                failure: None,
                 hold: false,
                 fail_next_fsync: false,
             }),
-            queue_cv: Condvar::new(),
+            job: OnceLock::new(),
+            exited: Mutex::new(false),
+            exited_cv: Condvar::new(),
             index: RwLock::new(rec.index),
             durable: watch::Sender::new(rec.last_lsn),
+            health: watch::Sender::new(None),
             layers: AtomicU64::new(rec.layers),
             sealed_bytes: AtomicU64::new(rec.sealed_bytes),
             active_len: AtomicU64::new(rec.segment.len),
             stopped: CancellationToken::new(),
             budget: Arc::new(Semaphore::new(QUEUE_BUDGET_KIB)),
             span: span.clone(),
-            _lock: lock,
         });
-        let committer = commit::spawn(shared.clone(), dir_file, rec.segment, rec.next_file_id)?;
+        let job = commit::start(&shared, dir_file, rec.segment, rec.next_file_id, rec.manifest)?;
+        let _ = shared.job.set(Arc::downgrade(&job));
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
         shared.metrics.layer_files.add(layers as i64);
-        Ok(Arc::new(Timeline { shared, committer: Mutex::new(Some(committer)) }))
+        Ok(Arc::new(Timeline { shared, _job: job, _lock: lock }))
     }
 
     /// Queues `batch` and returns its last LSN once it is durable (written and fdatasync'd,
@@ -177,8 +218,8 @@ impl Timeline {
         let (done, rx) = oneshot::channel();
         {
             let mut q = self.shared.queue();
-            if let Some(reason) = &q.failed {
-                return Err(failed_error(reason));
+            if let Some(f) = q.failure.as_ref().filter(|f| f.state.fatal || Instant::now() < f.retry_at) {
+                return Err(f.error());
             }
             if q.stopping {
                 return Err(IngestError::ShuttingDown);
@@ -189,7 +230,7 @@ impl Timeline {
             q.last_queued = last;
             q.pending.push(Pending { values: batch.values, last_lsn: last, done, _permit: permit });
         }
-        self.shared.queue_cv.notify_one();
+        self.shared.wake();
         Ok(async move {
             match rx.await {
                 Ok(result) => result,
@@ -200,8 +241,8 @@ impl Timeline {
 
     /// Why an ingest is refused once the queue budget is closed.
     fn refusal(&self) -> IngestError {
-        match &self.shared.queue().failed {
-            Some(reason) => failed_error(reason),
+        match &self.shared.queue().failure {
+            Some(f) => f.error(),
             None => IngestError::ShuttingDown,
         }
     }
@@ -212,10 +253,12 @@ impl Timeline {
     }
 
     /// Waits until [`Timeline::last_durable_lsn`] is at least `lsn`, for at most `timeout`.
-    /// Fails early with `ShuttingDown` once the committer has stopped below `lsn`.
+    /// Fails early with `ShuttingDown` once the committer has stopped below `lsn`, and at once
+    /// with `StorageUnavailable` while storage writes fail (now or as soon as they start to).
     /// Cancel-safe: it only watches.
     pub async fn wait_lsn(&self, lsn: Lsn, timeout: Duration) -> Result<(), WaitLsnError> {
         let mut rx = self.shared.durable.subscribe();
+        let mut health = self.shared.health.subscribe();
         let reached = tokio::select! {
             biased;
             r = tokio::time::timeout(timeout, rx.wait_for(|d| *d >= lsn)) => match r {
@@ -226,6 +269,17 @@ impl Timeline {
                     return Err(WaitLsnError::Timeout { wanted: lsn, last_durable, timeout });
                 }
             },
+            h = health.wait_for(|h| h.is_some()) => {
+                let error = match h {
+                    Ok(h) => h.as_ref().map(|e| e.error.clone()).unwrap_or_default(),
+                    Err(_) => String::new(),
+                };
+                if self.last_durable_lsn() >= lsn {
+                    return Ok(());
+                }
+                let last_durable = self.last_durable_lsn();
+                return Err(WaitLsnError::StorageUnavailable { wanted: lsn, last_durable, error });
+            }
             _ = self.shared.stopped.cancelled() => self.last_durable_lsn() >= lsn,
         };
         if reached {
@@ -242,19 +296,26 @@ impl Timeline {
     }
 
     /// Bytes [`Timeline::get_reconstruct_data`] would read for `key` at `lsn`, from the index
-    /// alone (0 if nothing): for reserving memory before reading.
-    pub fn reconstruct_bytes(&self, key: Key, lsn: Lsn) -> u64 {
+    /// alone (0 if nothing): for reserving memory before reading. Fails with `TooLarge` as
+    /// [`Timeline::get_reconstruct_data`] would, so a request over `limits` reserves nothing.
+    pub fn reconstruct_bytes(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<u64, GetError> {
         let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-        index.plan(key, lsn).ok().flatten().map_or(0, |plan| plan.bytes())
+        Ok(index.plan(key, lsn, limits)?.map_or(0, |plan| plan.bytes()))
     }
 
     /// The newest image of `key` at or below `lsn` and the records above it up to `lsn`, oldest
     /// first; without an image, all records at or below `lsn`. Blocking file reads (positional,
-    /// mostly from the page cache); every value's checksum is verified.
-    pub fn get_reconstruct_data(&self, key: Key, lsn: Lsn) -> Result<ReconstructData, GetError> {
+    /// mostly from the page cache); every value's checksum is verified. More than `limits`
+    /// (counted from the index) is `TooLarge`, with nothing read.
+    pub fn get_reconstruct_data(
+        &self,
+        key: Key,
+        lsn: Lsn,
+        limits: ReadLimits,
+    ) -> Result<ReconstructData, GetError> {
         let plan = {
             let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-            index.plan(key, lsn).map_err(GetError::Io)?
+            index.plan(key, lsn, limits)?
         };
         match plan {
             None => Err(GetError::NotFound { key, lsn }),
@@ -267,11 +328,11 @@ impl Timeline {
     pub async fn shutdown(&self) {
         self.shared.begin_stop();
         self.shared.stopped.cancelled().await;
-        let handle = self.committer.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(handle) = handle {
-            // The thread has signalled its exit; joining only reaps it.
-            let _ = tokio::task::spawn_blocking(move || handle.join()).await;
-        }
+    }
+
+    /// Why storage writes are failing, if they are (`None` when healthy).
+    pub fn write_error(&self) -> Option<StorageWriteError> {
+        self.shared.health.borrow().clone()
     }
 
     /// Keys, values, layers, bytes on disk, last durable LSN.
@@ -294,7 +355,7 @@ impl Timeline {
     #[cfg(test)]
     pub(super) fn hold_commits(&self, hold: bool) {
         self.shared.queue().hold = hold;
-        self.shared.queue_cv.notify_all();
+        self.shared.wake();
     }
 
     /// Test hook: makes the next group fsync fail.
@@ -314,19 +375,13 @@ impl Drop for Timeline {
     /// so that the directory can be reopened as soon as this returns.
     fn drop(&mut self) {
         self.shared.begin_stop();
-        let handle = self.committer.get_mut().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(handle) = handle {
-            let _ = handle.join();
+        let mut exited = self.shared.exited.lock().unwrap_or_else(PoisonError::into_inner);
+        while !*exited {
+            exited = self.shared.exited_cv.wait(exited).unwrap_or_else(PoisonError::into_inner);
         }
         let layers = self.shared.layers.load(Ordering::Relaxed);
         self.shared.metrics.layer_files.sub(layers as i64);
     }
-}
-
-pub(super) fn failed_error(reason: &str) -> IngestError {
-    IngestError::Io(anyhow::anyhow!(
-        "timeline refuses ingests after a failed commit (reopen to recover): {reason}"
-    ))
 }
 
 /// Creates `dir` if missing and makes its directory entry durable.
@@ -377,24 +432,24 @@ mod tests {
         tl.ingest(batch(vec![(k, 40, record("r40")), (k, 50, record("r50"))])).await.unwrap();
         assert_eq!(tl.last_durable_lsn(), Lsn(50));
 
-        let latest = tl.get_reconstruct_data(k, Lsn(u64::MAX)).unwrap();
+        let latest = tl.get_reconstruct_data(k, Lsn(u64::MAX), NO_LIMITS).unwrap();
         assert_eq!(latest.image, Some((Lsn(30), bytes_of(&image(3)))));
         let recs = vec![(Lsn(40), bytes_of(&record("r40"))), (Lsn(50), bytes_of(&record("r50")))];
         assert_eq!(latest.records, recs);
 
-        let at45 = tl.get_reconstruct_data(k, Lsn(45)).unwrap();
+        let at45 = tl.get_reconstruct_data(k, Lsn(45), NO_LIMITS).unwrap();
         assert_eq!(at45.image, Some((Lsn(30), bytes_of(&image(3)))));
         assert_eq!(at45.records, recs[..1]);
 
-        let at30 = tl.get_reconstruct_data(k, Lsn(30)).unwrap();
+        let at30 = tl.get_reconstruct_data(k, Lsn(30), NO_LIMITS).unwrap();
         assert_eq!((at30.image.map(|i| i.0), at30.records.len()), (Some(Lsn(30)), 0));
 
-        let at29 = tl.get_reconstruct_data(k, Lsn(29)).unwrap();
+        let at29 = tl.get_reconstruct_data(k, Lsn(29), NO_LIMITS).unwrap();
         assert_eq!(at29.image, None);
         let old = vec![(Lsn(10), bytes_of(&record("init"))), (Lsn(20), bytes_of(&record("r20")))];
         assert_eq!(at29.records, old);
 
-        let o = tl.get_reconstruct_data(other, Lsn(10)).unwrap();
+        let o = tl.get_reconstruct_data(other, Lsn(10), NO_LIMITS).unwrap();
         assert_eq!((o.image, o.records.len()), (Some((Lsn(10), bytes_of(&image(9)))), 0));
         assert_eq!(
             tl.stats(),
@@ -415,7 +470,7 @@ mod tests {
         let values = (0..100).map(|b| (key(b), 7, record(&format!("v{b}")))).collect();
         tl.ingest(batch(values)).await.unwrap();
         for b in 0..100 {
-            let d = tl.get_reconstruct_data(key(b), Lsn(7)).unwrap();
+            let d = tl.get_reconstruct_data(key(b), Lsn(7), NO_LIMITS).unwrap();
             assert_eq!(d.records, vec![(Lsn(7), bytes_of(&record(&format!("v{b}"))))]);
         }
     }
@@ -467,7 +522,7 @@ mod tests {
         let err = tl.wait_lsn(Lsn(6), T).await.unwrap_err();
         assert!(matches!(err, WaitLsnError::ShuttingDown { .. }), "{err}");
         // Reads keep working after shutdown.
-        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(5)).unwrap().records.len(), 1);
+        assert_eq!(tl.get_reconstruct_data(key(1), Lsn(5), NO_LIMITS).unwrap().records.len(), 1);
     }
 
     #[tokio::test]
@@ -497,7 +552,7 @@ mod tests {
         let tl = open(&dir.path().join("tenant/timeline"), DEFAULT_LAYER_SIZE, &m);
         assert_eq!(tl.stats(), stats);
         for i in 1..=20u32 {
-            let d = tl.get_reconstruct_data(key(i % 3), Lsn(u64::from(i) * 10)).unwrap();
+            let d = tl.get_reconstruct_data(key(i % 3), Lsn(u64::from(i) * 10), NO_LIMITS).unwrap();
             let newest = d.records.last().map(|r| r.0).or(d.image.as_ref().map(|i| i.0));
             assert_eq!(newest, Some(Lsn(u64::from(i) * 10)));
         }
@@ -516,7 +571,7 @@ mod tests {
         }
         drop(tl);
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
-        let d = tl.get_reconstruct_data(key(1), Lsn(10)).unwrap();
+        let d = tl.get_reconstruct_data(key(1), Lsn(10), NO_LIMITS).unwrap();
         let want: Vec<_> = (1..=10u64).map(|i| (Lsn(i), bytes_of(&record(&format!("r{i}"))))).collect();
         assert_eq!(d.records, want);
     }

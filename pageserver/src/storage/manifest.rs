@@ -1,0 +1,225 @@
+//! The timeline manifest (`manifest.json`): the durable list of the files a timeline consists
+//! of, replaced atomically (temp file, fsync, rename, fsync directory) at every change of that
+//! set.
+//!
+//! Why: without it, a deleted layer or `active.seg` was indistinguishable from "never
+//! written", the timeline opened with older page versions and its last durable LSN went
+//! backwards. With it, recovery checks the directory against the list and refuses to open on a
+//! missing or unexpected file, naming it. It also records a seal in progress (`sealing`), written
+//! before the seal's first byte, so recovery knows from durable state, not from file content a
+//! client controls, whether `active.seg` may end in a layer index. And it is the one atomic step
+//! by which a compactor will install and remove layers: a manifest write swaps one layer list
+//! for another.
+//!
+//! Encoding: pretty-printed JSON, then a line `crc32c=XXXXXXXX` (the crc32c of every byte before
+//! that line, 8 hex digits). LSNs are integers.
+//!
+//! **Invariants:** a manifest file is only ever replaced by rename, never written in place; its
+//! `generation` grows by one with every write; nothing here decides policy (recovery and the
+//! committer do), it only encodes, decodes and writes.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context};
+use serde::{Deserialize, Serialize};
+
+use super::{layer, Lsn, StorageMetrics};
+
+/// File name of the manifest in a timeline directory.
+pub(crate) const MANIFEST_NAME: &str = "manifest.json";
+/// Temporary name a new manifest is written under before it is renamed over the old one.
+pub(crate) const MANIFEST_TMP_NAME: &str = ".manifest.json.tmp";
+/// Version of the manifest's JSON schema.
+pub(crate) const MANIFEST_VERSION: u32 = 1;
+const CRC_PREFIX: &str = "crc32c=";
+
+/// The files of a timeline, as last made durable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Manifest {
+    pub version: u32,
+    /// Grows by one with every write; tells two manifests of one timeline apart.
+    pub generation: u64,
+    /// Sealed layers, in LSN order.
+    pub layers: Vec<LayerMeta>,
+    /// The active segment `active.seg`.
+    pub active: ActiveMeta,
+    /// A seal that was started (intent made durable) and not yet recorded as finished.
+    pub sealing: Option<SealIntent>,
+}
+
+/// One layer file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LayerMeta {
+    pub name: String,
+    pub first_lsn: u64,
+    pub last_lsn: u64,
+    /// File length in bytes.
+    pub size: u64,
+}
+
+/// The identity of the active segment: which one in the timeline's sequence of active segments
+/// it is, and the LSN every value in it is above (the last LSN of the layers before it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ActiveMeta {
+    pub seq: u64,
+    pub base_lsn: u64,
+}
+
+/// A seal in progress: `active.seg`, whose frames end at `data_len`, becomes `layer`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SealIntent {
+    pub layer: LayerMeta,
+    pub data_len: u64,
+}
+
+impl LayerMeta {
+    pub(crate) fn new(first: Lsn, last: Lsn, size: u64) -> LayerMeta {
+        LayerMeta { name: layer::file_name(first, last), first_lsn: first.0, last_lsn: last.0, size }
+    }
+}
+
+impl Manifest {
+    /// The manifest of a timeline with no layers and its first active segment.
+    pub(crate) fn empty() -> Manifest {
+        Manifest {
+            version: MANIFEST_VERSION,
+            generation: 0,
+            layers: Vec::new(),
+            active: ActiveMeta { seq: 0, base_lsn: 0 },
+            sealing: None,
+        }
+    }
+
+    /// The last LSN of the last layer (0/0 without layers).
+    #[cfg(test)]
+    pub(crate) fn layers_last_lsn(&self) -> Lsn {
+        Lsn(self.layers.last().map_or(0, |l| l.last_lsn))
+    }
+
+    /// The manifest after `intent`'s seal finished: its layer appended, a new active segment
+    /// above it, no seal in progress. `generation` is left for [`write`] to advance.
+    pub(crate) fn with_seal_done(&self, intent: &SealIntent) -> Manifest {
+        let mut next = self.clone();
+        next.layers.push(intent.layer.clone());
+        next.active = ActiveMeta { seq: self.active.seq + 1, base_lsn: intent.layer.last_lsn };
+        next.sealing = None;
+        next
+    }
+
+    pub(crate) fn encode(&self) -> anyhow::Result<Vec<u8>> {
+        let mut out = serde_json::to_vec_pretty(self).context("encode manifest")?;
+        out.push(b'\n');
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(format!("{CRC_PREFIX}{crc:08x}\n").as_bytes());
+        Ok(out)
+    }
+
+    pub(crate) fn decode(raw: &[u8]) -> anyhow::Result<Manifest> {
+        let text = std::str::from_utf8(raw).context("manifest is not UTF-8")?;
+        let body_end = text
+            .trim_end_matches('\n')
+            .rfind('\n')
+            .map(|i| i + 1)
+            .context("manifest has no checksum line")?;
+        let (body, trailer) = text.split_at(body_end);
+        let Some(hex) = trailer.trim_end_matches('\n').strip_prefix(CRC_PREFIX) else {
+            bail!("manifest has no checksum line");
+        };
+        let crc = u32::from_str_radix(hex, 16).context("bad manifest checksum line")?;
+        ensure!(crc == crc32c::crc32c(body.as_bytes()), "manifest checksum mismatch");
+        let m: Manifest = serde_json::from_str(body).context("decode manifest")?;
+        ensure!(m.version == MANIFEST_VERSION, "unsupported manifest version {}", m.version);
+        Ok(m)
+    }
+}
+
+/// Reads the manifest of `dir`; `Ok(None)` if there is none (a version 1 directory).
+pub(crate) fn read(dir: &Path) -> anyhow::Result<Option<Manifest>> {
+    let path = dir.join(MANIFEST_NAME);
+    match std::fs::read(&path) {
+        Ok(raw) => Manifest::decode(&raw).with_context(|| format!("read {}", path.display())).map(Some),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("read {}", path.display())),
+    }
+}
+
+/// Makes `m` (with its generation advanced by one) the manifest of `dir`, atomically and
+/// durably: written under a temporary name, fsynced, renamed over the old one, directory
+/// fsynced. After a crash the directory holds the old manifest or the new one.
+pub(crate) fn write(
+    dir: &Path,
+    dir_file: &File,
+    m: &mut Manifest,
+    metrics: &StorageMetrics,
+) -> anyhow::Result<()> {
+    let mut next = m.clone();
+    next.generation += 1;
+    let raw = next.encode()?;
+    let tmp = dir.join(MANIFEST_TMP_NAME);
+    let written = (|| {
+        let mut file = File::create(&tmp).context("create temporary manifest")?;
+        file.write_all(&raw).context("write temporary manifest")?;
+        metrics.fsync(|| file.sync_all()).context("fsync temporary manifest")
+    })();
+    if let Err(e) = written {
+        // Nothing refers to the temporary file; a leftover is removed at the next open.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, dir.join(MANIFEST_NAME)).context("rename manifest into place")?;
+    metrics.fsync(|| dir_file.sync_all()).context("fsync timeline directory")?;
+    *m = next;
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Manifest {
+        let mut m = Manifest::empty();
+        m.layers.push(LayerMeta::new(Lsn(1), Lsn(0x20), 4096));
+        m.active = ActiveMeta { seq: 1, base_lsn: 0x20 };
+        m.sealing = Some(SealIntent { layer: LayerMeta::new(Lsn(0x21), Lsn(0x40), 9000), data_len: 8000 });
+        m
+    }
+
+    #[test]
+    fn manifest_roundtrips_and_a_changed_byte_is_refused() {
+        let m = sample();
+        let raw = m.encode().unwrap();
+        assert_eq!(Manifest::decode(&raw).unwrap(), m);
+        let text = String::from_utf8(raw.clone()).unwrap();
+        let tampered = text.replace("\"size\": 4096", "\"size\": 4097");
+        assert_ne!(tampered, text);
+        let err = Manifest::decode(tampered.as_bytes()).unwrap_err();
+        assert!(format!("{err:#}").contains("checksum mismatch"), "{err:#}");
+        assert!(Manifest::decode(&raw[..raw.len() - 12]).is_err());
+        assert!(Manifest::decode(b"").is_err());
+    }
+
+    #[test]
+    fn write_replaces_the_manifest_and_advances_the_generation() {
+        let dir = tempfile::tempdir().unwrap();
+        let dir_file = File::open(dir.path()).unwrap();
+        let metrics = StorageMetrics::unregistered();
+        assert_eq!(read(dir.path()).unwrap(), None);
+        let mut m = Manifest::empty();
+        write(dir.path(), &dir_file, &mut m, &metrics).unwrap();
+        assert_eq!(m.generation, 1);
+        let intent = sample().sealing.unwrap();
+        let mut done = m.with_seal_done(&intent);
+        write(dir.path(), &dir_file, &mut done, &metrics).unwrap();
+        let back = read(dir.path()).unwrap().unwrap();
+        assert_eq!(back, done);
+        assert_eq!((back.generation, back.active.seq, back.active.base_lsn), (2, 1, 0x40));
+        assert!(!dir.path().join(MANIFEST_TMP_NAME).exists());
+    }
+}
