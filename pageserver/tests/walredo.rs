@@ -108,6 +108,17 @@ fn signal(pid: u32, signal: nix::sys::signal::Signal) {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).expect("signal the child");
 }
 
+#[test]
+fn manager_and_daemon_agree_on_the_default_process_kind() {
+    let daemon_default =
+        pageserver::config::PageServerConf::from_table(std::path::Path::new("workdir"), toml::Table::new())
+            .expect("default settings")
+            .walredo
+            .process_kind;
+    assert_eq!(WalRedoConf::with_binary(walredo_proc_binary()).process_kind, daemon_default);
+    assert_eq!(ProcessKind::default(), daemon_default);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redo_from_nothing_and_from_base_image_gives_exact_pages() {
     for kind in KINDS {

@@ -46,15 +46,24 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(180);
 /// Most records in one redo request.
 pub const MAX_RECORDS_PER_REQUEST: usize = 65536;
 
+/// The default process kind, of the daemon (`walredo_process_kind`) and of [`WalRedoConf`]:
+/// the one definition, which `config.rs` uses too.
+pub const DEFAULT_PROCESS_KIND: ProcessKind = ProcessKind::Async;
+
 /// How the daemon drives the child's pipes; read each time a child is spawned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ProcessKind {
     /// Non-blocking pipes and `nix::poll`; blocks the calling thread for the round trip.
-    #[default]
     Sync,
     /// tokio `ChildStdin`/`ChildStdout`; yields while waiting.
     Async,
+}
+
+impl Default for ProcessKind {
+    fn default() -> ProcessKind {
+        DEFAULT_PROCESS_KIND
+    }
 }
 
 impl ProcessKind {
