@@ -54,7 +54,8 @@ pub const DEFAULT_PROCESS_KIND: ProcessKind = ProcessKind::Async;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ProcessKind {
-    /// Non-blocking pipes and `nix::poll`; blocks the calling thread for the round trip.
+    /// Non-blocking pipes and `nix::poll` on the calling thread, which hands its other tasks to
+    /// another executor thread while it blocks (`block_in_place`).
     Sync,
     /// tokio `ChildStdin`/`ChildStdout`; yields while waiting.
     Async,
@@ -225,8 +226,8 @@ impl WalRedoManager {
     /// failure (crash, EOF, protocol violation) is retried once on a new child, since redo is a
     /// pure function of its input; a timeout or an error frame is not.
     ///
-    /// Cancel-safe for the async kind: dropping the future never hands its reply to another
-    /// request. The sync kind does not yield during a round trip.
+    /// Cancel-safe, for both kinds: dropping the future never hands its reply to another
+    /// request (the sync kind yields only while it waits for a pipe, never mid-I/O).
     pub async fn request_redo(
         &self,
         tag: BufferTag,

@@ -15,6 +15,7 @@
 //! - nothing here trusts the child: every header is checked, a bad one is a [`FrameError`].
 
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::Mutex;
 
 use bytes::{Bytes, BytesMut};
 use walredo_proc::page::BLCKSZ;
@@ -186,6 +187,33 @@ impl Replies {
         while let Some(None) = self.slots.front() {
             self.slots.pop_front();
             self.first += 1;
+        }
+    }
+}
+
+/// A written request waiting for its reply; if dropped before [`Claim::done`], abandons its
+/// slot, so that the reply is dropped when it arrives instead of reaching another request.
+pub(crate) struct Claim<'a> {
+    replies: &'a Mutex<Replies>,
+    seq: u64,
+    done: bool,
+}
+
+impl<'a> Claim<'a> {
+    pub(crate) fn new(replies: &'a Mutex<Replies>, seq: u64) -> Claim<'a> {
+        Claim { replies, seq, done: false }
+    }
+
+    /// The reply was taken: nothing to abandon.
+    pub(crate) fn done(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            super::lock(self.replies).abandon(self.seq);
         }
     }
 }

@@ -206,7 +206,7 @@ impl Process {
 
     async fn read_hello(&self, timeout: Duration) -> Result<walredo_proc::protocol::Hello, ProcessError> {
         let reply = match &self.pipes {
-            Pipes::Sync(pipes) => pipes.read_first(timeout),
+            Pipes::Sync(pipes) => pipes.read_first(timeout).await,
             Pipes::Async(pipes) => pipes.read_first(timeout).await,
         }?;
         match reply {
@@ -217,12 +217,12 @@ impl Process {
 
     /// Sends one encoded request and waits for its reply, within `timeout`.
     ///
-    /// Sync kind: blocks the calling thread throughout. Async kind: cancel-safe; if dropped
-    /// after the request was written, its reply is discarded when it arrives, and if dropped
-    /// halfway through the write, the process is retired (the stream is broken).
+    /// Cancel-safe: if dropped after the request was written, its reply is discarded when it
+    /// arrives; if dropped halfway through the write (async kind only: the sync kind writes
+    /// without yielding), the process is retired (the stream is broken).
     pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
         let reply = match &self.pipes {
-            Pipes::Sync(pipes) => pipes.round_trip(request, timeout),
+            Pipes::Sync(pipes) => pipes.round_trip(request, timeout).await,
             Pipes::Async(pipes) => {
                 pipes.round_trip(request, timeout, || self.retire(StopCause::CancelledWrite)).await
             }

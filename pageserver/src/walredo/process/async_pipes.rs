@@ -22,7 +22,7 @@ use tokio::process::{ChildStdin, ChildStdout};
 
 use super::ProcessError;
 use crate::walredo::lock;
-use crate::walredo::pipeline::{self, Replies, Reply};
+use crate::walredo::pipeline::{self, Claim, Replies, Reply};
 
 type Writer = pipeline::Writer<ChildStdin>;
 type Reader = pipeline::Reader<ChildStdout>;
@@ -70,9 +70,11 @@ impl AsyncPipes {
                 written.context("write to walredo stdin").map_err(ProcessError::Io)?;
                 writer.written()
             };
-            let mut claim = Claim { replies: &self.replies, seq, done: false };
+            let mut claim = Claim::new(&self.replies, seq);
             let reply = self.read_until(seq).await;
-            claim.done = reply.is_ok();
+            if reply.is_ok() {
+                claim.done();
+            }
             reply
         };
         tokio::time::timeout(timeout, round_trip).await.unwrap_or(Err(ProcessError::Timeout(timeout)))
@@ -125,21 +127,6 @@ impl<F: FnOnce()> Drop for BrokenWriteGuard<F> {
     fn drop(&mut self) {
         if let Some(on_broken) = self.0.take() {
             on_broken();
-        }
-    }
-}
-
-/// A written request waiting for its reply; if dropped before taking it, abandons the slot.
-struct Claim<'a> {
-    replies: &'a Mutex<Replies>,
-    seq: u64,
-    done: bool,
-}
-
-impl Drop for Claim<'_> {
-    fn drop(&mut self) {
-        if !self.done {
-            lock(self.replies).abandon(self.seq);
         }
     }
 }

@@ -1,13 +1,24 @@
-//! The `sync` process kind: non-blocking pipe fds driven by `nix::poll`, std mutexes.
+//! The `sync` process kind: non-blocking pipe fds driven by `nix::poll` on the calling thread.
 //!
-//! A round trip blocks the calling thread (an executor thread, when called from async code)
-//! from the write of the request to the read of its reply. That is the design under comparison:
-//! it bounds the requests in flight by the number of threads and stalls the other tasks of a
-//! blocked executor thread (see DESIGN.md section 4 and the Neon seed).
+//! A round trip does its pipe I/O as blocking `poll` loops on the calling thread: no reactor
+//! registration, no wake-up through the runtime, which makes it the lower-latency kind at low
+//! concurrency. What it must not do is stall other tenants: a blocked executor thread would
+//! hold up every task queued on it (with the default two workers, one hung child froze every
+//! tenant and the management API for the whole `wal_redo_timeout`). So:
+//! - waiting for a pipe (the stdin lock to write, the stdout lock to read) is an async wait on
+//!   a tokio mutex, which blocks no thread: at most two threads per child are ever blocked, the
+//!   writer holding stdin and the reader holding stdout;
+//! - the blocking I/O itself runs under [`tokio::task::block_in_place`] on a multi-thread
+//!   runtime, which hands the worker's other tasks to another thread first; it is entered only
+//!   when the fd is not ready (a write that fits in the pipe, or a reply already there, costs no
+//!   hand-off). On a current-thread runtime there is no other thread, and the I/O blocks it.
 //!
 //! Every wait is a `poll` with the time left until the round trip's deadline; a poll that runs
-//! out is a [`ProcessError::Timeout`]. Nothing here can be cancelled halfway: the calling
-//! future does not yield during a round trip.
+//! out is a [`ProcessError::Timeout`].
+//!
+//! Cancellation: the future can only be dropped while it waits for a lock (the I/O between two
+//! awaits runs to its end): before its write nothing happened; after its write, its reply slot
+//! is abandoned ([`pipeline::Claim`]) and the reply is dropped on arrival.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::process::{ChildStdin, ChildStdout};
@@ -20,14 +31,17 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::ProcessError;
 use crate::walredo::lock;
-use crate::walredo::pipeline::{self, Replies, Reply};
+use crate::walredo::pipeline::{self, Claim, Replies, Reply};
 
 type Writer = pipeline::Writer<ChildStdin>;
 type Reader = pipeline::Reader<ChildStdout>;
 
 pub(crate) struct SyncPipes {
-    stdin: Mutex<Writer>,
-    stdout: Mutex<Reader>,
+    /// tokio mutexes: waiting for a pipe must not block a thread (see the module doc); the
+    /// guards are held across the awaits of the other lock and of `block_in_place`.
+    stdin: tokio::sync::Mutex<Writer>,
+    stdout: tokio::sync::Mutex<Reader>,
+    /// A std mutex: held for a few instructions, never across an await.
     replies: Mutex<Replies>,
 }
 
@@ -37,36 +51,97 @@ impl SyncPipes {
             set_nonblocking(fd).context("make walredo pipe non-blocking")?;
         }
         Ok(SyncPipes {
-            stdin: Mutex::new(Writer::new(stdin)),
-            stdout: Mutex::new(Reader::new(stdout)),
+            stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
+            stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
             replies: Mutex::new(Replies::default()),
         })
     }
 
     /// Reads the first frame of the child (its hello), before any request is written.
-    pub(crate) fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
+    pub(crate) async fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
         let deadline = Instant::now() + timeout;
-        let mut stdout = lock(&self.stdout);
-        read_reply(&mut stdout, deadline, timeout)
+        let mut stdout = lock_until(&self.stdout, deadline, timeout).await?;
+        blocking(|| read_reply(&mut stdout, deadline, timeout))
     }
 
-    pub(crate) fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
+    /// See [`super::Process::round_trip`].
+    pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
         let deadline = Instant::now() + timeout;
         let seq = {
-            let mut writer = lock(&self.stdin);
-            write_all(writer.pipe.as_fd(), request, deadline, timeout)?;
+            let mut writer = lock_until(&self.stdin, deadline, timeout).await?;
+            let fd = writer.pipe.as_fd();
+            match write_some(fd, request)? {
+                n if n == request.len() => {}
+                n => blocking(|| write_all(fd, &request[n..], deadline, timeout))?,
+            }
             writer.written()
         };
-        let mut stdout = lock(&self.stdout);
-        loop {
-            // Whoever held the lock before us may have read our reply already.
+        let mut claim = Claim::new(&self.replies, seq);
+        let reply = self.read_until(seq, deadline, timeout).await;
+        if reply.is_ok() {
+            claim.done();
+        }
+        reply
+    }
+
+    async fn read_until(
+        &self,
+        seq: u64,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Reply, ProcessError> {
+        // Whoever held the lock before us may have read our reply already.
+        if let Some(reply) = lock(&self.replies).take(seq) {
+            return Ok(reply);
+        }
+        let mut stdout = lock_until(&self.stdout, deadline, timeout).await?;
+        // First what is there already, without a hand-off; then block for the rest.
+        if let Some(reply) = self.read_available(&mut stdout, seq)? {
+            return Ok(reply);
+        }
+        blocking(|| loop {
             if let Some(reply) = lock(&self.replies).take(seq) {
                 return Ok(reply);
             }
             let reply = read_reply(&mut stdout, deadline, timeout)?;
             lock(&self.replies).push(reply);
+        })
+    }
+
+    /// Reads the replies that can be read without waiting; returns ours if it was among them.
+    fn read_available(&self, stdout: &mut Reader, seq: u64) -> Result<Option<Reply>, ProcessError> {
+        loop {
+            if let Some(reply) = lock(&self.replies).take(seq) {
+                return Ok(Some(reply));
+            }
+            match stdout.replies.take()? {
+                Some(reply) => lock(&self.replies).push(reply),
+                None => match read_some(stdout)? {
+                    Some(0) => return Err(eof()),
+                    Some(_) => {}
+                    None => return Ok(None),
+                },
+            }
         }
     }
+}
+
+/// Runs blocking pipe I/O without stalling the other tasks of this executor thread.
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+async fn lock_until<T>(
+    mutex: &tokio::sync::Mutex<T>,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<tokio::sync::MutexGuard<'_, T>, ProcessError> {
+    tokio::time::timeout_at(deadline.into(), mutex.lock()).await.map_err(|_| ProcessError::Timeout(timeout))
 }
 
 fn set_nonblocking(fd: BorrowedFd<'_>) -> nix::Result<()> {
@@ -100,6 +175,20 @@ fn wait(
     }
 }
 
+/// Writes what fits without waiting; returns how many bytes that was.
+fn write_some(fd: BorrowedFd<'_>, buf: &[u8]) -> Result<usize, ProcessError> {
+    let mut written = 0;
+    while written < buf.len() {
+        match nix::unistd::write(fd, &buf[written..]) {
+            Ok(n) => written += n,
+            Err(Errno::EAGAIN) => break,
+            Err(Errno::EINTR) => {}
+            Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("write to walredo stdin"))),
+        }
+    }
+    Ok(written)
+}
+
 fn write_all(
     fd: BorrowedFd<'_>,
     mut buf: &[u8],
@@ -107,14 +196,25 @@ fn write_all(
     timeout: Duration,
 ) -> Result<(), ProcessError> {
     while !buf.is_empty() {
-        match nix::unistd::write(fd, buf) {
-            Ok(n) => buf = &buf[n..],
-            Err(Errno::EAGAIN) => wait(fd, PollFlags::POLLOUT, deadline, timeout)?,
-            Err(Errno::EINTR) => {}
-            Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("write to walredo stdin"))),
-        }
+        wait(fd, PollFlags::POLLOUT, deadline, timeout)?;
+        buf = &buf[write_some(fd, buf)?..];
     }
     Ok(())
+}
+
+/// One non-blocking read into the reply buffer: `None` when nothing is there yet.
+fn read_some(stdout: &mut Reader) -> Result<Option<usize>, ProcessError> {
+    loop {
+        match nix::unistd::read(stdout.pipe.as_fd(), stdout.replies.spare()) {
+            Ok(n) => {
+                stdout.replies.advance(n);
+                return Ok(Some(n));
+            }
+            Err(Errno::EAGAIN) => return Ok(None),
+            Err(Errno::EINTR) => {}
+            Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("read walredo stdout"))),
+        }
+    }
 }
 
 fn read_reply(stdout: &mut Reader, deadline: Instant, timeout: Duration) -> Result<Reply, ProcessError> {
@@ -122,12 +222,14 @@ fn read_reply(stdout: &mut Reader, deadline: Instant, timeout: Duration) -> Resu
         if let Some(reply) = stdout.replies.take()? {
             return Ok(reply);
         }
-        match nix::unistd::read(stdout.pipe.as_fd(), stdout.replies.spare()) {
-            Ok(0) => return Err(ProcessError::Io(anyhow::anyhow!("walredo stdout closed (EOF)"))),
-            Ok(n) => stdout.replies.advance(n),
-            Err(Errno::EAGAIN) => wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?,
-            Err(Errno::EINTR) => {}
-            Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("read walredo stdout"))),
+        match read_some(stdout)? {
+            Some(0) => return Err(eof()),
+            Some(_) => {}
+            None => wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?,
         }
     }
+}
+
+fn eof() -> ProcessError {
+    ProcessError::Io(anyhow::anyhow!("walredo stdout closed (EOF)"))
 }
