@@ -462,3 +462,24 @@ async fn request_dropped_mid_flight_does_not_keep_the_child_from_its_idle_stop()
     wait_for("the idle child to be reaped", Duration::from_secs(10), || is_reaped(pid)).await;
     manager.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_child_killed_from_outside_is_reaped_and_leaves_service_at_once() {
+    for kind in KINDS {
+        let (manager, registry) = manager_with(conf(kind));
+        manager.ping().await.expect("ping");
+        let pid = pid_of(&manager).expect("a child");
+        signal(pid, nix::sys::signal::Signal::SIGKILL);
+        // Long before the idle timeout (180 s): no zombie, no live child in the status.
+        wait_for("the killed child to be reaped", Duration::from_secs(3), || is_reaped(pid)).await;
+        wait_for("the status to show no child", Duration::from_secs(3), || pid_of(&manager).is_none()).await;
+        let last_exit = manager.status().last_exit.expect("an exit status");
+        assert!(last_exit.contains(&pid.to_string()) && last_exit.contains("SIGKILL"), "{kind}: {last_exit}");
+        assert_eq!(metric(&registry, "pageserver_walredo_process_kind", kind.as_str()), 0.0, "{kind}");
+        assert_eq!(metric(&registry, "pageserver_wal_redo_process_stopped_total", "crashed"), 1.0, "{kind}");
+        // The next request gets a new child at the first try.
+        manager.ping().await.expect("ping after the kill");
+        assert_eq!(metric(&registry, "pageserver_wal_redo_requests_total", "process_failed"), 0.0, "{kind}");
+        manager.shutdown().await;
+    }
+}

@@ -193,3 +193,16 @@ def test_hung_redo_child_stalls_only_its_own_tenant(pageserver_factory, process_
         os.kill(child.pid, signal.SIGKILL)
     stalled.close()
     assert_reaped(ps, child)
+
+
+def test_idle_redo_child_killed_from_outside_is_reaped_at_once(pageserver, process_kind):
+    pageserver.allowed_errors.extend(REDO_WARNINGS)
+    t = pageserver.create_tenant()
+    child = start_child(pageserver, t)
+    os.kill(child.pid, signal.SIGKILL)
+    # Long before the idle timeout: reaped, and the status no longer names a live child.
+    assert_reaped(pageserver, child, timeout=3)
+    wait_until(lambda: pageserver.http.tenant_status(t)["walredo"]["process"] is None, timeout=3,
+               desc="the status to show no live redo child")
+    last_exit = pageserver.http.tenant_status(t)["walredo"]["last_exit"] or ""
+    assert str(child.pid) in last_exit and "SIGKILL" in last_exit, last_exit

@@ -3,7 +3,9 @@
 //! Names follow Neon's where one exists, prefixed `pageserver_`. The registry is the caller's
 //! (the daemon exports it at `GET /metrics`); tests make a fresh one each.
 
-use prometheus::{exponential_buckets, Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 use super::ProcessKind;
 
@@ -68,6 +70,8 @@ pub struct WalRedoMetrics {
     pub processes_stopped: IntCounterVec,
     /// Live child processes of each kind (`sync`, `async`).
     pub process_kind: IntGaugeVec,
+    /// Stderr lines of children dropped over their rate limit.
+    pub stderr_lines_dropped: IntCounter,
 }
 
 impl WalRedoMetrics {
@@ -128,6 +132,14 @@ impl WalRedoMetrics {
                     g.with_label_values(&[kind.as_str()]).set(0);
                 }
                 g
+            },
+            stderr_lines_dropped: {
+                let c = IntCounter::new(
+                    "pageserver_wal_redo_stderr_lines_dropped_total",
+                    "Stderr lines of walredo processes dropped over their rate limit",
+                )?;
+                registry.register(Box::new(c.clone()))?;
+                c
             },
         };
         Ok(metrics)

@@ -349,7 +349,12 @@ impl WalRedoManager {
     /// The child in service, if any, counted as in use under the slot's lock (so that the idle
     /// check never retires a child that a request has just taken).
     fn take_current(&self) -> Option<InUse> {
-        lock(&self.process).as_ref().map(InUse::new)
+        let mut slot = lock(&self.process);
+        if slot.as_ref().is_some_and(|p| p.has_exited()) {
+            // Died on its own (its watcher reaped it): it must not eat a request's one retry.
+            *slot = None;
+        }
+        slot.as_ref().map(InUse::new)
     }
 
     /// Takes `process` out of service (if it still is) and retires it for `cause`.
@@ -390,7 +395,7 @@ impl WalRedoManager {
     }
 
     pub fn status(&self) -> WalRedoStatus {
-        let process = lock(&self.process).as_ref().map(|p| ProcessStatus {
+        let process = lock(&self.process).as_ref().filter(|p| !p.has_exited()).map(|p| ProcessStatus {
             kind: p.kind,
             pid: p.pid,
             uptime_seconds: p.started.elapsed().as_secs_f64(),

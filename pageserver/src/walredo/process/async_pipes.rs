@@ -12,7 +12,6 @@
 //! - during a read: the bytes read so far stay in the shared [`pipeline::ReplyReader`], whose next holder
 //!   carries on (`AsyncReadExt::read` is cancel-safe).
 
-use std::process::{ChildStdin as StdChildStdin, ChildStdout as StdChildStdout};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -36,14 +35,12 @@ pub(crate) struct AsyncPipes {
 }
 
 impl AsyncPipes {
-    pub(crate) fn new(stdin: StdChildStdin, stdout: StdChildStdout) -> anyhow::Result<AsyncPipes> {
-        let stdin = ChildStdin::from_std(stdin).context("register walredo stdin with tokio")?;
-        let stdout = ChildStdout::from_std(stdout).context("register walredo stdout with tokio")?;
-        Ok(AsyncPipes {
+    pub(crate) fn new(stdin: ChildStdin, stdout: ChildStdout) -> AsyncPipes {
+        AsyncPipes {
             stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
             stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
             replies: Mutex::new(Replies::default()),
-        })
+        }
     }
 
     /// Reads the first frame of the child (its hello), before any request is written.

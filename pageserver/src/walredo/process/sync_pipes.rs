@@ -20,8 +20,7 @@
 //! awaits runs to its end): before its write nothing happened; after its write, its reply slot
 //! is abandoned ([`pipeline::Claim`]) and the reply is dropped on arrival.
 
-use std::os::fd::{AsFd, BorrowedFd};
-use std::process::{ChildStdin, ChildStdout};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -33,8 +32,8 @@ use super::ProcessError;
 use crate::walredo::lock;
 use crate::walredo::pipeline::{self, Claim, Replies, Reply};
 
-type Writer = pipeline::Writer<ChildStdin>;
-type Reader = pipeline::Reader<ChildStdout>;
+type Writer = pipeline::Writer<OwnedFd>;
+type Reader = pipeline::Reader<OwnedFd>;
 
 pub(crate) struct SyncPipes {
     /// tokio mutexes: waiting for a pipe must not block a thread (see the module doc); the
@@ -46,7 +45,7 @@ pub(crate) struct SyncPipes {
 }
 
 impl SyncPipes {
-    pub(crate) fn new(stdin: ChildStdin, stdout: ChildStdout) -> anyhow::Result<SyncPipes> {
+    pub(crate) fn new(stdin: OwnedFd, stdout: OwnedFd) -> anyhow::Result<SyncPipes> {
         for fd in [stdin.as_fd(), stdout.as_fd()] {
             set_nonblocking(fd).context("make walredo pipe non-blocking")?;
         }
