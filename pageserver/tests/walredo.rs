@@ -483,3 +483,34 @@ async fn idle_child_killed_from_outside_is_reaped_and_leaves_service_at_once() {
         manager.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executable_mapping_in_the_sandbox_kills_the_child_with_sigsys() {
+    for kind in KINDS {
+        let mut conf = conf(kind);
+        conf.args = vec!["--test-exec-mapping-on-ping".to_string()];
+        let (manager, _) = manager_with(conf);
+        let result = manager.ping().await;
+        assert!(matches!(result, Err(RedoError::ProcessFailed(_))), "{kind}: {result:?}");
+        wait_for("the killed child's exit status", Duration::from_secs(10), || {
+            manager.status().last_exit.is_some_and(|exit| exit.contains("SIGSYS"))
+        })
+        .await;
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_child_cannot_reserve_a_gigabyte_under_its_memory_limit() {
+    let mut conf = conf(ProcessKind::Async);
+    conf.args = vec!["--test-big-allocation-on-ping".to_string()];
+    let (manager, _) = manager_with(conf);
+    let result = manager.ping().await;
+    assert!(matches!(result, Err(RedoError::ProcessFailed(_))), "{result:?}");
+    // Status 3: the reservation was refused (without a limit the child answers the ping).
+    wait_for("the child's exit status", Duration::from_secs(10), || {
+        manager.status().last_exit.is_some_and(|exit| exit.contains("exited with status 3"))
+    })
+    .await;
+    manager.shutdown().await;
+}
