@@ -514,3 +514,94 @@ async fn the_child_cannot_reserve_a_gigabyte_under_its_memory_limit() {
     .await;
     manager.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthy_child_with_a_long_queue_is_not_killed_for_queueing() {
+    for kind in KINDS {
+        let mut conf = conf(kind);
+        // Each reply takes 150 ms: 16 requests queue for 2.4 s, each reply comes well in time.
+        conf.args = vec!["--no-seccomp".to_string(), "--test-slow-redo-ms=150".to_string()];
+        conf.timeout = Duration::from_secs(1);
+        let (manager, registry) = manager_with(conf);
+        manager.ping().await.expect("ping");
+        let pid = pid_of(&manager);
+        let mut served = 0;
+        for task in spawn_redos(&manager, 0..16) {
+            let (n, result) = task.await.expect("task");
+            match result {
+                Ok(page) => {
+                    assert_same_bytes(&page, &expected_for(n), kind.as_str());
+                    served += 1;
+                }
+                // The queue has its own bound and error; the child is not blamed for it.
+                Err(e) => assert!(e.to_string().contains("queue"), "{kind}: request {n}: {e}"),
+            }
+        }
+        assert!(served >= 3, "{kind}: only {served} served");
+        assert_eq!(pid_of(&manager), pid, "{kind}: the healthy child was replaced");
+        assert_eq!(metric(&registry, "pageserver_wal_redo_process_stopped_total", "timeout"), 0.0, "{kind}");
+        manager.shutdown().await;
+    }
+}
+
+/// Pids of this process's children.
+fn children_of_this_process() -> Vec<u32> {
+    let mut pids = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").expect("list tasks").flatten() {
+        if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
+            pids.extend(text.split_whitespace().filter_map(|pid| pid.parse::<u32>().ok()));
+        }
+    }
+    pids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_that_never_says_hello_fails_queued_requests_together_not_one_after_another() {
+    let mut conf = conf(ProcessKind::Async);
+    conf.binary = "/bin/sh".into();
+    conf.args = vec!["-c".to_string(), "exec /bin/sleep 60".to_string()];
+    conf.timeout = Duration::from_secs(1);
+    let (manager, _) = manager_with(conf);
+    let started = Instant::now();
+    let pings: Vec<_> = (0..6)
+        .map(|_| {
+            let manager = Arc::clone(&manager);
+            tokio::spawn(async move { (manager.ping().await, started.elapsed()) })
+        })
+        .collect();
+    for ping in pings {
+        let (result, took) = ping.await.expect("task");
+        assert!(result.is_err(), "{result:?}");
+        // One spawn's deadline (1 s) for all of them, not one per queued request (6 s).
+        assert!(took < Duration::from_secs(3), "a queued request failed only after {took:?}: {result:?}");
+    }
+    manager.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kind_change_during_a_spawn_does_not_install_a_child_of_the_old_kind() {
+    let mut conf = conf(ProcessKind::Sync);
+    let binary = walredo_proc_binary();
+    conf.binary = "/bin/sh".into();
+    // A slow start (0.5 s before the hello), so the kind changes while the child spawns.
+    conf.args = vec!["-c".to_string(), format!("/bin/sleep 0.5; exec {}", binary.display())];
+    let (manager, _) = manager_with(conf);
+    let ping = tokio::spawn({
+        let manager = Arc::clone(&manager);
+        async move { manager.ping().await }
+    });
+    // Other tests of this binary have children too: look for this one's wrapper.
+    let spawning = || {
+        children_of_this_process().into_iter().any(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|cmdline| String::from_utf8_lossy(&cmdline).contains("/bin/sleep 0.5; exec"))
+        })
+    };
+    wait_for("the spawn to start", Duration::from_secs(10), spawning).await;
+    manager.set_process_kind(ProcessKind::Async);
+    ping.await.expect("task").expect("ping");
+    manager.ping().await.expect("ping");
+    let status = manager.status();
+    assert_eq!(status.process.map(|p| p.kind), Some(ProcessKind::Async), "{:?}", status.last_exit);
+    manager.shutdown().await;
+}

@@ -356,7 +356,10 @@ fn get_page_error_code(e: &GetPageError) -> ErrorCode {
         }
         GetPageError::Redo(RedoError::ShuttingDown) => ErrorCode::ShuttingDown,
         GetPageError::Redo(
-            RedoError::Rejected { .. } | RedoError::Timeout(_) | RedoError::InvalidRequest(_),
+            RedoError::Rejected { .. }
+            | RedoError::Timeout(_)
+            | RedoError::QueueTimeout(_)
+            | RedoError::InvalidRequest(_),
         ) => {
             tracing::warn!("failed to reconstruct a page: {e:#}");
             ErrorCode::RedoFailed

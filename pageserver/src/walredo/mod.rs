@@ -134,8 +134,14 @@ pub enum RedoError {
     /// The child answered this request with an error frame; the child lives on.
     #[error("redo rejected by walredo process ({}): {message}", .code.name())]
     Rejected { code: ErrorCode, message: String },
+    /// The child made no progress for `wal_redo_timeout` while the request waited on it; the
+    /// child was killed.
     #[error("walredo request timed out after {0:?}")]
     Timeout(Duration),
+    /// The request waited `wal_redo_timeout` behind other requests (for the pipes, or for a
+    /// child being spawned) without its turn coming; the child is not blamed and lives on.
+    #[error("walredo request waited {0:?} in the queue for its walredo process")]
+    QueueTimeout(Duration),
     #[error("walredo process failed: {0:#}")]
     ProcessFailed(anyhow::Error),
     #[error("invalid redo request: {0}")]
@@ -149,6 +155,7 @@ impl RedoError {
         match self {
             RedoError::Rejected { .. } => "rejected",
             RedoError::Timeout(_) => "timeout",
+            RedoError::QueueTimeout(_) => "queue_timeout",
             RedoError::ProcessFailed(_) => "process_failed",
             RedoError::InvalidRequest(_) => "invalid",
             RedoError::ShuttingDown => "shutting_down",
@@ -184,8 +191,11 @@ pub struct WalRedoManager {
     kind: Mutex<ProcessKind>,
     /// The child in service. A std mutex: held for a few instructions, never across an await.
     process: Mutex<Option<Arc<Process>>>,
-    /// Serializes spawning, so that a burst of requests spawns one child, not one each.
-    spawn_lock: tokio::sync::Mutex<()>,
+    /// Serializes spawning, so that a burst of requests spawns one child, not one each. Holds
+    /// the last spawn's failure (attempt number, error), if it failed; held across the spawn.
+    spawn_lock: tokio::sync::Mutex<Option<(u64, String)>>,
+    /// Spawn attempts finished.
+    spawn_attempts: AtomicU64,
     metrics: Arc<WalRedoMetrics>,
     served: AtomicU64,
     reaping: Arc<Reaping>,
@@ -202,7 +212,8 @@ impl WalRedoManager {
             kind: Mutex::new(conf.process_kind),
             conf,
             process: Mutex::new(None),
-            spawn_lock: tokio::sync::Mutex::new(()),
+            spawn_lock: tokio::sync::Mutex::new(None),
+            spawn_attempts: AtomicU64::new(0),
             metrics,
             served: AtomicU64::new(0),
             reaping: Reaping::new(),
@@ -276,6 +287,8 @@ impl WalRedoManager {
             let process = self.get_or_spawn().await.map_err(|e| self.count(e))?;
             let result = process.round_trip(request, self.conf.timeout).await;
             match result {
+                // The child is working, only busy: it stays in service.
+                Err(ProcessError::QueueTimeout(t)) => return Err(self.count(RedoError::QueueTimeout(t))),
                 Ok(reply) => {
                     self.served.fetch_add(1, Ordering::Relaxed);
                     self.metrics.redo_seconds.observe(started.elapsed().as_secs_f64());
@@ -314,27 +327,52 @@ impl WalRedoManager {
     }
 
     /// Returns the child in service, counted as in use, spawning one if needed.
+    ///
+    /// Waiting for another request's spawn is bounded by `wal_redo_timeout` (then
+    /// [`RedoError::QueueTimeout`]), and a spawn that fails fails every request that waited
+    /// for it, instead of each spawning (and waiting out the hello timeout) in turn.
     async fn get_or_spawn(&self) -> Result<InUse, RedoError> {
         if let Some(process) = self.take_current() {
             return Ok(process);
         }
-        let _spawning = self.spawn_lock.lock().await;
+        let deadline = Instant::now() + self.conf.timeout;
+        let attempts_seen = self.spawn_attempts.load(Ordering::Acquire);
+        let mut spawning = tokio::time::timeout_at(deadline.into(), self.spawn_lock.lock())
+            .await
+            .map_err(|_| RedoError::QueueTimeout(self.conf.timeout))?;
         if let Some(process) = self.take_current() {
             return Ok(process);
         }
         if self.cancel.is_cancelled() {
             return Err(RedoError::ShuttingDown);
         }
+        if let Some((attempt, failure)) = spawning.as_ref() {
+            if *attempt > attempts_seen {
+                return Err(RedoError::ProcessFailed(anyhow::anyhow!(
+                    "{failure} (a spawn this request waited for)"
+                )));
+            }
+        }
         let kind = *lock(&self.kind);
-        let process = Process::spawn(
+        let spawned = Process::spawn(
             &self.conf,
             kind,
             &self.tenant_id,
             Arc::clone(&self.metrics),
             Arc::clone(&self.reaping),
         )
-        .await
-        .map_err(RedoError::ProcessFailed)?;
+        .await;
+        let attempt = self.spawn_attempts.fetch_add(1, Ordering::AcqRel) + 1;
+        let process = match spawned {
+            Ok(process) => {
+                *spawning = None;
+                process
+            }
+            Err(e) => {
+                *spawning = Some((attempt, format!("{e:#}")));
+                return Err(RedoError::ProcessFailed(e));
+            }
+        };
         let mut slot = lock(&self.process);
         if self.cancel.is_cancelled() {
             drop(slot);
@@ -342,6 +380,13 @@ impl WalRedoManager {
             return Err(RedoError::ShuttingDown);
         }
         let in_use = InUse::new(&process);
+        // The kind may have changed while the child started (set_process_kind takes the kind,
+        // then the slot; we hold the slot): an old-kind child serves this request only.
+        if *lock(&self.kind) != kind {
+            drop(slot);
+            process.retire(StopCause::KindChange);
+            return Ok(in_use);
+        }
         *slot = Some(process);
         Ok(in_use)
     }

@@ -5,7 +5,12 @@
 //! read belongs to sequence number `n`. Whoever holds the stdout lock reads replies until its own
 //! has arrived, parking the others' replies in [`Replies`] for their owners to take.
 //!
+//! Time and failure: [`Progress`] records when the child last accepted bytes or sent a reply,
+//! so that a request is timed against the child's progress, not against its place in the
+//! queue; [`Fence`] marks the stream broken the moment a write ends partway through a frame.
+//!
 //! Invariants:
+//! - no byte follows a partial frame: a writer that finds [`Writer::broken`] writes nothing;
 //! - a reply is handed only to the request with its sequence number: a request that gave up
 //!   after its write (cancelled, timed out) marks its slot abandoned and its reply is dropped
 //!   when it arrives, so it can never be taken by the next request (the gap Neon left open);
@@ -15,11 +20,15 @@
 //! - nothing here trusts the child: every header is checked, a bad one is a [`FrameError`].
 
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
+
+use super::process::ProcessError;
 
 /// A decoded reply of the child.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,17 +115,96 @@ pub(crate) struct Writer<W> {
     pub(crate) pipe: W,
     /// Sequence number of the next request written.
     next_seq: u64,
+    /// A write was cut short (cancelled, timed out, failed) after some of its bytes: the child
+    /// holds part of a frame, so no byte may follow. Set under the stdin lock, at once, before
+    /// the next writer can take it (the kill that follows takes a moment to land).
+    pub(crate) broken: bool,
 }
 
 impl<W> Writer<W> {
     pub(crate) fn new(pipe: W) -> Writer<W> {
-        Writer { pipe, next_seq: 0 }
+        Writer { pipe, next_seq: 0, broken: false }
+    }
+
+    /// The error of a writer that finds the stream broken by an earlier request.
+    pub(crate) fn check_not_broken(&self) -> Result<(), ProcessError> {
+        if self.broken {
+            Err(ProcessError::Io(anyhow::anyhow!(
+                "walredo stdin holds a partial frame of a cut-short request"
+            )))
+        } else {
+            Ok(())
+        }
     }
 
     /// Takes the sequence number of the request just written whole.
     pub(crate) fn written(&mut self) -> u64 {
         self.next_seq += 1;
         self.next_seq - 1
+    }
+}
+
+/// Fences the writer if the write it guards ends with part of the request written: on drop,
+/// unless [`Fence::done`], marks the stream broken and, if the write was neither finished nor
+/// failed through [`Fence::fail`] (the future was dropped), runs `on_cancel`.
+pub(crate) struct Fence<'a, W, F: FnOnce()> {
+    pub(crate) writer: &'a mut Writer<W>,
+    pub(crate) written: usize,
+    len: usize,
+    on_cancel: Option<F>,
+}
+
+impl<'a, W, F: FnOnce()> Fence<'a, W, F> {
+    pub(crate) fn new(writer: &'a mut Writer<W>, len: usize, on_cancel: F) -> Fence<'a, W, F> {
+        Fence { writer, written: 0, len, on_cancel: Some(on_cancel) }
+    }
+
+    /// The whole request is written.
+    pub(crate) fn done(mut self) {
+        self.written = self.len;
+    }
+
+    /// The write failed with `e` (the caller retires the process for it).
+    pub(crate) fn fail(mut self, e: ProcessError) -> ProcessError {
+        self.on_cancel = None;
+        e
+    }
+}
+
+impl<W, F: FnOnce()> Drop for Fence<'_, W, F> {
+    fn drop(&mut self) {
+        if self.written > 0 && self.written < self.len {
+            self.writer.broken = true;
+            if let Some(on_cancel) = self.on_cancel.take() {
+                on_cancel();
+            }
+        }
+    }
+}
+
+/// When the child last made progress: accepted request bytes or sent a reply. A child is hung
+/// when work waits on it and it makes no progress for the round-trip timeout; time spent
+/// queueing behind other requests of a working child is not held against it.
+pub(crate) struct Progress {
+    base: Instant,
+    /// Microseconds since `base` at the last progress.
+    last_us: AtomicU64,
+}
+
+impl Progress {
+    pub(crate) fn new() -> Progress {
+        Progress { base: Instant::now(), last_us: AtomicU64::new(0) }
+    }
+
+    pub(crate) fn mark(&self) {
+        let us = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.last_us.fetch_max(us, Ordering::Relaxed);
+    }
+
+    /// When the child counts as hung for work that waits on it since `since`.
+    pub(crate) fn child_deadline(&self, timeout: Duration, since: Instant) -> Instant {
+        let last = self.base + Duration::from_micros(self.last_us.load(Ordering::Relaxed));
+        last.max(since) + timeout
     }
 }
 

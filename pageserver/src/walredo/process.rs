@@ -46,8 +46,13 @@ const PIPE_SIZE: i32 = 1024 * 1024;
 /// How a round trip failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ProcessError {
-    #[error("no reply within {0:?}")]
+    /// The child made no progress for this long while work waited on it: it is hung.
+    #[error("no progress of the walredo process within {0:?}")]
     Timeout(Duration),
+    /// The request waited this long behind other requests of a child that is working; the
+    /// child is not blamed.
+    #[error("waited {0:?} behind other requests for the walredo process")]
+    QueueTimeout(Duration),
     #[error("{0:#}")]
     Io(anyhow::Error),
     #[error("protocol violation by the child: {0}")]
@@ -57,7 +62,7 @@ pub(crate) enum ProcessError {
 impl ProcessError {
     pub(crate) fn stop_cause(&self) -> StopCause {
         match self {
-            ProcessError::Timeout(_) => StopCause::Timeout,
+            ProcessError::Timeout(_) | ProcessError::QueueTimeout(_) => StopCause::Timeout,
             ProcessError::Io(_) => StopCause::Crashed,
             ProcessError::Protocol(_) => StopCause::ProtocolViolation,
         }
@@ -311,7 +316,10 @@ impl Process {
     /// Failures kill the child now, so every request pipelined on it fails fast; graceful
     /// causes leave it running until the last in-flight request drops its reference.
     pub(crate) fn retire(&self, cause: StopCause) {
-        if self.life.mark_retired(cause) && !cause.is_graceful() {
+        self.life.mark_retired(cause);
+        // Also after a graceful retirement: a child draining after a kind change that then
+        // hangs or fails must die now, not when its last request gives up.
+        if !cause.is_graceful() {
             self.life.kill.cancel();
         }
     }

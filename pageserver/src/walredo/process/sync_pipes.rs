@@ -13,12 +13,16 @@
 //!   when the fd is not ready (a write that fits in the pipe, or a reply already there, costs no
 //!   hand-off). On a current-thread runtime there is no other thread, and the I/O blocks it.
 //!
-//! Every wait is a `poll` with the time left until the round trip's deadline; a poll that runs
-//! out is a [`ProcessError::Timeout`].
+//! Time: the child is timed, not the queue, as in the async kind ([`pipeline::Progress`]):
+//! every `poll` waits until the child's deadline (no progress for the timeout while work waits
+//! on it: [`ProcessError::Timeout`], the child is killed) or, behind other requests, until the
+//! queue's deadline ([`ProcessError::QueueTimeout`], the child lives on).
 //!
 //! Cancellation: the future can only be dropped while it waits for a lock (the I/O between two
 //! awaits runs to its end): before its write nothing happened; after its write, its reply slot
-//! is abandoned ([`pipeline::Claim`]) and the reply is dropped on arrival.
+//! is abandoned ([`pipeline::Claim`]) and the reply is dropped on arrival. A write cut short by
+//! a timeout or an error fences the writer under the stdin lock: no byte follows a partial
+//! frame.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Mutex;
@@ -30,7 +34,8 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::ProcessError;
 use crate::walredo::lock;
-use crate::walredo::pipeline::{self, Claim, Replies, Reply};
+use crate::walredo::pipeline::{self, Claim, Progress, Replies, Reply};
+use tokio::sync::Notify;
 
 type Writer = pipeline::Writer<OwnedFd>;
 type Reader = pipeline::Reader<OwnedFd>;
@@ -42,6 +47,10 @@ pub(crate) struct SyncPipes {
     stdout: tokio::sync::Mutex<Reader>,
     /// A std mutex: held for a few instructions, never across an await.
     replies: Mutex<Replies>,
+    /// Woken at every reply parked in `replies`, so that its owner need not wait for the
+    /// stdout lock to find it.
+    parked: Notify,
+    progress: Progress,
 }
 
 impl SyncPipes {
@@ -53,6 +62,8 @@ impl SyncPipes {
             stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
             stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
             replies: Mutex::new(Replies::default()),
+            parked: Notify::new(),
+            progress: Progress::new(),
         })
     }
 
@@ -65,46 +76,143 @@ impl SyncPipes {
 
     /// See [`super::Process::round_trip`].
     pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
-        let deadline = Instant::now() + timeout;
+        let queue_deadline = Instant::now() + timeout;
         let seq = {
-            let mut writer = lock_until(&self.stdin, deadline, timeout).await?;
+            let mut writer = tokio::time::timeout_at(queue_deadline.into(), self.stdin.lock())
+                .await
+                .map_err(|_| ProcessError::QueueTimeout(timeout))?;
+            writer.check_not_broken()?;
+            let since = Instant::now();
             let fd = writer.pipe.as_fd();
-            match write_some(fd, request)? {
-                n if n == request.len() => {}
-                n => blocking(|| write_all(fd, &request[n..], deadline, timeout))?,
+            let (mut written, mut result) = write_some(fd, request);
+            if result.is_ok() && written < request.len() {
+                (written, result) = blocking(|| self.write_rest(fd, request, written, since, timeout));
+            }
+            if written > 0 {
+                self.progress.mark();
+            }
+            if let Err(e) = result {
+                // Fence at once, under the lock: no byte may follow a partial frame.
+                writer.broken = written > 0 && written < request.len();
+                return Err(e);
             }
             writer.written()
         };
+        let written_at = Instant::now();
         let mut claim = Claim::new(&self.replies, seq);
-        let reply = self.read_until(seq, deadline, timeout).await;
+        let reply = self.read_until(seq, queue_deadline, written_at, timeout).await;
         if reply.is_ok() {
             claim.done();
         }
         reply
     }
 
+    /// Writes `request[written..]`, waiting while the child makes progress; returns how much
+    /// of the request is written in the end.
+    fn write_rest(
+        &self,
+        fd: BorrowedFd<'_>,
+        request: &[u8],
+        mut written: usize,
+        since: Instant,
+        timeout: Duration,
+    ) -> (usize, Result<(), ProcessError>) {
+        while written < request.len() {
+            let deadline = self.progress.child_deadline(timeout, since);
+            match wait(fd, PollFlags::POLLOUT, deadline, timeout) {
+                Ok(()) => {}
+                // Another request saw progress meanwhile: wait on.
+                Err(ProcessError::Timeout(_))
+                    if Instant::now() < self.progress.child_deadline(timeout, since) =>
+                {
+                    continue
+                }
+                Err(e) => return (written, Err(e)),
+            }
+            let (n, result) = write_some(fd, &request[written..]);
+            written += n;
+            if n > 0 {
+                self.progress.mark();
+            }
+            if result.is_err() {
+                return (written, result);
+            }
+        }
+        (written, Ok(()))
+    }
+
     async fn read_until(
         &self,
         seq: u64,
-        deadline: Instant,
+        queue_deadline: Instant,
+        written_at: Instant,
         timeout: Duration,
     ) -> Result<Reply, ProcessError> {
-        // Whoever held the lock before us may have read our reply already.
-        if let Some(reply) = lock(&self.replies).take(seq) {
-            return Ok(reply);
-        }
-        let mut stdout = lock_until(&self.stdout, deadline, timeout).await?;
+        let mut stdout = loop {
+            let parked = self.parked.notified();
+            tokio::pin!(parked);
+            parked.as_mut().enable();
+            // Whoever holds the lock may have read our reply already.
+            let at_head = {
+                let mut replies = lock(&self.replies);
+                if let Some(reply) = replies.take(seq) {
+                    return Ok(reply);
+                }
+                replies.next_to_read() == seq
+            };
+            // At the head of the queue our wait is the child's time, which the lock holder
+            // bounds; behind others, the queue's own bound applies.
+            let queue = async {
+                if at_head {
+                    std::future::pending().await
+                } else {
+                    tokio::time::sleep_until(queue_deadline.into()).await
+                }
+            };
+            tokio::select! {
+                stdout = self.stdout.lock() => break stdout,
+                () = &mut parked => {}
+                () = queue => {
+                    if lock(&self.replies).next_to_read() != seq {
+                        return Err(ProcessError::QueueTimeout(timeout));
+                    }
+                }
+            }
+        };
         // First what is there already, without a hand-off; then block for the rest.
         if let Some(reply) = self.read_available(&mut stdout, seq)? {
             return Ok(reply);
         }
         blocking(|| loop {
-            if let Some(reply) = lock(&self.replies).take(seq) {
-                return Ok(reply);
+            let at_head = {
+                let mut replies = lock(&self.replies);
+                if let Some(reply) = replies.take(seq) {
+                    return Ok(reply);
+                }
+                replies.next_to_read() == seq
+            };
+            let child_deadline = self.progress.child_deadline(timeout, written_at);
+            let deadline = if at_head { child_deadline } else { child_deadline.min(queue_deadline) };
+            match read_reply(&mut stdout, deadline, timeout) {
+                Ok(reply) => self.park(reply),
+                Err(ProcessError::Timeout(_)) => {
+                    let now = Instant::now();
+                    if now >= self.progress.child_deadline(timeout, written_at) {
+                        return Err(ProcessError::Timeout(timeout));
+                    }
+                    if now >= queue_deadline && lock(&self.replies).next_to_read() != seq {
+                        return Err(ProcessError::QueueTimeout(timeout));
+                    }
+                }
+                Err(e) => return Err(e),
             }
-            let reply = read_reply(&mut stdout, deadline, timeout)?;
-            lock(&self.replies).push(reply);
         })
+    }
+
+    fn park(&self, reply: Reply) {
+        self.progress.mark();
+        lock(&self.replies).push(reply);
+        self.parked.notify_waiters();
     }
 
     /// Reads the replies that can be read without waiting; returns ours if it was among them.
@@ -114,7 +222,7 @@ impl SyncPipes {
                 return Ok(Some(reply));
             }
             match stdout.replies.take()? {
-                Some(reply) => lock(&self.replies).push(reply),
+                Some(reply) => self.park(reply),
                 None => match read_some(stdout)? {
                     Some(0) => return Err(eof()),
                     Some(_) => {}
@@ -174,31 +282,21 @@ fn wait(
     }
 }
 
-/// Writes what fits without waiting; returns how many bytes that was.
-fn write_some(fd: BorrowedFd<'_>, buf: &[u8]) -> Result<usize, ProcessError> {
+/// Writes what fits without waiting: how many bytes that was, and the error that stopped it.
+fn write_some(fd: BorrowedFd<'_>, buf: &[u8]) -> (usize, Result<(), ProcessError>) {
     let mut written = 0;
     while written < buf.len() {
         match nix::unistd::write(fd, &buf[written..]) {
             Ok(n) => written += n,
             Err(Errno::EAGAIN) => break,
             Err(Errno::EINTR) => {}
-            Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("write to walredo stdin"))),
+            Err(e) => {
+                let e = anyhow::Error::new(e).context("write to walredo stdin");
+                return (written, Err(ProcessError::Io(e)));
+            }
         }
     }
-    Ok(written)
-}
-
-fn write_all(
-    fd: BorrowedFd<'_>,
-    mut buf: &[u8],
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<(), ProcessError> {
-    while !buf.is_empty() {
-        wait(fd, PollFlags::POLLOUT, deadline, timeout)?;
-        buf = &buf[write_some(fd, buf)?..];
-    }
-    Ok(())
+    (written, Ok(()))
 }
 
 /// One non-blocking read into the reply buffer: `None` when nothing is there yet.

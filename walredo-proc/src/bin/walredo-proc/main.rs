@@ -39,7 +39,8 @@ It is started by the pageserver, not by hand.
 const TEST_USAGE: &str = "test-only flags (cargo feature `testing`), each acting on a ping:
   --test-forbidden-syscall-on-ping   make a syscall outside the allowlist (openat)
   --test-exec-mapping-on-ping        map executable memory
-  --test-big-allocation-on-ping      try to reserve 1 GiB; exit with status 3 when refused";
+  --test-big-allocation-on-ping      try to reserve 1 GiB; exit with status 3 when refused
+  --test-slow-redo-ms=N              sleep N ms before each redo reply (with --no-seccomp)";
 
 /// What a ping makes a test build do instead of answering.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -56,10 +57,12 @@ enum PingHook {
 struct Options {
     seccomp: bool,
     ping_hook: PingHook,
+    /// Test builds: sleep this long before each redo reply (needs `--no-seccomp`).
+    slow_redo: Option<std::time::Duration>,
 }
 
 fn main() -> ExitCode {
-    let mut options = Options { seccomp: true, ping_hook: PingHook::None };
+    let mut options = Options { seccomp: true, ping_hook: PingHook::None, slow_redo: None };
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
             "--no-seccomp" => options.seccomp = false,
@@ -69,6 +72,16 @@ fn main() -> ExitCode {
             "--test-exec-mapping-on-ping" => options.ping_hook = PingHook::ExecMapping,
             #[cfg(feature = "testing")]
             "--test-big-allocation-on-ping" => options.ping_hook = PingHook::BigAllocation,
+            #[cfg(feature = "testing")]
+            arg if arg.starts_with("--test-slow-redo-ms=") => {
+                match arg["--test-slow-redo-ms=".len()..].parse() {
+                    Ok(ms) => options.slow_redo = Some(std::time::Duration::from_millis(ms)),
+                    Err(e) => {
+                        eprintln!("walredo-proc: bad {arg:?}: {e}");
+                        return ExitCode::from(2);
+                    }
+                }
+            }
             "--version" => {
                 println!("walredo-proc protocol {PROTOCOL_VERSION}");
                 return ExitCode::SUCCESS;
@@ -135,6 +148,9 @@ fn run(options: &Options) -> Result<(), String> {
         {
             if options.ping_hook != PingHook::None && request == protocol::Request::Ping {
                 run_ping_hook(options.ping_hook);
+            }
+            if let (Some(delay), protocol::Request::GetPage(_)) = (options.slow_redo, &request) {
+                std::thread::sleep(delay);
             }
             if let Some(reply) = state.handle(request) {
                 reply_header.clear();
