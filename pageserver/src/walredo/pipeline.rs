@@ -28,6 +28,8 @@ use bytes::{Bytes, BytesMut};
 use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
 
+use tokio::sync::Notify;
+
 use super::process::ProcessError;
 
 /// A decoded reply of the child.
@@ -205,6 +207,118 @@ impl Progress {
     pub(crate) fn child_deadline(&self, timeout: Duration, since: Instant) -> Instant {
         let last = self.base + Duration::from_micros(self.last_us.load(Ordering::Relaxed));
         last.max(since) + timeout
+    }
+}
+
+/// The shared state both kinds keep next to their pipes: parked replies, the wake-up of their
+/// owners, and the child's progress.
+pub(crate) struct Shared {
+    /// A std mutex: held only for a few instructions, never across an await, and taken in
+    /// `Drop` (abandoning a slot), where an async lock is not possible.
+    pub(crate) replies: Mutex<Replies>,
+    /// Woken at every reply parked in `replies`, so that its owner need not wait for the
+    /// stdout lock to find it.
+    parked: Notify,
+    pub(crate) progress: Progress,
+}
+
+/// What a request waiting for its reply gets: the reply (read by another request), or the
+/// stdout lock, to read it itself.
+pub(crate) enum Turn<G> {
+    Reply(Reply),
+    Reader(G),
+}
+
+/// One written request waiting for its reply, with its deadlines.
+pub(crate) struct Waiter<'a> {
+    pub(crate) shared: &'a Shared,
+    pub(crate) seq: u64,
+    /// Behind other requests, the request gives up at this instant ([`ProcessError::QueueTimeout`]).
+    pub(crate) queue_deadline: Instant,
+    /// When the request was written: its wait on the child starts there at the latest.
+    pub(crate) written_at: Instant,
+    pub(crate) timeout: Duration,
+}
+
+impl Shared {
+    pub(crate) fn new() -> Shared {
+        Shared { replies: Mutex::new(Replies::default()), parked: Notify::new(), progress: Progress::new() }
+    }
+
+    /// Files a reply read off the pipe and wakes the request it belongs to.
+    pub(crate) fn park(&self, reply: Reply) {
+        self.progress.mark();
+        super::lock(&self.replies).push(reply);
+        self.parked.notify_waiters();
+    }
+}
+
+impl Waiter<'_> {
+    /// The reply if it is parked, else whether this request's reply is the next to be read.
+    pub(crate) fn take(&self) -> Result<Reply, bool> {
+        let mut replies = super::lock(&self.shared.replies);
+        match replies.take(self.seq) {
+            Some(reply) => Ok(reply),
+            None => Err(replies.next_to_read() == self.seq),
+        }
+    }
+
+    /// Waits for the reply to be parked or for the stdout lock, whichever comes first.
+    ///
+    /// At the head of the queue the wait is the child's time, which the lock holder bounds;
+    /// behind others, the queue's own bound applies. Cancel-safe: it only waits.
+    pub(crate) async fn turn<'m, T>(
+        &self,
+        stdout: &'m tokio::sync::Mutex<T>,
+    ) -> Result<Turn<tokio::sync::MutexGuard<'m, T>>, ProcessError> {
+        loop {
+            let parked = self.shared.parked.notified();
+            tokio::pin!(parked);
+            // Registered before looking, so that a reply parked in between still wakes us.
+            parked.as_mut().enable();
+            let at_head = match self.take() {
+                Ok(reply) => return Ok(Turn::Reply(reply)),
+                Err(at_head) => at_head,
+            };
+            let queue = async {
+                if at_head {
+                    std::future::pending().await
+                } else {
+                    tokio::time::sleep_until(self.queue_deadline.into()).await
+                }
+            };
+            tokio::select! {
+                guard = stdout.lock() => return Ok(Turn::Reader(guard)),
+                () = &mut parked => {}
+                () = queue => {
+                    if self.take().is_err_and(|at_head| !at_head) {
+                        return Err(ProcessError::QueueTimeout(self.timeout));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Until when the holder of the stdout lock may wait for the next reply.
+    pub(crate) fn read_deadline(&self, at_head: bool) -> Instant {
+        let child = self.shared.progress.child_deadline(self.timeout, self.written_at);
+        if at_head {
+            child
+        } else {
+            child.min(self.queue_deadline)
+        }
+    }
+
+    /// After a read deadline passed: the child is hung ([`ProcessError::Timeout`]), this
+    /// request waited too long behind others ([`ProcessError::QueueTimeout`]), or neither
+    /// (another request saw progress meanwhile) and the wait goes on (`None`).
+    pub(crate) fn expired(&self) -> Option<ProcessError> {
+        let now = Instant::now();
+        if now >= self.shared.progress.child_deadline(self.timeout, self.written_at) {
+            return Some(ProcessError::Timeout(self.timeout));
+        }
+        let behind = self.take().is_err_and(|at_head| !at_head);
+        (now >= self.queue_deadline && behind).then_some(ProcessError::QueueTimeout(self.timeout))
     }
 }
 

@@ -18,17 +18,14 @@
 //! - during a read: the bytes read so far stay in the shared [`pipeline::ReplyReader`], whose
 //!   next holder carries on (`AsyncReadExt::read` is cancel-safe).
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{ChildStdin, ChildStdout};
-use tokio::sync::Notify;
 
 use super::ProcessError;
-use crate::walredo::lock;
-use crate::walredo::pipeline::{self, Claim, Fence, Progress, Replies, Reply};
+use crate::walredo::pipeline::{self, Claim, Fence, Reply, Shared, Turn, Waiter};
 
 type Writer = pipeline::Writer<ChildStdin>;
 type Reader = pipeline::Reader<ChildStdout>;
@@ -36,13 +33,7 @@ type Reader = pipeline::Reader<ChildStdout>;
 pub(crate) struct AsyncPipes {
     stdin: tokio::sync::Mutex<Writer>,
     stdout: tokio::sync::Mutex<Reader>,
-    /// A std mutex: held only for a few instructions, never across an await, and taken in
-    /// `Drop` (abandoning a slot), where an async lock is not possible.
-    replies: Mutex<Replies>,
-    /// Woken at every reply parked in `replies`, so that its owner need not wait for the
-    /// stdout lock to find it.
-    parked: Notify,
-    progress: Progress,
+    shared: Shared,
 }
 
 impl AsyncPipes {
@@ -50,9 +41,7 @@ impl AsyncPipes {
         AsyncPipes {
             stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
             stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
-            replies: Mutex::new(Replies::default()),
-            parked: Notify::new(),
-            progress: Progress::new(),
+            shared: Shared::new(),
         }
     }
 
@@ -80,19 +69,19 @@ impl AsyncPipes {
             let since = Instant::now();
             let mut fence = Fence::new(&mut *writer, request.len(), on_broken_write);
             while fence.written < request.len() {
-                let deadline = self.progress.child_deadline(timeout, since);
+                let deadline = self.shared.progress.child_deadline(timeout, since);
                 let write = fence.writer.pipe.write(&request[fence.written..]);
                 match tokio::time::timeout_at(deadline.into(), write).await {
                     Ok(Ok(0)) => return Err(fence.fail(io_error("walredo stdin accepts no bytes"))),
                     Ok(Ok(n)) => {
                         fence.written += n;
-                        self.progress.mark();
+                        self.shared.progress.mark();
                     }
                     Ok(Err(e)) => {
                         let e = anyhow::Error::new(e).context("write to walredo stdin");
                         return Err(fence.fail(ProcessError::Io(e)));
                     }
-                    Err(_) if Instant::now() >= self.progress.child_deadline(timeout, since) => {
+                    Err(_) if Instant::now() >= self.shared.progress.child_deadline(timeout, since) => {
                         return Err(fence.fail(ProcessError::Timeout(timeout)));
                     }
                     // Another request saw progress meanwhile: wait on.
@@ -102,77 +91,32 @@ impl AsyncPipes {
             fence.done();
             writer.written()
         };
-        let written_at = Instant::now();
-        let mut claim = Claim::new(&self.replies, seq);
-        let reply = self.read_until(seq, queue_deadline, written_at, timeout).await;
+        let waiter =
+            Waiter { shared: &self.shared, seq, queue_deadline, written_at: Instant::now(), timeout };
+        let mut claim = Claim::new(&self.shared.replies, seq);
+        let reply = self.read_until(&waiter).await;
         if reply.is_ok() {
             claim.done();
         }
         reply
     }
 
-    async fn read_until(
-        &self,
-        seq: u64,
-        queue_deadline: Instant,
-        written_at: Instant,
-        timeout: Duration,
-    ) -> Result<Reply, ProcessError> {
-        let mut stdout = loop {
-            let parked = self.parked.notified();
-            tokio::pin!(parked);
-            parked.as_mut().enable();
-            // Whoever holds the lock may have read our reply already.
-            let at_head = {
-                let mut replies = lock(&self.replies);
-                if let Some(reply) = replies.take(seq) {
-                    return Ok(reply);
-                }
-                replies.next_to_read() == seq
-            };
-            // At the head of the queue our wait is the child's time, which the lock holder
-            // bounds; behind others, the queue's own bound applies.
-            let queue = async {
-                if at_head {
-                    std::future::pending().await
-                } else {
-                    tokio::time::sleep_until(queue_deadline.into()).await
-                }
-            };
-            tokio::select! {
-                stdout = self.stdout.lock() => break stdout,
-                () = &mut parked => {}
-                () = queue => {
-                    if lock(&self.replies).next_to_read() != seq {
-                        return Err(ProcessError::QueueTimeout(timeout));
-                    }
-                }
-            }
+    async fn read_until(&self, waiter: &Waiter<'_>) -> Result<Reply, ProcessError> {
+        let mut stdout = match waiter.turn(&self.stdout).await? {
+            Turn::Reply(reply) => return Ok(reply),
+            Turn::Reader(stdout) => stdout,
         };
         loop {
-            let at_head = {
-                let mut replies = lock(&self.replies);
-                if let Some(reply) = replies.take(seq) {
-                    return Ok(reply);
-                }
-                replies.next_to_read() == seq
+            let at_head = match waiter.take() {
+                Ok(reply) => return Ok(reply),
+                Err(at_head) => at_head,
             };
-            let child_deadline = self.progress.child_deadline(timeout, written_at);
-            let deadline = if at_head { child_deadline } else { child_deadline.min(queue_deadline) };
-            match tokio::time::timeout_at(deadline.into(), read_reply(&mut stdout)).await {
-                Ok(reply) => {
-                    let reply = reply?;
-                    self.progress.mark();
-                    lock(&self.replies).push(reply);
-                    self.parked.notify_waiters();
-                }
+            match tokio::time::timeout_at(waiter.read_deadline(at_head).into(), read_reply(&mut stdout)).await
+            {
+                Ok(reply) => self.shared.park(reply?),
                 Err(_) => {
-                    let now = Instant::now();
-                    if now >= self.progress.child_deadline(timeout, written_at) {
-                        return Err(ProcessError::Timeout(timeout));
-                    }
-                    if now >= queue_deadline && lock(&self.replies).next_to_read() != seq {
-                        return Err(ProcessError::QueueTimeout(timeout));
+                    if let Some(e) = waiter.expired() {
+                        return Err(e);
                     }
                 }
             }

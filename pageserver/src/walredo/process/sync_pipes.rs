@@ -25,7 +25,6 @@
 //! frame.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -34,8 +33,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::ProcessError;
 use crate::walredo::lock;
-use crate::walredo::pipeline::{self, Claim, Progress, Replies, Reply};
-use tokio::sync::Notify;
+use crate::walredo::pipeline::{self, Claim, Reply, Shared, Turn, Waiter};
 
 type Writer = pipeline::Writer<OwnedFd>;
 type Reader = pipeline::Reader<OwnedFd>;
@@ -45,12 +43,7 @@ pub(crate) struct SyncPipes {
     /// guards are held across the awaits of the other lock and of `block_in_place`.
     stdin: tokio::sync::Mutex<Writer>,
     stdout: tokio::sync::Mutex<Reader>,
-    /// A std mutex: held for a few instructions, never across an await.
-    replies: Mutex<Replies>,
-    /// Woken at every reply parked in `replies`, so that its owner need not wait for the
-    /// stdout lock to find it.
-    parked: Notify,
-    progress: Progress,
+    shared: Shared,
 }
 
 impl SyncPipes {
@@ -61,9 +54,7 @@ impl SyncPipes {
         Ok(SyncPipes {
             stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
             stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
-            replies: Mutex::new(Replies::default()),
-            parked: Notify::new(),
-            progress: Progress::new(),
+            shared: Shared::new(),
         })
     }
 
@@ -89,7 +80,7 @@ impl SyncPipes {
                 (written, result) = blocking(|| self.write_rest(fd, request, written, since, timeout));
             }
             if written > 0 {
-                self.progress.mark();
+                self.shared.progress.mark();
             }
             if let Err(e) = result {
                 // Fence at once, under the lock: no byte may follow a partial frame.
@@ -98,9 +89,10 @@ impl SyncPipes {
             }
             writer.written()
         };
-        let written_at = Instant::now();
-        let mut claim = Claim::new(&self.replies, seq);
-        let reply = self.read_until(seq, queue_deadline, written_at, timeout).await;
+        let waiter =
+            Waiter { shared: &self.shared, seq, queue_deadline, written_at: Instant::now(), timeout };
+        let mut claim = Claim::new(&self.shared.replies, seq);
+        let reply = self.read_until(&waiter).await;
         if reply.is_ok() {
             claim.done();
         }
@@ -118,12 +110,12 @@ impl SyncPipes {
         timeout: Duration,
     ) -> (usize, Result<(), ProcessError>) {
         while written < request.len() {
-            let deadline = self.progress.child_deadline(timeout, since);
+            let deadline = self.shared.progress.child_deadline(timeout, since);
             match wait(fd, PollFlags::POLLOUT, deadline, timeout) {
                 Ok(()) => {}
                 // Another request saw progress meanwhile: wait on.
                 Err(ProcessError::Timeout(_))
-                    if Instant::now() < self.progress.child_deadline(timeout, since) =>
+                    if Instant::now() < self.shared.progress.child_deadline(timeout, since) =>
                 {
                     continue
                 }
@@ -132,7 +124,7 @@ impl SyncPipes {
             let (n, result) = write_some(fd, &request[written..]);
             written += n;
             if n > 0 {
-                self.progress.mark();
+                self.shared.progress.mark();
             }
             if result.is_err() {
                 return (written, result);
@@ -141,67 +133,25 @@ impl SyncPipes {
         (written, Ok(()))
     }
 
-    async fn read_until(
-        &self,
-        seq: u64,
-        queue_deadline: Instant,
-        written_at: Instant,
-        timeout: Duration,
-    ) -> Result<Reply, ProcessError> {
-        let mut stdout = loop {
-            let parked = self.parked.notified();
-            tokio::pin!(parked);
-            parked.as_mut().enable();
-            // Whoever holds the lock may have read our reply already.
-            let at_head = {
-                let mut replies = lock(&self.replies);
-                if let Some(reply) = replies.take(seq) {
-                    return Ok(reply);
-                }
-                replies.next_to_read() == seq
-            };
-            // At the head of the queue our wait is the child's time, which the lock holder
-            // bounds; behind others, the queue's own bound applies.
-            let queue = async {
-                if at_head {
-                    std::future::pending().await
-                } else {
-                    tokio::time::sleep_until(queue_deadline.into()).await
-                }
-            };
-            tokio::select! {
-                stdout = self.stdout.lock() => break stdout,
-                () = &mut parked => {}
-                () = queue => {
-                    if lock(&self.replies).next_to_read() != seq {
-                        return Err(ProcessError::QueueTimeout(timeout));
-                    }
-                }
-            }
+    async fn read_until(&self, waiter: &Waiter<'_>) -> Result<Reply, ProcessError> {
+        let mut stdout = match waiter.turn(&self.stdout).await? {
+            Turn::Reply(reply) => return Ok(reply),
+            Turn::Reader(stdout) => stdout,
         };
         // First what is there already, without a hand-off; then block for the rest.
-        if let Some(reply) = self.read_available(&mut stdout, seq)? {
+        if let Some(reply) = self.read_available(&mut stdout, waiter.seq)? {
             return Ok(reply);
         }
         blocking(|| loop {
-            let at_head = {
-                let mut replies = lock(&self.replies);
-                if let Some(reply) = replies.take(seq) {
-                    return Ok(reply);
-                }
-                replies.next_to_read() == seq
+            let at_head = match waiter.take() {
+                Ok(reply) => return Ok(reply),
+                Err(at_head) => at_head,
             };
-            let child_deadline = self.progress.child_deadline(timeout, written_at);
-            let deadline = if at_head { child_deadline } else { child_deadline.min(queue_deadline) };
-            match read_reply(&mut stdout, deadline, timeout) {
-                Ok(reply) => self.park(reply),
+            match read_reply(&mut stdout, waiter.read_deadline(at_head), waiter.timeout) {
+                Ok(reply) => self.shared.park(reply),
                 Err(ProcessError::Timeout(_)) => {
-                    let now = Instant::now();
-                    if now >= self.progress.child_deadline(timeout, written_at) {
-                        return Err(ProcessError::Timeout(timeout));
-                    }
-                    if now >= queue_deadline && lock(&self.replies).next_to_read() != seq {
-                        return Err(ProcessError::QueueTimeout(timeout));
+                    if let Some(e) = waiter.expired() {
+                        return Err(e);
                     }
                 }
                 Err(e) => return Err(e),
@@ -209,20 +159,14 @@ impl SyncPipes {
         })
     }
 
-    fn park(&self, reply: Reply) {
-        self.progress.mark();
-        lock(&self.replies).push(reply);
-        self.parked.notify_waiters();
-    }
-
     /// Reads the replies that can be read without waiting; returns ours if it was among them.
     fn read_available(&self, stdout: &mut Reader, seq: u64) -> Result<Option<Reply>, ProcessError> {
         loop {
-            if let Some(reply) = lock(&self.replies).take(seq) {
+            if let Some(reply) = lock(&self.shared.replies).take(seq) {
                 return Ok(Some(reply));
             }
             match stdout.replies.take()? {
-                Some(reply) => self.park(reply),
+                Some(reply) => self.shared.park(reply),
                 None => match read_some(stdout)? {
                     Some(0) => return Err(eof()),
                     Some(_) => {}
