@@ -40,6 +40,7 @@ const TEST_USAGE: &str = "test-only flags (cargo feature `testing`), each acting
   --test-forbidden-syscall-on-ping   make a syscall outside the allowlist (openat)
   --test-exec-mapping-on-ping        map executable memory
   --test-big-allocation-on-ping      try to reserve 1 GiB; exit with status 3 when refused
+  --test-stderr-flood-on-ping        write 100000 lines to stderr, then answer
   --test-slow-redo-ms=N              sleep N ms before each redo reply (with --no-seccomp)";
 
 /// What a ping makes a test build do instead of answering.
@@ -52,6 +53,8 @@ enum PingHook {
     ExecMapping,
     #[cfg(feature = "testing")]
     BigAllocation,
+    #[cfg(feature = "testing")]
+    StderrFlood,
 }
 
 struct Options {
@@ -72,6 +75,8 @@ fn main() -> ExitCode {
             "--test-exec-mapping-on-ping" => options.ping_hook = PingHook::ExecMapping,
             #[cfg(feature = "testing")]
             "--test-big-allocation-on-ping" => options.ping_hook = PingHook::BigAllocation,
+            #[cfg(feature = "testing")]
+            "--test-stderr-flood-on-ping" => options.ping_hook = PingHook::StderrFlood,
             #[cfg(feature = "testing")]
             arg if arg.starts_with("--test-slow-redo-ms=") => {
                 match arg["--test-slow-redo-ms=".len()..].parse() {
@@ -233,6 +238,19 @@ fn run_ping_hook(hook: PingHook) {
                 )
             };
             eprintln!("walredo-proc: the executable mapping returned {addr:?}: no sandbox?");
+        }
+        PingHook::StderrFlood => {
+            let line = [
+                b"flood line of a test build, long enough to count in bytes too: ".as_slice(),
+                &[b'x'; 64],
+                b"\n",
+            ]
+            .concat();
+            for _ in 0..100_000 {
+                if write_all(std::io::stderr().as_fd(), &[IoSlice::new(&line)]).is_err() {
+                    break;
+                }
+            }
         }
         PingHook::BigAllocation => {
             let mut big: Vec<u8> = Vec::new();
