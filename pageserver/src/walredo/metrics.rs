@@ -20,7 +20,7 @@ pub enum StopCause {
     KindChange,
     /// EOF, a failed read or write, or the child exited on its own.
     Crashed,
-    /// A round trip took longer than `wal_redo_timeout`.
+    /// The child made no progress for `wal_redo_timeout` while a request waited on it.
     Timeout,
     /// The child sent something that is not the protocol.
     ProtocolViolation,
@@ -63,7 +63,8 @@ pub struct WalRedoMetrics {
     pub redo_seconds: Histogram,
     pub records_per_request: Histogram,
     pub bytes_per_request: Histogram,
-    /// Requests by outcome: ok, rejected (error frame), timeout, process_failed, cancelled, invalid.
+    /// Requests by outcome: ok, rejected (error frame), timeout, queue_timeout, process_failed,
+    /// invalid, shutting_down.
     pub requests: IntCounterVec,
     pub process_launch_seconds: Histogram,
     pub processes_started: IntCounterVec,

@@ -102,7 +102,9 @@ pub struct WalRedoConf {
     pub args: Vec<String>,
     /// Kind of the children spawned from now on; [`WalRedoManager::set_process_kind`] changes it.
     pub process_kind: ProcessKind,
-    /// Longest round trip (`wal_redo_timeout`); also bounds spawning and the hello.
+    /// `wal_redo_timeout`: the longest a child may make no progress while work waits on it
+    /// (then it is killed), the longest a request waits behind others (then it fails alone
+    /// with [`RedoError::QueueTimeout`]), and the bound on spawning and the hello.
     pub timeout: Duration,
     /// A child unused this long is stopped; the next request spawns a new one.
     pub idle_timeout: Duration,
