@@ -19,16 +19,15 @@
 //!   short reply (error frame), whose excess bytes it carries over;
 //! - nothing here trusts the child: every header is checked, a bad one is a [`FrameError`].
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
-
-use tokio::sync::Notify;
 
 use super::process::ProcessError;
 
@@ -215,10 +214,9 @@ impl Progress {
 pub(crate) struct Shared {
     /// A std mutex: held only for a few instructions, never across an await, and taken in
     /// `Drop` (abandoning a slot), where an async lock is not possible.
+    /// Each waiting request's waker is in it, so a parked reply wakes its owner alone, without
+    /// the owner waiting for the stdout lock to find it.
     pub(crate) replies: Mutex<Replies>,
-    /// Woken at every reply parked in `replies`, so that its owner need not wait for the
-    /// stdout lock to find it.
-    parked: Notify,
     pub(crate) progress: Progress,
 }
 
@@ -242,14 +240,13 @@ pub(crate) struct Waiter<'a> {
 
 impl Shared {
     pub(crate) fn new() -> Shared {
-        Shared { replies: Mutex::new(Replies::default()), parked: Notify::new(), progress: Progress::new() }
+        Shared { replies: Mutex::new(Replies::default()), progress: Progress::new() }
     }
 
     /// Files a reply read off the pipe and wakes the request it belongs to.
     pub(crate) fn park(&self, reply: Reply) {
         self.progress.mark();
         super::lock(&self.replies).push(reply);
-        self.parked.notify_waiters();
     }
 }
 
@@ -272,10 +269,6 @@ impl Waiter<'_> {
         stdout: &'m tokio::sync::Mutex<T>,
     ) -> Result<Turn<tokio::sync::MutexGuard<'m, T>>, ProcessError> {
         loop {
-            let parked = self.shared.parked.notified();
-            tokio::pin!(parked);
-            // Registered before looking, so that a reply parked in between still wakes us.
-            parked.as_mut().enable();
             let at_head = match self.take() {
                 Ok(reply) => return Ok(Turn::Reply(reply)),
                 Err(at_head) => at_head,
@@ -287,9 +280,10 @@ impl Waiter<'_> {
                     tokio::time::sleep_until(self.queue_deadline.into()).await
                 }
             };
+            let parked = std::future::poll_fn(|cx| super::lock(&self.shared.replies).poll_take(self.seq, cx));
             tokio::select! {
+                reply = parked => return Ok(Turn::Reply(reply)),
                 guard = stdout.lock() => return Ok(Turn::Reader(guard)),
-                () = &mut parked => {}
                 () = queue => {
                     if self.take().is_err_and(|at_head| !at_head) {
                         return Err(ProcessError::QueueTimeout(self.timeout));
@@ -343,6 +337,8 @@ pub(crate) struct Replies {
     slots: VecDeque<Option<Reply>>,
     /// Requests that gave up before their reply was read.
     abandoned: BTreeSet<u64>,
+    /// Requests waiting for their reply to be parked, woken one by one as their reply arrives.
+    wakers: BTreeMap<u64, Waker>,
 }
 
 impl Replies {
@@ -357,10 +353,25 @@ impl Replies {
         let keep = !self.abandoned.remove(&seq);
         self.slots.push_back(keep.then_some(reply));
         self.trim();
+        if let Some(waker) = self.wakers.remove(&seq) {
+            waker.wake();
+        }
+    }
+
+    /// Takes the reply for `seq` if it has been read, else registers `cx` to be woken when it is.
+    pub(crate) fn poll_take(&mut self, seq: u64, cx: &mut std::task::Context<'_>) -> std::task::Poll<Reply> {
+        match self.take(seq) {
+            Some(reply) => std::task::Poll::Ready(reply),
+            None => {
+                self.wakers.insert(seq, cx.waker().clone());
+                std::task::Poll::Pending
+            }
+        }
     }
 
     /// Takes the reply for `seq`, if it has been read.
     pub(crate) fn take(&mut self, seq: u64) -> Option<Reply> {
+        self.wakers.remove(&seq);
         let index = usize::try_from(seq.checked_sub(self.first)?).ok()?;
         let reply = self.slots.get_mut(index)?.take();
         self.trim();
@@ -369,6 +380,7 @@ impl Replies {
 
     /// Gives up on `seq`: its reply is dropped, now or when it arrives.
     pub(crate) fn abandon(&mut self, seq: u64) {
+        self.wakers.remove(&seq);
         if seq >= self.next_to_read() {
             self.abandoned.insert(seq);
         } else if let Some(slot) =
@@ -524,6 +536,29 @@ mod tests {
         assert_eq!(replies.take(0), Some(Reply::Error(ErrorCode::BadRequest, "0".into())));
         assert_eq!(replies.held(), 0);
         assert_eq!(replies.next_to_read(), 2);
+    }
+
+    #[test]
+    fn a_parked_reply_wakes_its_own_request_only() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: std::sync::Arc<Self>) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let counts: Vec<_> =
+            (0..3).map(|_| std::sync::Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)))).collect();
+        let mut replies = Replies::default();
+        for (seq, count) in counts.iter().enumerate() {
+            let waker = std::task::Waker::from(std::sync::Arc::clone(count));
+            let mut cx = std::task::Context::from_waker(&waker);
+            assert!(replies.poll_take(seq as u64, &mut cx).is_pending());
+        }
+        replies.push(Reply::Page(Bytes::from_static(b"for request 0")));
+        let woken: Vec<usize> =
+            counts.iter().map(|c| c.0.load(std::sync::atomic::Ordering::Relaxed)).collect();
+        assert_eq!(woken, [1, 0, 0]);
+        assert_eq!(replies.take(0), Some(Reply::Page(Bytes::from_static(b"for request 0"))));
     }
 
     #[test]
