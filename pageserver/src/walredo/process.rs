@@ -460,3 +460,32 @@ fn describe_exit(status: ExitStatus) -> String {
         _ => status.to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_child_draining_after_a_kind_change_is_still_killed_when_it_fails() {
+        let conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
+        let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        for kind in [ProcessKind::Sync, ProcessKind::Async] {
+            let reaping = Reaping::new();
+            let process = Process::spawn(&conf, kind, "tenant", Arc::clone(&metrics), Arc::clone(&reaping))
+                .await
+                .expect("spawn");
+            // Draining: out of service, alive while requests still hold it (we do).
+            process.retire(StopCause::KindChange);
+            assert!(!process.has_exited(), "{kind}: a draining child is not killed");
+            // Then one of those requests times out: the child must die now, not when the last
+            // request lets go of it.
+            process.retire(StopCause::Timeout);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !process.has_exited() {
+                assert!(Instant::now() < deadline, "{kind}: the failed draining child was not killed");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert!(reaping.last_exit().is_some_and(|exit| exit.contains("SIGKILL")), "{kind}");
+        }
+    }
+}
