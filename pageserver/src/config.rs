@@ -25,7 +25,7 @@ pub const DEFAULT_WAIT_LSN_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_PAGE_CACHE_SIZE: u64 = 128 << 20;
 pub const DEFAULT_LAYER_SIZE: u64 = 64 << 20;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1000;
-pub const DEFAULT_PROCESS_KIND: ProcessKind = ProcessKind::Async;
+pub const DEFAULT_PROCESS_KIND: ProcessKind = walredo::DEFAULT_PROCESS_KIND;
 
 /// Log line format on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

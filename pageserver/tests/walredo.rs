@@ -108,6 +108,17 @@ fn signal(pid: u32, signal: nix::sys::signal::Signal) {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).expect("signal the child");
 }
 
+#[test]
+fn manager_and_daemon_agree_on_the_default_process_kind() {
+    let daemon_default =
+        pageserver::config::PageServerConf::from_table(std::path::Path::new("workdir"), toml::Table::new())
+            .expect("default settings")
+            .walredo
+            .process_kind;
+    assert_eq!(WalRedoConf::with_binary(walredo_proc_binary()).process_kind, daemon_default);
+    assert_eq!(ProcessKind::default(), daemon_default);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redo_from_nothing_and_from_base_image_gives_exact_pages() {
     for kind in KINDS {
@@ -442,12 +453,162 @@ async fn request_dropped_mid_flight_does_not_keep_the_child_from_its_idle_stop()
     let (manager, _) = manager_with(conf);
     manager.ping().await.expect("ping");
     let pid = pid_of(&manager).expect("a child");
-    // Poll once: the request takes the child and writes, then is dropped before its reply.
-    let mut request = Box::pin(redo(&manager, 1));
-    let poll = std::future::poll_fn(|cx| std::task::Poll::Ready(request.as_mut().poll(cx))).await;
-    assert!(poll.is_pending(), "the reply cannot be there before the first poll returns");
-    drop(request);
+    // Poll once: the request takes the child and writes, then is dropped before its reply. A
+    // fast child can answer within that one poll; then try again, until one is dropped waiting.
+    let mut dropped_waiting = false;
+    for n in 0..100 {
+        let mut request = Box::pin(redo(&manager, n));
+        let poll = std::future::poll_fn(|cx| std::task::Poll::Ready(request.as_mut().poll(cx))).await;
+        if poll.is_pending() {
+            dropped_waiting = true;
+            break;
+        }
+    }
+    assert!(dropped_waiting, "every request was answered within its first poll");
     wait_for("the idle child to stop", Duration::from_secs(10), || pid_of(&manager).is_none()).await;
     wait_for("the idle child to be reaped", Duration::from_secs(10), || is_reaped(pid)).await;
+    manager.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_child_killed_from_outside_is_reaped_and_leaves_service_at_once() {
+    for kind in KINDS {
+        let (manager, registry) = manager_with(conf(kind));
+        manager.ping().await.expect("ping");
+        let pid = pid_of(&manager).expect("a child");
+        signal(pid, nix::sys::signal::Signal::SIGKILL);
+        // Long before the idle timeout (180 s): no zombie, no live child in the status.
+        wait_for("the killed child to be reaped", Duration::from_secs(3), || is_reaped(pid)).await;
+        wait_for("the status to show no child", Duration::from_secs(3), || pid_of(&manager).is_none()).await;
+        let last_exit = manager.status().last_exit.expect("an exit status");
+        assert!(last_exit.contains(&pid.to_string()) && last_exit.contains("SIGKILL"), "{kind}: {last_exit}");
+        assert_eq!(metric(&registry, "pageserver_walredo_process_kind", kind.as_str()), 0.0, "{kind}");
+        assert_eq!(metric(&registry, "pageserver_wal_redo_process_stopped_total", "crashed"), 1.0, "{kind}");
+        // The next request gets a new child at the first try.
+        manager.ping().await.expect("ping after the kill");
+        assert_eq!(metric(&registry, "pageserver_wal_redo_requests_total", "process_failed"), 0.0, "{kind}");
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executable_mapping_in_the_sandbox_kills_the_child_with_sigsys() {
+    for kind in KINDS {
+        let mut conf = conf(kind);
+        conf.args = vec!["--test-exec-mapping-on-ping".to_string()];
+        let (manager, _) = manager_with(conf);
+        let result = manager.ping().await;
+        assert!(matches!(result, Err(RedoError::ProcessFailed(_))), "{kind}: {result:?}");
+        wait_for("the killed child's exit status", Duration::from_secs(10), || {
+            manager.status().last_exit.is_some_and(|exit| exit.contains("SIGSYS"))
+        })
+        .await;
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_child_cannot_reserve_a_gigabyte_under_its_memory_limit() {
+    let mut conf = conf(ProcessKind::Async);
+    conf.args = vec!["--test-big-allocation-on-ping".to_string()];
+    let (manager, _) = manager_with(conf);
+    let result = manager.ping().await;
+    assert!(matches!(result, Err(RedoError::ProcessFailed(_))), "{result:?}");
+    // Status 3: the reservation was refused (without a limit the child answers the ping).
+    wait_for("the child's exit status", Duration::from_secs(10), || {
+        manager.status().last_exit.is_some_and(|exit| exit.contains("exited with status 3"))
+    })
+    .await;
+    manager.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthy_child_with_a_long_queue_is_not_killed_for_queueing() {
+    for kind in KINDS {
+        let mut conf = conf(kind);
+        // Each reply takes 150 ms: 16 requests queue for 2.4 s, each reply comes well in time.
+        conf.args = vec!["--no-seccomp".to_string(), "--test-slow-redo-ms=150".to_string()];
+        conf.timeout = Duration::from_secs(1);
+        let (manager, registry) = manager_with(conf);
+        manager.ping().await.expect("ping");
+        let pid = pid_of(&manager);
+        let mut served = 0;
+        for task in spawn_redos(&manager, 0..16) {
+            let (n, result) = task.await.expect("task");
+            match result {
+                Ok(page) => {
+                    assert_same_bytes(&page, &expected_for(n), kind.as_str());
+                    served += 1;
+                }
+                // The queue has its own bound and error; the child is not blamed for it.
+                Err(e) => assert!(e.to_string().contains("queue"), "{kind}: request {n}: {e}"),
+            }
+        }
+        assert!(served >= 3, "{kind}: only {served} served");
+        assert_eq!(pid_of(&manager), pid, "{kind}: the healthy child was replaced");
+        assert_eq!(metric(&registry, "pageserver_wal_redo_process_stopped_total", "timeout"), 0.0, "{kind}");
+        manager.shutdown().await;
+    }
+}
+
+/// Pids of this process's children.
+fn children_of_this_process() -> Vec<u32> {
+    let mut pids = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").expect("list tasks").flatten() {
+        if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
+            pids.extend(text.split_whitespace().filter_map(|pid| pid.parse::<u32>().ok()));
+        }
+    }
+    pids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_that_never_says_hello_fails_queued_requests_together_not_one_after_another() {
+    let mut conf = conf(ProcessKind::Async);
+    conf.binary = "/bin/sh".into();
+    conf.args = vec!["-c".to_string(), "exec /bin/sleep 60".to_string()];
+    conf.timeout = Duration::from_secs(1);
+    let (manager, _) = manager_with(conf);
+    let started = Instant::now();
+    let pings: Vec<_> = (0..6)
+        .map(|_| {
+            let manager = Arc::clone(&manager);
+            tokio::spawn(async move { (manager.ping().await, started.elapsed()) })
+        })
+        .collect();
+    for ping in pings {
+        let (result, took) = ping.await.expect("task");
+        assert!(result.is_err(), "{result:?}");
+        // One spawn's deadline (1 s) for all of them, not one per queued request (6 s).
+        assert!(took < Duration::from_secs(3), "a queued request failed only after {took:?}: {result:?}");
+    }
+    manager.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kind_change_during_a_spawn_does_not_install_a_child_of_the_old_kind() {
+    let mut conf = conf(ProcessKind::Sync);
+    let binary = walredo_proc_binary();
+    conf.binary = "/bin/sh".into();
+    // A slow start (0.5 s before the hello), so the kind changes while the child spawns.
+    conf.args = vec!["-c".to_string(), format!("/bin/sleep 0.5; exec {}", binary.display())];
+    let (manager, _) = manager_with(conf);
+    let ping = tokio::spawn({
+        let manager = Arc::clone(&manager);
+        async move { manager.ping().await }
+    });
+    // Other tests of this binary have children too: look for this one's wrapper.
+    let spawning = || {
+        children_of_this_process().into_iter().any(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|cmdline| String::from_utf8_lossy(&cmdline).contains("/bin/sleep 0.5; exec"))
+        })
+    };
+    wait_for("the spawn to start", Duration::from_secs(10), spawning).await;
+    manager.set_process_kind(ProcessKind::Async);
+    ping.await.expect("task").expect("ping");
+    manager.ping().await.expect("ping");
+    let status = manager.status();
+    assert_eq!(status.process.map(|p| p.kind), Some(ProcessKind::Async), "{:?}", status.last_exit);
     manager.shutdown().await;
 }

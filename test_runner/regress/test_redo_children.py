@@ -9,6 +9,7 @@ import pytest
 
 from fixtures import oracle as o
 from fixtures.oracle import Key
+from fixtures.http_client import HttpClient
 from fixtures.page_client import ErrorReply, PageServiceError
 from fixtures.util import proc_info, proc_state, wait_until
 
@@ -157,3 +158,51 @@ def test_one_redo_child_per_tenant(pageserver, process_kind):
             conn.get_page(KEY)
     assert current_child(pageserver, tenants[0]).pid == pids[0]
     assert len(pageserver.redo_children()) == 3
+
+
+def test_hung_redo_child_stalls_only_its_own_tenant(pageserver_factory, process_kind):
+    """A SIGSTOPped child of tenant A, with GetPages of A waiting on it: tenant B still says
+    Hello and gets pages, and the management API answers, long before wal_redo_timeout."""
+    ps = pageserver_factory(walredo_process_kind=process_kind, wal_redo_timeout="60 s")
+    ps.allowed_errors.extend(REDO_WARNINGS + [r"failed to get a page"])
+    hung, healthy = ps.create_tenant(), ps.create_tenant()
+    keys = [Key.rel_block(7100, blk) for blk in range(16)]
+    with ps.connect(hung) as conn:
+        conn.ingest([(k, 100 + i, o.RECORD, o.init_page(0)) for i, k in enumerate(keys)])
+        conn.get_page(keys[0])
+    child = current_child(ps, hung)
+    start_child(ps, healthy)
+
+    os.kill(child.pid, signal.SIGSTOP)
+    try:
+        # More GetPages waiting on the stopped child than the daemon has executor threads.
+        stalled = ps.connect(hung)
+        for k in keys[1:]:
+            stalled.send_get_page(k)
+        assert not stalled.reply_pending(0.5), "a GetPage of the stopped child's tenant was answered"
+
+        started = time.monotonic()
+        with ps.connect(healthy, timeout=5) as conn:
+            conn.ingest([(KEY, 200, o.RECORD, o.insert(b"still served"))], timeout=5)
+            assert o.tuple_data(conn.get_page(KEY, timeout=5), 2) == b"still served"
+        status = HttpClient(ps.http_addr, timeout=5).status()
+        assert status, status
+        took = time.monotonic() - started
+        assert took < 5, f"the healthy tenant and the API took {took:.1f} s"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+    stalled.close()
+    assert_reaped(ps, child)
+
+
+def test_idle_redo_child_killed_from_outside_is_reaped_at_once(pageserver, process_kind):
+    pageserver.allowed_errors.extend(REDO_WARNINGS)
+    t = pageserver.create_tenant()
+    child = start_child(pageserver, t)
+    os.kill(child.pid, signal.SIGKILL)
+    # Long before the idle timeout: reaped, and the status no longer names a live child.
+    assert_reaped(pageserver, child, timeout=3)
+    wait_until(lambda: pageserver.http.tenant_status(t)["walredo"]["process"] is None, timeout=3,
+               desc="the status to show no live redo child")
+    last_exit = pageserver.http.tenant_status(t)["walredo"]["last_exit"] or ""
+    assert str(child.pid) in last_exit and "SIGKILL" in last_exit, last_exit

@@ -111,3 +111,27 @@ fn eof_inside_a_frame_is_an_error_exit() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("EOF inside a frame"));
 }
+
+#[test]
+fn help_prints_usage_on_stdout_and_exits_0() {
+    let output = Command::new(env!("CARGO_BIN_EXE_walredo-proc")).arg("--help").output().expect("run");
+    assert!(output.status.success(), "{:?}", output.status);
+    let usage = String::from_utf8_lossy(&output.stdout);
+    assert!(usage.starts_with("usage: walredo-proc"), "{usage}");
+    assert!(usage.contains("--no-seccomp"), "{usage}");
+}
+
+/// A build without the `testing` feature (what ships) refuses the test-only flags.
+#[cfg(not(feature = "testing"))]
+#[test]
+fn test_only_flags_are_not_in_a_build_without_the_testing_feature() {
+    for flag in
+        ["--test-forbidden-syscall-on-ping", "--test-exec-mapping-on-ping", "--test-big-allocation-on-ping"]
+    {
+        let output = Command::new(env!("CARGO_BIN_EXE_walredo-proc")).arg(flag).output().expect("run");
+        assert_eq!(output.status.code(), Some(2), "{flag}");
+        assert!(String::from_utf8_lossy(&output.stderr).contains("unknown argument"), "{flag}");
+        let help = Command::new(env!("CARGO_BIN_EXE_walredo-proc")).arg("--help").output().expect("run");
+        assert!(!String::from_utf8_lossy(&help.stdout).contains(flag), "{flag} in --help");
+    }
+}

@@ -341,7 +341,7 @@ fn get_page_error_code(e: &GetPageError) -> ErrorCode {
             ErrorCode::ShuttingDown
         }
         GetPageError::Redo(RedoError::ShuttingDown) => ErrorCode::ShuttingDown,
-        GetPageError::Overloaded { .. } => {
+        GetPageError::Overloaded { .. } | GetPageError::Redo(RedoError::QueueTimeout(_)) => {
             tracing::warn!("failed to get a page: {e:#}");
             ErrorCode::Overloaded
         }

@@ -3,7 +3,9 @@
 //! Names follow Neon's where one exists, prefixed `pageserver_`. The registry is the caller's
 //! (the daemon exports it at `GET /metrics`); tests make a fresh one each.
 
-use prometheus::{exponential_buckets, Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 use super::ProcessKind;
 
@@ -18,7 +20,7 @@ pub enum StopCause {
     KindChange,
     /// EOF, a failed read or write, or the child exited on its own.
     Crashed,
-    /// A round trip took longer than `wal_redo_timeout`.
+    /// The child made no progress for `wal_redo_timeout` while a request waited on it.
     Timeout,
     /// The child sent something that is not the protocol.
     ProtocolViolation,
@@ -61,13 +63,16 @@ pub struct WalRedoMetrics {
     pub redo_seconds: Histogram,
     pub records_per_request: Histogram,
     pub bytes_per_request: Histogram,
-    /// Requests by outcome: ok, rejected (error frame), timeout, process_failed, cancelled, invalid.
+    /// Requests by outcome: ok, rejected (error frame), timeout, queue_timeout, process_failed,
+    /// invalid, shutting_down.
     pub requests: IntCounterVec,
     pub process_launch_seconds: Histogram,
     pub processes_started: IntCounterVec,
     pub processes_stopped: IntCounterVec,
     /// Live child processes of each kind (`sync`, `async`).
     pub process_kind: IntGaugeVec,
+    /// Stderr lines of children dropped over their rate limit.
+    pub stderr_lines_dropped: IntCounter,
 }
 
 impl WalRedoMetrics {
@@ -128,6 +133,14 @@ impl WalRedoMetrics {
                     g.with_label_values(&[kind.as_str()]).set(0);
                 }
                 g
+            },
+            stderr_lines_dropped: {
+                let c = IntCounter::new(
+                    "pageserver_wal_redo_stderr_lines_dropped_total",
+                    "Stderr lines of walredo processes dropped over their rate limit",
+                )?;
+                registry.register(Box::new(c.clone()))?;
+                c
             },
         };
         Ok(metrics)

@@ -45,15 +45,25 @@ pub const DEFAULT_WAL_REDO_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(180);
 pub use page_types::MAX_RECORDS_PER_REQUEST;
 
+/// The default process kind, of the daemon (`walredo_process_kind`) and of [`WalRedoConf`]:
+/// the one definition, which `config.rs` uses too.
+pub const DEFAULT_PROCESS_KIND: ProcessKind = ProcessKind::Async;
+
 /// How the daemon drives the child's pipes; read each time a child is spawned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ProcessKind {
-    /// Non-blocking pipes and `nix::poll`; blocks the calling thread for the round trip.
-    #[default]
+    /// Non-blocking pipes and `nix::poll` on the calling thread, which hands its other tasks to
+    /// another executor thread while it blocks (`block_in_place`).
     Sync,
     /// tokio `ChildStdin`/`ChildStdout`; yields while waiting.
     Async,
+}
+
+impl Default for ProcessKind {
+    fn default() -> ProcessKind {
+        DEFAULT_PROCESS_KIND
+    }
 }
 
 impl ProcessKind {
@@ -91,7 +101,9 @@ pub struct WalRedoConf {
     pub args: Vec<String>,
     /// Kind of the children spawned from now on; [`WalRedoManager::set_process_kind`] changes it.
     pub process_kind: ProcessKind,
-    /// Longest round trip (`wal_redo_timeout`); also bounds spawning and the hello.
+    /// `wal_redo_timeout`: the longest a child may make no progress while work waits on it
+    /// (then it is killed), the longest a request waits behind others (then it fails alone
+    /// with [`RedoError::QueueTimeout`]), and the bound on spawning and the hello.
     pub timeout: Duration,
     /// A child unused this long is stopped; the next request spawns a new one.
     pub idle_timeout: Duration,
@@ -123,8 +135,14 @@ pub enum RedoError {
     /// The child answered this request with an error frame; the child lives on.
     #[error("redo rejected by walredo process ({}): {message}", .code.name())]
     Rejected { code: ErrorCode, message: String },
+    /// The child made no progress for `wal_redo_timeout` while the request waited on it; the
+    /// child was killed.
     #[error("walredo request timed out after {0:?}")]
     Timeout(Duration),
+    /// The request waited `wal_redo_timeout` behind other requests (for the pipes, or for a
+    /// child being spawned) without its turn coming; the child is not blamed and lives on.
+    #[error("walredo request waited {0:?} in the queue for its walredo process")]
+    QueueTimeout(Duration),
     #[error("walredo process failed: {0:#}")]
     ProcessFailed(anyhow::Error),
     #[error("invalid redo request: {0}")]
@@ -138,6 +156,7 @@ impl RedoError {
         match self {
             RedoError::Rejected { .. } => "rejected",
             RedoError::Timeout(_) => "timeout",
+            RedoError::QueueTimeout(_) => "queue_timeout",
             RedoError::ProcessFailed(_) => "process_failed",
             RedoError::InvalidRequest(_) => "invalid",
             RedoError::ShuttingDown => "shutting_down",
@@ -173,8 +192,11 @@ pub struct WalRedoManager {
     kind: Mutex<ProcessKind>,
     /// The child in service. A std mutex: held for a few instructions, never across an await.
     process: Mutex<Option<Arc<Process>>>,
-    /// Serializes spawning, so that a burst of requests spawns one child, not one each.
-    spawn_lock: tokio::sync::Mutex<()>,
+    /// Serializes spawning, so that a burst of requests spawns one child, not one each. Holds
+    /// the last spawn's failure (attempt number, error), if it failed; held across the spawn.
+    spawn_lock: tokio::sync::Mutex<Option<(u64, String)>>,
+    /// Spawn attempts finished.
+    spawn_attempts: AtomicU64,
     metrics: Arc<WalRedoMetrics>,
     served: AtomicU64,
     reaping: Arc<Reaping>,
@@ -191,7 +213,8 @@ impl WalRedoManager {
             kind: Mutex::new(conf.process_kind),
             conf,
             process: Mutex::new(None),
-            spawn_lock: tokio::sync::Mutex::new(()),
+            spawn_lock: tokio::sync::Mutex::new(None),
+            spawn_attempts: AtomicU64::new(0),
             metrics,
             served: AtomicU64::new(0),
             reaping: Reaping::new(),
@@ -215,8 +238,8 @@ impl WalRedoManager {
     /// failure (crash, EOF, protocol violation) is retried once on a new child, since redo is a
     /// pure function of its input; a timeout or an error frame is not.
     ///
-    /// Cancel-safe for the async kind: dropping the future never hands its reply to another
-    /// request. The sync kind does not yield during a round trip.
+    /// Cancel-safe, for both kinds: dropping the future never hands its reply to another
+    /// request (the sync kind yields only while it waits for a pipe, never mid-I/O).
     pub async fn request_redo(
         &self,
         tag: BufferTag,
@@ -265,6 +288,8 @@ impl WalRedoManager {
             let process = self.get_or_spawn().await.map_err(|e| self.count(e))?;
             let result = process.round_trip(request, self.conf.timeout).await;
             match result {
+                // The child is working, only busy: it stays in service.
+                Err(ProcessError::QueueTimeout(t)) => return Err(self.count(RedoError::QueueTimeout(t))),
                 Ok(reply) => {
                     self.served.fetch_add(1, Ordering::Relaxed);
                     self.metrics.redo_seconds.observe(started.elapsed().as_secs_f64());
@@ -303,27 +328,52 @@ impl WalRedoManager {
     }
 
     /// Returns the child in service, counted as in use, spawning one if needed.
+    ///
+    /// Waiting for another request's spawn is bounded by `wal_redo_timeout` (then
+    /// [`RedoError::QueueTimeout`]), and a spawn that fails fails every request that waited
+    /// for it, instead of each spawning (and waiting out the hello timeout) in turn.
     async fn get_or_spawn(&self) -> Result<InUse, RedoError> {
         if let Some(process) = self.take_current() {
             return Ok(process);
         }
-        let _spawning = self.spawn_lock.lock().await;
+        let deadline = Instant::now() + self.conf.timeout;
+        let attempts_seen = self.spawn_attempts.load(Ordering::Acquire);
+        let mut spawning = tokio::time::timeout_at(deadline.into(), self.spawn_lock.lock())
+            .await
+            .map_err(|_| RedoError::QueueTimeout(self.conf.timeout))?;
         if let Some(process) = self.take_current() {
             return Ok(process);
         }
         if self.cancel.is_cancelled() {
             return Err(RedoError::ShuttingDown);
         }
+        if let Some((attempt, failure)) = spawning.as_ref() {
+            if *attempt > attempts_seen {
+                return Err(RedoError::ProcessFailed(anyhow::anyhow!(
+                    "{failure} (a spawn this request waited for)"
+                )));
+            }
+        }
         let kind = *lock(&self.kind);
-        let process = Process::spawn(
+        let spawned = Process::spawn(
             &self.conf,
             kind,
             &self.tenant_id,
             Arc::clone(&self.metrics),
             Arc::clone(&self.reaping),
         )
-        .await
-        .map_err(RedoError::ProcessFailed)?;
+        .await;
+        let attempt = self.spawn_attempts.fetch_add(1, Ordering::AcqRel) + 1;
+        let process = match spawned {
+            Ok(process) => {
+                *spawning = None;
+                process
+            }
+            Err(e) => {
+                *spawning = Some((attempt, format!("{e:#}")));
+                return Err(RedoError::ProcessFailed(e));
+            }
+        };
         let mut slot = lock(&self.process);
         if self.cancel.is_cancelled() {
             drop(slot);
@@ -331,6 +381,13 @@ impl WalRedoManager {
             return Err(RedoError::ShuttingDown);
         }
         let in_use = InUse::new(&process);
+        // The kind may have changed while the child started (set_process_kind takes the kind,
+        // then the slot; we hold the slot): an old-kind child serves this request only.
+        if *lock(&self.kind) != kind {
+            drop(slot);
+            process.retire(StopCause::KindChange);
+            return Ok(in_use);
+        }
         *slot = Some(process);
         Ok(in_use)
     }
@@ -338,7 +395,12 @@ impl WalRedoManager {
     /// The child in service, if any, counted as in use under the slot's lock (so that the idle
     /// check never retires a child that a request has just taken).
     fn take_current(&self) -> Option<InUse> {
-        lock(&self.process).as_ref().map(InUse::new)
+        let mut slot = lock(&self.process);
+        if slot.as_ref().is_some_and(|p| p.has_exited()) {
+            // Died on its own (its watcher reaped it): it must not eat a request's one retry.
+            *slot = None;
+        }
+        slot.as_ref().map(InUse::new)
     }
 
     /// Takes `process` out of service (if it still is) and retires it for `cause`.
@@ -379,7 +441,7 @@ impl WalRedoManager {
     }
 
     pub fn status(&self) -> WalRedoStatus {
-        let process = lock(&self.process).as_ref().map(|p| ProcessStatus {
+        let process = lock(&self.process).as_ref().filter(|p| !p.has_exited()).map(|p| ProcessStatus {
             kind: p.kind,
             pid: p.pid,
             uptime_seconds: p.started.elapsed().as_secs_f64(),

@@ -5,7 +5,12 @@
 //! read belongs to sequence number `n`. Whoever holds the stdout lock reads replies until its own
 //! has arrived, parking the others' replies in [`Replies`] for their owners to take.
 //!
+//! Time and failure: [`Progress`] records when the child last accepted bytes or sent a reply,
+//! so that a request is timed against the child's progress, not against its place in the
+//! queue; [`Fence`] marks the stream broken the moment a write ends partway through a frame.
+//!
 //! Invariants:
+//! - no byte follows a partial frame: a writer that finds [`Writer::broken`] writes nothing;
 //! - a reply is handed only to the request with its sequence number: a request that gave up
 //!   after its write (cancelled, timed out) marks its slot abandoned and its reply is dropped
 //!   when it arrives, so it can never be taken by the next request (the gap Neon left open);
@@ -14,11 +19,17 @@
 //!   short reply (error frame), whose excess bytes it carries over;
 //! - nothing here trusts the child: every header is checked, a bad one is a [`FrameError`].
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::task::Waker;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
+
+use super::process::ProcessError;
 
 /// A decoded reply of the child.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,17 +116,203 @@ pub(crate) struct Writer<W> {
     pub(crate) pipe: W,
     /// Sequence number of the next request written.
     next_seq: u64,
+    /// A write was cut short (cancelled, timed out, failed) after some of its bytes: the child
+    /// holds part of a frame, so no byte may follow. Set under the stdin lock, at once, before
+    /// the next writer can take it (the kill that follows takes a moment to land).
+    pub(crate) broken: bool,
 }
 
 impl<W> Writer<W> {
     pub(crate) fn new(pipe: W) -> Writer<W> {
-        Writer { pipe, next_seq: 0 }
+        Writer { pipe, next_seq: 0, broken: false }
+    }
+
+    /// The error of a writer that finds the stream broken by an earlier request.
+    pub(crate) fn check_not_broken(&self) -> Result<(), ProcessError> {
+        if self.broken {
+            Err(ProcessError::Io(anyhow::anyhow!(
+                "walredo stdin holds a partial frame of a cut-short request"
+            )))
+        } else {
+            Ok(())
+        }
     }
 
     /// Takes the sequence number of the request just written whole.
     pub(crate) fn written(&mut self) -> u64 {
         self.next_seq += 1;
         self.next_seq - 1
+    }
+}
+
+/// Fences the writer if the write it guards ends with part of the request written: on drop,
+/// unless [`Fence::done`], marks the stream broken and, if the write was neither finished nor
+/// failed through [`Fence::fail`] (the future was dropped), runs `on_cancel`.
+pub(crate) struct Fence<'a, W, F: FnOnce()> {
+    pub(crate) writer: &'a mut Writer<W>,
+    pub(crate) written: usize,
+    len: usize,
+    on_cancel: Option<F>,
+}
+
+impl<'a, W, F: FnOnce()> Fence<'a, W, F> {
+    pub(crate) fn new(writer: &'a mut Writer<W>, len: usize, on_cancel: F) -> Fence<'a, W, F> {
+        Fence { writer, written: 0, len, on_cancel: Some(on_cancel) }
+    }
+
+    /// The whole request is written.
+    pub(crate) fn done(mut self) {
+        self.written = self.len;
+    }
+
+    /// The write failed with `e` (the caller retires the process for it).
+    pub(crate) fn fail(mut self, e: ProcessError) -> ProcessError {
+        self.on_cancel = None;
+        e
+    }
+}
+
+impl<W, F: FnOnce()> Drop for Fence<'_, W, F> {
+    fn drop(&mut self) {
+        if self.written > 0 && self.written < self.len {
+            self.writer.broken = true;
+            if let Some(on_cancel) = self.on_cancel.take() {
+                on_cancel();
+            }
+        }
+    }
+}
+
+/// When the child last made progress: accepted request bytes or sent a reply. A child is hung
+/// when work waits on it and it makes no progress for the round-trip timeout; time spent
+/// queueing behind other requests of a working child is not held against it.
+pub(crate) struct Progress {
+    base: Instant,
+    /// Microseconds since `base` at the last progress.
+    last_us: AtomicU64,
+}
+
+impl Progress {
+    pub(crate) fn new() -> Progress {
+        Progress { base: Instant::now(), last_us: AtomicU64::new(0) }
+    }
+
+    pub(crate) fn mark(&self) {
+        let us = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.last_us.fetch_max(us, Ordering::Relaxed);
+    }
+
+    /// When the child counts as hung for work that waits on it since `since`.
+    pub(crate) fn child_deadline(&self, timeout: Duration, since: Instant) -> Instant {
+        let last = self.base + Duration::from_micros(self.last_us.load(Ordering::Relaxed));
+        last.max(since) + timeout
+    }
+}
+
+/// The shared state both kinds keep next to their pipes: parked replies, the wake-up of their
+/// owners, and the child's progress.
+pub(crate) struct Shared {
+    /// A std mutex: held only for a few instructions, never across an await, and taken in
+    /// `Drop` (abandoning a slot), where an async lock is not possible.
+    /// Each waiting request's waker is in it, so a parked reply wakes its owner alone, without
+    /// the owner waiting for the stdout lock to find it.
+    pub(crate) replies: Mutex<Replies>,
+    pub(crate) progress: Progress,
+}
+
+/// What a request waiting for its reply gets: the reply (read by another request), or the
+/// stdout lock, to read it itself.
+pub(crate) enum Turn<G> {
+    Reply(Reply),
+    Reader(G),
+}
+
+/// One written request waiting for its reply, with its deadlines.
+pub(crate) struct Waiter<'a> {
+    pub(crate) shared: &'a Shared,
+    pub(crate) seq: u64,
+    /// Behind other requests, the request gives up at this instant ([`ProcessError::QueueTimeout`]).
+    pub(crate) queue_deadline: Instant,
+    /// When the request was written: its wait on the child starts there at the latest.
+    pub(crate) written_at: Instant,
+    pub(crate) timeout: Duration,
+}
+
+impl Shared {
+    pub(crate) fn new() -> Shared {
+        Shared { replies: Mutex::new(Replies::default()), progress: Progress::new() }
+    }
+
+    /// Files a reply read off the pipe and wakes the request it belongs to.
+    pub(crate) fn park(&self, reply: Reply) {
+        self.progress.mark();
+        super::lock(&self.replies).push(reply);
+    }
+}
+
+impl Waiter<'_> {
+    /// The reply if it is parked, else whether this request's reply is the next to be read.
+    pub(crate) fn take(&self) -> Result<Reply, bool> {
+        let mut replies = super::lock(&self.shared.replies);
+        match replies.take(self.seq) {
+            Some(reply) => Ok(reply),
+            None => Err(replies.next_to_read() == self.seq),
+        }
+    }
+
+    /// Waits for the reply to be parked or for the stdout lock, whichever comes first.
+    ///
+    /// At the head of the queue the wait is the child's time, which the lock holder bounds;
+    /// behind others, the queue's own bound applies. Cancel-safe: it only waits.
+    pub(crate) async fn turn<'m, T>(
+        &self,
+        stdout: &'m tokio::sync::Mutex<T>,
+    ) -> Result<Turn<tokio::sync::MutexGuard<'m, T>>, ProcessError> {
+        loop {
+            let at_head = match self.take() {
+                Ok(reply) => return Ok(Turn::Reply(reply)),
+                Err(at_head) => at_head,
+            };
+            let queue = async {
+                if at_head {
+                    std::future::pending().await
+                } else {
+                    tokio::time::sleep_until(self.queue_deadline.into()).await
+                }
+            };
+            let parked = std::future::poll_fn(|cx| super::lock(&self.shared.replies).poll_take(self.seq, cx));
+            tokio::select! {
+                reply = parked => return Ok(Turn::Reply(reply)),
+                guard = stdout.lock() => return Ok(Turn::Reader(guard)),
+                () = queue => {
+                    if self.take().is_err_and(|at_head| !at_head) {
+                        return Err(ProcessError::QueueTimeout(self.timeout));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Until when the holder of the stdout lock may wait for the next reply.
+    pub(crate) fn read_deadline(&self, at_head: bool) -> Instant {
+        let child = self.shared.progress.child_deadline(self.timeout, self.written_at);
+        if at_head {
+            child
+        } else {
+            child.min(self.queue_deadline)
+        }
+    }
+
+    /// After a read deadline passed: the child is hung ([`ProcessError::Timeout`]), this
+    /// request waited too long behind others ([`ProcessError::QueueTimeout`]), or neither
+    /// (another request saw progress meanwhile) and the wait goes on (`None`).
+    pub(crate) fn expired(&self) -> Option<ProcessError> {
+        let now = Instant::now();
+        if now >= self.shared.progress.child_deadline(self.timeout, self.written_at) {
+            return Some(ProcessError::Timeout(self.timeout));
+        }
+        let behind = self.take().is_err_and(|at_head| !at_head);
+        (now >= self.queue_deadline && behind).then_some(ProcessError::QueueTimeout(self.timeout))
     }
 }
 
@@ -140,6 +337,8 @@ pub(crate) struct Replies {
     slots: VecDeque<Option<Reply>>,
     /// Requests that gave up before their reply was read.
     abandoned: BTreeSet<u64>,
+    /// Requests waiting for their reply to be parked, woken one by one as their reply arrives.
+    wakers: BTreeMap<u64, Waker>,
 }
 
 impl Replies {
@@ -154,10 +353,25 @@ impl Replies {
         let keep = !self.abandoned.remove(&seq);
         self.slots.push_back(keep.then_some(reply));
         self.trim();
+        if let Some(waker) = self.wakers.remove(&seq) {
+            waker.wake();
+        }
+    }
+
+    /// Takes the reply for `seq` if it has been read, else registers `cx` to be woken when it is.
+    pub(crate) fn poll_take(&mut self, seq: u64, cx: &mut std::task::Context<'_>) -> std::task::Poll<Reply> {
+        match self.take(seq) {
+            Some(reply) => std::task::Poll::Ready(reply),
+            None => {
+                self.wakers.insert(seq, cx.waker().clone());
+                std::task::Poll::Pending
+            }
+        }
     }
 
     /// Takes the reply for `seq`, if it has been read.
     pub(crate) fn take(&mut self, seq: u64) -> Option<Reply> {
+        self.wakers.remove(&seq);
         let index = usize::try_from(seq.checked_sub(self.first)?).ok()?;
         let reply = self.slots.get_mut(index)?.take();
         self.trim();
@@ -166,6 +380,7 @@ impl Replies {
 
     /// Gives up on `seq`: its reply is dropped, now or when it arrives.
     pub(crate) fn abandon(&mut self, seq: u64) {
+        self.wakers.remove(&seq);
         if seq >= self.next_to_read() {
             self.abandoned.insert(seq);
         } else if let Some(slot) =
@@ -186,6 +401,33 @@ impl Replies {
         while let Some(None) = self.slots.front() {
             self.slots.pop_front();
             self.first += 1;
+        }
+    }
+}
+
+/// A written request waiting for its reply; if dropped before [`Claim::done`], abandons its
+/// slot, so that the reply is dropped when it arrives instead of reaching another request.
+pub(crate) struct Claim<'a> {
+    replies: &'a Mutex<Replies>,
+    seq: u64,
+    done: bool,
+}
+
+impl<'a> Claim<'a> {
+    pub(crate) fn new(replies: &'a Mutex<Replies>, seq: u64) -> Claim<'a> {
+        Claim { replies, seq, done: false }
+    }
+
+    /// The reply was taken: nothing to abandon.
+    pub(crate) fn done(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            super::lock(self.replies).abandon(self.seq);
         }
     }
 }
@@ -294,6 +536,29 @@ mod tests {
         assert_eq!(replies.take(0), Some(Reply::Error(ErrorCode::BadRequest, "0".into())));
         assert_eq!(replies.held(), 0);
         assert_eq!(replies.next_to_read(), 2);
+    }
+
+    #[test]
+    fn a_parked_reply_wakes_its_own_request_only() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: std::sync::Arc<Self>) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let counts: Vec<_> =
+            (0..3).map(|_| std::sync::Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)))).collect();
+        let mut replies = Replies::default();
+        for (seq, count) in counts.iter().enumerate() {
+            let waker = std::task::Waker::from(std::sync::Arc::clone(count));
+            let mut cx = std::task::Context::from_waker(&waker);
+            assert!(replies.poll_take(seq as u64, &mut cx).is_pending());
+        }
+        replies.push(Reply::Page(Bytes::from_static(b"for request 0")));
+        let woken: Vec<usize> =
+            counts.iter().map(|c| c.0.load(std::sync::atomic::Ordering::Relaxed)).collect();
+        assert_eq!(woken, [1, 0, 0]);
+        assert_eq!(replies.take(0), Some(Reply::Page(Bytes::from_static(b"for request 0"))));
     }
 
     #[test]

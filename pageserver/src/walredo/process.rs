@@ -1,46 +1,58 @@
-//! One walredo child process: spawn, hello, stderr logging, round trips, kill and reap.
+//! One walredo child process: spawn, hello, round trips, and the task that watches it.
 //!
 //! The two process kinds differ only in how they move bytes through the pipes
-//! ([`sync_pipes`]: non-blocking fds and `nix::poll`, blocking the calling thread;
-//! [`async_pipes`]: tokio's `ChildStdin`/`ChildStdout`). Everything else is here, once.
+//! ([`sync_pipes`]: non-blocking fds and `nix::poll` on the calling thread; [`async_pipes`]:
+//! tokio's `ChildStdin`/`ChildStdout`). Everything else is here, once.
+//!
+//! Each child has one tokio task, its watcher ([`watch`]), that owns the `tokio::process::Child`:
+//! it logs the child's stderr ([`stderr`]), kills the child when asked, and awaits its exit, so
+//! that a child that dies on its own (killed from outside while idle) is reaped and taken out
+//! of service at once. No OS thread per child: spawning (fork and exec) runs on the blocking
+//! pool, everything else is a task.
 //!
 //! Trust model: the child is not trusted once it has seen a request. Every reply header is
-//! checked ([`super::pipeline::ReplyReader`]), its stderr lines are capped, and a misbehaving
-//! child is killed, never waited for without a deadline.
+//! checked ([`super::pipeline::ReplyReader`]), its stderr is capped in line length and volume,
+//! and a misbehaving child is killed, never waited for without a deadline.
 //!
 //! Invariants:
-//! - the child is killed (SIGKILL) and reaped exactly once: at retirement for a failure, or
-//!   when the last reference to the [`Process`] drops; reaping happens on a thread of its own,
-//!   never blocking the async runtime, so no zombie is left behind;
+//! - the child is killed (SIGKILL) and reaped exactly once, by its watcher: at retirement for
+//!   a failure, when the last reference to the [`Process`] drops, or when it exits on its own;
+//!   no zombie is left behind and nothing blocks the runtime;
 //! - the live-process gauge and the stop counter move exactly once per child.
 
 pub(crate) mod async_pipes;
+mod stderr;
 pub(crate) mod sync_pipes;
 
-use std::io::Read;
 use std::os::fd::AsFd;
-use std::process::{Child, ChildStderr, Command, ExitStatus, Stdio};
+use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use tokio::io::AsyncReadExt;
+use tokio::process::{Child, ChildStderr};
+use tokio_util::sync::CancellationToken;
 use walredo_proc::protocol::FrameError;
 
 use super::metrics::{StopCause, WalRedoMetrics};
 use super::pipeline::Reply;
 use super::{lock, ProcessKind, WalRedoConf};
 
-/// Longest stderr line logged; the rest of a longer line is dropped.
-const MAX_STDERR_LINE: usize = 4096;
 /// Pipe buffer size asked for both directions, so that deep pipelines do not stall.
 const PIPE_SIZE: i32 = 1024 * 1024;
 
 /// How a round trip failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ProcessError {
-    #[error("no reply within {0:?}")]
+    /// The child made no progress for this long while work waited on it: it is hung.
+    #[error("no progress of the walredo process within {0:?}")]
     Timeout(Duration),
+    /// The request waited this long behind other requests of a child that is working; the
+    /// child is not blamed.
+    #[error("waited {0:?} behind other requests for the walredo process")]
+    QueueTimeout(Duration),
     #[error("{0:#}")]
     Io(anyhow::Error),
     #[error("protocol violation by the child: {0}")]
@@ -50,7 +62,7 @@ pub(crate) enum ProcessError {
 impl ProcessError {
     pub(crate) fn stop_cause(&self) -> StopCause {
         match self {
-            ProcessError::Timeout(_) => StopCause::Timeout,
+            ProcessError::Timeout(_) | ProcessError::QueueTimeout(_) => StopCause::Timeout,
             ProcessError::Io(_) => StopCause::Crashed,
             ProcessError::Protocol(_) => StopCause::ProtocolViolation,
         }
@@ -80,6 +92,8 @@ impl Reaping {
     }
 
     /// Waits until every child spawned so far has been reaped.
+    ///
+    /// Cancel-safe: it only waits.
     pub(crate) async fn all_reaped(&self) {
         // The sender lives in `self`, so the channel cannot close while we wait.
         let _ = self.unreaped.subscribe().wait_for(|&n| n == 0).await;
@@ -100,6 +114,44 @@ impl Reaping {
     }
 }
 
+/// What a [`Process`] shares with its watcher task: enough to retire it, kill it and learn of
+/// its exit, without keeping the [`Process`] alive (its drop is what kills an unused child).
+struct Lifecycle {
+    pid: u32,
+    kind: ProcessKind,
+    stop_cause: OnceLock<StopCause>,
+    /// Cancelled to make the watcher kill the child.
+    kill: CancellationToken,
+    /// Cancelled by the watcher once the child is reaped.
+    exited: CancellationToken,
+    metrics: Arc<WalRedoMetrics>,
+}
+
+impl Lifecycle {
+    /// Records the retirement once, with a log line; returns whether this call did.
+    fn mark_retired(&self, cause: StopCause) -> bool {
+        if !self.record_stop(cause) {
+            return false;
+        }
+        if cause.is_failure() {
+            tracing::warn!(pid = self.pid, cause = cause.label(), "killing walredo process");
+        } else {
+            tracing::info!(pid = self.pid, cause = cause.label(), "stopping walredo process");
+        }
+        true
+    }
+
+    /// Records the stop once in the metrics; returns whether this call did.
+    fn record_stop(&self, cause: StopCause) -> bool {
+        if self.stop_cause.set(cause).is_err() {
+            return false;
+        }
+        self.metrics.processes_stopped.with_label_values(&[cause.label()]).inc();
+        self.metrics.process_kind.with_label_values(&[self.kind.as_str()]).dec();
+        true
+    }
+}
+
 pub(crate) struct Process {
     pub(crate) kind: ProcessKind,
     pub(crate) pid: u32,
@@ -111,18 +163,15 @@ pub(crate) struct Process {
     /// Milliseconds since `started` at the last finished request.
     last_used_ms: AtomicU64,
     pipes: Pipes,
-    /// The child, until it is handed to the reaper.
-    child: Mutex<Option<Child>>,
-    stop_cause: OnceLock<StopCause>,
-    metrics: Arc<WalRedoMetrics>,
-    reaping: Arc<Reaping>,
+    life: Arc<Lifecycle>,
     tenant_id: String,
 }
 
 impl Process {
     /// Spawns a child of `kind`, enlarges its pipes and checks its hello.
     ///
-    /// Cancel-safe: if dropped, the half-started child is killed and reaped by [`Drop`].
+    /// Cancel-safe: if dropped, the half-started child is killed and reaped (by its watcher,
+    /// or by tokio's `kill_on_drop` if the watcher was not started yet).
     pub(crate) async fn spawn(
         conf: &WalRedoConf,
         kind: ProcessKind,
@@ -131,22 +180,25 @@ impl Process {
         reaping: Arc<Reaping>,
     ) -> anyhow::Result<Arc<Process>> {
         let start = Instant::now();
-        let mut child = Command::new(&conf.binary)
-            .args(&conf.args)
-            .env_clear()
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("spawn walredo process {}", conf.binary.display()))?;
-        let pid = child.id();
-        reaping.spawned();
-        let (stdin, stdout, stderr) = match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
-            (Some(stdin), Some(stdout), Some(stderr)) => (stdin, stdout, stderr),
-            _ => {
-                reaping.reaped(pid, kill_and_reap(child));
-                anyhow::bail!("walredo process {pid} has no pipes");
-            }
+        let (binary, args) = (conf.binary.clone(), conf.args.clone());
+        // fork and exec take about a millisecond: not on an executor thread.
+        let mut child = tokio::task::spawn_blocking(move || {
+            tokio::process::Command::new(&binary)
+                .args(&args)
+                .env_clear()
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .with_context(|| format!("spawn walredo process {}", binary.display()))
+        })
+        .await
+        .context("join the spawning task")??;
+        let (Some(pid), Some(stdin), Some(stdout), Some(stderr)) =
+            (child.id(), child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            anyhow::bail!("walredo process has no pid or no pipes");
         };
         for fd in [stdin.as_fd(), stdout.as_fd()] {
             // Best effort: the default 64 KiB still works, it only pipelines less deeply.
@@ -154,21 +206,37 @@ impl Process {
                 tracing::debug!(pid, "could not enlarge walredo pipe: {e}");
             }
         }
-        spawn_stderr_logger(stderr, pid, tenant_id.to_string());
+
+        reaping.spawned();
+        metrics.processes_started.with_label_values(&[kind.as_str()]).inc();
+        metrics.process_kind.with_label_values(&[kind.as_str()]).inc();
+        let life = Arc::new(Lifecycle {
+            pid,
+            kind,
+            stop_cause: OnceLock::new(),
+            kill: CancellationToken::new(),
+            exited: CancellationToken::new(),
+            metrics,
+        });
+        tokio::spawn(watch(child, stderr, Arc::clone(&life), reaping, tenant_id.to_string()));
 
         let pipes = match kind {
-            ProcessKind::Sync => sync_pipes::SyncPipes::new(stdin, stdout).map(Pipes::Sync),
-            ProcessKind::Async => async_pipes::AsyncPipes::new(stdin, stdout).map(Pipes::Async),
+            ProcessKind::Sync => (|| {
+                let stdin = stdin.into_owned_fd().context("take walredo stdin")?;
+                let stdout = stdout.into_owned_fd().context("take walredo stdout")?;
+                sync_pipes::SyncPipes::new(stdin, stdout)
+            })()
+            .map(Pipes::Sync),
+            ProcessKind::Async => Ok(Pipes::Async(async_pipes::AsyncPipes::new(stdin, stdout))),
         };
         let pipes = match pipes {
             Ok(pipes) => pipes,
             Err(e) => {
-                reaping.reaped(pid, kill_and_reap(child));
+                life.mark_retired(StopCause::BadHello);
+                life.kill.cancel();
                 return Err(e.context("set up walredo pipes"));
             }
         };
-        metrics.processes_started.with_label_values(&[kind.as_str()]).inc();
-        metrics.process_kind.with_label_values(&[kind.as_str()]).inc();
         let process = Arc::new(Process {
             kind,
             pid,
@@ -177,10 +245,7 @@ impl Process {
             in_flight: AtomicUsize::new(0),
             last_used_ms: AtomicU64::new(0),
             pipes,
-            child: Mutex::new(Some(child)),
-            stop_cause: OnceLock::new(),
-            metrics,
-            reaping,
+            life,
             tenant_id: tenant_id.to_string(),
         });
 
@@ -199,14 +264,14 @@ impl Process {
         if conf.args.is_empty() && hello.flags & walredo_proc::protocol::HELLO_FLAG_SECCOMP == 0 {
             tracing::warn!(pid, "walredo process runs without its seccomp sandbox");
         }
-        process.metrics.process_launch_seconds.observe(start.elapsed().as_secs_f64());
+        process.life.metrics.process_launch_seconds.observe(start.elapsed().as_secs_f64());
         tracing::info!(pid, kind = kind.as_str(), tenant_id, "launched walredo process");
         Ok(process)
     }
 
     async fn read_hello(&self, timeout: Duration) -> Result<walredo_proc::protocol::Hello, ProcessError> {
         let reply = match &self.pipes {
-            Pipes::Sync(pipes) => pipes.read_first(timeout),
+            Pipes::Sync(pipes) => pipes.read_first(timeout).await,
             Pipes::Async(pipes) => pipes.read_first(timeout).await,
         }?;
         match reply {
@@ -217,12 +282,12 @@ impl Process {
 
     /// Sends one encoded request and waits for its reply, within `timeout`.
     ///
-    /// Sync kind: blocks the calling thread throughout. Async kind: cancel-safe; if dropped
-    /// after the request was written, its reply is discarded when it arrives, and if dropped
-    /// halfway through the write, the process is retired (the stream is broken).
+    /// Cancel-safe: if dropped after the request was written, its reply is discarded when it
+    /// arrives; if dropped halfway through the write (async kind only: the sync kind writes
+    /// without yielding), the process is retired (the stream is broken).
     pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
         let reply = match &self.pipes {
-            Pipes::Sync(pipes) => pipes.round_trip(request, timeout),
+            Pipes::Sync(pipes) => pipes.round_trip(request, timeout).await,
             Pipes::Async(pipes) => {
                 pipes.round_trip(request, timeout, || self.retire(StopCause::CancelledWrite)).await
             }
@@ -241,50 +306,31 @@ impl Process {
             .saturating_sub(Duration::from_millis(self.last_used_ms.load(Ordering::Relaxed)))
     }
 
+    /// Whether the child has exited and been reaped (it can serve nothing any more).
+    pub(crate) fn has_exited(&self) -> bool {
+        self.life.exited.is_cancelled()
+    }
+
     /// Takes the process out of service for `cause`; the first cause given wins.
     ///
     /// Failures kill the child now, so every request pipelined on it fails fast; graceful
     /// causes leave it running until the last in-flight request drops its reference.
     pub(crate) fn retire(&self, cause: StopCause) {
-        if self.mark_retired(cause) && !cause.is_graceful() {
-            self.kill_and_reap_in_background();
+        self.life.mark_retired(cause);
+        // Also after a graceful retirement: a child draining after a kind change that then
+        // hangs or fails must die now, not when its last request gives up.
+        if !cause.is_graceful() {
+            self.life.kill.cancel();
         }
     }
 
     /// Retires the process and kills and reaps the child before returning (shutdown).
+    ///
+    /// Cancel-safe: if dropped, the child is still killed and reaped by its watcher.
     pub(crate) async fn retire_and_wait(&self, cause: StopCause) {
-        self.mark_retired(cause);
-        let Some(child) = lock(&self.child).take() else { return };
-        let (pid, reaping) = (self.pid, Arc::clone(&self.reaping));
-        if let Err(e) = tokio::task::spawn_blocking(move || reaping.reaped(pid, kill_and_reap(child))).await {
-            tracing::error!(pid, "failed to reap walredo process: {e}");
-        }
-    }
-
-    /// Records the retirement once; returns whether this call did.
-    fn mark_retired(&self, cause: StopCause) -> bool {
-        if self.stop_cause.set(cause).is_err() {
-            return false;
-        }
-        self.metrics.processes_stopped.with_label_values(&[cause.label()]).inc();
-        self.metrics.process_kind.with_label_values(&[self.kind.as_str()]).dec();
-        if cause.is_failure() {
-            tracing::warn!(pid = self.pid, cause = cause.label(), "killing walredo process");
-        } else {
-            tracing::info!(pid = self.pid, cause = cause.label(), "stopping walredo process");
-        }
-        true
-    }
-
-    fn kill_and_reap_in_background(&self) {
-        let Some(child) = lock(&self.child).take() else { return };
-        let (pid, reaping) = (self.pid, Arc::clone(&self.reaping));
-        let spawned = std::thread::Builder::new()
-            .name(format!("walredo-reap-{pid}"))
-            .spawn(move || reaping.reaped(pid, kill_and_reap(child)));
-        if let Err(e) = spawned {
-            tracing::error!(pid, "failed to start a reaper thread, the child stays a zombie: {e}");
-        }
+        self.life.mark_retired(cause);
+        self.life.kill.cancel();
+        self.life.exited.cancelled().await;
     }
 }
 
@@ -317,15 +363,90 @@ impl Drop for InUse {
 impl Drop for Process {
     fn drop(&mut self) {
         self.retire(StopCause::Dropped);
-        self.kill_and_reap_in_background();
+        self.life.kill.cancel();
         tracing::debug!(pid = self.pid, tenant_id = self.tenant_id, "dropped walredo process");
     }
 }
 
-/// SIGKILL (harmless if it already exited: it is not reaped yet, so the pid is still ours) and wait.
-fn kill_and_reap(mut child: Child) -> std::io::Result<ExitStatus> {
-    let _ = child.kill();
-    child.wait()
+/// The child's watcher: logs its stderr, kills it when asked, reaps it when it exits, and
+/// takes it out of service if it exited on its own. Ends once the child is reaped.
+async fn watch(
+    mut child: Child,
+    stderr: ChildStderr,
+    life: Arc<Lifecycle>,
+    reaping: Arc<Reaping>,
+    tenant_id: String,
+) {
+    let pid = life.pid;
+    let mut log = stderr::StderrLog::new(Instant::now());
+    let mut stderr = Some(stderr);
+    let mut chunk = [0u8; 4096];
+    let mut killed = false;
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status,
+            () = life.kill.cancelled(), if !killed => {
+                killed = true;
+                // Harmless if it exited already: it is not reaped yet, so the pid is still ours.
+                if let Err(e) = child.start_kill() {
+                    tracing::debug!(pid, "kill walredo process: {e}");
+                }
+            }
+            n = read_some(&mut stderr, &mut chunk) => match n {
+                Some(n) => log.feed(Instant::now(), &chunk[..n], |e| log_stderr(pid, &tenant_id, &life, e)),
+                None => stderr = None,
+            },
+        }
+    };
+    // What the child wrote just before it died; bounded, in case a descendant holds the pipe.
+    let drain = async {
+        while stderr.is_some() {
+            match read_some(&mut stderr, &mut chunk).await {
+                Some(n) => log.feed(Instant::now(), &chunk[..n], |e| log_stderr(pid, &tenant_id, &life, e)),
+                None => stderr = None,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(stderr::DRAIN_AFTER_EXIT, drain).await;
+    log.end(Instant::now(), |e| log_stderr(pid, &tenant_id, &life, e));
+
+    if life.record_stop(StopCause::Crashed) {
+        tracing::warn!(pid, tenant_id, "walredo process exited on its own");
+    }
+    reaping.reaped(pid, status);
+    life.exited.cancel();
+}
+
+/// One read of the child's stderr: `None` at EOF or on an error (or when already closed,
+/// after which it never completes, so that `select!` leaves it alone).
+async fn read_some(stderr: &mut Option<ChildStderr>, chunk: &mut [u8]) -> Option<usize> {
+    let Some(pipe) = stderr else {
+        return std::future::pending().await;
+    };
+    match pipe.read(chunk).await {
+        Ok(0) => None,
+        Ok(n) => Some(n),
+        Err(e) => {
+            tracing::debug!("stop reading walredo stderr: {e}");
+            None
+        }
+    }
+}
+
+fn log_stderr(pid: u32, tenant_id: &str, life: &Lifecycle, event: stderr::Event) {
+    match event {
+        stderr::Event::Line { text, truncated } => {
+            let suffix = if truncated { " [line truncated]" } else { "" };
+            tracing::info!(pid, tenant_id, "walredo stderr: {text}{suffix}");
+        }
+        stderr::Event::DroppingStarted => {
+            tracing::warn!(pid, tenant_id, "walredo stderr over its rate limit, dropping lines");
+        }
+        stderr::Event::Dropped { lines } => {
+            life.metrics.stderr_lines_dropped.inc_by(lines);
+            tracing::warn!(pid, tenant_id, lines, "walredo stderr: dropped lines over the rate limit");
+        }
+    }
 }
 
 fn describe_exit(status: ExitStatus) -> String {
@@ -340,45 +461,31 @@ fn describe_exit(status: ExitStatus) -> String {
     }
 }
 
-/// Logs the child's stderr line by line with its pid, each line capped at [`MAX_STDERR_LINE`].
-/// Runs on a thread of its own that ends at EOF, when the child is gone.
-fn spawn_stderr_logger(mut stderr: ChildStderr, pid: u32, tenant_id: String) {
-    let run = move || {
-        let mut line = Vec::with_capacity(256);
-        let mut truncated = false;
-        let mut chunk = [0u8; 4096];
-        let emit = |line: &mut Vec<u8>, truncated: bool| {
-            let text = String::from_utf8_lossy(line);
-            let suffix = if truncated { " [line truncated]" } else { "" };
-            tracing::info!(pid, tenant_id, "walredo stderr: {}{suffix}", text.trim_end());
-            line.clear();
-        };
-        loop {
-            let n = match stderr.read(&mut chunk) {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    tracing::debug!(pid, "stop reading walredo stderr: {e}");
-                    break;
-                }
-            };
-            for &byte in &chunk[..n] {
-                if byte == b'\n' {
-                    emit(&mut line, truncated);
-                    truncated = false;
-                } else if line.len() < MAX_STDERR_LINE {
-                    line.push(byte);
-                } else {
-                    truncated = true;
-                }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_child_draining_after_a_kind_change_is_still_killed_when_it_fails() {
+        let conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
+        let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        for kind in [ProcessKind::Sync, ProcessKind::Async] {
+            let reaping = Reaping::new();
+            let process = Process::spawn(&conf, kind, "tenant", Arc::clone(&metrics), Arc::clone(&reaping))
+                .await
+                .expect("spawn");
+            // Draining: out of service, alive while requests still hold it (we do).
+            process.retire(StopCause::KindChange);
+            assert!(!process.has_exited(), "{kind}: a draining child is not killed");
+            // Then one of those requests times out: the child must die now, not when the last
+            // request lets go of it.
+            process.retire(StopCause::Timeout);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !process.has_exited() {
+                assert!(Instant::now() < deadline, "{kind}: the failed draining child was not killed");
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
+            assert!(reaping.last_exit().is_some_and(|exit| exit.contains("SIGKILL")), "{kind}");
         }
-        if !line.is_empty() {
-            emit(&mut line, truncated);
-        }
-    };
-    if let Err(e) = std::thread::Builder::new().name(format!("walredo-stderr-{pid}")).spawn(run) {
-        tracing::warn!(pid, "failed to start the stderr logger, stderr is not logged: {e}");
     }
 }

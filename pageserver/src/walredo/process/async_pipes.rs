@@ -1,28 +1,31 @@
 //! The `async` process kind: tokio's `ChildStdin`/`ChildStdout`, tokio mutexes.
 //!
 //! A round trip yields while it waits for the pipes, so the executor thread runs other tasks
-//! meanwhile; one timeout covers the whole round trip.
+//! meanwhile.
+//!
+//! Time: the child is timed, not the queue ([`pipeline::Progress`]). A request that waits for
+//! the stdin lock, or for the replies of earlier requests, longer than the timeout gives up
+//! with [`ProcessError::QueueTimeout`] and the child lives on; only a child that makes no
+//! progress for the timeout while work waits on it is a [`ProcessError::Timeout`] (and killed).
 //!
 //! Cancellation: the mutexes are tokio's because their guards are held across the awaits of a
 //! write or a read. A future dropped
-//! - before its write: nothing happened;
-//! - during its write: the child has part of a frame and the stream cannot be repaired, so the
-//!   process is retired ([`super::ProcessError::CancelledWrite`] for the others);
+//! - before its first byte is written: nothing happened;
+//! - during its write, after some bytes: the child has part of a frame and the stream cannot
+//!   be repaired: the writer is fenced at once ([`pipeline::Fence`]: no byte follows a partial
+//!   frame) and the process is retired;
 //! - after its write: its reply slot is marked abandoned and the reply is dropped on arrival;
-//! - during a read: the bytes read so far stay in the shared [`pipeline::ReplyReader`], whose next holder
-//!   carries on (`AsyncReadExt::read` is cancel-safe).
+//! - during a read: the bytes read so far stay in the shared [`pipeline::ReplyReader`], whose
+//!   next holder carries on (`AsyncReadExt::read` is cancel-safe).
 
-use std::process::{ChildStdin as StdChildStdin, ChildStdout as StdChildStdout};
-use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{ChildStdin, ChildStdout};
 
 use super::ProcessError;
-use crate::walredo::lock;
-use crate::walredo::pipeline::{self, Replies, Reply};
+use crate::walredo::pipeline::{self, Claim, Fence, Reply, Shared, Turn, Waiter};
 
 type Writer = pipeline::Writer<ChildStdin>;
 type Reader = pipeline::Reader<ChildStdout>;
@@ -30,20 +33,16 @@ type Reader = pipeline::Reader<ChildStdout>;
 pub(crate) struct AsyncPipes {
     stdin: tokio::sync::Mutex<Writer>,
     stdout: tokio::sync::Mutex<Reader>,
-    /// A std mutex: held only for a few instructions, never across an await, and taken in
-    /// `Drop` (abandoning a slot), where an async lock is not possible.
-    replies: Mutex<Replies>,
+    shared: Shared,
 }
 
 impl AsyncPipes {
-    pub(crate) fn new(stdin: StdChildStdin, stdout: StdChildStdout) -> anyhow::Result<AsyncPipes> {
-        let stdin = ChildStdin::from_std(stdin).context("register walredo stdin with tokio")?;
-        let stdout = ChildStdout::from_std(stdout).context("register walredo stdout with tokio")?;
-        Ok(AsyncPipes {
+    pub(crate) fn new(stdin: ChildStdin, stdout: ChildStdout) -> AsyncPipes {
+        AsyncPipes {
             stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
             stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
-            replies: Mutex::new(Replies::default()),
-        })
+            shared: Shared::new(),
+        }
     }
 
     /// Reads the first frame of the child (its hello), before any request is written.
@@ -61,37 +60,72 @@ impl AsyncPipes {
         timeout: Duration,
         on_broken_write: impl FnOnce(),
     ) -> Result<Reply, ProcessError> {
-        let round_trip = async {
-            let seq = {
-                let mut writer = self.stdin.lock().await;
-                let broken = BrokenWriteGuard(Some(on_broken_write));
-                let written = writer.pipe.write_all(request).await;
-                broken.disarm();
-                written.context("write to walredo stdin").map_err(ProcessError::Io)?;
-                writer.written()
-            };
-            let mut claim = Claim { replies: &self.replies, seq, done: false };
-            let reply = self.read_until(seq).await;
-            claim.done = reply.is_ok();
-            reply
+        let queue_deadline = Instant::now() + timeout;
+        let seq = {
+            let mut writer = tokio::time::timeout_at(queue_deadline.into(), self.stdin.lock())
+                .await
+                .map_err(|_| ProcessError::QueueTimeout(timeout))?;
+            writer.check_not_broken()?;
+            let since = Instant::now();
+            let mut fence = Fence::new(&mut *writer, request.len(), on_broken_write);
+            while fence.written < request.len() {
+                let deadline = self.shared.progress.child_deadline(timeout, since);
+                let write = fence.writer.pipe.write(&request[fence.written..]);
+                match tokio::time::timeout_at(deadline.into(), write).await {
+                    Ok(Ok(0)) => return Err(fence.fail(io_error("walredo stdin accepts no bytes"))),
+                    Ok(Ok(n)) => {
+                        fence.written += n;
+                        self.shared.progress.mark();
+                    }
+                    Ok(Err(e)) => {
+                        let e = anyhow::Error::new(e).context("write to walredo stdin");
+                        return Err(fence.fail(ProcessError::Io(e)));
+                    }
+                    Err(_) if Instant::now() >= self.shared.progress.child_deadline(timeout, since) => {
+                        return Err(fence.fail(ProcessError::Timeout(timeout)));
+                    }
+                    // Another request saw progress meanwhile: wait on.
+                    Err(_) => {}
+                }
+            }
+            fence.done();
+            writer.written()
         };
-        tokio::time::timeout(timeout, round_trip).await.unwrap_or(Err(ProcessError::Timeout(timeout)))
+        let waiter =
+            Waiter { shared: &self.shared, seq, queue_deadline, written_at: Instant::now(), timeout };
+        let mut claim = Claim::new(&self.shared.replies, seq);
+        let reply = self.read_until(&waiter).await;
+        if reply.is_ok() {
+            claim.done();
+        }
+        reply
     }
 
-    async fn read_until(&self, seq: u64) -> Result<Reply, ProcessError> {
-        if let Some(reply) = lock(&self.replies).take(seq) {
-            return Ok(reply);
-        }
-        let mut stdout = self.stdout.lock().await;
+    async fn read_until(&self, waiter: &Waiter<'_>) -> Result<Reply, ProcessError> {
+        let mut stdout = match waiter.turn(&self.stdout).await? {
+            Turn::Reply(reply) => return Ok(reply),
+            Turn::Reader(stdout) => stdout,
+        };
         loop {
-            // Whoever held the lock before us may have read our reply already.
-            if let Some(reply) = lock(&self.replies).take(seq) {
-                return Ok(reply);
+            let at_head = match waiter.take() {
+                Ok(reply) => return Ok(reply),
+                Err(at_head) => at_head,
+            };
+            match tokio::time::timeout_at(waiter.read_deadline(at_head).into(), read_reply(&mut stdout)).await
+            {
+                Ok(reply) => self.shared.park(reply?),
+                Err(_) => {
+                    if let Some(e) = waiter.expired() {
+                        return Err(e);
+                    }
+                }
             }
-            let reply = read_reply(&mut stdout).await?;
-            lock(&self.replies).push(reply);
         }
     }
+}
+
+fn io_error(message: &'static str) -> ProcessError {
+    ProcessError::Io(anyhow::anyhow!(message))
 }
 
 async fn read_reply(stdout: &mut Reader) -> Result<Reply, ProcessError> {
@@ -112,34 +146,118 @@ async fn read_reply(stdout: &mut Reader) -> Result<Reply, ProcessError> {
     }
 }
 
-/// Runs its callback if dropped before [`BrokenWriteGuard::disarm`]: the write was cut short.
-struct BrokenWriteGuard<F: FnOnce()>(Option<F>);
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsFd, OwnedFd};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Instant;
 
-impl<F: FnOnce()> BrokenWriteGuard<F> {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
+    use super::*;
 
-impl<F: FnOnce()> Drop for BrokenWriteGuard<F> {
-    fn drop(&mut self) {
-        if let Some(on_broken) = self.0.take() {
-            on_broken();
+    /// Pipes like a child's, whose other ends the test holds: (pipes, requests read end,
+    /// requests write end duplicate, replies write end).
+    fn fake_child() -> (Arc<AsyncPipes>, OwnedFd, OwnedFd, OwnedFd) {
+        let (requests_r, requests_w) = nix::unistd::pipe().expect("pipe");
+        let (replies_r, replies_w) = nix::unistd::pipe().expect("pipe");
+        for fd in [&requests_r, &requests_w] {
+            let flags = nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_GETFL).expect("getfl");
+            let flags = nix::fcntl::OFlag::from_bits_truncate(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+            nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_SETFL(flags)).expect("setfl");
         }
+        let requests_w_dup = requests_w.try_clone().expect("dup");
+        let stdin = ChildStdin::from_std(std::process::ChildStdin::from(requests_w)).expect("stdin");
+        let stdout = ChildStdout::from_std(std::process::ChildStdout::from(replies_r)).expect("stdout");
+        (Arc::new(AsyncPipes::new(stdin, stdout)), requests_r, requests_w_dup, replies_w)
     }
-}
 
-/// A written request waiting for its reply; if dropped before taking it, abandons the slot.
-struct Claim<'a> {
-    replies: &'a Mutex<Replies>,
-    seq: u64,
-    done: bool,
-}
+    /// Whether the pipe read by `fd` holds bytes.
+    fn has_bytes(fd: &OwnedFd) -> bool {
+        let mut fds = [nix::poll::PollFd::new(fd.as_fd(), nix::poll::PollFlags::POLLIN)];
+        nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0)
+    }
 
-impl Drop for Claim<'_> {
-    fn drop(&mut self) {
-        if !self.done {
-            lock(self.replies).abandon(self.seq);
+    /// Polls `future` once; whether it finished.
+    async fn poll_once<F: std::future::Future + Unpin>(future: &mut F) -> bool {
+        std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(std::pin::Pin::new(&mut *future).poll(cx).is_ready())
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn no_byte_follows_a_request_whose_write_was_cut_short() {
+        let (pipes, requests_r, _requests_w, _replies_w) = fake_child();
+        let broken = Arc::new(AtomicUsize::new(0));
+        let big = vec![b'1'; 4 << 20];
+        let on_broken = {
+            let broken = Arc::clone(&broken);
+            move || {
+                broken.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        let mut first = Box::pin(pipes.round_trip(&big, Duration::from_secs(30), on_broken));
+        // Poll until part of it is in the pipe (the first poll may only register the fd).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !has_bytes(&requests_r) {
+            assert!(!poll_once(&mut first).await, "a 4 MiB write cannot fit in a pipe");
+            assert!(Instant::now() < deadline, "the request never reached the pipe");
+            tokio::task::yield_now().await;
         }
+        assert!(!poll_once(&mut first).await, "a 4 MiB write cannot fit in a pipe");
+        // A second request queues for the stdin lock behind the cut-short one.
+        let second = tokio::spawn({
+            let pipes = Arc::clone(&pipes);
+            async move { pipes.round_trip(b"second request", Duration::from_secs(30), || {}).await }
+        });
+        tokio::task::yield_now().await;
+        drop(first);
+        assert_eq!(broken.load(Ordering::Relaxed), 1, "the cut-short write is reported");
+
+        // Drain the pipe: only bytes of the first request may ever be there.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut buf = vec![0u8; 1 << 16];
+        let mut drained = 0usize;
+        while !second.is_finished() && Instant::now() < deadline {
+            match nix::unistd::read(requests_r.as_fd(), &mut buf) {
+                Ok(n) => {
+                    assert!(
+                        buf[..n].iter().all(|&b| b == b'1'),
+                        "bytes of another request follow a partial frame"
+                    );
+                    drained += n;
+                }
+                Err(nix::errno::Errno::EAGAIN) => tokio::task::yield_now().await,
+                Err(e) => panic!("read: {e}"),
+            }
+        }
+        assert!(drained > 0 && drained < big.len());
+        let result = second.await.expect("task");
+        assert!(matches!(result, Err(ProcessError::Io(_))), "{result:?}");
+    }
+
+    #[tokio::test]
+    async fn a_request_cancelled_before_writing_a_byte_does_not_break_the_stream() {
+        let (pipes, _requests_r, requests_w, _replies_w) = fake_child();
+        // Fill the pipe, as a busy child would leave it.
+        let chunk = vec![0u8; 1 << 16];
+        loop {
+            match nix::unistd::write(requests_w.as_fd(), &chunk) {
+                Ok(_) => {}
+                Err(nix::errno::Errno::EAGAIN) => break,
+                Err(e) => panic!("write: {e}"),
+            }
+        }
+        let broken = Arc::new(AtomicUsize::new(0));
+        let on_broken = {
+            let broken = Arc::clone(&broken);
+            move || {
+                broken.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        let mut request = Box::pin(pipes.round_trip(b"request", Duration::from_secs(30), on_broken));
+        assert!(!poll_once(&mut request).await, "the pipe is full");
+        drop(request);
+        assert_eq!(broken.load(Ordering::Relaxed), 0, "nothing was written, nothing is broken");
     }
 }

@@ -1,17 +1,30 @@
-//! The `sync` process kind: non-blocking pipe fds driven by `nix::poll`, std mutexes.
+//! The `sync` process kind: non-blocking pipe fds driven by `nix::poll` on the calling thread.
 //!
-//! A round trip blocks the calling thread (an executor thread, when called from async code)
-//! from the write of the request to the read of its reply. That is the design under comparison:
-//! it bounds the requests in flight by the number of threads and stalls the other tasks of a
-//! blocked executor thread (see DESIGN.md section 4 and the Neon seed).
+//! A round trip does its pipe I/O as blocking `poll` loops on the calling thread: no reactor
+//! registration, no wake-up through the runtime, which makes it the lower-latency kind at low
+//! concurrency. What it must not do is stall other tenants: a blocked executor thread would
+//! hold up every task queued on it (with the default two workers, one hung child froze every
+//! tenant and the management API for the whole `wal_redo_timeout`). So:
+//! - waiting for a pipe (the stdin lock to write, the stdout lock to read) is an async wait on
+//!   a tokio mutex, which blocks no thread: at most two threads per child are ever blocked, the
+//!   writer holding stdin and the reader holding stdout;
+//! - the blocking I/O itself runs under [`tokio::task::block_in_place`] on a multi-thread
+//!   runtime, which hands the worker's other tasks to another thread first; it is entered only
+//!   when the fd is not ready (a write that fits in the pipe, or a reply already there, costs no
+//!   hand-off). On a current-thread runtime there is no other thread, and the I/O blocks it.
 //!
-//! Every wait is a `poll` with the time left until the round trip's deadline; a poll that runs
-//! out is a [`ProcessError::Timeout`]. Nothing here can be cancelled halfway: the calling
-//! future does not yield during a round trip.
+//! Time: the child is timed, not the queue, as in the async kind ([`pipeline::Progress`]):
+//! every `poll` waits until the child's deadline (no progress for the timeout while work waits
+//! on it: [`ProcessError::Timeout`], the child is killed) or, behind other requests, until the
+//! queue's deadline ([`ProcessError::QueueTimeout`], the child lives on).
+//!
+//! Cancellation: the future can only be dropped while it waits for a lock (the I/O between two
+//! awaits runs to its end): before its write nothing happened; after its write, its reply slot
+//! is abandoned ([`pipeline::Claim`]) and the reply is dropped on arrival. A write cut short by
+//! a timeout or an error fences the writer under the stdin lock: no byte follows a partial
+//! frame.
 
-use std::os::fd::{AsFd, BorrowedFd};
-use std::process::{ChildStdin, ChildStdout};
-use std::sync::Mutex;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -20,53 +33,166 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::ProcessError;
 use crate::walredo::lock;
-use crate::walredo::pipeline::{self, Replies, Reply};
+use crate::walredo::pipeline::{self, Claim, Reply, Shared, Turn, Waiter};
 
-type Writer = pipeline::Writer<ChildStdin>;
-type Reader = pipeline::Reader<ChildStdout>;
+type Writer = pipeline::Writer<OwnedFd>;
+type Reader = pipeline::Reader<OwnedFd>;
 
 pub(crate) struct SyncPipes {
-    stdin: Mutex<Writer>,
-    stdout: Mutex<Reader>,
-    replies: Mutex<Replies>,
+    /// tokio mutexes: waiting for a pipe must not block a thread (see the module doc); the
+    /// guards are held across the awaits of the other lock and of `block_in_place`.
+    stdin: tokio::sync::Mutex<Writer>,
+    stdout: tokio::sync::Mutex<Reader>,
+    shared: Shared,
 }
 
 impl SyncPipes {
-    pub(crate) fn new(stdin: ChildStdin, stdout: ChildStdout) -> anyhow::Result<SyncPipes> {
+    pub(crate) fn new(stdin: OwnedFd, stdout: OwnedFd) -> anyhow::Result<SyncPipes> {
         for fd in [stdin.as_fd(), stdout.as_fd()] {
             set_nonblocking(fd).context("make walredo pipe non-blocking")?;
         }
         Ok(SyncPipes {
-            stdin: Mutex::new(Writer::new(stdin)),
-            stdout: Mutex::new(Reader::new(stdout)),
-            replies: Mutex::new(Replies::default()),
+            stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
+            stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
+            shared: Shared::new(),
         })
     }
 
     /// Reads the first frame of the child (its hello), before any request is written.
-    pub(crate) fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
+    pub(crate) async fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
         let deadline = Instant::now() + timeout;
-        let mut stdout = lock(&self.stdout);
-        read_reply(&mut stdout, deadline, timeout)
+        let mut stdout = lock_until(&self.stdout, deadline, timeout).await?;
+        blocking(|| read_reply(&mut stdout, deadline, timeout))
     }
 
-    pub(crate) fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
-        let deadline = Instant::now() + timeout;
+    /// See [`super::Process::round_trip`].
+    pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
+        let queue_deadline = Instant::now() + timeout;
         let seq = {
-            let mut writer = lock(&self.stdin);
-            write_all(writer.pipe.as_fd(), request, deadline, timeout)?;
+            let mut writer = tokio::time::timeout_at(queue_deadline.into(), self.stdin.lock())
+                .await
+                .map_err(|_| ProcessError::QueueTimeout(timeout))?;
+            writer.check_not_broken()?;
+            let since = Instant::now();
+            let fd = writer.pipe.as_fd();
+            let (mut written, mut result) = write_some(fd, request);
+            if result.is_ok() && written < request.len() {
+                (written, result) = blocking(|| self.write_rest(fd, request, written, since, timeout));
+            }
+            if written > 0 {
+                self.shared.progress.mark();
+            }
+            if let Err(e) = result {
+                // Fence at once, under the lock: no byte may follow a partial frame.
+                writer.broken = written > 0 && written < request.len();
+                return Err(e);
+            }
             writer.written()
         };
-        let mut stdout = lock(&self.stdout);
-        loop {
-            // Whoever held the lock before us may have read our reply already.
-            if let Some(reply) = lock(&self.replies).take(seq) {
-                return Ok(reply);
+        let waiter =
+            Waiter { shared: &self.shared, seq, queue_deadline, written_at: Instant::now(), timeout };
+        let mut claim = Claim::new(&self.shared.replies, seq);
+        let reply = self.read_until(&waiter).await;
+        if reply.is_ok() {
+            claim.done();
+        }
+        reply
+    }
+
+    /// Writes `request[written..]`, waiting while the child makes progress; returns how much
+    /// of the request is written in the end.
+    fn write_rest(
+        &self,
+        fd: BorrowedFd<'_>,
+        request: &[u8],
+        mut written: usize,
+        since: Instant,
+        timeout: Duration,
+    ) -> (usize, Result<(), ProcessError>) {
+        while written < request.len() {
+            let deadline = self.shared.progress.child_deadline(timeout, since);
+            match wait(fd, PollFlags::POLLOUT, deadline, timeout) {
+                Ok(()) => {}
+                // Another request saw progress meanwhile: wait on.
+                Err(ProcessError::Timeout(_))
+                    if Instant::now() < self.shared.progress.child_deadline(timeout, since) =>
+                {
+                    continue
+                }
+                Err(e) => return (written, Err(e)),
             }
-            let reply = read_reply(&mut stdout, deadline, timeout)?;
-            lock(&self.replies).push(reply);
+            let (n, result) = write_some(fd, &request[written..]);
+            written += n;
+            if n > 0 {
+                self.shared.progress.mark();
+            }
+            if result.is_err() {
+                return (written, result);
+            }
+        }
+        (written, Ok(()))
+    }
+
+    async fn read_until(&self, waiter: &Waiter<'_>) -> Result<Reply, ProcessError> {
+        let mut stdout = match waiter.turn(&self.stdout).await? {
+            Turn::Reply(reply) => return Ok(reply),
+            Turn::Reader(stdout) => stdout,
+        };
+        // First what is there already, without a hand-off; then block for the rest.
+        if let Some(reply) = self.read_available(&mut stdout, waiter.seq)? {
+            return Ok(reply);
+        }
+        blocking(|| loop {
+            let at_head = match waiter.take() {
+                Ok(reply) => return Ok(reply),
+                Err(at_head) => at_head,
+            };
+            match read_reply(&mut stdout, waiter.read_deadline(at_head), waiter.timeout) {
+                Ok(reply) => self.shared.park(reply),
+                Err(ProcessError::Timeout(_)) => {
+                    if let Some(e) = waiter.expired() {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        })
+    }
+
+    /// Reads the replies that can be read without waiting; returns ours if it was among them.
+    fn read_available(&self, stdout: &mut Reader, seq: u64) -> Result<Option<Reply>, ProcessError> {
+        loop {
+            if let Some(reply) = lock(&self.shared.replies).take(seq) {
+                return Ok(Some(reply));
+            }
+            match stdout.replies.take()? {
+                Some(reply) => self.shared.park(reply),
+                None => match read_some(stdout)? {
+                    Some(0) => return Err(eof()),
+                    Some(_) => {}
+                    None => return Ok(None),
+                },
+            }
         }
     }
+}
+
+/// Runs blocking pipe I/O without stalling the other tasks of this executor thread.
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+async fn lock_until<T>(
+    mutex: &tokio::sync::Mutex<T>,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<tokio::sync::MutexGuard<'_, T>, ProcessError> {
+    tokio::time::timeout_at(deadline.into(), mutex.lock()).await.map_err(|_| ProcessError::Timeout(timeout))
 }
 
 fn set_nonblocking(fd: BorrowedFd<'_>) -> nix::Result<()> {
@@ -100,21 +226,36 @@ fn wait(
     }
 }
 
-fn write_all(
-    fd: BorrowedFd<'_>,
-    mut buf: &[u8],
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<(), ProcessError> {
-    while !buf.is_empty() {
-        match nix::unistd::write(fd, buf) {
-            Ok(n) => buf = &buf[n..],
-            Err(Errno::EAGAIN) => wait(fd, PollFlags::POLLOUT, deadline, timeout)?,
+/// Writes what fits without waiting: how many bytes that was, and the error that stopped it.
+fn write_some(fd: BorrowedFd<'_>, buf: &[u8]) -> (usize, Result<(), ProcessError>) {
+    let mut written = 0;
+    while written < buf.len() {
+        match nix::unistd::write(fd, &buf[written..]) {
+            Ok(n) => written += n,
+            Err(Errno::EAGAIN) => break,
             Err(Errno::EINTR) => {}
-            Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("write to walredo stdin"))),
+            Err(e) => {
+                let e = anyhow::Error::new(e).context("write to walredo stdin");
+                return (written, Err(ProcessError::Io(e)));
+            }
         }
     }
-    Ok(())
+    (written, Ok(()))
+}
+
+/// One non-blocking read into the reply buffer: `None` when nothing is there yet.
+fn read_some(stdout: &mut Reader) -> Result<Option<usize>, ProcessError> {
+    loop {
+        match nix::unistd::read(stdout.pipe.as_fd(), stdout.replies.spare()) {
+            Ok(n) => {
+                stdout.replies.advance(n);
+                return Ok(Some(n));
+            }
+            Err(Errno::EAGAIN) => return Ok(None),
+            Err(Errno::EINTR) => {}
+            Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("read walredo stdout"))),
+        }
+    }
 }
 
 fn read_reply(stdout: &mut Reader, deadline: Instant, timeout: Duration) -> Result<Reply, ProcessError> {
@@ -122,12 +263,14 @@ fn read_reply(stdout: &mut Reader, deadline: Instant, timeout: Duration) -> Resu
         if let Some(reply) = stdout.replies.take()? {
             return Ok(reply);
         }
-        match nix::unistd::read(stdout.pipe.as_fd(), stdout.replies.spare()) {
-            Ok(0) => return Err(ProcessError::Io(anyhow::anyhow!("walredo stdout closed (EOF)"))),
-            Ok(n) => stdout.replies.advance(n),
-            Err(Errno::EAGAIN) => wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?,
-            Err(Errno::EINTR) => {}
-            Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("read walredo stdout"))),
+        match read_some(stdout)? {
+            Some(0) => return Err(eof()),
+            Some(_) => {}
+            None => wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?,
         }
     }
+}
+
+fn eof() -> ProcessError {
+    ProcessError::Io(anyhow::anyhow!("walredo stdout closed (EOF)"))
 }

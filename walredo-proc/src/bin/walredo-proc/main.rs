@@ -28,24 +28,73 @@ use serve::{RedoState, Reply};
 const READ_BUF_LEN: usize = 256 * 1024;
 const _: () = assert!(READ_BUF_LEN >= 2 * protocol::MAX_FRAME_LEN);
 
-const USAGE: &str = "usage: walredo-proc [--no-seccomp] [--test-forbidden-syscall-on-ping]
-  --no-seccomp                      debugging only: run without the seccomp allowlist
-  --test-forbidden-syscall-on-ping  for tests only: make a forbidden syscall when pinged";
+const USAGE: &str = "usage: walredo-proc [--no-seccomp]
+The WAL redo child of the pageserver: requests on stdin, replies on stdout (docs/walredo-protocol.md).
+It is started by the pageserver, not by hand.
+  --no-seccomp  debugging only: run without the seccomp allowlist
+  --version     print the protocol version and exit
+  --help        print this and exit";
+
+#[cfg(feature = "testing")]
+const TEST_USAGE: &str = "test-only flags (cargo feature `testing`), each acting on a ping:
+  --test-forbidden-syscall-on-ping   make a syscall outside the allowlist (openat)
+  --test-exec-mapping-on-ping        map executable memory
+  --test-big-allocation-on-ping      try to reserve 1 GiB; exit with status 3 when refused
+  --test-stderr-flood-on-ping        write 100000 lines to stderr, then answer
+  --test-slow-redo-ms=N              sleep N ms before each redo reply (with --no-seccomp)";
+
+/// What a ping makes a test build do instead of answering.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PingHook {
+    None,
+    #[cfg(feature = "testing")]
+    ForbiddenSyscall,
+    #[cfg(feature = "testing")]
+    ExecMapping,
+    #[cfg(feature = "testing")]
+    BigAllocation,
+    #[cfg(feature = "testing")]
+    StderrFlood,
+}
 
 struct Options {
     seccomp: bool,
-    /// For tests: prove that the sandbox kills the process on a syscall outside the allowlist.
-    forbidden_syscall_on_ping: bool,
+    ping_hook: PingHook,
+    /// Test builds: sleep this long before each redo reply (needs `--no-seccomp`).
+    slow_redo: Option<std::time::Duration>,
 }
 
 fn main() -> ExitCode {
-    let mut options = Options { seccomp: true, forbidden_syscall_on_ping: false };
+    let mut options = Options { seccomp: true, ping_hook: PingHook::None, slow_redo: None };
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
             "--no-seccomp" => options.seccomp = false,
-            "--test-forbidden-syscall-on-ping" => options.forbidden_syscall_on_ping = true,
+            #[cfg(feature = "testing")]
+            "--test-forbidden-syscall-on-ping" => options.ping_hook = PingHook::ForbiddenSyscall,
+            #[cfg(feature = "testing")]
+            "--test-exec-mapping-on-ping" => options.ping_hook = PingHook::ExecMapping,
+            #[cfg(feature = "testing")]
+            "--test-big-allocation-on-ping" => options.ping_hook = PingHook::BigAllocation,
+            #[cfg(feature = "testing")]
+            "--test-stderr-flood-on-ping" => options.ping_hook = PingHook::StderrFlood,
+            #[cfg(feature = "testing")]
+            arg if arg.starts_with("--test-slow-redo-ms=") => {
+                match arg["--test-slow-redo-ms=".len()..].parse() {
+                    Ok(ms) => options.slow_redo = Some(std::time::Duration::from_millis(ms)),
+                    Err(e) => {
+                        eprintln!("walredo-proc: bad {arg:?}: {e}");
+                        return ExitCode::from(2);
+                    }
+                }
+            }
             "--version" => {
                 println!("walredo-proc protocol {PROTOCOL_VERSION}");
+                return ExitCode::SUCCESS;
+            }
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                #[cfg(feature = "testing")]
+                println!("{TEST_USAGE}");
                 return ExitCode::SUCCESS;
             }
             _ => {
@@ -68,6 +117,7 @@ fn run(options: &Options) -> Result<(), String> {
     let pid = std::process::id();
     sandbox::close_inherited_fds()?;
     sandbox::set_no_new_privs()?;
+    sandbox::limit_memory()?;
     if options.seccomp {
         sandbox::install_seccomp()?;
     } else {
@@ -101,8 +151,11 @@ fn run(options: &Options) -> Result<(), String> {
         while let Some((request, used)) =
             decode_request(&buf[start..filled]).map_err(|e| format!("framing violation: {e}"))?
         {
-            if options.forbidden_syscall_on_ping && request == protocol::Request::Ping {
-                forbidden_syscall();
+            if options.ping_hook != PingHook::None && request == protocol::Request::Ping {
+                run_ping_hook(options.ping_hook);
+            }
+            if let (Some(delay), protocol::Request::GetPage(_)) = (options.slow_redo, &request) {
+                std::thread::sleep(delay);
             }
             if let Some(reply) = state.handle(request) {
                 reply_header.clear();
@@ -159,10 +212,58 @@ fn write_all(fd: BorrowedFd<'_>, parts: &[IoSlice<'_>]) -> Result<(), String> {
     Ok(())
 }
 
-/// Opens a file, which the sandbox forbids: the kernel kills the process with SIGSYS.
-fn forbidden_syscall() {
-    eprintln!("walredo-proc: making a forbidden syscall (openat) on purpose, for a test");
-    // SAFETY: a plain open of a constant C string; under seccomp it never returns.
-    let fd = unsafe { libc::open(c"/etc/hostname".as_ptr(), libc::O_RDONLY) };
-    eprintln!("walredo-proc: the forbidden syscall returned {fd}: no sandbox?");
+/// Misbehaves on purpose, for the sandbox tests of a `testing` build.
+#[cfg(feature = "testing")]
+fn run_ping_hook(hook: PingHook) {
+    match hook {
+        PingHook::None => {}
+        PingHook::ForbiddenSyscall => {
+            eprintln!("walredo-proc: making a forbidden syscall (openat) on purpose, for a test");
+            // SAFETY: a plain open of a constant C string; under seccomp it never returns.
+            let fd = unsafe { libc::open(c"/etc/hostname".as_ptr(), libc::O_RDONLY) };
+            eprintln!("walredo-proc: the forbidden syscall returned {fd}: no sandbox?");
+        }
+        PingHook::ExecMapping => {
+            eprintln!("walredo-proc: mapping executable memory on purpose, for a test");
+            // SAFETY: an anonymous private mapping, never touched or unmapped; under seccomp the
+            // call never returns.
+            let addr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ | libc::PROT_EXEC,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            eprintln!("walredo-proc: the executable mapping returned {addr:?}: no sandbox?");
+        }
+        PingHook::StderrFlood => {
+            let line = [
+                b"flood line of a test build, long enough to count in bytes too: ".as_slice(),
+                &[b'x'; 64],
+                b"\n",
+            ]
+            .concat();
+            for _ in 0..100_000 {
+                if write_all(std::io::stderr().as_fd(), &[IoSlice::new(&line)]).is_err() {
+                    break;
+                }
+            }
+        }
+        PingHook::BigAllocation => {
+            let mut big: Vec<u8> = Vec::new();
+            match big.try_reserve_exact(1 << 30) {
+                Err(e) => {
+                    eprintln!("walredo-proc: reserving 1 GiB failed as the memory limit wants: {e}");
+                    std::process::exit(3);
+                }
+                Ok(()) => eprintln!("walredo-proc: reserved 1 GiB: no memory limit?"),
+            }
+        }
+    }
 }
+
+#[cfg(not(feature = "testing"))]
+fn run_ping_hook(_: PingHook) {}

@@ -3,11 +3,15 @@
 //! Trust model: the child is not trusted once it has seen a request (redo code is large and a
 //! crafted record could take it over), so before reading any request it
 //! 1. closes every inherited file descriptor above stderr,
-//! 2. sets `no_new_privs` (no setuid gain through exec), and
-//! 3. installs a seccomp allowlist: any other syscall kills the process with SIGSYS.
+//! 2. sets `no_new_privs` (no setuid gain through exec),
+//! 3. limits its address space (`RLIMIT_AS`) to what it uses at start plus [`MEMORY_BUDGET`],
+//!    and
+//! 4. installs a seccomp allowlist: any other syscall kills the process with SIGSYS.
 //!
 //! The allowlist is what the serving loop needs and nothing more: reading stdin, writing stdout
-//! and stderr, memory management for the allocator, and exiting.
+//! and stderr, memory management for the allocator (without executable mappings: `mmap` with
+//! `PROT_EXEC` is refused and `mprotect` is not allowed at all, so injected code has nowhere to
+//! run), and exiting.
 
 use std::collections::BTreeMap;
 
@@ -43,6 +47,31 @@ pub fn set_no_new_privs() -> Result<(), String> {
     }
 }
 
+/// Address space the child may map beyond what it has at start. The serving loop needs a
+/// 256 KiB read buffer, two pages and a reply header (well under 1 MiB, whatever the request,
+/// since every frame is at most `MAX_FRAME_LEN`); the rest is headroom for the allocator and the
+/// stack.
+pub const MEMORY_BUDGET: u64 = 64 << 20;
+const _: () =
+    assert!(MEMORY_BUDGET >= 64 * (crate::READ_BUF_LEN + walredo_proc::protocol::MAX_FRAME_LEN) as u64);
+
+/// Sets `RLIMIT_AS` to the address space in use now plus [`MEMORY_BUDGET`], also without
+/// seccomp: a compromised child cannot take the host's memory.
+pub fn limit_memory() -> Result<(), String> {
+    use nix::sys::resource::{setrlimit, Resource};
+    let statm =
+        std::fs::read_to_string("/proc/self/statm").map_err(|e| format!("read /proc/self/statm: {e}"))?;
+    let pages: u64 = statm
+        .split_whitespace()
+        .next()
+        .and_then(|field| field.parse().ok())
+        .ok_or_else(|| format!("unexpected /proc/self/statm: {statm:?}"))?;
+    // SAFETY: sysconf takes an integer and returns one.
+    let page_size = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let limit = pages.saturating_mul(page_size).saturating_add(MEMORY_BUDGET);
+    setrlimit(Resource::RLIMIT_AS, limit, limit).map_err(|e| format!("setrlimit(RLIMIT_AS, {limit}): {e}"))
+}
+
 /// Installs the seccomp allowlist for this process's only thread.
 pub fn install_seccomp() -> Result<(), String> {
     let fd_is = |fds: &[u64]| -> Result<Vec<SeccompRule>, String> {
@@ -55,6 +84,17 @@ pub fn install_seccomp() -> Result<(), String> {
             .collect()
     };
     let always = Vec::new;
+    // The `prot` argument (index 2) has no PROT_EXEC bit.
+    let no_exec = || -> Result<SeccompRule, String> {
+        let condition = SeccompCondition::new(
+            2,
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::MaskedEq(libc::PROT_EXEC as u64),
+            0,
+        )
+        .map_err(|e| e.to_string())?;
+        SeccompRule::new(vec![condition]).map_err(|e| e.to_string())
+    };
     let rules: BTreeMap<i64, Vec<SeccompRule>> = [
         // Requests arrive on stdin only.
         (libc::SYS_read, fd_is(&[0])?),
@@ -63,7 +103,8 @@ pub fn install_seccomp() -> Result<(), String> {
         (libc::SYS_writev, fd_is(&[1, 2])?),
         // The allocator grows and shrinks the heap.
         (libc::SYS_brk, always()),
-        (libc::SYS_mmap, always()),
+        // Never executable: injected code must have no memory to run from.
+        (libc::SYS_mmap, vec![no_exec()?]),
         (libc::SYS_munmap, always()),
         (libc::SYS_mremap, always()),
         (libc::SYS_madvise, always()),
