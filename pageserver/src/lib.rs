@@ -7,11 +7,13 @@
 //! - [`page_cache`]: reconstructed pages, bounded in bytes;
 //! - [`page_service`]: the TCP data path (GetPage, Ingest) and its wire protocol;
 //! - [`http`]: the management API;
+//! - [`logging`]: log setup (plain or JSON, never panics) and the panic hook;
 //! - [`walredo`]: the redo child process managers (sync and async kinds);
 //! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary.
 
 pub mod config;
 pub mod http;
+pub mod logging;
 pub mod page_cache;
 pub mod page_service;
 pub mod server;

@@ -1,12 +1,24 @@
 //! `pageserver`: the daemon. Parses arguments, sets up logging and signals, and calls
 //! [`pageserver::server::run`].
+//!
+//! Signals: the first SIGTERM or SIGINT starts a clean shutdown (exit status 0 once everything
+//! stopped); a second one, or SIGQUIT at any time, exits at once with status
+//! [`IMMEDIATE_EXIT_STATUS`] (redo children see EOF and exit by themselves; ingests not yet
+//! acknowledged may be lost, acknowledged ones are durable). The signal task never ends before
+//! the process does, so no signal is ever swallowed.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use pageserver::config::{LogFormat, PageServerConf, DEFAULT_WORKDIR};
+use pageserver::config::{PageServerConf, DEFAULT_WORKDIR};
+use pageserver::logging;
 use tokio_util::sync::CancellationToken;
+
+/// Exit status of a bad setting or argument.
+const BAD_CONFIG_STATUS: u8 = 2;
+/// Exit status after a second SIGTERM/SIGINT or a SIGQUIT: not a clean stop.
+const IMMEDIATE_EXIT_STATUS: i32 = 1;
 
 /// The pageserver daemon: stores pages and WAL records per tenant, serves pages at any LSN.
 #[derive(Parser)]
@@ -25,11 +37,11 @@ fn main() -> ExitCode {
     let conf = match PageServerConf::load(&args.workdir, &args.overrides) {
         Ok(conf) => conf,
         Err(e) => {
-            eprintln!("pageserver: refusing to start: {e:#}");
-            return ExitCode::from(2);
+            logging::eprint_line(&format!("pageserver: refusing to start: {e:#}"));
+            return ExitCode::from(BAD_CONFIG_STATUS);
         }
     };
-    init_logging(conf.log_format);
+    logging::init(conf.log_format);
     let runtime =
         match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("pageserver").build() {
             Ok(runtime) => runtime,
@@ -52,31 +64,33 @@ fn main() -> ExitCode {
     }
 }
 
-/// Cancels `shutdown` at the first SIGTERM or SIGINT.
+/// Cancels `shutdown` at the first SIGTERM or SIGINT; exits the process at once at the second,
+/// or at a SIGQUIT. Runs until the process ends.
 async fn watch_signals(shutdown: CancellationToken) {
     use tokio::signal::unix::{signal, SignalKind};
-    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(term), Ok(int)) => (term, int),
-        (Err(e), _) | (_, Err(e)) => {
+    let (mut term, mut int, mut quit) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::quit()),
+    ) {
+        (Ok(term), Ok(int), Ok(quit)) => (term, int, quit),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
             tracing::error!("failed to install signal handlers, stop the daemon with SIGKILL: {e}");
             return;
         }
     };
-    let name = tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    };
-    tracing::info!("received {name}");
-    shutdown.cancel();
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false);
-    match format {
-        LogFormat::Plain => builder.init(),
-        LogFormat::Json => builder.json().init(),
+    loop {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+            _ = quit.recv() => "SIGQUIT",
+        };
+        if name == "SIGQUIT" || shutdown.is_cancelled() {
+            tracing::warn!("received {name}: exiting at once, without a clean shutdown");
+            std::process::exit(IMMEDIATE_EXIT_STATUS);
+        }
+        // Cancel first: the shutdown starts even if the log line cannot be written.
+        shutdown.cancel();
+        tracing::info!("received {name}: shutting down cleanly (send it again, or SIGQUIT, to exit at once)");
     }
 }
