@@ -119,7 +119,7 @@ impl Tenants {
                         .with_context(|| format!("load tenant {name}"))?;
                     tracing::info!(
                         tenant_id = name,
-                        last_durable_lsn = tenant.last_durable_lsn(),
+                        last_durable_lsn = %crate::storage::Lsn(tenant.last_durable_lsn()),
                         "loaded tenant"
                     );
                     lock(&tenants.tenants).insert(name, tenant);

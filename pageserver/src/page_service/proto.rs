@@ -17,6 +17,20 @@ pub const PROTOCOL_VERSION: u32 = 1;
 pub const MAX_FRAME_LEN: u32 = 8 << 20;
 /// GetPage at this LSN means "the latest durable LSN".
 pub const LSN_LATEST: u64 = u64::MAX;
+
+/// The LSN of a request as a person reads it: PostgreSQL's `X/X`, or `latest` for
+/// [`LSN_LATEST`] (the sentinel never shows as a number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLsn(pub u64);
+
+impl std::fmt::Display for RequestLsn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            LSN_LATEST => f.write_str("latest"),
+            lsn => crate::storage::Lsn(lsn).fmt(f),
+        }
+    }
+}
 /// Longest tenant id.
 pub const MAX_TENANT_ID_LEN: usize = 64;
 
@@ -415,6 +429,13 @@ pub fn encode_page_header(out: &mut BytesMut, request_id: u64, lsn: u64, page_le
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn request_lsn_displays_like_postgres_and_latest_by_name() {
+        assert_eq!(super::RequestLsn(0x16B_3748).to_string(), "0/16B3748");
+        assert_eq!(super::RequestLsn(0x1_0000_0002).to_string(), "1/2");
+        assert_eq!(super::RequestLsn(super::LSN_LATEST).to_string(), "latest");
+    }
+
     use super::*;
     use proptest::prelude::*;
 

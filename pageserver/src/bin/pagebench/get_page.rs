@@ -27,7 +27,7 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use pageserver::page_service::client::{describe, Client, ClientReader, ClientWriter};
-use pageserver::page_service::proto::{ClientMessage, ServerMessage, LSN_LATEST};
+use pageserver::page_service::proto::{ClientMessage, RequestLsn as Lsn, ServerMessage, LSN_LATEST};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
@@ -238,10 +238,11 @@ async fn connect_all(args: &Args, shape: Shape) -> anyhow::Result<Vec<Client>> {
     let lowest = clients.iter().map(Client::last_durable_lsn).min().unwrap_or_default();
     if lowest < shape.end_lsn() {
         bail!(
-            "check the data set: tenant {} is at LSN {lowest:#x}, below the end {:#x} of the data set of \
+            "check the data set: tenant {} is at LSN {}, below the end {} of the data set of \
              {} x {} blocks, chain length {}, seed {}; run `pagebench ingest` with the same flags",
             args.target.tenant,
-            shape.end_lsn(),
+            Lsn(lowest),
+            Lsn(shape.end_lsn()),
             shape.relations,
             shape.blocks,
             shape.chain_length,
@@ -381,8 +382,9 @@ async fn receive(
             {
                 shared.error(&mut stats, code.name(), 1, || {
                     format!(
-                        "request {request_id} for page {} at LSN {:#x}: {message}",
-                        request.page, request.lsn
+                        "request {request_id} for page {} at LSN {}: {message}",
+                        request.page,
+                        Lsn(request.lsn)
                     )
                 });
                 code.closes_connection()
@@ -416,19 +418,25 @@ fn verify(shared: &Shared, request: &InFlight, served_lsn: u64, page: &Bytes) ->
         return Ok(());
     }
     if request.lsn != LSN_LATEST && served_lsn != request.lsn {
-        bail!("request {}: asked for LSN {:#x}, served {served_lsn:#x}", request.request_id, request.lsn);
+        bail!(
+            "request {}: asked for LSN {}, served {}",
+            request.request_id,
+            Lsn(request.lsn),
+            Lsn(served_lsn)
+        );
     }
     let expected = shared
         .shape
         .expected_page(request.page, served_lsn)?
-        .with_context(|| format!("page {} does not exist at LSN {served_lsn:#x}", request.page))?;
+        .with_context(|| format!("page {} does not exist at LSN {}", request.page, Lsn(served_lsn)))?;
     if page[..] != expected[..] {
         let first = page.iter().zip(expected.iter()).position(|(a, b)| a != b).unwrap_or(0);
         bail!(
-            "request {}: page {} ({}) at LSN {served_lsn:#x} differs from the expected page from byte {first}",
+            "request {}: page {} ({}) at LSN {} differs from the expected page from byte {first}",
             request.request_id,
             request.page,
-            shared.shape.key(request.page)
+            shared.shape.key(request.page),
+            Lsn(served_lsn)
         );
     }
     Ok(())

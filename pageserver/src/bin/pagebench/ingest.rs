@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use pageserver::page_service::client::{describe, Client, ClientReader, ServerError};
-use pageserver::page_service::proto::{ClientMessage, ServerMessage, MAX_FRAME_LEN};
+use pageserver::page_service::proto::{ClientMessage, RequestLsn as Lsn, ServerMessage, MAX_FRAME_LEN};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -73,26 +73,28 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
     let total = shape.values();
     if last_durable_lsn >= FIRST_LSN && first_value < total {
         eprintln!(
-            "ingest: tenant {} is at LSN {last_durable_lsn}: resuming with value {first_value} of {total}",
-            args.target.tenant
+            "ingest: tenant {} is at LSN {}: resuming with value {first_value} of {total}",
+            args.target.tenant,
+            Lsn(last_durable_lsn)
         );
     }
     if first_value >= total {
         eprintln!(
-            "ingest: tenant {} is at LSN {last_durable_lsn}, at or past the data set's end LSN {}: nothing to load",
+            "ingest: tenant {} is at LSN {}, at or past the data set's end LSN {}: nothing to load",
             args.target.tenant,
-            shape.end_lsn()
+            Lsn(last_durable_lsn),
+            Lsn(shape.end_lsn())
         );
     }
     eprintln!(
-        "ingest: {} pages ({} relations x {} blocks), chain length {}, {} values, LSNs {:#x}..={:#x}",
+        "ingest: {} pages ({} relations x {} blocks), chain length {}, {} values, LSNs {}..={}",
         shape.pages(),
         shape.relations,
         shape.blocks,
         shape.chain_length,
         total,
-        shape.lsn_of_value(0),
-        shape.end_lsn()
+        Lsn(shape.lsn_of_value(0)),
+        Lsn(shape.end_lsn())
     );
 
     let start = Instant::now();
@@ -260,13 +262,13 @@ async fn receive(
                     if request_id == pending.request_id && durable_lsn == pending.last_lsn => {}
                 ServerMessage::Error { request_id, code, message } => {
                     return Err(ServerError { request_id, code, message }).with_context(|| {
-                        format!("ingest batch {} (up to LSN {})", pending.request_id, pending.last_lsn)
+                        format!("ingest batch {} (up to LSN {})", pending.request_id, Lsn(pending.last_lsn))
                     });
                 }
                 other => bail!(
                     "ingest batch {} up to LSN {}: expected its IngestOk, got {}",
                     pending.request_id,
-                    pending.last_lsn,
+                    Lsn(pending.last_lsn),
                     describe(&other)
                 ),
             }
