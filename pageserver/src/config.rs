@@ -151,9 +151,7 @@ impl PageServerConf {
             max_connections,
             log_format,
         } = file;
-        let addr = |key: &str, value: &str| -> anyhow::Result<SocketAddr> {
-            value.parse().map_err(|e| anyhow::anyhow!("invalid setting {key} = {value:?}: {e}"))
-        };
+        let addr = |key: &str, value: &str| resolve_addr(key, value);
         let duration = |key: &str, d: Duration| -> anyhow::Result<Duration> {
             anyhow::ensure!(
                 (MIN_DURATION..=MAX_DURATION).contains(&d),
@@ -212,6 +210,18 @@ fn check_page_cache_size(size: ByteSize) -> anyhow::Result<()> {
         );
     }
     anyhow::bail!("invalid setting page_cache_size = {bytes}: must be 0 (off) or from 1 MiB to 1 TiB")
+}
+
+/// `host:port`, where host is an IP address or a name (`localhost:0`); a name is resolved once,
+/// at start-up, to its first address.
+fn resolve_addr(key: &str, value: &str) -> anyhow::Result<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    if let Ok(addr) = value.parse() {
+        return Ok(addr);
+    }
+    let mut addrs =
+        value.to_socket_addrs().map_err(|e| anyhow::anyhow!("invalid setting {key} = {value:?}: {e}"))?;
+    addrs.next().ok_or_else(|| anyhow::anyhow!("invalid setting {key} = {value:?}: the name has no address"))
 }
 
 /// Splits `key=value`; the value is TOML, or else taken as a plain string.
@@ -382,6 +392,15 @@ mod tests {
             assert!(err.contains("MiB"), "the message shows how to write a size: {err}");
         }
         assert_eq!(load(&["page_cache_size=1048576"]).unwrap().page_cache_size, 1 << 20);
+    }
+
+    #[test]
+    fn listen_addresses_take_host_names() {
+        let conf = load(&["listen_pg_addr=\"localhost:0\"", "listen_http_addr=\"localhost:7\""]).unwrap();
+        assert!(conf.listen_pg_addr.ip().is_loopback(), "{}", conf.listen_pg_addr);
+        assert_eq!(conf.listen_http_addr.port(), 7);
+        let err = load(&["listen_pg_addr=\"localhost\""]).unwrap_err();
+        assert!(format!("{err:#}").contains("listen_pg_addr"), "{err:#}");
     }
 
     #[test]

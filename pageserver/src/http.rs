@@ -1,19 +1,21 @@
 //! The management API (docs/http-api.md): tenants, tenant config, metrics.
 //!
 //! Handlers are thin: they parse, call [`Tenants`]/[`crate::tenant::Tenant`], and map errors to
-//! status codes. Every error body is `{"error": "..."}`.
+//! status codes. Every error body is `{"error": "..."}`, unknown routes (404) and wrong methods
+//! (405, with `Allow`) included.
 
 use std::sync::Arc;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{Json, Router};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::process_metrics::{self, GIT_COMMIT, VERSION};
 use crate::tenant::TenantConfOverrides;
 use crate::tenants::{TenantError, Tenants};
 
@@ -55,13 +57,17 @@ impl From<JsonRejection> for ApiError {
 
 type ApiResult = Result<Response, ApiError>;
 
-/// Serves the API on `listener` until `cancel`.
+/// Serves the API on `listener` until `cancel`; registers the process metrics and
+/// `pageserver_build_info` in `registry` first.
+///
+/// Cancel-safe: dropping it closes the listener and the connections.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     tenants: Arc<Tenants>,
     registry: prometheus::Registry,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
+    process_metrics::register(&registry)?;
     let state = Arc::new(AppState { tenants, registry });
     let app = Router::new()
         .route("/v1/status", get(status))
@@ -69,13 +75,25 @@ pub async fn serve(
         .route("/v1/tenant/{id}", get(get_tenant).delete(delete_tenant))
         .route("/v1/tenant/{id}/config", put(put_tenant_config))
         .route("/metrics", get(metrics))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .with_state(state);
     axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await?;
     Ok(())
 }
 
+async fn no_route(method: Method, uri: Uri) -> ApiError {
+    ApiError(StatusCode::NOT_FOUND, format!("no route {method} {}", uri.path()))
+}
+
+/// axum adds the `Allow` header to this answer.
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    ApiError(StatusCode::METHOD_NOT_ALLOWED, format!("method {method} is not allowed on {}", uri.path()))
+}
+
 async fn status(State(state): State<Arc<AppState>>) -> ApiResult {
-    let body = serde_json::json!({ "version": env!("CARGO_PKG_VERSION"), "tenants": state.tenants.len() });
+    let body =
+        serde_json::json!({ "version": VERSION, "git_commit": GIT_COMMIT, "tenants": state.tenants.len() });
     Ok(Json(body).into_response())
 }
 

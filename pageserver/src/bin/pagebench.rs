@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 #[derive(Parser, Debug)]
 #[command(
     name = "pagebench",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("GIT_COMMIT"), ")"),
     about = "Load tool of the pageserver: ingest a synthetic data set, then time GetPage"
 )]
 struct Cli {

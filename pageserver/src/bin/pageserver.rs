@@ -22,7 +22,7 @@ const IMMEDIATE_EXIT_STATUS: i32 = 1;
 
 /// The pageserver daemon: stores pages and WAL records per tenant, serves pages at any LSN.
 #[derive(Parser)]
-#[command(version)]
+#[command(version = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("GIT_COMMIT"), ")"))]
 struct Args {
     /// Working directory: settings (pageserver.toml), tenants' data, lock and ports files.
     #[arg(short = 'D', long = "workdir", default_value = DEFAULT_WORKDIR)]
