@@ -1,4 +1,4 @@
-//! `pagebench`: the load tool of the pageserver (DESIGN.md sections 4 and 8, docs/performance.md).
+//! `pagebench`: the load tool of the pageserver (method and results: docs/performance.md).
 //!
 //! - `pagebench ingest` creates a tenant through the management API and loads a synthetic,
 //!   seed-determined data set through the page service ([`dataset`] documents its LSN layout);

@@ -3,7 +3,7 @@
 //! A round trip blocks the calling thread (an executor thread, when called from async code)
 //! from the write of the request to the read of its reply. That is the design under comparison:
 //! it bounds the requests in flight by the number of threads and stalls the other tasks of a
-//! blocked executor thread (see DESIGN.md section 4 and the Neon seed).
+//! blocked executor thread (docs/performance.md compares the two kinds).
 //!
 //! Every wait is a `poll` with the time left until the round trip's deadline; a poll that runs
 //! out is a [`ProcessError::Timeout`]. Nothing here can be cancelled halfway: the calling
