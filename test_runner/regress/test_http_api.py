@@ -267,3 +267,31 @@ def test_listen_addresses_accept_host_names(pageserver_factory):
     t = ps.create_tenant()
     with ps.connect(t) as conn:
         conn.ingest([(KEY, 10, o.RECORD, o.init_page(0))])
+
+
+def test_keyspace(pageserver):
+    http = pageserver.http
+    t = pageserver.create_tenant()
+    empty = _ok_json(http.get(f"/v1/tenant/{t}/keyspace"))
+    assert empty == {"tenant_id": t, "last_durable_lsn": 0, "keys": 0, "lsn_range": None, "relations": []}
+    with pageserver.connect(t) as conn:
+        conn.ingest([(Key.rel_block(10000, 0), 10, o.IMAGE, bytes(8192)),
+                     (Key.rel_block(10000, 1), 11, o.RECORD, o.init_page(0)),
+                     (Key.rel_block(10000, 2), 12, o.IMAGE, bytes(8192)),
+                     (Key.rel_block(10000, 5), 13, o.IMAGE, bytes(8192)),
+                     (Key.rel_block(10001, 0), 14, o.IMAGE, bytes(8192))])
+        conn.ingest([(Key.rel_block(10000, 0), 20, o.RECORD, o.insert(b"x"))])
+    ks = _ok_json(http.get(f"/v1/tenant/{t}/keyspace"))
+    assert ks["keys"] == 5
+    assert ks["last_durable_lsn"] == 20
+    assert ks["lsn_range"] == {"first": 10, "all_keys_from": 14, "last": 20}
+    k = Key.rel_block(10000, 0)
+    rel = {"spcnode": k.spcnode, "dbnode": k.dbnode, "forknum": k.forknum}
+    assert ks["relations"] == [{**rel, "relnode": 10000, "blocks": [[0, 2], [5, 5]]},
+                               {**rel, "relnode": 10001, "blocks": [[0, 0]]}]
+    _error(http.get("/v1/tenant/nope/keyspace"), 404)
+
+
+def _ok_json(resp):
+    assert resp.status == 200, resp
+    return resp.body
