@@ -81,3 +81,21 @@ def test_duration_and_size_forms(pageserver_factory):
     with ps.connect(t) as conn:
         conn.ingest([(Key.rel_block(11000, 2), 10, o.RECORD, o.init_page(0))])
         assert conn.get_page(Key.rel_block(11000, 2))[12:14] == b"\x18\x00"
+
+
+def test_json_log_format_writes_only_json_lines(pageserver_factory):
+    import json
+    ps = pageserver_factory(log_format="json")
+    t = ps.create_tenant()
+    k = Key.rel_block(11000, 3)
+    with ps.connect(t) as conn:
+        conn.ingest([(k, 10, o.RECORD, o.init_page(0)), (k, 11, o.RECORD, o.insert(b"j"))])
+        conn.get_page(k)  # a redo child starts and logs through the daemon
+    ps.restart()
+    ps.stop()
+    lines = [line for line in ps.log_path.read_text().splitlines() if not line.startswith("==== test runner")]
+    assert lines
+    for line in lines:
+        event = json.loads(line)  # fails on any plain-text line
+        assert {"timestamp", "level", "fields"} <= set(event), line
+    assert any(json.loads(line)["fields"].get("message") == "loaded tenant" for line in lines)
