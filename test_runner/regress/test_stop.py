@@ -53,6 +53,15 @@ def _daemon_with_a_redo_stuck_in_flight(pageserver_factory):
     return ps, conn, child
 
 
+def _pending(pid: int, sig: signal.Signals) -> bool:
+    """Whether `sig` is pending for the process (not yet taken by any thread)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("ShdPnd:"):
+                return bool(int(line.split()[1], 16) & (1 << (sig - 1)))
+    return False
+
+
 def _exited_at_once(ps) -> None:
     """An immediate exit leaves the redo child to notice EOF on its own, as after SIGKILL."""
     ps._force_kill()
@@ -97,3 +106,43 @@ def test_sigquit_exits_at_once(pageserver_factory):
     finally:
         _exited_at_once(ps)
         conn.close()
+
+
+def test_second_sigterm_exits_at_once_while_logging_blocks_every_thread(pageserver_factory):
+    """stderr is a pipe nobody reads: once it is full every log write blocks, the async runtime's
+    threads with it. A second SIGTERM must still end the daemon (the escape hatch of a wedged
+    daemon), so signals cannot depend on the runtime."""
+    from fixtures.http_client import HttpClient
+    import json
+    ps = pageserver_factory(start=False)
+    ps.workdir.mkdir(parents=True)
+    ps.proc = subprocess.Popen(ps.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env={**ps._env(), "RUST_LOG": "debug"},
+                               cwd=ps.workdir)
+    try:
+        ports = ps.workdir / "ports.json"
+        wait_until(lambda: ports.exists() and json.loads(ports.read_text()).get("http"), timeout=30,
+                   desc="the daemon to listen")
+        host, port = json.loads(ports.read_text())["http"].rsplit(":", 1)
+        http = HttpClient((host, int(port)), timeout=2.0)
+        stuck = False
+        for i in range(20000):  # each request logs; the pipe holds 64 KiB
+            try:
+                http.request("POST", "/v1/tenant", {"id": f"fill-{i}"})
+            except OSError:  # a timeout: the daemon is blocked writing its log
+                stuck = True
+                break
+        assert stuck, "the daemon never blocked on its full stderr pipe"
+        ps.proc.send_signal(signal.SIGTERM)
+        # Signals of one kind do not queue: send the second once the first was taken.
+        wait_until(lambda: not _pending(ps.pid, signal.SIGTERM), timeout=10,
+                   desc="the daemon to take the first SIGTERM")
+        assert ps.proc.poll() is None
+        ps.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = ps.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("a second SIGTERM did not end a daemon blocked on its log") from None
+        assert rc == IMMEDIATE_EXIT_STATUS, f"exit status {rc}"
+    finally:
+        _exited_at_once(ps)
