@@ -1,7 +1,7 @@
 //! `bench_walredo`: per-request latency of one `WalRedoManager` shared by N tokio tasks, for the
 //! `sync` and `async` process kinds, against the physical floor of the pipes.
 //!
-//! # Method (Neon's `bench_walredo`, DESIGN.md section 5)
+//! # Method (after Neon's `bench_walredo`)
 //!
 //! Benchmark ids are `<kind>/<workload>/<N>`: kind `sync` or `async`, workload `ping`, `short`
 //! (no base image, init page + a 1 KiB insert: 1100 bytes on the wire) or `medium` (base image,
@@ -110,8 +110,7 @@
 //! - N = 1 across vCPUs: the wake-ups. The floor itself is 60-65 us (each side sleeps, and
 //!   waking a halted vCPU goes through the hypervisor); async adds ~20 % (78.0 vs 64.3 us
 //!   pinned; 72.9 vs 62.5 us, 1.17x, in another pinned run). Only not sleeping helps:
-//!   DESIGN.md section 5 measured ~3 us per round trip with both sides spinning 25-200 us on
-//!   non-blocking pipes before blocking.
+//!   both sides spinning 25-200 us on non-blocking pipes before blocking (not built here).
 //! - N = 1 on one vCPU: the tokio runtime and this harness, more than the manager.
 //!   `perf stat` per request (`taskset -c 0`, async/ping/1): 3.3 context switches, 1.5
 //!   `epoll_wait`, 1.2 `futex`, 2.6 `read` (0.6 of them EAGAIN); the floor: 2 switches, one

@@ -1,4 +1,4 @@
-"""Fixtures for the end-to-end tests (see DESIGN.md section 8 in the shared design notes).
+"""Fixtures for the end-to-end tests (ARCHITECTURE.md, `test_runner/`).
 
 - `pageserver_factory(**config)`: start a daemon in its own temp work dir on free ports; every
   daemon started is stopped at teardown (SIGTERM, exit status 0), then checked: no redo child

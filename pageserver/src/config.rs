@@ -27,6 +27,19 @@ pub const DEFAULT_LAYER_SIZE: u64 = 64 << 20;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1000;
 pub const DEFAULT_PROCESS_KIND: ProcessKind = walredo::DEFAULT_PROCESS_KIND;
 
+/// Every duration setting lies in `MIN_DURATION..=MAX_DURATION`: far from the overflow of
+/// `Instant + Duration`, and longer than any timeout a person means.
+pub const MIN_DURATION: Duration = Duration::from_millis(1);
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+/// `page_cache_size` is 0 (off) or in `MIN_PAGE_CACHE_SIZE..=MAX_PAGE_CACHE_SIZE`.
+pub const MIN_PAGE_CACHE_SIZE: u64 = 1 << 20;
+pub const MAX_PAGE_CACHE_SIZE: u64 = 1 << 40;
+/// `layer_size` lies in `MIN_LAYER_SIZE..=MAX_LAYER_SIZE`.
+pub const MIN_LAYER_SIZE: u64 = 64 << 10;
+pub const MAX_LAYER_SIZE: u64 = 16 << 30;
+/// `max_connections` lies in `1..=MAX_MAX_CONNECTIONS`.
+pub const MAX_MAX_CONNECTIONS: usize = 100_000;
+
 /// Log line format on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -69,11 +82,11 @@ impl Default for ConfigFile {
             walredo_idle_timeout: walredo::DEFAULT_IDLE_TIMEOUT,
             walredo_proc_path: None,
             wait_lsn_timeout: DEFAULT_WAIT_LSN_TIMEOUT,
-            page_cache_size: ByteSize(DEFAULT_PAGE_CACHE_SIZE),
-            layer_size: ByteSize(DEFAULT_LAYER_SIZE),
+            page_cache_size: ByteSize::with_unit(DEFAULT_PAGE_CACHE_SIZE),
+            layer_size: ByteSize::with_unit(DEFAULT_LAYER_SIZE),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             page_service_idle_timeout: crate::page_service::DEFAULT_IDLE_TIMEOUT,
-            walredo_memory_budget: ByteSize(crate::tenant::DEFAULT_REDO_MEMORY_BUDGET),
+            walredo_memory_budget: ByteSize::with_unit(crate::tenant::DEFAULT_REDO_MEMORY_BUDGET),
             log_format: LogFormat::Plain,
         }
     }
@@ -148,18 +161,29 @@ impl PageServerConf {
             walredo_memory_budget,
             log_format,
         } = file;
-        let addr = |key: &str, value: &str| -> anyhow::Result<SocketAddr> {
-            value.parse().map_err(|e| anyhow::anyhow!("invalid setting {key} = {value:?}: {e}"))
-        };
-        let positive = |key: &str, d: Duration| -> anyhow::Result<Duration> {
-            anyhow::ensure!(!d.is_zero(), "invalid setting {key}: must be more than zero");
+        let addr = |key: &str, value: &str| resolve_addr(key, value);
+        let duration = |key: &str, d: Duration| -> anyhow::Result<Duration> {
+            anyhow::ensure!(
+                (MIN_DURATION..=MAX_DURATION).contains(&d),
+                "invalid setting {key} = {:?}: must be from 1 ms to 24 h",
+                humantime::format_duration(d).to_string()
+            );
             Ok(d)
         };
-        anyhow::ensure!(max_connections >= 1, "invalid setting max_connections: must be at least 1");
-        anyhow::ensure!(layer_size.0 >= 64 << 10, "invalid setting layer_size: must be at least 64 KiB");
         anyhow::ensure!(
-            (1 << 20..=1 << 40).contains(&walredo_memory_budget.0),
-            "invalid setting walredo_memory_budget: must be between 1 MiB and 1 TiB"
+            (1..=MAX_MAX_CONNECTIONS).contains(&max_connections),
+            "invalid setting max_connections = {max_connections}: must be from 1 to {MAX_MAX_CONNECTIONS}"
+        );
+        anyhow::ensure!(
+            (MIN_LAYER_SIZE..=MAX_LAYER_SIZE).contains(&layer_size.bytes),
+            "invalid setting layer_size = {}: must be from 64 KiB to 16 GiB",
+            layer_size.bytes
+        );
+        check_page_cache_size(page_cache_size)?;
+        anyhow::ensure!(
+            (1 << 20..=1 << 40).contains(&walredo_memory_budget.bytes),
+            "invalid setting walredo_memory_budget = {}: must be from 1 MiB to 1 TiB",
+            walredo_memory_budget.bytes
         );
         let binary = match walredo_proc_path {
             Some(path) => path,
@@ -173,18 +197,48 @@ impl PageServerConf {
                 binary,
                 args: Vec::new(),
                 process_kind: walredo_process_kind,
-                timeout: positive("wal_redo_timeout", wal_redo_timeout)?,
-                idle_timeout: positive("walredo_idle_timeout", walredo_idle_timeout)?,
+                timeout: duration("wal_redo_timeout", wal_redo_timeout)?,
+                idle_timeout: duration("walredo_idle_timeout", walredo_idle_timeout)?,
             },
-            wait_lsn_timeout: positive("wait_lsn_timeout", wait_lsn_timeout)?,
-            page_cache_size: page_cache_size.0,
-            layer_size: layer_size.0,
+            wait_lsn_timeout: duration("wait_lsn_timeout", wait_lsn_timeout)?,
+            page_cache_size: page_cache_size.bytes,
+            layer_size: layer_size.bytes,
             max_connections,
-            page_service_idle_timeout: positive("page_service_idle_timeout", page_service_idle_timeout)?,
-            walredo_memory_budget: walredo_memory_budget.0,
+            page_service_idle_timeout: duration("page_service_idle_timeout", page_service_idle_timeout)?,
+            walredo_memory_budget: walredo_memory_budget.bytes,
             log_format,
         })
     }
+}
+
+/// `page_cache_size` is 0 or from 1 MiB to 1 TiB. Neon's setting of the same name counts 8 KiB
+/// pages, so a bare number below 1 MiB is almost surely a page count carried over: say so.
+fn check_page_cache_size(size: ByteSize) -> anyhow::Result<()> {
+    let bytes = size.bytes;
+    if bytes == 0 || (MIN_PAGE_CACHE_SIZE..=MAX_PAGE_CACHE_SIZE).contains(&bytes) {
+        return Ok(());
+    }
+    if size.bare && bytes < MIN_PAGE_CACHE_SIZE {
+        anyhow::bail!(
+            "invalid setting page_cache_size = {bytes}: this is bytes, not a page count as in Neon's \
+             pageserver; write a size with a unit, e.g. \"{} MiB\" for {bytes} pages of 8 KiB \
+             (0 disables the cache, otherwise from 1 MiB to 1 TiB)",
+            (bytes * 8192).div_ceil(1 << 20).max(1)
+        );
+    }
+    anyhow::bail!("invalid setting page_cache_size = {bytes}: must be 0 (off) or from 1 MiB to 1 TiB")
+}
+
+/// `host:port`, where host is an IP address or a name (`localhost:0`); a name is resolved once,
+/// at start-up, to its first address.
+fn resolve_addr(key: &str, value: &str) -> anyhow::Result<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    if let Ok(addr) = value.parse() {
+        return Ok(addr);
+    }
+    let mut addrs =
+        value.to_socket_addrs().map_err(|e| anyhow::anyhow!("invalid setting {key} = {value:?}: {e}"))?;
+    addrs.next().ok_or_else(|| anyhow::anyhow!("invalid setting {key} = {value:?}: the name has no address"))
 }
 
 /// Splits `key=value`; the value is TOML, or else taken as a plain string.
@@ -199,9 +253,20 @@ fn parse_override(item: &str) -> anyhow::Result<(String, toml::Value)> {
     Ok((key.to_string(), value))
 }
 
-/// A size in bytes, written as a number or as `"<number> <unit>"` (B, KiB, MiB, GiB).
+/// A size in bytes, written as a number or as `"<number> <unit>"` (B, KiB, MiB, GiB, TiB).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ByteSize(pub u64);
+pub struct ByteSize {
+    pub bytes: u64,
+    /// Written as a bare number (no unit): ambiguous for settings that other systems count in
+    /// pages.
+    pub bare: bool,
+}
+
+impl ByteSize {
+    pub const fn with_unit(bytes: u64) -> ByteSize {
+        ByteSize { bytes, bare: false }
+    }
+}
 
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<ByteSize, D::Error> {
@@ -212,8 +277,8 @@ impl<'de> Deserialize<'de> for ByteSize {
             Text(String),
         }
         match Raw::deserialize(deserializer)? {
-            Raw::Number(n) => Ok(ByteSize(n)),
-            Raw::Text(text) => parse_size(&text).map(ByteSize).map_err(serde::de::Error::custom),
+            Raw::Number(bytes) => Ok(ByteSize { bytes, bare: true }),
+            Raw::Text(text) => parse_size(&text).map(ByteSize::with_unit).map_err(serde::de::Error::custom),
         }
     }
 }
@@ -228,7 +293,10 @@ fn parse_size(text: &str) -> Result<u64, String> {
         "KiB" => 1 << 10,
         "MiB" => 1 << 20,
         "GiB" => 1 << 30,
-        other => return Err(format!("size {text:?} has unknown unit {other:?}; use B, KiB, MiB or GiB")),
+        "TiB" => 1 << 40,
+        other => {
+            return Err(format!("size {text:?} has unknown unit {other:?}; use B, KiB, MiB, GiB or TiB"))
+        }
     };
     number.checked_mul(multiplier).ok_or_else(|| format!("size {text:?} is too large"))
 }
@@ -291,6 +359,65 @@ mod tests {
             let err = load(&[item]).unwrap_err();
             assert!(format!("{err:#}").contains(key), "{item}: {err:#}");
         }
+    }
+
+    #[test]
+    fn out_of_range_durations_sizes_and_counts_are_refused_by_name() {
+        for (item, key) in [
+            ("wal_redo_timeout=\"500000000000 years\"", "wal_redo_timeout"),
+            ("walredo_idle_timeout=\"500000000000 years\"", "walredo_idle_timeout"),
+            ("wait_lsn_timeout=\"500000000000 years\"", "wait_lsn_timeout"),
+            ("wal_redo_timeout=\"2 days\"", "wal_redo_timeout"),
+            ("wal_redo_timeout=\"10 us\"", "wal_redo_timeout"),
+            ("wait_lsn_timeout=\"0 s\"", "wait_lsn_timeout"),
+            ("page_cache_size=\"2000 GiB\"", "page_cache_size"),
+            ("page_cache_size=\"512 KiB\"", "page_cache_size"),
+            ("layer_size=\"100 GiB\"", "layer_size"),
+            ("layer_size=\"1 KiB\"", "layer_size"),
+            ("max_connections=1000000000000", "max_connections"),
+        ] {
+            let err = load(&[item]).unwrap_err();
+            assert!(format!("{err:#}").contains(key), "{item}: {err:#}");
+        }
+    }
+
+    #[test]
+    fn the_bounds_themselves_are_accepted() {
+        let conf = load(&[
+            "wal_redo_timeout=\"1 day\"",
+            "walredo_idle_timeout=\"1 ms\"",
+            "wait_lsn_timeout=\"24 h\"",
+            "page_cache_size=\"1 TiB\"",
+            "layer_size=\"16 GiB\"",
+            "max_connections=100000",
+        ])
+        .unwrap();
+        assert_eq!(conf.walredo.timeout, MAX_DURATION);
+        assert_eq!(conf.walredo.idle_timeout, MIN_DURATION);
+        assert_eq!(conf.page_cache_size, 1 << 40);
+        assert_eq!(conf.layer_size, 16 << 30);
+        assert_eq!(conf.max_connections, MAX_MAX_CONNECTIONS);
+        assert_eq!(load(&["page_cache_size=\"1 MiB\""]).unwrap().page_cache_size, 1 << 20);
+        assert_eq!(load(&["page_cache_size=0"]).unwrap().page_cache_size, 0);
+    }
+
+    #[test]
+    fn a_bare_page_cache_size_below_one_mib_is_refused_as_a_neon_page_count() {
+        for item in ["page_cache_size=8192", "page_cache_size=1000"] {
+            let err = format!("{:#}", load(&[item]).unwrap_err());
+            assert!(err.contains("page_cache_size") && err.contains("page count"), "{item}: {err}");
+            assert!(err.contains("MiB"), "the message shows how to write a size: {err}");
+        }
+        assert_eq!(load(&["page_cache_size=1048576"]).unwrap().page_cache_size, 1 << 20);
+    }
+
+    #[test]
+    fn listen_addresses_take_host_names() {
+        let conf = load(&["listen_pg_addr=\"localhost:0\"", "listen_http_addr=\"localhost:7\""]).unwrap();
+        assert!(conf.listen_pg_addr.ip().is_loopback(), "{}", conf.listen_pg_addr);
+        assert_eq!(conf.listen_http_addr.port(), 7);
+        let err = load(&["listen_pg_addr=\"localhost\""]).unwrap_err();
+        assert!(format!("{err:#}").contains("listen_pg_addr"), "{err:#}");
     }
 
     #[test]

@@ -1,19 +1,22 @@
 //! The management API (docs/http-api.md): tenants, tenant config, metrics.
 //!
 //! Handlers are thin: they parse, call [`Tenants`]/[`crate::tenant::Tenant`], and map errors to
-//! status codes. Every error body is `{"error": "..."}`.
+//! status codes. Every error body is `{"error": "..."}`, unknown routes (404) and wrong methods
+//! (405, with `Allow`) included.
 
 use std::sync::Arc;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{Json, Router};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::process_metrics::{self, GIT_COMMIT, VERSION};
+use crate::storage::{Key, Lsn};
 use crate::tenant::TenantConfOverrides;
 use crate::tenants::{TenantError, Tenants};
 
@@ -56,7 +59,8 @@ impl From<JsonRejection> for ApiError {
 
 type ApiResult = Result<Response, ApiError>;
 
-/// Serves the API on `listener` until `cancel`.
+/// Serves the API on `listener` until `cancel`; registers the process metrics and
+/// `pageserver_build_info` in `registry` first.
 ///
 /// Cancel-safe: dropping it drops the listener and every connection; requests in flight are
 /// dropped too, which each handler tolerates (tenant deletion runs to its end on its own).
@@ -66,20 +70,34 @@ pub async fn serve(
     registry: prometheus::Registry,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
+    process_metrics::register(&registry)?;
     let state = Arc::new(AppState { tenants, registry });
     let app = Router::new()
         .route("/v1/status", get(status))
         .route("/v1/tenant", get(list_tenants).post(create_tenant))
         .route("/v1/tenant/{id}", get(get_tenant).delete(delete_tenant))
         .route("/v1/tenant/{id}/config", put(put_tenant_config))
+        .route("/v1/tenant/{id}/keyspace", get(get_keyspace))
         .route("/metrics", get(metrics))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .with_state(state);
     axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await?;
     Ok(())
 }
 
+async fn no_route(method: Method, uri: Uri) -> ApiError {
+    ApiError(StatusCode::NOT_FOUND, format!("no route {method} {}", uri.path()))
+}
+
+/// axum adds the `Allow` header to this answer.
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    ApiError(StatusCode::METHOD_NOT_ALLOWED, format!("method {method} is not allowed on {}", uri.path()))
+}
+
 async fn status(State(state): State<Arc<AppState>>) -> ApiResult {
-    let body = serde_json::json!({ "version": env!("CARGO_PKG_VERSION"), "tenants": state.tenants.len() });
+    let body =
+        serde_json::json!({ "version": VERSION, "git_commit": GIT_COMMIT, "tenants": state.tenants.len() });
     Ok(Json(body).into_response())
 }
 
@@ -127,9 +145,104 @@ async fn put_tenant_config(
     Ok(Json(tenant.status()).into_response())
 }
 
+/// The key space of a tenant: its keys as block ranges per relation fork, and the LSN range.
+async fn get_keyspace(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
+    let tenant = state.tenants.get(&id)?;
+    let timeline = Arc::clone(&tenant.timeline);
+    // Read the durable LSN first: every key listed is durable at or below it.
+    let last_durable_lsn = timeline.last_durable_lsn().0;
+    let keys = tokio::task::spawn_blocking(move || timeline.keyspace())
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("list the key space: {e}")))?;
+    Ok(Json(keyspace_json(&tenant.id, last_durable_lsn, &keys)).into_response())
+}
+
+/// `{"tenant_id", "last_durable_lsn", "keys", "lsn_range": {"first", "all_keys_from", "last"} or
+/// null, "relations": [{"spcnode", "dbnode", "relnode", "forknum", "blocks": [[first, last], ...]}]}`.
+fn keyspace_json(tenant_id: &str, last_durable_lsn: u64, keys: &[(Key, Lsn)]) -> serde_json::Value {
+    let mut relations: Vec<serde_json::Value> = Vec::new();
+    let mut current: Option<(Key, Vec<[u32; 2]>)> = None;
+    let flush = |relations: &mut Vec<serde_json::Value>, (rel, blocks): (Key, Vec<[u32; 2]>)| {
+        relations.push(serde_json::json!({
+            "spcnode": rel.spcnode, "dbnode": rel.dbnode, "relnode": rel.relnode, "forknum": rel.forknum,
+            "blocks": blocks,
+        }));
+    };
+    for (key, _) in keys {
+        let same_fork = |rel: &Key| {
+            (rel.spcnode, rel.dbnode, rel.relnode, rel.forknum)
+                == (key.spcnode, key.dbnode, key.relnode, key.forknum)
+        };
+        match &mut current {
+            Some((rel, blocks)) if same_fork(rel) => match blocks.last_mut() {
+                Some(range) if range[1].checked_add(1) == Some(key.blknum) => range[1] = key.blknum,
+                _ => blocks.push([key.blknum, key.blknum]),
+            },
+            _ => {
+                if let Some(done) = current.take() {
+                    flush(&mut relations, done);
+                }
+                current = Some((*key, vec![[key.blknum, key.blknum]]));
+            }
+        }
+    }
+    if let Some(done) = current.take() {
+        flush(&mut relations, done);
+    }
+    let lsn_range = match (keys.iter().map(|k| k.1).min(), keys.iter().map(|k| k.1).max()) {
+        (Some(first), Some(all_keys_from)) => serde_json::json!({
+            "first": first.0, "all_keys_from": all_keys_from.0, "last": last_durable_lsn,
+        }),
+        _ => serde_json::Value::Null,
+    };
+    serde_json::json!({
+        "tenant_id": tenant_id,
+        "last_durable_lsn": last_durable_lsn,
+        "keys": keys.len(),
+        "lsn_range": lsn_range,
+        "relations": relations,
+    })
+}
+
 async fn metrics(State(state): State<Arc<AppState>>) -> ApiResult {
     let text = prometheus::TextEncoder::new()
         .encode_to_string(&state.registry.gather())
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("encode metrics: {e}")))?;
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(relnode: u32, forknum: u8, blknum: u32) -> Key {
+        Key { spcnode: 1663, dbnode: 1, relnode, forknum, blknum }
+    }
+
+    #[test]
+    fn keyspace_is_block_ranges_per_relation_fork_and_the_lsn_range() {
+        let keys = [
+            (key(10, 0, 0), Lsn(30)),
+            (key(10, 0, 1), Lsn(20)),
+            (key(10, 0, 2), Lsn(40)),
+            (key(10, 0, 7), Lsn(50)),
+            (key(10, 1, 0), Lsn(60)),
+            (key(11, 0, 5), Lsn(70)),
+        ];
+        let json = keyspace_json("t1", 99, &keys);
+        assert_eq!(json["keys"], 6);
+        assert_eq!(json["lsn_range"], serde_json::json!({"first": 20, "all_keys_from": 70, "last": 99}));
+        let relations = json["relations"].as_array().unwrap();
+        assert_eq!(relations.len(), 3);
+        assert_eq!(relations[0]["relnode"], 10);
+        assert_eq!(relations[0]["forknum"], 0);
+        assert_eq!(relations[0]["blocks"], serde_json::json!([[0, 2], [7, 7]]));
+        assert_eq!(relations[1]["forknum"], 1);
+        assert_eq!(relations[2]["blocks"], serde_json::json!([[5, 5]]));
+
+        let empty = keyspace_json("t1", 0, &[]);
+        assert_eq!(empty["keys"], 0);
+        assert!(empty["lsn_range"].is_null());
+        assert_eq!(empty["relations"], serde_json::json!([]));
+    }
 }

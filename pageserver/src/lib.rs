@@ -7,13 +7,17 @@
 //! - [`page_cache`]: reconstructed pages, bounded in bytes;
 //! - [`page_service`]: the TCP data path (GetPage, Ingest) and its wire protocol;
 //! - [`http`]: the management API;
+//! - [`logging`]: log setup (plain or JSON, never panics) and the panic hook;
+//! - [`process_metrics`]: the standard `process_*` metrics and `pageserver_build_info`;
 //! - [`walredo`]: the redo child process managers (sync and async kinds);
 //! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary.
 
 pub mod config;
 pub mod http;
+pub mod logging;
 pub mod page_cache;
 pub mod page_service;
+pub mod process_metrics;
 pub mod server;
 pub mod storage;
 pub mod tenant;

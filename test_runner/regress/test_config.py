@@ -18,6 +18,13 @@ BAD = [
     ("max_connections=-1", "max_connections"),
     ('max_connections="many"', "max_connections"),
     ("log_format=xml", "log_format"),
+    # out of range: would overflow deadlines, or ask for absurd amounts of memory
+    ('wal_redo_timeout="500000000000 years"', "wal_redo_timeout"),
+    ('walredo_idle_timeout="500000000000 years"', "walredo_idle_timeout"),
+    ('wait_lsn_timeout="500000000000 years"', "wait_lsn_timeout"),
+    ('page_cache_size="4096 GiB"', "page_cache_size"),
+    ('layer_size="1 TiB"', "layer_size"),
+    ("max_connections=100000000000", "max_connections"),
 ]
 
 
@@ -25,8 +32,9 @@ BAD = [
 def test_bad_setting_refuses_to_start(pageserver_factory, arg, key):
     ps = pageserver_factory(start=False, raw_args=[arg])
     rc, output = ps.run_expect_failure()
-    assert rc != 0, output
+    assert rc == 2, output
     assert key in output, f"the output does not name {key}:\n{output}"
+    assert "panicked" not in output, output
     assert not (ps.workdir / "ports.json").exists()
     ps.allowed_errors.append(".")  # its start-up error is the point of the test
 
@@ -38,6 +46,14 @@ def test_bad_key_in_config_file_refuses_to_start(pageserver_factory):
     rc, output = ps.run_expect_failure()
     assert rc != 0
     assert "bogus_setting" in output, output
+    ps.allowed_errors.append(".")
+
+
+def test_bare_page_cache_size_below_one_mib_is_refused_as_a_neon_page_count(pageserver_factory):
+    ps = pageserver_factory(start=False, raw_args=["page_cache_size=16384"])
+    rc, output = ps.run_expect_failure()
+    assert rc == 2, output
+    assert "page_cache_size" in output and "page count" in output, output
     ps.allowed_errors.append(".")
 
 
@@ -65,3 +81,21 @@ def test_duration_and_size_forms(pageserver_factory):
     with ps.connect(t) as conn:
         conn.ingest([(Key.rel_block(11000, 2), 10, o.RECORD, o.init_page(0))])
         assert conn.get_page(Key.rel_block(11000, 2))[12:14] == b"\x18\x00"
+
+
+def test_json_log_format_writes_only_json_lines(pageserver_factory):
+    import json
+    ps = pageserver_factory(log_format="json")
+    t = ps.create_tenant()
+    k = Key.rel_block(11000, 3)
+    with ps.connect(t) as conn:
+        conn.ingest([(k, 10, o.RECORD, o.init_page(0)), (k, 11, o.RECORD, o.insert(b"j"))])
+        conn.get_page(k)  # a redo child starts and logs through the daemon
+    ps.restart()
+    ps.stop()
+    lines = [line for line in ps.log_path.read_text().splitlines() if not line.startswith("==== test runner")]
+    assert lines
+    for line in lines:
+        event = json.loads(line)  # fails on any plain-text line
+        assert {"timestamp", "level", "fields"} <= set(event), line
+    assert any(json.loads(line)["fields"].get("message") == "loaded tenant" for line in lines)

@@ -1,5 +1,10 @@
 """The management API (docs/http-api.md): tenants, their status and config, errors, metrics."""
 
+import os
+import re
+import shutil
+import subprocess
+
 import pytest
 
 from fixtures import oracle as o
@@ -167,7 +172,9 @@ def test_metrics(pageserver):
     assert ctype.replace(" ", "").startswith("text/plain;version=0.0.4"), ctype
     m = pageserver.http.metrics()
     names = m.names()
-    assert all(n.startswith("pageserver_") for n in names), sorted(n for n in names if not n.startswith("pageserver_"))
+    # ours are prefixed pageserver_; process_* are the standard ones every exporter has
+    ours = [n for n in names if not n.startswith("process_")]
+    assert all(n.startswith("pageserver_") for n in ours), sorted(n for n in ours if not n.startswith("pageserver_"))
     for prefix in METRIC_PREFIXES:
         assert any(n.startswith(prefix) for n in names), f"no metric family {prefix}*: {sorted(names)}"
     assert m.value("pageserver_walredo_process_kind", kind="async") is not None
@@ -179,3 +186,112 @@ def test_metrics(pageserver):
             if base.endswith(suffix) and base[: -len(suffix)] in m.types:
                 base = base[: -len(suffix)]
         assert base in m.types or name in m.types, f"{name} has no # TYPE line"
+
+
+@pytest.mark.parametrize("path", ["/nope", "/v1/tenants", "/v1/tenant/t1/nope", "/metrics/extra"])
+def test_unknown_route_answers_a_json_404(pageserver, path):
+    for method in ("GET", "POST", "DELETE"):
+        _error(pageserver.http.request(method, path), 404)
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/status"), ("DELETE", "/v1/tenant"),
+                                         ("POST", "/v1/tenant/t1"), ("GET", "/v1/tenant/t1/config"),
+                                         ("PUT", "/metrics")])
+def test_wrong_method_answers_a_json_405_with_allow(pageserver, method, path):
+    resp = pageserver.http.request(method, path)
+    _error(resp, 405)
+    allow = next((v for k, v in resp.headers.items() if k.lower() == "allow"), "")
+    assert allow, resp.headers
+
+
+def _git_commit_of_tree() -> str | None:
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def test_version_status_and_build_info_carry_the_git_commit(pageserver, bin_dir):
+    commit = pageserver.http.status()["git_commit"]
+    assert re.fullmatch(r"[0-9a-f]{7,40}|unknown", commit), commit
+    version = subprocess.run([str(bin_dir / "pageserver"), "--version"], capture_output=True, text=True,
+                             timeout=30)
+    assert version.returncode == 0, version.stderr
+    assert commit in version.stdout, version.stdout
+    m = pageserver.http.metrics()
+    assert m.value("pageserver_build_info", git_commit=commit) == 1.0, m.names()
+    tree = _git_commit_of_tree()
+    if tree is not None:
+        # built from this checkout: the commit is known (it may be an ancestor of HEAD when
+        # the binary is older than the last commit, so only check that it is not "unknown")
+        assert commit != "unknown"
+
+
+PROCESS_METRICS = ["process_cpu_seconds_total", "process_open_fds", "process_max_fds",
+                   "process_virtual_memory_bytes", "process_resident_memory_bytes",
+                   "process_start_time_seconds", "process_threads"]
+
+
+def test_standard_process_metrics_are_exported(pageserver):
+    import time
+    m = pageserver.http.metrics()
+    for name in PROCESS_METRICS:
+        assert m.value(name) is not None, f"no {name}: {sorted(m.names())}"
+    assert m.value("process_open_fds") >= 3
+    assert m.value("process_max_fds") >= m.value("process_open_fds")
+    assert m.value("process_resident_memory_bytes") > 1 << 20
+    assert 1 <= m.value("process_threads") < 1000
+    started = m.value("process_start_time_seconds")
+    assert time.time() - 3600 < started <= time.time() + 1, started
+
+
+def test_metrics_pass_promtool_check(pageserver):
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: scripts/test installs it (Debian package prometheus)"
+    t = pageserver.create_tenant()
+    with pageserver.connect(t) as conn:
+        conn.ingest([(KEY, 10, o.RECORD, o.init_page(0)), (KEY, 11, o.RECORD, o.insert(b"m"))])
+        conn.get_page(KEY)
+    text = pageserver.http.metrics_text()
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, f"promtool check metrics:\n{result.stdout}{result.stderr}"
+
+
+def test_listen_addresses_accept_host_names(pageserver_factory):
+    ps = pageserver_factory(raw_args=['listen_pg_addr="localhost:0"', 'listen_http_addr="localhost:0"'])
+    assert ps.http.status()["tenants"] == 0
+    t = ps.create_tenant()
+    with ps.connect(t) as conn:
+        conn.ingest([(KEY, 10, o.RECORD, o.init_page(0))])
+
+
+def test_keyspace(pageserver):
+    http = pageserver.http
+    t = pageserver.create_tenant()
+    empty = _ok_json(http.get(f"/v1/tenant/{t}/keyspace"))
+    assert empty == {"tenant_id": t, "last_durable_lsn": 0, "keys": 0, "lsn_range": None, "relations": []}
+    with pageserver.connect(t) as conn:
+        conn.ingest([(Key.rel_block(10000, 0), 10, o.IMAGE, bytes(8192)),
+                     (Key.rel_block(10000, 1), 11, o.RECORD, o.init_page(0)),
+                     (Key.rel_block(10000, 2), 12, o.IMAGE, bytes(8192)),
+                     (Key.rel_block(10000, 5), 13, o.IMAGE, bytes(8192)),
+                     (Key.rel_block(10001, 0), 14, o.IMAGE, bytes(8192))])
+        conn.ingest([(Key.rel_block(10000, 0), 20, o.RECORD, o.insert(b"x"))])
+    ks = _ok_json(http.get(f"/v1/tenant/{t}/keyspace"))
+    assert ks["keys"] == 5
+    assert ks["last_durable_lsn"] == 20
+    assert ks["lsn_range"] == {"first": 10, "all_keys_from": 14, "last": 20}
+    k = Key.rel_block(10000, 0)
+    rel = {"spcnode": k.spcnode, "dbnode": k.dbnode, "forknum": k.forknum}
+    assert ks["relations"] == [{**rel, "relnode": 10000, "blocks": [[0, 2], [5, 5]]},
+                               {**rel, "relnode": 10001, "blocks": [[0, 0]]}]
+    _error(http.get("/v1/tenant/nope/keyspace"), 404)
+
+
+def _ok_json(resp):
+    assert resp.status == 200, resp
+    return resp.body

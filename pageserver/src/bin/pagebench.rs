@@ -1,14 +1,19 @@
-//! `pagebench`: the load tool of the pageserver (DESIGN.md sections 4 and 8, docs/performance.md).
+//! `pagebench`: the load tool of the pageserver (method and results: docs/performance.md).
 //!
 //! - `pagebench ingest` creates a tenant through the management API and loads a synthetic,
 //!   seed-determined data set through the page service ([`dataset`] documents its LSN layout);
-//! - `pagebench get-page` drives GetPage requests over many pipelined connections for a fixed
-//!   time, prints requests/s every second on stderr, and ends stdout with one JSON line of
+//! - `pagebench get-page` drives GetPage requests over many pipelined connections (of one tenant
+//!   or of `--tenants N`) for a fixed time, choosing keys and LSNs from the key space the daemon
+//!   reports, prints requests/s every second on stderr, and ends stdout with one JSON line of
 //!   totals and latency percentiles.
 //!
 //! The modules (in `src/bin/pagebench/`) are [`dataset`] (what is loaded and where), [`ingest`],
-//! [`get_page`], [`http`] (the one management call) and [`report`] (progress and summaries).
-//! This file only parses arguments, builds the runtime and maps the outcome to an exit status.
+//! [`get_page`], [`keyspace`] (the daemon's key space, and its check against a shape), [`http`]
+//! (the management calls) and [`report`] (progress and summaries). This file only parses
+//! arguments, builds the runtime and maps the outcome to an exit status.
+//!
+//! Exit status: 0 only when every request succeeded (get-page: at most `--max-errors` failed);
+//! 1 otherwise, after the summary line.
 //!
 //! Reference numbers (2026-11-22, commit a98c7fa, the 2-vCPU KVM VM of the project, pagebench
 //! on the same vCPUs; method, full table and what bounds each figure in docs/performance.md):
@@ -28,6 +33,8 @@ mod get_page;
 mod http;
 #[path = "pagebench/ingest.rs"]
 mod ingest;
+#[path = "pagebench/keyspace.rs"]
+mod keyspace;
 #[path = "pagebench/report.rs"]
 mod report;
 
@@ -40,7 +47,7 @@ use tokio_util::sync::CancellationToken;
 #[derive(Parser, Debug)]
 #[command(
     name = "pagebench",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("GIT_COMMIT"), ")"),
     about = "Load tool of the pageserver: ingest a synthetic data set, then time GetPage"
 )]
 struct Cli {
@@ -56,7 +63,7 @@ enum Command {
     GetPage(get_page::Args),
 }
 
-/// Where the daemon is and which tenant to use: the same for every subcommand.
+/// Where the daemon is and which tenants to use: the same for every subcommand.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Target {
     /// Page service address (the daemon's `listen_pg_addr`).
@@ -68,22 +75,70 @@ pub struct Target {
     /// Tenant id (1 to 64 characters of [A-Za-z0-9_-]).
     #[arg(long, default_value = "pagebench")]
     pub tenant: String,
+    /// Number of tenants: N > 1 uses `<tenant>-0` .. `<tenant>-<N-1>`, each with its own
+    /// connections; `get-page` also takes `all` (every tenant of the daemon).
+    #[arg(long, default_value = "1", value_name = "N|all", value_parser = parse_tenant_count)]
+    pub tenants: TenantCount,
 }
 
-/// The data set's shape: give `get-page` the same values as `ingest`.
+/// `--tenants`: a number, or every tenant of the daemon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TenantCount {
+    Count(u32),
+    All,
+}
+
+fn parse_tenant_count(text: &str) -> Result<TenantCount, String> {
+    match text {
+        "all" => Ok(TenantCount::All),
+        n => match n.parse::<u32>() {
+            Ok(n) if (1..=100_000).contains(&n) => Ok(TenantCount::Count(n)),
+            _ => Err(format!("{text:?} is neither `all` nor a number from 1 to 100000")),
+        },
+    }
+}
+
+impl Target {
+    /// The tenant ids this run uses.
+    ///
+    /// Cancel-safe: at most one HTTP exchange.
+    pub async fn tenant_ids(&self) -> anyhow::Result<Vec<String>> {
+        match self.tenants {
+            TenantCount::Count(1) => Ok(vec![self.tenant.clone()]),
+            TenantCount::Count(n) => Ok((0..n).map(|i| format!("{}-{i}", self.tenant)).collect()),
+            TenantCount::All => {
+                let response = http::request_json(&self.http, "GET", "/v1/tenant", None).await?;
+                anyhow::ensure!(
+                    response.status == 200,
+                    "list tenants: HTTP {}: {}",
+                    response.status,
+                    response.body
+                );
+                let list: Vec<serde_json::Value> =
+                    serde_json::from_str(&response.body).context("parse the tenant list")?;
+                let ids: Vec<String> =
+                    list.iter().filter_map(|t| t["id"].as_str().map(str::to_string)).collect();
+                anyhow::ensure!(!ids.is_empty(), "--tenants all: the daemon has no tenants");
+                Ok(ids)
+            }
+        }
+    }
+}
+
+/// The data set's shape, for `ingest`.
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct ShapeArgs {
     /// Number of relations.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, default_value_t = dataset::DEFAULT_RELATIONS, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub relations: u32,
     /// Blocks (pages) per relation.
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=100_000_000))]
+    #[arg(long, default_value_t = dataset::DEFAULT_BLOCKS, value_parser = clap::value_parser!(u32).range(1..=100_000_000))]
     pub blocks: u32,
     /// Records per page above its image.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(0..=10_000))]
+    #[arg(long, default_value_t = dataset::DEFAULT_CHAIN_LENGTH, value_parser = clap::value_parser!(u32).range(0..=10_000))]
     pub chain_length: u32,
-    /// Seed of the data set's bytes (and of the key choice of get-page).
-    #[arg(long, default_value_t = 1)]
+    /// Seed of the data set's bytes.
+    #[arg(long, default_value_t = dataset::DEFAULT_SEED)]
     pub seed: u64,
 }
 
@@ -95,6 +150,41 @@ impl ShapeArgs {
             chain_length: self.chain_length,
             seed: self.seed,
         }
+    }
+}
+
+/// The data set's shape, for `get-page`: needed only by `--verify` (to compute the expected
+/// pages); when given, checked against the key space the daemon reports. A flag left out takes
+/// the default of `ingest`.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct OptionalShapeArgs {
+    /// Number of relations (as given to `ingest`).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub relations: Option<u32>,
+    /// Blocks (pages) per relation (as given to `ingest`).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000_000))]
+    pub blocks: Option<u32>,
+    /// Records per page above its image (as given to `ingest`).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=10_000))]
+    pub chain_length: Option<u32>,
+    /// Seed of the data set's bytes (as given to `ingest`); also seeds the key choice.
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl OptionalShapeArgs {
+    /// The shape, if any flag was given or `needed`; missing flags take `ingest`'s defaults.
+    pub fn shape(&self, needed: bool) -> Option<dataset::Shape> {
+        let given = self.relations.is_some()
+            || self.blocks.is_some()
+            || self.chain_length.is_some()
+            || self.seed.is_some();
+        (given || needed).then(|| dataset::Shape {
+            relations: self.relations.unwrap_or(dataset::DEFAULT_RELATIONS),
+            blocks: self.blocks.unwrap_or(dataset::DEFAULT_BLOCKS),
+            chain_length: self.chain_length.unwrap_or(dataset::DEFAULT_CHAIN_LENGTH),
+            seed: self.seed.unwrap_or(dataset::DEFAULT_SEED),
+        })
     }
 }
 

@@ -23,7 +23,7 @@ use std::fmt;
 
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
-use page_types::BufferTag;
+use page_types::{BufferTag, Lsn};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpStream, ToSocketAddrs};
@@ -257,13 +257,13 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Client<R, W> {
 pub fn describe(message: &ServerMessage) -> String {
     match message {
         ServerMessage::HelloOk { version, last_durable_lsn } => {
-            format!("HelloOk(version {version}, last_durable_lsn {last_durable_lsn})")
+            format!("HelloOk(version {version}, last_durable_lsn {})", Lsn(*last_durable_lsn))
         }
         ServerMessage::Page { request_id, lsn, page } => {
-            format!("Page(request {request_id}, lsn {lsn}, {} bytes)", page.len())
+            format!("Page(request {request_id}, lsn {}, {} bytes)", Lsn(*lsn), page.len())
         }
         ServerMessage::IngestOk { request_id, durable_lsn } => {
-            format!("IngestOk(request {request_id}, durable_lsn {durable_lsn})")
+            format!("IngestOk(request {request_id}, durable_lsn {})", Lsn(*durable_lsn))
         }
         ServerMessage::Error { request_id, code, message } => {
             format!("Error(request {request_id}, {}: {message})", code.name())
@@ -273,6 +273,14 @@ pub fn describe(message: &ServerMessage) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn describe_shows_lsns_like_postgres() {
+        let hello = ServerMessage::HelloOk { version: 1, last_durable_lsn: 0x16B_3748 };
+        assert_eq!(super::describe(&hello), "HelloOk(version 1, last_durable_lsn 0/16B3748)");
+        let ok = ServerMessage::IngestOk { request_id: 3, durable_lsn: 0x2_0000_0010 };
+        assert_eq!(super::describe(&ok), "IngestOk(request 3, durable_lsn 2/10)");
+    }
+
     use super::*;
     use proto::ValueKind;
     use tokio::io::{duplex, split, DuplexStream, ReadHalf, WriteHalf};

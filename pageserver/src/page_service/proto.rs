@@ -478,6 +478,13 @@ pub fn encode_page_header(out: &mut BytesMut, request_id: u64, lsn: u64, page_le
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn request_lsn_displays_like_postgres_and_latest_by_name() {
+        assert_eq!(super::Lsn(0x16B_3748).to_string(), "0/16B3748");
+        assert_eq!(super::Lsn(0x1_0000_0002).to_string(), "1/2");
+        assert_eq!(super::Lsn(super::LSN_LATEST).to_string(), "latest");
+    }
+
     use super::*;
     use proptest::prelude::*;
 

@@ -94,6 +94,22 @@ impl Index {
         self.map.len() as u64
     }
 
+    /// Every key in key order, with the LSN of its oldest value. Jumps from key to key:
+    /// O(keys x log values), not a walk over every value.
+    pub(crate) fn first_lsns(&self) -> Vec<(Key, Lsn)> {
+        let mut out = Vec::with_capacity(self.keys as usize);
+        let mut next = self.map.iter().next().map(|(&k, _)| k);
+        while let Some((key, lsn)) = next {
+            out.push((key, lsn));
+            next = self
+                .map
+                .range((Bound::Excluded((key, Lsn(u64::MAX))), Bound::Unbounded))
+                .next()
+                .map(|(&k, _)| k);
+        }
+        out
+    }
+
     /// The LSN of the newest value of `key` at or below `lsn`.
     pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
         let range = (Bound::Included((key, Lsn(0))), Bound::Included((key, lsn)));
@@ -234,6 +250,22 @@ mod tests {
         assert!(idx.plan(key(1), Lsn(9), NO_LIMITS).unwrap().is_none());
         assert!(idx.plan(key(2), Lsn(14), NO_LIMITS).unwrap().is_none());
         assert!(idx.plan(key(3), Lsn(100), NO_LIMITS).unwrap().is_none());
+    }
+
+    #[test]
+    fn first_lsns_lists_every_key_once_with_its_oldest_lsn() {
+        let (f, entries) = file_with(&[
+            (key(2), 15, Kind::Record, b"a"),
+            (key(1), 20, Kind::Image, b"b"),
+            (key(1), 30, Kind::Record, b"c"),
+            (key(2), 40, Kind::Record, b"d"),
+            (key(7), 50, Kind::Image, b"e"),
+        ]);
+        let mut idx = Index::default();
+        assert!(idx.first_lsns().is_empty());
+        idx.add_file(0, f);
+        idx.insert(0, &entries).unwrap();
+        assert_eq!(idx.first_lsns(), vec![(key(1), Lsn(20)), (key(2), Lsn(15)), (key(7), Lsn(50))]);
     }
 
     #[test]

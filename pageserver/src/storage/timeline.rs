@@ -335,6 +335,14 @@ impl Timeline {
         self.shared.health.borrow().clone()
     }
 
+    /// Every key, in key order, with the LSN of its oldest value (the key space, for
+    /// `GET /v1/tenant/{id}/keyspace`). In-memory only, but it holds the index's read lock for
+    /// O(keys x log values): call it from a blocking thread for a large timeline.
+    pub fn keyspace(&self) -> Vec<(Key, Lsn)> {
+        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
+        index.first_lsns()
+    }
+
     /// Keys, values, layers, bytes on disk, last durable LSN.
     pub fn stats(&self) -> TimelineStats {
         let (keys, values) = {

@@ -94,12 +94,12 @@ impl WalRedoMetrics {
                 exponential_buckets(5e-6, 2.0, 22)?,
             )?,
             records_per_request: histogram(
-                "pageserver_wal_redo_records_histogram",
+                "pageserver_wal_redo_request_records",
                 "Number of records per WAL redo request",
                 exponential_buckets(1.0, 2.0, 14)?,
             )?,
             bytes_per_request: histogram(
-                "pageserver_wal_redo_bytes_histogram",
+                "pageserver_wal_redo_request_bytes",
                 "Bytes of records (and base image) per WAL redo request",
                 exponential_buckets(64.0, 2.0, 16)?,
             )?,

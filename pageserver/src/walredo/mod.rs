@@ -522,11 +522,13 @@ fn validate_request<'a>(
     let mut previous = 0;
     for (record_lsn, record) in records {
         if let Err(e) = protocol::check_record_len(record) {
-            return invalid(format!("record at LSN {record_lsn:#x}: {e}"));
+            return invalid(format!("record at LSN {}: {e}", crate::storage::Lsn(*record_lsn)));
         }
         if *record_lsn < previous || *record_lsn > lsn {
             return invalid(format!(
-                "record LSN {record_lsn:#x} out of order or above the request LSN {lsn:#x}"
+                "record LSN {} out of order or above the request LSN {}",
+                crate::storage::Lsn(*record_lsn),
+                crate::storage::Lsn(lsn)
             ));
         }
         previous = *record_lsn;

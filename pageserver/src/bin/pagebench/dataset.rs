@@ -1,7 +1,11 @@
 //! The synthetic data set of `pagebench`: which pages exist, the LSN of every value, and the
 //! bytes of every image and record, all derived from the shape (`--relations`, `--blocks`,
-//! `--chain-length`) and `--seed` alone. `ingest` writes it; `get-page` uses the same shape to
-//! choose keys and valid LSNs, and `--verify` recomputes the expected page locally.
+//! `--chain-length`) and `--seed` alone. `ingest` writes it; `get-page --verify` recomputes the
+//! expected page locally (get-page takes keys and LSNs from the daemon's key space).
+//!
+//! A data set with a longer chain continues one with a shorter chain (round `k`'s records depend
+//! on the seed, the page and `k` only), so `ingest --exists-ok` may lengthen the chain of a
+//! loaded data set; any other change of shape is refused.
 //!
 //! LSN layout (value `v` has LSN `FIRST_LSN + v * LSN_STEP`, `N` = relations x blocks pages):
 //! - values `0..N`: one image per page, page `p` at value `p` (round 0);
@@ -37,6 +41,11 @@ pub const LSN_STEP: u64 = 8;
 const SPCNODE: u32 = 1663;
 const DBNODE: u32 = 1;
 const FIRST_RELNODE: u32 = 16384;
+/// Defaults of the shape flags.
+pub const DEFAULT_RELATIONS: u32 = 4;
+pub const DEFAULT_BLOCKS: u32 = 1024;
+pub const DEFAULT_CHAIN_LENGTH: u32 = 4;
+pub const DEFAULT_SEED: u64 = 1;
 /// Rounds that may insert tuples; later rounds only modify bytes (see the module invariant).
 const MAX_INSERT_ROUNDS: u32 = 64;
 

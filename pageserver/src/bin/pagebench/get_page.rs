@@ -1,22 +1,27 @@
-//! `pagebench get-page`: closed-loop GetPage load over `--connections` connections, each with
-//! up to `--depth` requests in flight, for `--duration` seconds.
+//! `pagebench get-page`: closed-loop GetPage load over `--connections` connections per tenant
+//! (`--tenants N` or `all`), each with up to `--depth` requests in flight, for `--duration`
+//! seconds.
 //!
 //! Method:
+//! - each tenant's key space comes from the daemon (`GET /v1/tenant/{id}/keyspace`); shape flags
+//!   are needed only for `--verify`, and when given are checked against it (and the seed against
+//!   the first page) before the run;
 //! - all connections are opened (Hello) before the clock starts;
 //! - per connection a sender task and a receiver task share the split client: the sender waits
 //!   for a free slot (a semaphore of `depth` permits), takes every free slot at once, encodes one
 //!   GetPage per slot and writes them in one flush; the receiver reads the replies in order and
 //!   gives each slot back. Latency is from just before the encode to the whole reply read, in
 //!   microseconds, into an HDR histogram per connection (merged at the end);
-//! - keys are uniform over the data set's pages (a SplitMix64 per connection, from `--seed`);
-//!   `--lsn latest` asks for the latest LSN, `--lsn random` for an LSN uniform over
-//!   [images_done_lsn, end_lsn], where every page exists;
+//! - keys are uniform over the tenant's keys (a SplitMix64 per connection, from `--seed`);
+//!   `--lsn latest` asks for the latest LSN, `--lsn random` for an LSN uniform over the key
+//!   space's [all_keys_from, last durable LSN], where every key exists;
 //! - after the duration the senders stop and the replies in flight are still read and counted;
 //!   `rps` is requests over the time until the last one came back.
 //!
 //! Errors (an Error reply, a page that fails `--verify`, a timeout, a broken connection and the
 //! requests lost with it) are counted and the first few printed; they never stop the run. A
-//! broken connection is not reopened.
+//! broken connection is not reopened. More than `--max-errors` errors (default 0) make the exit
+//! status 1, after the summary.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,16 +31,19 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
+use page_types::Lsn;
 use pageserver::page_service::client::{describe, Client, ClientReader, ClientWriter};
 use pageserver::page_service::proto::{ClientMessage, ServerMessage, LSN_LATEST};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use walredo_proc::protocol::BufferTag;
 
-use crate::dataset::{Shape, SplitMix64};
+use crate::dataset::{Shape, SplitMix64, DEFAULT_SEED};
+use crate::keyspace::{self, KeySpace};
 use crate::report::{self, Counters};
-use crate::{ShapeArgs, Target};
+use crate::{OptionalShapeArgs, Target};
 
 /// Error messages printed in full; later ones are only counted.
 const PRINTED_ERRORS: usize = 5;
@@ -56,8 +64,8 @@ pub struct Args {
     #[command(flatten)]
     target: Target,
     #[command(flatten)]
-    shape: ShapeArgs,
-    /// Connections, each one with its own sender and receiver.
+    shape: OptionalShapeArgs,
+    /// Connections per tenant, each one with its own sender and receiver.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     connections: u32,
     /// Seconds of load.
@@ -69,9 +77,13 @@ pub struct Args {
     /// LSN of the requests.
     #[arg(long, value_enum, default_value_t = LsnMode::Latest)]
     lsn: LsnMode,
-    /// Compare every page with the one computed locally from the data set (costs client CPU).
+    /// Compare every page with the one computed locally from the data set (costs client CPU);
+    /// needs the shape flags given to `ingest` (defaults: those of `ingest`).
     #[arg(long)]
     verify: bool,
+    /// Errors tolerated before the exit status is 1 (the run goes on either way).
+    #[arg(long, default_value_t = 0)]
+    max_errors: u64,
     /// Seconds to wait for one reply before the connection counts as broken.
     #[arg(long, default_value_t = 30.0)]
     timeout: f64,
@@ -82,9 +94,9 @@ pub struct Args {
 
 /// What the tasks of every connection share.
 struct Shared {
-    shape: Shape,
+    /// With `--verify`: the data set every page is checked against.
+    verify: Option<Shape>,
     lsn: LsnMode,
-    verify: bool,
     timeout: Duration,
     depth: usize,
     counters: Arc<Counters>,
@@ -109,9 +121,15 @@ impl Shared {
 /// A request written and not yet answered.
 struct InFlight {
     request_id: u64,
-    page: u64,
+    key: BufferTag,
     lsn: u64,
     sent: Instant,
+}
+
+/// One tenant's part of the run.
+struct TenantLoad {
+    id: String,
+    keyspace: KeySpace,
 }
 
 /// What one connection measured.
@@ -140,24 +158,25 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
     if !(args.timeout.is_finite() && args.timeout > 0.0) {
         bail!("check --timeout: {} is not a positive number of seconds", args.timeout);
     }
-    let shape = args.shape.shape();
-    let clients = connect_all(&args, shape).await?;
+    let shape = args.shape.shape(args.verify);
+    let tenants = discover(&args, shape.as_ref()).await?;
+    let clients = connect_all(&args, &tenants, shape.as_ref()).await?;
+    let pages: u64 = tenants.iter().map(|t| t.keyspace.keys).sum();
 
     let shared = Arc::new(Shared {
-        shape,
+        verify: shape.filter(|_| args.verify),
         lsn: args.lsn,
-        verify: args.verify,
         timeout: Duration::from_secs_f64(args.timeout),
         depth: args.depth as usize,
         counters: Arc::new(Counters::default()),
         printed_errors: AtomicUsize::new(0),
     });
     eprintln!(
-        "get-page: {} connections, depth {}, lsn {:?}, {} pages, {} s{}",
+        "get-page: {} tenant(s) x {} connections, depth {}, lsn {:?}, {pages} pages, {} s{}",
+        tenants.len(),
         args.connections,
         args.depth,
         args.lsn,
-        shape.pages(),
         args.duration,
         if args.verify { ", verifying pages" } else { "" }
     );
@@ -180,9 +199,21 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
         }),
     ));
 
+    let seed = args.shape.seed.unwrap_or(DEFAULT_SEED);
     let mut connections = JoinSet::new();
-    for (index, client) in clients.into_iter().enumerate() {
-        connections.spawn(run_connection(client, index as u64, shared.clone(), deadline, cancel.clone()));
+    for (index, (tenant, client)) in clients.into_iter().enumerate() {
+        let rng = SplitMix64::new(
+            seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x0067_6574_7061_6765,
+        );
+        connections.spawn(run_connection(
+            client,
+            tenant,
+            index,
+            rng,
+            shared.clone(),
+            deadline,
+            cancel.clone(),
+        ));
     }
     let mut latency = report::latency_histogram();
     let (mut requests, mut errors) = (0u64, 0u64);
@@ -212,48 +243,87 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
         "error_kinds": error_kinds,
         "rps": (rps * 10.0).round() / 10.0,
         "duration_s": (elapsed * 1000.0).round() / 1000.0,
+        "tenants": tenants.len(),
         "connections": args.connections,
         "depth": args.depth,
         "lsn": match args.lsn { LsnMode::Latest => "latest", LsnMode::Random => "random" },
         "verify": args.verify,
-        "pages": shape.pages(),
-        "chain_length": shape.chain_length,
+        "pages": pages,
+        "chain_length": shape.map(|s| s.chain_length),
         "latency_us": latency_us,
     });
     println!("{summary}");
+    if errors > args.max_errors {
+        bail!(
+            "run without errors: {errors} of {} requests failed (--max-errors {})",
+            requests + errors,
+            args.max_errors
+        );
+    }
     Ok(())
 }
 
-/// Opens every connection (concurrently) and checks that the data set is loaded.
-async fn connect_all(args: &Args, shape: Shape) -> anyhow::Result<Vec<Client>> {
+/// Each tenant's key space; with a shape, checks that every tenant holds that data set.
+async fn discover(args: &Args, shape: Option<&Shape>) -> anyhow::Result<Vec<Arc<TenantLoad>>> {
+    let mut tenants = Vec::new();
+    for id in args.target.tenant_ids().await? {
+        let keyspace = KeySpace::fetch(&args.target.http, &id).await?;
+        if keyspace.keys == 0 {
+            bail!("check the data set: tenant {id} has no pages; load one with `pagebench ingest`");
+        }
+        if let Some(shape) = shape {
+            keyspace.check_shape(shape, true).with_context(|| {
+                format!(
+                    "check the data set: tenant {id} does not hold the data set of --relations {} --blocks {} \
+                     --chain-length {} (get-page needs these only for --verify; run `pagebench ingest` with them)",
+                    shape.relations, shape.blocks, shape.chain_length
+                )
+            })?;
+        }
+        tenants.push(Arc::new(TenantLoad { id, keyspace }));
+    }
+    Ok(tenants)
+}
+
+/// Opens every connection (concurrently), `--connections` per tenant; with `--verify`, checks
+/// the seed on the first connection of each tenant.
+async fn connect_all(
+    args: &Args,
+    tenants: &[Arc<TenantLoad>],
+    shape: Option<&Shape>,
+) -> anyhow::Result<Vec<(Arc<TenantLoad>, Client)>> {
     let mut connecting = JoinSet::new();
-    for _ in 0..args.connections {
-        let (addr, tenant) = (args.target.page_service.clone(), args.target.tenant.clone());
-        connecting.spawn(async move { Client::connect(addr.as_str(), &tenant).await });
+    for tenant in tenants {
+        for _ in 0..args.connections {
+            let (addr, tenant) = (args.target.page_service.clone(), tenant.clone());
+            connecting.spawn(async move {
+                let client = Client::connect(addr.as_str(), &tenant.id).await;
+                (tenant, client)
+            });
+        }
     }
-    let mut clients = Vec::with_capacity(args.connections as usize);
+    let mut clients = Vec::with_capacity(tenants.len() * args.connections as usize);
     while let Some(joined) = connecting.join_next().await {
-        clients.push(joined.context("join a connect task")??);
+        let (tenant, client) = joined.context("join a connect task")?;
+        clients.push((tenant, client?));
     }
-    let lowest = clients.iter().map(Client::last_durable_lsn).min().unwrap_or_default();
-    if lowest < shape.end_lsn() {
-        bail!(
-            "check the data set: tenant {} is at LSN {lowest:#x}, below the end {:#x} of the data set of \
-             {} x {} blocks, chain length {}, seed {}; run `pagebench ingest` with the same flags",
-            args.target.tenant,
-            shape.end_lsn(),
-            shape.relations,
-            shape.blocks,
-            shape.chain_length,
-            shape.seed
-        );
+    if let (Some(shape), true) = (shape, args.verify) {
+        for tenant in tenants {
+            if let Some((_, client)) = clients.iter_mut().find(|(t, _)| Arc::ptr_eq(t, tenant)) {
+                keyspace::check_seed(client, shape).await.with_context(|| {
+                    format!("check the data set of tenant {} (--seed {})", tenant.id, shape.seed)
+                })?;
+            }
+        }
     }
     Ok(clients)
 }
 
 async fn run_connection(
     client: Client,
-    index: u64,
+    tenant: Arc<TenantLoad>,
+    index: usize,
+    rng: SplitMix64,
     shared: Arc<Shared>,
     deadline: Instant,
     cancel: CancellationToken,
@@ -269,9 +339,8 @@ async fn run_connection(
         in_flight_tx,
         permits.clone(),
         shared.clone(),
-        SplitMix64::new(
-            shared.shape.seed ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x0067_6574_7061_6765,
-        ),
+        tenant.clone(),
+        rng,
         deadline,
         stop.clone(),
         sender_error.clone(),
@@ -281,7 +350,9 @@ async fn run_connection(
     let _writer = sender.await;
     let failed_write = sender_error.lock().unwrap_or_else(|poison| poison.into_inner()).take();
     if let Some(e) = failed_write {
-        shared.error(&mut stats, "connection", 0, || format!("connection {index}: failed to {e:#}"));
+        shared.error(&mut stats, "connection", 0, || {
+            format!("connection {index} (tenant {}): failed to {e:#}", tenant.id)
+        });
     }
     stats
 }
@@ -292,14 +363,14 @@ async fn send(
     in_flight_tx: mpsc::Sender<InFlight>,
     permits: Arc<Semaphore>,
     shared: Arc<Shared>,
+    tenant: Arc<TenantLoad>,
     mut rng: SplitMix64,
     deadline: Instant,
     stop: CancellationToken,
     error: Arc<Mutex<Option<anyhow::Error>>>,
 ) -> ClientWriter<OwnedWriteHalf> {
-    let shape = shared.shape;
-    let pages = shape.pages();
-    let (low_lsn, high_lsn) = (shape.images_done_lsn(), shape.end_lsn());
+    let keyspace = &tenant.keyspace;
+    let (low_lsn, high_lsn) = (keyspace.all_keys_from, keyspace.last_durable_lsn.max(keyspace.all_keys_from));
     let mut request_id = 0u64;
     let deadline = tokio::time::Instant::from_std(deadline);
     loop {
@@ -326,14 +397,14 @@ async fn send(
         let sent = Instant::now();
         for _ in 0..slots {
             request_id += 1;
-            let page = rng.below(pages);
+            let key = keyspace.key(rng.below(keyspace.keys));
             let lsn = match shared.lsn {
                 LsnMode::Latest => LSN_LATEST,
                 LsnMode::Random => low_lsn + rng.below(high_lsn - low_lsn + 1),
             };
-            writer.send(&ClientMessage::GetPage { request_id, key: shape.key(page), lsn });
+            writer.send(&ClientMessage::GetPage { request_id, key, lsn });
             // Never waits: at most `depth` requests exist, and the channel holds `depth`.
-            if in_flight_tx.send(InFlight { request_id, page, lsn, sent }).await.is_err() {
+            if in_flight_tx.send(InFlight { request_id, key, lsn, sent }).await.is_err() {
                 return writer; // the receiver stopped
             }
         }
@@ -381,8 +452,9 @@ async fn receive(
             {
                 shared.error(&mut stats, code.name(), 1, || {
                     format!(
-                        "request {request_id} for page {} at LSN {:#x}: {message}",
-                        request.page, request.lsn
+                        "request {request_id} for page {} at LSN {}: {message}",
+                        request.key,
+                        Lsn(request.lsn)
                     )
                 });
                 code.closes_connection()
@@ -412,23 +484,30 @@ async fn receive(
 
 /// With `--verify`: the LSN served and the page must match the data set.
 fn verify(shared: &Shared, request: &InFlight, served_lsn: u64, page: &Bytes) -> anyhow::Result<()> {
-    if !shared.verify {
+    let Some(shape) = &shared.verify else {
         return Ok(());
-    }
+    };
     if request.lsn != LSN_LATEST && served_lsn != request.lsn {
-        bail!("request {}: asked for LSN {:#x}, served {served_lsn:#x}", request.request_id, request.lsn);
+        bail!(
+            "request {}: asked for LSN {}, served {}",
+            request.request_id,
+            Lsn(request.lsn),
+            Lsn(served_lsn)
+        );
     }
-    let expected = shared
-        .shape
-        .expected_page(request.page, served_lsn)?
-        .with_context(|| format!("page {} does not exist at LSN {served_lsn:#x}", request.page))?;
+    let index = shape.page_of_key(&request.key).with_context(|| {
+        format!("request {}: page {} is not in the data set", request.request_id, request.key)
+    })?;
+    let expected = shape
+        .expected_page(index, served_lsn)?
+        .with_context(|| format!("page {} does not exist at LSN {}", request.key, Lsn(served_lsn)))?;
     if page[..] != expected[..] {
         let first = page.iter().zip(expected.iter()).position(|(a, b)| a != b).unwrap_or(0);
         bail!(
-            "request {}: page {} ({}) at LSN {served_lsn:#x} differs from the expected page from byte {first}",
+            "request {}: page {} at LSN {} differs from the expected page from byte {first}",
             request.request_id,
-            request.page,
-            shared.shape.key(request.page)
+            request.key,
+            Lsn(served_lsn)
         );
     }
     Ok(())

@@ -1,5 +1,5 @@
-//! A minimal HTTP/1.1 client for the one management call `pagebench` makes (`POST /v1/tenant`,
-//! docs/http-api.md).
+//! A minimal HTTP/1.1 client for the few management calls `pagebench` makes (`POST /v1/tenant`,
+//! `GET /v1/tenant`, `GET /v1/tenant/{id}/keyspace`; docs/http-api.md).
 //!
 //! Hand-written rather than a crate such as `ureq`: the tool sends one small JSON request to a
 //! daemon on the same machine, with no TLS, redirects, proxies or keep-alive; forty lines of
@@ -26,7 +26,8 @@ pub struct Response {
     pub body: String,
 }
 
-/// Sends `method path` with a JSON body to `addr` (HOST:PORT) and returns the response.
+/// Sends `method path`, with a JSON body if given, to `addr` (HOST:PORT) and returns the
+/// response.
 ///
 /// Cancel-safe: the connection is dropped, and the request may or may not have reached the
 /// daemon.
@@ -34,7 +35,7 @@ pub async fn request_json(
     addr: &str,
     method: &str,
     path: &str,
-    body: &serde_json::Value,
+    body: Option<&serde_json::Value>,
 ) -> anyhow::Result<Response> {
     tokio::time::timeout(TIMEOUT, exchange(addr, method, path, body))
         .await
@@ -45,9 +46,12 @@ async fn exchange(
     addr: &str,
     method: &str,
     path: &str,
-    body: &serde_json::Value,
+    body: Option<&serde_json::Value>,
 ) -> anyhow::Result<Response> {
-    let body = serde_json::to_vec(body).context("encode the request body")?;
+    let body = match body {
+        Some(body) => serde_json::to_vec(body).context("encode the request body")?,
+        None => Vec::new(),
+    };
     let mut stream = TcpStream::connect(addr).await.with_context(|| format!("connect to {addr}"))?;
     let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
@@ -135,7 +139,7 @@ mod tests {
             serve_once(b"HTTP/1.1 409 Conflict\r\ncontent-length: 22\r\n\r\n{\"error\": \"it exists\"}")
                 .await;
         let response =
-            request_json(&addr, "POST", "/v1/tenant", &serde_json::json!({"id": "t1"})).await.unwrap();
+            request_json(&addr, "POST", "/v1/tenant", Some(&serde_json::json!({"id": "t1"}))).await.unwrap();
         assert_eq!(response.status, 409);
         assert_eq!(response.body, "{\"error\": \"it exists\"}");
     }
@@ -144,7 +148,7 @@ mod tests {
     async fn request_carries_method_path_length_and_json_body() {
         let (addr, request) = serve_once(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n{}").await;
         let response =
-            request_json(&addr, "POST", "/v1/tenant", &serde_json::json!({"id": "t1"})).await.unwrap();
+            request_json(&addr, "POST", "/v1/tenant", Some(&serde_json::json!({"id": "t1"}))).await.unwrap();
         assert_eq!((response.status, response.body.as_str()), (201, "{}"));
         let request = String::from_utf8(request.await.unwrap()).unwrap();
         assert!(request.starts_with("POST /v1/tenant HTTP/1.1\r\n"), "{request}");

@@ -7,9 +7,14 @@
 //! A sender (this task) generates and writes batches while a receiver task reads the IngestOks;
 //! a semaphore of `--in-flight` permits bounds the batches written but not yet acknowledged.
 //!
-//! Resuming: if the tenant's last durable LSN is already inside the data set's LSN range, the
-//! load continues with the first value above it (the data set is the same for the same flags);
-//! at or past the end there is nothing to do.
+//! `--tenants N` loads the same data set into `<tenant>-0` .. `<tenant>-<N-1>`, one after the
+//! other.
+//!
+//! Resuming (`--exists-ok`): the tenant must hold this data set or a prefix of it, which is
+//! checked against the daemon's key space (same keys, last durable LSN on the data set's LSN
+//! grid, not past its end) and the seed's first image; anything else is refused, so a resume
+//! never mixes two data sets. The load then continues with the first value above the last
+//! durable LSN; at the end there is nothing to do.
 //!
 //! Any Error reply or broken connection stops the load: a partial data set would make every
 //! later measurement wrong.
@@ -19,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use page_types::Lsn;
 use pageserver::page_service::client::{describe, Client, ClientReader, ServerError};
 use pageserver::page_service::proto::{ClientMessage, ServerMessage, MAX_FRAME_LEN};
 use tokio::net::tcp::OwnedReadHalf;
@@ -27,8 +33,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::dataset::{Shape, FIRST_LSN};
 use crate::http;
+use crate::keyspace::{self, KeySpace};
 use crate::report::{self, Counters};
-use crate::{ShapeArgs, Target};
+use crate::{ShapeArgs, Target, TenantCount};
 
 /// Longest wait for one IngestOk (an fsync of a batch, behind at most `in_flight` others).
 const ACK_TIMEOUT: Duration = Duration::from_secs(120);
@@ -64,35 +71,91 @@ struct Pending {
 }
 
 pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
+    if args.target.tenants == TenantCount::All {
+        bail!("check --tenants: ingest creates its tenants, give a number");
+    }
     let shape = args.shape.shape();
-    create_tenant(&args).await?;
+    let ids = args.target.tenant_ids().await?;
+    let (mut values, mut bytes, mut interrupted) = (0, 0, false);
+    let start = Instant::now();
+    for id in &ids {
+        if cancel.is_cancelled() {
+            interrupted = true;
+            break;
+        }
+        let loaded = ingest_one(&args, id, shape, cancel.clone()).await?;
+        values += loaded.values;
+        bytes += loaded.bytes;
+        interrupted |= loaded.interrupted;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let summary = serde_json::json!({
+        "tenants": ids.len(),
+        "values": values,
+        "bytes": bytes,
+        "seconds": (elapsed * 1000.0).round() / 1000.0,
+        "values_per_s": (values as f64 / elapsed.max(1e-9)).round(),
+        "mb_per_s": (bytes as f64 / 1e6 / elapsed.max(1e-9) * 10.0).round() / 10.0,
+        "end_lsn": shape.end_lsn(),
+        "complete": !interrupted,
+    });
+    println!("{summary}");
+    if interrupted {
+        bail!("load the whole data set: interrupted");
+    }
+    Ok(())
+}
 
-    let client = Client::connect(args.target.page_service.as_str(), &args.target.tenant).await?;
+/// What one tenant's load did.
+struct Loaded {
+    values: u64,
+    bytes: u64,
+    interrupted: bool,
+}
+
+/// Creates `tenant` (or, with `--exists-ok`, checks that it holds this shape's data set or a
+/// prefix of it) and loads the values it does not have yet.
+async fn ingest_one(
+    args: &Args,
+    tenant: &str,
+    shape: Shape,
+    cancel: CancellationToken,
+) -> anyhow::Result<Loaded> {
+    let existed = create_tenant(args, tenant).await?;
+    let mut client = Client::connect(args.target.page_service.as_str(), tenant).await?;
+    if existed {
+        check_existing(args, tenant, &shape, &mut client).await.with_context(|| {
+            format!(
+                "resume tenant {tenant}: it holds another data set than --relations {} --blocks {} \
+                 --chain-length {} --seed {} (use another --tenant, or the flags it was loaded with)",
+                shape.relations, shape.blocks, shape.chain_length, shape.seed
+            )
+        })?;
+    }
     let last_durable_lsn = client.last_durable_lsn();
     let first_value = shape.first_value_above(last_durable_lsn);
     let total = shape.values();
     if last_durable_lsn >= FIRST_LSN && first_value < total {
         eprintln!(
-            "ingest: tenant {} is at LSN {last_durable_lsn}: resuming with value {first_value} of {total}",
-            args.target.tenant
+            "ingest: tenant {tenant} is at LSN {}: resuming with value {first_value} of {total}",
+            Lsn(last_durable_lsn)
         );
     }
     if first_value >= total {
         eprintln!(
-            "ingest: tenant {} is at LSN {last_durable_lsn}, at or past the data set's end LSN {}: nothing to load",
-            args.target.tenant,
-            shape.end_lsn()
+            "ingest: tenant {tenant} is at LSN {}, the data set's end LSN: nothing to load",
+            Lsn(last_durable_lsn)
         );
     }
     eprintln!(
-        "ingest: {} pages ({} relations x {} blocks), chain length {}, {} values, LSNs {:#x}..={:#x}",
+        "ingest: {} pages ({} relations x {} blocks), chain length {}, {} values, LSNs {}..={}",
         shape.pages(),
         shape.relations,
         shape.blocks,
         shape.chain_length,
         total,
-        shape.lsn_of_value(0),
-        shape.end_lsn()
+        Lsn(shape.lsn_of_value(0)),
+        Lsn(shape.end_lsn())
     );
 
     let start = Instant::now();
@@ -115,58 +178,53 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
         }),
     ));
 
-    let outcome = load(client, shape, first_value, &args, counters.clone(), cancel.clone()).await;
+    let outcome = load(client, shape, first_value, args, counters.clone(), cancel.clone()).await;
     stop_progress.cancel();
     let _ = progress.await;
-    outcome?;
+    outcome.with_context(|| format!("load tenant {tenant}"))?;
 
     let elapsed = start.elapsed().as_secs_f64();
     let (values, _, bytes) = counters.snapshot();
     let interrupted = cancel.is_cancelled() && first_value + values < total;
     eprintln!(
-        "ingest: {}loaded {values} values ({:.1} MB) in {elapsed:.1} s: {:.0} values/s, {:.1} MB/s",
+        "ingest: {}tenant {tenant}: loaded {values} values ({:.1} MB) in {elapsed:.1} s: {:.0} values/s, {:.1} MB/s",
         if interrupted { "interrupted: " } else { "" },
         bytes as f64 / 1e6,
         values as f64 / elapsed.max(1e-9),
         bytes as f64 / 1e6 / elapsed.max(1e-9),
     );
-    let summary = serde_json::json!({
-        "values": values,
-        "bytes": bytes,
-        "seconds": (elapsed * 1000.0).round() / 1000.0,
-        "values_per_s": (values as f64 / elapsed.max(1e-9)).round(),
-        "mb_per_s": (bytes as f64 / 1e6 / elapsed.max(1e-9) * 10.0).round() / 10.0,
-        "end_lsn": shape.end_lsn(),
-        "complete": !interrupted,
-    });
-    println!("{summary}");
-    if interrupted {
-        bail!("load the whole data set: interrupted");
+    Ok(Loaded { values, bytes, interrupted })
+}
+
+/// An existing tenant must hold `shape`'s data set, or a prefix of it: the same keys, a last
+/// durable LSN on the data set's LSN grid, and (if any page is stored) the seed's first image.
+async fn check_existing(args: &Args, tenant: &str, shape: &Shape, client: &mut Client) -> anyhow::Result<()> {
+    let keyspace = KeySpace::fetch(&args.target.http, tenant).await?;
+    keyspace.check_shape(shape, false)?;
+    if keyspace.keys > 0 {
+        keyspace::check_seed(client, shape).await?;
     }
     Ok(())
 }
 
-/// `POST /v1/tenant`; 409 is fine only with `--exists-ok`.
-async fn create_tenant(args: &Args) -> anyhow::Result<()> {
-    let mut body = serde_json::json!({ "id": args.target.tenant });
+/// `POST /v1/tenant`; 409 is fine only with `--exists-ok`. Returns whether the tenant existed.
+async fn create_tenant(args: &Args, tenant: &str) -> anyhow::Result<bool> {
+    let mut body = serde_json::json!({ "id": tenant });
     if let Some(kind) = &args.walredo_process_kind {
         body["config"] = serde_json::json!({ "walredo_process_kind": kind });
     }
-    let response = http::request_json(&args.target.http, "POST", "/v1/tenant", &body).await?;
+    let response = http::request_json(&args.target.http, "POST", "/v1/tenant", Some(&body)).await?;
     match response.status {
         200 | 201 => {
-            eprintln!("ingest: created tenant {}", args.target.tenant);
-            Ok(())
+            eprintln!("ingest: created tenant {tenant}");
+            Ok(false)
         }
         409 if args.exists_ok => {
-            eprintln!("ingest: tenant {} exists already (--exists-ok)", args.target.tenant);
-            Ok(())
+            eprintln!("ingest: tenant {tenant} exists already (--exists-ok)");
+            Ok(true)
         }
-        409 => bail!(
-            "create tenant {}: it exists already (pass --exists-ok to load into it)",
-            args.target.tenant
-        ),
-        status => bail!("create tenant {}: HTTP {status}: {}", args.target.tenant, response.body.trim()),
+        409 => bail!("create tenant {tenant}: it exists already (pass --exists-ok to load into it)"),
+        status => bail!("create tenant {tenant}: HTTP {status}: {}", response.body.trim()),
     }
 }
 
@@ -260,13 +318,13 @@ async fn receive(
                     if request_id == pending.request_id && durable_lsn == pending.last_lsn => {}
                 ServerMessage::Error { request_id, code, message } => {
                     return Err(ServerError { request_id, code, message }).with_context(|| {
-                        format!("ingest batch {} (up to LSN {})", pending.request_id, pending.last_lsn)
+                        format!("ingest batch {} (up to LSN {})", pending.request_id, Lsn(pending.last_lsn))
                     });
                 }
                 other => bail!(
                     "ingest batch {} up to LSN {}: expected its IngestOk, got {}",
                     pending.request_id,
-                    pending.last_lsn,
+                    Lsn(pending.last_lsn),
                     describe(&other)
                 ),
             }
