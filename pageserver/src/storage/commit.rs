@@ -1,6 +1,6 @@
 //! The committer of a timeline: owns the active segment, turns queued ingest batches into
 //! durable frames with one fdatasync per group (group commit), publishes them, and seals the
-//! segment into a layer when it is full (the seal's steps are in [`super::seal`]). Its rounds
+//! segment into a layer when it is full (the seal's steps are in [`seal`]). Its rounds
 //! run on the process's commit pool ([`super::pool`]), one round of a timeline at a time.
 //!
 //! Why rounds: fsync blocks for milliseconds; while it runs, new batches pile up in the queue
@@ -26,6 +26,8 @@
 //! steps run in order, each at most once successfully, so a failed one is retried from where it
 //! stopped.
 
+mod seal;
+
 use std::fs::File;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::AtomicBool;
@@ -38,7 +40,7 @@ use anyhow::Context;
 use super::manifest::{Manifest, SealIntent};
 use super::pool::{self, Pool};
 use super::segment::ActiveSegment;
-use super::timeline::{Failure, Pending, Shared};
+use super::shared::{Failure, Pending, Shared};
 use super::{FsyncFailed, IngestError, StorageWriteError};
 
 /// How long ingests are refused after a failed round before the next group may retry.
@@ -72,24 +74,35 @@ pub(super) fn start(
         seal: SealState::Idle,
         buf: Vec::new(),
     };
-    Ok(Arc::new(Job {
+    let job = Arc::new(Job {
         shared: Arc::clone(shared),
         committer: Mutex::new(Some(committer)),
         scheduled: AtomicBool::new(false),
         pool: pool::get()?,
-    }))
+    });
+    let weak = Arc::downgrade(&job);
+    let wake = move || {
+        if let Some(job) = weak.upgrade() {
+            job.schedule();
+        }
+    };
+    // Set once: a timeline starts one committer.
+    let _ = shared.wake.set(Box::new(wake));
+    Ok(job)
 }
 
 impl Job {
     /// Puts the timeline in the pool's run queue unless it is there (or running) already.
     pub(super) fn schedule(self: &Arc<Self>) {
         if !self.scheduled.swap(true, Ordering::SeqCst) {
-            self.pool.push(Arc::clone(self));
+            self.pool.push(Arc::clone(self) as Arc<dyn pool::Task>);
         }
     }
+}
 
+impl pool::Task for Job {
     /// Runs one round on a pool worker, then reschedules if more work arrived meanwhile.
-    pub(super) fn run(self: &Arc<Self>) {
+    fn run(self: Arc<Self>) {
         let mut slot = self.committer.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(committer) = slot.as_mut() else {
             return;

@@ -20,6 +20,9 @@ pub(crate) const MIN_FORMAT_VERSION: u32 = 1;
 /// `magic(8) | version u32 | crc32c(bytes 0..12) u32`.
 pub(crate) const FILE_HEADER_LEN: u64 = 16;
 
+/// Name of the lock file in a timeline directory.
+pub(crate) const LOCK_NAME: &str = "lock";
+
 /// Encoded size of a [`Key`]: spcnode, dbnode, relnode (u32 each), forknum (u8), blknum (u32).
 pub(crate) const KEY_LEN: usize = 17;
 

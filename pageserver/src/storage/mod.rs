@@ -13,10 +13,14 @@
 //! Code map: `format` (shared constants and codecs), `segment` (batch frames, the active
 //! segment, the scan), `layer` (index block, footer, layer files), `manifest` (the list of the
 //! timeline's files and the seal intent), `index` (in-memory index and the read path, with its
-//! limits), `timeline` (the handle: ingest queue, reads, waits, shutdown),
-//! `commit` (the committer: group commit, failure episodes), `seal` (sealing as retryable
-//! steps), `pool` (the commit threads shared by all timelines), `recovery` (open-time repair),
-//! `metrics`.
+//! limits), `shared` (the state the handle and the committer share: queue, index, durable LSN,
+//! failure), `timeline` (the handle: ingest queue, reads, waits, shutdown), `commit` (the
+//! committer: group commit, failure episodes; `commit/seal` holds sealing as retryable steps),
+//! `pool` (the commit threads shared by all timelines, running any `pool::Task`), `recovery`
+//! (open-time repair), `metrics`.
+//!
+//! Dependencies point one way: `timeline` -> `commit`, `recovery` -> `shared`, `manifest`,
+//! `layer`, `segment`, `index`, `format`; `pool` depends on nothing in storage.
 //!
 //! **Invariants:**
 //! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it (after a
@@ -41,8 +45,8 @@ mod manifest;
 mod metrics;
 mod pool;
 mod recovery;
-mod seal;
 mod segment;
+mod shared;
 #[cfg(test)]
 mod test_support;
 mod timeline;

@@ -22,14 +22,18 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 
 use anyhow::Context;
 
-use super::commit::Job;
+/// What the pool runs: one timeline's committer ([`super::commit`]), scheduled by itself.
+pub(super) trait Task: Send + Sync + 'static {
+    /// Runs one round. The task's own scheduling guarantees one worker at a time runs it.
+    fn run(self: Arc<Self>);
+}
 
 /// Worker threads of the pool: enough to keep a few fsyncs in flight on different timelines.
 pub(crate) const COMMIT_THREADS: usize = 4;
 
 /// The run queue of timelines with work.
 pub(super) struct Pool {
-    queue: Mutex<VecDeque<Arc<Job>>>,
+    queue: Mutex<VecDeque<Arc<dyn Task>>>,
     ready: Condvar,
 }
 
@@ -55,7 +59,7 @@ fn start() -> anyhow::Result<Arc<Pool>> {
 
 impl Pool {
     /// Queues `job` to run; the caller has set its `scheduled` flag.
-    pub(super) fn push(&self, job: Arc<Job>) {
+    pub(super) fn push(&self, job: Arc<dyn Task>) {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner).push_back(job);
         self.ready.notify_one();
     }

@@ -30,11 +30,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context};
 
-use super::format::{self, FILE_HEADER_LEN};
+use super::format::{self, FILE_HEADER_LEN, LOCK_NAME};
 use super::index::Index;
 use super::manifest::{self, LayerMeta, Manifest, MANIFEST_NAME, MANIFEST_TMP_NAME};
 use super::segment::{self, read_at, ActiveSegment, ACTIVE_NAME};
-use super::timeline::LOCK_NAME;
 use super::{layer, Lsn, StorageMetrics};
 
 /// What recovery hands to the timeline.

@@ -11,114 +11,22 @@
 //! held until the handle is dropped, which waits for the committer to stop.
 
 use std::fs::{File, OpenOptions};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use nix::fcntl::{Flock, FlockArg};
-use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use super::format::LOCK_NAME;
+use super::shared::{Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
-    commit, index, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits,
-    ReconstructData, StorageConf, StorageMetrics, StorageWriteError, TimelineStats, Value, WaitLsnError,
+    commit, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits, ReconstructData,
+    StorageConf, StorageMetrics, StorageWriteError, TimelineStats, WaitLsnError,
 };
-
-/// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
-const QUEUE_BUDGET_KIB: usize = 256 << 10;
-/// Name of the lock file in a timeline directory.
-pub(super) const LOCK_NAME: &str = "lock";
-
-/// A batch waiting for the committer.
-pub(super) struct Pending {
-    pub(super) values: Vec<(Key, Lsn, Value)>,
-    pub(super) last_lsn: Lsn,
-    pub(super) done: oneshot::Sender<Result<Lsn, IngestError>>,
-    /// Queue budget held until the batch is written.
-    pub(super) _permit: OwnedSemaphorePermit,
-}
-
-/// The ingest queue, shared by `ingest` callers and the committer (std mutex: never held across
-/// an await).
-pub(super) struct Queue {
-    pub(super) pending: Vec<Pending>,
-    /// Last LSN accepted into the queue (durable or not).
-    pub(super) last_queued: Lsn,
-    pub(super) stopping: bool,
-    /// Set while storage writes fail: why, and when ingests are let through again.
-    pub(super) failure: Option<Failure>,
-    /// Test hook: the committer leaves the queue alone while set (and not stopping).
-    pub(super) hold: bool,
-    /// Test hook: the committer's next group fsync fails.
-    pub(super) fail_next_fsync: bool,
-}
-
-/// A failing storage: the public part, and when the next group may try again.
-pub(super) struct Failure {
-    pub(super) state: StorageWriteError,
-    /// Ingests are refused before this instant (always, if `state.fatal`); from then on they are
-    /// queued, and the next group is the retry.
-    pub(super) retry_at: Instant,
-}
-
-impl Failure {
-    pub(super) fn error(&self) -> IngestError {
-        IngestError::StorageUnavailable { error: self.state.error.clone(), fatal: self.state.fatal }
-    }
-}
-
-/// State shared by the [`Timeline`] handle and its committer.
-pub(super) struct Shared {
-    pub(super) dir: PathBuf,
-    pub(super) conf: StorageConf,
-    pub(super) metrics: Arc<StorageMetrics>,
-    pub(super) queue: Mutex<Queue>,
-    /// The committer's place in the commit pool (set once, right after open).
-    pub(super) job: OnceLock<Weak<commit::Job>>,
-    /// Set (and `exited_cv` notified) when the committer has stopped: what `Drop` waits for.
-    pub(super) exited: Mutex<bool>,
-    pub(super) exited_cv: Condvar,
-    pub(super) index: RwLock<index::Index>,
-    pub(super) durable: watch::Sender<Lsn>,
-    /// The failure of storage writes, if they are failing (set and cleared with `queue.failure`).
-    pub(super) health: watch::Sender<Option<StorageWriteError>>,
-    pub(super) layers: AtomicU64,
-    pub(super) sealed_bytes: AtomicU64,
-    pub(super) active_len: AtomicU64,
-    /// Cancelled when the committer has stopped: nothing becomes durable after that.
-    pub(super) stopped: CancellationToken,
-    pub(super) budget: Arc<Semaphore>,
-    pub(super) span: tracing::Span,
-}
-
-impl Queue {
-    /// Whether the committer has something to do: batches to commit (unless held), or a stop.
-    pub(super) fn has_work(&self) -> bool {
-        (!self.pending.is_empty() && !self.hold) || self.stopping
-    }
-}
-
-impl Shared {
-    pub(super) fn queue(&self) -> MutexGuard<'_, Queue> {
-        // A panic under this lock leaves a consistent queue (no multi-step updates).
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn begin_stop(&self) {
-        self.queue().stopping = true;
-        self.wake();
-        self.budget.close();
-    }
-
-    /// Schedules the committer on the commit pool to look at the queue.
-    pub(super) fn wake(&self) {
-        if let Some(job) = self.job.get().and_then(Weak::upgrade) {
-            job.schedule();
-        }
-    }
-}
 
 /// The storage of one timeline. See the module doc.
 pub struct Timeline {
@@ -163,7 +71,7 @@ impl Timeline {
                 hold: false,
                 fail_next_fsync: false,
             }),
-            job: OnceLock::new(),
+            wake: OnceLock::new(),
             exited: Mutex::new(false),
             exited_cv: Condvar::new(),
             index: RwLock::new(rec.index),
@@ -177,7 +85,6 @@ impl Timeline {
             span: span.clone(),
         });
         let job = commit::start(&shared, dir_file, rec.segment, rec.next_file_id, rec.manifest)?;
-        let _ = shared.job.set(Arc::downgrade(&job));
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
         shared.metrics.layer_files.add(layers as i64);
         Ok(Arc::new(Timeline { shared, _job: job, _lock: lock }))

@@ -151,6 +151,10 @@ impl ConnStats {
     }
 }
 
+/// Runs the benchmark until its duration is over or `cancel`, then prints the summary.
+///
+/// Cancel-safe in effect: dropping it drops the connections; nothing on the daemon is left half
+/// done (GetPage has no side effects).
 pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
     if !(args.duration.is_finite() && args.duration > 0.0) {
         bail!("check --duration: {} is not a positive number of seconds", args.duration);

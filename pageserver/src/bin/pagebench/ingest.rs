@@ -70,6 +70,10 @@ struct Pending {
     bytes: u64,
 }
 
+/// Loads the data set (or resumes it with `--exists-ok`) until done or `cancel`.
+///
+/// Not cancel-safe in the sense that batches already sent stay ingested; a later run with
+/// `--exists-ok` resumes after the last durable one.
 pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
     if args.target.tenants == TenantCount::All {
         bail!("check --tenants: ingest creates its tenants, give a number");

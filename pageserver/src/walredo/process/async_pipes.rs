@@ -46,6 +46,9 @@ impl AsyncPipes {
     }
 
     /// Reads the first frame of the child (its hello), before any request is written.
+    ///
+    /// Not cancel-safe: dropped mid-frame, the reader loses its place; the caller (spawn)
+    /// discards the child on any failure or drop.
     pub(crate) async fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
         tokio::time::timeout(timeout, async { read_reply(&mut *self.stdout.lock().await).await })
             .await
@@ -53,7 +56,7 @@ impl AsyncPipes {
     }
 
     /// See [`super::Process::round_trip`]; `on_broken_write` runs if the future is dropped
-    /// halfway through writing the request.
+    /// halfway through writing the request (cancellation: see the module doc).
     pub(crate) async fn round_trip(
         &self,
         request: &[u8],

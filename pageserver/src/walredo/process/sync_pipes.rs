@@ -59,13 +59,16 @@ impl SyncPipes {
     }
 
     /// Reads the first frame of the child (its hello), before any request is written.
+    ///
+    /// Cancel-safe while it waits for the stdout lock; the read itself runs to its end.
     pub(crate) async fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
         let deadline = Instant::now() + timeout;
         let mut stdout = lock_until(&self.stdout, deadline, timeout).await?;
         blocking(|| read_reply(&mut stdout, deadline, timeout))
     }
 
-    /// See [`super::Process::round_trip`].
+    /// See [`super::Process::round_trip`]. Cancellation: see the module doc (dropped only
+    /// while waiting for a lock; a written request's reply slot is abandoned).
     pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
         let queue_deadline = Instant::now() + timeout;
         let seq = {

@@ -22,10 +22,10 @@ use std::sync::PoisonError;
 
 use anyhow::{ensure, Context};
 
-use super::commit::{Committer, SealState};
-use super::layer;
-use super::manifest::{self, LayerMeta, SealIntent};
-use super::segment::{ActiveSegment, ACTIVE_NAME};
+use super::{Committer, SealState};
+use crate::storage::layer;
+use crate::storage::manifest::{self, LayerMeta, SealIntent};
+use crate::storage::segment::{ActiveSegment, ACTIVE_NAME};
 
 impl Committer {
     /// Runs the seal in progress to its end, or starts one if the segment is full. `Ok` means

@@ -1,0 +1,110 @@
+//! The state a [`super::Timeline`] handle shares with its committer ([`super::commit`]): the
+//! ingest queue, the index, the durable LSN and the failure state.
+//!
+//! Its own module so that the handle and the committer both depend on it and not on each other
+//! (the committer learns nothing of the handle; the handle starts the committer).
+//!
+//! **Invariants:** every lock here is a std lock, never held across an await; a panic under the
+//! queue lock leaves a consistent queue (no multi-step updates).
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+use std::time::Instant;
+
+use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use super::{index, IngestError, Key, Lsn, StorageConf, StorageMetrics, StorageWriteError, Value};
+
+/// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
+pub(super) const QUEUE_BUDGET_KIB: usize = 256 << 10;
+
+/// A batch waiting for the committer.
+pub(super) struct Pending {
+    pub(super) values: Vec<(Key, Lsn, Value)>,
+    pub(super) last_lsn: Lsn,
+    pub(super) done: oneshot::Sender<Result<Lsn, IngestError>>,
+    /// Queue budget held until the batch is written.
+    pub(super) _permit: OwnedSemaphorePermit,
+}
+
+/// The ingest queue, shared by `ingest` callers and the committer (std mutex: never held across
+/// an await).
+pub(super) struct Queue {
+    pub(super) pending: Vec<Pending>,
+    /// Last LSN accepted into the queue (durable or not).
+    pub(super) last_queued: Lsn,
+    pub(super) stopping: bool,
+    /// Set while storage writes fail: why, and when ingests are let through again.
+    pub(super) failure: Option<Failure>,
+    /// Test hook: the committer leaves the queue alone while set (and not stopping).
+    pub(super) hold: bool,
+    /// Test hook: the committer's next group fsync fails.
+    pub(super) fail_next_fsync: bool,
+}
+
+/// A failing storage: the public part, and when the next group may try again.
+pub(super) struct Failure {
+    pub(super) state: StorageWriteError,
+    /// Ingests are refused before this instant (always, if `state.fatal`); from then on they are
+    /// queued, and the next group is the retry.
+    pub(super) retry_at: Instant,
+}
+
+impl Failure {
+    pub(super) fn error(&self) -> IngestError {
+        IngestError::StorageUnavailable { error: self.state.error.clone(), fatal: self.state.fatal }
+    }
+}
+
+/// State shared by the [`Timeline`] handle and its committer.
+pub(super) struct Shared {
+    pub(super) dir: PathBuf,
+    pub(super) conf: StorageConf,
+    pub(super) metrics: Arc<StorageMetrics>,
+    pub(super) queue: Mutex<Queue>,
+    /// Schedules the committer on the commit pool (set once by [`super::commit::start`]).
+    pub(super) wake: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Set (and `exited_cv` notified) when the committer has stopped: what `Drop` waits for.
+    pub(super) exited: Mutex<bool>,
+    pub(super) exited_cv: Condvar,
+    pub(super) index: RwLock<index::Index>,
+    pub(super) durable: watch::Sender<Lsn>,
+    /// The failure of storage writes, if they are failing (set and cleared with `queue.failure`).
+    pub(super) health: watch::Sender<Option<StorageWriteError>>,
+    pub(super) layers: AtomicU64,
+    pub(super) sealed_bytes: AtomicU64,
+    pub(super) active_len: AtomicU64,
+    /// Cancelled when the committer has stopped: nothing becomes durable after that.
+    pub(super) stopped: CancellationToken,
+    pub(super) budget: Arc<Semaphore>,
+    pub(super) span: tracing::Span,
+}
+
+impl Queue {
+    /// Whether the committer has something to do: batches to commit (unless held), or a stop.
+    pub(super) fn has_work(&self) -> bool {
+        (!self.pending.is_empty() && !self.hold) || self.stopping
+    }
+}
+
+impl Shared {
+    pub(super) fn queue(&self) -> MutexGuard<'_, Queue> {
+        // A panic under this lock leaves a consistent queue (no multi-step updates).
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(super) fn begin_stop(&self) {
+        self.queue().stopping = true;
+        self.wake();
+        self.budget.close();
+    }
+
+    /// Schedules the committer on the commit pool to look at the queue.
+    pub(super) fn wake(&self) {
+        if let Some(wake) = self.wake.get() {
+            wake();
+        }
+    }
+}
