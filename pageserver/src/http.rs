@@ -5,15 +5,20 @@
 //! (405, with `Allow`) included.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
+use axum::serve::Listener;
 use axum::{Json, Router};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::process_metrics::{self, GIT_COMMIT, VERSION};
 use crate::storage::{Key, Lsn};
@@ -59,13 +64,19 @@ impl From<JsonRejection> for ApiError {
 
 type ApiResult = Result<Response, ApiError>;
 
+/// The request line and headers of a request must arrive within this; a client that trickles
+/// them (a byte now and then, which the listener's idle timeout alone would allow) is cut off.
+pub const HTTP_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Serves the API on `listener` until `cancel`; registers the process metrics and
-/// `pageserver_build_info` in `registry` first.
+/// `pageserver_build_info` in `registry` first. On `cancel` it stops accepting, lets each
+/// connection finish the request it is serving (hyper's graceful shutdown), and returns once
+/// every connection is closed (bounded by the listener's idle timeout and the header timeout).
 ///
-/// Cancel-safe: dropping it drops the listener and every connection; requests in flight are
-/// dropped too, which each handler tolerates (tenant deletion runs to its end on its own).
+/// Cancel-safe: dropping it drops the listener; connections already accepted run on as tasks
+/// of their own until their request is done or a timeout closes them.
 pub async fn serve(
-    listener: crate::server::HttpListener,
+    mut listener: crate::server::HttpListener,
     tenants: Arc<Tenants>,
     registry: prometheus::Registry,
     cancel: CancellationToken,
@@ -82,7 +93,28 @@ pub async fn serve(
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .with_state(state);
-    axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await?;
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1.timer(TokioTimer::new()).header_read_timeout(HTTP_HEADER_READ_TIMEOUT);
+    let connections = TaskTracker::new();
+    loop {
+        let (io, _peer) = tokio::select! {
+            () = cancel.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let conn = http1.serve_connection(TokioIo::new(io), service);
+        let cancel = cancel.clone();
+        connections.spawn(async move {
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                () = cancel.cancelled() => conn.as_mut().graceful_shutdown(),
+            }
+            let _ = conn.await;
+        });
+    }
+    connections.close();
+    connections.wait().await;
     Ok(())
 }
 
