@@ -48,7 +48,41 @@
 //!
 //! # Results
 //!
-//! 2026-11-22, commit a98c7fa (+ this bench), 2 vCPU VM, Debian 12, kernel 6.18.44-fc-v669,
+//! ## 2026-11-23, after the hardening issue (commit d332f29)
+//!
+//! The sync kind changed: it waits for its pipe locks asynchronously and runs its blocking
+//! `poll` under `block_in_place`, so a hung child no longer stalls other tenants, and requests
+//! of one child now pipeline in the sync kind too (before, at most one per executor thread).
+//! Waiting requests are woken one by one instead of all at once. Same machine, otherwise idle;
+//! a subset, `cargo bench -p benches --bench bench_walredo -- '^floor/|(ping|short|medium)/(1|8|64)$'`,
+//! then `python3 benches/summarize.py`. Medians in microseconds per request; "before" is the
+//! 2026-11-22 run below (another run: compare ratios, not absolute values, at N = 1).
+//!
+//! | workload | N | async | sync | async/sync | floor | async/floor | sync/floor | sync before | async before |
+//! |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+//! | ping | 1 | 43.7 | 18.5 | 2.37 | 52.9 | 0.83 | 0.35 | 54.1 | 60.8 |
+//! | ping | 8 | 86.3 | 117.3 | 0.74 | - | - | - | 398.3 | 106.0 |
+//! | ping | 64 | 567.9 | 687.7 | 0.83 | - | - | - | 2836.5 | 543.8 |
+//! | short | 1 | 50.6 | 17.6 | 2.88 | 49.3 | 1.03 | 0.36 | 46.4 | 56.0 |
+//! | short | 8 | 85.6 | 92.1 | 0.93 | - | - | - | 377.0 | 90.8 |
+//! | short | 64 | 506.4 | 449.2 | 1.13 | - | - | - | 3034.9 | 336.6 |
+//! | medium | 1 | 44.7 | 77.9 | 0.57 | 72.0 | 0.62 | 1.08 | 76.5 | 38.8 |
+//! | medium | 8 | 150.6 | 163.9 | 0.92 | - | - | - | 450.9 | 116.9 |
+//! | medium | 64 | 1094.0 | 1174.0 | 0.93 | - | - | - | 3680.3 | 819.5 |
+//!
+//! Pinned floors in the same run: `floor/echo-same-cpu/1` 7.3 us, `floor/echo-cross-cpu/1`
+//! 58.0 us.
+//!
+//! What changed: sync at N >= 8 is 3-6x faster than before (short/64: 142k req/s against 21k)
+//! and now within 0.74-1.13x of async, because its requests pipeline. Sync at N = 1 (18 us)
+//! sits near the one-vCPU floor: the blocking `poll` keeps the calling thread on its vCPU and
+//! the child tends to run beside it without a wake-up through the runtime; async at N = 1 pays
+//! the cross-vCPU floor (0.83-1.03x of it). Async at N = 64 lost ground (short 506 against 337
+//! us, medium 1094 against 820). Not profiled yet; what changed on that path is the per-request
+//! tracking of the child's progress (to time the child, not the queue) and waking waiting
+//! requests one by one. The adaptive-controller issue re-measures all of this anyway.
+//!
+//! ## 2026-11-22, commit a98c7fa (+ this bench), 2 vCPU VM, Debian 12, kernel 6.18.44-fc-v669,
 //! full run on an otherwise idle machine (load ~2, all of it the bench and its child). Criterion
 //! medians (`median.point_estimate`) in microseconds per request; req/s = N / median; floor =
 //! `floor/echo*/1` of the same workload, so async/floor and sync/floor exist at N = 1 only.
