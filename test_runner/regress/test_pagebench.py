@@ -128,3 +128,16 @@ def test_get_page_drives_several_tenants(pageserver):
     s = summary(pagebench(pageserver, "get-page", "--tenants", "all", "--duration", "1", *SHAPE, "--verify"))
     assert s["tenants"] == 4 and s["errors"] == 0, s
     assert pageserver.http.tenant_status("other")["counters"]["get_page_requests"] > 0
+
+
+def test_pagebench_whose_stdout_reader_went_away_ends_normally(pageserver):
+    """`pagebench ... | head -1`: the reader is gone before the summary line is written."""
+    pagebench(pageserver, "ingest", "--tenant", "gone", *SHAPE)
+    command = [str(pageserver.bin.parent / "pagebench"), "get-page", "--tenant", "gone", "--duration", "1",
+               "--page-service", "%s:%d" % pageserver.pg_addr, "--http", "%s:%d" % pageserver.http_addr]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, stderr = proc.communicate(timeout=60)
+    assert "panicked" not in stderr, stderr
+    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{stderr}"

@@ -24,6 +24,23 @@
 //! summary even when requests fail; only set-up failures (cannot create the tenant, cannot
 //! connect, data set not loaded) are fatal.
 
+/// `outln!` that never panics: with stdout gone (`pagebench ... | head -1`) the line is lost
+/// and the run goes on to its normal end and exit status.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `errln!` that never panics (stderr gone: the line is lost).
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 // A binary's root resolves `mod` next to itself (src/bin/); its modules live in src/bin/pagebench/.
 #[path = "pagebench/dataset.rs"]
 mod dataset;
@@ -193,7 +210,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("pagebench: failed to {e:#}");
+            errln!("pagebench: failed to {e:#}");
             ExitCode::FAILURE
         }
     }
@@ -217,7 +234,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         let on_signal = cancel.clone();
         tokio::spawn(async move {
             if tokio::signal::ctrl_c().await.is_ok() {
-                eprintln!("pagebench: interrupted, finishing");
+                errln!("pagebench: interrupted, finishing");
                 on_signal.cancel();
             }
         });

@@ -111,9 +111,9 @@ impl Shared {
         stats.errors += count;
         *stats.error_kinds.entry(kind.to_string()).or_default() += count;
         if self.printed_errors.fetch_add(1, Ordering::Relaxed) < PRINTED_ERRORS {
-            eprintln!("get-page: error ({kind}): {}", message());
+            errln!("get-page: error ({kind}): {}", message());
         } else if self.printed_errors.load(Ordering::Relaxed) == PRINTED_ERRORS + 1 {
-            eprintln!("get-page: further errors are only counted");
+            errln!("get-page: further errors are only counted");
         }
     }
 }
@@ -175,7 +175,7 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
         counters: Arc::new(Counters::default()),
         printed_errors: AtomicUsize::new(0),
     });
-    eprintln!(
+    errln!(
         "get-page: {} tenant(s) x {} connections, depth {}, lsn {:?}, {pages} pages, {} s{}",
         tenants.len(),
         args.connections,
@@ -237,7 +237,7 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
 
     let rps = requests as f64 / elapsed.max(1e-9);
     let latency_us = report::latency_json(&latency);
-    eprintln!(
+    errln!(
         "get-page: {requests} requests, {errors} errors in {elapsed:.2} s: {rps:.0} requests/s, latency us p50 {} p99 {} p99.9 {} p99.99 {}",
         latency_us["p50"], latency_us["p99"], latency_us["p999"], latency_us["p9999"]
     );
@@ -256,7 +256,7 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
         "chain_length": shape.map(|s| s.chain_length),
         "latency_us": latency_us,
     });
-    println!("{summary}");
+    outln!("{summary}");
     if errors > args.max_errors {
         bail!(
             "run without errors: {errors} of {} requests failed (--max-errors {})",

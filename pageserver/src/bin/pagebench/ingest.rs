@@ -103,7 +103,7 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
         "end_lsn": shape.end_lsn(),
         "complete": !interrupted,
     });
-    println!("{summary}");
+    outln!("{summary}");
     if interrupted {
         bail!("load the whole data set: interrupted");
     }
@@ -140,18 +140,18 @@ async fn ingest_one(
     let first_value = shape.first_value_above(last_durable_lsn);
     let total = shape.values();
     if last_durable_lsn >= FIRST_LSN && first_value < total {
-        eprintln!(
+        errln!(
             "ingest: tenant {tenant} is at LSN {}: resuming with value {first_value} of {total}",
             Lsn(last_durable_lsn)
         );
     }
     if first_value >= total {
-        eprintln!(
+        errln!(
             "ingest: tenant {tenant} is at LSN {}, the data set's end LSN: nothing to load",
             Lsn(last_durable_lsn)
         );
     }
-    eprintln!(
+    errln!(
         "ingest: {} pages ({} relations x {} blocks), chain length {}, {} values, LSNs {}..={}",
         shape.pages(),
         shape.relations,
@@ -190,7 +190,7 @@ async fn ingest_one(
     let elapsed = start.elapsed().as_secs_f64();
     let (values, _, bytes) = counters.snapshot();
     let interrupted = cancel.is_cancelled() && first_value + values < total;
-    eprintln!(
+    errln!(
         "ingest: {}tenant {tenant}: loaded {values} values ({:.1} MB) in {elapsed:.1} s: {:.0} values/s, {:.1} MB/s",
         if interrupted { "interrupted: " } else { "" },
         bytes as f64 / 1e6,
@@ -220,11 +220,11 @@ async fn create_tenant(args: &Args, tenant: &str) -> anyhow::Result<bool> {
     let response = http::request_json(&args.target.http, "POST", "/v1/tenant", Some(&body)).await?;
     match response.status {
         200 | 201 => {
-            eprintln!("ingest: created tenant {tenant}");
+            errln!("ingest: created tenant {tenant}");
             Ok(false)
         }
         409 if args.exists_ok => {
-            eprintln!("ingest: tenant {tenant} exists already (--exists-ok)");
+            errln!("ingest: tenant {tenant} exists already (--exists-ok)");
             Ok(true)
         }
         409 => bail!("create tenant {tenant}: it exists already (pass --exists-ok to load into it)"),

@@ -59,7 +59,7 @@ pub async fn progress(counters: Arc<Counters>, start: Instant, stop: Cancellatio
         let now = Instant::now();
         let (done, errors, bytes) = counters.snapshot();
         let secs = now.duration_since(last_at).as_secs_f64().max(1e-9);
-        eprintln!(
+        errln!(
             "{}",
             line(Tick {
                 elapsed: now.duration_since(start),
