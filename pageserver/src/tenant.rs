@@ -252,7 +252,8 @@ impl Tenant {
             reserved = self.deps.redo_budget.reserve(bytes) => reserved?,
             () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
         };
-        let data = self.timeline.get_reconstruct_data(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
+        let data =
+            self.timeline.read_reconstruct_data(key, lsn, RECONSTRUCT_LIMITS).await.map_err(read_error)?;
         let page = match (data.image, data.records.is_empty()) {
             (Some((_, image)), true) => image,
             (image, _) => {

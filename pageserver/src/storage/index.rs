@@ -166,6 +166,29 @@ impl ReadPlan {
         self.image.iter().chain(&self.records).map(|r| u64::from(r.len)).sum()
     }
 
+    /// Reads every planned value if the kernel's page cache holds all of them, without
+    /// waiting for the disk (`preadv2` with `RWF_NOWAIT`, checksums checked); `None` if any
+    /// read would wait (or fails, or comes back short): then run [`ReadPlan::execute`] where
+    /// blocking is allowed, which also reports any error.
+    pub(crate) fn try_execute_cached(&self) -> Option<anyhow::Result<ReconstructData>> {
+        let read = |r: &ValueRead| read_value_nowait(r).map(|v| v.map(|v| (r.lsn, v)));
+        let image = match &self.image {
+            Some(r) => match read(r)? {
+                Ok(v) => Some(v),
+                Err(e) => return Some(Err(e)),
+            },
+            None => None,
+        };
+        let mut records = Vec::with_capacity(self.records.len());
+        for r in &self.records {
+            match read(r)? {
+                Ok(v) => records.push(v),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        Some(Ok(ReconstructData { image, records }))
+    }
+
     /// Reads every planned value with positional reads and checks its checksum.
     pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
         let image = self.image.map(|r| Ok::<_, anyhow::Error>((r.lsn, read_value(&r)?)));
@@ -180,11 +203,32 @@ impl ReadPlan {
     }
 }
 
+/// One value from the page cache, or `None` if reading it would wait for the disk (or the read
+/// fails or comes back short: the blocking read then reports why). A checksum mismatch is an
+/// error either way.
+fn read_value_nowait(r: &ValueRead) -> Option<anyhow::Result<Bytes>> {
+    let mut buf = vec![0u8; r.len as usize];
+    let read = rustix::io::preadv2(
+        &*r.file,
+        &mut [std::io::IoSliceMut::new(&mut buf)],
+        r.offset,
+        rustix::io::ReadWriteFlags::NOWAIT,
+    );
+    if read.ok()? != buf.len() {
+        return None;
+    }
+    Some(check_value(r, buf))
+}
+
 fn read_value(r: &ValueRead) -> anyhow::Result<Bytes> {
     let mut buf = vec![0u8; r.len as usize];
     r.file
         .read_exact_at(&mut buf, r.offset)
         .with_context(|| format!("read value at lsn {} (offset {})", r.lsn, r.offset))?;
+    check_value(r, buf)
+}
+
+fn check_value(r: &ValueRead, buf: Vec<u8>) -> anyhow::Result<Bytes> {
     ensure!(
         crc32c::crc32c(&buf) == r.crc,
         "checksum mismatch in value at lsn {} (offset {})",

@@ -24,6 +24,10 @@ pub struct StorageMetrics {
     pub write_errors: IntCounter,
     /// Timelines whose storage writes are currently failing (transiently or for good).
     pub failed_timelines: IntGauge,
+    /// GetPage reads served from the kernel's page cache on the calling (executor) thread.
+    pub reads_inline: IntCounter,
+    /// GetPage reads that would have waited for the disk, run on the blocking pool instead.
+    pub reads_offloaded: IntCounter,
 }
 
 /// An fsync-like call failed. Marks the error as one that is not retried: after a failed
@@ -101,6 +105,14 @@ impl StorageMetrics {
                 "pageserver_storage_failed_timelines",
                 "Timelines whose storage writes are failing now (ingest refused)",
             )?,
+            reads_inline: counter(
+                "pageserver_storage_reads_inline_total",
+                "GetPage reads served from the kernel's page cache on the executor thread",
+            )?,
+            reads_offloaded: counter(
+                "pageserver_storage_reads_offloaded_total",
+                "GetPage reads that would have waited for the disk, run on the blocking pool instead",
+            )?,
         })
     }
 
@@ -132,7 +144,7 @@ mod tests {
         m.fsync(|| Ok(())).unwrap();
         assert!(StorageMetrics::new(&registry).is_err());
         let families = registry.gather();
-        assert_eq!(families.len(), 10);
+        assert_eq!(families.len(), 12);
         assert!(families.iter().all(|f| f.name().starts_with("pageserver_storage_")));
         assert_eq!(m.fsyncs.get(), 1);
     }

@@ -230,6 +230,36 @@ impl Timeline {
         }
     }
 
+    /// [`Timeline::get_reconstruct_data`] for async callers: when the kernel's page cache holds
+    /// every value, the reads run here, on the calling thread; if any would wait for the disk,
+    /// the whole plan runs on the blocking pool, so a cold read never stalls an executor thread.
+    ///
+    /// Cancel-safe: dropping it abandons a read in progress on the blocking pool, which has no
+    /// side effects.
+    pub async fn read_reconstruct_data(
+        &self,
+        key: Key,
+        lsn: Lsn,
+        limits: ReadLimits,
+    ) -> Result<ReconstructData, GetError> {
+        let plan = {
+            let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
+            index.plan(key, lsn, limits)?
+        };
+        let Some(plan) = plan else {
+            return Err(GetError::NotFound { key, lsn });
+        };
+        if let Some(read) = plan.try_execute_cached() {
+            self.shared.metrics.reads_inline.inc();
+            return read.map_err(GetError::Io);
+        }
+        self.shared.metrics.reads_offloaded.inc();
+        tokio::task::spawn_blocking(move || plan.execute())
+            .await
+            .map_err(|e| GetError::Io(anyhow::anyhow!("storage read task failed: {e}")))?
+            .map_err(GetError::Io)
+    }
+
     /// Stops accepting ingests, completes the queued ones (durable), stops the committer.
     /// Reads keep working. Idempotent; cancel-safe (the stop, once begun, goes on without it).
     pub async fn shutdown(&self) {
@@ -332,6 +362,35 @@ mod tests {
     use crate::storage::DEFAULT_LAYER_SIZE;
 
     const T: Duration = Duration::from_secs(30);
+
+    /// Drops the timeline's files from the kernel's page cache (they are clean: fsync'd).
+    fn evict_from_page_cache(dir: &Path) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let file = File::open(entry.unwrap().path()).unwrap();
+            nix::fcntl::posix_fadvise(&file, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+                .unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_read_that_would_wait_for_the_disk_runs_on_the_blocking_pool_and_a_cached_one_inline() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = metrics();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
+        let values = vec![(key(1), 10, image(7)), (key(1), 11, record("a")), (key(1), 12, record("b"))];
+        tl.ingest(batch(values)).await.unwrap();
+        let expected = tl.get_reconstruct_data(key(1), Lsn(12), NO_LIMITS).unwrap();
+        assert_eq!(expected.records.len(), 2);
+
+        evict_from_page_cache(dir.path());
+        let cold = tl.read_reconstruct_data(key(1), Lsn(12), NO_LIMITS).await.unwrap();
+        assert_eq!(cold, expected);
+        assert_eq!((m.reads_inline.get(), m.reads_offloaded.get()), (0, 1), "the cold read was offloaded");
+
+        let warm = tl.read_reconstruct_data(key(1), Lsn(12), NO_LIMITS).await.unwrap();
+        assert_eq!(warm, expected);
+        assert_eq!((m.reads_inline.get(), m.reads_offloaded.get()), (1, 1), "the cached read ran inline");
+    }
 
     #[tokio::test]
     async fn ingest_then_get_returns_exact_image_and_records_at_latest_and_historical_lsns() {
