@@ -220,14 +220,13 @@ impl Timeline {
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReconstructData, GetError> {
-        let plan = {
-            let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-            index.plan(key, lsn, limits)?
-        };
-        match plan {
-            None => Err(GetError::NotFound { key, lsn }),
-            Some(plan) => plan.execute().map_err(GetError::Io),
-        }
+        self.plan(key, lsn, limits)?.execute().map_err(GetError::Io)
+    }
+
+    /// The reads for `key` at `lsn`, planned under the index lock (held only for this).
+    fn plan(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<super::index::ReadPlan, GetError> {
+        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
+        index.plan(key, lsn, limits)?.ok_or(GetError::NotFound { key, lsn })
     }
 
     /// [`Timeline::get_reconstruct_data`] for async callers: when the kernel's page cache holds
@@ -242,13 +241,7 @@ impl Timeline {
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReconstructData, GetError> {
-        let plan = {
-            let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-            index.plan(key, lsn, limits)?
-        };
-        let Some(plan) = plan else {
-            return Err(GetError::NotFound { key, lsn });
-        };
+        let plan = self.plan(key, lsn, limits)?;
         if let Some(read) = plan.try_execute_cached() {
             self.shared.metrics.reads_inline.inc();
             return read.map_err(GetError::Io);
