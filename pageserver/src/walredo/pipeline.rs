@@ -127,8 +127,22 @@ impl<W> Writer<W> {
         Writer { pipe, next_seq: 0, broken: false }
     }
 
+    /// Takes the stdin lock for a request's write, waiting at most until `queue_deadline`
+    /// ([`ProcessError::QueueTimeout`]), and refuses a stream an earlier request broke.
+    pub(crate) async fn lock(
+        stdin: &tokio::sync::Mutex<Writer<W>>,
+        queue_deadline: Instant,
+        timeout: Duration,
+    ) -> Result<tokio::sync::MutexGuard<'_, Writer<W>>, ProcessError> {
+        let writer = tokio::time::timeout_at(queue_deadline.into(), stdin.lock())
+            .await
+            .map_err(|_| ProcessError::QueueTimeout(timeout))?;
+        writer.check_not_broken()?;
+        Ok(writer)
+    }
+
     /// The error of a writer that finds the stream broken by an earlier request.
-    pub(crate) fn check_not_broken(&self) -> Result<(), ProcessError> {
+    fn check_not_broken(&self) -> Result<(), ProcessError> {
         if self.broken {
             Err(ProcessError::Io(anyhow::anyhow!(
                 "walredo stdin holds a partial frame of a cut-short request"
@@ -236,6 +250,18 @@ pub(crate) struct Waiter<'a> {
     /// When the request was written: its wait on the child starts there at the latest.
     pub(crate) written_at: Instant,
     pub(crate) timeout: Duration,
+}
+
+impl<'a> Waiter<'a> {
+    /// The waiter of request `seq`, written just now.
+    pub(crate) fn after_write(
+        shared: &'a Shared,
+        seq: u64,
+        queue_deadline: Instant,
+        timeout: Duration,
+    ) -> Self {
+        Waiter { shared, seq, queue_deadline, written_at: Instant::now(), timeout }
+    }
 }
 
 impl Shared {
@@ -418,9 +444,11 @@ impl<'a> Claim<'a> {
         Claim { replies, seq, done: false }
     }
 
-    /// The reply was taken: nothing to abandon.
-    pub(crate) fn done(&mut self) {
-        self.done = true;
+    /// The outcome of the wait for the reply: once it is taken (`Ok`) there is nothing to
+    /// abandon; an error leaves the slot abandoned, so a late reply is dropped on arrival.
+    pub(crate) fn settle(mut self, reply: Result<Reply, ProcessError>) -> Result<Reply, ProcessError> {
+        self.done = reply.is_ok();
+        reply
     }
 }
 

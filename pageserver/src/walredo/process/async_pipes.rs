@@ -65,10 +65,7 @@ impl AsyncPipes {
     ) -> Result<Reply, ProcessError> {
         let queue_deadline = Instant::now() + timeout;
         let seq = {
-            let mut writer = tokio::time::timeout_at(queue_deadline.into(), self.stdin.lock())
-                .await
-                .map_err(|_| ProcessError::QueueTimeout(timeout))?;
-            writer.check_not_broken()?;
+            let mut writer = Writer::lock(&self.stdin, queue_deadline, timeout).await?;
             let since = Instant::now();
             let mut fence = Fence::new(&mut *writer, request.len(), on_broken_write);
             while fence.written < request.len() {
@@ -94,14 +91,9 @@ impl AsyncPipes {
             fence.done();
             writer.written()
         };
-        let waiter =
-            Waiter { shared: &self.shared, seq, queue_deadline, written_at: Instant::now(), timeout };
-        let mut claim = Claim::new(&self.shared.replies, seq);
-        let reply = self.read_until(&waiter).await;
-        if reply.is_ok() {
-            claim.done();
-        }
-        reply
+        let waiter = Waiter::after_write(&self.shared, seq, queue_deadline, timeout);
+        // Dropped with the future while the reply is awaited, the claim abandons the slot.
+        Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter).await)
     }
 
     async fn read_until(&self, waiter: &Waiter<'_>) -> Result<Reply, ProcessError> {

@@ -72,10 +72,7 @@ impl SyncPipes {
     pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
         let queue_deadline = Instant::now() + timeout;
         let seq = {
-            let mut writer = tokio::time::timeout_at(queue_deadline.into(), self.stdin.lock())
-                .await
-                .map_err(|_| ProcessError::QueueTimeout(timeout))?;
-            writer.check_not_broken()?;
+            let mut writer = Writer::lock(&self.stdin, queue_deadline, timeout).await?;
             let since = Instant::now();
             let fd = writer.pipe.as_fd();
             let (mut written, mut result) = write_some(fd, request);
@@ -92,14 +89,9 @@ impl SyncPipes {
             }
             writer.written()
         };
-        let waiter =
-            Waiter { shared: &self.shared, seq, queue_deadline, written_at: Instant::now(), timeout };
-        let mut claim = Claim::new(&self.shared.replies, seq);
-        let reply = self.read_until(&waiter).await;
-        if reply.is_ok() {
-            claim.done();
-        }
-        reply
+        let waiter = Waiter::after_write(&self.shared, seq, queue_deadline, timeout);
+        // Dropped with the future while the reply is awaited, the claim abandons the slot.
+        Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter).await)
     }
 
     /// Writes `request[written..]`, waiting while the child makes progress; returns how much
