@@ -26,11 +26,13 @@ pub const LSN_LATEST: u64 = Lsn::LATEST.0;
 /// tenant's start, and [`LSN_LATEST`] is GetPage's "latest" sentinel (a value stored there would
 /// put every later batch "below" it and freeze the tenant's ingest for good).
 pub fn reserved_lsn(values: &[IngestValue]) -> Option<(usize, &'static str)> {
-    values.iter().enumerate().find_map(|(i, v)| match v.lsn {
-        0 => Some((i, "LSN 0/0 is reserved: it lies below every tenant's first LSN")),
-        LSN_LATEST => Some((i, "LSN \"latest\" (0xFFFFFFFFFFFFFFFF) is reserved for GetPage")),
-        _ => None,
-    })
+    let (i, lsn) = values.iter().map(|v| Lsn(v.lsn)).enumerate().find(|(_, lsn)| lsn.is_reserved())?;
+    let why = if lsn == Lsn::LATEST {
+        "LSN \"latest\" (0xFFFFFFFFFFFFFFFF) is reserved for GetPage"
+    } else {
+        "LSN 0/0 is reserved: it lies below every tenant's first LSN"
+    };
+    Some((i, why))
 }
 
 /// The storage form of an Ingest's values (wire -> domain; the LSNs are checked by storage).
