@@ -286,6 +286,12 @@ impl Waiter<'_> {
         }
     }
 
+    /// Whether requests written before this one still wait for their replies (the child has not
+    /// got to this one). Looks only: a parked reply stays for [`Waiter::take`].
+    fn behind(&self) -> bool {
+        super::lock(&self.shared.replies).next_to_read() < self.seq
+    }
+
     /// Waits for the reply to be parked or for the stdout lock, whichever comes first.
     ///
     /// At the head of the queue the wait is the child's time, which the lock holder bounds;
@@ -310,8 +316,9 @@ impl Waiter<'_> {
             tokio::select! {
                 reply = parked => return Ok(Turn::Reply(reply)),
                 guard = stdout.lock() => return Ok(Turn::Reader(guard)),
+                // A reply parked meanwhile is taken at the top of the loop, never dropped here.
                 () = queue => {
-                    if self.take().is_err_and(|at_head| !at_head) {
+                    if self.behind() {
                         return Err(ProcessError::QueueTimeout(self.timeout));
                     }
                 }
@@ -337,8 +344,7 @@ impl Waiter<'_> {
         if now >= self.shared.progress.child_deadline(self.timeout, self.written_at) {
             return Some(ProcessError::Timeout(self.timeout));
         }
-        let behind = self.take().is_err_and(|at_head| !at_head);
-        (now >= self.queue_deadline && behind).then_some(ProcessError::QueueTimeout(self.timeout))
+        (now >= self.queue_deadline && self.behind()).then_some(ProcessError::QueueTimeout(self.timeout))
     }
 }
 
@@ -409,8 +415,10 @@ impl Replies {
         self.wakers.remove(&seq);
         if seq >= self.next_to_read() {
             self.abandoned.insert(seq);
-        } else if let Some(slot) =
-            usize::try_from(seq.saturating_sub(self.first)).ok().and_then(|i| self.slots.get_mut(i))
+        } else if let Some(slot) = seq
+            .checked_sub(self.first)
+            .and_then(|i| usize::try_from(i).ok())
+            .and_then(|i| self.slots.get_mut(i))
         {
             *slot = None;
             self.trim();
@@ -587,6 +595,16 @@ mod tests {
             counts.iter().map(|c| c.0.load(std::sync::atomic::Ordering::Relaxed)).collect();
         assert_eq!(woken, [1, 0, 0]);
         assert_eq!(replies.take(0), Some(Reply::Page(Bytes::from_static(b"for request 0"))));
+    }
+
+    #[test]
+    fn stale_abandon_of_a_trimmed_slot_touches_no_other_reply() {
+        let mut replies = Replies::default();
+        replies.push(Reply::Page(Bytes::from_static(b"for request 0")));
+        replies.push(Reply::Page(Bytes::from_static(b"for request 1")));
+        assert_eq!(replies.take(0), Some(Reply::Page(Bytes::from_static(b"for request 0"))));
+        replies.abandon(0); // late: its slot is gone already
+        assert_eq!(replies.take(1), Some(Reply::Page(Bytes::from_static(b"for request 1"))));
     }
 
     #[test]
