@@ -246,14 +246,14 @@ impl Tenant {
             GetError::TooLarge(why) => GetPageError::Redo(RedoError::InvalidRequest(why)),
             GetError::Io(e) => GetPageError::Internal(e),
         };
-        // Check the limits and reserve the memory before reading; held until the page is built.
-        let bytes = self.timeline.reconstruct_bytes(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
+        // Plan once (the limits are checked there) and reserve the memory before reading; held
+        // until the page is built.
+        let plan = self.timeline.plan_read(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
         let _reserved = tokio::select! {
-            reserved = self.deps.redo_budget.reserve(bytes) => reserved?,
+            reserved = self.deps.redo_budget.reserve(plan.bytes()) => reserved?,
             () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
         };
-        let data =
-            self.timeline.read_reconstruct_data(key, lsn, RECONSTRUCT_LIMITS).await.map_err(read_error)?;
+        let data = self.timeline.read_planned(plan).await.map_err(read_error)?;
         let page = match (data.image, data.records.is_empty()) {
             (Some((_, image)), true) => image,
             (image, _) => {

@@ -22,6 +22,7 @@ use tokio::sync::{oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::format::LOCK_NAME;
+use super::index::ReadPlan;
 use super::shared::{Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
     commit, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits, ReconstructData,
@@ -202,14 +203,6 @@ impl Timeline {
         index.newest_at(key, lsn)
     }
 
-    /// Bytes [`Timeline::get_reconstruct_data`] would read for `key` at `lsn`, from the index
-    /// alone (0 if nothing): for reserving memory before reading. Fails with `TooLarge` as
-    /// [`Timeline::get_reconstruct_data`] would, so a request over `limits` reserves nothing.
-    pub fn reconstruct_bytes(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<u64, GetError> {
-        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-        Ok(index.plan(key, lsn, limits)?.map_or(0, |plan| plan.bytes()))
-    }
-
     /// The newest image of `key` at or below `lsn` and the records above it up to `lsn`, oldest
     /// first; without an image, all records at or below `lsn`. Blocking file reads (positional,
     /// mostly from the page cache); every value's checksum is verified. More than `limits`
@@ -220,28 +213,25 @@ impl Timeline {
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReconstructData, GetError> {
-        self.plan(key, lsn, limits)?.execute().map_err(GetError::Io)
+        self.plan_read(key, lsn, limits)?.execute().map_err(GetError::Io)
     }
 
-    /// The reads for `key` at `lsn`, planned under the index lock (held only for this).
-    fn plan(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<super::index::ReadPlan, GetError> {
+    /// The reads for `key` at `lsn`, planned under the index lock (held only for this), from
+    /// the index alone: what they will cost ([`ReadPlan::bytes`], for reserving memory before
+    /// reading) and `TooLarge` over `limits`, with nothing read. The plan keeps its files open.
+    pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
         let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
         index.plan(key, lsn, limits)?.ok_or(GetError::NotFound { key, lsn })
     }
 
-    /// [`Timeline::get_reconstruct_data`] for async callers: when the kernel's page cache holds
-    /// every value, the reads run here, on the calling thread; if any would wait for the disk,
-    /// the whole plan runs on the blocking pool, so a cold read never stalls an executor thread.
+    /// Runs a plan of [`Timeline::plan_read`] for async callers: when the kernel's page cache
+    /// holds every value, the reads run here, on the calling thread; if any would wait for the
+    /// disk, the whole plan runs on the blocking pool, so a cold read never stalls an executor
+    /// thread.
     ///
     /// Cancel-safe: dropping it abandons a read in progress on the blocking pool, which has no
     /// side effects.
-    pub async fn read_reconstruct_data(
-        &self,
-        key: Key,
-        lsn: Lsn,
-        limits: ReadLimits,
-    ) -> Result<ReconstructData, GetError> {
-        let plan = self.plan(key, lsn, limits)?;
+    pub(crate) async fn read_planned(&self, plan: ReadPlan) -> Result<ReconstructData, GetError> {
         if let Some(read) = plan.try_execute_cached() {
             self.shared.metrics.reads_inline.inc();
             return read.map_err(GetError::Io);
@@ -376,11 +366,11 @@ mod tests {
         assert_eq!(expected.records.len(), 2);
 
         evict_from_page_cache(dir.path());
-        let cold = tl.read_reconstruct_data(key(1), Lsn(12), NO_LIMITS).await.unwrap();
+        let cold = tl.read_planned(tl.plan_read(key(1), Lsn(12), NO_LIMITS).unwrap()).await.unwrap();
         assert_eq!(cold, expected);
         assert_eq!((m.reads_inline.get(), m.reads_offloaded.get()), (0, 1), "the cold read was offloaded");
 
-        let warm = tl.read_reconstruct_data(key(1), Lsn(12), NO_LIMITS).await.unwrap();
+        let warm = tl.read_planned(tl.plan_read(key(1), Lsn(12), NO_LIMITS).unwrap()).await.unwrap();
         assert_eq!(warm, expected);
         assert_eq!((m.reads_inline.get(), m.reads_offloaded.get()), (1, 1), "the cached read ran inline");
     }
