@@ -20,7 +20,7 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::process_metrics::{self, GIT_COMMIT, VERSION};
+use crate::process_metrics::{GIT_COMMIT, VERSION};
 use crate::storage::{Key, Lsn};
 use crate::tenant::TenantConfOverrides;
 use crate::tenants::{TenantError, Tenants};
@@ -68,8 +68,8 @@ type ApiResult = Result<Response, ApiError>;
 /// them (a byte now and then, which the listener's idle timeout alone would allow) is cut off.
 pub const HTTP_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves the API on `listener` until `cancel`; registers the process metrics and
-/// `pageserver_build_info` in `registry` first. On `cancel` it stops accepting, lets each
+/// Serves the API on `listener` until `cancel`, `/metrics` from `registry` (where
+/// `server::run` registered every family, the process metrics included). On `cancel` it stops accepting, lets each
 /// connection finish the request it is serving (hyper's graceful shutdown), and returns once
 /// every connection is closed (bounded by the listener's idle timeout and the header timeout).
 ///
@@ -81,7 +81,6 @@ pub async fn serve(
     registry: prometheus::Registry,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
-    process_metrics::register(&registry)?;
     let state = Arc::new(AppState { tenants, registry });
     let app = Router::new()
         .route("/v1/status", get(status))

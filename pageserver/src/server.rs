@@ -61,6 +61,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let page_service_metrics = Arc::new(PageServiceMetrics::new(&registry)?);
     let cache = Arc::new(PageCache::new(conf.page_cache_size, &registry)?);
     let tenants_metrics = Arc::new(TenantsMetrics::new(&registry)?);
+    crate::process_metrics::register(&registry)?;
     let tenants_cancel = CancellationToken::new();
     let tenants = Arc::new(
         Tenants::load(
