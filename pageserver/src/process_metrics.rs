@@ -100,9 +100,8 @@ impl Collector for ProcessCollector {
             m.cpu_seconds.reset();
             m.cpu_seconds.inc_by(total);
         }
-        if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
-            // One of them is the directory being read.
-            m.open_fds.set(entries.count().saturating_sub(1) as f64);
+        if let Some(open) = crate::server::fds::open_now() {
+            m.open_fds.set(open as f64);
         }
         if let Ok((soft, _)) = getrlimit(Resource::RLIMIT_NOFILE) {
             m.max_fds.set(soft as f64);

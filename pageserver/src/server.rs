@@ -26,7 +26,7 @@ use crate::storage::{self, StorageMetrics};
 use crate::tenants::{Tenants, TenantsMetrics};
 use crate::walredo::WalRedoMetrics;
 
-mod fds;
+pub(crate) mod fds;
 mod http_listener;
 
 pub use fds::HTTP_MAX_CONNECTIONS;

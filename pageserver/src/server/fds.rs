@@ -44,7 +44,8 @@ pub fn raise_limit() -> Option<u64> {
 
 /// Descriptors open in this process now; `None` if `/proc/self/fd` cannot be read.
 pub fn open_now() -> Option<u64> {
-    std::fs::read_dir("/proc/self/fd").ok().map(|entries| entries.count() as u64)
+    // One of the entries is the directory being read.
+    std::fs::read_dir("/proc/self/fd").ok().map(|entries| (entries.count() as u64).saturating_sub(1))
 }
 
 /// The reserve for storage, children and new tenants under a limit of `limit`.
