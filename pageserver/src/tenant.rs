@@ -58,6 +58,8 @@ pub struct EffectiveTenantConf {
 pub enum GetPageError {
     #[error("no page {key} at or below LSN {lsn}")]
     NotFound { key: BufferTag, lsn: Lsn },
+    #[error("LSN {lsn} is below the GC cutoff {cutoff} (gc_horizon): older page versions are gone")]
+    BelowGcCutoff { lsn: Lsn, cutoff: Lsn },
     #[error(transparent)]
     WaitLsn(#[from] WaitLsnError),
     #[error(transparent)]
@@ -235,17 +237,22 @@ impl Tenant {
             }
             lsn
         };
-        let version = self.timeline.version_at(key, lsn).ok_or(GetPageError::NotFound { key, lsn })?;
-        let cache_key = (self.generation, key, version.0);
-        if let Some(page) = self.deps.cache.get(&cache_key) {
-            return Ok((lsn, page));
-        }
         let read_error = |e: GetError| match e {
             GetError::NotFound { .. } => GetPageError::NotFound { key, lsn },
+            GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },
             // The same refusal the redo manager would give, before anything is read.
             GetError::TooLarge(why) => GetPageError::Redo(RedoError::InvalidRequest(why)),
             GetError::Io(e) => GetPageError::Internal(e),
         };
+        let version = self
+            .timeline
+            .version_at(key, lsn)
+            .map_err(read_error)?
+            .ok_or(GetPageError::NotFound { key, lsn })?;
+        let cache_key = (self.generation, key, version.0);
+        if let Some(page) = self.deps.cache.get(&cache_key) {
+            return Ok((lsn, page));
+        }
         // Plan once (the limits are checked there) and reserve the memory before reading; held
         // until the page is built.
         let plan = self.timeline.plan_read(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;

@@ -335,6 +335,7 @@ async fn start_ingest(
 fn get_page_error_code(e: &GetPageError) -> ErrorCode {
     match e {
         GetPageError::NotFound { .. } => ErrorCode::NotFound,
+        GetPageError::BelowGcCutoff { .. } => ErrorCode::BelowGcCutoff,
         GetPageError::WaitLsn(WaitLsnError::Timeout { .. }) => ErrorCode::LsnTimeout,
         GetPageError::WaitLsn(WaitLsnError::StorageUnavailable { .. }) => ErrorCode::StorageUnavailable,
         GetPageError::WaitLsn(WaitLsnError::ShuttingDown { .. }) | GetPageError::ShuttingDown => {

@@ -111,6 +111,8 @@ pub enum ErrorCode {
     IdleTimeout,
     Overloaded,
     StorageUnavailable,
+    /// GetPage below the tenant's GC cutoff: that page version was garbage-collected.
+    BelowGcCutoff,
     /// A code this version does not know.
     Unknown(u16),
 }
@@ -133,6 +135,7 @@ impl ErrorCode {
             ErrorCode::IdleTimeout => 13,
             ErrorCode::Overloaded => 14,
             ErrorCode::StorageUnavailable => 15,
+            ErrorCode::BelowGcCutoff => 16,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -154,6 +157,7 @@ impl ErrorCode {
             13 => ErrorCode::IdleTimeout,
             14 => ErrorCode::Overloaded,
             15 => ErrorCode::StorageUnavailable,
+            16 => ErrorCode::BelowGcCutoff,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -175,6 +179,7 @@ impl ErrorCode {
             ErrorCode::IdleTimeout => "idle_timeout",
             ErrorCode::Overloaded => "overloaded",
             ErrorCode::StorageUnavailable => "storage_unavailable",
+            ErrorCode::BelowGcCutoff => "below_gc_cutoff",
             ErrorCode::Unknown(_) => "unknown",
         }
     }

@@ -37,7 +37,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 
-use super::manifest::{Manifest, SealIntent};
+use super::manifest::SealIntent;
 use super::pool::{self, Pool};
 use super::segment::ActiveSegment;
 use super::shared::{Failure, Pending, Shared};
@@ -62,18 +62,9 @@ pub(super) fn start(
     shared: &Arc<Shared>,
     dir_file: File,
     segment: ActiveSegment,
-    next_file_id: u32,
-    manifest: Manifest,
 ) -> anyhow::Result<Arc<Job>> {
-    let committer = Committer {
-        shared: Arc::clone(shared),
-        dir_file,
-        segment,
-        next_file_id,
-        manifest,
-        seal: SealState::Idle,
-        buf: Vec::new(),
-    };
+    let committer =
+        Committer { shared: Arc::clone(shared), dir_file, segment, seal: SealState::Idle, buf: Vec::new() };
     let job = Arc::new(Job {
         shared: Arc::clone(shared),
         committer: Mutex::new(Some(committer)),
@@ -158,9 +149,6 @@ pub(super) struct Committer {
     pub(super) dir_file: File,
     /// The active segment (during a seal: the one being sealed).
     pub(super) segment: ActiveSegment,
-    pub(super) next_file_id: u32,
-    /// The manifest as last written.
-    pub(super) manifest: Manifest,
     pub(super) seal: SealState,
     /// Reused frame encoding buffer.
     buf: Vec<u8>,
@@ -204,8 +192,16 @@ impl Committer {
     fn step(&mut self) -> bool {
         let (group, fail_fsync) = {
             let mut q = self.shared.queue();
-            if q.pending.is_empty() || (q.hold && !q.stopping) {
-                return !q.stopping;
+            if q.hold && !q.stopping {
+                return true;
+            }
+            if q.pending.is_empty() {
+                if !q.seal_now || q.stopping {
+                    return !q.stopping;
+                }
+                drop(q);
+                self.seal_on_request();
+                return true;
             }
             (std::mem::take(&mut q.pending), std::mem::take(&mut q.fail_next_fsync))
         };
@@ -214,6 +210,19 @@ impl Committer {
             Err((e, unanswered)) => self.failed(e, unanswered),
         }
         true
+    }
+
+    /// A round without batches that seals the active segment because compaction asked
+    /// (`seal_now`). The request is cleared whether the seal worked or not (the requester looks
+    /// at the layers), and `seals` is bumped either way.
+    fn seal_on_request(&mut self) {
+        let sealed = self.advance_seal().context("seal active segment for compaction");
+        self.shared.queue().seal_now = false;
+        match sealed {
+            Ok(()) => self.succeeded(),
+            Err(e) => self.failed(e, Vec::new()),
+        }
+        self.shared.seals.send_modify(|n| *n += 1);
     }
 
     /// Finishes a pending seal, makes `group` durable and acknowledges it, then seals if the
@@ -311,14 +320,16 @@ impl Committer {
         let bytes: u64 = group.iter().flat_map(|p| &p.values).map(|(_, _, v)| v.bytes().len() as u64).sum();
         m.group_commit_batches.observe(group.len() as f64);
         m.ingested_batches.inc_by(group.len() as u64);
-        m.ingested_values.inc_by((self.segment.entries.len() - first_entry) as u64);
+        let values = (self.segment.entries.len() - first_entry) as u64;
+        m.ingested_values.inc_by(values);
+        self.shared.ingested_values.fetch_add(values, Ordering::Relaxed);
         m.ingested_bytes.inc_by(bytes);
 
         self.shared
             .index
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(self.segment.file_id, &self.segment.entries[first_entry..])
+            .insert_active(&self.segment.entries[first_entry..])
             .context("index committed values")?;
         self.shared.active_len.store(self.segment.len, Ordering::Relaxed);
         if let Some(last) = group.last() {

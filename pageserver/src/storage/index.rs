@@ -1,18 +1,29 @@
-//! The in-memory index of one timeline: `(key, lsn) -> (file, offset, len, kind, crc)`, plus the
-//! open files those entries point into, and the read path that turns a lookup into
+//! The layer map of one timeline: which files hold which values, answering "which values, in
+//! which files, do I read for (key, lsn)", and the read path that turns such a plan into
 //! [`ReconstructData`] with positional reads.
 //!
-//! Why: values stay on disk and memory grows only with the number of values (about 80 bytes per
-//! value), never with their size. One ordered map keyed by `(key, lsn)` keeps a key's versions
-//! adjacent, so a lookup is one range scan backwards from `lsn` to the newest image.
+//! Structure: the frozen layers (sealed or compacted files, immutable), oldest first, each with
+//! its index entries sorted by `(key, lsn)` in memory; and the active segment, whose entries
+//! grow with every commit (an ordered map). A lookup walks from the active segment to the
+//! oldest layer and stops at the first image. Values stay on disk; memory holds about 48 bytes
+//! per value of a frozen layer (more in the active segment).
 //!
-//! **Invariants:** the index only holds durable values (the committer inserts after fsync);
-//! a read's size (records and bytes) is checked against its limits from the index alone, before
-//! any value is read;
-//! a `(key, lsn)` is inserted at most once; every entry's file is in `files`. Reads take the lock
-//! only to plan, never across I/O, and check each value's crc32c before returning it.
+//! Order: layers may overlap in LSN range only if they are disjoint in keys (the outputs of one
+//! compaction cover the same LSN range, split by key). So for any one key, walking the layers
+//! newest first visits its values newest first; [`Index::push_layer`] refuses a layer that
+//! would break this.
+//!
+//! Reads: a plan groups the values it needs by file and merges values that lie close together
+//! into one span, read with one `pread`. In a compacted layer a key's values are adjacent, so a
+//! page is rebuilt with one read per layer it touches; in a sealed segment they are spread over
+//! the batches that wrote them.
+//!
+//! **Invariants:** only durable values are in the map (the committer inserts after fsync); a
+//! read's size (records and bytes) is checked against its limits from the map alone, before any
+//! value is read; a `(key, lsn)` is in at most one file; reads take the lock only to plan,
+//! never across I/O, and check each value's crc32c before returning it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::ops::Bound;
 use std::os::unix::fs::FileExt;
@@ -24,146 +35,351 @@ use bytes::Bytes;
 use super::format::{IndexEntry, Kind};
 use super::{GetError, Key, Lsn, ReadLimits, ReconstructData};
 
-#[derive(Debug, Clone, Copy)]
-struct ValueRef {
-    file: u32,
+/// Values of one file closer than this are read together: reading a few KiB more from the page
+/// cache costs less than another system call.
+const MERGE_GAP: u64 = 4096;
+
+/// An immutable layer file and its index, sorted by `(key, lsn)`.
+pub(crate) struct Frozen {
+    /// The file's id in this map (not stored on disk).
+    pub id: u32,
+    pub name: String,
+    pub file: Arc<File>,
+    pub entries: Vec<IndexEntry>,
+    pub first_lsn: Lsn,
+    pub last_lsn: Lsn,
+    /// File length in bytes.
+    pub size: u64,
+}
+
+impl Frozen {
+    /// A layer from its entries; sorts them if needed and refuses a `(key, lsn)` twice.
+    pub(crate) fn new(
+        id: u32,
+        name: String,
+        file: Arc<File>,
+        mut entries: Vec<IndexEntry>,
+        size: u64,
+    ) -> anyhow::Result<Frozen> {
+        if !entries.windows(2).all(|w| (w[0].key, w[0].lsn) < (w[1].key, w[1].lsn)) {
+            entries.sort_by_key(|e| (e.key, e.lsn));
+            if let Some(w) = entries.windows(2).find(|w| (w[0].key, w[0].lsn) == (w[1].key, w[1].lsn)) {
+                anyhow::bail!("{name}: duplicate value for {:?} at lsn {}", w[0].key, w[0].lsn);
+            }
+        }
+        let first_lsn = entries.iter().map(|e| e.lsn).min().with_context(|| format!("{name} is empty"))?;
+        let last_lsn = entries.iter().map(|e| e.lsn).max().unwrap_or(first_lsn);
+        Ok(Frozen { id, name, file, entries, first_lsn, last_lsn, size })
+    }
+
+    fn min_key(&self) -> Option<Key> {
+        self.entries.first().map(|e| e.key)
+    }
+
+    fn max_key(&self) -> Option<Key> {
+        self.entries.last().map(|e| e.key)
+    }
+
+    /// The entries of `key` at or below `lsn`, oldest first.
+    pub(crate) fn values_of(&self, key: Key, lsn: Lsn) -> &[IndexEntry] {
+        let start = self.entries.partition_point(|e| e.key < key);
+        let end = self.entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
+        &self.entries[start..end.max(start)]
+    }
+
+    /// The first key above `after` (from the first key if `None`), if any.
+    pub(crate) fn next_key(&self, after: Option<Key>) -> Option<Key> {
+        let at = match after {
+            Some(k) => self.entries.partition_point(|e| e.key <= k),
+            None => 0,
+        };
+        self.entries.get(at).map(|e| e.key)
+    }
+
+    /// Whether this layer was written by compaction (its values are sorted by key).
+    pub(crate) fn compacted(&self) -> bool {
+        super::layer::parse_file_name(&self.name).is_some_and(|n| n.id.is_some())
+    }
+}
+
+/// The active segment's file and values.
+struct Active {
+    id: u32,
+    file: Arc<File>,
+    map: BTreeMap<(Key, Lsn), IndexEntry>,
+}
+
+/// The layer map. Lives behind the timeline's `RwLock`.
+pub(crate) struct Index {
+    /// Oldest first.
+    layers: Vec<Arc<Frozen>>,
+    active: Active,
+    keys: HashSet<Key>,
+    values: u64,
+}
+
+/// Fails if `layer`, placed above `older` (oldest first), is not entirely above every one of
+/// them that shares a key with it.
+fn check_fits(older: &[Arc<Frozen>], layer: &Frozen) -> anyhow::Result<()> {
+    let (Some(lo), Some(hi)) = (layer.min_key(), layer.max_key()) else {
+        anyhow::bail!("{} is empty", layer.name);
+    };
+    for o in older {
+        let shares_keys = o.min_key().is_some_and(|k| k <= hi) && o.max_key().is_some_and(|k| k >= lo);
+        ensure!(
+            !shares_keys || o.last_lsn < layer.first_lsn,
+            "layer {} (lsn {}..={}) overlaps layer {} (lsn {}..={})",
+            layer.name,
+            layer.first_lsn,
+            layer.last_lsn,
+            o.name,
+            o.first_lsn,
+            o.last_lsn
+        );
+    }
+    Ok(())
+}
+
+/// One value to take out of a span.
+struct SpanValue {
+    lsn: Lsn,
     kind: Kind,
-    offset: u64,
-    len: u32,
+    /// Offset within the span.
+    at: usize,
+    len: usize,
     crc: u32,
 }
 
-/// The index. Lives behind the timeline's `RwLock`.
-#[derive(Default)]
-pub(crate) struct Index {
-    map: BTreeMap<(Key, Lsn), ValueRef>,
-    files: HashMap<u32, Arc<File>>,
-    keys: u64,
-}
-
-/// One value to read: where, how long, and the checksum it must have.
-pub(crate) struct ValueRead {
-    lsn: Lsn,
+/// Bytes of one file read with one `pread`, holding one or more values.
+struct Span {
     file: Arc<File>,
     offset: u64,
-    len: u32,
-    crc: u32,
+    len: usize,
+    values: Vec<SpanValue>,
 }
 
 /// What a lookup found, planned under the lock and executed without it.
 pub(crate) struct ReadPlan {
-    image: Option<ValueRead>,
-    /// Oldest first.
-    records: Vec<ValueRead>,
+    spans: Vec<Span>,
 }
 
 impl Index {
-    /// Registers an open file under `id`; entries may then point into it.
-    pub(crate) fn add_file(&mut self, id: u32, file: Arc<File>) {
-        self.files.insert(id, file);
+    /// An empty map whose active segment is the file `id`.
+    pub(crate) fn new(active_id: u32, active_file: Arc<File>) -> Index {
+        Index {
+            layers: Vec::new(),
+            active: Active { id: active_id, file: active_file, map: BTreeMap::new() },
+            keys: HashSet::new(),
+            values: 0,
+        }
     }
 
-    /// Adds entries of file `id`. Fails, without adding any, if the file is unknown or a
-    /// `(key, lsn)` is already present (overlapping files: a bug or a foreign file).
-    pub(crate) fn insert(&mut self, id: u32, entries: &[IndexEntry]) -> anyhow::Result<()> {
-        ensure!(self.files.contains_key(&id), "index entries for unknown file {id}");
-        if let Some(e) = entries.iter().find(|e| self.map.contains_key(&(e.key, e.lsn))) {
-            anyhow::bail!("duplicate value for {:?} at lsn {}", e.key, e.lsn);
-        }
-        for e in entries {
-            let r = ValueRef { file: id, kind: e.kind, offset: e.offset, len: e.len, crc: e.crc };
-            if !self.has_key(&e.key) {
-                self.keys += 1;
-            }
-            self.map.insert((e.key, e.lsn), r);
-        }
+    /// Adds a layer above the others. Fails if it breaks the order (an LSN range that overlaps
+    /// an earlier layer holding any of its keys, or starting at or below the active segment's
+    /// values).
+    pub(crate) fn push_layer(&mut self, layer: Frozen) -> anyhow::Result<()> {
+        check_fits(&self.layers, &layer)?;
+        self.add_counts(&layer.entries);
+        self.layers.push(Arc::new(layer));
         Ok(())
     }
 
-    fn has_key(&self, key: &Key) -> bool {
-        self.map.range((*key, Lsn(0))..=(*key, Lsn(u64::MAX))).next().is_some()
+    fn add_counts(&mut self, entries: &[IndexEntry]) {
+        self.values += entries.len() as u64;
+        for e in entries {
+            self.keys.insert(e.key);
+        }
+    }
+
+    /// Adds committed values of the active segment. Fails, without adding any, if a
+    /// `(key, lsn)` is already present.
+    pub(crate) fn insert_active(&mut self, entries: &[IndexEntry]) -> anyhow::Result<()> {
+        if let Some(e) = entries.iter().find(|e| self.active.map.contains_key(&(e.key, e.lsn))) {
+            anyhow::bail!("duplicate value for {:?} at lsn {}", e.key, e.lsn);
+        }
+        for e in entries {
+            self.active.map.insert((e.key, e.lsn), *e);
+        }
+        self.add_counts(entries);
+        Ok(())
+    }
+
+    /// The active segment became the layer `name` (same file): it joins the layers, and the
+    /// file `next_id` is the new, empty active segment.
+    pub(crate) fn freeze_active(&mut self, name: String, size: u64, next_id: u32, next_file: Arc<File>) {
+        let old = std::mem::replace(
+            &mut self.active,
+            Active { id: next_id, file: next_file, map: BTreeMap::new() },
+        );
+        // Already sorted by (key, lsn) and unique (map keys), and above every layer.
+        let entries: Vec<IndexEntry> = old.map.into_values().collect();
+        if let (Some(first), Some(last)) =
+            (entries.iter().map(|e| e.lsn).min(), entries.iter().map(|e| e.lsn).max())
+        {
+            let layer =
+                Frozen { id: old.id, name, file: old.file, entries, first_lsn: first, last_lsn: last, size };
+            self.layers.push(Arc::new(layer));
+        }
+    }
+
+    /// The frozen layers, oldest first.
+    pub(crate) fn layers(&self) -> &[Arc<Frozen>] {
+        &self.layers
+    }
+
+    /// The layer list with the layers `inputs` (the oldest ones, in order) replaced by
+    /// `outputs` (disjoint in keys, each below the remaining layers that share keys with it).
+    /// Fails if the inputs are not the oldest layers or an output breaks the order.
+    pub(crate) fn replaced(
+        &self,
+        inputs: &[u32],
+        outputs: &[Arc<Frozen>],
+    ) -> anyhow::Result<Vec<Arc<Frozen>>> {
+        let n = inputs.len();
+        ensure!(
+            self.layers.len() >= n && self.layers[..n].iter().map(|l| l.id).eq(inputs.iter().copied()),
+            "compaction inputs are no longer the oldest layers"
+        );
+        let next: Vec<Arc<Frozen>> = outputs.iter().chain(&self.layers[n..]).cloned().collect();
+        for (i, layer) in next.iter().enumerate() {
+            check_fits(&next[..i], layer)?;
+        }
+        Ok(next)
+    }
+
+    /// Replaces the layers, as [`Index::replaced`] does; changes nothing if that fails.
+    pub(crate) fn replace_layers(&mut self, inputs: &[u32], outputs: &[Arc<Frozen>]) -> anyhow::Result<()> {
+        self.layers = self.replaced(inputs, outputs)?;
+        self.values =
+            self.layers.iter().map(|l| l.entries.len() as u64).sum::<u64>() + self.active.map.len() as u64;
+        Ok(())
     }
 
     /// Number of distinct keys.
     pub(crate) fn keys(&self) -> u64 {
-        self.keys
+        self.keys.len() as u64
     }
 
     /// Number of values.
     pub(crate) fn values(&self) -> u64 {
-        self.map.len() as u64
+        self.values
     }
 
-    /// Every key in key order, with the LSN of its oldest value. Jumps from key to key:
-    /// O(keys x log values), not a walk over every value.
+    /// Every key in key order, with the LSN of its oldest value. O(values).
     pub(crate) fn first_lsns(&self) -> Vec<(Key, Lsn)> {
-        let mut out = Vec::with_capacity(self.keys as usize);
-        let mut next = self.map.iter().next().map(|(&k, _)| k);
-        while let Some((key, lsn)) = next {
-            out.push((key, lsn));
-            next = self
-                .map
-                .range((Bound::Excluded((key, Lsn(u64::MAX))), Bound::Unbounded))
-                .next()
-                .map(|(&k, _)| k);
+        let mut first: BTreeMap<Key, Lsn> = BTreeMap::new();
+        let all = self.layers.iter().flat_map(|l| l.entries.iter()).chain(self.active.map.values());
+        for e in all {
+            first.entry(e.key).and_modify(|l| *l = (*l).min(e.lsn)).or_insert(e.lsn);
         }
-        out
+        first.into_iter().collect()
+    }
+
+    /// The entries of `key` at or below `lsn`, newest first, with the file each is in: the
+    /// active segment's, then each layer's from the newest layer down.
+    fn newest_first(&self, key: Key, lsn: Lsn) -> impl Iterator<Item = (&Arc<File>, &IndexEntry)> {
+        let range = (Bound::Included((key, Lsn(0))), Bound::Included((key, lsn)));
+        let active = self.active.map.range(range).rev().map(|(_, e)| (&self.active.file, e));
+        let layers = self
+            .layers
+            .iter()
+            .rev()
+            .flat_map(move |l| l.values_of(key, lsn).iter().rev().map(|e| (&l.file, e)));
+        active.chain(layers)
     }
 
     /// The LSN of the newest value of `key` at or below `lsn`.
     pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
-        let range = (Bound::Included((key, Lsn(0))), Bound::Included((key, lsn)));
-        self.map.range(range).next_back().map(|(&(_, at), _)| at)
+        self.newest_first(key, lsn).next().map(|(_, e)| e.lsn)
     }
 
     /// Plans the reads for `key` as of `lsn`: the newest image at or below `lsn` and the records
     /// above it, or all records at or below `lsn` if there is no image. `None` if nothing.
     /// Fails with `TooLarge`, before any value is read, when more than `limits` would be read.
     pub(crate) fn plan(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<ReadPlan>, GetError> {
-        let range = (Bound::Included((key, Lsn(0))), Bound::Included((key, lsn)));
-        let mut image = None;
-        let mut records = Vec::new();
+        let mut picked: Vec<(&Arc<File>, &IndexEntry)> = Vec::new();
         let mut bytes = 0u64;
-        for (&(_, at), r) in self.map.range(range).rev() {
-            bytes += u64::from(r.len);
+        let mut records = 0usize;
+        for (file, e) in self.newest_first(key, lsn) {
+            bytes += u64::from(e.len);
             if bytes > limits.max_bytes {
                 return Err(GetError::TooLarge(format!(
-                    "{key:?} at lsn {lsn}: more than {} bytes of image and records from lsn {at} up",
-                    limits.max_bytes
+                    "{key:?} at lsn {lsn}: more than {} bytes of image and records from lsn {} up",
+                    limits.max_bytes, e.lsn
                 )));
             }
-            if r.kind == Kind::Record && records.len() == limits.max_records {
-                return Err(GetError::TooLarge(format!(
-                    "{key:?} at lsn {lsn}: more than {} records above the newest image (at lsn {at} and up)",
-                    limits.max_records
-                )));
-            }
-            let file = self
-                .files
-                .get(&r.file)
-                .with_context(|| format!("file {} gone", r.file))
-                .map_err(GetError::Io)?;
-            let read = ValueRead { lsn: at, file: file.clone(), offset: r.offset, len: r.len, crc: r.crc };
-            match r.kind {
-                Kind::Image => {
-                    image = Some(read);
-                    break;
+            if e.kind == Kind::Record {
+                if records == limits.max_records {
+                    return Err(GetError::TooLarge(format!(
+                        "{key:?} at lsn {lsn}: more than {} records above the newest image (at lsn {} and up)",
+                        limits.max_records, e.lsn
+                    )));
                 }
-                Kind::Record => records.push(read),
+                records += 1;
+            }
+            picked.push((file, e));
+            if e.kind == Kind::Image {
+                break;
             }
         }
-        if image.is_none() && records.is_empty() {
+        if picked.is_empty() {
             return Ok(None);
         }
-        records.reverse();
-        Ok(Some(ReadPlan { image, records }))
+        picked.reverse();
+        Ok(Some(ReadPlan::new(picked)))
     }
 }
 
 impl ReadPlan {
-    /// Bytes the plan reads: the lengths of its values.
+    /// A plan for `values` (oldest first): values of one file that lie within [`MERGE_GAP`] of
+    /// each other share a span.
+    pub(crate) fn new(values: Vec<(&Arc<File>, &IndexEntry)>) -> ReadPlan {
+        let mut spans: Vec<Span> = Vec::new();
+        for (file, e) in values {
+            let end = e.offset + u64::from(e.len);
+            let joins = spans.iter_mut().find(|s| {
+                Arc::ptr_eq(&s.file, file)
+                    && e.offset >= s.offset + s.len as u64
+                    && e.offset - (s.offset + s.len as u64) <= MERGE_GAP
+            });
+            match joins {
+                Some(s) => {
+                    let at = (e.offset - s.offset) as usize;
+                    s.len = (end - s.offset) as usize;
+                    s.values.push(SpanValue {
+                        lsn: e.lsn,
+                        kind: e.kind,
+                        at,
+                        len: e.len as usize,
+                        crc: e.crc,
+                    });
+                }
+                None => spans.push(Span {
+                    file: Arc::clone(file),
+                    offset: e.offset,
+                    len: e.len as usize,
+                    values: vec![SpanValue {
+                        lsn: e.lsn,
+                        kind: e.kind,
+                        at: 0,
+                        len: e.len as usize,
+                        crc: e.crc,
+                    }],
+                }),
+            }
+        }
+        ReadPlan { spans }
+    }
+
+    /// Bytes the plan reads (its values and the gaps between values read together).
     pub(crate) fn bytes(&self) -> u64 {
-        self.image.iter().chain(&self.records).map(|r| u64::from(r.len)).sum()
+        self.spans.iter().map(|s| s.len as u64).sum()
+    }
+
+    /// Number of `pread` calls the plan makes.
+    #[cfg(test)]
+    pub(crate) fn reads(&self) -> usize {
+        self.spans.len()
     }
 
     /// Reads every planned value if the kernel's page cache holds all of them, without
@@ -171,70 +387,82 @@ impl ReadPlan {
     /// read would wait (or fails, or comes back short): then run [`ReadPlan::execute`] where
     /// blocking is allowed, which also reports any error.
     pub(crate) fn try_execute_cached(&self) -> Option<anyhow::Result<ReconstructData>> {
-        let read = |r: &ValueRead| read_value_nowait(r).map(|v| v.map(|v| (r.lsn, v)));
-        let image = match &self.image {
-            Some(r) => match read(r)? {
-                Ok(v) => Some(v),
-                Err(e) => return Some(Err(e)),
-            },
-            None => None,
-        };
-        let mut records = Vec::with_capacity(self.records.len());
-        for r in &self.records {
-            match read(r)? {
-                Ok(v) => records.push(v),
-                Err(e) => return Some(Err(e)),
-            }
+        let mut bufs = Vec::with_capacity(self.spans.len());
+        for s in &self.spans {
+            bufs.push(read_span_nowait(s)?);
         }
-        Some(Ok(ReconstructData { image, records }))
+        Some(self.assemble(bufs))
     }
 
     /// Reads every planned value with positional reads and checks its checksum.
     pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
-        let image = self.image.map(|r| Ok::<_, anyhow::Error>((r.lsn, read_value(&r)?)));
-        Ok(ReconstructData {
-            image: image.transpose()?,
-            records: self
-                .records
-                .iter()
-                .map(|r| Ok((r.lsn, read_value(r)?)))
-                .collect::<anyhow::Result<_>>()?,
-        })
+        let bufs = self.spans.iter().map(read_span).collect::<anyhow::Result<Vec<_>>>()?;
+        self.assemble(bufs)
+    }
+
+    /// Reads every planned value (blocking) and returns them oldest first, with their kind.
+    pub(crate) fn execute_values(self) -> anyhow::Result<Vec<(Lsn, Kind, Bytes)>> {
+        let bufs = self.spans.iter().map(read_span).collect::<anyhow::Result<Vec<_>>>()?;
+        self.cut(bufs)
+    }
+
+    fn assemble(&self, bufs: Vec<Bytes>) -> anyhow::Result<ReconstructData> {
+        let mut image = None;
+        let mut records = Vec::new();
+        for (lsn, kind, bytes) in self.cut(bufs)? {
+            match kind {
+                Kind::Image => image = Some((lsn, bytes)),
+                Kind::Record => records.push((lsn, bytes)),
+            }
+        }
+        Ok(ReconstructData { image, records })
+    }
+
+    /// Cuts the values out of the spans' bytes, oldest first (records share the span's memory;
+    /// an image is copied out of a larger span, since it may be kept in the page cache),
+    /// checking each one's checksum.
+    fn cut(&self, bufs: Vec<Bytes>) -> anyhow::Result<Vec<(Lsn, Kind, Bytes)>> {
+        let mut values: Vec<(Lsn, Kind, Bytes)> = Vec::new();
+        for (s, buf) in self.spans.iter().zip(bufs) {
+            for v in &s.values {
+                let bytes = buf.slice(v.at..v.at + v.len);
+                ensure!(
+                    crc32c::crc32c(&bytes) == v.crc,
+                    "checksum mismatch in value at lsn {} (offset {})",
+                    v.lsn,
+                    s.offset + v.at as u64
+                );
+                let bytes = match v.kind {
+                    Kind::Image if bytes.len() < buf.len() => Bytes::copy_from_slice(&bytes),
+                    _ => bytes,
+                };
+                values.push((v.lsn, v.kind, bytes));
+            }
+        }
+        values.sort_by_key(|(lsn, _, _)| *lsn);
+        Ok(values)
     }
 }
 
-/// One value from the page cache, or `None` if reading it would wait for the disk (or the read
-/// fails or comes back short: the blocking read then reports why). A checksum mismatch is an
-/// error either way.
-fn read_value_nowait(r: &ValueRead) -> Option<anyhow::Result<Bytes>> {
-    let mut buf = vec![0u8; r.len as usize];
+/// One span from the page cache, or `None` if reading it would wait for the disk (or the read
+/// fails or comes back short: the blocking read then reports why).
+fn read_span_nowait(s: &Span) -> Option<Bytes> {
+    let mut buf = vec![0u8; s.len];
     let read = rustix::io::preadv2(
-        &*r.file,
+        &*s.file,
         &mut [std::io::IoSliceMut::new(&mut buf)],
-        r.offset,
+        s.offset,
         rustix::io::ReadWriteFlags::NOWAIT,
     );
-    if read.ok()? != buf.len() {
-        return None;
-    }
-    Some(check_value(r, buf))
+    (read.ok()? == buf.len()).then(|| Bytes::from(buf))
 }
 
-fn read_value(r: &ValueRead) -> anyhow::Result<Bytes> {
-    let mut buf = vec![0u8; r.len as usize];
-    r.file
-        .read_exact_at(&mut buf, r.offset)
-        .with_context(|| format!("read value at lsn {} (offset {})", r.lsn, r.offset))?;
-    check_value(r, buf)
-}
-
-fn check_value(r: &ValueRead, buf: Vec<u8>) -> anyhow::Result<Bytes> {
-    ensure!(
-        crc32c::crc32c(&buf) == r.crc,
-        "checksum mismatch in value at lsn {} (offset {})",
-        r.lsn,
-        r.offset
-    );
+fn read_span(s: &Span) -> anyhow::Result<Bytes> {
+    let mut buf = vec![0u8; s.len];
+    let lsn = s.values.first().map_or(Lsn(0), |v| v.lsn);
+    s.file
+        .read_exact_at(&mut buf, s.offset)
+        .with_context(|| format!("read {} bytes at offset {} (value at lsn {lsn})", s.len, s.offset))?;
     Ok(Bytes::from(buf))
 }
 
@@ -248,12 +476,14 @@ mod tests {
         Key { spcnode: 1, dbnode: 1, relnode: 1, forknum: 0, blknum: blk }
     }
 
-    /// A file holding `vals` back to back, and their entries.
-    fn file_with(vals: &[(Key, u64, Kind, &[u8])]) -> (Arc<File>, Vec<IndexEntry>) {
+    /// A file holding `vals` back to back (each after a gap of `gap` bytes), and their entries.
+    fn file_with_gap(vals: &[(Key, u64, Kind, &[u8])], gap: usize) -> (Arc<File>, Vec<IndexEntry>) {
         let mut f = tempfile::tempfile().unwrap();
         let mut entries = Vec::new();
         let mut off = 0u64;
         for (k, lsn, kind, b) in vals {
+            std::io::Write::write_all(&mut f, &vec![0xee; gap]).unwrap();
+            off += gap as u64;
             std::io::Write::write_all(&mut f, b).unwrap();
             let len = b.len() as u32;
             entries.push(IndexEntry {
@@ -269,18 +499,32 @@ mod tests {
         (Arc::new(f), entries)
     }
 
+    fn file_with(vals: &[(Key, u64, Kind, &[u8])]) -> (Arc<File>, Vec<IndexEntry>) {
+        file_with_gap(vals, 0)
+    }
+
+    /// A map whose only content is the active segment holding `vals`.
+    fn active_with(vals: &[(Key, u64, Kind, &[u8])]) -> Index {
+        let (f, entries) = file_with(vals);
+        let mut idx = Index::new(0, f);
+        idx.insert_active(&entries).unwrap();
+        idx
+    }
+
+    fn layer(id: u32, vals: &[(Key, u64, Kind, &[u8])]) -> Frozen {
+        let (f, entries) = file_with(vals);
+        Frozen::new(id, format!("l{id}"), f, entries, 0).unwrap()
+    }
+
     #[test]
     fn plan_picks_newest_image_and_later_records_oldest_first() {
-        let (f, entries) = file_with(&[
+        let idx = active_with(&[
             (key(1), 10, Kind::Record, b"r10"),
             (key(1), 20, Kind::Image, b"i20"),
             (key(1), 30, Kind::Record, b"r30"),
             (key(1), 40, Kind::Record, b"r40"),
             (key(2), 15, Kind::Record, b"k2"),
         ]);
-        let mut idx = Index::default();
-        idx.add_file(3, f);
-        idx.insert(3, &entries).unwrap();
         assert_eq!((idx.keys(), idx.values()), (2, 5));
 
         let d = idx.plan(key(1), Lsn(35), NO_LIMITS).unwrap().unwrap().execute().unwrap();
@@ -297,39 +541,99 @@ mod tests {
     }
 
     #[test]
-    fn first_lsns_lists_every_key_once_with_its_oldest_lsn() {
-        let (f, entries) = file_with(&[
-            (key(2), 15, Kind::Record, b"a"),
-            (key(1), 20, Kind::Image, b"b"),
-            (key(1), 30, Kind::Record, b"c"),
-            (key(2), 40, Kind::Record, b"d"),
-            (key(7), 50, Kind::Image, b"e"),
-        ]);
-        let mut idx = Index::default();
-        assert!(idx.first_lsns().is_empty());
-        idx.add_file(0, f);
-        idx.insert(0, &entries).unwrap();
-        assert_eq!(idx.first_lsns(), vec![(key(1), Lsn(20)), (key(2), Lsn(15)), (key(7), Lsn(50))]);
+    fn lookup_walks_active_segment_then_layers_newest_first() {
+        let mut idx = active_with(&[(key(1), 50, Kind::Record, b"r50")]);
+        idx.push_layer(layer(1, &[(key(1), 10, Kind::Image, b"i10"), (key(2), 12, Kind::Record, b"x")]))
+            .unwrap();
+        idx.push_layer(layer(2, &[(key(1), 20, Kind::Record, b"r20"), (key(1), 30, Kind::Record, b"r30")]))
+            .unwrap();
+        let plan = idx.plan(key(1), Lsn(60), NO_LIMITS).unwrap().unwrap();
+        // One read per file: the two records of layer 2 are adjacent.
+        assert_eq!(plan.reads(), 3);
+        let d = plan.execute().unwrap();
+        assert_eq!(d.image, Some((Lsn(10), Bytes::from_static(b"i10"))));
+        let lsns: Vec<_> = d.records.iter().map(|(l, _)| l.0).collect();
+        assert_eq!(lsns, vec![20, 30, 50]);
+        assert_eq!(idx.newest_at(key(1), Lsn(49)), Some(Lsn(30)));
+        assert_eq!(idx.newest_at(key(2), Lsn(100)), Some(Lsn(12)));
+        assert_eq!(idx.first_lsns(), vec![(key(1), Lsn(10)), (key(2), Lsn(12))]);
+        assert_eq!((idx.keys(), idx.values()), (2, 5));
+    }
+
+    #[test]
+    fn values_close_together_are_read_with_one_pread_and_far_apart_with_several() {
+        let vals: Vec<(Key, u64, Kind, &[u8])> = std::iter::once((key(1), 1, Kind::Image, &[7u8; 8192][..]))
+            .chain((2..=10).map(|lsn| (key(1), lsn, Kind::Record, &b"record"[..])))
+            .collect();
+        for (gap, reads) in [(0, 1), (100, 1), (MERGE_GAP as usize + 1, 10)] {
+            let (f, entries) = file_with_gap(&vals, gap);
+            let mut idx = Index::new(0, tempfile::tempfile().map(Arc::new).unwrap());
+            idx.push_layer(Frozen::new(1, "l".into(), f, entries, 0).unwrap()).unwrap();
+            let plan = idx.plan(key(1), Lsn(10), NO_LIMITS).unwrap().unwrap();
+            assert_eq!(plan.reads(), reads, "gap {gap}");
+            let cached = plan.try_execute_cached().unwrap().unwrap();
+            let d = plan.execute().unwrap();
+            assert_eq!(cached, d);
+            assert_eq!(d.image.as_ref().map(|(l, b)| (l.0, b.len())), Some((1, 8192)));
+            assert_eq!(d.records.len(), 9);
+            assert!(d.records.iter().all(|(_, r)| &r[..] == b"record"));
+        }
+    }
+
+    #[test]
+    fn layer_overlapping_an_older_one_in_keys_and_lsns_is_refused() {
+        let mut idx = active_with(&[]);
+        idx.push_layer(layer(1, &[(key(1), 10, Kind::Record, b"a"), (key(5), 20, Kind::Record, b"b")]))
+            .unwrap();
+        // Same LSN range, other keys: the outputs of one compaction.
+        idx.push_layer(layer(2, &[(key(6), 15, Kind::Record, b"c")])).unwrap();
+        let err = idx.push_layer(layer(3, &[(key(3), 20, Kind::Record, b"d")])).unwrap_err();
+        assert!(err.to_string().contains("overlaps layer l1"), "{err}");
+        assert_eq!(idx.layers().len(), 2);
+    }
+
+    #[test]
+    fn replace_layers_swaps_the_oldest_layers_and_checks_the_order() {
+        let mut idx = active_with(&[]);
+        idx.push_layer(layer(1, &[(key(1), 10, Kind::Record, b"a")])).unwrap();
+        idx.push_layer(layer(2, &[(key(1), 20, Kind::Record, b"b")])).unwrap();
+        idx.push_layer(layer(3, &[(key(1), 30, Kind::Record, b"c")])).unwrap();
+        assert!(idx
+            .replace_layers(&[2], &[Arc::new(layer(9, &[(key(1), 20, Kind::Image, &[0; 8192])]))])
+            .is_err());
+        // An output reaching into a newer layer's range is refused and nothing changes.
+        let err = idx
+            .replace_layers(&[1, 2], &[Arc::new(layer(8, &[(key(1), 30, Kind::Record, b"x")]))])
+            .unwrap_err();
+        assert!(err.to_string().contains("overlaps"), "{err}");
+        assert_eq!(idx.layers().iter().map(|l| l.id).collect::<Vec<_>>(), vec![1, 2, 3]);
+        idx.replace_layers(&[1, 2], &[Arc::new(layer(9, &[(key(1), 20, Kind::Image, &[1; 8192])]))]).unwrap();
+        assert_eq!(idx.layers().iter().map(|l| l.id).collect::<Vec<_>>(), vec![9, 3]);
+        assert_eq!(idx.values(), 2);
+        let d = idx.plan(key(1), Lsn(30), NO_LIMITS).unwrap().unwrap().execute().unwrap();
+        assert_eq!(d.image.map(|(l, _)| l), Some(Lsn(20)));
+        assert_eq!(d.records, vec![(Lsn(30), Bytes::from_static(b"c"))]);
     }
 
     #[test]
     fn insert_of_duplicate_key_lsn_fails_and_adds_nothing() {
         let (f, entries) = file_with(&[(key(1), 10, Kind::Record, b"a"), (key(2), 10, Kind::Record, b"b")]);
-        let mut idx = Index::default();
-        idx.add_file(0, f);
-        idx.insert(0, &entries[..1]).unwrap();
-        assert!(idx.insert(0, &entries).is_err());
+        let mut idx = Index::new(0, f);
+        idx.insert_active(&entries[..1]).unwrap();
+        assert!(idx.insert_active(&entries).is_err());
         assert_eq!(idx.values(), 1);
-        assert!(idx.insert(9, &entries[1..]).is_err());
+        let (f, mut entries) =
+            file_with(&[(key(1), 10, Kind::Record, b"a"), (key(2), 10, Kind::Record, b"b")]);
+        entries[1].key = key(1);
+        assert!(Frozen::new(1, "l".into(), f, entries, 0).is_err());
     }
 
     #[test]
     fn read_of_value_with_wrong_checksum_is_an_error() {
         let (f, mut entries) = file_with(&[(key(1), 10, Kind::Record, b"abc")]);
         entries[0].crc ^= 1;
-        let mut idx = Index::default();
-        idx.add_file(0, f);
-        idx.insert(0, &entries).unwrap();
+        let mut idx = Index::new(0, f);
+        idx.insert_active(&entries).unwrap();
         let err = idx.plan(key(1), Lsn(10), NO_LIMITS).unwrap().unwrap().execute().err().unwrap();
         assert!(format!("{err:#}").contains("checksum mismatch"), "{err:#}");
     }
@@ -342,9 +646,8 @@ mod tests {
             .collect();
         let (f, mut entries) = file_with(&vals);
         entries.iter_mut().for_each(|e| e.crc ^= 1);
-        let mut idx = Index::default();
-        idx.add_file(0, f);
-        idx.insert(0, &entries).unwrap();
+        let mut idx = Index::new(0, f);
+        idx.insert_active(&entries).unwrap();
 
         let limits = |max_records, max_bytes| ReadLimits { max_records, max_bytes };
         let err = idx.plan(key(1), Lsn(11), limits(9, u64::MAX)).err().unwrap();

@@ -45,21 +45,43 @@ pub(crate) struct Footer {
     pub index_crc: u32,
 }
 
-/// File name of a layer covering `first..=last`.
-pub(crate) fn file_name(first: Lsn, last: Lsn) -> String {
-    format!("layer_{:016X}_{:016X}.layer", first.0, last.0)
+/// File name of a layer covering `first..=last`: made by a seal (`id` None) or the output
+/// `id` of a compaction (several outputs may cover the same LSN range).
+pub(crate) fn file_name(first: Lsn, last: Lsn, id: Option<u64>) -> String {
+    match id {
+        None => format!("layer_{:016X}_{:016X}.layer", first.0, last.0),
+        Some(id) => format!("layer_{:016X}_{:016X}_{id:016X}.layer", first.0, last.0),
+    }
+}
+
+/// What a layer's file name says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LayerName {
+    pub first: Lsn,
+    pub last: Lsn,
+    /// Set for compaction outputs.
+    pub id: Option<u64>,
 }
 
 /// Parses a name made by [`file_name`]; `None` for anything else.
-pub(crate) fn parse_file_name(name: &str) -> Option<(Lsn, Lsn)> {
+pub(crate) fn parse_file_name(name: &str) -> Option<LayerName> {
     let rest = name.strip_prefix("layer_")?.strip_suffix(".layer")?;
-    let (a, b) = rest.split_once('_')?;
     let hex = |s: &str| {
         (s.len() == 16 && s.bytes().all(|c| c.is_ascii_hexdigit()))
             .then(|| u64::from_str_radix(s, 16).ok())
             .flatten()
     };
-    Some((Lsn(hex(a)?), Lsn(hex(b)?)))
+    let mut parts = rest.split('_');
+    let first = Lsn(hex(parts.next()?)?);
+    let last = Lsn(hex(parts.next()?)?);
+    let id = match parts.next() {
+        Some(p) => Some(hex(p)?),
+        None => None,
+    };
+    match parts.next() {
+        Some(_) => None,
+        None => Some(LayerName { first, last, id }),
+    }
 }
 
 /// Bytes that [`append_index_and_footer`] adds for `entries` index entries.
@@ -202,7 +224,7 @@ pub(crate) fn open(path: &Path) -> anyhow::Result<OpenLayer> {
     let footer = read_footer(&file, len)?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
     ensure!(
-        parse_file_name(name) == Some((footer.first_lsn, footer.last_lsn)),
+        parse_file_name(name).map(|n| (n.first, n.last)) == Some((footer.first_lsn, footer.last_lsn)),
         "name does not match the footer's lsn range {}..={}",
         footer.first_lsn,
         footer.last_lsn
@@ -225,10 +247,19 @@ mod tests {
 
     #[test]
     fn file_name_roundtrip_and_foreign_names_rejected() {
-        let name = file_name(Lsn(0x1_0000_002A), Lsn(u64::MAX));
+        let name = file_name(Lsn(0x1_0000_002A), Lsn(u64::MAX), None);
         assert_eq!(name, "layer_000000010000002A_FFFFFFFFFFFFFFFF.layer");
-        assert_eq!(parse_file_name(&name), Some((Lsn(0x1_0000_002A), Lsn(u64::MAX))));
-        for bad in ["layer_1_2.layer", "active.seg", "layer_000000010000002A_FFFFFFFFFFFFFFFF"] {
+        let parsed = parse_file_name(&name).unwrap();
+        assert_eq!((parsed.first, parsed.last, parsed.id), (Lsn(0x1_0000_002A), Lsn(u64::MAX), None));
+        let name = file_name(Lsn(1), Lsn(2), Some(0x2b));
+        assert_eq!(name, "layer_0000000000000001_0000000000000002_000000000000002B.layer");
+        assert_eq!(parse_file_name(&name).unwrap().id, Some(0x2b));
+        for bad in [
+            "layer_1_2.layer",
+            "active.seg",
+            "layer_000000010000002A_FFFFFFFFFFFFFFFF",
+            "layer_0000000000000001_0000000000000002_000000000000002B_0000000000000001.layer",
+        ] {
             assert_eq!(parse_file_name(bad), None, "{bad}");
         }
     }
@@ -244,7 +275,7 @@ mod tests {
         seg.append(&[(key(9), Lsn(5), rec(b"a")), (key(1), Lsn(5), rec(b"b"))], &mut buf).unwrap();
         seg.append(&[(key(1), Lsn(7), rec(b"c"))], &mut buf).unwrap();
         let end = append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
-        let path = dir.path().join(file_name(Lsn(5), Lsn(7)));
+        let path = dir.path().join(file_name(Lsn(5), Lsn(7), None));
         std::fs::rename(dir.path().join("active.seg"), &path).unwrap();
 
         let layer = open(&path).unwrap();
@@ -266,11 +297,11 @@ mod tests {
         let mut buf = Vec::new();
         seg.append(&[(key(1), Lsn(5), Value::Record(Bytes::from_static(b"a")))], &mut buf).unwrap();
         append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
-        let wrong = dir.path().join(file_name(Lsn(5), Lsn(6)));
+        let wrong = dir.path().join(file_name(Lsn(5), Lsn(6), None));
         std::fs::rename(dir.path().join("active.seg"), &wrong).unwrap();
         assert!(open(&wrong).is_err());
 
-        let right = dir.path().join(file_name(Lsn(5), Lsn(5)));
+        let right = dir.path().join(file_name(Lsn(5), Lsn(5), None));
         std::fs::rename(&wrong, &right).unwrap();
         open(&right).unwrap();
         seg.file.write_all_at(&[0xee], seg.len + 6).unwrap();

@@ -31,8 +31,9 @@ use super::{layer, Lsn, StorageMetrics};
 pub(crate) const MANIFEST_NAME: &str = "manifest.json";
 /// Temporary name a new manifest is written under before it is renamed over the old one.
 pub(crate) const MANIFEST_TMP_NAME: &str = ".manifest.json.tmp";
-/// Version of the manifest's JSON schema.
-pub(crate) const MANIFEST_VERSION: u32 = 1;
+/// Version of the manifest's JSON schema written: 2 adds the compaction fields (`gc_cutoff`,
+/// `next_layer_id`, `compacting`, `deleting`); version 1 manifests (without them) still decode.
+pub(crate) const MANIFEST_VERSION: u32 = 2;
 const CRC_PREFIX: &str = "crc32c=";
 
 /// The files of a timeline, as last made durable.
@@ -48,6 +49,26 @@ pub(crate) struct Manifest {
     pub active: ActiveMeta,
     /// A seal that was started (intent made durable) and not yet recorded as finished.
     pub sealing: Option<SealIntent>,
+    /// GetPage below this LSN is refused: compaction may have dropped what it needs.
+    #[serde(default)]
+    pub gc_cutoff: u64,
+    /// The id the next compaction output gets (its file name's third field).
+    #[serde(default)]
+    pub next_layer_id: u64,
+    /// A compaction that may have written output files: unlisted outputs with an id from
+    /// `first_layer_id` on are its leftovers.
+    #[serde(default)]
+    pub compacting: Option<CompactIntent>,
+    /// Files no longer part of the timeline (compaction inputs), to be deleted.
+    #[serde(default)]
+    pub deleting: Vec<String>,
+}
+
+/// A compaction in progress.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CompactIntent {
+    pub first_layer_id: u64,
 }
 
 /// One layer file.
@@ -79,8 +100,9 @@ pub(crate) struct SealIntent {
 }
 
 impl LayerMeta {
+    /// A layer made by sealing an active segment.
     pub(crate) fn new(first: Lsn, last: Lsn, size: u64) -> LayerMeta {
-        LayerMeta { name: layer::file_name(first, last), first_lsn: first.0, last_lsn: last.0, size }
+        LayerMeta { name: layer::file_name(first, last, None), first_lsn: first.0, last_lsn: last.0, size }
     }
 }
 
@@ -93,6 +115,10 @@ impl Manifest {
             layers: Vec::new(),
             active: ActiveMeta { seq: 0, base_lsn: 0 },
             sealing: None,
+            gc_cutoff: 0,
+            next_layer_id: 0,
+            compacting: None,
+            deleting: Vec::new(),
         }
     }
 
@@ -134,7 +160,7 @@ impl Manifest {
         let crc = u32::from_str_radix(hex, 16).context("bad manifest checksum line")?;
         ensure!(crc == crc32c::crc32c(body.as_bytes()), "manifest checksum mismatch");
         let m: Manifest = serde_json::from_str(body).context("decode manifest")?;
-        ensure!(m.version == MANIFEST_VERSION, "unsupported manifest version {}", m.version);
+        ensure!((1..=MANIFEST_VERSION).contains(&m.version), "unsupported manifest version {}", m.version);
         Ok(m)
     }
 }
@@ -160,6 +186,7 @@ pub(crate) fn write(
 ) -> anyhow::Result<()> {
     let mut next = m.clone();
     next.generation += 1;
+    next.version = MANIFEST_VERSION;
     let raw = next.encode()?;
     let tmp = dir.join(MANIFEST_TMP_NAME);
     let written = (|| {

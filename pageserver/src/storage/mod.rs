@@ -36,6 +36,7 @@
 //! - the directory holds exactly the files its manifest lists (checked at every open).
 
 mod commit;
+mod compact;
 #[cfg(test)]
 mod failure_tests;
 mod format;
@@ -55,6 +56,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+pub use compact::{CompactionConf, ImageRequest, Pass, PassStats, Step};
 pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
 pub use metrics::{FsyncFailed, StorageMetrics};
 pub use timeline::Timeline;
@@ -120,6 +122,16 @@ pub struct ReconstructData {
     pub records: Vec<(Lsn, Bytes)>,
 }
 
+/// The compaction work waiting in a timeline (see [`Timeline::backlog`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backlog {
+    pub keys: u64,
+    /// Values ingested since the last compaction pass began.
+    pub new_values: u64,
+    /// Frozen layers written by seals (not yet compacted).
+    pub sealed_layers: u64,
+}
+
 /// Counters describing a timeline's storage.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TimelineStats {
@@ -172,6 +184,9 @@ pub struct ReadLimits {
 pub enum GetError {
     #[error("no value for {key:?} at or below lsn {lsn}")]
     NotFound { key: Key, lsn: Lsn },
+    /// Compaction may have dropped what a page below the GC cutoff needs.
+    #[error("lsn {lsn} is below the gc cutoff {cutoff}: older page versions are garbage-collected")]
+    BelowGcCutoff { lsn: Lsn, cutoff: Lsn },
     /// Rebuilding the page would need more than the read limits allow; nothing was read.
     #[error("page too expensive to rebuild: {0}")]
     TooLarge(String),

@@ -10,7 +10,8 @@
 //!    frames the seal started from), and write the manifest;
 //! 3. a layer listed but missing, a layer file not listed, or a missing `active.seg` is an
 //!    error naming the file;
-//! 4. open every layer (footer and index only), in LSN order; ranges must not overlap;
+//! 4. open every layer (footer and index only), oldest first; a layer may overlap an older one
+//!    in LSN range only if they share no key (the layer map's order, `index.rs`);
 //! 5. scan `active.seg` frame by frame; the first incomplete or checksum-failing frame starts a
 //!    torn tail, which is cut (truncate + fsync) and counted.
 //!
@@ -31,10 +32,10 @@ use std::sync::Arc;
 use anyhow::{bail, ensure, Context};
 
 use super::format::{self, FILE_HEADER_LEN, LOCK_NAME};
-use super::index::Index;
+use super::index::{Frozen, Index};
 use super::manifest::{self, LayerMeta, Manifest, MANIFEST_NAME, MANIFEST_TMP_NAME};
 use super::segment::{self, read_at, ActiveSegment, ACTIVE_NAME};
-use super::{layer, Lsn, StorageMetrics};
+use super::{compact, layer, Lsn, StorageMetrics};
 
 /// What recovery hands to the timeline.
 pub(crate) struct Recovered {
@@ -59,6 +60,7 @@ pub(crate) fn recover(dir: &Path, dir_file: &File, metrics: &StorageMetrics) -> 
     match manifest::read(dir)? {
         Some(mut m) => {
             resolve_seal(dir, dir_file, &mut m, &mut listing, metrics)?;
+            resolve_compaction(dir, dir_file, &mut m, &mut listing, metrics)?;
             check_files(&m, &listing)?;
             let opened = open_layers(dir, &m.layers)?;
             let floor = opened.last_lsn.max(Lsn(m.active.base_lsn));
@@ -79,6 +81,9 @@ fn list(dir: &Path) -> anyhow::Result<Listing> {
             listing.active = true;
         } else if layer::parse_file_name(&name).is_some() {
             listing.layers.push(name.into_owned());
+        } else if name.starts_with(compact::TMP_PREFIX) && name.ends_with(".tmp") {
+            tracing::info!(file = %name, "removing an output of an unfinished compaction");
+            std::fs::remove_file(entry.path()).context("remove unfinished compaction output")?;
         } else if name == MANIFEST_TMP_NAME {
             tracing::info!(file = %name, "removing a manifest that was never put in place");
             std::fs::remove_file(entry.path()).context("remove temporary manifest")?;
@@ -131,6 +136,37 @@ fn resolve_seal(
     Ok(())
 }
 
+/// Removes what compaction left: the outputs of a pass that did not install (unlisted layers
+/// with an id from the intent's first on), and the inputs of one that did (`deleting`).
+fn resolve_compaction(
+    dir: &Path,
+    dir_file: &File,
+    m: &mut Manifest,
+    listing: &mut Listing,
+    metrics: &StorageMetrics,
+) -> anyhow::Result<()> {
+    if m.compacting.is_none() && m.deleting.is_empty() {
+        return Ok(());
+    }
+    let first = m.compacting.as_ref().map(|c| c.first_layer_id);
+    let leftover = |name: &String| {
+        let id = layer::parse_file_name(name).and_then(|n| n.id);
+        let unlisted = !m.layers.iter().any(|l| &l.name == name);
+        unlisted
+            && (m.deleting.contains(name) || matches!((id, first), (Some(id), Some(first)) if id >= first))
+    };
+    let (gone, kept): (Vec<String>, Vec<String>) = listing.layers.drain(..).partition(leftover);
+    listing.layers = kept;
+    for name in &gone {
+        std::fs::remove_file(dir.join(name)).with_context(|| format!("remove compaction leftover {name}"))?;
+        tracing::info!(file = %name, "removed a file compaction left behind");
+    }
+    metrics.fsync(|| dir_file.sync_all()).context("fsync timeline directory")?;
+    m.compacting = None;
+    m.deleting.clear();
+    manifest::write(dir, dir_file, m, metrics).context("record the compaction cleanup")
+}
+
 /// Checks that the directory holds exactly the files the manifest lists.
 fn check_files(m: &Manifest, listing: &Listing) -> anyhow::Result<()> {
     for l in &m.layers {
@@ -155,9 +191,9 @@ fn check_files(m: &Manifest, listing: &Listing) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Layers opened into a fresh index.
+/// Layers opened, oldest first.
 struct OpenedLayers {
-    index: Index,
+    layers: Vec<Frozen>,
     next_file_id: u32,
     last_lsn: Lsn,
     sealed_bytes: u64,
@@ -167,7 +203,7 @@ struct OpenedLayers {
 /// Opens the layers `metas` (in LSN order), checking each file's size against its entry.
 fn open_layers(dir: &Path, metas: &[LayerMeta]) -> anyhow::Result<OpenedLayers> {
     let mut o = OpenedLayers {
-        index: Index::default(),
+        layers: Vec::new(),
         next_file_id: 0,
         last_lsn: Lsn(0),
         sealed_bytes: 0,
@@ -175,12 +211,6 @@ fn open_layers(dir: &Path, metas: &[LayerMeta]) -> anyhow::Result<OpenedLayers> 
     };
     for meta in metas {
         let path = dir.join(&meta.name);
-        ensure!(
-            Lsn(meta.first_lsn) > o.last_lsn || o.next_file_id == 0,
-            "layer {} overlaps an earlier layer ending at {}",
-            meta.name,
-            o.last_lsn
-        );
         let len = std::fs::metadata(&path).with_context(|| format!("stat layer {}", path.display()))?.len();
         ensure!(
             len == meta.size,
@@ -190,10 +220,11 @@ fn open_layers(dir: &Path, metas: &[LayerMeta]) -> anyhow::Result<OpenedLayers> 
         );
         let l = layer::open(&path).with_context(|| format!("open layer {}", path.display()))?;
         let id = o.next_file_id;
-        o.index.add_file(id, Arc::new(l.file));
-        o.index.insert(id, &l.entries).with_context(|| format!("index layer {}", path.display()))?;
+        let frozen = Frozen::new(id, meta.name.clone(), Arc::new(l.file), l.entries, l.len)
+            .with_context(|| format!("index layer {}", path.display()))?;
+        o.layers.push(frozen);
         o.next_file_id += 1;
-        o.last_lsn = l.footer.last_lsn;
+        o.last_lsn = o.last_lsn.max(l.footer.last_lsn);
         o.sealed_bytes += l.len;
         o.metas.push(meta.clone());
     }
@@ -201,12 +232,16 @@ fn open_layers(dir: &Path, metas: &[LayerMeta]) -> anyhow::Result<OpenedLayers> 
 }
 
 impl OpenedLayers {
-    fn finish(mut self, segment: ActiveSegment, floor: Lsn, manifest: Manifest) -> anyhow::Result<Recovered> {
-        self.index.add_file(self.next_file_id, segment.file.clone());
-        self.index.insert(self.next_file_id, &segment.entries).context("index active segment")?;
+    fn finish(self, segment: ActiveSegment, floor: Lsn, manifest: Manifest) -> anyhow::Result<Recovered> {
+        let mut index = Index::new(segment.file_id, segment.file.clone());
+        for layer in self.layers {
+            let name = layer.name.clone();
+            index.push_layer(layer).with_context(|| format!("index layer {name}"))?;
+        }
+        index.insert_active(&segment.entries).context("index active segment")?;
         let last_lsn = segment.lsn_range().map_or(floor, |(_, last)| last);
         Ok(Recovered {
-            index: self.index,
+            index,
             segment,
             next_file_id: self.next_file_id + 1,
             last_lsn,
@@ -234,7 +269,8 @@ fn recover_v1(
     }
     let mut metas = Vec::new();
     for name in &listing.layers {
-        let (first, last) = layer::parse_file_name(name).context("parse layer name")?;
+        let parsed = layer::parse_file_name(name).context("parse layer name")?;
+        let (first, last) = (parsed.first, parsed.last);
         let size = std::fs::metadata(dir.join(name)).with_context(|| format!("stat {name}"))?.len();
         metas.push(LayerMeta::new(first, last, size));
     }
@@ -312,7 +348,7 @@ fn finish_interrupted_seal(
         tracing::info!("active.seg ends in bytes that parse as a layer footer inside a frame: not a seal");
         return Ok(None);
     }
-    let name = layer::file_name(footer.first_lsn, footer.last_lsn);
+    let name = layer::file_name(footer.first_lsn, footer.last_lsn, None);
     let target: PathBuf = dir.join(&name);
     ensure!(!target.exists(), "interrupted seal of {name}, but that layer already exists");
     metrics.fsync(|| file.sync_all()).context("fsync interrupted layer")?;

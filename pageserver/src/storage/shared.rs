@@ -7,14 +7,16 @@
 //! **Invariants:** every lock here is a std lock, never held across an await; a panic under the
 //! queue lock leaves a consistent queue (no multi-step updates).
 
+use std::fs::File;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 use std::time::Instant;
 
 use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use super::manifest::{self, Manifest};
 use super::{index, IngestError, Key, Lsn, StorageConf, StorageMetrics, StorageWriteError, Value};
 
 /// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
@@ -42,6 +44,9 @@ pub(super) struct Queue {
     pub(super) hold: bool,
     /// Test hook: the committer's next group fsync fails.
     pub(super) fail_next_fsync: bool,
+    /// Seal the active segment at the next round whatever its size (for compaction); cleared
+    /// when the seal is done. Watch `seals` for it.
+    pub(super) seal_now: bool,
 }
 
 /// A failing storage: the public part, and when the next group may try again.
@@ -80,12 +85,25 @@ pub(super) struct Shared {
     pub(super) stopped: CancellationToken,
     pub(super) budget: Arc<Semaphore>,
     pub(super) span: tracing::Span,
+    /// The manifest as last written. Its lock serializes manifest writes (the committer's seals
+    /// and compaction's installs); held only for the write.
+    pub(super) manifest: Mutex<Manifest>,
+    /// Next in-memory file id (the index's name for a file).
+    pub(super) next_file_id: AtomicU32,
+    /// GetPage below this LSN is refused (see [`Manifest::gc_cutoff`]); only grows.
+    pub(super) gc_cutoff: AtomicU64,
+    /// Seals done since open; bumped after each (compaction waits on it after `seal_now`).
+    pub(super) seals: watch::Sender<u64>,
+    /// Values ingested since open (compaction's debt counts those since its last pass).
+    pub(super) ingested_values: AtomicU64,
+    /// `ingested_values` when the last compaction pass began.
+    pub(super) compacted_values: AtomicU64,
 }
 
 impl Queue {
     /// Whether the committer has something to do: batches to commit (unless held), or a stop.
     pub(super) fn has_work(&self) -> bool {
-        (!self.pending.is_empty() && !self.hold) || self.stopping
+        ((!self.pending.is_empty() || self.seal_now) && !self.hold) || self.stopping
     }
 }
 
@@ -99,6 +117,21 @@ impl Shared {
         self.queue().stopping = true;
         self.wake();
         self.budget.close();
+    }
+
+    /// Writes the manifest changed by `change`, atomically and durably, under the manifest lock
+    /// (so that the committer and compaction never write over each other's changes).
+    pub(super) fn update_manifest(
+        &self,
+        dir_file: &File,
+        change: impl FnOnce(&mut Manifest),
+    ) -> anyhow::Result<()> {
+        let mut m = self.manifest.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut next = m.clone();
+        change(&mut next);
+        manifest::write(&self.dir, dir_file, &mut next, &self.metrics)?;
+        *m = next;
+        Ok(())
     }
 
     /// Schedules the committer on the commit pool to look at the queue.

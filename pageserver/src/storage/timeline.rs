@@ -12,7 +12,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -71,6 +71,7 @@ impl Timeline {
                 failure: None,
                 hold: false,
                 fail_next_fsync: false,
+                seal_now: false,
             }),
             wake: OnceLock::new(),
             exited: Mutex::new(false),
@@ -84,8 +85,14 @@ impl Timeline {
             stopped: CancellationToken::new(),
             budget: Arc::new(Semaphore::new(QUEUE_BUDGET_KIB)),
             span: span.clone(),
+            gc_cutoff: AtomicU64::new(rec.manifest.gc_cutoff),
+            manifest: Mutex::new(rec.manifest),
+            next_file_id: AtomicU32::new(rec.next_file_id),
+            seals: watch::Sender::new(0),
+            ingested_values: AtomicU64::new(0),
+            compacted_values: AtomicU64::new(0),
         });
-        let job = commit::start(&shared, dir_file, rec.segment, rec.next_file_id, rec.manifest)?;
+        let job = commit::start(&shared, dir_file, rec.segment)?;
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
         shared.metrics.layer_files.add(layers as i64);
         Ok(Arc::new(Timeline { shared, _job: job, _lock: lock }))
@@ -197,10 +204,27 @@ impl Timeline {
     }
 
     /// The LSN of the newest value of `key` at or below `lsn`: which version of the page `lsn`
-    /// sees. In-memory only, no I/O. `None` if the key has nothing at or below `lsn`.
-    pub fn version_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
-        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-        index.newest_at(key, lsn)
+    /// sees. In-memory only, no I/O. `Ok(None)` if the key has nothing at or below `lsn`;
+    /// `BelowGcCutoff` if `lsn` is below the GC cutoff.
+    pub fn version_at(&self, key: Key, lsn: Lsn) -> Result<Option<Lsn>, GetError> {
+        let found = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).newest_at(key, lsn);
+        self.check_retained(lsn)?;
+        Ok(found)
+    }
+
+    /// The GC cutoff: GetPage below it is refused (compaction may have dropped what it needs).
+    pub fn gc_cutoff(&self) -> Lsn {
+        Lsn(self.shared.gc_cutoff.load(Ordering::Relaxed))
+    }
+
+    /// Fails for an LSN below the GC cutoff. Checked after a lookup: the cutoff is raised before
+    /// compaction drops anything, so a lookup it does not refuse saw every value it needs.
+    fn check_retained(&self, lsn: Lsn) -> Result<(), GetError> {
+        let cutoff = self.gc_cutoff();
+        if lsn < cutoff {
+            return Err(GetError::BelowGcCutoff { lsn, cutoff });
+        }
+        Ok(())
     }
 
     /// The newest image of `key` at or below `lsn` and the records above it up to `lsn`, oldest
@@ -220,8 +244,48 @@ impl Timeline {
     /// the index alone: what they will cost ([`ReadPlan::bytes`], for reserving memory before
     /// reading) and `TooLarge` over `limits`, with nothing read. The plan keeps its files open.
     pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
+        let plan = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).plan(key, lsn, limits)?;
+        self.check_retained(lsn)?;
+        plan.ok_or(GetError::NotFound { key, lsn })
+    }
+
+    /// Seals the active segment now if it holds anything (so that compaction can take its
+    /// values), and waits until the committer has tried. Cancel-safe.
+    pub async fn freeze(&self) -> anyhow::Result<()> {
+        if self.shared.active_len.load(Ordering::Relaxed) <= super::format::FILE_HEADER_LEN {
+            return Ok(());
+        }
+        let mut seals = self.shared.seals.subscribe();
+        seals.borrow_and_update();
+        self.shared.queue().seal_now = true;
+        self.shared.wake();
+        tokio::select! {
+            changed = seals.changed() => changed.context("committer stopped"),
+            () = self.shared.stopped.cancelled() => anyhow::bail!("timeline shut down"),
+        }
+    }
+
+    /// Starts a compaction pass over every frozen layer (see [`super::Pass`]); `None` if there
+    /// are none. Writes the manifest (blocking): call it off the executor.
+    pub fn begin_compaction(&self, conf: super::CompactionConf) -> anyhow::Result<Option<super::Pass>> {
+        super::Pass::begin(&self.shared, conf)
+    }
+
+    /// How much compaction work waits: values ingested since the last pass began, and the
+    /// frozen layers that are not compaction outputs.
+    pub fn backlog(&self) -> super::Backlog {
         let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-        index.plan(key, lsn, limits)?.ok_or(GetError::NotFound { key, lsn })
+        let since = self.shared.ingested_values.load(Ordering::Relaxed)
+            - self
+                .shared
+                .compacted_values
+                .load(Ordering::Relaxed)
+                .min(self.shared.ingested_values.load(Ordering::Relaxed));
+        super::Backlog {
+            keys: index.keys(),
+            new_values: since,
+            sealed_layers: index.layers().iter().filter(|l| !l.compacted()).count() as u64,
+        }
     }
 
     /// Runs a plan of [`Timeline::plan_read`] for async callers: when the kernel's page cache

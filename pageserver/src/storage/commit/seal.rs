@@ -24,7 +24,7 @@ use anyhow::{ensure, Context};
 
 use super::{Committer, SealState};
 use crate::storage::layer;
-use crate::storage::manifest::{self, LayerMeta, SealIntent};
+use crate::storage::manifest::{LayerMeta, SealIntent};
 use crate::storage::segment::{ActiveSegment, ACTIVE_NAME};
 
 impl Committer {
@@ -32,7 +32,8 @@ impl Committer {
     /// no seal is in progress any more: frames may be appended.
     pub(super) fn advance_seal(&mut self) -> anyhow::Result<()> {
         if matches!(self.seal, SealState::Idle) {
-            if self.segment.len < self.shared.conf.layer_size || self.segment.entries.is_empty() {
+            let full = self.segment.len >= self.shared.conf.layer_size || self.shared.queue().seal_now;
+            if !full || self.segment.entries.is_empty() {
                 return Ok(());
             }
             self.seal = SealState::Intent(self.record_intent()?);
@@ -45,15 +46,13 @@ impl Committer {
         if let SealState::Renamed { intent, next } = &mut self.seal {
             let intent = intent.clone();
             if next.is_none() {
-                let id = self.next_file_id;
+                let id = self.shared.next_file_id.fetch_add(1, Ordering::Relaxed);
                 *next =
                     Some(ActiveSegment::create(&self.shared.dir, &self.dir_file, id, &self.shared.metrics)?);
-                self.next_file_id += 1;
             }
-            let mut done = self.manifest.with_seal_done(&intent);
-            manifest::write(&self.shared.dir, &self.dir_file, &mut done, &self.shared.metrics)
+            self.shared
+                .update_manifest(&self.dir_file, |m| *m = m.with_seal_done(&intent))
                 .context("record sealed layer")?;
-            self.manifest = done;
             if let SealState::Renamed { next: Some(next), .. } =
                 std::mem::replace(&mut self.seal, SealState::Idle)
             {
@@ -69,11 +68,9 @@ impl Committer {
         let data_len = self.segment.len;
         let size = data_len + layer::index_and_footer_len(self.segment.entries.len());
         let intent = SealIntent { layer: LayerMeta::new(first, last, size), data_len };
-        let mut with_intent = self.manifest.clone();
-        with_intent.sealing = Some(intent.clone());
-        manifest::write(&self.shared.dir, &self.dir_file, &mut with_intent, &self.shared.metrics)
+        self.shared
+            .update_manifest(&self.dir_file, |m| m.sealing = Some(intent.clone()))
             .context("record seal intent")?;
-        self.manifest = with_intent;
         Ok(intent)
     }
 
@@ -100,12 +97,15 @@ impl Committer {
         tracing::info!(
             layer = %intent.layer.name, values = self.segment.entries.len(), bytes = len, "sealed layer"
         );
-        self.shared
-            .index
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .add_file(next.file_id, next.file.clone());
+        self.shared.index.write().unwrap_or_else(PoisonError::into_inner).freeze_active(
+            intent.layer.name.clone(),
+            len,
+            next.file_id,
+            next.file.clone(),
+        );
         self.shared.active_len.store(next.len, Ordering::Relaxed);
         self.segment = next;
+        self.shared.queue().seal_now = false;
+        self.shared.seals.send_modify(|n| *n += 1);
     }
 }

@@ -186,7 +186,7 @@ async fn version_1_crash_after_seal_wrote_index_but_before_rename_finishes_the_s
 
     let tl = open(dir.path(), BIG, &m);
     assert_eq!(layer_count(dir.path()), 1);
-    assert!(dir.path().join(layer::file_name(Lsn(10), Lsn(30))).exists());
+    assert!(dir.path().join(layer::file_name(Lsn(10), Lsn(30), None)).exists());
     assert_eq!(tl.stats().layers, 1);
     assert_eq!(m.torn_tail_truncations.get(), 0);
     assert_eq!(records_of(&tl, 30), [10, 20, 30]);
@@ -259,7 +259,7 @@ async fn corrupt_layer_index_makes_open_fail_instead_of_dropping_data() {
     let dir = tempfile::tempdir().unwrap();
     let m = metrics();
     two_layers(dir.path(), &m).await;
-    let path = dir.path().join(layer::file_name(Lsn(10), Lsn(10)));
+    let path = dir.path().join(layer::file_name(Lsn(10), Lsn(10), None));
     let f = OpenOptions::new().write(true).open(&path).unwrap();
     let len = f.metadata().unwrap().len();
     f.write_all_at(&[0xAA], len - layer::FOOTER_LEN - 3).unwrap();
@@ -273,8 +273,8 @@ fn open_err(dir: &Path) -> String {
 
 #[tokio::test]
 async fn missing_layer_or_active_segment_is_refused_naming_the_file() {
-    let first = layer::file_name(Lsn(10), Lsn(10));
-    let second = layer::file_name(Lsn(20), Lsn(20));
+    let first = layer::file_name(Lsn(10), Lsn(10), None);
+    let second = layer::file_name(Lsn(20), Lsn(20), None);
     for victim in [first.as_str(), second.as_str(), ACTIVE_NAME] {
         let dir = tempfile::tempdir().unwrap();
         two_layers(dir.path(), &metrics()).await;
@@ -294,13 +294,14 @@ async fn missing_layer_or_active_segment_is_refused_naming_the_file() {
 async fn unexpected_or_resized_layer_file_is_refused_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     two_layers(dir.path(), &metrics()).await;
-    let stray = layer::file_name(Lsn(30), Lsn(40));
-    std::fs::copy(dir.path().join(layer::file_name(Lsn(20), Lsn(20))), dir.path().join(&stray)).unwrap();
+    let stray = layer::file_name(Lsn(30), Lsn(40), None);
+    std::fs::copy(dir.path().join(layer::file_name(Lsn(20), Lsn(20), None)), dir.path().join(&stray))
+        .unwrap();
     let err = open_err(dir.path());
     assert!(err.contains(&stray) && err.contains("not listed"), "{err}");
     std::fs::remove_file(dir.path().join(&stray)).unwrap();
 
-    let first = dir.path().join(layer::file_name(Lsn(10), Lsn(10)));
+    let first = dir.path().join(layer::file_name(Lsn(10), Lsn(10), None));
     let f = OpenOptions::new().append(true).open(&first).unwrap();
     std::io::Write::write_all(&mut &f, b"x").unwrap();
     let err = open_err(dir.path());
@@ -327,7 +328,7 @@ async fn lost_manifest_is_refused_when_the_files_were_written_with_one() {
     two_layers(dir.path(), &metrics()).await;
     std::fs::remove_file(dir.path().join(MANIFEST_NAME)).unwrap();
     // Without the manifest, deleting the newest layer would go unnoticed: refuse instead.
-    std::fs::remove_file(dir.path().join(layer::file_name(Lsn(20), Lsn(20)))).unwrap();
+    std::fs::remove_file(dir.path().join(layer::file_name(Lsn(20), Lsn(20), None))).unwrap();
     let err = open_err(dir.path());
     assert!(err.contains("manifest.json is missing"), "{err}");
 

@@ -1,0 +1,269 @@
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::storage::test_support::*;
+use crate::storage::{
+    CompactionConf, GetError, Lsn, Pass, PassStats, ReconstructData, Step, Timeline, PAGE_SIZE,
+};
+
+/// A toy redo: the base image (zeros without one) with each record's bytes added into it at a
+/// position given by the record, wrapping. Composes like real redo: an image made from a chain
+/// and the records after it give the page the whole chain gives.
+fn toy_redo(d: &ReconstructData) -> Bytes {
+    let mut page = d.image.as_ref().map_or_else(|| vec![0u8; PAGE_SIZE], |(_, b)| b.to_vec());
+    for (_, r) in &d.records {
+        let at = usize::from(r[0]) * 31 % PAGE_SIZE;
+        for (i, b) in r.iter().enumerate() {
+            let p = (at + i) % PAGE_SIZE;
+            page[p] = page[p].wrapping_add(*b);
+        }
+    }
+    Bytes::from(page)
+}
+
+/// The page of every key at every LSN in `lsns` (None where there is none), or the error kind.
+fn pages(tl: &Timeline, keys: u32, lsns: &[u64]) -> BTreeMap<(u32, u64), Result<Option<Bytes>, String>> {
+    let mut out = BTreeMap::new();
+    for k in 0..keys {
+        for &lsn in lsns {
+            let got = match tl.get_reconstruct_data(key(k), Lsn(lsn), NO_LIMITS) {
+                Ok(d) => Ok(Some(toy_redo(&d))),
+                Err(GetError::NotFound { .. }) => Ok(None),
+                Err(e) => Err(e.to_string()),
+            };
+            out.insert((k, lsn), got);
+        }
+    }
+    out
+}
+
+/// Runs `pass` to its end in slices of `slice`, answering image requests with the toy redo.
+fn run(mut pass: Pass, slice: Duration) -> PassStats {
+    loop {
+        match pass.run_slice(slice).unwrap() {
+            Step::Continue => {}
+            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.data))),
+            Step::Done(stats) => return stats,
+        }
+    }
+}
+
+const KEYS: u32 = 20;
+
+/// Writes `rounds` rounds of one record per key (LSN = round * 100 + key + 1), every fifth
+/// round an image for even keys instead; returns the last LSN.
+async fn fill(tl: &Timeline, from_round: u64, rounds: u64) -> u64 {
+    let mut last = 0;
+    for round in from_round..from_round + rounds {
+        let values = (0..KEYS)
+            .map(|k| {
+                let lsn = round * 100 + u64::from(k) + 1;
+                last = lsn;
+                let v = if round % 5 == 4 && k % 2 == 0 {
+                    image((round + u64::from(k)) as u8)
+                } else {
+                    record(&format!("{}k{k}r{round}", (k as u8 + round as u8) as char))
+                };
+                (key(k), lsn, v)
+            })
+            .collect();
+        tl.ingest(batch(values)).await.unwrap();
+    }
+    last
+}
+
+fn conf(image_threshold: usize, gc_horizon: u64) -> CompactionConf {
+    CompactionConf { image_threshold, gc_horizon, layer_size: 64 << 10 }
+}
+
+fn layer_files(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".layer"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test]
+async fn compaction_keeps_every_page_merges_layers_and_creates_images() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let last = fill(&tl, 0, 30).await;
+    tl.freeze().await.unwrap();
+    let lsns: Vec<u64> = (0..=last + 1).step_by(7).chain([last]).collect();
+    let before = pages(&tl, KEYS, &lsns);
+    let layers_before = tl.stats().layers;
+    assert!(layers_before > 5, "{layers_before}");
+
+    let pass = tl.begin_compaction(conf(3, u64::MAX)).unwrap().unwrap();
+    let stats = run(pass, Duration::from_micros(50));
+    assert_eq!(stats.input_layers, layers_before);
+    assert_eq!(stats.keys, u64::from(KEYS));
+    // Odd keys have 30 records and no image; even keys end with an image.
+    assert_eq!(stats.images_created, u64::from(KEYS / 2), "{stats:?}");
+    assert_eq!(stats.values_dropped, 0, "without GC only a record replaced by its image goes: {stats:?}");
+    assert_eq!(stats.files_deleted, layers_before);
+    assert_eq!(tl.stats().layers, stats.output_layers);
+    assert!(stats.output_layers < layers_before);
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+    // Every key's newest page is now one image: one read.
+    let d = tl.get_reconstruct_data(key(3), Lsn(last), NO_LIMITS).unwrap();
+    assert!(d.image.is_some() && d.records.is_empty());
+    assert_eq!(layer_files(dir.path()).len() as u64, stats.output_layers);
+
+    // Reopened, the same pages, and ingest goes on above.
+    drop(tl);
+    let tl = open(dir.path(), 2000, &m);
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+    fill(&tl, 30, 2).await;
+}
+
+#[tokio::test]
+async fn gc_drops_versions_below_the_horizon_and_refuses_reads_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let last = fill(&tl, 0, 40).await;
+    tl.freeze().await.unwrap();
+    let horizon = 500;
+    let cutoff = last - horizon;
+    let retained: Vec<u64> = (cutoff..=last).step_by(13).chain([last]).collect();
+    let before = pages(&tl, KEYS, &retained);
+    let disk_before = tl.stats().on_disk_bytes;
+
+    let stats = run(tl.begin_compaction(conf(3, horizon)).unwrap().unwrap(), Duration::from_millis(1));
+    assert_eq!(tl.gc_cutoff(), Lsn(cutoff));
+    assert!(stats.values_dropped > stats.images_created, "{stats:?}");
+    assert_eq!(pages(&tl, KEYS, &retained), before);
+    assert!(tl.stats().on_disk_bytes < disk_before / 2, "{} vs {disk_before}", tl.stats().on_disk_bytes);
+    let err = tl.get_reconstruct_data(key(1), Lsn(cutoff - 1), NO_LIMITS).unwrap_err();
+    assert!(matches!(err, GetError::BelowGcCutoff { .. }), "{err}");
+    assert!(matches!(tl.version_at(key(1), Lsn(10)), Err(GetError::BelowGcCutoff { .. })));
+
+    // The cutoff is durable.
+    drop(tl);
+    let tl = open(dir.path(), 2000, &m);
+    assert_eq!(tl.gc_cutoff(), Lsn(cutoff));
+    assert_eq!(pages(&tl, KEYS, &retained), before);
+}
+
+#[tokio::test]
+async fn a_crash_at_any_point_of_a_pass_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let last = fill(&tl, 0, 20).await;
+    tl.freeze().await.unwrap();
+    let lsns: Vec<u64> = (1..=last).step_by(11).chain([last]).collect();
+    let before = pages(&tl, KEYS, &lsns);
+    let check = |snap: tempfile::TempDir, what: &str| {
+        let m = metrics();
+        let tl = open(snap.path(), 2000, &m);
+        assert_eq!(pages(&tl, KEYS, &lsns), before, "after a crash {what}");
+        let files = layer_files(snap.path());
+        assert_eq!(files.len() as u64, tl.stats().layers, "{what}: {files:?}");
+        assert!(!std::fs::read_dir(snap.path()).unwrap().any(|e| e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .ends_with(".tmp")));
+    };
+
+    // Crash in the middle of the pass (after some slices, with outputs on disk).
+    let mut pass = tl.begin_compaction(conf(3, u64::MAX)).unwrap().unwrap();
+    check(snapshot(dir.path()), "right after the intent");
+    let mut slices = 0;
+    loop {
+        match pass.run_slice(Duration::ZERO).unwrap() {
+            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.data))),
+            Step::Continue => {}
+            Step::Done(_) => panic!("the pass ended before the crash"),
+        }
+        slices += 1;
+        if slices == 8 {
+            break;
+        }
+    }
+    check(snapshot(dir.path()), "in the middle of a pass");
+    // An abandoned pass removes its outputs; the next one installs.
+    drop(pass);
+    check(snapshot(dir.path()), "after an abandoned pass");
+    let stats = run(tl.begin_compaction(conf(3, u64::MAX)).unwrap().unwrap(), Duration::from_millis(1));
+    assert!(stats.output_layers >= 1);
+    check(snapshot(dir.path()), "after the install");
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+}
+
+#[tokio::test]
+async fn ingest_and_reads_go_on_during_a_pass_and_a_second_pass_compacts_the_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    fill(&tl, 0, 10).await;
+    tl.freeze().await.unwrap();
+    let mut pass = tl.begin_compaction(conf(2, u64::MAX)).unwrap().unwrap();
+    let mut round = 10;
+    let stats = loop {
+        // Between slices: more ingest (and seals) on the same keys.
+        fill(&tl, round, 1).await;
+        round += 1;
+        match pass.run_slice(Duration::ZERO).unwrap() {
+            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.data))),
+            Step::Continue => {}
+            Step::Done(stats) => break stats,
+        }
+    };
+    assert_eq!(stats.keys, u64::from(KEYS));
+    let last = tl.last_durable_lsn().0;
+    let lsns: Vec<u64> = (1..=last).step_by(17).chain([last]).collect();
+    let before = pages(&tl, KEYS, &lsns);
+    assert!(tl.backlog().sealed_layers > 0);
+    tl.freeze().await.unwrap();
+    let second = run(tl.begin_compaction(conf(2, u64::MAX)).unwrap().unwrap(), Duration::from_millis(1));
+    assert!(second.input_layers > second.output_layers, "{second:?}");
+    assert_eq!(tl.backlog().sealed_layers, 0);
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+}
+
+#[tokio::test]
+async fn a_full_disk_during_a_pass_fails_it_and_loses_nothing() {
+    let fs = Tmpfs::mount(4 << 20);
+    let dir = fs.path().join("tl");
+    let m = metrics();
+    let tl = open(&dir, 20_000, &m);
+    let last = fill(&tl, 0, 40).await;
+    tl.freeze().await.unwrap();
+    let lsns: Vec<u64> = (1..=last).step_by(29).chain([last]).collect();
+    let before = pages(&tl, KEYS, &lsns);
+    // Fill the disk, then compact: the pass cannot write its outputs.
+    let filler = std::fs::File::create(fs.path().join("filler")).unwrap();
+    let _ = std::io::Write::write_all(&mut &filler, &vec![0u8; 8 << 20]);
+    let result = tl.begin_compaction(conf(3, u64::MAX)).and_then(|p| {
+        let mut p = p.unwrap();
+        loop {
+            match p.run_slice(Duration::from_millis(5))? {
+                Step::NeedImage(req) => p.provide_image(Some(toy_redo(&req.data))),
+                Step::Continue => {}
+                Step::Done(s) => return Ok(s),
+            }
+        }
+    });
+    let err = result.unwrap_err();
+    assert!(format!("{err:#}").contains("No space left"), "{err:#}");
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+    // Space again: the next pass works, and a reopen sees the same.
+    drop(filler);
+    std::fs::remove_file(fs.path().join("filler")).unwrap();
+    run(tl.begin_compaction(conf(3, u64::MAX)).unwrap().unwrap(), Duration::from_millis(1));
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+    drop(tl);
+    let tl = open(&dir, 20_000, &m);
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+}
