@@ -12,6 +12,7 @@
 //! - [`walredo`]: the redo child process managers (sync and async kinds);
 //! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary.
 
+pub mod compaction_controller;
 pub mod config;
 pub mod http;
 pub mod logging;
