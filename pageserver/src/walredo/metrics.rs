@@ -66,6 +66,9 @@ pub struct WalRedoMetrics {
     /// Requests by outcome: ok, rejected (error frame), timeout, queue_timeout, process_failed,
     /// invalid, shutting_down.
     pub requests: IntCounterVec,
+    /// Background requests (`request_redo_background`) that need a child (not answered from
+    /// the base image alone); their outcomes are counted in `requests` with the others.
+    pub background_requests: IntCounter,
     pub process_launch_seconds: Histogram,
     pub processes_started: IntCounterVec,
     pub processes_stopped: IntCounterVec,
@@ -108,6 +111,14 @@ impl WalRedoMetrics {
                 "WAL redo requests by outcome",
                 "result",
             )?,
+            background_requests: {
+                let c = IntCounter::new(
+                    "pageserver_wal_redo_background_requests_total",
+                    "Background WAL redo requests, which yield to GetPage requests",
+                )?;
+                registry.register(Box::new(c.clone()))?;
+                c
+            },
             process_launch_seconds: histogram(
                 "pageserver_wal_redo_process_launch_seconds",
                 "Time to spawn a walredo process and read its hello",

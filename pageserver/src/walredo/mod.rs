@@ -4,6 +4,7 @@
 //! - this file: [`WalRedoManager`], one per tenant: spawns a child on demand, retries once on a
 //!   child failure, retires idle and broken children, switches the process kind at runtime,
 //!   shuts down;
+//! - [`priority`]: foreground (GetPage) requests before background ones (compaction);
 //! - [`process`]: one child (spawn, hello, stderr, kill and reap) and its two kinds of pipes;
 //! - [`pipeline`]: reply assembly and matching of pipelined replies to requests;
 //! - [`metrics`]: the registry entries.
@@ -17,11 +18,16 @@
 //! - a tenant has at most one child in service; a retired child serves no new request;
 //! - a redo request fails with the error of its own reply or of its own process, never with
 //!   another request's page;
-//! - after [`WalRedoManager::shutdown`] returns, no child of this manager is alive or a zombie.
+//! - after [`WalRedoManager::shutdown`] returns, no child of this manager is alive or a zombie;
+//! - a foreground request waits behind at most one background request; a background request
+//!   never overtakes a foreground request already queued to write (the rule: [`priority`]).
 
 pub mod metrics;
 mod pipeline;
+mod priority;
 mod process;
+#[cfg(test)]
+mod tests;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +43,7 @@ use walredo_proc::protocol::{self, BufferTag, ErrorCode};
 
 pub use metrics::{StopCause, WalRedoMetrics};
 use pipeline::Reply;
+use priority::{Priority, WriteTicket};
 use process::{InUse, Process, ProcessError, Reaping};
 
 /// Default of `wal_redo_timeout`.
@@ -199,6 +206,8 @@ pub struct WalRedoManager {
     spawn_attempts: AtomicU64,
     metrics: Arc<WalRedoMetrics>,
     served: AtomicU64,
+    /// Foreground requests before background ones.
+    priority: Priority,
     reaping: Arc<Reaping>,
     cancel: CancellationToken,
     in_flight: TaskTracker,
@@ -217,6 +226,7 @@ impl WalRedoManager {
             spawn_attempts: AtomicU64::new(0),
             metrics,
             served: AtomicU64::new(0),
+            priority: Priority::new(),
             reaping: Reaping::new(),
             cancel: CancellationToken::new(),
             in_flight: TaskTracker::new(),
@@ -247,6 +257,44 @@ impl WalRedoManager {
         base: Option<Bytes>,
         records: &[(u64, Bytes)],
     ) -> Result<Bytes, RedoError> {
+        self.redo(tag, lsn, base, records, Class::Foreground).await
+    }
+
+    /// [`WalRedoManager::request_redo`] for background work (a compactor materializing page
+    /// images): the same validation, shortcut without records, retry and cancel-safety, but it
+    /// yields to foreground requests.
+    ///
+    /// The rule: background requests of a manager go one at a time, in arrival order (the next
+    /// one waits until the previous one has its reply). The one whose turn it is waits while
+    /// foreground requests are queued to write to the child (or wait for a child to be
+    /// spawned), and goes once that queue is empty, or has been empty at some moment since it
+    /// started waiting (under a closed-loop GetPage load, between two requests), or after
+    /// waiting `wal_redo_timeout` at the latest, so that it cannot starve forever. It then
+    /// queues for the child's writer behind the foreground requests already there. So a
+    /// foreground request waits behind at most one background request, and a background
+    /// request never overtakes a foreground one already queued to write. The wait blocks no
+    /// thread and holds no child: it neither spawns one nor keeps an idle one alive.
+    ///
+    /// Cancel-safe, as [`WalRedoManager::request_redo`]; dropped while it waits for its turn,
+    /// it gives up its place and the next background request goes.
+    pub async fn request_redo_background(
+        &self,
+        tag: BufferTag,
+        lsn: u64,
+        base: Option<Bytes>,
+        records: &[(u64, Bytes)],
+    ) -> Result<Bytes, RedoError> {
+        self.redo(tag, lsn, base, records, Class::Background).await
+    }
+
+    async fn redo(
+        &self,
+        tag: BufferTag,
+        lsn: u64,
+        base: Option<Bytes>,
+        records: &[(u64, Bytes)],
+        class: Class,
+    ) -> Result<Bytes, RedoError> {
         let base_page = validate_request(lsn, base.as_ref(), records)?;
         if records.is_empty() {
             if let Some(base) = base {
@@ -256,7 +304,7 @@ impl WalRedoManager {
         let request = pipeline::encode_redo_request(&tag, base_page, records);
         self.metrics.records_per_request.observe(records.len() as f64);
         self.metrics.bytes_per_request.observe(request.len() as f64);
-        match self.execute(&request, true).await? {
+        match self.execute(&request, true, class).await? {
             Reply::Page(page) => Ok(page),
             Reply::Error(code, message) => Err(self.count(RedoError::Rejected { code, message })),
             Reply::Hello(_) => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("unexpected hello")))),
@@ -269,24 +317,47 @@ impl WalRedoManager {
     pub async fn ping(&self) -> Result<(), RedoError> {
         let mut request = Vec::new();
         protocol::encode_ping(&mut request);
-        match self.execute(&request, true).await? {
+        match self.execute(&request, true, Class::Foreground).await? {
             Reply::Page(page) if page.len() == BLCKSZ && page.iter().all(|&b| b == 0) => Ok(()),
             other => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("bad ping reply {other:?}")))),
         }
     }
 
-    /// Sends `request` to the child in service, retrying once on a new child after a failure.
-    async fn execute(&self, request: &[u8], retry: bool) -> Result<Reply, RedoError> {
+    /// Sends `request` to the child in service, retrying once on a new child after a failure;
+    /// a background request first waits for its turn (see [`priority`]), before each attempt.
+    async fn execute(&self, request: &[u8], retry: bool, class: Class) -> Result<Reply, RedoError> {
         if self.cancel.is_cancelled() {
             return Err(self.count(RedoError::ShuttingDown));
         }
+        let _background_slot = match class {
+            Class::Foreground => None,
+            Class::Background => {
+                self.metrics.background_requests.inc();
+                let turn = self.priority.background_turn(self.conf.timeout);
+                Some(self.unless_shutting_down(turn).await?)
+            }
+        };
         let _in_flight = self.in_flight.token();
+        // Timed from here: a background request's wait for its turn is not redo time.
         let started = Instant::now();
         let mut attempts_left = if retry { 2 } else { 1 };
+        let mut retrying = false;
         loop {
             attempts_left -= 1;
+            let ticket = match class {
+                Class::Foreground => self.priority.foreground(),
+                Class::Background => {
+                    if retrying {
+                        // A retry waits for its turn again: the failure may have let
+                        // foreground requests queue up for the new child.
+                        let turn = self.priority.yield_to_foreground(self.conf.timeout);
+                        self.unless_shutting_down(turn).await?;
+                    }
+                    WriteTicket::none()
+                }
+            };
             let process = self.get_or_spawn().await.map_err(|e| self.count(e))?;
-            let result = process.round_trip(request, self.conf.timeout).await;
+            let result = process.round_trip(request, ticket, self.conf.timeout).await;
             match result {
                 // The child is working, only busy: it stays in service.
                 Err(ProcessError::QueueTimeout(t)) => return Err(self.count(RedoError::QueueTimeout(t))),
@@ -308,6 +379,7 @@ impl WalRedoManager {
                             pid = process.pid,
                             "walredo round trip failed, retrying on a new process: {e:#}"
                         );
+                        retrying = true;
                         continue;
                     }
                     return Err(self.count(match e {
@@ -318,6 +390,21 @@ impl WalRedoManager {
                     }));
                 }
             }
+        }
+    }
+
+    /// Runs `wait` unless or until the manager shuts down ([`RedoError::ShuttingDown`]).
+    async fn unless_shutting_down<T>(
+        &self,
+        wait: impl std::future::Future<Output = T>,
+    ) -> Result<T, RedoError> {
+        let result = tokio::select! {
+            output = wait => Ok(output),
+            () = self.cancel.cancelled() => Err(()),
+        };
+        match result {
+            Ok(output) if !self.cancel.is_cancelled() => Ok(output),
+            _ => Err(self.count(RedoError::ShuttingDown)),
         }
     }
 
@@ -489,6 +576,13 @@ impl WalRedoManager {
             process.retire(StopCause::Idle);
         }
     }
+}
+
+/// Whose request it is: foreground (GetPage) requests go before background ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Foreground,
+    Background,
 }
 
 /// Checks the idle child now and then, until the manager is gone or shut down.

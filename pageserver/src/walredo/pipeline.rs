@@ -29,6 +29,7 @@ use bytes::{Bytes, BytesMut};
 use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
 
+use super::priority::WriteTicket;
 use super::process::ProcessError;
 
 /// A decoded reply of the child.
@@ -129,16 +130,20 @@ impl<W> Writer<W> {
 
     /// Takes the stdin lock for a request's write, waiting at most until `queue_deadline`
     /// ([`ProcessError::QueueTimeout`]), and refuses a stream an earlier request broke.
-    pub(crate) async fn lock(
-        stdin: &tokio::sync::Mutex<Writer<W>>,
+    ///
+    /// `ticket` is the request's place in the foreground writer queue ([`super::priority`]);
+    /// it is given up with the lock, once the request is written (or failed).
+    pub(crate) async fn lock<'a>(
+        stdin: &'a tokio::sync::Mutex<Writer<W>>,
+        ticket: WriteTicket<'a>,
         queue_deadline: Instant,
         timeout: Duration,
-    ) -> Result<tokio::sync::MutexGuard<'_, Writer<W>>, ProcessError> {
-        let writer = tokio::time::timeout_at(queue_deadline.into(), stdin.lock())
+    ) -> Result<Locked<'a, W>, ProcessError> {
+        let guard = tokio::time::timeout_at(queue_deadline.into(), stdin.lock())
             .await
             .map_err(|_| ProcessError::QueueTimeout(timeout))?;
-        writer.check_not_broken()?;
-        Ok(writer)
+        guard.check_not_broken()?;
+        Ok(Locked { guard, _ticket: ticket })
     }
 
     /// The error of a writer that finds the stream broken by an earlier request.
@@ -156,6 +161,26 @@ impl<W> Writer<W> {
     pub(crate) fn written(&mut self) -> u64 {
         self.next_seq += 1;
         self.next_seq - 1
+    }
+}
+
+/// The stdin lock of one request's write, with its place in the foreground writer queue; both
+/// are given up on drop, the lock first.
+pub(crate) struct Locked<'a, W> {
+    guard: tokio::sync::MutexGuard<'a, Writer<W>>,
+    _ticket: WriteTicket<'a>,
+}
+
+impl<W> std::ops::Deref for Locked<'_, W> {
+    type Target = Writer<W>;
+    fn deref(&self) -> &Writer<W> {
+        &self.guard
+    }
+}
+
+impl<W> std::ops::DerefMut for Locked<'_, W> {
+    fn deref_mut(&mut self) -> &mut Writer<W> {
+        &mut self.guard
     }
 }
 

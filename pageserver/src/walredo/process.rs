@@ -38,6 +38,7 @@ use walredo_proc::protocol::FrameError;
 
 use super::metrics::{StopCause, WalRedoMetrics};
 use super::pipeline::Reply;
+use super::priority::WriteTicket;
 use super::{lock, ProcessKind, WalRedoConf};
 
 /// Pipe buffer size asked for both directions, so that deep pipelines do not stall.
@@ -280,16 +281,22 @@ impl Process {
         }
     }
 
-    /// Sends one encoded request and waits for its reply, within `timeout`.
+    /// Sends one encoded request and waits for its reply, within `timeout`. `ticket` (the
+    /// request's place in the foreground writer queue) is given up once the request is written.
     ///
     /// Cancel-safe: if dropped after the request was written, its reply is discarded when it
     /// arrives; if dropped halfway through the write (async kind only: the sync kind writes
     /// without yielding), the process is retired (the stream is broken).
-    pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
+    pub(crate) async fn round_trip(
+        &self,
+        request: &[u8],
+        ticket: WriteTicket<'_>,
+        timeout: Duration,
+    ) -> Result<Reply, ProcessError> {
         let reply = match &self.pipes {
-            Pipes::Sync(pipes) => pipes.round_trip(request, timeout).await,
+            Pipes::Sync(pipes) => pipes.round_trip(request, ticket, timeout).await,
             Pipes::Async(pipes) => {
-                pipes.round_trip(request, timeout, || self.retire(StopCause::CancelledWrite)).await
+                pipes.round_trip(request, ticket, timeout, || self.retire(StopCause::CancelledWrite)).await
             }
         }?;
         self.served.fetch_add(1, Ordering::Relaxed);

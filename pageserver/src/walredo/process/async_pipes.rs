@@ -26,6 +26,7 @@ use tokio::process::{ChildStdin, ChildStdout};
 
 use super::ProcessError;
 use crate::walredo::pipeline::{self, Claim, Fence, Reply, Shared, Turn, Waiter};
+use crate::walredo::priority::WriteTicket;
 
 type Writer = pipeline::Writer<ChildStdin>;
 type Reader = pipeline::Reader<ChildStdout>;
@@ -60,12 +61,13 @@ impl AsyncPipes {
     pub(crate) async fn round_trip(
         &self,
         request: &[u8],
+        ticket: WriteTicket<'_>,
         timeout: Duration,
         on_broken_write: impl FnOnce(),
     ) -> Result<Reply, ProcessError> {
         let queue_deadline = Instant::now() + timeout;
         let seq = {
-            let mut writer = Writer::lock(&self.stdin, queue_deadline, timeout).await?;
+            let mut writer = Writer::lock(&self.stdin, ticket, queue_deadline, timeout).await?;
             let since = Instant::now();
             let mut fence = Fence::new(&mut *writer, request.len(), on_broken_write);
             while fence.written < request.len() {
@@ -191,7 +193,8 @@ mod tests {
                 broken.fetch_add(1, Ordering::Relaxed);
             }
         };
-        let mut first = Box::pin(pipes.round_trip(&big, Duration::from_secs(30), on_broken));
+        let mut first =
+            Box::pin(pipes.round_trip(&big, WriteTicket::none(), Duration::from_secs(30), on_broken));
         // Poll until part of it is in the pipe (the first poll may only register the fd).
         let deadline = Instant::now() + Duration::from_secs(5);
         while !has_bytes(&requests_r) {
@@ -203,7 +206,9 @@ mod tests {
         // A second request queues for the stdin lock behind the cut-short one.
         let second = tokio::spawn({
             let pipes = Arc::clone(&pipes);
-            async move { pipes.round_trip(b"second request", Duration::from_secs(30), || {}).await }
+            async move {
+                pipes.round_trip(b"second request", WriteTicket::none(), Duration::from_secs(30), || {}).await
+            }
         });
         tokio::task::yield_now().await;
         drop(first);
@@ -250,7 +255,8 @@ mod tests {
                 broken.fetch_add(1, Ordering::Relaxed);
             }
         };
-        let mut request = Box::pin(pipes.round_trip(b"request", Duration::from_secs(30), on_broken));
+        let mut request =
+            Box::pin(pipes.round_trip(b"request", WriteTicket::none(), Duration::from_secs(30), on_broken));
         assert!(!poll_once(&mut request).await, "the pipe is full");
         drop(request);
         assert_eq!(broken.load(Ordering::Relaxed), 0, "nothing was written, nothing is broken");

@@ -34,6 +34,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use super::ProcessError;
 use crate::walredo::lock;
 use crate::walredo::pipeline::{self, Claim, Reply, Shared, Turn, Waiter};
+use crate::walredo::priority::WriteTicket;
 
 type Writer = pipeline::Writer<OwnedFd>;
 type Reader = pipeline::Reader<OwnedFd>;
@@ -69,10 +70,15 @@ impl SyncPipes {
 
     /// See [`super::Process::round_trip`]. Cancellation: see the module doc (dropped only
     /// while waiting for a lock; a written request's reply slot is abandoned).
-    pub(crate) async fn round_trip(&self, request: &[u8], timeout: Duration) -> Result<Reply, ProcessError> {
+    pub(crate) async fn round_trip(
+        &self,
+        request: &[u8],
+        ticket: WriteTicket<'_>,
+        timeout: Duration,
+    ) -> Result<Reply, ProcessError> {
         let queue_deadline = Instant::now() + timeout;
         let seq = {
-            let mut writer = Writer::lock(&self.stdin, queue_deadline, timeout).await?;
+            let mut writer = Writer::lock(&self.stdin, ticket, queue_deadline, timeout).await?;
             let since = Instant::now();
             let fd = writer.pipe.as_fd();
             let (mut written, mut result) = write_some(fd, request);
