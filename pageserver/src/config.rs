@@ -8,6 +8,8 @@
 //! - the runtime form is built by destructuring the file form, so a new field cannot be
 //!   forgotten.
 
+use crate::compaction::{CompactionMode, CompactionSettings};
+use crate::compaction_controller::ControllerConf;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -70,6 +72,11 @@ struct ConfigFile {
     page_service_idle_timeout: Duration,
     walredo_memory_budget: ByteSize,
     log_format: LogFormat,
+    compaction: CompactionMode,
+    gc_horizon: u64,
+    compaction_image_threshold: usize,
+    compaction_cpu_floor: f64,
+    compaction_cpu_cap: f64,
 }
 
 impl Default for ConfigFile {
@@ -88,6 +95,11 @@ impl Default for ConfigFile {
             page_service_idle_timeout: crate::page_service::DEFAULT_IDLE_TIMEOUT,
             walredo_memory_budget: ByteSize::with_unit(crate::tenant::DEFAULT_REDO_MEMORY_BUDGET),
             log_format: LogFormat::Plain,
+            compaction: CompactionMode::Sliced,
+            gc_horizon: crate::compaction::DEFAULT_GC_HORIZON,
+            compaction_image_threshold: crate::compaction::DEFAULT_IMAGE_THRESHOLD,
+            compaction_cpu_floor: crate::compaction_controller::DEFAULT_FLOOR,
+            compaction_cpu_cap: crate::compaction_controller::DEFAULT_CAP,
         }
     }
 }
@@ -109,6 +121,7 @@ pub struct PageServerConf {
     /// Bytes of page reconstruction data in flight, daemon-wide.
     pub walredo_memory_budget: u64,
     pub log_format: LogFormat,
+    pub compaction: CompactionSettings,
 }
 
 impl PageServerConf {
@@ -160,6 +173,11 @@ impl PageServerConf {
             page_service_idle_timeout,
             walredo_memory_budget,
             log_format,
+            compaction,
+            gc_horizon,
+            compaction_image_threshold,
+            compaction_cpu_floor,
+            compaction_cpu_cap,
         } = file;
         let addr = |key: &str, value: &str| resolve_addr(key, value);
         let duration = |key: &str, d: Duration| -> anyhow::Result<Duration> {
@@ -185,6 +203,21 @@ impl PageServerConf {
             "invalid setting walredo_memory_budget = {}: must be from 1 MiB to 1 TiB",
             walredo_memory_budget.bytes
         );
+        anyhow::ensure!(
+            (1..=page_types::MAX_RECORDS_PER_REQUEST).contains(&compaction_image_threshold),
+            "invalid setting compaction_image_threshold = {compaction_image_threshold}: must be from 1 to {}",
+            page_types::MAX_RECORDS_PER_REQUEST
+        );
+        let controller = ControllerConf {
+            floor: compaction_cpu_floor,
+            cap: compaction_cpu_cap,
+            ..ControllerConf::default()
+        };
+        controller.validate().map_err(|e| {
+            anyhow::anyhow!(
+                "invalid setting compaction_cpu_floor = {compaction_cpu_floor} or compaction_cpu_cap = {compaction_cpu_cap}: {e:#}"
+            )
+        })?;
         let binary = match walredo_proc_path {
             Some(path) => path,
             None => walredo::default_binary_path()?,
@@ -207,6 +240,12 @@ impl PageServerConf {
             page_service_idle_timeout: duration("page_service_idle_timeout", page_service_idle_timeout)?,
             walredo_memory_budget: walredo_memory_budget.bytes,
             log_format,
+            compaction: CompactionSettings {
+                mode: compaction,
+                gc_horizon,
+                image_threshold: compaction_image_threshold,
+                controller,
+            },
         })
     }
 }

@@ -11,7 +11,7 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, put};
+use axum::routing::{get, post, put};
 use axum::serve::Listener;
 use axum::{Json, Router};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -88,6 +88,7 @@ pub async fn serve(
         .route("/v1/tenant/{id}", get(get_tenant).delete(delete_tenant))
         .route("/v1/tenant/{id}/config", put(put_tenant_config))
         .route("/v1/tenant/{id}/keyspace", get(get_keyspace))
+        .route("/v1/tenant/{id}/compact", post(compact_tenant))
         .route("/metrics", get(metrics))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
@@ -174,6 +175,14 @@ async fn put_tenant_config(
     tenant.set_overrides(overrides).map_err(TenantError::Other)?;
     tracing::info!(tenant_id = tenant.id, config = ?tenant.overrides(), "tenant config changed");
     Ok(Json(tenant.status()).into_response())
+}
+
+/// Runs a compaction pass of the tenant now; answers with what it did once it is done
+/// (`{"tenant_id", "pass": null}` when there was nothing to compact).
+async fn compact_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
+    let tenant = state.tenants.get(&id)?;
+    let pass = tenant.compact().await.map_err(TenantError::Other)?;
+    Ok(Json(serde_json::json!({ "tenant_id": tenant.id, "pass": pass })).into_response())
 }
 
 /// The key space of a tenant: its keys as block ranges per relation fork, and the LSN range.

@@ -3,7 +3,10 @@
 //! - [`server`]: `run(conf, shutdown)`, the daemon as a function;
 //! - [`config`]: settings (file, overrides, defaults);
 //! - [`tenants`] / [`tenant`]: the tenants and the GetPage@LSN path;
-//! - [`storage`]: durable per-tenant storage (append log, immutable layers, index);
+//! - [`storage`]: durable per-tenant storage (append log, immutable layers, layer map,
+//!   compaction passes);
+//! - [`compaction`] / [`compaction_controller`]: the time-sliced background compactor of a
+//!   tenant, and its pure CPU-share policy;
 //! - [`page_cache`]: reconstructed pages, bounded in bytes;
 //! - [`page_service`]: the TCP data path (GetPage, Ingest) and its wire protocol;
 //! - [`http`]: the management API;
@@ -12,6 +15,7 @@
 //! - [`walredo`]: the redo child process managers (sync and async kinds);
 //! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary.
 
+pub mod compaction;
 pub mod compaction_controller;
 pub mod config;
 pub mod http;

@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use crate::compaction::{CompactionMetrics, CompactionSettings, CompactionStatus, Compactor, PassSummary};
 use crate::page_cache::PageCache;
 use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError};
 use crate::walredo::{lock, ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
@@ -91,6 +92,7 @@ pub struct TenantStatus {
     pub effective_config: EffectiveTenantConf,
     pub walredo: WalRedoStatus,
     pub storage: StorageStatus,
+    pub compaction: CompactionStatus,
     pub counters: TenantCounters,
 }
 
@@ -182,6 +184,8 @@ impl RedoBudget {
 /// What a tenant needs from the daemon.
 pub struct TenantDeps {
     pub cache: Arc<PageCache>,
+    pub compaction: CompactionSettings,
+    pub compaction_metrics: Arc<CompactionMetrics>,
     pub redo_budget: Arc<RedoBudget>,
     pub wait_lsn_timeout: Duration,
     pub default_process_kind: ProcessKind,
@@ -195,6 +199,7 @@ pub struct Tenant {
     pub(crate) dir: PathBuf,
     pub(crate) timeline: Arc<Timeline>,
     pub(crate) walredo: Arc<WalRedoManager>,
+    pub(crate) compactor: Arc<Compactor>,
     pub(crate) overrides: Mutex<TenantConfOverrides>,
     pub(crate) deps: Arc<TenantDeps>,
     /// Cancelled when the tenant stops; connections watch it.
@@ -322,6 +327,7 @@ impl Tenant {
             config: self.overrides(),
             effective_config: self.effective_conf(),
             walredo: self.walredo.status(),
+            compaction: self.compactor.status(),
             storage: StorageStatus {
                 keys: stats.keys,
                 values: stats.values,
@@ -348,8 +354,14 @@ impl Tenant {
     /// cancelled at the first poll, and each step is idempotent.
     pub async fn shutdown(&self) {
         self.cancel.cancel();
+        self.compactor.stopped().await;
         self.timeline.shutdown().await;
         self.walredo.shutdown().await;
+    }
+
+    /// Runs a compaction pass now and returns what it did (`None`: no layers to compact).
+    pub async fn compact(&self) -> anyhow::Result<Option<PassSummary>> {
+        self.compactor.compact_now().await
     }
 }
 

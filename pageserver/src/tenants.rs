@@ -26,6 +26,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::compaction::{CompactionMetrics, Compactor};
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
 use crate::storage::{self, StorageConf, StorageMetrics, Timeline};
@@ -87,14 +88,14 @@ pub enum TenantSlot {
 #[derive(Debug, Clone, Serialize)]
 #[serde(untagged)]
 pub enum TenantStatusView {
-    Active(TenantStatus),
+    Active(Box<TenantStatus>),
     Broken { id: String, state: TenantState, broken_reason: String },
 }
 
 impl TenantSlot {
     pub fn status(&self) -> TenantStatusView {
         match self {
-            TenantSlot::Active(tenant) => TenantStatusView::Active(tenant.status()),
+            TenantSlot::Active(tenant) => TenantStatusView::Active(Box::new(tenant.status())),
             TenantSlot::Broken(broken) => TenantStatusView::Broken {
                 id: broken.id.clone(),
                 state: TenantState::Broken,
@@ -115,6 +116,7 @@ impl TenantSlot {
 pub struct TenantsMetrics {
     tenants: IntGaugeVec,
     redo_budget_used: IntGauge,
+    pub(crate) compaction: Arc<CompactionMetrics>,
 }
 
 impl TenantsMetrics {
@@ -132,7 +134,8 @@ impl TenantsMetrics {
             "Bytes of page reconstruction data reserved in walredo_memory_budget",
         )?;
         registry.register(Box::new(redo_budget_used.clone()))?;
-        Ok(TenantsMetrics { tenants, redo_budget_used })
+        let compaction = Arc::new(CompactionMetrics::new(registry)?);
+        Ok(TenantsMetrics { tenants, redo_budget_used, compaction })
     }
 }
 
@@ -180,6 +183,8 @@ impl Tenants {
             change_lock: tokio::sync::Mutex::new(()),
             deps: Arc::new(TenantDeps {
                 cache,
+                compaction: conf.compaction.clone(),
+                compaction_metrics: Arc::clone(&metrics.compaction),
                 redo_budget: Arc::new(RedoBudget::new(
                     conf.walredo_memory_budget,
                     conf.walredo.timeout,
@@ -257,15 +262,25 @@ impl Tenants {
         let mut walredo_conf = self.walredo_conf.clone();
         walredo_conf.process_kind = overrides.walredo_process_kind.unwrap_or(self.deps.default_process_kind);
         let walredo = WalRedoManager::new(id, walredo_conf, Arc::clone(&self.walredo_metrics));
+        let cancel = self.cancel.child_token();
+        let compactor = Compactor::start(
+            Arc::clone(&timeline),
+            Arc::clone(&walredo),
+            self.deps.compaction.clone(),
+            self.storage_conf.layer_size,
+            Arc::clone(&self.deps.compaction_metrics),
+            cancel.clone(),
+        );
         Arc::new(Tenant {
             id: id.to_string(),
             generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
             dir: dir.to_path_buf(),
             timeline,
             walredo,
+            compactor,
             overrides: Mutex::new(overrides),
             deps: Arc::clone(&self.deps),
-            cancel: self.cancel.child_token(),
+            cancel,
             counters: Default::default(),
         })
     }

@@ -170,9 +170,9 @@ impl Pass {
             })
             .context("record compaction intent")?;
         shared.gc_cutoff.fetch_max(cutoff.0, Ordering::Relaxed);
-        // Values ingested from here on are the next pass's debt (those in the active segment
-        // now are not compacted by this one, an approximation on the safe side).
-        shared.compacted_values.store(shared.ingested_values.load(Ordering::Relaxed), Ordering::Relaxed);
+        // Records ingested from here on are the next pass's debt (also the few that reached the
+        // active segment since the caller sealed it, which this pass does not take).
+        shared.compacted_records.store(shared.ingested_records.load(Ordering::Relaxed), Ordering::Relaxed);
         let stats = PassStats {
             input_layers: inputs.len() as u64,
             bytes_before: inputs.iter().map(|l| l.size).sum(),

@@ -126,8 +126,8 @@ pub struct ReconstructData {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backlog {
     pub keys: u64,
-    /// Values ingested since the last compaction pass began.
-    pub new_values: u64,
+    /// Records ingested since the last compaction pass began.
+    pub new_records: u64,
     /// Frozen layers written by seals (not yet compacted).
     pub sealed_layers: u64,
 }

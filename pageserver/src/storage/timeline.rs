@@ -89,8 +89,8 @@ impl Timeline {
             manifest: Mutex::new(rec.manifest),
             next_file_id: AtomicU32::new(rec.next_file_id),
             seals: watch::Sender::new(0),
-            ingested_values: AtomicU64::new(0),
-            compacted_values: AtomicU64::new(0),
+            ingested_records: AtomicU64::new(0),
+            compacted_records: AtomicU64::new(0),
         });
         let job = commit::start(&shared, dir_file, rec.segment)?;
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
@@ -271,19 +271,15 @@ impl Timeline {
         super::Pass::begin(&self.shared, conf)
     }
 
-    /// How much compaction work waits: values ingested since the last pass began, and the
+    /// How much compaction work waits: records ingested since the last pass began, and the
     /// frozen layers that are not compaction outputs.
     pub fn backlog(&self) -> super::Backlog {
         let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-        let since = self.shared.ingested_values.load(Ordering::Relaxed)
-            - self
-                .shared
-                .compacted_values
-                .load(Ordering::Relaxed)
-                .min(self.shared.ingested_values.load(Ordering::Relaxed));
+        let ingested = self.shared.ingested_records.load(Ordering::Relaxed);
+        let since = ingested.saturating_sub(self.shared.compacted_records.load(Ordering::Relaxed));
         super::Backlog {
             keys: index.keys(),
-            new_values: since,
+            new_records: since,
             sealed_layers: index.layers().iter().filter(|l| !l.compacted()).count() as u64,
         }
     }

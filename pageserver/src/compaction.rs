@@ -1,0 +1,471 @@
+//! The time-sliced background compactor of a tenant: decides when a compaction pass
+//! ([`crate::storage::Pass`]) runs and how much CPU it may take, runs it in short slices off
+//! the executor threads, and rebuilds the page images a pass asks for through the tenant's redo
+//! manager, in its background lane (never ahead of a GetPage).
+//!
+//! Why slices: a pass over a large timeline is seconds of reads, writes and redo; run in one go
+//! (the `monolithic` mode, kept only as the benchmark's point of comparison, like Valkey's old
+//! cron defrag) it takes an executor thread and the disk for that long, and GetPage tail
+//! latency with it. Run as slices of about 1 ms on the blocking pool, separated by gaps, it
+//! takes a bounded CPU share and each slice resumes from the pass's cursor.
+//!
+//! Policy (the pure part is [`crate::compaction_controller`]):
+//! - **backlog**: every [`PERIOD`] the debt is measured, normalized so that 1.0 is "a pass is
+//!   due": records ingested since the last pass per key over `compaction_image_threshold`, or
+//!   sealed (not yet compacted) layers over [`SEALED_LAYERS_DUE`]. A pass starts at debt 1; its
+//!   CPU share grows with the debt from `compaction_cpu_floor` to `compaction_cpu_cap`;
+//! - **latency guard**: the lateness of the compactor's own timer (how long the executor took
+//!   to run it after it was due: a measure of scheduling delay) over the controller's target
+//!   halves the share; each healthy period adds back a tenth, never below the floor;
+//! - a late timer earns a proportionally longer next slice, capped (Valkey's anti-starvation).
+//!
+//! **Invariants:** at most one pass per tenant at a time, run by this tenant's task; a pass's
+//! file work never runs on an executor thread except in `monolithic` mode; the loop stops when
+//! the tenant is cancelled, abandoning a pass between slices (which removes its outputs).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context;
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::compaction_controller::{Controller, ControllerConf, Decision, Observation};
+use crate::storage::{CompactionConf, PassStats, Step, Timeline};
+use crate::walredo::{lock, WalRedoManager};
+
+/// How often the debt is measured and the controller updated.
+pub const PERIOD: Duration = Duration::from_millis(100);
+/// Sealed layers at which a pass is due whatever the chains (bounds the files a read touches).
+pub const SEALED_LAYERS_DUE: f64 = 8.0;
+/// After a failed pass, no automatic pass for this long (a full disk is not retried every
+/// period, nor logged every period).
+pub const RETRY_INTERVAL: Duration = Duration::from_secs(10);
+/// Default of `compaction_image_threshold`.
+pub const DEFAULT_IMAGE_THRESHOLD: usize = 8;
+/// Default of `gc_horizon` (an LSN distance; Neon's default too).
+pub const DEFAULT_GC_HORIZON: u64 = 64 << 20;
+
+/// `compaction`: how passes run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CompactionMode {
+    /// In slices, at a CPU share set by the backlog and the latency guard.
+    #[default]
+    Sliced,
+    /// The whole pass at once on an executor thread: only the benchmark's point of comparison.
+    Monolithic,
+    /// No automatic passes (`POST /v1/tenant/{id}/compact` still runs one).
+    Off,
+}
+
+/// The compaction settings of the daemon.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompactionSettings {
+    pub mode: CompactionMode,
+    pub gc_horizon: u64,
+    pub image_threshold: usize,
+    pub controller: ControllerConf,
+}
+
+impl Default for CompactionSettings {
+    fn default() -> Self {
+        CompactionSettings {
+            mode: CompactionMode::Sliced,
+            gc_horizon: DEFAULT_GC_HORIZON,
+            image_threshold: DEFAULT_IMAGE_THRESHOLD,
+            controller: ControllerConf::default(),
+        }
+    }
+}
+
+/// Compaction metrics, totals over all tenants.
+#[derive(Debug, Clone)]
+pub struct CompactionMetrics {
+    passes: IntCounterVec,
+    slices: IntCounter,
+    slice_seconds: Histogram,
+    running: IntGauge,
+    written_bytes: IntCounter,
+    images: IntCounter,
+    dropped_values: IntCounter,
+    deleted_files: IntCounter,
+}
+
+impl CompactionMetrics {
+    pub fn new(registry: &Registry) -> anyhow::Result<CompactionMetrics> {
+        let counter = |name: &str, help: &str| -> anyhow::Result<IntCounter> {
+            let c = IntCounter::new(name, help).with_context(|| format!("create {name}"))?;
+            registry.register(Box::new(c.clone())).with_context(|| format!("register {name}"))?;
+            Ok(c)
+        };
+        let passes = IntCounterVec::new(
+            Opts::new("pageserver_compaction_passes_total", "Compaction passes ended, by result (ok, error)"),
+            &["result"],
+        )?;
+        registry.register(Box::new(passes.clone()))?;
+        let slice_seconds = Histogram::with_opts(
+            HistogramOpts::new("pageserver_compaction_slice_seconds", "Duration of one compaction slice")
+                .buckets(vec![0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.2, 1.0]),
+        )?;
+        registry.register(Box::new(slice_seconds.clone()))?;
+        let running = IntGauge::new("pageserver_compaction_running_passes", "Compaction passes in progress")?;
+        registry.register(Box::new(running.clone()))?;
+        Ok(CompactionMetrics {
+            passes,
+            slices: counter("pageserver_compaction_slices_total", "Compaction slices run")?,
+            slice_seconds,
+            running,
+            written_bytes: counter(
+                "pageserver_compaction_written_bytes_total",
+                "Bytes of layers written by compaction",
+            )?,
+            images: counter(
+                "pageserver_compaction_images_created_total",
+                "Page images created by compaction",
+            )?,
+            dropped_values: counter(
+                "pageserver_compaction_dropped_values_total",
+                "Values garbage-collected (below the GC cutoff) or replaced by an image",
+            )?,
+            deleted_files: counter(
+                "pageserver_compaction_deleted_files_total",
+                "Layer files deleted after compaction",
+            )?,
+        })
+    }
+}
+
+/// What the tenant status shows of compaction.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompactionStatus {
+    pub mode: CompactionMode,
+    /// Normalized debt: 1.0 means a pass is due.
+    pub backlog: f64,
+    /// CPU share of the running pass (0 when idle).
+    pub share: f64,
+    /// The latency guard's multiplier (1 = no foreground trouble seen).
+    pub guard: f64,
+    pub running: bool,
+    pub passes: u64,
+    pub failed_passes: u64,
+    pub gc_cutoff: u64,
+    pub last_pass: Option<PassSummary>,
+    pub last_error: Option<String>,
+    pub bytes_rewritten: u64,
+    pub images_created: u64,
+    pub values_garbage_collected: u64,
+    pub files_garbage_collected: u64,
+}
+
+/// One pass, as `POST /v1/tenant/{id}/compact` answers and the status shows.
+#[derive(Debug, Clone, Serialize)]
+pub struct PassSummary {
+    #[serde(flatten)]
+    pub stats: PassStats,
+    pub seconds: f64,
+    pub slices: u64,
+    /// RFC 3339, UTC.
+    pub finished_at: String,
+}
+
+type Reply = oneshot::Sender<Result<Option<PassSummary>, String>>;
+
+/// A tenant's compactor: its status and the door for passes asked for through the API.
+pub struct Compactor {
+    status: Mutex<CompactionStatus>,
+    requests: mpsc::Sender<Reply>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// What the loop works with.
+struct Worker {
+    timeline: Arc<Timeline>,
+    walredo: Arc<WalRedoManager>,
+    settings: CompactionSettings,
+    layer_size: u64,
+    metrics: Arc<CompactionMetrics>,
+    compactor: Arc<Compactor>,
+    cancel: CancellationToken,
+}
+
+impl Compactor {
+    /// Starts the compactor's task (inside a tokio runtime); it stops when `cancel` is. The
+    /// settings were validated with the config; invalid controller settings fall back to the
+    /// defaults (logged).
+    pub fn start(
+        timeline: Arc<Timeline>,
+        walredo: Arc<WalRedoManager>,
+        settings: CompactionSettings,
+        layer_size: u64,
+        metrics: Arc<CompactionMetrics>,
+        cancel: CancellationToken,
+    ) -> Arc<Compactor> {
+        let controller = Controller::new(settings.controller.clone()).or_else(|e| {
+            tracing::error!("invalid compaction settings, using the defaults: {e:#}");
+            Controller::new(ControllerConf::default())
+        });
+        let (requests, rx) = mpsc::channel(16);
+        let compactor = Arc::new(Compactor {
+            status: Mutex::new(CompactionStatus {
+                mode: settings.mode,
+                backlog: 0.0,
+                share: 0.0,
+                guard: 1.0,
+                running: false,
+                passes: 0,
+                failed_passes: 0,
+                gc_cutoff: timeline.gc_cutoff().0,
+                last_pass: None,
+                last_error: None,
+                bytes_rewritten: 0,
+                images_created: 0,
+                values_garbage_collected: 0,
+                files_garbage_collected: 0,
+            }),
+            requests,
+            task: Mutex::new(None),
+        });
+        let worker = Worker {
+            timeline,
+            walredo,
+            settings,
+            layer_size,
+            metrics,
+            compactor: Arc::clone(&compactor),
+            cancel,
+        };
+        if let Ok(controller) = controller {
+            *lock(&compactor.task) = Some(tokio::spawn(worker.run(controller, rx)));
+        }
+        compactor
+    }
+
+    /// Runs a pass now (at the cap share) and returns what it did; `None` if there was nothing
+    /// to compact. Waits for a pass in progress to end first.
+    pub async fn compact_now(&self) -> anyhow::Result<Option<PassSummary>> {
+        let (tx, rx) = oneshot::channel();
+        self.requests.send(tx).await.map_err(|_| anyhow::anyhow!("the tenant is shutting down"))?;
+        rx.await.map_err(|_| anyhow::anyhow!("the tenant is shutting down"))?.map_err(|e| anyhow::anyhow!(e))
+    }
+
+    pub fn status(&self) -> CompactionStatus {
+        lock(&self.status).clone()
+    }
+
+    /// Waits for the task to stop (after the tenant was cancelled).
+    pub async fn stopped(&self) {
+        let task = lock(&self.task).take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Worker {
+    async fn run(self, mut controller: Controller, mut requests: mpsc::Receiver<Reply>) {
+        let mut retry_at: Option<Instant> = None;
+        loop {
+            let request = tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return,
+                r = requests.recv() => match r {
+                    Some(r) => Some(r),
+                    None => return,
+                },
+                () = tokio::time::sleep(PERIOD) => None,
+            };
+            let debt = self.debt();
+            let decision = controller.update(Observation { debt, sched_delay: Duration::ZERO });
+            self.show(debt, &controller, decision, false);
+            let due = self.settings.mode != CompactionMode::Off
+                && debt >= 1.0
+                && retry_at.is_none_or(|t| Instant::now() >= t);
+            if request.is_none() && !due {
+                continue;
+            }
+            let start_debt = if request.is_some() { controller.conf().full_debt } else { debt };
+            let result = self.pass(&mut controller, start_debt).await;
+            let answer = match &result {
+                Ok(summary) => Ok(summary.clone()),
+                Err(e) => Err(format!("{e:#}")),
+            };
+            retry_at = result.is_err().then(|| Instant::now() + RETRY_INTERVAL);
+            self.record(result);
+            if let Some(reply) = request {
+                let _ = reply.send(answer);
+            }
+        }
+    }
+
+    /// The normalized debt (see the module doc).
+    fn debt(&self) -> f64 {
+        let b = self.timeline.backlog();
+        let per_key =
+            b.new_records as f64 / (b.keys.max(1) as f64 * self.settings.image_threshold.max(1) as f64);
+        per_key.max(b.sealed_layers as f64 / SEALED_LAYERS_DUE)
+    }
+
+    fn show(&self, debt: f64, controller: &Controller, decision: Decision, running: bool) {
+        let mut s = lock(&self.compactor.status);
+        s.backlog = debt;
+        s.share = if running { decision.share } else { 0.0 };
+        s.guard = controller.guard();
+        s.running = running;
+        s.gc_cutoff = self.timeline.gc_cutoff().0;
+    }
+
+    /// One pass from the freeze of the active segment to the install.
+    async fn pass(
+        &self,
+        controller: &mut Controller,
+        start_debt: f64,
+    ) -> anyhow::Result<Option<PassSummary>> {
+        self.timeline.freeze().await.context("seal the active segment")?;
+        let conf = CompactionConf {
+            image_threshold: self.settings.image_threshold,
+            gc_horizon: self.settings.gc_horizon,
+            layer_size: self.layer_size,
+        };
+        let timeline = Arc::clone(&self.timeline);
+        let begun = tokio::task::spawn_blocking(move || timeline.begin_compaction(conf))
+            .await
+            .context("compaction task")??;
+        let Some(mut pass) = begun else {
+            return Ok(None);
+        };
+        self.metrics.running.inc();
+        let _running = scopeguard(|| self.metrics.running.dec());
+        let started = Instant::now();
+        let monolithic = self.settings.mode == CompactionMode::Monolithic;
+        let mut decision = controller.update(Observation { debt: start_debt, sched_delay: Duration::ZERO });
+        self.show(start_debt, controller, decision, true);
+        let (mut planned, mut actual, mut worst_delay) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        let mut last_update = Instant::now();
+        let mut slices = 0u64;
+        loop {
+            let budget =
+                if monolithic { Duration::MAX } else { controller.slice_for(decision, planned, actual) };
+            let slice_start = Instant::now();
+            let step;
+            (pass, step) = if monolithic {
+                let step = pass.run_slice(budget);
+                (pass, step)
+            } else {
+                tokio::task::spawn_blocking(move || {
+                    let step = pass.run_slice(budget);
+                    (pass, step)
+                })
+                .await
+                .context("compaction slice task")?
+            };
+            slices += 1;
+            self.metrics.slices.inc();
+            self.metrics.slice_seconds.observe(slice_start.elapsed().as_secs_f64());
+            match step? {
+                Step::Continue => {}
+                Step::NeedImage(req) => {
+                    let records: Vec<(u64, bytes::Bytes)> =
+                        req.data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
+                    let base = req.data.image.map(|(_, b)| b);
+                    let page = self.walredo.request_redo_background(req.key, req.lsn.0, base, &records).await;
+                    if let Err(e) = &page {
+                        tracing::debug!(key = %req.key, lsn = %req.lsn, "compaction could not rebuild a page: {e}");
+                    }
+                    pass.provide_image(page.ok());
+                }
+                Step::Done(stats) => {
+                    return Ok(Some(PassSummary {
+                        stats,
+                        seconds: started.elapsed().as_secs_f64(),
+                        slices,
+                        finished_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+                    }));
+                }
+            }
+            if self.cancel.is_cancelled() {
+                anyhow::bail!("the tenant is shutting down");
+            }
+            if monolithic {
+                continue;
+            }
+            if last_update.elapsed() >= PERIOD {
+                let debt = start_debt.max(self.debt());
+                decision = controller.update(Observation { debt, sched_delay: worst_delay });
+                self.show(debt, controller, decision, true);
+                (last_update, worst_delay) = (Instant::now(), Duration::ZERO);
+            }
+            planned = decision.gap;
+            let gap_start = Instant::now();
+            tokio::select! {
+                () = tokio::time::sleep(planned) => {}
+                () = self.cancel.cancelled() => anyhow::bail!("the tenant is shutting down"),
+            }
+            actual = gap_start.elapsed();
+            worst_delay = worst_delay.max(actual.saturating_sub(planned));
+        }
+    }
+
+    /// Logs a pass (INFO, once per pass) and adds it to the status and metrics.
+    fn record(&self, result: anyhow::Result<Option<PassSummary>>) {
+        let mut s = lock(&self.compactor.status);
+        s.running = false;
+        s.share = 0.0;
+        s.gc_cutoff = self.timeline.gc_cutoff().0;
+        match result {
+            Ok(None) => {}
+            Ok(Some(p)) => {
+                let st = &p.stats;
+                tracing::info!(
+                    seconds = p.seconds,
+                    slices = p.slices,
+                    layers_in = st.input_layers,
+                    layers_out = st.output_layers,
+                    keys = st.keys,
+                    images = st.images_created,
+                    dropped = st.values_dropped,
+                    bytes_before = st.bytes_before,
+                    bytes_written = st.bytes_written,
+                    gc_cutoff = st.gc_cutoff,
+                    "compaction pass done"
+                );
+                self.metrics.passes.with_label_values(&["ok"]).inc();
+                self.metrics.written_bytes.inc_by(st.bytes_written);
+                self.metrics.images.inc_by(st.images_created);
+                self.metrics.dropped_values.inc_by(st.values_dropped);
+                self.metrics.deleted_files.inc_by(st.files_deleted);
+                s.passes += 1;
+                s.bytes_rewritten += st.bytes_written;
+                s.images_created += st.images_created;
+                s.values_garbage_collected += st.values_dropped;
+                s.files_garbage_collected += st.files_deleted;
+                s.last_pass = Some(p);
+                s.last_error = None;
+            }
+            Err(e) => {
+                if self.cancel.is_cancelled() {
+                    return;
+                }
+                tracing::warn!("compaction pass failed, retrying when due: {e:#}");
+                self.metrics.passes.with_label_values(&["error"]).inc();
+                s.failed_passes += 1;
+                s.last_error = Some(format!("{e:#}"));
+            }
+        }
+    }
+}
+
+/// Runs `f` when dropped.
+fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
+}
