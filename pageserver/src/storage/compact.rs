@@ -247,25 +247,16 @@ impl Pass {
         let fits = chain <= page_types::MAX_RECORDS_PER_REQUEST
             && values[base.unwrap_or(0)..].iter().map(|(_, e)| u64::from(e.len)).sum::<u64>()
                 <= page_types::MAX_RECONSTRUCT_BYTES;
-        let mut w = Waiting { key, values, keep_from, image: None };
+        let w = Waiting { key, values, keep_from, image: None };
         if chain < self.conf.image_threshold.max(1) || !fits {
             self.finish_key(w)?;
             return Ok(None);
         }
-        let (Some(top), from) = (w.values.last().map(|(_, e)| e.lsn), base.unwrap_or(0)) else {
-            return Ok(None);
-        };
-        let data = read_entries(&w.values[from..])
-            .with_context(|| format!("read {key:?} for its image"))?
-            .into_iter()
-            .fold(ReconstructData { image: None, records: Vec::new() }, |mut d, (lsn, kind, b)| {
-                match kind {
-                    Kind::Image => d.image = Some((lsn, b)),
-                    Kind::Record => d.records.push((lsn, b)),
-                }
-                d
-            });
-        w.image = None;
+        // The chain is not empty here (it reached the threshold), so there is a newest value.
+        let top = w.values.last().map_or(Lsn(0), |(_, e)| e.lsn);
+        let data = plan_of(&w.values[base.unwrap_or(0)..])
+            .execute()
+            .with_context(|| format!("read {key:?} for its image"))?;
         self.waiting = Some(w);
         Ok(Some(ImageRequest { key, lsn: top, data }))
     }
@@ -393,9 +384,14 @@ fn delete_files(sh: &Shared, dir_file: &File, names: &[String]) -> u64 {
     deleted
 }
 
+/// The reads of `entries` (oldest first).
+fn plan_of(entries: &[(Arc<File>, IndexEntry)]) -> ReadPlan {
+    ReadPlan::new(entries.iter().map(|(f, e)| (f, e)).collect())
+}
+
 /// Reads the values of `entries` (oldest first), checking their checksums.
 fn read_entries(entries: &[(Arc<File>, IndexEntry)]) -> anyhow::Result<Vec<(Lsn, Kind, Bytes)>> {
-    ReadPlan::new(entries.iter().map(|(f, e)| (f, e)).collect()).execute_values()
+    plan_of(entries).execute_values()
 }
 
 impl Writer {

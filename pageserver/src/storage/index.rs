@@ -211,13 +211,9 @@ impl Index {
             &mut self.active,
             Active { id: next_id, file: next_file, map: BTreeMap::new() },
         );
-        // Already sorted by (key, lsn) and unique (map keys), and above every layer.
-        let entries: Vec<IndexEntry> = old.map.into_values().collect();
-        if let (Some(first), Some(last)) =
-            (entries.iter().map(|e| e.lsn).min(), entries.iter().map(|e| e.lsn).max())
-        {
-            let layer =
-                Frozen { id: old.id, name, file: old.file, entries, first_lsn: first, last_lsn: last, size };
+        // Sorted by (key, lsn) and unique (the map's keys), and above every layer; only an empty
+        // segment fails, and one is never sealed.
+        if let Ok(layer) = Frozen::new(old.id, name, old.file, old.map.into_values().collect(), size) {
             self.layers.push(Arc::new(layer));
         }
     }
