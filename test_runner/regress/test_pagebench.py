@@ -113,6 +113,32 @@ def test_ingest_exists_ok_with_the_same_shape_loads_nothing_and_a_longer_chain_c
     assert summary(run)["errors"] == 0, run.stderr
 
 
+def test_ingest_with_rate_and_duration_paces_the_load_and_stops_at_an_acknowledged_lsn(pageserver):
+    summary(pagebench(pageserver, "ingest", "--tenant", "pb", *SHAPE))
+    # A long chain that 1.5 s at 200 values/s cannot finish: the duration ends the load.
+    longer = [*SHAPE[:4], "--chain-length", "1000", *SHAPE[6:]]
+    paced = summary(pagebench(pageserver, "ingest", "--tenant", "pb", *longer, "--exists-ok",
+                              "--rate", "200", "--duration", "1.5"))
+    # Paced, not as fast as the daemon takes them (16000 values would load in well under 1.5 s):
+    # about 300, with a generous margin for a slow machine.
+    assert 100 <= paced["values"] <= 600, paced
+    st = pageserver.http.tenant_status("pb")
+    assert st["last_durable_lsn"] == paced["acked_lsn"] and st["storage"]["values"] == 48 + paced["values"], st
+    # The paced load stopped on a batch boundary: an unpaced resume finishes the data set, and
+    # every page is right.
+    rest = summary(pagebench(pageserver, "ingest", "--tenant", "pb", *longer, "--exists-ok"))
+    assert rest["values"] == 16 * 1001 - 48 - paced["values"], rest
+    run = pagebench(pageserver, "get-page", "--tenant", "pb", *longer, "--duration", "1", "--verify",
+                    "--lsn", "random")
+    assert summary(run)["errors"] == 0, run.stderr
+
+
+@pytest.mark.parametrize("flag", [["--rate", "0"], ["--rate", "nan"], ["--duration=-1"], ["--duration", "inf"]])
+def test_ingest_refuses_a_bad_rate_or_duration(pageserver, flag):
+    result = pagebench(pageserver, "ingest", "--tenant", "pb", *SHAPE, *flag, check=False)
+    assert result.returncode != 0 and "check --" in result.stderr, result.stderr
+
+
 def test_get_page_drives_several_tenants(pageserver):
     loaded = summary(pagebench(pageserver, "ingest", "--tenant", "multi", "--tenants", "3", *SHAPE))
     assert loaded["tenants"] == 3 and loaded["values"] == 3 * 16 * 3, loaded

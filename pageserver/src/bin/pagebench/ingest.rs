@@ -16,10 +16,18 @@
 //! never mixes two data sets. The load then continues with the first value above the last
 //! durable LSN; at the end there is nothing to do.
 //!
+//! Steady ingest (`--rate`, `--duration`): with `--rate R` the values go out at R per second
+//! (a batch every 10 ms holds the values due by then, at most `--batch-bytes`), and with
+//! `--duration S` the load stops after S seconds, the batches in flight still acknowledged; such
+//! a stop is an end, not an interruption. Together with `--exists-ok` and a long
+//! `--chain-length` they give a write load of updates, one record per page per round, at a fixed
+//! rate, next to a `get-page` run (test_runner/performance/compaction_mixed.py). The summary
+//! then also holds `acked_lsn`, the last acknowledged LSN.
+//!
 //! Any Error reply or broken connection stops the load: a partial data set would make every
 //! later measurement wrong.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -57,6 +65,13 @@ pub struct Args {
     /// Ingest frames written and not yet acknowledged.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     in_flight: u32,
+    /// Values per second (a steady write load); default: as fast as the daemon takes them.
+    #[arg(long, value_name = "VALUES_PER_S")]
+    rate: Option<f64>,
+    /// Stop after this many seconds (the batches in flight are still acknowledged); default:
+    /// when the data set is loaded.
+    #[arg(long, value_name = "SECONDS")]
+    duration: Option<f64>,
     /// Per-tenant walredo process kind, set when the tenant is created (default: the daemon's).
     #[arg(long, value_parser = ["sync", "async"])]
     walredo_process_kind: Option<String>,
@@ -78,19 +93,30 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
     if args.target.tenants == TenantCount::All {
         bail!("check --tenants: ingest creates its tenants, give a number");
     }
+    if let Some(rate) = args.rate.filter(|r| !(r.is_finite() && *r > 0.0)) {
+        bail!("check --rate: {rate} is not a positive number of values per second");
+    }
+    if let Some(duration) = args.duration.filter(|d| !(d.is_finite() && *d > 0.0)) {
+        bail!("check --duration: {duration} is not a positive number of seconds");
+    }
     let shape = args.shape.shape();
     let ids = args.target.tenant_ids().await?;
-    let (mut values, mut bytes, mut interrupted) = (0, 0, false);
+    let (mut values, mut bytes, mut interrupted, mut acked_lsn) = (0, 0, false, 0);
     let start = Instant::now();
+    let deadline = args.duration.map(|d| start + Duration::from_secs_f64(d));
     for id in &ids {
         if cancel.is_cancelled() {
             interrupted = true;
             break;
         }
-        let loaded = ingest_one(&args, id, shape, cancel.clone()).await?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
+        let loaded = ingest_one(&args, id, shape, deadline, cancel.clone()).await?;
         values += loaded.values;
         bytes += loaded.bytes;
         interrupted |= loaded.interrupted;
+        acked_lsn = loaded.acked_lsn;
     }
     let elapsed = start.elapsed().as_secs_f64();
     let summary = serde_json::json!({
@@ -101,6 +127,7 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
         "values_per_s": (values as f64 / elapsed.max(1e-9)).round(),
         "mb_per_s": (bytes as f64 / 1e6 / elapsed.max(1e-9) * 10.0).round() / 10.0,
         "end_lsn": shape.end_lsn(),
+        "acked_lsn": acked_lsn,
         "complete": !interrupted,
     });
     outln!("{summary}");
@@ -115,6 +142,8 @@ struct Loaded {
     values: u64,
     bytes: u64,
     interrupted: bool,
+    /// The last acknowledged LSN (the tenant's last durable LSN if nothing was loaded).
+    acked_lsn: u64,
 }
 
 /// Creates `tenant` (or, with `--exists-ok`, checks that it holds this shape's data set or a
@@ -123,6 +152,7 @@ async fn ingest_one(
     args: &Args,
     tenant: &str,
     shape: Shape,
+    deadline: Option<Instant>,
     cancel: CancellationToken,
 ) -> anyhow::Result<Loaded> {
     let existed = create_tenant(args, tenant).await?;
@@ -182,7 +212,10 @@ async fn ingest_one(
         }),
     ));
 
-    let outcome = load(client, shape, first_value, args, counters.clone(), cancel.clone()).await;
+    let acked = Arc::new(AtomicU64::new(last_durable_lsn));
+    let pace = Pace { rate: args.rate, deadline };
+    let outcome =
+        load(client, shape, first_value, args, pace, counters.clone(), acked.clone(), cancel.clone()).await;
     stop_progress.cancel();
     let _ = progress.await;
     outcome.with_context(|| format!("load tenant {tenant}"))?;
@@ -197,7 +230,7 @@ async fn ingest_one(
         values as f64 / elapsed.max(1e-9),
         bytes as f64 / 1e6 / elapsed.max(1e-9),
     );
-    Ok(Loaded { values, bytes, interrupted })
+    Ok(Loaded { values, bytes, interrupted, acked_lsn: acked.load(Ordering::Relaxed) })
 }
 
 /// An existing tenant must hold `shape`'s data set, or a prefix of it: the same keys, a last
@@ -232,13 +265,42 @@ async fn create_tenant(args: &Args, tenant: &str) -> anyhow::Result<bool> {
     }
 }
 
-/// Writes every value from `first_value` on, in batches, and waits for the last IngestOk.
+/// How fast and how long `load` writes.
+struct Pace {
+    /// Values per second, if limited.
+    rate: Option<f64>,
+    /// No batch is started after this.
+    deadline: Option<Instant>,
+}
+
+/// How often a rate-limited load sends the values due.
+const RATE_TICK: Duration = Duration::from_millis(10);
+
+impl Pace {
+    /// How many values may be sent now, `elapsed` after the start with `sent` sent already
+    /// (`u64::MAX` without a rate), or `Err(wait)` until the next value is due.
+    fn allowance(&self, elapsed: Duration, sent: u64) -> Result<u64, Duration> {
+        let Some(rate) = self.rate else { return Ok(u64::MAX) };
+        let due = (rate * elapsed.as_secs_f64()) as u64;
+        if due > sent {
+            return Ok(due - sent);
+        }
+        let next_due = Duration::from_secs_f64((sent + 1) as f64 / rate);
+        Err(next_due.saturating_sub(elapsed).max(RATE_TICK))
+    }
+}
+
+/// Writes every value from `first_value` on (or until the pace's deadline), in batches, and
+/// waits for the last IngestOk.
+#[allow(clippy::too_many_arguments)]
 async fn load(
     client: Client,
     shape: Shape,
     first_value: u64,
     args: &Args,
+    pace: Pace,
     counters: Arc<Counters>,
+    acked: Arc<AtomicU64>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let in_flight = args.in_flight as usize;
@@ -247,13 +309,27 @@ async fn load(
     let (pending_tx, pending_rx) = mpsc::channel::<Pending>(in_flight);
     // The receiver cancels this when it fails, so that the sender stops waiting for permits.
     let failed = cancel.child_token();
-    let receiver = tokio::spawn(receive(reader, pending_rx, permits.clone(), counters, failed.clone()));
+    let receiver =
+        tokio::spawn(receive(reader, pending_rx, permits.clone(), counters, acked, failed.clone()));
 
     let budget = args.batch_bytes as usize - FRAME_OVERHEAD;
     let mut next = first_value;
     let mut request_id = 0u64;
+    let start = Instant::now();
     let sent: anyhow::Result<()> = async {
         while next < shape.values() {
+            if pace.deadline.is_some_and(|d| Instant::now() >= d) {
+                break;
+            }
+            let allowed = match pace.allowance(start.elapsed(), next - first_value) {
+                Ok(allowed) => allowed,
+                Err(wait) => {
+                    tokio::select! {
+                        _ = failed.cancelled() => break,
+                        _ = tokio::time::sleep(wait) => continue,
+                    }
+                }
+            };
             let permit = tokio::select! {
                 _ = failed.cancelled() => break,
                 permit = permits.acquire() => permit.context("wait for an ingest slot")?,
@@ -261,7 +337,7 @@ async fn load(
             permit.forget();
             let mut values = Vec::new();
             let mut bytes = FRAME_OVERHEAD;
-            while next < shape.values() {
+            while next < shape.values() && (values.len() as u64) < allowed {
                 let value = shape.value(next);
                 let len = Shape::encoded_len(&value);
                 if !values.is_empty() && bytes + len > budget {
@@ -310,6 +386,7 @@ async fn receive(
     mut pending_rx: mpsc::Receiver<Pending>,
     permits: Arc<Semaphore>,
     counters: Arc<Counters>,
+    acked: Arc<AtomicU64>,
     failed: CancellationToken,
 ) -> anyhow::Result<()> {
     let result = async {
@@ -332,6 +409,7 @@ async fn receive(
                     describe(&other)
                 ),
             }
+            acked.store(pending.last_lsn, Ordering::Relaxed);
             counters.done.fetch_add(pending.values, Ordering::Relaxed);
             counters.bytes.fetch_add(pending.bytes, Ordering::Relaxed);
             permits.add_permits(1);
@@ -343,4 +421,28 @@ async fn receive(
         failed.cancel();
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pace_without_rate_allows_everything() {
+        let pace = Pace { rate: None, deadline: None };
+        assert_eq!(pace.allowance(Duration::ZERO, 0), Ok(u64::MAX));
+    }
+
+    #[test]
+    fn pace_with_rate_allows_what_is_due_and_waits_for_the_next() {
+        let pace = Pace { rate: Some(1000.0), deadline: None };
+        // 1000 values/s: 25 due after 25 ms, 20 sent already.
+        assert_eq!(pace.allowance(Duration::from_millis(25), 20), Ok(5));
+        // All due values sent: wait at least one tick.
+        assert_eq!(pace.allowance(Duration::from_millis(25), 25), Err(RATE_TICK));
+        // A slow rate waits until its next value is due.
+        let slow = Pace { rate: Some(10.0), deadline: None };
+        assert_eq!(slow.allowance(Duration::from_millis(150), 1), Err(Duration::from_millis(50)));
+        assert_eq!(slow.allowance(Duration::from_millis(200), 1), Ok(1));
+    }
 }
