@@ -11,8 +11,9 @@
 //!
 //! Policy (the pure part is [`crate::compaction_controller`]):
 //! - **backlog**: every [`PERIOD`] the debt is measured, normalized so that 1.0 is "a pass is
-//!   due": records ingested since the last pass per key over `compaction_image_threshold`, or
-//!   sealed (not yet compacted) layers over [`SEALED_LAYERS_DUE`]. A pass starts at debt 1; its
+//!   due": records ingested since the last pass per key over `compaction_image_threshold`, the
+//!   most records of one key over [`HOT_CHAIN_FACTOR`] times that threshold, or sealed (not yet
+//!   compacted) layers over [`SEALED_LAYERS_DUE`]. A pass starts at debt 1; its
 //!   CPU share grows with the debt from `compaction_cpu_floor` to `compaction_cpu_cap`;
 //! - **latency guard**: the lateness of the compactor's own timer (how long the executor took
 //!   to run it after it was due: a measure of scheduling delay) over the controller's target
@@ -40,6 +41,10 @@ use crate::walredo::{lock, WalRedoManager};
 pub const PERIOD: Duration = Duration::from_millis(100);
 /// Sealed layers at which a pass is due whatever the chains (bounds the files a read touches).
 pub const SEALED_LAYERS_DUE: f64 = 8.0;
+/// A pass is due when one key has this many times `compaction_image_threshold` new records,
+/// whatever the average: a hot key's chain stays bounded, and under uniform writes (where the
+/// longest chain is about twice the average) the average decides.
+pub const HOT_CHAIN_FACTOR: f64 = 4.0;
 /// After a failed pass, no automatic pass for this long (a full disk is not retried every
 /// period, nor logged every period).
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(10);
@@ -303,9 +308,10 @@ impl Worker {
     /// The normalized debt (see the module doc).
     fn debt(&self) -> f64 {
         let b = self.timeline.backlog();
-        let per_key =
-            b.new_records as f64 / (b.keys.max(1) as f64 * self.settings.image_threshold.max(1) as f64);
-        per_key.max(b.sealed_layers as f64 / SEALED_LAYERS_DUE)
+        let threshold = self.settings.image_threshold.max(1) as f64;
+        let per_key = b.new_records as f64 / (b.keys.max(1) as f64 * threshold);
+        let hot_key = b.longest_new_chain as f64 / (HOT_CHAIN_FACTOR * threshold);
+        per_key.max(hot_key).max(b.sealed_layers as f64 / SEALED_LAYERS_DUE)
     }
 
     fn show(&self, debt: f64, controller: &Controller, decision: Decision, running: bool) {

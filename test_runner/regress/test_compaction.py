@@ -112,3 +112,26 @@ def test_compaction_runs_by_itself_when_chains_grow(pageserver_factory):
     assert c["mode"] == "sliced" and c["images_created"] > 0 and c["last_pass"]["slices"] >= 1
     with ps.connect(tenant) as conn:
         verify(conn, b.rs, [(k, lsn) for k in keys for lsn in query_lsns(b.rs, k, limit=30)])
+
+
+def test_one_hot_key_makes_a_pass_due_whatever_the_average(pageserver_factory):
+    # 100 keys with an image each, then 40 records on one of them: on average 0.4 records per
+    # key (a twentieth of the image threshold 8), but one chain of 40, over 4 x 8.
+    ps = pageserver_factory()
+    tenant = ps.create_tenant()
+    keys = make_keys(100)
+    b = HistoryBuilder(seed=74)
+    images = [v for k in keys for v in b.batch([k], 1, image_prob=1.0)]
+    with ps.connect(tenant) as conn:
+        conn.ingest(images)
+        conn.ingest(b.batch([keys[0]], 40, image_prob=0.0))
+
+    def passed():
+        c = ps.http.tenant_status(tenant)["compaction"]
+        return c["passes"] >= 1 and not c["running"] and c["backlog"] < 1.0
+
+    wait_until(passed, timeout=30, desc="a compaction pass due to the hot key")
+    c = ps.http.tenant_status(tenant)["compaction"]
+    assert c["images_created"] == 1 and c["last_pass"]["images_created"] == 1, c
+    with ps.connect(tenant) as conn:
+        verify(conn, b.rs, [(k, lsn) for k in keys[:5] for lsn in query_lsns(b.rs, k, limit=20)])

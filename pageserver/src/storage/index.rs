@@ -23,7 +23,7 @@
 //! value is read; a `(key, lsn)` is in at most one file; reads take the lock only to plan,
 //! never across I/O, and check each value's crc32c before returning it.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::ops::Bound;
 use std::os::unix::fs::FileExt;
@@ -116,6 +116,11 @@ pub(crate) struct Index {
     active: Active,
     keys: HashSet<Key>,
     values: u64,
+    /// Records per key committed since the last compaction pass began: the hot-key part of
+    /// the backlog (a pass takes every key, so it is due for one key's long chain too).
+    new_chains: HashMap<Key, u32>,
+    /// The largest count in `new_chains`.
+    longest_new_chain: u32,
 }
 
 /// Fails if `layer`, placed above `older` (oldest first), is not entirely above every one of
@@ -170,6 +175,8 @@ impl Index {
             layers: Vec::new(),
             active: Active { id: active_id, file: active_file, map: BTreeMap::new() },
             keys: HashSet::new(),
+            new_chains: HashMap::new(),
+            longest_new_chain: 0,
             values: 0,
         }
     }
@@ -199,9 +206,25 @@ impl Index {
         }
         for e in entries {
             self.active.map.insert((e.key, e.lsn), *e);
+            if e.kind == Kind::Record {
+                let chain = self.new_chains.entry(e.key).or_default();
+                *chain = chain.saturating_add(1);
+                self.longest_new_chain = self.longest_new_chain.max(*chain);
+            }
         }
         self.add_counts(entries);
         Ok(())
+    }
+
+    /// The most records committed for one key since the last [`Index::reset_new_chains`].
+    pub(crate) fn longest_new_chain(&self) -> u32 {
+        self.longest_new_chain
+    }
+
+    /// A compaction pass began: the records committed from now on are the next pass's debt.
+    pub(crate) fn reset_new_chains(&mut self) {
+        self.new_chains = HashMap::new();
+        self.longest_new_chain = 0;
     }
 
     /// The active segment became the layer `name` (same file): it joins the layers, and the
@@ -510,6 +533,22 @@ mod tests {
     fn layer(id: u32, vals: &[(Key, u64, Kind, &[u8])]) -> Frozen {
         let (f, entries) = file_with(vals);
         Frozen::new(id, format!("l{id}"), f, entries, 0).unwrap()
+    }
+
+    #[test]
+    fn longest_new_chain_counts_records_per_key_until_reset() {
+        let mut idx = active_with(&[
+            (key(1), 10, Kind::Image, b"i10"),
+            (key(1), 20, Kind::Record, b"r20"),
+            (key(2), 25, Kind::Record, b"k2"),
+            (key(1), 30, Kind::Record, b"r30"),
+        ]);
+        assert_eq!(idx.longest_new_chain(), 2);
+        idx.reset_new_chains();
+        assert_eq!(idx.longest_new_chain(), 0);
+        let (_, entries) = file_with(&[(key(2), 40, Kind::Record, b"k2")]);
+        idx.insert_active(&entries).unwrap();
+        assert_eq!(idx.longest_new_chain(), 1);
     }
 
     #[test]

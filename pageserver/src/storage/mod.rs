@@ -128,6 +128,8 @@ pub struct Backlog {
     pub keys: u64,
     /// Records ingested since the last compaction pass began.
     pub new_records: u64,
+    /// The most of them for one key.
+    pub longest_new_chain: u64,
     /// Frozen layers written by seals (not yet compacted).
     pub sealed_layers: u64,
 }

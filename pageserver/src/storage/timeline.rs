@@ -280,6 +280,7 @@ impl Timeline {
         super::Backlog {
             keys: index.keys(),
             new_records: since,
+            longest_new_chain: u64::from(index.longest_new_chain()),
             sealed_layers: index.layers().iter().filter(|l| !l.compacted()).count() as u64,
         }
     }
