@@ -9,7 +9,8 @@
 //!   lines to a file), and ends stdout with one JSON line of totals and latency percentiles.
 //!
 //! The modules (in `src/bin/pagebench/`) are [`dataset`] (what is loaded and where), [`ingest`],
-//! [`get_page`], [`rate`] (`--rate`: the open loop's schedule), [`keyspace`] (the daemon's key
+//! [`get_page`] with [`connection`] (one connection's sender and receiver) and [`rate`]
+//! (`--rate`: the open loop's schedule), [`keyspace`] (the daemon's key
 //! space, and its check against a shape), [`http`] (the management calls) and [`report`]
 //! (progress and summaries). This file only parses
 //! arguments, builds the runtime and maps the outcome to an exit status.
@@ -44,6 +45,8 @@ macro_rules! errln {
 }
 
 // A binary's root resolves `mod` next to itself (src/bin/); its modules live in src/bin/pagebench/.
+#[path = "pagebench/connection.rs"]
+mod connection;
 #[path = "pagebench/dataset.rs"]
 mod dataset;
 #[path = "pagebench/get_page.rs"]
