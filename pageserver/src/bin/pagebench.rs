@@ -3,13 +3,16 @@
 //! - `pagebench ingest` creates a tenant through the management API and loads a synthetic,
 //!   seed-determined data set through the page service ([`dataset`] documents its LSN layout);
 //! - `pagebench get-page` drives GetPage requests over many pipelined connections (of one tenant
-//!   or of `--tenants N`) for a fixed time, choosing keys and LSNs from the key space the daemon
-//!   reports, prints requests/s every second on stderr, and ends stdout with one JSON line of
-//!   totals and latency percentiles.
+//!   or of `--tenants N`) for a fixed time, in a closed loop or (`--rate`) an open loop at a rate
+//!   or schedule of rates, choosing keys and LSNs from the key space the daemon reports, prints
+//!   requests/s and latency percentiles every second on stderr (and with `--series` as JSON
+//!   lines to a file), and ends stdout with one JSON line of totals and latency percentiles.
 //!
 //! The modules (in `src/bin/pagebench/`) are [`dataset`] (what is loaded and where), [`ingest`],
-//! [`get_page`], [`keyspace`] (the daemon's key space, and its check against a shape), [`http`]
-//! (the management calls) and [`report`] (progress and summaries). This file only parses
+//! [`get_page`] with [`connection`] (one connection's sender and receiver) and [`rate`]
+//! (`--rate`: the open loop's schedule), [`keyspace`] (the daemon's key
+//! space, and its check against a shape), [`http`] (the management calls) and [`report`]
+//! (progress and summaries). This file only parses
 //! arguments, builds the runtime and maps the outcome to an exit status.
 //!
 //! Exit status: 0 only when every request succeeded (get-page: at most `--max-errors` failed);
@@ -42,6 +45,8 @@ macro_rules! errln {
 }
 
 // A binary's root resolves `mod` next to itself (src/bin/); its modules live in src/bin/pagebench/.
+#[path = "pagebench/connection.rs"]
+mod connection;
 #[path = "pagebench/dataset.rs"]
 mod dataset;
 #[path = "pagebench/get_page.rs"]
@@ -52,6 +57,8 @@ mod http;
 mod ingest;
 #[path = "pagebench/keyspace.rs"]
 mod keyspace;
+#[path = "pagebench/rate.rs"]
+mod rate;
 #[path = "pagebench/report.rs"]
 mod report;
 
