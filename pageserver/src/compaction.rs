@@ -352,45 +352,57 @@ impl Worker {
         let mut last_update = Instant::now();
         let mut slices = 0u64;
         loop {
+            // One turn: slices, and the page images they ask for, until the turn has worked its
+            // budget (the redo round trips count: they take the child that GetPage needs too),
+            // then a gap in proportion to the work done.
             let budget =
                 if monolithic { Duration::MAX } else { controller.slice_for(decision, planned, actual) };
-            let slice_start = Instant::now();
-            let step;
-            (pass, step) = if monolithic {
-                let step = pass.run_slice(budget);
-                (pass, step)
-            } else {
-                tokio::task::spawn_blocking(move || {
-                    let step = pass.run_slice(budget);
+            let turn_start = Instant::now();
+            loop {
+                let remaining = budget.saturating_sub(turn_start.elapsed());
+                let slice_start = Instant::now();
+                let step;
+                (pass, step) = if monolithic {
+                    let step = pass.run_slice(remaining);
                     (pass, step)
-                })
-                .await
-                .context("compaction slice task")?
-            };
-            slices += 1;
-            self.metrics.slices.inc();
-            self.metrics.slice_seconds.observe(slice_start.elapsed().as_secs_f64());
-            match step? {
-                Step::Continue => {}
-                Step::NeedImage(req) => {
-                    let records: Vec<(u64, bytes::Bytes)> =
-                        req.data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
-                    let base = req.data.image.map(|(_, b)| b);
-                    let page = self.walredo.request_redo_background(req.key, req.lsn.0, base, &records).await;
-                    if let Err(e) = &page {
-                        tracing::debug!(key = %req.key, lsn = %req.lsn, "compaction could not rebuild a page: {e}");
+                } else {
+                    tokio::task::spawn_blocking(move || {
+                        let step = pass.run_slice(remaining);
+                        (pass, step)
+                    })
+                    .await
+                    .context("compaction slice task")?
+                };
+                slices += 1;
+                self.metrics.slices.inc();
+                self.metrics.slice_seconds.observe(slice_start.elapsed().as_secs_f64());
+                match step? {
+                    Step::Continue => break,
+                    Step::NeedImage(req) => {
+                        let records: Vec<(u64, bytes::Bytes)> =
+                            req.data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
+                        let base = req.data.image.map(|(_, b)| b);
+                        let page =
+                            self.walredo.request_redo_background(req.key, req.lsn.0, base, &records).await;
+                        if let Err(e) = &page {
+                            tracing::debug!(key = %req.key, lsn = %req.lsn, "compaction could not rebuild a page: {e}");
+                        }
+                        pass.provide_image(page.ok());
+                        if turn_start.elapsed() >= budget || self.cancel.is_cancelled() {
+                            break;
+                        }
                     }
-                    pass.provide_image(page.ok());
-                }
-                Step::Done(stats) => {
-                    return Ok(Some(PassSummary {
-                        stats,
-                        seconds: started.elapsed().as_secs_f64(),
-                        slices,
-                        finished_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
-                    }));
+                    Step::Done(stats) => {
+                        return Ok(Some(PassSummary {
+                            stats,
+                            seconds: started.elapsed().as_secs_f64(),
+                            slices,
+                            finished_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+                        }));
+                    }
                 }
             }
+            let worked = turn_start.elapsed();
             if self.cancel.is_cancelled() {
                 anyhow::bail!("the tenant is shutting down");
             }
@@ -403,7 +415,7 @@ impl Worker {
                 self.show(debt, controller, decision, true);
                 (last_update, worst_delay) = (Instant::now(), Duration::ZERO);
             }
-            planned = decision.gap;
+            planned = decision.gap_after(worked);
             let gap_start = Instant::now();
             tokio::select! {
                 () = tokio::time::sleep(planned) => {}

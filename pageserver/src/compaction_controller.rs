@@ -172,6 +172,16 @@ impl Decision {
     pub fn is_idle(&self) -> bool {
         self.slice.is_zero()
     }
+
+    /// The pause after `worked` of work, so that work and pause keep the share: the gap of a
+    /// full slice, in proportion. A turn cut short (its pass needed a page from the redo
+    /// child, or finished) pauses less; zero when idle or at share 1.
+    pub fn gap_after(&self, worked: Duration) -> Duration {
+        if self.is_idle() {
+            return Duration::ZERO;
+        }
+        secs_saturating(worked.as_secs_f64() * ((1.0 - self.share) / self.share))
+    }
 }
 
 /// One period's measurements, from the driver.
@@ -266,6 +276,18 @@ mod tests {
 
     const HEALTHY: Duration = Duration::from_micros(500);
     const UNHEALTHY: Duration = Duration::from_millis(10);
+
+    #[test]
+    fn gap_after_keeps_the_share_for_the_work_done() {
+        let d = Decision::with_share(0.2, Duration::from_millis(1));
+        assert_eq!(d.gap_after(Duration::from_millis(1)), d.gap);
+        assert_eq!(d.gap_after(Duration::from_micros(250)), Duration::from_millis(1));
+        assert_eq!(Decision::IDLE.gap_after(Duration::from_millis(5)), Duration::ZERO);
+        assert_eq!(
+            Decision::with_share(1.0, Duration::from_millis(1)).gap_after(Duration::from_millis(3)),
+            Duration::ZERO
+        );
+    }
 
     fn ctl() -> Controller {
         Controller::new(ControllerConf::default()).expect("default conf is valid")

@@ -139,6 +139,23 @@ def test_ingest_refuses_a_bad_rate_or_duration(pageserver, flag):
     assert result.returncode != 0 and "check --" in result.stderr, result.stderr
 
 
+def test_get_page_open_loop_rate_steps_and_series(pageserver, tmp_path):
+    summary(pagebench(pageserver, "ingest", "--tenant", "pb", *SHAPE))
+    series = tmp_path / "series.jsonl"
+    run = pagebench(pageserver, "get-page", "--tenant", "pb", "--rate", "100:1s,300:1s", "--connections", "2",
+                    "--series", str(series))
+    s = summary(run)
+    assert s["errors"] == 0 and [step["rps"] for step in s["rate"]] == [100, 300], s
+    # About 400 requests on schedule (100 + 300), whatever the daemon's speed: open loop.
+    assert 300 <= s["requests"] <= 450, s
+    lines = [json.loads(line) for line in series.read_text().splitlines()]
+    assert [line["target_rps"] for line in lines[:2]] == [100, 300], lines
+    assert sum(line["requests"] for line in lines) == s["requests"], lines
+    assert all(line["latency_us"]["p50"] <= line["latency_us"]["max"] for line in lines if line["requests"]), lines
+    bad = pagebench(pageserver, "get-page", "--tenant", "pb", "--rate", "100:1s", "--duration", "1", check=False)
+    assert bad.returncode != 0 and "check --" in bad.stderr, bad.stderr
+
+
 def test_get_page_drives_several_tenants(pageserver):
     loaded = summary(pagebench(pageserver, "ingest", "--tenant", "multi", "--tenants", "3", *SHAPE))
     assert loaded["tenants"] == 3 and loaded["values"] == 3 * 16 * 3, loaded
