@@ -36,7 +36,7 @@ Three parts, each chosen with --parts (default: all):
   compaction_image_threshold.
 
 Every daemon started is stopped (SIGTERM, then SIGKILL after 30 s) and its work dir removed
-(unless --keep) before the script exits. Needs root only for nothing; strace must be installed
+(unless --keep) before the script exits. strace must be installed
 for the syscall counts (skipped with a note otherwise).
 """
 
@@ -415,7 +415,9 @@ def main() -> int:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     results: dict = {"meta": {"date": datetime.date.today().isoformat(), "commit": commit,
-                              "machine": f"{measure.os.cpu_count()} vCPU", **{k: str(v) for k, v in vars(opts).items()}}}
+                              "machine": f"{measure.os.cpu_count()} vCPU",
+                              # The options, without the paths of this machine.
+                              **{k: str(v) for k, v in vars(opts).items() if k not in ("out", "plot", "bin_dir")}}}
     results["meta"].update(blocks=opts.blocks, write_rate=opts.write_rate, get_rate=opts.get_rate,
                            connections=opts.connections)
     parts = opts.parts.split(",")
