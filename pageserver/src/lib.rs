@@ -13,6 +13,8 @@
 //! - [`logging`]: log setup (plain or JSON, never panics) and the panic hook;
 //! - [`process_metrics`]: the standard `process_*` metrics and `pageserver_build_info`;
 //! - [`walredo`]: the redo child process managers (sync and async kinds);
+//! - [`worker_controller`]: the pure sizing policy for a pool of workers (the redo process pool
+//!   to come; not wired in yet);
 //! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary.
 
 pub mod compaction;
@@ -29,3 +31,4 @@ pub mod tenant;
 pub mod tenants;
 pub mod test_support;
 pub mod walredo;
+pub mod worker_controller;
