@@ -227,11 +227,10 @@ impl PageServerConf {
             listen_pg_addr: addr("listen_pg_addr", &listen_pg_addr)?,
             listen_http_addr: addr("listen_http_addr", &listen_http_addr)?,
             walredo: WalRedoConf {
-                binary,
-                args: Vec::new(),
                 process_kind: walredo_process_kind,
                 timeout: duration("wal_redo_timeout", wal_redo_timeout)?,
                 idle_timeout: duration("walredo_idle_timeout", walredo_idle_timeout)?,
+                ..WalRedoConf::with_binary(binary)
             },
             wait_lsn_timeout: duration("wait_lsn_timeout", wait_lsn_timeout)?,
             page_cache_size: page_cache_size.bytes,

@@ -35,7 +35,9 @@
 //! stays for the next burst instead of flapping.
 //!
 //! **Size**: `target = clamp(ceil(avg x headroom), min_workers, max_workers)` (a hair of float
-//! error above an integer does not add a worker). The pool grows to the target at once (the
+//! error above an integer does not add a worker); but `min_workers` while at most one request is
+//! in flight on average: one request at a time keeps one worker busy however busy it is, and a
+//! second one would only take turns with it. The pool grows to the target at once (the
 //! caller spawns in the background). It shrinks by one worker only once the target has stayed
 //! below the current size for `shrink_after` of observed periods, and the clock then restarts:
 //! a spawn costs milliseconds, so a burst grows the pool at once and an idle pool gives back one
@@ -296,7 +298,9 @@ impl WorkerController {
         // average is taken exactly (a steady load keeps a steady average, no float creep).
         self.avg =
             if demand >= self.avg { demand } else { (AVG_KEEP * self.avg + AVG_NEW * demand).max(demand) };
-        let target = conf.target_for(self.avg);
+        // With at most one request in flight on average, a second worker could only take turns
+        // with the first: `min_workers` then, however busy the one worker is.
+        let target = if obs.in_flight() <= 1.0 { conf.min_workers } else { conf.target_for(self.avg) };
 
         let current = self.last.workers;
         let workers = if target >= current {
@@ -449,7 +453,8 @@ mod tests {
         assert_eq!(longer.demand(16), 3.0);
         assert_eq!(ctl(16, 1).update(longer).workers, 4);
 
-        // Requests waiting for a pool with no live worker, none served: demand 1, target 2.
+        // Requests waiting for a pool with no live worker, none served: demand 1, but half a
+        // request in flight on average: one worker.
         let empty = Observation {
             period: PERIOD,
             arrivals: 5,
@@ -460,10 +465,24 @@ mod tests {
             workers: 0,
         };
         assert_eq!(empty.demand(16), 1.0);
-        assert_eq!(ctl(16, 1).update(empty).workers, 2);
+        assert_eq!(ctl(16, 1).update(empty).workers, 1);
+        // The same with two requests in flight: target ceil(1 x 1.25) = 2.
+        assert_eq!(ctl(16, 1).update(Observation { in_flight_avg: 2.0, ..empty }).workers, 2);
 
         // The bonus counts against the cap too.
         assert_eq!(longer.demand(2), 2.0);
+    }
+
+    #[test]
+    fn one_request_at_a_time_keeps_one_worker_however_busy() {
+        let mut c = ctl(8, 1);
+        // A closed loop of one client: the worker holds a request 95% of the time, never two.
+        for _ in 0..30 {
+            let d = c.update(obs(ms(95), 1900, 1));
+            assert_eq!(d.workers, 1);
+        }
+        // A second client: 1.9 in flight, demand 1.9, target ceil(2.375) = 3.
+        assert_eq!(c.update(obs(ms(190), 3800, 1)).workers, 3);
     }
 
     #[test]
@@ -477,8 +496,8 @@ mod tests {
             assert_eq!(c.smoothed_demand(), k as f64);
             sizes.push(d.workers);
         }
-        // ceil(k x 1.25) for k = 1..=6.
-        assert_eq!(sizes, [2, 3, 4, 5, 7, 8]);
+        // ceil(k x 1.25) for k = 2..=6; at k = 1 one request is in flight on average: one worker.
+        assert_eq!(sizes, [1, 3, 4, 5, 7, 8]);
 
         // A steady load holds the size.
         for _ in 0..20 {
@@ -584,13 +603,15 @@ mod tests {
         assert_eq!(c.update(flood), decision(3, 3, us(20), Path::Async));
         assert_eq!(c.smoothed_demand(), 3.0);
 
-        // From an average of 3 (not 101), the target falls below 3 in the third idle period
-        // (3 x 0.8^3 x 1.25 = 1.92), and the pool shrinks 10 periods later. Uncapped (101), the
-        // clock would only have started in the 17th idle period.
+        // Then no busy time, but 1.5 requests in flight on average (so the one-request rule does
+        // not apply): from an average of 3 (not 101), the target falls below 3 in the third
+        // period (3 x 0.8^3 x 1.25 = 1.92), and the pool shrinks 10 periods later. Uncapped
+        // (101), the clock would only have started in the 17th period.
+        let light = Observation { in_flight_avg: 1.5, ..idle(3) };
         for i in 1..=11 {
-            assert_eq!(c.update(idle(3)).workers, 3, "idle period {i}");
+            assert_eq!(c.update(light).workers, 3, "light period {i}");
         }
-        assert_eq!(c.update(idle(3)).workers, 2);
+        assert_eq!(c.update(light).workers, 2);
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub enum StopCause {
     CancelledWrite,
     /// The last reference went away without a retirement (the manager was dropped).
     Dropped,
+    /// The tenant's pool needs fewer children (its controller decided so).
+    PoolShrink,
 }
 
 impl StopCause {
@@ -44,17 +46,25 @@ impl StopCause {
             StopCause::BadHello => "bad_hello",
             StopCause::CancelledWrite => "cancelled_write",
             StopCause::Dropped => "dropped",
+            StopCause::PoolShrink => "pool_shrink",
         }
     }
 
     /// Whether the child may still finish what is in flight before it is killed.
     pub fn is_graceful(self) -> bool {
-        matches!(self, StopCause::Idle | StopCause::KindChange | StopCause::Dropped)
+        matches!(self, StopCause::Idle | StopCause::KindChange | StopCause::Dropped | StopCause::PoolShrink)
     }
 
     /// Whether the stop is a fault (logged as a warning), not part of normal operation.
     pub fn is_failure(self) -> bool {
-        !matches!(self, StopCause::Idle | StopCause::KindChange | StopCause::Dropped | StopCause::Shutdown)
+        !matches!(
+            self,
+            StopCause::Idle
+                | StopCause::KindChange
+                | StopCause::Dropped
+                | StopCause::Shutdown
+                | StopCause::PoolShrink
+        )
     }
 }
 

@@ -1,9 +1,12 @@
 //! WAL redo: turns a base image and the records above it into the page at an LSN, by piping
 //! them to a sandboxed child process (`walredo-proc`).
 //!
-//! - this file: [`WalRedoManager`], one per tenant: spawns a child on demand, retries once on a
-//!   child failure, retires idle and broken children, switches the process kind at runtime,
-//!   shuts down;
+//! - this file: [`WalRedoManager`], one per tenant: keeps its pool of children (sized by the
+//!   adaptive worker controller every [`pool::PERIOD`]), spawns the first child on demand,
+//!   retries once on a child failure, retires idle and broken children, switches the process
+//!   kind at runtime, shuts down;
+//! - [`pool`]: the children in service, the daemon-wide budget of extra children, and the
+//!   controller's measurements;
 //! - [`priority`]: foreground (GetPage) requests before background ones (compaction);
 //! - [`process`]: one child (spawn, hello, stderr, kill and reap) and its two kinds of pipes;
 //! - [`pipeline`]: reply assembly and matching of pipelined replies to requests;
@@ -15,7 +18,8 @@
 //! panic the daemon, hang it past `wal_redo_timeout`, or reach another request's caller.
 //!
 //! Invariants:
-//! - a tenant has at most one child in service; a retired child serves no new request;
+//! - a tenant's children in service form its pool ([`pool`]); a retired child serves no new
+//!   request;
 //! - a redo request fails with the error of its own reply or of its own process, never with
 //!   another request's page;
 //! - after [`WalRedoManager::shutdown`] returns, no child of this manager is alive or a zombie;
@@ -24,13 +28,14 @@
 
 pub mod metrics;
 mod pipeline;
+pub mod pool;
 mod priority;
 mod process;
 #[cfg(test)]
 mod tests;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -43,8 +48,11 @@ use walredo_proc::protocol::{self, BufferTag, ErrorCode};
 
 pub use metrics::{StopCause, WalRedoMetrics};
 use pipeline::Reply;
+use pool::{ChildBudget, ControllerStatus, Load, Pool, Sampler};
 use priority::{Priority, WriteTicket};
 use process::{InUse, Process, ProcessError, Reaping};
+
+use crate::worker_controller::{max_spinning_for_cpus, WorkerController, WorkerControllerConf};
 
 /// Default of `wal_redo_timeout`.
 pub const DEFAULT_WAL_REDO_TIMEOUT: Duration = Duration::from_secs(60);
@@ -114,6 +122,10 @@ pub struct WalRedoConf {
     pub timeout: Duration,
     /// A child unused this long is stopped; the next request spawns a new one.
     pub idle_timeout: Duration,
+    /// Most children of one tenant (not a user setting: one per CPU, at least 2).
+    pub max_pool_size: usize,
+    /// The daemon-wide budget of children beyond the first of each tenant.
+    pub budget: Arc<ChildBudget>,
 }
 
 impl WalRedoConf {
@@ -125,6 +137,8 @@ impl WalRedoConf {
             process_kind: ProcessKind::default(),
             timeout: DEFAULT_WAL_REDO_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            max_pool_size: pool::default_max_pool_size(),
+            budget: ChildBudget::global(),
         }
     }
 }
@@ -176,8 +190,10 @@ impl RedoError {
 pub struct WalRedoStatus {
     /// Kind of the next child spawned.
     pub process_kind: ProcessKind,
-    /// The child in service, if one is running.
+    /// The oldest child in service, if one is running (the first of `pool.children`).
     pub process: Option<ProcessStatus>,
+    /// The children in service and the controller that sizes them.
+    pub pool: PoolStatus,
     /// Requests answered (page or error frame) over the manager's life.
     pub requests_served: u64,
     /// Exit status of the last child reaped, e.g. `pid 42: killed by SIGKILL`.
@@ -190,6 +206,18 @@ pub struct ProcessStatus {
     pub pid: u32,
     pub uptime_seconds: f64,
     pub requests_served: u64,
+    /// Requests on this child now.
+    pub in_flight: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolStatus {
+    /// Oldest first.
+    pub children: Vec<ProcessStatus>,
+    /// Most children this tenant may have.
+    pub max_children: usize,
+    /// The controller's last inputs and decision (`None` before its first period).
+    pub controller: Option<ControllerStatus>,
 }
 
 /// One tenant's access to WAL redo. See the module doc.
@@ -197,8 +225,15 @@ pub struct WalRedoManager {
     tenant_id: String,
     conf: WalRedoConf,
     kind: Mutex<ProcessKind>,
-    /// The child in service. A std mutex: held for a few instructions, never across an await.
-    process: Mutex<Option<Arc<Process>>>,
+    /// The children in service. A std mutex: held for a few instructions, never across an await.
+    pool: Mutex<Pool>,
+    /// Requests and their times, for the pool's controller.
+    load: Load,
+    /// The controller's last look, for the status.
+    controller: Mutex<Option<ControllerStatus>>,
+    /// A background spawn for the pool is under way.
+    growing: AtomicBool,
+    me: Weak<WalRedoManager>,
     /// Serializes spawning, so that a burst of requests spawns one child, not one each. Holds
     /// the last spawn's failure (attempt number, error), if it failed; held across the spawn.
     spawn_lock: tokio::sync::Mutex<Option<(u64, String)>>,
@@ -217,11 +252,15 @@ impl WalRedoManager {
     /// Creates the manager; no child is spawned until the first request. Inside a tokio
     /// runtime, also starts the task that stops an idle child.
     pub fn new(tenant_id: &str, conf: WalRedoConf, metrics: Arc<WalRedoMetrics>) -> Arc<WalRedoManager> {
-        let manager = Arc::new(WalRedoManager {
+        let manager = Arc::new_cyclic(|me| WalRedoManager {
             tenant_id: tenant_id.to_string(),
             kind: Mutex::new(conf.process_kind),
+            pool: Mutex::new(Pool::new(Arc::clone(&conf.budget))),
             conf,
-            process: Mutex::new(None),
+            load: Load::default(),
+            controller: Mutex::new(None),
+            growing: AtomicBool::new(false),
+            me: me.clone(),
             spawn_lock: tokio::sync::Mutex::new(None),
             spawn_attempts: AtomicU64::new(0),
             metrics,
@@ -237,6 +276,7 @@ impl WalRedoManager {
                 manager.cancel.clone(),
                 manager.conf.idle_timeout,
             ));
+            runtime.spawn(pool_controller(Arc::downgrade(&manager), manager.cancel.clone()));
         }
         manager
     }
@@ -340,6 +380,7 @@ impl WalRedoManager {
         let _in_flight = self.in_flight.token();
         // Timed from here: a background request's wait for its turn is not redo time.
         let started = Instant::now();
+        self.load.arrivals.fetch_add(1, Ordering::Relaxed);
         let mut attempts_left = if retry { 2 } else { 1 };
         let mut retrying = false;
         loop {
@@ -357,7 +398,10 @@ impl WalRedoManager {
                 }
             };
             let process = self.get_or_spawn().await.map_err(|e| self.count(e))?;
+            let taken = Instant::now();
             let result = process.round_trip(request, ticket, self.conf.timeout).await;
+            self.load.request_nanos.fetch_add(taken.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.load.completions.fetch_add(1, Ordering::Relaxed);
             match result {
                 // The child is working, only busy: it stays in service.
                 Err(ProcessError::QueueTimeout(t)) => return Err(self.count(RedoError::QueueTimeout(t))),
@@ -461,42 +505,101 @@ impl WalRedoManager {
                 return Err(RedoError::ProcessFailed(e));
             }
         };
-        let mut slot = lock(&self.process);
+        let mut pool = lock(&self.pool);
         if self.cancel.is_cancelled() {
-            drop(slot);
+            drop(pool);
             process.retire(StopCause::Shutdown);
             return Err(RedoError::ShuttingDown);
         }
         let in_use = InUse::new(&process);
         // The kind may have changed while the child started (set_process_kind takes the kind,
-        // then the slot; we hold the slot): an old-kind child serves this request only.
+        // then the pool; we hold the pool): an old-kind child serves this request only.
         if *lock(&self.kind) != kind {
-            drop(slot);
+            drop(pool);
             process.retire(StopCause::KindChange);
             return Ok(in_use);
         }
-        *slot = Some(process);
+        // Only the first child is spawned on the request path (the pool was empty, and under
+        // the spawn lock nobody else adds one): it needs no budget token.
+        pool.add(process);
         Ok(in_use)
+    }
+
+    /// Spawns one more child in the background if the pool is below `target` and may grow;
+    /// one such spawn at a time.
+    fn grow(&self, target: usize) {
+        let Some(me) = self.me.upgrade() else { return };
+        if self.growing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tokio::spawn(async move {
+            let _spawning = me.spawn_lock.lock().await;
+            let reserved = {
+                let mut pool = lock(&me.pool);
+                // The first child is the request path's to spawn.
+                pool.len() > 0 && pool.len() < target && pool.reserve(me.conf.max_pool_size)
+            };
+            if reserved && !me.cancel.is_cancelled() {
+                let kind = *lock(&me.kind);
+                let spawned = Process::spawn(
+                    &me.conf,
+                    kind,
+                    &me.tenant_id,
+                    Arc::clone(&me.metrics),
+                    Arc::clone(&me.reaping),
+                )
+                .await;
+                let mut pool = lock(&me.pool);
+                match spawned {
+                    Ok(process) if *lock(&me.kind) == kind && !me.cancel.is_cancelled() => pool.add(process),
+                    Ok(process) => {
+                        pool.cancel_growth();
+                        drop(pool);
+                        process.retire(StopCause::KindChange);
+                    }
+                    Err(e) => {
+                        pool.cancel_growth();
+                        tracing::warn!(
+                            tenant_id = me.tenant_id,
+                            "could not add a walredo process to the pool: {e:#}"
+                        );
+                    }
+                }
+            }
+            me.growing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Moves the pool towards `target` children: one more spawned in the background, or one
+    /// idle child retired. An empty pool stays empty until a request needs a child.
+    fn resize(&self, target: usize) {
+        let (len, shrunk) = {
+            let mut pool = lock(&self.pool);
+            let shrunk = if pool.len() > target { pool.shrink_one(target) } else { None };
+            (pool.len(), shrunk)
+        };
+        if let Some(process) = shrunk {
+            tracing::info!(
+                tenant_id = self.tenant_id,
+                pid = process.pid,
+                children = len,
+                "walredo pool shrinks"
+            );
+            process.retire(StopCause::PoolShrink);
+        } else if len > 0 && len < target {
+            self.grow(target);
+        }
     }
 
     /// The child in service, if any, counted as in use under the slot's lock (so that the idle
     /// check never retires a child that a request has just taken).
     fn take_current(&self) -> Option<InUse> {
-        let mut slot = lock(&self.process);
-        if slot.as_ref().is_some_and(|p| p.has_exited()) {
-            // Died on its own (its watcher reaped it): it must not eat a request's one retry.
-            *slot = None;
-        }
-        slot.as_ref().map(InUse::new)
+        lock(&self.pool).pick()
     }
 
     /// Takes `process` out of service (if it still is) and retires it for `cause`.
     fn retire(&self, process: &Arc<Process>, cause: StopCause) {
-        let mut slot = lock(&self.process);
-        if slot.as_ref().is_some_and(|current| Arc::ptr_eq(current, process)) {
-            *slot = None;
-        }
-        drop(slot);
+        lock(&self.pool).remove(process);
         process.retire(cause);
     }
 
@@ -504,15 +607,8 @@ impl WalRedoManager {
     /// kind) is taken out of service at once: requests already on it finish, then it exits.
     pub fn set_process_kind(&self, kind: ProcessKind) {
         *lock(&self.kind) = kind;
-        let old = {
-            let mut slot = lock(&self.process);
-            if slot.as_ref().is_some_and(|p| p.kind != kind) {
-                slot.take()
-            } else {
-                None
-            }
-        };
-        if let Some(old) = old {
+        let old = lock(&self.pool).remove_where(|p| p.kind != kind);
+        for old in old {
             tracing::info!(
                 tenant_id = self.tenant_id,
                 pid = old.pid,
@@ -528,15 +624,26 @@ impl WalRedoManager {
     }
 
     pub fn status(&self) -> WalRedoStatus {
-        let process = lock(&self.process).as_ref().filter(|p| !p.has_exited()).map(|p| ProcessStatus {
-            kind: p.kind,
-            pid: p.pid,
-            uptime_seconds: p.started.elapsed().as_secs_f64(),
-            requests_served: p.served.load(Ordering::Relaxed),
-        });
+        let children: Vec<ProcessStatus> = lock(&self.pool)
+            .children()
+            .iter()
+            .filter(|p| !p.has_exited())
+            .map(|p| ProcessStatus {
+                kind: p.kind,
+                pid: p.pid,
+                uptime_seconds: p.started.elapsed().as_secs_f64(),
+                requests_served: p.served.load(Ordering::Relaxed),
+                in_flight: p.in_flight.load(Ordering::Relaxed),
+            })
+            .collect();
         WalRedoStatus {
             process_kind: self.process_kind(),
-            process,
+            process: children.first().cloned(),
+            pool: PoolStatus {
+                children,
+                max_children: self.conf.max_pool_size,
+                controller: lock(&self.controller).clone(),
+            },
             requests_served: self.served.load(Ordering::Relaxed),
             last_exit: self.reaping.last_exit(),
         }
@@ -551,28 +658,19 @@ impl WalRedoManager {
         self.in_flight.wait().await;
         // Take the spawn lock so that no spawn is half done while we look at the slot.
         let _spawning = self.spawn_lock.lock().await;
-        let process = lock(&self.process).take();
-        if let Some(process) = process {
+        let children = lock(&self.pool).remove_where(|_| true);
+        for process in children {
             process.retire_and_wait(StopCause::Shutdown).await;
         }
         // Children retired earlier (failed, drained after a kind change) may still be reaping.
         self.reaping.all_reaped().await;
     }
 
-    /// Stops the child if it has been idle for `idle_timeout` and nothing is in flight on it.
+    /// Stops every child idle for `idle_timeout` with nothing in flight.
     fn stop_if_idle(&self, idle_timeout: Duration) {
-        let idle = {
-            let mut slot = lock(&self.process);
-            let is_idle = slot
-                .as_ref()
-                .is_some_and(|p| p.in_flight.load(Ordering::Relaxed) == 0 && p.idle_for() >= idle_timeout);
-            if is_idle {
-                slot.take()
-            } else {
-                None
-            }
-        };
-        if let Some(process) = idle {
+        let idle = lock(&self.pool)
+            .remove_where(|p| p.in_flight.load(Ordering::Relaxed) == 0 && p.idle_for() >= idle_timeout);
+        for process in idle {
             process.retire(StopCause::Idle);
         }
     }
@@ -597,6 +695,35 @@ async fn idle_watcher(manager: Weak<WalRedoManager>, cancel: CancellationToken, 
             Some(manager) => manager.stop_if_idle(idle_timeout),
             None => return,
         }
+    }
+}
+
+/// Sizes the pool every [`pool::PERIOD`] with the adaptive worker controller, until the manager
+/// is gone or shut down.
+async fn pool_controller(manager: Weak<WalRedoManager>, cancel: CancellationToken) {
+    let Some(max) = manager.upgrade().map(|m| m.conf.max_pool_size) else { return };
+    let conf = WorkerControllerConf::new(max.max(1), max_spinning_for_cpus(pool::cpus()));
+    let mut controller = match WorkerController::new(conf) {
+        Ok(controller) => controller,
+        Err(e) => {
+            tracing::error!("walredo pool controller not started: {e:#}");
+            return;
+        }
+    };
+    let mut sampler = Sampler::new();
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(pool::PERIOD) => {}
+        }
+        let Some(manager) = manager.upgrade() else { return };
+        let children = lock(&manager.pool).children().to_vec();
+        let obs = sampler.observe(&manager.load, &children);
+        drop(children);
+        let decision = controller.update(obs);
+        *lock(&manager.controller) =
+            Some(ControllerStatus::new(&obs, controller.smoothed_demand(), &decision));
+        manager.resize(decision.workers);
     }
 }
 

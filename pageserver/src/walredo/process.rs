@@ -163,6 +163,8 @@ pub(crate) struct Process {
     pub(crate) in_flight: AtomicUsize,
     /// Milliseconds since `started` at the last finished request.
     last_used_ms: AtomicU64,
+    /// Time with at least one request in flight (for the pool's controller).
+    busy: Mutex<BusyClock>,
     pipes: Pipes,
     life: Arc<Lifecycle>,
     tenant_id: String,
@@ -245,6 +247,7 @@ impl Process {
             served: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             last_used_ms: AtomicU64::new(0),
+            busy: Mutex::new(BusyClock::default()),
             pipes,
             life,
             tenant_id: tenant_id.to_string(),
@@ -303,6 +306,12 @@ impl Process {
         Ok(reply)
     }
 
+    /// Total time this child had at least one request in flight, up to now.
+    pub(crate) fn busy_time(&self) -> Duration {
+        let clock = lock(&self.busy);
+        clock.total + clock.since.map_or(Duration::ZERO, |since| since.elapsed())
+    }
+
     fn mark_used(&self) {
         self.last_used_ms.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
@@ -341,6 +350,15 @@ impl Process {
     }
 }
 
+/// Busy time of a child: the periods with at least one request in flight, summed.
+#[derive(Debug, Default)]
+struct BusyClock {
+    /// When the current busy period began, if one is going on.
+    since: Option<Instant>,
+    /// Busy periods that ended.
+    total: Duration,
+}
+
 /// A process taken by one request: counted in its `in_flight` (which keeps the idle check
 /// away) until dropped, also when the request is cancelled halfway.
 pub(crate) struct InUse(Arc<Process>);
@@ -348,7 +366,11 @@ pub(crate) struct InUse(Arc<Process>);
 impl InUse {
     /// Counts a new user of `process`; callers hold the manager's slot lock while they call it.
     pub(crate) fn new(process: &Arc<Process>) -> InUse {
-        process.in_flight.fetch_add(1, Ordering::Relaxed);
+        let mut clock = lock(&process.busy);
+        if process.in_flight.fetch_add(1, Ordering::Relaxed) == 0 {
+            clock.since = Some(Instant::now());
+        }
+        drop(clock);
         InUse(Arc::clone(process))
     }
 }
@@ -363,7 +385,12 @@ impl std::ops::Deref for InUse {
 impl Drop for InUse {
     fn drop(&mut self) {
         self.0.mark_used();
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let mut clock = lock(&self.0.busy);
+        if self.0.in_flight.fetch_sub(1, Ordering::Relaxed) == 1 {
+            if let Some(since) = clock.since.take() {
+                clock.total += since.elapsed();
+            }
+        }
     }
 }
 

@@ -72,9 +72,9 @@ fn pid_of(manager: &WalRedoManager) -> Option<u32> {
     manager.status().process.map(|p| p.pid)
 }
 
-/// Requests that have taken the child in service.
+/// Requests that have taken a child in service.
 fn on_the_child(manager: &WalRedoManager) -> usize {
-    lock(&manager.process).as_ref().map_or(0, |p| p.in_flight.load(Ordering::Relaxed))
+    lock(&manager.pool).children().iter().map(|p| p.in_flight.load(Ordering::Relaxed)).sum()
 }
 
 fn signal(pid: u32, signal: nix::sys::signal::Signal) {
@@ -300,4 +300,153 @@ async fn waiting_background_request_does_not_keep_an_idle_child_alive() {
         assert_ne!(pid_of(&manager), Some(old_pid), "{kind}");
         manager.shutdown().await;
     }
+}
+
+// ---------------------------------------------------------------- the pool
+
+fn pool_manager(kind: ProcessKind, max_pool_size: usize, budget: Arc<ChildBudget>) -> Arc<WalRedoManager> {
+    let mut conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
+    conf.process_kind = kind;
+    conf.timeout = Duration::from_secs(20);
+    conf.max_pool_size = max_pool_size;
+    conf.budget = budget;
+    let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("register metrics"));
+    WalRedoManager::new("tenant-pool", conf, metrics)
+}
+
+/// `clients` tasks sending requests back to back until `stop`; each checks every page. Returns
+/// the requests served, or panics on the first failure.
+fn load(
+    manager: &Arc<WalRedoManager>,
+    clients: u32,
+    stop: &CancellationToken,
+) -> Vec<tokio::task::JoinHandle<u64>> {
+    (0..clients)
+        .map(|c| {
+            let (manager, stop) = (Arc::clone(manager), stop.clone());
+            tokio::spawn(async move {
+                let mut served = 0u64;
+                while !stop.is_cancelled() {
+                    let n = c * 1_000_000 + served as u32;
+                    check(foreground(&manager, n).await, n, "pool load");
+                    served += 1;
+                }
+                served
+            })
+        })
+        .collect()
+}
+
+fn pids(manager: &WalRedoManager) -> Vec<u32> {
+    manager.status().pool.children.iter().map(|p| p.pid).collect()
+}
+
+fn gone(pid: u32) -> bool {
+    // Reaped: no /proc entry (a zombie would still have one).
+    !std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_grows_under_concurrent_load_and_shrinks_when_it_stops() {
+    for kind in KINDS {
+        let budget = ChildBudget::new(8);
+        let manager = pool_manager(kind, 3, Arc::clone(&budget));
+        // One client, one request at a time: one child, however long it runs.
+        let stop = CancellationToken::new();
+        let one = load(&manager, 1, &stop);
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert_eq!(pids(&manager).len(), 1, "{kind}: one client grew the pool");
+        stop.cancel();
+        for client in one {
+            client.await.expect("client task");
+        }
+
+        let stop = CancellationToken::new();
+        let clients = load(&manager, 8, &stop);
+        wait_for(&format!("{kind}: the pool to grow to 3 under 8 clients"), Duration::from_secs(10), || {
+            pids(&manager).len() == 3
+        })
+        .await;
+        assert_eq!(budget.used(), 2, "{kind}: the two extra children hold a token each");
+        let status = manager.status();
+        let controller = status.pool.controller.expect("the controller has run");
+        assert!(controller.in_flight_avg > 1.0 && controller.target_children >= 2, "{kind}: {controller:?}");
+        // Requests reach every child (least loaded first).
+        wait_for(&format!("{kind}: every child to serve"), Duration::from_secs(10), || {
+            manager.status().pool.children.iter().all(|p| p.requests_served > 0)
+        })
+        .await;
+        let grown = pids(&manager);
+        stop.cancel();
+        for client in clients {
+            assert!(client.await.expect("client task") > 0);
+        }
+
+        // Idle: one child leaves per second, down to one; the ones that left are reaped.
+        wait_for(&format!("{kind}: the pool to shrink to 1"), Duration::from_secs(10), || {
+            pids(&manager).len() == 1
+        })
+        .await;
+        assert_eq!(budget.used(), 0, "{kind}: tokens given back");
+        let left: Vec<u32> = grown.iter().copied().filter(|p| !pids(&manager).contains(p)).collect();
+        assert_eq!(left.len(), 2, "{kind}: {grown:?} -> {:?}", pids(&manager));
+        wait_for(&format!("{kind}: the retired children to be reaped"), Duration::from_secs(10), || {
+            left.iter().all(|&p| gone(p))
+        })
+        .await;
+        manager.shutdown().await;
+        assert!(grown.iter().all(|&p| gone(p)), "{kind}: a child outlived shutdown");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_one_child_of_a_pool_under_load_fails_no_request_and_the_pool_refills() {
+    for kind in KINDS {
+        let manager = pool_manager(kind, 2, ChildBudget::new(8));
+        let stop = CancellationToken::new();
+        let clients = load(&manager, 8, &stop);
+        wait_for(&format!("{kind}: the pool to grow to 2"), Duration::from_secs(10), || {
+            pids(&manager).len() == 2
+        })
+        .await;
+        let victim = pids(&manager)[1];
+        signal(victim, nix::sys::signal::Signal::SIGKILL);
+        wait_for(&format!("{kind}: the killed child to be replaced"), Duration::from_secs(10), || {
+            let now = pids(&manager);
+            now.len() == 2 && !now.contains(&victim)
+        })
+        .await;
+        stop.cancel();
+        // Every client checked every page and none failed (a request on the killed child was
+        // retried on the other one).
+        for client in clients {
+            assert!(client.await.expect("client task") > 0, "{kind}: a client served nothing");
+        }
+        assert!(gone(victim), "{kind}: the killed child is not reaped");
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_wide_budget_caps_extra_children_across_tenants() {
+    let budget = ChildBudget::new(1);
+    let (a, b) = (
+        pool_manager(ProcessKind::Async, 3, Arc::clone(&budget)),
+        pool_manager(ProcessKind::Async, 3, Arc::clone(&budget)),
+    );
+    let stop = CancellationToken::new();
+    let mut clients = load(&a, 8, &stop);
+    clients.extend(load(&b, 8, &stop));
+    wait_for("one extra child", Duration::from_secs(10), || pids(&a).len() + pids(&b).len() == 3).await;
+    // Growth goes on being asked for, and refused: still 3 children (1 + 1 + one extra).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(pids(&a).len() + pids(&b).len(), 3);
+    assert_eq!(budget.used(), 1);
+    stop.cancel();
+    for client in clients {
+        client.await.expect("client task");
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+    assert_eq!(budget.used(), 0, "shutdown gives every token back");
 }
