@@ -41,6 +41,8 @@ pub const MIN_LAYER_SIZE: u64 = 64 << 10;
 pub const MAX_LAYER_SIZE: u64 = 16 << 30;
 /// `max_connections` lies in `1..=MAX_MAX_CONNECTIONS`.
 pub const MAX_MAX_CONNECTIONS: usize = 100_000;
+/// Largest `walredo_pool_max`: redo children of one tenant.
+pub const MAX_WALREDO_POOL: usize = 64;
 
 /// Log line format on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -63,6 +65,7 @@ struct ConfigFile {
     #[serde(with = "humantime_serde")]
     walredo_idle_timeout: Duration,
     walredo_proc_path: Option<PathBuf>,
+    walredo_pool_max: Option<usize>,
     #[serde(with = "humantime_serde")]
     wait_lsn_timeout: Duration,
     page_cache_size: ByteSize,
@@ -88,6 +91,7 @@ impl Default for ConfigFile {
             wal_redo_timeout: walredo::DEFAULT_WAL_REDO_TIMEOUT,
             walredo_idle_timeout: walredo::DEFAULT_IDLE_TIMEOUT,
             walredo_proc_path: None,
+            walredo_pool_max: None,
             wait_lsn_timeout: DEFAULT_WAIT_LSN_TIMEOUT,
             page_cache_size: ByteSize::with_unit(DEFAULT_PAGE_CACHE_SIZE),
             layer_size: ByteSize::with_unit(DEFAULT_LAYER_SIZE),
@@ -166,6 +170,7 @@ impl PageServerConf {
             wal_redo_timeout,
             walredo_idle_timeout,
             walredo_proc_path,
+            walredo_pool_max,
             wait_lsn_timeout,
             page_cache_size,
             layer_size,
@@ -198,6 +203,11 @@ impl PageServerConf {
             layer_size.bytes
         );
         check_page_cache_size(page_cache_size)?;
+        let max_pool_size = walredo_pool_max.unwrap_or_else(walredo::pool::default_max_pool_size);
+        anyhow::ensure!(
+            (1..=MAX_WALREDO_POOL).contains(&max_pool_size),
+            "invalid setting walredo_pool_max = {max_pool_size}: must be from 1 to {MAX_WALREDO_POOL}"
+        );
         anyhow::ensure!(
             (1 << 20..=1 << 40).contains(&walredo_memory_budget.bytes),
             "invalid setting walredo_memory_budget = {}: must be from 1 MiB to 1 TiB",
@@ -230,6 +240,7 @@ impl PageServerConf {
                 process_kind: walredo_process_kind,
                 timeout: duration("wal_redo_timeout", wal_redo_timeout)?,
                 idle_timeout: duration("walredo_idle_timeout", walredo_idle_timeout)?,
+                max_pool_size,
                 ..WalRedoConf::with_binary(binary)
             },
             wait_lsn_timeout: duration("wait_lsn_timeout", wait_lsn_timeout)?,

@@ -25,6 +25,9 @@ BAD = [
     ('page_cache_size="4096 GiB"', "page_cache_size"),
     ('layer_size="1 TiB"', "layer_size"),
     ("max_connections=100000000000", "max_connections"),
+    ("walredo_pool_max=0", "walredo_pool_max"),
+    ("walredo_pool_max=65", "walredo_pool_max"),
+    ("walredo_pool_max=-1", "walredo_pool_max"),
 ]
 
 

@@ -1,8 +1,10 @@
-"""The redo child processes: one per tenant on demand, replaced when it dies, stopped when idle,
-and never left behind (alive or zombie) by a tenant delete or a daemon stop."""
+"""The redo child processes: a pool per tenant, started on demand (one child until concurrent load
+asks for more, up to walredo_pool_max), replaced when one dies, stopped when idle, and never left
+behind (alive or zombie) by a tenant delete or a daemon stop."""
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -206,3 +208,36 @@ def test_idle_redo_child_killed_from_outside_is_reaped_at_once(pageserver, proce
                desc="the status to show no live redo child")
     last_exit = pageserver.http.tenant_status(t)["walredo"]["last_exit"] or ""
     assert str(child.pid) in last_exit and "SIGKILL" in last_exit, last_exit
+
+
+def _pagebench(ps, *args):
+    command = [str(ps.bin.parent / "pagebench"), *args, "--page-service", "%s:%d" % ps.pg_addr,
+               "--http", "%s:%d" % ps.http_addr]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{command}:\n{result.stderr}"
+    return result
+
+
+@pytest.mark.parametrize("pool_max", [1, 2])
+def test_the_pool_grows_under_concurrent_redo_load_up_to_walredo_pool_max(pageserver_factory, pool_max):
+    ps = pageserver_factory(page_cache_size=0, walredo_pool_max=pool_max, compaction="off")
+    shape = ["--relations", "1", "--blocks", "64", "--chain-length", "4"]
+    _pagebench(ps, "ingest", "--tenant", "pool", *shape)
+    seen = set()
+    # 8 connections of GetPage, each a redo: more than one request in flight, all the time.
+    load = subprocess.Popen([str(ps.bin.parent / "pagebench"), "get-page", "--tenant", "pool", "--connections", "8",
+                             "--duration", "4", "--page-service", "%s:%d" % ps.pg_addr,
+                             "--http", "%s:%d" % ps.http_addr], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 3.5
+        while time.monotonic() < deadline:
+            pool = ps.http.tenant_status("pool")["walredo"]["pool"]
+            seen.add(len(pool["children"]))
+            assert pool["max_children"] == pool_max
+            time.sleep(0.05)
+    finally:
+        out, err = load.communicate(timeout=60)
+    assert load.returncode == 0, err
+    assert max(seen) == pool_max, f"pool sizes seen: {sorted(seen)}"
+    # Every child is a walredo-proc child of the daemon.
+    assert len(ps.redo_children()) >= 1
