@@ -32,6 +32,8 @@ def current_child(ps, tenant):
     proc = status["walredo"]["process"]
     assert proc is not None, f"no redo child after a redo request: {status['walredo']}"
     pid = proc["pid"]
+    # Nothing in the daemon sets a spin window yet: a child blocks between requests.
+    assert proc["spin_us"] == 0, f"a fresh child has no spin window: {proc}"
     kids = {p.pid: p for p in ps.redo_children()}
     assert pid in kids, f"status names pid {pid}, but the daemon's walredo-proc children are {sorted(kids)}"
     return kids[pid]

@@ -7,7 +7,8 @@
 //! - [`priority`]: foreground (GetPage) requests before background ones (compaction);
 //! - [`process`]: one child (spawn, hello, stderr, kill and reap) and its two kinds of pipes;
 //! - [`pipeline`]: reply assembly and matching of pipelined replies to requests;
-//! - [`metrics`]: the registry entries.
+//! - [`metrics`]: the registry entries;
+//! - [`spin`]: setting the spin window of the child in service.
 //!
 //! The wire protocol itself lives in `walredo_proc::protocol`; this module does the I/O.
 //!
@@ -26,6 +27,7 @@ pub mod metrics;
 mod pipeline;
 mod priority;
 mod process;
+mod spin;
 #[cfg(test)]
 mod tests;
 
@@ -190,6 +192,8 @@ pub struct ProcessStatus {
     pub pid: u32,
     pub uptime_seconds: f64,
     pub requests_served: u64,
+    /// The child's spin window in microseconds (0: it blocks at once); see [`WalRedoManager::set_spin`].
+    pub spin_us: u32,
 }
 
 /// One tenant's access to WAL redo. See the module doc.
@@ -533,6 +537,7 @@ impl WalRedoManager {
             pid: p.pid,
             uptime_seconds: p.started.elapsed().as_secs_f64(),
             requests_served: p.served.load(Ordering::Relaxed),
+            spin_us: p.spin_us(),
         });
         WalRedoStatus {
             process_kind: self.process_kind(),
