@@ -34,12 +34,27 @@
 //! `floor/echo-cross-cpu/1` (client on vCPU 0, child on vCPU 1), because on this VM a round trip
 //! costs ~7 us on one vCPU and ~60 us across two, and the scheduler picks either (see below).
 //!
+//! The spin window (spin-then-park, docs/walredo-protocol.md "The spin window"):
+//! `spin/<workload>/<N>` is `sync/<workload>/<N>` with a window of [`SPIN_WINDOW`] (100 us)
+//! set on the child right after the warm-up ping (`WalRedoManager::set_spin`), so the child
+//! busy-polls for the next request and the sync reader for the reply before either sleeps;
+//! `spin-async/<workload>/<N>` is the async kind with the same window (only the child spins);
+//! N in {1, 2, 8}. Compare them with `sync/*`, `async/*` and `floor/echo*` of the same run
+//! (`summarize.py` prints a second table for them).
+//!
+//! The pool: `sync/*`, `async/*` and `spin*/*` run one child (`max_pool_size = 1`, as every
+//! tenant had before the pool, so their figures compare with the tables below);
+//! `pool-async/<workload>/<N>` and `pool-sync/<workload>/<N>` run the daemon's default pool (one
+//! child per CPU, at least 2) sized by its controller, which sees [`POOL_WARM_UP`] (300 ms) of
+//! the sample's own load before the measured part; N in {1, 8, 64}.
+//!
 //! # How to run
 //!
 //! ```text
-//! cargo bench -p benches --bench bench_walredo                        # everything, ~4 min
+//! cargo bench -p benches --bench bench_walredo                        # everything, ~5 min
 //! cargo bench -p benches --bench bench_walredo -- 'short/(1|64)$'      # a subset (regex on ids)
 //! cargo bench -p benches --bench bench_walredo -- '^floor/|/1$'        # N = 1 and the floors
+//! cargo bench -p benches --bench bench_walredo -- '^(floor/echo|spin|sync)/(short/)?1$' # spin at N = 1
 //! python3 benches/summarize.py [DIR]          # the table below, from target/criterion
 //! # investigation only: force one placement for every id (BIN = target/release/deps/bench_walredo-*)
 //! taskset -c 0 $BIN --bench                                # everything on vCPU 0
@@ -144,7 +159,8 @@
 //! - N = 1 across vCPUs: the wake-ups. The floor itself is 60-65 us (each side sleeps, and
 //!   waking a halted vCPU goes through the hypervisor); async adds ~20 % (78.0 vs 64.3 us
 //!   pinned; 72.9 vs 62.5 us, 1.17x, in another pinned run). Only not sleeping helps:
-//!   both sides spinning 25-200 us on non-blocking pipes before blocking (not built here).
+//!   both sides spinning 25-200 us on non-blocking pipes before blocking (since built: the
+//!   spin window, measured by `spin/*`; no run yet).
 //! - N = 1 on one vCPU: the tokio runtime and this harness, more than the manager.
 //!   `perf stat` per request (`taskset -c 0`, async/ping/1): 3.3 context switches, 1.5
 //!   `epoll_wait`, 1.2 `futex`, 2.6 `read` (0.6 of them EAGAIN); the floor: 2 switches, one
@@ -173,12 +189,21 @@ use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use nix::sched::{sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
 use pageserver::test_support::walredo_proc_binary;
+use pageserver::walredo::pool::default_max_pool_size;
 use pageserver::walredo::{ProcessKind, WalRedoConf, WalRedoManager, WalRedoMetrics};
 use tokio::sync::Barrier;
 use tokio::task::JoinSet;
 
 /// Client counts.
 const CLIENTS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
+/// Client counts of the pool variants.
+const POOL_CLIENTS: [usize; 3] = [1, 8, 64];
+/// Load run before the measured part of a pool sample: three controller periods.
+const POOL_WARM_UP: Duration = Duration::from_millis(300);
+/// Client counts of the spin-window variants: spinning pays at low concurrency.
+const SPIN_CLIENTS: [usize; 3] = [1, 2, 8];
+/// The spin window of `spin/*` and `spin-async/*`.
+const SPIN_WINDOW: Duration = Duration::from_micros(100);
 /// Executor threads per runtime: this machine's vCPUs.
 const WORKER_THREADS: usize = 2;
 /// Fewest requests per client in a sample, so that every one of the N clients takes part even
@@ -219,19 +244,40 @@ fn bench_walredo(c: &mut Criterion) {
     }
     floor.finish();
 
-    for kind in [ProcessKind::Async, ProcessKind::Sync] {
-        let mut group = c.benchmark_group(kind.as_str());
+    let pool = default_max_pool_size();
+    let variants = [
+        (ProcessKind::Async.as_str(), ProcessKind::Async, Duration::ZERO, 1, &CLIENTS[..]),
+        (ProcessKind::Sync.as_str(), ProcessKind::Sync, Duration::ZERO, 1, &CLIENTS[..]),
+        ("spin", ProcessKind::Sync, SPIN_WINDOW, 1, &SPIN_CLIENTS[..]),
+        ("spin-async", ProcessKind::Async, SPIN_WINDOW, 1, &SPIN_CLIENTS[..]),
+        ("pool-async", ProcessKind::Async, Duration::ZERO, pool, &POOL_CLIENTS[..]),
+        ("pool-sync", ProcessKind::Sync, Duration::ZERO, pool, &POOL_CLIENTS[..]),
+    ];
+    for (name, kind, spin, pool, clients_list) in variants {
+        let mut group = c.benchmark_group(name);
         configure(&mut group);
+        let setup = Setup { binary: &binary, kind, spin, pool };
         for workload in &workloads {
-            for clients in CLIENTS {
+            for &clients in clients_list {
                 let id = format!("{}/{clients}", workload.kind.name());
                 group.bench_function(id, |b| {
-                    b.iter_custom(|iters| manager_sample(&binary, kind, workload, clients, iters))
+                    b.iter_custom(|iters| manager_sample(&setup, workload, clients, iters))
                 });
             }
         }
         group.finish();
     }
+}
+
+/// What a manager sample runs against.
+struct Setup<'a> {
+    binary: &'a std::path::Path,
+    kind: ProcessKind,
+    /// The child's spin window, set after the warm-up ping; zero: none (it blocks at once).
+    spin: Duration,
+    /// Most children (`max_pool_size`); above 1 the pool is warmed by [`POOL_WARM_UP`] of the
+    /// sample's load before the measured part, so that the controller has sized it.
+    pool: usize,
 }
 
 /// Flat sampling: every sample builds a runtime and a child, so equal samples are fairer than
@@ -244,14 +290,8 @@ fn configure(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::W
         .warm_up_time(WARM_UP_TIME);
 }
 
-/// One sample of `<kind>/<workload>/<clients>`; see the module doc.
-fn manager_sample(
-    binary: &std::path::Path,
-    kind: ProcessKind,
-    workload: &Arc<Workload>,
-    clients: usize,
-    iters: u64,
-) -> Duration {
+/// One sample of `<kind>/<workload>/<clients>` (or `spin*/...`); see the module doc.
+fn manager_sample(setup: &Setup<'_>, workload: &Arc<Workload>, clients: usize, iters: u64) -> Duration {
     let per_client = iters.div_ceil(clients as u64).max(MIN_PER_CLIENT);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKER_THREADS)
@@ -259,15 +299,23 @@ fn manager_sample(
         .build()
         .expect("build the tokio runtime");
     let summed = runtime.block_on(async {
-        let mut conf = WalRedoConf::with_binary(binary.to_path_buf());
-        conf.process_kind = kind;
+        let mut conf = WalRedoConf::with_binary(setup.binary.to_path_buf());
+        conf.process_kind = setup.kind;
+        conf.max_pool_size = setup.pool;
         let registry = prometheus::Registry::new();
         let metrics = Arc::new(WalRedoMetrics::new(&registry).expect("register walredo metrics"));
         let manager = WalRedoManager::new("bench", conf, metrics);
         manager.ping().await.expect("warm-up ping spawns the child");
+        if !setup.spin.is_zero() {
+            let set = manager.set_spin(setup.spin).await.expect("set the spin window");
+            assert!(set.is_some(), "the warm-up ping left a child to set the window of");
+        }
         if let Some(cpu) = child_cpu() {
             let pid = manager.status().process.expect("a child after the ping").pid;
             pin(Pid::from_raw(pid as i32), cpu);
+        }
+        if setup.pool > 1 {
+            warm_pool(&manager, workload, clients).await;
         }
 
         let barrier = Arc::new(Barrier::new(clients));
@@ -284,6 +332,24 @@ fn manager_sample(
     });
     drop(runtime);
     scale(summed, iters, per_client * clients as u64)
+}
+
+/// Runs `clients` clients of `workload` for [`POOL_WARM_UP`] (unmeasured), so that the pool's
+/// controller sees the load and sizes the pool before the measured part.
+async fn warm_pool(manager: &Arc<WalRedoManager>, workload: &Arc<Workload>, clients: usize) {
+    let deadline = Instant::now() + POOL_WARM_UP;
+    let mut tasks = JoinSet::new();
+    for _ in 0..clients {
+        let (manager, workload) = (Arc::clone(manager), Arc::clone(workload));
+        tasks.spawn(async move {
+            while Instant::now() < deadline {
+                client(Arc::clone(&manager), Arc::clone(&workload), Arc::new(Barrier::new(1)), 4).await;
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.expect("pool warm-up client");
+    }
 }
 
 /// One client: `count` requests back to back, each result checked; returns its wall time.

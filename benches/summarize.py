@@ -7,7 +7,8 @@ depending on its version), takes `median.point_estimate` (nanoseconds, per reque
 prints, per workload and N: the async and sync medians, async/sync, async/floor and sync/floor
 (the floor exists at N = 1 only: `floor/echo/1`, `floor/echo-short/1`, `floor/echo-medium/1`),
 and async throughput N / median relative to N = 1; then the two pinned floors
-(`floor/echo-same-cpu/1`, `floor/echo-cross-cpu/1`).
+(`floor/echo-same-cpu/1`, `floor/echo-cross-cpu/1`); then, if the spin-window variants ran
+(`spin/*`: sync with a 100 us window, `spin-async/*`), their medians next to `sync` and `async`.
 
 Usage: python3 benches/summarize.py [CRITERION_DIR]   (default: target/criterion, or
 $CARGO_TARGET_DIR/criterion, looked up from the workspace root)
@@ -19,6 +20,7 @@ import sys
 
 WORKLOADS = ["ping", "short", "medium"]
 CLIENTS = [1, 2, 4, 8, 16, 32, 64, 128]
+SPIN_CLIENTS = [1, 2, 8]
 FLOOR = {"ping": "echo", "short": "echo-short", "medium": "echo-medium"}
 
 
@@ -66,6 +68,22 @@ def main():
     print()
     print("Pinned floors (ping): " + ", ".join(
         f"{name} {us(median_ns(base, 'floor', name, 1))} us" for name in ("echo-same-cpu", "echo-cross-cpu")))
+    rows = []
+    for workload in WORKLOADS:
+        for n in SPIN_CLIENTS:
+            sp, spa = median_ns(base, "spin", workload, n), median_ns(base, "spin-async", workload, n)
+            if sp is None and spa is None:
+                continue
+            s, a = median_ns(base, "sync", workload, n), median_ns(base, "async", workload, n)
+            f = median_ns(base, "floor", FLOOR[workload], 1) if n == 1 else None
+            rows.append(f"| {workload} | {n} | {us(s)} | {us(sp)} | {ratio(sp, s)} | {us(a)} | {us(spa)} "
+                        f"| {ratio(spa, a)} | {us(f)} | {ratio(sp, f)} |")
+    if rows:
+        print()
+        print("| workload | N | sync (us) | spin (us) | spin/sync | async (us) | spin-async (us) "
+              "| spin-async/async | floor (us) | spin/floor |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -184,6 +184,80 @@ async fn sixty_four_concurrent_requests_on_one_child_all_get_their_own_page() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spin_window_of_the_child_shows_in_the_status_and_redo_stays_correct() {
+    for kind in KINDS {
+        let (manager, _) = manager_with(conf(kind));
+        let set = manager.set_spin(Duration::from_micros(100)).await.expect("set_spin");
+        assert_eq!(set, None, "{kind}: without a child there is nothing to set");
+        assert_eq!(pid_of(&manager), None, "{kind}: set_spin spawns no child");
+        assert_same_bytes(&redo(&manager, 0).await.expect("redo"), &expected_for(0), kind.as_str());
+        let spin_us = |manager: &WalRedoManager| manager.status().process.expect("a child").spin_us;
+        assert_eq!(spin_us(&manager), 0, "{kind}: a child starts parked");
+
+        let set = manager.set_spin(Duration::from_micros(150)).await.expect("set_spin");
+        assert_eq!(set, pid_of(&manager), "{kind}");
+        assert_eq!(spin_us(&manager), 150, "{kind}");
+        let json = serde_json::to_value(manager.status()).expect("status as JSON");
+        assert_eq!(json["process"]["spin_us"], 150, "{kind}: {json}");
+
+        // Pipelined requests with window changes among them, some of them cancelled halfway:
+        // every request still gets its own page.
+        let tasks = spawn_redos(&manager, 1..49);
+        let mut setters = Vec::new();
+        for i in 0..12u64 {
+            let manager = Arc::clone(&manager);
+            setters.push(tokio::spawn(async move { manager.set_spin(Duration::from_micros(i * 40)).await }));
+        }
+        for (i, setter) in setters.iter().enumerate() {
+            if i % 3 == 0 {
+                tokio::task::yield_now().await;
+                setter.abort();
+            }
+        }
+        for task in tasks {
+            let (n, result) = task.await.expect("task");
+            assert_same_bytes(&result.expect("redo"), &expected_for(n), &format!("{kind}: request {n}"));
+        }
+        for setter in setters {
+            if let Ok(result) = setter.await {
+                result.expect("set_spin");
+            }
+        }
+        // Cut to the 1 ms cap; zero parks it again.
+        manager.set_spin(Duration::from_millis(10)).await.expect("set_spin");
+        assert_eq!(spin_us(&manager), 1000, "{kind}");
+        assert_same_bytes(&redo(&manager, 50).await.expect("redo"), &expected_for(50), kind.as_str());
+        manager.set_spin(Duration::ZERO).await.expect("set_spin");
+        assert_eq!(spin_us(&manager), 0, "{kind}");
+        assert_eq!(manager.status().requests_served, 50, "{kind}: S frames are not requests");
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setting_spin_windows_does_not_keep_an_idle_child_alive() {
+    for kind in KINDS {
+        let mut conf = conf(kind);
+        conf.idle_timeout = Duration::from_millis(300);
+        let (manager, _) = manager_with(conf);
+        manager.ping().await.expect("ping");
+        let pid = pid_of(&manager).expect("a child");
+        // A controller repeating and changing its decision every period, and no requests.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut round = 0u64;
+        while pid_of(&manager) == Some(pid) {
+            assert!(Instant::now() < deadline, "{kind}: set_spin kept the idle child alive");
+            manager.set_spin(Duration::from_micros(round % 2 * 50)).await.expect("set_spin");
+            round += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(round > 5, "{kind}: the child stopped before the windows were set ({round} rounds)");
+        wait_for("the idle child to be reaped", Duration::from_secs(10), || is_reaped(pid)).await;
+        manager.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_requests_do_not_corrupt_other_requests() {
     for kind in KINDS {
         let (manager, _) = manager_with(conf(kind));

@@ -362,7 +362,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--points", default="1x1,8x1,64x1,8x16",
                         help="CONNECTIONSxDEPTH, comma separated")
-    parser.add_argument("--kinds", default="sync,async")
+    parser.add_argument("--kinds", default="sync,async",
+                        help="daemon variants, comma separated: a walredo process kind, optionally with more "
+                             "settings after colons, e.g. async:walredo_pool_max=1")
     parser.add_argument("--scenarios", default="cached,chain10")
     parser.add_argument("--repeat", type=int, default=3, help="runs per point; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="pagebench --threads")
@@ -387,7 +389,9 @@ def main() -> int:
             # One daemon per kind, alive together; runs alternate between them (ABAB...), so that
             # a drift of the machine's speed hits both kinds alike.
             for kind in kinds:
-                daemons[kind] = daemon = Daemon(opts.bin_dir, [f"walredo_process_kind={kind}", *scenario["config"]])
+                process_kind, *settings = kind.split(":")
+                daemons[kind] = daemon = Daemon(opts.bin_dir, [f"walredo_process_kind={process_kind}", *settings,
+                                                               *scenario["config"]])
                 print(f"== {scenario_name} {kind}: daemon pid {daemon.pid} in {daemon.workdir}", file=sys.stderr)
                 ingest = finish(pagebench(opts.bin_dir, daemon, ["ingest", "--tenant", "bench", *scenario["shape"]]),
                                 600)

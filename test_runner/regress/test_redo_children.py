@@ -34,6 +34,8 @@ def current_child(ps, tenant):
     proc = status["walredo"]["process"]
     assert proc is not None, f"no redo child after a redo request: {status['walredo']}"
     pid = proc["pid"]
+    # Nothing in the daemon sets a spin window yet: a child blocks between requests.
+    assert proc["spin_us"] == 0, f"a fresh child has no spin window: {proc}"
     kids = {p.pid: p for p in ps.redo_children()}
     assert pid in kids, f"status names pid {pid}, but the daemon's walredo-proc children are {sorted(kids)}"
     return kids[pid]
@@ -239,5 +241,12 @@ def test_the_pool_grows_under_concurrent_redo_load_up_to_walredo_pool_max(pagese
         out, err = load.communicate(timeout=60)
     assert load.returncode == 0, err
     assert max(seen) == pool_max, f"pool sizes seen: {sorted(seen)}"
-    # Every child is a walredo-proc child of the daemon.
-    assert len(ps.redo_children()) >= 1
+    grows = ps.http.metrics().value("pageserver_wal_redo_pool_resizes_total", direction="grow") or 0
+    assert (grows >= 1) if pool_max > 1 else (grows == 0), grows
+    # Idle again: the pool gives its extra children back (one per second), and the tenant
+    # leaves the per-tenant gauge.
+    wait_until(lambda: len(ps.http.tenant_status("pool")["walredo"]["pool"]["children"]) == 1, timeout=10,
+               desc="the pool to shrink to one child")
+    wait_until(lambda: ps.http.metrics().value("pageserver_wal_redo_pool_extra_children", tenant_id="pool") is None,
+               timeout=5, desc="the tenant to leave pageserver_wal_redo_pool_extra_children")
+    assert len(ps.redo_children()) == 1

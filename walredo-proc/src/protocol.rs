@@ -25,6 +25,13 @@ pub const MAX_ERROR_MESSAGE_LEN: usize = 1024;
 pub const HELLO_LEN: usize = 16;
 /// Hello flag: the child runs under its seccomp sandbox.
 pub const HELLO_FLAG_SECCOMP: u32 = 1;
+/// Hello flag: the child understands the `S` frame (a spin window).
+pub const HELLO_FLAG_SPIN: u32 = 2;
+/// Payload length of a well-formed `S` frame: the window in microseconds, a `u32`.
+pub const SPIN_PAYLOAD_LEN: usize = 4;
+/// Longest spin window an `S` frame may set, in microseconds. Spinning longer than this only
+/// burns CPU: a request that comes later than that is rare enough to pay a wake-up.
+pub const MAX_SPIN_US: u32 = 1000;
 
 pub use page_types::BufferTag;
 
@@ -42,6 +49,19 @@ pub enum Request<'a> {
     GetPage(BufferTag),
     /// `H`: reply with a zero page.
     Ping,
+    /// `S`: set the child's spin window (microseconds), or why the payload is not one. The
+    /// child replies with a zero page (as to `H`) or, for a bad payload, a `bad_request` error.
+    SetSpin(Result<u32, SpinError>),
+}
+
+/// Why an `S` frame carries no valid spin window. Its length field is trusted for framing
+/// (it is within [`MAX_FRAME_LEN`]), so the frame is skipped and only it fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SpinError {
+    #[error("spin window payload of {0} bytes, expected {SPIN_PAYLOAD_LEN}")]
+    BadLength(usize),
+    #[error("spin window of {0} us, at most {MAX_SPIN_US} us allowed")]
+    AboveMax(u32),
 }
 
 /// A framing violation: after one, the reader cannot tell where the next frame starts.
@@ -68,6 +88,8 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request<'_>, usize)>, FrameE
         b'P' => (BUFFER_TAG_LEN + BLCKSZ, BUFFER_TAG_LEN + BLCKSZ),
         b'A' => (8 + 1, 8 + MAX_RECORD_LEN),
         b'H' => (0, 0),
+        // Any length the header allows: a bad payload fails the frame alone (see `SpinError`).
+        b'S' => (0, MAX_FRAME_LEN - 4),
         other => return Err(FrameError::UnknownTag(other)),
     };
     check_len(tag, payload_len, min, max)?;
@@ -91,9 +113,20 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request<'_>, usize)>, FrameE
             lsn: u64::from_be_bytes(payload[..8].try_into().expect("length checked to be >= 8")),
             record: &payload[8..],
         },
+        b'S' => Request::SetSpin(decode_spin(payload)),
         _ => Request::Ping,
     };
     Ok(Some((request, total)))
+}
+
+fn decode_spin(payload: &[u8]) -> Result<u32, SpinError> {
+    let bytes: [u8; SPIN_PAYLOAD_LEN] =
+        payload.try_into().map_err(|_| SpinError::BadLength(payload.len()))?;
+    let micros = u32::from_be_bytes(bytes);
+    if micros > MAX_SPIN_US {
+        return Err(SpinError::AboveMax(micros));
+    }
+    Ok(micros)
 }
 
 /// Reads the tag and payload length of the frame at the start of `buf`, if the header is there.
@@ -170,6 +203,13 @@ pub fn encode_get_page(out: &mut Vec<u8>, tag: &BufferTag) {
 /// Appends an `H` frame.
 pub fn encode_ping(out: &mut Vec<u8>) {
     put_header(out, b'H', 0);
+}
+
+/// Appends an `S` frame setting the spin window to `micros` microseconds. Values above
+/// [`MAX_SPIN_US`] are encoded as given (the child rejects them); callers clamp.
+pub fn encode_set_spin(out: &mut Vec<u8>, micros: u32) {
+    put_header(out, b'S', SPIN_PAYLOAD_LEN);
+    out.extend_from_slice(&micros.to_be_bytes());
 }
 
 /// The child's greeting, its first frame.
@@ -414,6 +454,50 @@ mod tests {
         let mut other = out.clone();
         other[8] = 2; // version's low byte
         assert!(matches!(Hello::decode(&other[5..]), Err(FrameError::BadHello(_))));
+    }
+
+    #[test]
+    fn set_spin_frame_round_trips_up_to_the_cap() {
+        for micros in [0, 1, 100, MAX_SPIN_US] {
+            let mut out = Vec::new();
+            encode_set_spin(&mut out, micros);
+            assert_eq!(out.len(), HEADER_LEN + SPIN_PAYLOAD_LEN);
+            assert_eq!(out[..5], [b'S', 0, 0, 0, 8]);
+            assert_eq!(decode_request(&out), Ok(Some((Request::SetSpin(Ok(micros)), out.len()))));
+            for cut in 0..out.len() {
+                assert_eq!(decode_request(&out[..cut]), Ok(None), "cut at {cut}");
+            }
+        }
+    }
+
+    #[test]
+    fn set_spin_above_the_cap_fails_the_frame_alone() {
+        for micros in [MAX_SPIN_US + 1, u32::MAX] {
+            let mut out = Vec::new();
+            encode_set_spin(&mut out, micros);
+            encode_ping(&mut out);
+            let (request, used) = decode_request(&out).unwrap().unwrap();
+            assert_eq!(request, Request::SetSpin(Err(SpinError::AboveMax(micros))));
+            assert_eq!(used, HEADER_LEN + SPIN_PAYLOAD_LEN);
+            assert_eq!(decode_request(&out[used..]), Ok(Some((Request::Ping, HEADER_LEN))));
+        }
+    }
+
+    #[test]
+    fn set_spin_with_a_payload_of_the_wrong_size_fails_the_frame_alone() {
+        for payload_len in [0usize, 3, 5, 4096, MAX_FRAME_LEN - 4] {
+            let mut out = vec![b'S'];
+            out.extend_from_slice(&((payload_len + 4) as u32).to_be_bytes());
+            out.resize(out.len() + payload_len, 0);
+            encode_ping(&mut out);
+            let (request, used) = decode_request(&out).unwrap().unwrap();
+            assert_eq!(request, Request::SetSpin(Err(SpinError::BadLength(payload_len))));
+            assert_eq!(used, HEADER_LEN + payload_len, "the whole frame is skipped");
+            assert_eq!(decode_request(&out[used..]), Ok(Some((Request::Ping, HEADER_LEN))));
+        }
+        // Beyond the frame limit it is a framing violation, as for every tag.
+        let too_long = [b'S', 0, 0, 0xff, 0xff];
+        assert!(matches!(decode_request(&too_long), Err(FrameError::BadLength { .. })));
     }
 
     proptest! {

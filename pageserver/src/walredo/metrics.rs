@@ -86,6 +86,11 @@ pub struct WalRedoMetrics {
     pub process_kind: IntGaugeVec,
     /// Stderr lines of children dropped over their rate limit.
     pub stderr_lines_dropped: IntCounter,
+    /// Pool size changes asked for by the controller and carried out: `grow`, `shrink`.
+    pub pool_resizes: IntCounterVec,
+    /// Children beyond the first, per tenant; a tenant appears only while it has some, so the
+    /// series are at most the daemon-wide budget of extra children (bounded cardinality).
+    pub pool_extra_children: IntGaugeVec,
 }
 
 impl WalRedoMetrics {
@@ -153,6 +158,22 @@ impl WalRedoMetrics {
                 for kind in [ProcessKind::Sync, ProcessKind::Async] {
                     g.with_label_values(&[kind.as_str()]).set(0);
                 }
+                g
+            },
+            pool_resizes: counter_vec(
+                "pageserver_wal_redo_pool_resizes_total",
+                "Redo pool size changes carried out, by direction",
+                "direction",
+            )?,
+            pool_extra_children: {
+                let g = IntGaugeVec::new(
+                    Opts::new(
+                        "pageserver_wal_redo_pool_extra_children",
+                        "Redo children beyond the first of a tenant (tenants with none are left out)",
+                    ),
+                    &["tenant_id"],
+                )?;
+                registry.register(Box::new(g.clone()))?;
                 g
             },
             stderr_lines_dropped: {

@@ -10,7 +10,8 @@
 //! - [`priority`]: foreground (GetPage) requests before background ones (compaction);
 //! - [`process`]: one child (spawn, hello, stderr, kill and reap) and its two kinds of pipes;
 //! - [`pipeline`]: reply assembly and matching of pipelined replies to requests;
-//! - [`metrics`]: the registry entries.
+//! - [`metrics`]: the registry entries;
+//! - [`spin`]: setting the spin window of the child in service.
 //!
 //! The wire protocol itself lives in `walredo_proc::protocol`; this module does the I/O.
 //!
@@ -31,6 +32,7 @@ mod pipeline;
 pub mod pool;
 mod priority;
 mod process;
+mod spin;
 #[cfg(test)]
 mod tests;
 
@@ -208,6 +210,8 @@ pub struct ProcessStatus {
     pub requests_served: u64,
     /// Requests on this child now.
     pub in_flight: usize,
+    /// The child's spin window in microseconds (0: it blocks at once); see [`WalRedoManager::set_spin`].
+    pub spin_us: u32,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -551,7 +555,10 @@ impl WalRedoManager {
                 .await;
                 let mut pool = lock(&me.pool);
                 match spawned {
-                    Ok(process) if *lock(&me.kind) == kind && !me.cancel.is_cancelled() => pool.add(process),
+                    Ok(process) if *lock(&me.kind) == kind && !me.cancel.is_cancelled() => {
+                        pool.add(process);
+                        me.metrics.pool_resizes.with_label_values(&["grow"]).inc();
+                    }
                     Ok(process) => {
                         pool.cancel_growth();
                         drop(pool);
@@ -585,6 +592,7 @@ impl WalRedoManager {
                 children = len,
                 "walredo pool shrinks"
             );
+            self.metrics.pool_resizes.with_label_values(&["shrink"]).inc();
             process.retire(StopCause::PoolShrink);
         } else if len > 0 && len < target {
             self.grow(target);
@@ -634,6 +642,7 @@ impl WalRedoManager {
                 uptime_seconds: p.started.elapsed().as_secs_f64(),
                 requests_served: p.served.load(Ordering::Relaxed),
                 in_flight: p.in_flight.load(Ordering::Relaxed),
+                spin_us: p.spin_us(),
             })
             .collect();
         WalRedoStatus {
@@ -662,8 +671,21 @@ impl WalRedoManager {
         for process in children {
             process.retire_and_wait(StopCause::Shutdown).await;
         }
+        self.publish_extra_children();
         // Children retired earlier (failed, drained after a kind change) may still be reaping.
         self.reaping.all_reaped().await;
+    }
+
+    /// Sets this tenant's `pageserver_wal_redo_pool_extra_children`, or removes it at 0.
+    fn publish_extra_children(&self) {
+        let extra = lock(&self.pool).len().saturating_sub(1);
+        let gauge = &self.metrics.pool_extra_children;
+        if extra > 0 {
+            gauge.with_label_values(&[&self.tenant_id]).set(extra as i64);
+        } else {
+            // Absent already is fine.
+            let _ = gauge.remove_label_values(&[&self.tenant_id]);
+        }
     }
 
     /// Stops every child idle for `idle_timeout` with nothing in flight.
@@ -724,6 +746,7 @@ async fn pool_controller(manager: Weak<WalRedoManager>, cancel: CancellationToke
         *lock(&manager.controller) =
             Some(ControllerStatus::new(&obs, controller.smoothed_demand(), &decision));
         manager.resize(decision.workers);
+        manager.publish_extra_children();
     }
 }
 

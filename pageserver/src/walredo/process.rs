@@ -4,6 +4,12 @@
 //! ([`sync_pipes`]: non-blocking fds and `nix::poll` on the calling thread; [`async_pipes`]:
 //! tokio's `ChildStdin`/`ChildStdout`). Everything else is here, once.
 //!
+//! Spin window ([`Process::set_spin`]): the daemon's lever on how a child waits between
+//! requests. The window goes to the child in an `S` frame, through the same round trip as a
+//! request (ordered with them, matched by position like them); the child busy-polls its stdin
+//! for up to the window before it blocks. The sync kind's reader does the same for the reply;
+//! the async kind never spins on the daemon side (it would busy-loop an executor thread).
+//!
 //! Each child has one tokio task, its watcher ([`watch`]), that owns the `tokio::process::Child`:
 //! it logs the child's stderr ([`stderr`]), kills the child when asked, and awaits its exit, so
 //! that a child that dies on its own (killed from outside while idle) is reaped and taken out
@@ -26,7 +32,7 @@ pub(crate) mod sync_pipes;
 
 use std::os::fd::AsFd;
 use std::process::{ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -34,7 +40,7 @@ use anyhow::Context;
 use tokio::io::AsyncReadExt;
 use tokio::process::{Child, ChildStderr};
 use tokio_util::sync::CancellationToken;
-use walredo_proc::protocol::FrameError;
+use walredo_proc::protocol::{self, FrameError};
 
 use super::metrics::{StopCause, WalRedoMetrics};
 use super::pipeline::Reply;
@@ -165,6 +171,14 @@ pub(crate) struct Process {
     last_used_ms: AtomicU64,
     /// Time with at least one request in flight (for the pool's controller).
     busy: Mutex<BusyClock>,
+    /// The `flags` of the child's hello (0 until it is read).
+    hello_flags: AtomicU32,
+    /// The spin window the child last acknowledged, in microseconds (0 at start).
+    spin_us: AtomicU32,
+    /// Serializes [`Process::set_spin`] calls, so that `spin_us` records the window the child
+    /// holds (the last one it got); holds whether `spin_us` is known to be the child's window
+    /// (false after a call was dropped halfway). A tokio mutex: held across the round trip.
+    spin_lock: tokio::sync::Mutex<bool>,
     pipes: Pipes,
     life: Arc<Lifecycle>,
     tenant_id: String,
@@ -248,6 +262,9 @@ impl Process {
             in_flight: AtomicUsize::new(0),
             last_used_ms: AtomicU64::new(0),
             busy: Mutex::new(BusyClock::default()),
+            hello_flags: AtomicU32::new(0),
+            spin_us: AtomicU32::new(0),
+            spin_lock: tokio::sync::Mutex::new(true),
             pipes,
             life,
             tenant_id: tenant_id.to_string(),
@@ -265,7 +282,8 @@ impl Process {
             process.retire(StopCause::BadHello);
             anyhow::bail!("walredo process {pid} says its pid is {}", hello.pid);
         }
-        if conf.args.is_empty() && hello.flags & walredo_proc::protocol::HELLO_FLAG_SECCOMP == 0 {
+        process.hello_flags.store(hello.flags, Ordering::Relaxed);
+        if conf.args.is_empty() && hello.flags & protocol::HELLO_FLAG_SECCOMP == 0 {
             tracing::warn!(pid, "walredo process runs without its seccomp sandbox");
         }
         process.life.metrics.process_launch_seconds.observe(start.elapsed().as_secs_f64());
@@ -310,6 +328,69 @@ impl Process {
     pub(crate) fn busy_time(&self) -> Duration {
         let clock = lock(&self.busy);
         clock.total + clock.since.map_or(Duration::ZERO, |since| since.elapsed())
+    }
+
+    /// Sets how long the child busy-polls for its next request before it blocks, and for the
+    /// sync kind how long the reader busy-polls for a reply before it blocks; zero: block at
+    /// once (how a child starts). `window` is cut to [`protocol::MAX_SPIN_US`] and to whole
+    /// microseconds. Returns whether the child took it: `false` when its hello does not
+    /// announce the `S` frame (nothing is sent). A window equal to the one the child holds
+    /// sends nothing either, so a controller may repeat its decision every period. An error is
+    /// a failed round trip, like a request's (the caller retires the child for it); so is any
+    /// reply but a zero page. It does not count as use of the child (its idle stop).
+    ///
+    /// Cancel-safe: the window rides the round-trip path, so a drop never hands its reply to
+    /// another request. Dropped after its frame was written, the child may hold the new window
+    /// while [`Process::spin_us`] still says the old one, until the next call, which then
+    /// sends its window whatever it is: the child spins at most a window per request either
+    /// way.
+    pub(crate) async fn set_spin(&self, window: Duration, timeout: Duration) -> Result<bool, ProcessError> {
+        if self.hello_flags.load(Ordering::Relaxed) & protocol::HELLO_FLAG_SPIN == 0 {
+            return Ok(false);
+        }
+        let micros = u32::try_from(window.as_micros()).unwrap_or(u32::MAX).min(protocol::MAX_SPIN_US);
+        let mut request = Vec::new();
+        protocol::encode_set_spin(&mut request, micros);
+        let mut known = self.spin_lock.lock().await;
+        if *known && self.spin_us() == micros {
+            return Ok(true);
+        }
+        // Unknown until the child acknowledges (stays so if this future is dropped).
+        *known = false;
+        // Not `round_trip`: a control frame is not a request served.
+        let ticket = WriteTicket::none();
+        let reply = match &self.pipes {
+            Pipes::Sync(pipes) => pipes.round_trip(&request, ticket, timeout).await,
+            Pipes::Async(pipes) => {
+                pipes.round_trip(&request, ticket, timeout, || self.retire(StopCause::CancelledWrite)).await
+            }
+        }?;
+        match reply {
+            Reply::Page(page) if page.iter().all(|&b| b == 0) => {}
+            other => {
+                let what = match other {
+                    Reply::Error(code, message) => format!("{}: {message}", code.name()),
+                    Reply::Page(_) => "a page that is not zero".to_string(),
+                    Reply::Hello(_) => "a hello".to_string(),
+                };
+                return Err(ProcessError::Io(anyhow::anyhow!(
+                    "walredo process {} answered a spin window of {micros} us with {what}",
+                    self.pid
+                )));
+            }
+        }
+        self.spin_us.store(micros, Ordering::Relaxed);
+        *known = true;
+        if let Pipes::Sync(pipes) = &self.pipes {
+            pipes.set_spin(Duration::from_micros(u64::from(micros)));
+        }
+        tracing::debug!(pid = self.pid, spin_us = micros, "walredo process spin window set");
+        Ok(true)
+    }
+
+    /// The spin window the child last acknowledged, in microseconds (see [`Process::set_spin`]).
+    pub(crate) fn spin_us(&self) -> u32 {
+        self.spin_us.load(Ordering::Relaxed)
     }
 
     fn mark_used(&self) {
@@ -498,6 +579,92 @@ fn describe_exit(status: ExitStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
+    use walredo_proc::page::{Page, BLCKSZ};
+    use walredo_proc::protocol::BufferTag;
+    use walredo_proc::record::Record;
+
+    fn tag(blknum: u32) -> BufferTag {
+        BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum }
+    }
+
+    /// Records that build a page marked with `n`.
+    fn records_for(n: u32) -> Vec<(u64, Bytes)> {
+        let encode = |record: Record<'_>| {
+            let mut out = Vec::new();
+            record.encode(&mut out);
+            Bytes::from(out)
+        };
+        vec![
+            (0x100, encode(Record::InitPage { special_size: 0 })),
+            (0x200, encode(Record::PutBytes { offset: 8000, data: &n.to_be_bytes() })),
+        ]
+    }
+
+    fn expected_for(n: u32) -> Bytes {
+        let mut page: Box<Page> = Box::new([0; BLCKSZ]);
+        for (lsn, record) in records_for(n) {
+            Record::decode(&record).expect("valid record").apply(&mut page, lsn).expect("record applies");
+        }
+        Bytes::copy_from_slice(&page[..])
+    }
+
+    async fn redo(process: &Process, n: u32) {
+        let request = super::super::pipeline::encode_redo_request(&tag(n), None, &records_for(n));
+        let reply = process
+            .round_trip(&request, WriteTicket::none(), Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|e| panic!("request {n}: {e}"));
+        assert!(reply == Reply::Page(expected_for(n)), "request {n} got {reply:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn set_spin_on_a_live_process_keeps_its_round_trips_correct() {
+        let conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
+        let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        let timeout = Duration::from_secs(20);
+        for kind in [ProcessKind::Sync, ProcessKind::Async] {
+            let reaping = Reaping::new();
+            let process = Process::spawn(&conf, kind, "tenant", Arc::clone(&metrics), Arc::clone(&reaping))
+                .await
+                .expect("spawn");
+            assert_eq!(process.spin_us(), 0, "{kind}: a child starts parked");
+            let mut n = 0;
+            // 5 ms is above the cap: cut to 1 ms.
+            for (window, expect_us) in [(100, 100), (5000, 1000), (0, 0), (200, 200)] {
+                let window = Duration::from_micros(window);
+                assert!(process.set_spin(window, timeout).await.expect("set_spin"), "{kind}");
+                assert_eq!(process.spin_us(), expect_us, "{kind}");
+                // One at a time (each side waits, spinning or not, between requests) ...
+                for _ in 0..30 {
+                    redo(&process, n).await;
+                    n += 1;
+                }
+                // ... and pipelined, with windows set in between, as a controller would.
+                let mut tasks = tokio::task::JoinSet::new();
+                for i in 0..24u32 {
+                    let process = Arc::clone(&process);
+                    let m = n + i;
+                    tasks.spawn(async move {
+                        if m % 8 == 0 {
+                            let window = Duration::from_micros(u64::from(m % 300));
+                            assert!(process.set_spin(window, timeout).await.expect("set_spin"));
+                        }
+                        redo(&process, m).await;
+                    });
+                }
+                n += 24;
+                while let Some(joined) = tasks.join_next().await {
+                    joined.expect("client task");
+                }
+                assert!(process.set_spin(window, timeout).await.expect("set_spin"));
+                assert_eq!(process.spin_us(), expect_us, "{kind}: the last window set is the one held");
+            }
+            assert_eq!(process.served.load(Ordering::Relaxed), u64::from(n), "{kind}: S is not a request");
+            assert!(!process.has_exited(), "{kind}");
+            process.retire_and_wait(StopCause::Shutdown).await;
+        }
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_child_draining_after_a_kind_change_is_still_killed_when_it_fails() {

@@ -13,6 +13,13 @@
 //!   when the fd is not ready (a write that fits in the pipe, or a reply already there, costs no
 //!   hand-off). On a current-thread runtime there is no other thread, and the I/O blocks it.
 //!
+//! Spin window ([`super::Process::set_spin`]): with a window `W > 0`, the reader busy-polls
+//! (non-blocking reads with `spin_loop` hints between them) for up to `W` before it blocks in
+//! `poll`, so a reply that comes within `W` costs no wake-up of this thread. The first spin of a
+//! round trip runs before the `block_in_place` hand-off, which a reply within `W` then avoids
+//! too; it holds the executor thread for at most `W` (at most `MAX_SPIN_US`, 1 ms), as the
+//! blocking read it replaces would have. In the blocking part, every wait for bytes spins first.
+//!
 //! Time: the child is timed, not the queue, as in the async kind ([`pipeline::Progress`]):
 //! every `poll` waits until the child's deadline (no progress for the timeout while work waits
 //! on it: [`ProcessError::Timeout`], the child is killed) or, behind other requests, until the
@@ -25,6 +32,7 @@
 //! frame.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -39,12 +47,18 @@ use crate::walredo::priority::WriteTicket;
 type Writer = pipeline::Writer<OwnedFd>;
 type Reader = pipeline::Reader<OwnedFd>;
 
+/// `spin_loop` hints between two non-blocking reads while spinning: a read is a syscall, the
+/// hints keep the loop from hammering the pipe's lock in between, for well under a microsecond.
+const SPIN_HINTS_PER_READ: u32 = 16;
+
 pub(crate) struct SyncPipes {
     /// tokio mutexes: waiting for a pipe must not block a thread (see the module doc); the
     /// guards are held across the awaits of the other lock and of `block_in_place`.
     stdin: tokio::sync::Mutex<Writer>,
     stdout: tokio::sync::Mutex<Reader>,
     shared: Shared,
+    /// The spin window of the reader, in microseconds (0: block at once).
+    spin_us: AtomicU64,
 }
 
 impl SyncPipes {
@@ -56,7 +70,18 @@ impl SyncPipes {
             stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
             stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
             shared: Shared::new(),
+            spin_us: AtomicU64::new(0),
         })
+    }
+
+    /// Sets how long the reader busy-polls for a reply before it blocks (see the module doc);
+    /// the caller caps it.
+    pub(crate) fn set_spin(&self, window: Duration) {
+        self.spin_us.store(u64::try_from(window.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    fn spin(&self) -> Duration {
+        Duration::from_micros(self.spin_us.load(Ordering::Relaxed))
     }
 
     /// Reads the first frame of the child (its hello), before any request is written.
@@ -65,7 +90,7 @@ impl SyncPipes {
     pub(crate) async fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
         let deadline = Instant::now() + timeout;
         let mut stdout = lock_until(&self.stdout, deadline, timeout).await?;
-        blocking(|| read_reply(&mut stdout, deadline, timeout))
+        blocking(|| read_reply(&mut stdout, deadline, timeout, Duration::ZERO))
     }
 
     /// See [`super::Process::round_trip`]. Cancellation: see the module doc (dropped only
@@ -139,8 +164,13 @@ impl SyncPipes {
             Turn::Reply(reply) => return Ok(reply),
             Turn::Reader(stdout) => stdout,
         };
-        // First what is there already, without a hand-off; then block for the rest.
+        // First what is there already, then what comes within the spin window, without a
+        // hand-off; then block for the rest.
         if let Some(reply) = self.read_available(&mut stdout, waiter.seq)? {
+            return Ok(reply);
+        }
+        let spin = self.spin();
+        if let Some(reply) = self.spin_for_reply(&mut stdout, waiter.seq, spin)? {
             return Ok(reply);
         }
         blocking(|| loop {
@@ -148,7 +178,7 @@ impl SyncPipes {
                 Ok(reply) => return Ok(reply),
                 Err(at_head) => at_head,
             };
-            match read_reply(&mut stdout, waiter.read_deadline(at_head), waiter.timeout) {
+            match read_reply(&mut stdout, waiter.read_deadline(at_head), waiter.timeout, spin) {
                 Ok(reply) => self.shared.park(reply),
                 Err(ProcessError::Timeout(_)) => {
                     if let Some(e) = waiter.expired() {
@@ -158,6 +188,27 @@ impl SyncPipes {
                 Err(e) => return Err(e),
             }
         })
+    }
+
+    /// Busy-polls for up to `window` for our reply, reading (and parking) the others' on the
+    /// way; `None` if it did not come within it.
+    fn spin_for_reply(
+        &self,
+        stdout: &mut Reader,
+        seq: u64,
+        window: Duration,
+    ) -> Result<Option<Reply>, ProcessError> {
+        if window.is_zero() {
+            return Ok(None);
+        }
+        let until = Instant::now() + window;
+        while Instant::now() < until {
+            spin_hints();
+            if let Some(reply) = self.read_available(stdout, seq)? {
+                return Ok(Some(reply));
+            }
+        }
+        Ok(None)
     }
 
     /// Reads the replies that can be read without waiting; returns ours if it was among them.
@@ -259,16 +310,40 @@ fn read_some(stdout: &mut Reader) -> Result<Option<usize>, ProcessError> {
     }
 }
 
-fn read_reply(stdout: &mut Reader, deadline: Instant, timeout: Duration) -> Result<Reply, ProcessError> {
+/// Reads the next reply, waiting until `deadline`; each wait for bytes busy-polls for up to
+/// `spin` before it blocks in `poll`.
+fn read_reply(
+    stdout: &mut Reader,
+    deadline: Instant,
+    timeout: Duration,
+    spin: Duration,
+) -> Result<Reply, ProcessError> {
+    // When the current busy-poll ends; `None` while not spinning.
+    let mut spin_until = None;
     loop {
         if let Some(reply) = stdout.replies.take()? {
             return Ok(reply);
         }
         match read_some(stdout)? {
             Some(0) => return Err(eof()),
-            Some(_) => {}
-            None => wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?,
+            Some(_) => spin_until = None,
+            None if spin.is_zero() => wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?,
+            None => {
+                let until = *spin_until.get_or_insert_with(|| Instant::now() + spin);
+                if Instant::now() < until {
+                    spin_hints();
+                } else {
+                    wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?;
+                    spin_until = None;
+                }
+            }
         }
+    }
+}
+
+fn spin_hints() {
+    for _ in 0..SPIN_HINTS_PER_READ {
+        std::hint::spin_loop();
     }
 }
 

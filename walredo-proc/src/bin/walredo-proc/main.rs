@@ -11,6 +11,14 @@
 //! reply is one `writev` (header and page). An error frame fails one request and the loop goes
 //! on; a framing violation ends the process with status 2, because the stream can no longer be
 //! parsed; EOF between frames ends it with status 0.
+//!
+//! Spin-then-park: with a spin window `W` set by the daemon (`S`, at most
+//! `protocol::MAX_SPIN_US`), once the child has served what it read it busy-polls stdin for up
+//! to `W` (a zero-timeout `ppoll`, then a few `spin_loop` hints, again) before its blocking
+//! `read`, so a request that comes within `W` costs no wake-up (tens of microseconds across
+//! vCPUs here). With `W = 0` (the start) it blocks in `read` at once, as it always did: stdin
+//! stays a blocking fd, so an idle child sleeps in the kernel whatever the window, after at most
+//! `W` of spinning.
 
 mod sandbox;
 mod serve;
@@ -18,6 +26,7 @@ mod serve;
 use std::io::IoSlice;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use walredo_proc::protocol::{self, decode_request, Hello, PROTOCOL_VERSION};
 use walredo_proc::record::MAX_RECORD_LEN;
@@ -27,6 +36,11 @@ use serve::{RedoState, Reply};
 /// Read buffer: room for many pipelined requests, and always for the largest frame.
 const READ_BUF_LEN: usize = 256 * 1024;
 const _: () = assert!(READ_BUF_LEN >= 2 * protocol::MAX_FRAME_LEN);
+
+/// `spin_loop` hints between two polls of stdin while spinning: a poll is a syscall (a few
+/// hundred nanoseconds), the hints keep the loop from hammering the kernel in between and cost
+/// well under a microsecond of latency.
+const SPIN_HINTS_PER_POLL: u32 = 16;
 
 const USAGE: &str = "usage: walredo-proc [--no-seccomp]
 The WAL redo child of the pageserver: requests on stdin, replies on stdout (docs/walredo-protocol.md).
@@ -129,7 +143,8 @@ fn run(options: &Options) -> Result<(), String> {
     let (input, output) = (stdin.as_fd(), stdout.as_fd());
 
     let mut hello = Vec::new();
-    let flags = if options.seccomp { protocol::HELLO_FLAG_SECCOMP } else { 0 };
+    let seccomp_flag = if options.seccomp { protocol::HELLO_FLAG_SECCOMP } else { 0 };
+    let flags = seccomp_flag | protocol::HELLO_FLAG_SPIN;
     Hello { version: PROTOCOL_VERSION, pid, max_record_len: MAX_RECORD_LEN as u32, flags }.encode(&mut hello);
     write_all(output, &[IoSlice::new(&hello)])?;
 
@@ -138,6 +153,7 @@ fn run(options: &Options) -> Result<(), String> {
     let mut filled = 0;
     let mut reply_header = Vec::with_capacity(protocol::HEADER_LEN + protocol::MAX_ERROR_MESSAGE_LEN + 2);
     loop {
+        spin_for_input(input, state.spin())?;
         let n = read_retrying(input, &mut buf[filled..])?;
         if n == 0 {
             if filled == 0 {
@@ -175,6 +191,34 @@ fn run(options: &Options) -> Result<(), String> {
         // Keep the incomplete frame at the front; the buffer always has room for a whole one.
         buf.copy_within(start..filled, 0);
         filled -= start;
+    }
+}
+
+/// Busy-polls `fd` until it has input (or EOF, or an error to report) or `window` has passed;
+/// either way the caller's blocking `read` follows, and returns at once if input came.
+fn spin_for_input(fd: BorrowedFd<'_>, window: Duration) -> Result<(), String> {
+    if window.is_zero() {
+        return Ok(());
+    }
+    let until = Instant::now() + window;
+    loop {
+        if has_input(fd)? || Instant::now() >= until {
+            return Ok(());
+        }
+        for _ in 0..SPIN_HINTS_PER_POLL {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Whether a `read` of `fd` would return at once (data, EOF or an error), without waiting.
+fn has_input(fd: BorrowedFd<'_>) -> Result<bool, String> {
+    use nix::poll::{PollFd, PollFlags};
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    match nix::poll::ppoll(&mut fds, Some(nix::sys::time::TimeSpec::new(0, 0)), None) {
+        Ok(ready) => Ok(ready > 0),
+        Err(nix::errno::Errno::EINTR) => Ok(false),
+        Err(e) => Err(format!("poll stdin: {e}")),
     }
 }
 

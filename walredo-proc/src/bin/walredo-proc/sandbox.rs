@@ -9,7 +9,8 @@
 //! 4. installs a seccomp allowlist: any other syscall kills the process with SIGSYS.
 //!
 //! The allowlist is what the serving loop needs and nothing more: reading stdin, writing stdout
-//! and stderr, memory management for the allocator (without executable mappings: `mmap` with
+//! and stderr, polling one fd (stdin, while spinning) and reading the monotonic clock (the spin
+//! window), memory management for the allocator (without executable mappings: `mmap` with
 //! `PROT_EXEC` is refused and `mprotect` is not allowed at all, so injected code has nowhere to
 //! run), and exiting.
 
@@ -74,15 +75,19 @@ pub fn limit_memory() -> Result<(), String> {
 
 /// Installs the seccomp allowlist for this process's only thread.
 pub fn install_seccomp() -> Result<(), String> {
-    let fd_is = |fds: &[u64]| -> Result<Vec<SeccompRule>, String> {
-        fds.iter()
-            .map(|&fd| {
-                let condition = SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, fd)
-                    .map_err(|e| e.to_string())?;
+    // One rule per allowed value of argument `index` (rules are alternatives).
+    let arg_is = |index: u8, values: &[u64]| -> Result<Vec<SeccompRule>, String> {
+        values
+            .iter()
+            .map(|&value| {
+                let condition =
+                    SeccompCondition::new(index, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, value)
+                        .map_err(|e| e.to_string())?;
                 SeccompRule::new(vec![condition]).map_err(|e| e.to_string())
             })
             .collect()
     };
+    let fd_is = |fds: &[u64]| arg_is(0, fds);
     let always = Vec::new;
     // The `prot` argument (index 2) has no PROT_EXEC bit.
     let no_exec = || -> Result<SeccompRule, String> {
@@ -101,6 +106,12 @@ pub fn install_seccomp() -> Result<(), String> {
         // Replies go to stdout, log lines to stderr.
         (libc::SYS_write, fd_is(&[1, 2])?),
         (libc::SYS_writev, fd_is(&[1, 2])?),
+        // Spinning: a zero-timeout poll of one fd (stdin) tells whether a request is there. It
+        // can only wait, and only on fds the child has (0-2).
+        (libc::SYS_ppoll, arg_is(1, &[1])?),
+        // Spinning: the window is timed with `Instant::now`, CLOCK_MONOTONIC. The vDSO answers it
+        // without a syscall when the clock source allows; this is the fallback when it does not.
+        (libc::SYS_clock_gettime, arg_is(0, &[libc::CLOCK_MONOTONIC as u64])?),
         // The allocator grows and shrinks the heap.
         (libc::SYS_brk, always()),
         // Never executable: injected code must have no memory to run from.

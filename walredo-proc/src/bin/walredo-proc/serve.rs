@@ -4,6 +4,12 @@
 //! `B [P] A* G`; the state between `B` and `G` is the page being built and the first error seen.
 //! An error fails only the request it belongs to: it is reported at `G` and the next `B` starts
 //! clean.
+//!
+//! It also holds the spin window set by `S` (how long the I/O loop busy-polls stdin before it
+//! blocks), which is independent of any redo request: `S` never touches the request in
+//! progress.
+
+use std::time::Duration;
 
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::protocol::{BufferTag, ErrorCode, Request};
@@ -26,11 +32,18 @@ pub struct RedoState {
     started: bool,
     /// The first error of the request in progress; later records are skipped.
     failed: Option<(ErrorCode, String)>,
+    /// The spin window set by the last valid `S` (0 until then: block at once).
+    spin_us: u32,
 }
 
 impl RedoState {
     pub fn new() -> RedoState {
-        RedoState { tag: None, page: Box::new([0; BLCKSZ]), started: false, failed: None }
+        RedoState { tag: None, page: Box::new([0; BLCKSZ]), started: false, failed: None, spin_us: 0 }
+    }
+
+    /// How long to busy-poll stdin for the next request before blocking; zero: block at once.
+    pub fn spin(&self) -> Duration {
+        Duration::from_micros(u64::from(self.spin_us))
     }
 
     /// Handles one request; returns the reply for `G` and `H`, nothing for the others.
@@ -87,6 +100,12 @@ impl RedoState {
                 })
             }
             Request::Ping => Some(Reply::Page(&ZERO_PAGE)),
+            Request::SetSpin(Ok(micros)) => {
+                self.spin_us = micros;
+                Some(Reply::Page(&ZERO_PAGE))
+            }
+            // The window stays as it was.
+            Request::SetSpin(Err(e)) => Some(Reply::Error(ErrorCode::BadRequest, format!("S: {e}"))),
         }
     }
 
@@ -183,6 +202,38 @@ mod tests {
             state.handle(Request::GetPage(tag(1))),
             Some(Reply::Error(ErrorCode::BadRequest, _))
         ));
+    }
+
+    #[test]
+    fn set_spin_sets_the_window_without_touching_the_request_in_progress() {
+        let mut state = RedoState::new();
+        assert_eq!(state.spin(), Duration::ZERO);
+        let put = record_bytes(Record::PutBytes { offset: 100, data: b"abc" });
+        state.handle(Request::Begin(tag(1)));
+        assert_eq!(state.handle(Request::SetSpin(Ok(250))), Some(Reply::Page(&ZERO_PAGE)));
+        assert_eq!(state.spin(), Duration::from_micros(250));
+        state.handle(Request::Apply { lsn: 0x10, record: &put });
+        let Some(Reply::Page(page)) = state.handle(Request::GetPage(tag(1))) else {
+            panic!("the request around S must still succeed")
+        };
+        assert_eq!(&page[100..103], b"abc");
+        assert_eq!(state.handle(Request::SetSpin(Ok(0))), Some(Reply::Page(&ZERO_PAGE)));
+        assert_eq!(state.spin(), Duration::ZERO);
+    }
+
+    #[test]
+    fn bad_set_spin_is_a_bad_request_and_keeps_the_window() {
+        use walredo_proc::protocol::SpinError;
+        let mut state = RedoState::new();
+        state.handle(Request::SetSpin(Ok(100)));
+        for error in [SpinError::AboveMax(5000), SpinError::BadLength(3)] {
+            let Some(Reply::Error(code, message)) = state.handle(Request::SetSpin(Err(error))) else {
+                panic!("expected an error for {error:?}")
+            };
+            assert_eq!(code, ErrorCode::BadRequest);
+            assert!(message.starts_with("S: "), "{message}");
+            assert_eq!(state.spin(), Duration::from_micros(100));
+        }
     }
 
     #[test]
