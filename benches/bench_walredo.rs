@@ -42,11 +42,13 @@
 //! N in {1, 2, 8}. Compare them with `sync/*`, `async/*` and `floor/echo*` of the same run
 //! (`summarize.py` prints a second table for them).
 //!
-//! The pool: `sync/*`, `async/*` and `spin*/*` run one child (`max_pool_size = 1`, as every
-//! tenant had before the pool, so their figures compare with the tables below);
-//! `pool-async/<workload>/<N>` and `pool-sync/<workload>/<N>` run the daemon's default pool (one
-//! child per CPU, at least 2) sized by its controller, which sees [`POOL_WARM_UP`] (300 ms) of
-//! the sample's own load before the measured part; N in {1, 8, 64}.
+//! The adaptive worker controller: `sync/*`, `async/*` and `spin*/*` run one child
+//! (`max_pool_size = 1`, as every tenant had before the pool) without the controller's spin
+//! windows, so their figures compare with the tables below; `adaptive-async/<workload>/<N>`
+//! and `adaptive-sync/<workload>/<N>` run as the daemon does: the default pool (one child per
+//! CPU, at least 2) sized by the controller, which also sets the children's spin windows, after
+//! [`POOL_WARM_UP`] (300 ms) of the sample's own load before the measured part; N in
+//! {1, 2, 8, 64}.
 //!
 //! # How to run
 //!
@@ -196,8 +198,8 @@ use tokio::task::JoinSet;
 
 /// Client counts.
 const CLIENTS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
-/// Client counts of the pool variants.
-const POOL_CLIENTS: [usize; 3] = [1, 8, 64];
+/// Client counts of the adaptive variants.
+const POOL_CLIENTS: [usize; 4] = [1, 2, 8, 64];
 /// Load run before the measured part of a pool sample: three controller periods.
 const POOL_WARM_UP: Duration = Duration::from_millis(300);
 /// Client counts of the spin-window variants: spinning pays at low concurrency.
@@ -250,8 +252,8 @@ fn bench_walredo(c: &mut Criterion) {
         (ProcessKind::Sync.as_str(), ProcessKind::Sync, Duration::ZERO, 1, &CLIENTS[..]),
         ("spin", ProcessKind::Sync, SPIN_WINDOW, 1, &SPIN_CLIENTS[..]),
         ("spin-async", ProcessKind::Async, SPIN_WINDOW, 1, &SPIN_CLIENTS[..]),
-        ("pool-async", ProcessKind::Async, Duration::ZERO, pool, &POOL_CLIENTS[..]),
-        ("pool-sync", ProcessKind::Sync, Duration::ZERO, pool, &POOL_CLIENTS[..]),
+        ("adaptive-async", ProcessKind::Async, Duration::ZERO, pool, &POOL_CLIENTS[..]),
+        ("adaptive-sync", ProcessKind::Sync, Duration::ZERO, pool, &POOL_CLIENTS[..]),
     ];
     for (name, kind, spin, pool, clients_list) in variants {
         let mut group = c.benchmark_group(name);
@@ -302,6 +304,10 @@ fn manager_sample(setup: &Setup<'_>, workload: &Arc<Workload>, clients: usize, i
         let mut conf = WalRedoConf::with_binary(setup.binary.to_path_buf());
         conf.process_kind = setup.kind;
         conf.max_pool_size = setup.pool;
+        // The adaptive variants run as the daemon does: the controller sizes the pool and sets
+        // the spin windows. The others keep one child and its plain blocking round trips
+        // (or the fixed window of `spin*`).
+        conf.adaptive_spin = setup.pool > 1;
         let registry = prometheus::Registry::new();
         let metrics = Arc::new(WalRedoMetrics::new(&registry).expect("register walredo metrics"));
         let manager = WalRedoManager::new("bench", conf, metrics);

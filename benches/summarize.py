@@ -8,7 +8,9 @@ prints, per workload and N: the async and sync medians, async/sync, async/floor 
 (the floor exists at N = 1 only: `floor/echo/1`, `floor/echo-short/1`, `floor/echo-medium/1`),
 and async throughput N / median relative to N = 1; then the two pinned floors
 (`floor/echo-same-cpu/1`, `floor/echo-cross-cpu/1`); then, if the spin-window variants ran
-(`spin/*`: sync with a 100 us window, `spin-async/*`), their medians next to `sync` and `async`.
+(`spin/*`: sync with a 100 us window, `spin-async/*`), their medians next to `sync` and `async`;
+then, if the adaptive variants ran (`adaptive-sync/*`, `adaptive-async/*`: the pool and spin
+windows of the controller), their medians against the better of `sync` and `async` (one child).
 
 Usage: python3 benches/summarize.py [CRITERION_DIR]   (default: target/criterion, or
 $CARGO_TARGET_DIR/criterion, looked up from the workspace root)
@@ -21,6 +23,7 @@ import sys
 WORKLOADS = ["ping", "short", "medium"]
 CLIENTS = [1, 2, 4, 8, 16, 32, 64, 128]
 SPIN_CLIENTS = [1, 2, 8]
+ADAPTIVE_CLIENTS = [1, 2, 8, 64]
 FLOOR = {"ping": "echo", "short": "echo-short", "medium": "echo-medium"}
 
 
@@ -82,6 +85,23 @@ def main():
         print()
         print("| workload | N | sync (us) | spin (us) | spin/sync | async (us) | spin-async (us) "
               "| spin-async/async | floor (us) | spin/floor |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(rows))
+    rows = []
+    for workload in WORKLOADS:
+        for n in ADAPTIVE_CLIENTS:
+            ad, ads = median_ns(base, "adaptive-async", workload, n), median_ns(base, "adaptive-sync", workload, n)
+            if ad is None and ads is None:
+                continue
+            s, a = median_ns(base, "sync", workload, n), median_ns(base, "async", workload, n)
+            best = min((x for x in (s, a) if x is not None), default=None)
+            f = median_ns(base, "floor", FLOOR[workload], 1) if n == 1 else None
+            rows.append(f"| {workload} | {n} | {us(s)} | {us(a)} | {us(ads)} | {us(ad)} | {ratio(ads, best)} "
+                        f"| {ratio(ad, best)} | {us(f)} | {ratio(ads, f)} |")
+    if rows:
+        print()
+        print("| workload | N | sync (us) | async (us) | adaptive-sync (us) | adaptive-async (us) "
+              "| adaptive-sync/best | adaptive-async/best | floor (us) | adaptive-sync/floor |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         print("\n".join(rows))
 

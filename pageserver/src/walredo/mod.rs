@@ -128,6 +128,9 @@ pub struct WalRedoConf {
     pub max_pool_size: usize,
     /// The daemon-wide budget of children beyond the first of each tenant.
     pub budget: Arc<ChildBudget>,
+    /// Whether the controller sets the children's spin windows (the daemon: always; off only
+    /// for benchmarks of the plain blocking round trip).
+    pub adaptive_spin: bool,
 }
 
 impl WalRedoConf {
@@ -141,6 +144,7 @@ impl WalRedoConf {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_pool_size: pool::default_max_pool_size(),
             budget: ChildBudget::global(),
+            adaptive_spin: true,
         }
     }
 }
@@ -676,6 +680,37 @@ impl WalRedoManager {
         self.reaping.all_reaped().await;
     }
 
+    /// Gives the `spinning` oldest children the spin window `spin` and the others none (a
+    /// parked child blocks between requests). Only windows that change are sent, each by a
+    /// task of its own, so a busy child (the frame queues behind its requests) holds up
+    /// nothing; windows of one child are serialized by the child's own lock.
+    fn apply_spin(&self, spinning: usize, spin: Duration) {
+        let Some(me) = self.me.upgrade() else { return };
+        if self.cancel.is_cancelled() {
+            return;
+        }
+        let children = lock(&self.pool).children().to_vec();
+        for (i, child) in children.into_iter().enumerate() {
+            let window = if i < spinning { spin } else { Duration::ZERO };
+            let micros = u32::try_from(window.as_micros()).unwrap_or(u32::MAX);
+            if child.spin_us() == micros.min(protocol::MAX_SPIN_US) || !child.supports_spin() {
+                continue;
+            }
+            let me = Arc::clone(&me);
+            let _in_flight = self.in_flight.token();
+            tokio::spawn(async move {
+                let _in_flight = _in_flight;
+                if let Err(e) = me.set_spin_of(&child, window).await {
+                    tracing::debug!(
+                        tenant_id = me.tenant_id,
+                        pid = child.pid,
+                        "could not set the spin window: {e}"
+                    );
+                }
+            });
+        }
+    }
+
     /// Sets this tenant's `pageserver_wal_redo_pool_extra_children`, or removes it at 0.
     fn publish_extra_children(&self) {
         let extra = lock(&self.pool).len().saturating_sub(1);
@@ -746,6 +781,9 @@ async fn pool_controller(manager: Weak<WalRedoManager>, cancel: CancellationToke
         *lock(&manager.controller) =
             Some(ControllerStatus::new(&obs, controller.smoothed_demand(), &decision));
         manager.resize(decision.workers);
+        if manager.conf.adaptive_spin {
+            manager.apply_spin(decision.spinning, decision.spin);
+        }
         manager.publish_extra_children();
     }
 }

@@ -388,6 +388,11 @@ impl Process {
         Ok(true)
     }
 
+    /// Whether the child's hello announced the `S` frame (spin windows).
+    pub(crate) fn supports_spin(&self) -> bool {
+        self.hello_flags.load(Ordering::Relaxed) & protocol::HELLO_FLAG_SPIN != 0
+    }
+
     /// The spin window the child last acknowledged, in microseconds (see [`Process::set_spin`]).
     pub(crate) fn spin_us(&self) -> u32 {
         self.spin_us.load(Ordering::Relaxed)

@@ -2,13 +2,15 @@
 //! protocol's `S` frame): how long the child, and the sync kind's reader, busy-poll between
 //! requests before they block.
 //!
-//! Only tests and benchmarks call it today; the worker controller
-//! (`crate::worker_controller`) will drive each child's window. A new
+//! The pool's controller loop sets every child's window each period ([`WalRedoManager::set_spin_of`]
+//! from `apply_spin`); [`WalRedoManager::set_spin`] is for tests and benchmarks. A new
 //! child starts with a window of 0 (it blocks at once), whatever the last child had.
 
 use std::time::Duration;
 
-use super::process::ProcessError;
+use std::sync::Arc;
+
+use super::process::{Process, ProcessError};
 use super::{RedoError, WalRedoManager};
 
 impl WalRedoManager {
@@ -38,8 +40,18 @@ impl WalRedoManager {
         else {
             return Ok(None);
         };
+        self.set_spin_of(&process, window).await.map(|()| Some(process.pid))
+    }
+
+    /// Sets the spin window of `process` (see [`WalRedoManager::set_spin`]); a failed round
+    /// trip retires it, as after a failed request.
+    pub(crate) async fn set_spin_of(
+        &self,
+        process: &Arc<Process>,
+        window: Duration,
+    ) -> Result<(), RedoError> {
         match process.set_spin(window, self.conf.timeout).await {
-            Ok(true) => Ok(Some(process.pid)),
+            Ok(true) => Ok(()),
             Ok(false) => Err(RedoError::ProcessFailed(anyhow::anyhow!(
                 "walredo process {} does not announce spin windows in its hello",
                 process.pid
@@ -47,7 +59,7 @@ impl WalRedoManager {
             // The child is working, only busy: it stays in service.
             Err(ProcessError::QueueTimeout(t)) => Err(RedoError::QueueTimeout(t)),
             Err(e) => {
-                self.retire(&process, e.stop_cause());
+                self.retire(process, e.stop_cause());
                 Err(match e {
                     ProcessError::Timeout(t) => RedoError::Timeout(t),
                     other => RedoError::ProcessFailed(

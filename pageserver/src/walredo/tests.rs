@@ -450,3 +450,51 @@ async fn the_daemon_wide_budget_caps_extra_children_across_tenants() {
     b.shutdown().await;
     assert_eq!(budget.used(), 0, "shutdown gives every token back");
 }
+
+/// CPU time (user + system) of a process so far, from /proc; zero once it is gone.
+fn cpu_time(pid: u32) -> Duration {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return Duration::ZERO;
+    };
+    let fields: Vec<&str> = stat[stat.rfind(')').expect("comm ends") + 2..].split(' ').collect();
+    let ticks: u64 = fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime");
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().unwrap_or(100) as u64;
+    Duration::from_millis(ticks * 1000 / hz)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn children_spin_under_load_and_park_within_a_second_after_it() {
+    for kind in KINDS {
+        let manager = pool_manager(kind, 2, ChildBudget::new(8));
+        let stop = CancellationToken::new();
+        // Two clients back to back: requests arrive faster than the spin window.
+        let clients = load(&manager, 2, &stop);
+        wait_for(&format!("{kind}: a child to spin under load"), Duration::from_secs(10), || {
+            manager.status().pool.children.iter().any(|p| p.spin_us > 0)
+        })
+        .await;
+        stop.cancel();
+        for client in clients {
+            assert!(client.await.expect("client task") > 0);
+        }
+        let stopped = Instant::now();
+        wait_for(&format!("{kind}: every child to park"), Duration::from_secs(2), || {
+            manager.status().pool.children.iter().all(|p| p.spin_us == 0)
+        })
+        .await;
+        assert!(
+            stopped.elapsed() < Duration::from_millis(1500),
+            "{kind}: parked after {:?}",
+            stopped.elapsed()
+        );
+        // Parked children sleep: over a second they use (almost) no CPU.
+        let pids = pids(&manager);
+        let before: Vec<Duration> = pids.iter().map(|&p| cpu_time(p)).collect();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        for (pid, before) in pids.iter().zip(before) {
+            let used = cpu_time(*pid).saturating_sub(before);
+            assert!(used < Duration::from_millis(50), "{kind}: idle child {pid} used {used:?} of CPU in 1 s");
+        }
+        manager.shutdown().await;
+    }
+}
