@@ -65,6 +65,46 @@
 //!
 //! # Results
 //!
+//! ## 2026-11-23, the adaptive worker controller (commits ca3f943 and efb511b)
+//!
+//! Same machine, otherwise idle. `cargo bench -p benches --bench bench_walredo --
+//! '^floor/echo/1$|^(sync|async)/(ping|short|medium)/(1|2|8|64)$|^adaptive-(sync|async)/(ping|short|medium)/(1|2|8|64)$'`
+//! at ca3f943, then `python3 benches/summarize.py`; N = 1 again at efb511b (no spinning at one
+//! request in flight). Medians in microseconds per request; "best" is the better of `sync` and
+//! `async` (one child, no spin windows) of the same run. `floor/echo/1`: 30.7 us (40.2 in the
+//! N = 1 rerun).
+//!
+//! | workload | N | sync | async | adaptive-sync | adaptive-async | adaptive-sync / best | adaptive-async / best |
+//! |---|---:|---:|---:|---:|---:|---:|---:|
+//! | ping | 2 | 19.7 | 60.0 | 17.7 | 28.6 | 0.90 | 1.45 |
+//! | ping | 8 | 84.0 | 80.6 | 45.6 | 68.9 | 0.57 | 0.85 |
+//! | ping | 64 | 430.0 | 424.9 | 381.5 | 290.8 | 0.90 | 0.68 |
+//! | short | 2 | 20.9 | 54.9 | 15.5 | 30.7 | 0.74 | 1.47 |
+//! | short | 8 | 75.9 | 69.6 | 47.5 | 59.8 | 0.68 | 0.86 |
+//! | short | 64 | 369.0 | 342.3 | 348.9 | 277.2 | 1.02 | 0.81 |
+//! | medium | 2 | 72.7 | 62.2 | 42.1 | 54.3 | 0.68 | 0.87 |
+//! | medium | 8 | 146.2 | 115.2 | 143.4 | 89.1 | 1.24 | 0.77 |
+//! | medium | 64 | 867.1 | 865.3 | 842.2 | 637.0 | 0.97 | 0.74 |
+//!
+//! N = 1 (efb511b, `time` middle values): sync short 8.1, async short 30.5, adaptive-sync short
+//! 28.4, adaptive-async short 50.9; ping 9.0 / 38.8 / 29.7 / 41.6; medium 45.1 / 49.6 / 69.5 /
+//! 77.4. **The N = 1 gap is the warm-up, not the controller**: at N = 1 the pool stays at one
+//! child and nothing spins, and the same `adaptive-sync/short/1` with a 1 ms warm-up instead of
+//! 300 ms measured 7.82 us against `sync/short/1` 7.83 us. After 300 ms of load on a fresh
+//! runtime the sync kind's round trip is 3x slower than in the first 150 ms (where every
+//! `sync/*` sample lives): which vCPU the child and the executor threads settle on decides
+//! between the ~7 us same-CPU and the ~40 us cross-CPU round trip. So the `sync/*/1` figures of
+//! this bench are those of a freshly started runtime.
+//!
+//! What the controller buys, from the table: with requests overlapping (N >= 2) the spin
+//! windows cut the round trip where the child and the reader would sleep (sync short/8 0.63x,
+//! ping/8 0.54x of plain `sync`), and the second child adds redo throughput where the child is
+//! the bottleneck (async medium/64 1.36x, medium/8 1.29x one child's). The targets of the issue
+//! that these figures miss: `medium` with the pool >= 1.5x one child's (1.36x: two children and
+//! the daemon share 2 vCPUs); `auto/short/1 <= 0.2 x floor` (no `auto` kind yet; `sync/short/1`
+//! is at 0.20x on a fresh runtime only); within 5% of the best everywhere (adaptive-sync
+//! medium/8 1.24x: the sync kind's `block_in_place` hand-offs with two children).
+//!
 //! ## 2026-11-23, after the hardening issue (commit d332f29)
 //!
 //! The sync kind changed: it waits for its pipe locks asynchronously and runs its blocking
