@@ -380,13 +380,10 @@ def print_tables(results: dict) -> None:
                       f"p99 {s['latency_us']['p99']} us")
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main() -> int:
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    # SIGTERM and SIGINT unwind through the `finally` that stops the daemons.
+    signal.signal(signal.SIGTERM, measure._interrupt)
+    signal.signal(signal.SIGINT, measure._interrupt)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bin-dir", type=Path, default=Path("target/release"))
     parser.add_argument("--out", type=Path, required=True)

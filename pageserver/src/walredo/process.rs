@@ -584,35 +584,9 @@ fn describe_exit(status: ExitStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
-    use walredo_proc::page::{Page, BLCKSZ};
-    use walredo_proc::protocol::BufferTag;
-    use walredo_proc::record::Record;
 
-    fn tag(blknum: u32) -> BufferTag {
-        BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum }
-    }
-
-    /// Records that build a page marked with `n`.
-    fn records_for(n: u32) -> Vec<(u64, Bytes)> {
-        let encode = |record: Record<'_>| {
-            let mut out = Vec::new();
-            record.encode(&mut out);
-            Bytes::from(out)
-        };
-        vec![
-            (0x100, encode(Record::InitPage { special_size: 0 })),
-            (0x200, encode(Record::PutBytes { offset: 8000, data: &n.to_be_bytes() })),
-        ]
-    }
-
-    fn expected_for(n: u32) -> Bytes {
-        let mut page: Box<Page> = Box::new([0; BLCKSZ]);
-        for (lsn, record) in records_for(n) {
-            Record::decode(&record).expect("valid record").apply(&mut page, lsn).expect("record applies");
-        }
-        Bytes::copy_from_slice(&page[..])
-    }
+    // The request and page of number `n`, shared with the manager's tests.
+    use crate::walredo::tests::{expected_for, records_for, tag};
 
     async fn redo(process: &Process, n: u32) {
         let request = super::super::pipeline::encode_redo_request(&tag(n), None, &records_for(n));

@@ -1,11 +1,14 @@
-//! Tests of background redo requests against the real `walredo-proc` child, for both process
-//! kinds: foreground requests go first, background requests alone are served and not starved
-//! by a closed-loop foreground load, and a background request waiting for its turn is
-//! cancel-safe and holds no child.
+//! Tests of the manager against the real `walredo-proc` child, for both process kinds:
+//! background redo requests (foreground requests go first, background requests alone are
+//! served and not starved by a closed-loop foreground load, and one waiting for its turn is
+//! cancel-safe and holds no child), and the pool (it grows under concurrent load and shrinks
+//! after it, a killed child fails no request and is replaced, the daemon-wide budget caps extra
+//! children, children spin under load and park within a second after it).
 //!
 //! Here rather than in `tests/walredo.rs` because they look at the manager's insides (the
-//! priority queue, a child's in-flight count) to know when every request has reached the point
-//! the test is about. Waits are on conditions with deadlines, never sleeps as synchronisation.
+//! priority queue, a child's in-flight count, the pool) to know when every request has reached
+//! the point the test is about. Waits are on conditions with deadlines, never sleeps as
+//! synchronisation. `tag`, `records_for` and `expected_for` are shared with `process.rs`'s tests.
 
 use walredo_proc::record::Record;
 
@@ -27,12 +30,12 @@ fn manager(kind: ProcessKind) -> Arc<WalRedoManager> {
     manager_of(kind, DEFAULT_IDLE_TIMEOUT).0
 }
 
-fn tag(blknum: u32) -> BufferTag {
+pub(super) fn tag(blknum: u32) -> BufferTag {
     BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum }
 }
 
 /// Records of a request that builds a distinct page for `n` from nothing.
-fn records_for(n: u32) -> Vec<(u64, Bytes)> {
+pub(super) fn records_for(n: u32) -> Vec<(u64, Bytes)> {
     let encode = |record: Record<'_>| {
         let mut out = Vec::new();
         record.encode(&mut out);
@@ -47,7 +50,7 @@ fn records_for(n: u32) -> Vec<(u64, Bytes)> {
 }
 
 /// The page those records make, computed here with the same apply code.
-fn expected_for(n: u32) -> Bytes {
+pub(super) fn expected_for(n: u32) -> Bytes {
     let mut page: Box<Page> = Box::new([0; BLCKSZ]);
     for (lsn, record) in records_for(n) {
         Record::decode(&record).expect("valid record").apply(&mut page, lsn).expect("record applies");
