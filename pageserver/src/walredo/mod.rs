@@ -236,7 +236,7 @@ pub struct WalRedoManager {
     /// The children in service. A std mutex: held for a few instructions, never across an await.
     pool: Mutex<Pool>,
     /// Requests and their times, for the pool's controller.
-    load: Load,
+    load: Arc<Load>,
     /// The controller's last look, for the status.
     controller: Mutex<Option<ControllerStatus>>,
     /// A background spawn for the pool is under way.
@@ -265,7 +265,7 @@ impl WalRedoManager {
             kind: Mutex::new(conf.process_kind),
             pool: Mutex::new(Pool::new(Arc::clone(&conf.budget))),
             conf,
-            load: Load::default(),
+            load: Arc::new(Load::default()),
             controller: Mutex::new(None),
             growing: AtomicBool::new(false),
             me: me.clone(),
@@ -388,7 +388,7 @@ impl WalRedoManager {
         let _in_flight = self.in_flight.token();
         // Timed from here: a background request's wait for its turn is not redo time.
         let started = Instant::now();
-        self.load.arrivals.fetch_add(1, Ordering::Relaxed);
+        self.load.arrive();
         let mut attempts_left = if retry { 2 } else { 1 };
         let mut retrying = false;
         loop {
@@ -757,8 +757,8 @@ async fn idle_watcher(manager: Weak<WalRedoManager>, cancel: CancellationToken, 
 
 /// Sizes the pool every [`pool::PERIOD`] with the adaptive worker controller, until the manager
 /// is gone or shut down.
-async fn pool_controller(manager: Weak<WalRedoManager>, cancel: CancellationToken) {
-    let Some(max) = manager.upgrade().map(|m| m.conf.max_pool_size) else { return };
+async fn pool_controller(weak: Weak<WalRedoManager>, cancel: CancellationToken) {
+    let Some(max) = weak.upgrade().map(|m| m.conf.max_pool_size) else { return };
     let conf = WorkerControllerConf::new(max.max(1), max_spinning_for_cpus(pool::cpus()));
     let mut controller = match WorkerController::new(conf) {
         Ok(controller) => controller,
@@ -773,7 +773,7 @@ async fn pool_controller(manager: Weak<WalRedoManager>, cancel: CancellationToke
             () = cancel.cancelled() => return,
             () = tokio::time::sleep(pool::PERIOD) => {}
         }
-        let Some(manager) = manager.upgrade() else { return };
+        let Some(manager) = weak.upgrade() else { return };
         let children = lock(&manager.pool).children().to_vec();
         let obs = sampler.observe(&manager.load, &children);
         drop(children);
@@ -785,6 +785,32 @@ async fn pool_controller(manager: Weak<WalRedoManager>, cancel: CancellationToke
             manager.apply_spin(decision.spinning, decision.spin);
         }
         manager.publish_extra_children();
+        // Nothing to decide until a request comes: no request this period, at most one child,
+        // and none spinning.
+        let settled = obs.arrivals == 0 && decision.spinning == 0 && {
+            let pool = lock(&manager.pool);
+            pool.len() <= 1 && pool.children().iter().all(|p| p.spin_us() == 0)
+        };
+        if settled {
+            // Without holding the manager: a manager dropped meanwhile ends this task at the
+            // next check.
+            let load = Arc::clone(&manager.load);
+            drop(manager);
+            loop {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = load.next_arrival() => break,
+                    () = tokio::time::sleep(Duration::from_secs(10)) => {
+                        if weak.strong_count() == 0 {
+                            return;
+                        }
+                    }
+                }
+            }
+            // The sleep is not a period of the controller's: the next period starts now (and
+            // counts the request that ended the sleep).
+            sampler.restart_period();
+        }
     }
 }
 

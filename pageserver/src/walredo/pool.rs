@@ -10,14 +10,17 @@
 //!   flight, and gives its token back.
 //! - The controller runs every [`PERIOD`] on measurements of that period: requests started and
 //!   finished, the children's busy time (time with at least one request in flight), the
-//!   requests' total time (so their wait beyond the busy time, and the average in flight).
+//!   requests' total time (so their wait beyond the busy time, and the average in flight). A
+//!   pool with nothing left to decide (no request in the period, at most one child, nothing
+//!   spinning) puts its controller to sleep until the next request, so that idle tenants cost
+//!   no wake-ups.
 //!
 //! **Invariants:** a retired child is never picked; tokens held = children beyond the first
 //! (`len - 1`, or 0), so the budget counts every extra child of the daemon exactly once; the
 //! pool never grows past `max_pool_size`, nor past the budget.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -191,6 +194,29 @@ pub(crate) struct Load {
     pub(crate) completions: AtomicU64,
     /// Nanoseconds of finished requests (from taking a child to the reply).
     pub(crate) request_nanos: AtomicU64,
+    /// The controller sleeps until the next request: nothing to measure or decide meanwhile.
+    parked: AtomicBool,
+    wake: tokio::sync::Notify,
+}
+
+impl Load {
+    /// A request starts: counted, and the controller woken if it sleeps.
+    pub(crate) fn arrive(&self) {
+        self.arrivals.fetch_add(1, Ordering::Relaxed);
+        if self.parked.load(Ordering::Relaxed) && self.parked.swap(false, Ordering::AcqRel) {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Waits for the next request (the controller of an idle pool). Cancel-safe.
+    pub(crate) async fn next_arrival(&self) {
+        let notified = self.wake.notified();
+        tokio::pin!(notified);
+        // Registered before the flag is set: an arrival in between is not lost.
+        notified.as_mut().enable();
+        self.parked.store(true, Ordering::Release);
+        notified.await;
+    }
 }
 
 /// What the controller read at the last period, to take differences from.
@@ -205,6 +231,12 @@ pub(crate) struct Sampler {
 impl Sampler {
     pub(crate) fn new() -> Sampler {
         Sampler { at: Instant::now(), arrivals: 0, completions: 0, request_nanos: 0, busy: HashMap::new() }
+    }
+
+    /// Starts the next period now, keeping the counts read so far (after the controller slept:
+    /// what happened meanwhile is the next period's, but not the length of the sleep).
+    pub(crate) fn restart_period(&mut self) {
+        self.at = Instant::now();
     }
 
     /// The observation of the period since the last call.

@@ -501,3 +501,24 @@ async fn children_spin_under_load_and_park_within_a_second_after_it() {
         manager.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pool_controller_of_an_idle_tenant_sleeps_until_the_next_request() {
+    let manager = pool_manager(ProcessKind::Async, 2, ChildBudget::new(8));
+    check(foreground(&manager, 1).await, 1, "first request");
+    // A period without requests, one child, nothing spinning: the controller goes to sleep.
+    wait_for("a settled period", Duration::from_secs(5), || {
+        manager.status().pool.controller.is_some_and(|c| c.arrivals == 0 && c.spinning == 0)
+    })
+    .await;
+    let settled = manager.status().pool.controller;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(manager.status().pool.controller, settled, "the controller ran periods while idle");
+    // A request wakes it: a period that saw it.
+    check(foreground(&manager, 2).await, 2, "waking request");
+    wait_for("the controller to see the request", Duration::from_secs(2), || {
+        manager.status().pool.controller.is_some_and(|c| c.arrivals >= 1)
+    })
+    .await;
+    manager.shutdown().await;
+}
