@@ -18,7 +18,9 @@
 //! - **latency guard**: the lateness of the compactor's own timer (how long the executor took
 //!   to run it after it was due: a measure of scheduling delay) over the controller's target
 //!   halves the share; each healthy period adds back a tenth, never below the floor;
-//! - a late timer earns a proportionally longer next slice, capped (Valkey's anti-starvation).
+//! - a late timer earns a proportionally longer next slice, capped (Valkey's anti-starvation);
+//! - nothing due and no retry waiting: the task sleeps until the next ingest (the debt cannot
+//!   grow without one), so idle tenants cost no wake-ups.
 //!
 //! **Invariants:** at most one pass per tenant at a time, run by this tenant's task; a pass's
 //! file work never runs on an executor thread except in `monolithic` mode; the loop stops when
@@ -34,7 +36,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::compaction_controller::{Controller, ControllerConf, Decision, Observation};
-use crate::storage::{CompactionConf, PassStats, Step, Timeline};
+use crate::storage::{CompactionConf, Lsn, PassStats, Step, Timeline};
 use crate::walredo::{lock, WalRedoManager};
 
 /// How often the debt is measured and the controller updated.
@@ -272,7 +274,16 @@ impl Compactor {
 impl Worker {
     async fn run(self, mut controller: Controller, mut requests: mpsc::Receiver<Reply>) {
         let mut retry_at: Option<Instant> = None;
+        // Set while nothing is due and no retry waits: the debt cannot grow until an ingest
+        // passes this LSN, so the task sleeps until then (no wake-ups per idle tenant).
+        let mut idle_since: Option<Lsn> = None;
         loop {
+            let tick = async {
+                if let Some(lsn) = idle_since {
+                    self.timeline.ingested_above(lsn).await;
+                }
+                tokio::time::sleep(PERIOD).await;
+            };
             let request = tokio::select! {
                 biased;
                 () = self.cancel.cancelled() => return,
@@ -280,7 +291,7 @@ impl Worker {
                     Some(r) => Some(r),
                     None => return,
                 },
-                () = tokio::time::sleep(PERIOD) => None,
+                () = tick => None,
             };
             let debt = self.debt();
             let decision = controller.update(Observation { debt, sched_delay: Duration::ZERO });
@@ -289,8 +300,10 @@ impl Worker {
                 && debt >= 1.0
                 && retry_at.is_none_or(|t| Instant::now() >= t);
             if request.is_none() && !due {
+                idle_since = retry_at.is_none().then(|| self.timeline.last_durable_lsn());
                 continue;
             }
+            idle_since = None;
             let start_debt = if request.is_some() { controller.conf().full_debt } else { debt };
             let result = self.pass(&mut controller, start_debt).await;
             let answer = match &result {

@@ -167,6 +167,15 @@ impl Timeline {
         *self.shared.durable.borrow()
     }
 
+    /// Waits until [`Timeline::last_durable_lsn`] is above `lsn` (an ingest), or forever once
+    /// the committer has stopped. Cancel-safe: it only watches.
+    pub async fn ingested_above(&self, lsn: Lsn) {
+        let mut rx = self.shared.durable.subscribe();
+        if rx.wait_for(|d| *d > lsn).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+
     /// Waits until [`Timeline::last_durable_lsn`] is at least `lsn`, for at most `timeout`.
     /// Fails early with `ShuttingDown` once the committer has stopped below `lsn`, and at once
     /// with `StorageUnavailable` while storage writes fail (now or as soon as they start to).
