@@ -566,7 +566,12 @@ impl WalRedoManager {
                     Ok(process) => {
                         pool.cancel_growth();
                         drop(pool);
-                        process.retire(StopCause::KindChange);
+                        let cause = if me.cancel.is_cancelled() {
+                            StopCause::Shutdown
+                        } else {
+                            StopCause::KindChange
+                        };
+                        process.retire(cause);
                     }
                     Err(e) => {
                         pool.cancel_growth();

@@ -21,6 +21,9 @@ fn manager_of(kind: ProcessKind, idle_timeout: Duration) -> (Arc<WalRedoManager>
     conf.process_kind = kind;
     conf.timeout = Duration::from_secs(20);
     conf.idle_timeout = idle_timeout;
+    // The priority tests are about the requests queued on one child: a second child (the
+    // pool grows while the first is stopped) would take the foreground request off that queue.
+    conf.max_pool_size = 1;
     let registry = prometheus::Registry::new();
     let metrics = Arc::new(WalRedoMetrics::new(&registry).expect("register metrics"));
     (WalRedoManager::new("tenant-test", conf, metrics), registry)
