@@ -493,15 +493,7 @@ impl WalRedoManager {
                 )));
             }
         }
-        let kind = *lock(&self.kind);
-        let spawned = Process::spawn(
-            &self.conf,
-            kind,
-            &self.tenant_id,
-            Arc::clone(&self.metrics),
-            Arc::clone(&self.reaping),
-        )
-        .await;
+        let (kind, spawned) = self.spawn_child().await;
         let attempt = self.spawn_attempts.fetch_add(1, Ordering::AcqRel) + 1;
         let process = match spawned {
             Ok(process) => {
@@ -533,6 +525,20 @@ impl WalRedoManager {
         Ok(in_use)
     }
 
+    /// Spawns a child of the current kind (not yet in the pool); returns the kind with it.
+    async fn spawn_child(&self) -> (ProcessKind, anyhow::Result<Arc<Process>>) {
+        let kind = *lock(&self.kind);
+        let spawned = Process::spawn(
+            &self.conf,
+            kind,
+            &self.tenant_id,
+            Arc::clone(&self.metrics),
+            Arc::clone(&self.reaping),
+        )
+        .await;
+        (kind, spawned)
+    }
+
     /// Spawns one more child in the background if the pool is below `target` and may grow;
     /// one such spawn at a time.
     fn grow(&self, target: usize) {
@@ -548,15 +554,7 @@ impl WalRedoManager {
                 pool.len() > 0 && pool.len() < target && pool.reserve(me.conf.max_pool_size)
             };
             if reserved && !me.cancel.is_cancelled() {
-                let kind = *lock(&me.kind);
-                let spawned = Process::spawn(
-                    &me.conf,
-                    kind,
-                    &me.tenant_id,
-                    Arc::clone(&me.metrics),
-                    Arc::clone(&me.reaping),
-                )
-                .await;
+                let (kind, spawned) = me.spawn_child().await;
                 let mut pool = lock(&me.pool);
                 match spawned {
                     Ok(process) if *lock(&me.kind) == kind && !me.cancel.is_cancelled() => {
