@@ -37,7 +37,6 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 
-use super::format::Kind;
 use super::manifest::SealIntent;
 use super::pool::{self, Pool};
 use super::segment::ActiveSegment;
@@ -323,8 +322,6 @@ impl Committer {
         m.ingested_batches.inc_by(group.len() as u64);
         let values = (self.segment.entries.len() - first_entry) as u64;
         m.ingested_values.inc_by(values);
-        let records = self.segment.entries[first_entry..].iter().filter(|e| e.kind == Kind::Record).count();
-        self.shared.ingested_records.fetch_add(records as u64, Ordering::Relaxed);
         m.ingested_bytes.inc_by(bytes);
 
         self.shared

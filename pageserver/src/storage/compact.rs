@@ -172,8 +172,7 @@ impl Pass {
         shared.gc_cutoff.fetch_max(cutoff.0, Ordering::Relaxed);
         // Records ingested from here on are the next pass's debt (also the few that reached the
         // active segment since the caller sealed it, which this pass does not take).
-        shared.compacted_records.store(shared.ingested_records.load(Ordering::Relaxed), Ordering::Relaxed);
-        shared.index.write().unwrap_or_else(PoisonError::into_inner).reset_new_chains();
+        shared.index.write().unwrap_or_else(PoisonError::into_inner).reset_new_records();
         let stats = PassStats {
             input_layers: inputs.len() as u64,
             bytes_before: inputs.iter().map(|l| l.size).sum(),

@@ -116,8 +116,11 @@ pub(crate) struct Index {
     active: Active,
     keys: HashSet<Key>,
     values: u64,
-    /// Records per key committed since the last compaction pass began: the hot-key part of
-    /// the backlog (a pass takes every key, so it is due for one key's long chain too).
+    /// Records committed since the last compaction pass began (or, after an open, those of
+    /// the active segment): the backlog of compaction.
+    new_records: u64,
+    /// The same per key: the hot-key part of the backlog (a pass takes every key, so it is due
+    /// for one key's long chain too).
     new_chains: HashMap<Key, u32>,
     /// The largest count in `new_chains`.
     longest_new_chain: u32,
@@ -175,6 +178,7 @@ impl Index {
             layers: Vec::new(),
             active: Active { id: active_id, file: active_file, map: BTreeMap::new() },
             keys: HashSet::new(),
+            new_records: 0,
             new_chains: HashMap::new(),
             longest_new_chain: 0,
             values: 0,
@@ -207,6 +211,7 @@ impl Index {
         for e in entries {
             self.active.map.insert((e.key, e.lsn), *e);
             if e.kind == Kind::Record {
+                self.new_records += 1;
                 let chain = self.new_chains.entry(e.key).or_default();
                 *chain = chain.saturating_add(1);
                 self.longest_new_chain = self.longest_new_chain.max(*chain);
@@ -216,13 +221,19 @@ impl Index {
         Ok(())
     }
 
-    /// The most records committed for one key since the last [`Index::reset_new_chains`].
+    /// Records committed since the last [`Index::reset_new_records`].
+    pub(crate) fn new_records(&self) -> u64 {
+        self.new_records
+    }
+
+    /// The most records committed for one key since the last [`Index::reset_new_records`].
     pub(crate) fn longest_new_chain(&self) -> u32 {
         self.longest_new_chain
     }
 
     /// A compaction pass began: the records committed from now on are the next pass's debt.
-    pub(crate) fn reset_new_chains(&mut self) {
+    pub(crate) fn reset_new_records(&mut self) {
+        self.new_records = 0;
         self.new_chains = HashMap::new();
         self.longest_new_chain = 0;
     }
@@ -536,19 +547,19 @@ mod tests {
     }
 
     #[test]
-    fn longest_new_chain_counts_records_per_key_until_reset() {
+    fn new_records_are_counted_in_all_and_per_key_until_reset() {
         let mut idx = active_with(&[
             (key(1), 10, Kind::Image, b"i10"),
             (key(1), 20, Kind::Record, b"r20"),
             (key(2), 25, Kind::Record, b"k2"),
             (key(1), 30, Kind::Record, b"r30"),
         ]);
-        assert_eq!(idx.longest_new_chain(), 2);
-        idx.reset_new_chains();
-        assert_eq!(idx.longest_new_chain(), 0);
+        assert_eq!((idx.new_records(), idx.longest_new_chain()), (3, 2));
+        idx.reset_new_records();
+        assert_eq!((idx.new_records(), idx.longest_new_chain()), (0, 0));
         let (_, entries) = file_with(&[(key(2), 40, Kind::Record, b"k2")]);
         idx.insert_active(&entries).unwrap();
-        assert_eq!(idx.longest_new_chain(), 1);
+        assert_eq!((idx.new_records(), idx.longest_new_chain()), (1, 1));
     }
 
     #[test]

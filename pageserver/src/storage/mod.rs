@@ -126,7 +126,8 @@ pub struct ReconstructData {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backlog {
     pub keys: u64,
-    /// Records ingested since the last compaction pass began.
+    /// Records ingested since the last compaction pass began (after an open: the records of
+    /// the active segment).
     pub new_records: u64,
     /// The most of them for one key.
     pub longest_new_chain: u64,

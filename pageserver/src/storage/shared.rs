@@ -94,10 +94,6 @@ pub(super) struct Shared {
     pub(super) gc_cutoff: AtomicU64,
     /// Seals done since open; bumped after each (compaction waits on it after `seal_now`).
     pub(super) seals: watch::Sender<u64>,
-    /// Records ingested since open (compaction's debt counts those since its last pass).
-    pub(super) ingested_records: AtomicU64,
-    /// `ingested_records` when the last compaction pass began.
-    pub(super) compacted_records: AtomicU64,
 }
 
 impl Queue {

@@ -89,8 +89,6 @@ impl Timeline {
             manifest: Mutex::new(rec.manifest),
             next_file_id: AtomicU32::new(rec.next_file_id),
             seals: watch::Sender::new(0),
-            ingested_records: AtomicU64::new(0),
-            compacted_records: AtomicU64::new(0),
         });
         let job = commit::start(&shared, dir_file, rec.segment)?;
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
@@ -284,11 +282,9 @@ impl Timeline {
     /// frozen layers that are not compaction outputs.
     pub fn backlog(&self) -> super::Backlog {
         let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-        let ingested = self.shared.ingested_records.load(Ordering::Relaxed);
-        let since = ingested.saturating_sub(self.shared.compacted_records.load(Ordering::Relaxed));
         super::Backlog {
             keys: index.keys(),
-            new_records: since,
+            new_records: index.new_records(),
             longest_new_chain: u64::from(index.longest_new_chain()),
             sealed_layers: index.layers().iter().filter(|l| !l.compacted()).count() as u64,
         }
