@@ -124,7 +124,7 @@ pub struct WalRedoConf {
     pub timeout: Duration,
     /// A child unused this long is stopped; the next request spawns a new one.
     pub idle_timeout: Duration,
-    /// Most children of one tenant (not a user setting: one per CPU, at least 2).
+    /// Most children of one tenant (`walredo_pool_max`; default one per CPU, at least 2).
     pub max_pool_size: usize,
     /// The daemon-wide budget of children beyond the first of each tenant.
     pub budget: Arc<ChildBudget>,
@@ -179,6 +179,15 @@ pub enum RedoError {
 }
 
 impl RedoError {
+    /// The error of a request whose round trip on a child failed (the child is retired for
+    /// it); `what` says which child, and doing what.
+    fn of_process(e: ProcessError, what: String) -> RedoError {
+        match e {
+            ProcessError::Timeout(t) => RedoError::Timeout(t),
+            other => RedoError::ProcessFailed(anyhow::Error::new(other).context(what)),
+        }
+    }
+
     fn result_label(&self) -> &'static str {
         match self {
             RedoError::Rejected { .. } => "rejected",
@@ -258,7 +267,7 @@ pub struct WalRedoManager {
 
 impl WalRedoManager {
     /// Creates the manager; no child is spawned until the first request. Inside a tokio
-    /// runtime, also starts the task that stops an idle child.
+    /// runtime, also starts the tasks that stop idle children and size the pool.
     pub fn new(tenant_id: &str, conf: WalRedoConf, metrics: Arc<WalRedoMetrics>) -> Arc<WalRedoManager> {
         let manager = Arc::new_cyclic(|me| WalRedoManager {
             tenant_id: tenant_id.to_string(),
@@ -408,8 +417,7 @@ impl WalRedoManager {
             let process = self.get_or_spawn().await.map_err(|e| self.count(e))?;
             let taken = Instant::now();
             let result = process.round_trip(request, ticket, self.conf.timeout).await;
-            self.load.request_nanos.fetch_add(taken.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            self.load.completions.fetch_add(1, Ordering::Relaxed);
+            self.load.finish(taken.elapsed());
             match result {
                 // The child is working, only busy: it stays in service.
                 Err(ProcessError::QueueTimeout(t)) => return Err(self.count(RedoError::QueueTimeout(t))),
@@ -434,12 +442,9 @@ impl WalRedoManager {
                         retrying = true;
                         continue;
                     }
-                    return Err(self.count(match e {
-                        ProcessError::Timeout(t) => RedoError::Timeout(t),
-                        other => RedoError::ProcessFailed(
-                            anyhow::Error::new(other).context(format!("walredo process {}", process.pid)),
-                        ),
-                    }));
+                    return Err(
+                        self.count(RedoError::of_process(e, format!("walredo process {}", process.pid)))
+                    );
                 }
             }
         }
@@ -550,8 +555,7 @@ impl WalRedoManager {
             let _spawning = me.spawn_lock.lock().await;
             let reserved = {
                 let mut pool = lock(&me.pool);
-                // The first child is the request path's to spawn.
-                pool.len() > 0 && pool.len() < target && pool.reserve(me.conf.max_pool_size)
+                pool.len() < target && pool.reserve(me.conf.max_pool_size)
             };
             if reserved && !me.cancel.is_cancelled() {
                 let (kind, spawned) = me.spawn_child().await;
@@ -606,8 +610,8 @@ impl WalRedoManager {
         }
     }
 
-    /// The child in service, if any, counted as in use under the slot's lock (so that the idle
-    /// check never retires a child that a request has just taken).
+    /// The least-loaded child in service, if any, counted as in use under the pool's lock (so
+    /// that the idle check never retires a child that a request has just taken).
     fn take_current(&self) -> Option<InUse> {
         lock(&self.pool).pick()
     }
@@ -695,8 +699,7 @@ impl WalRedoManager {
         let children = lock(&self.pool).children().to_vec();
         for (i, child) in children.into_iter().enumerate() {
             let window = if i < spinning { spin } else { Duration::ZERO };
-            let micros = u32::try_from(window.as_micros()).unwrap_or(u32::MAX);
-            if child.spin_us() == micros.min(protocol::MAX_SPIN_US) || !child.supports_spin() {
+            if child.spin_us() == process::spin_micros(window) || !child.supports_spin() {
                 continue;
             }
             let me = Arc::clone(&me);

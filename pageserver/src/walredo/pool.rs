@@ -111,14 +111,12 @@ impl Pool {
         Some(InUse::new(best))
     }
 
-    /// Whether one more child may join: below `max` and (beyond the first) a budget token.
-    /// Takes the token; the caller must then [`Pool::add`] or [`Pool::cancel_growth`].
+    /// Whether one more child may join in the background: the pool has its first child (that
+    /// one is spawned by the request that needs it), is below `max`, and a budget token is
+    /// free. Takes the token; the caller must then [`Pool::add`] or [`Pool::cancel_growth`].
     pub(crate) fn reserve(&mut self, max: usize) -> bool {
-        if self.children.len() >= max {
+        if self.children.is_empty() || self.children.len() >= max {
             return false;
-        }
-        if self.children.is_empty() {
-            return true;
         }
         if !self.budget.try_take() {
             return false;
@@ -206,6 +204,12 @@ impl Load {
         if self.parked.load(Ordering::Relaxed) && self.parked.swap(false, Ordering::AcqRel) {
             self.wake.notify_one();
         }
+    }
+
+    /// A request's round trip is over, after `took` on its child.
+    pub(crate) fn finish(&self, took: Duration) {
+        self.request_nanos.fetch_add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.completions.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Waits for the next request (the controller of an idle pool). Cancel-safe.

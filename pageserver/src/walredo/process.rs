@@ -314,14 +314,25 @@ impl Process {
         ticket: WriteTicket<'_>,
         timeout: Duration,
     ) -> Result<Reply, ProcessError> {
-        let reply = match &self.pipes {
-            Pipes::Sync(pipes) => pipes.round_trip(request, ticket, timeout).await,
-            Pipes::Async(pipes) => {
-                pipes.round_trip(request, ticket, timeout, || self.retire(StopCause::CancelledWrite)).await
-            }
-        }?;
+        let reply = self.exchange(request, ticket, timeout).await?;
         self.served.fetch_add(1, Ordering::Relaxed);
         Ok(reply)
+    }
+
+    /// One frame out, its reply back, through this child's kind of pipes; what
+    /// [`Process::round_trip`] and [`Process::set_spin`] share.
+    async fn exchange(
+        &self,
+        frame: &[u8],
+        ticket: WriteTicket<'_>,
+        timeout: Duration,
+    ) -> Result<Reply, ProcessError> {
+        match &self.pipes {
+            Pipes::Sync(pipes) => pipes.round_trip(frame, ticket, timeout).await,
+            Pipes::Async(pipes) => {
+                pipes.round_trip(frame, ticket, timeout, || self.retire(StopCause::CancelledWrite)).await
+            }
+        }
     }
 
     /// Total time this child had at least one request in flight, up to now.
@@ -345,10 +356,10 @@ impl Process {
     /// sends its window whatever it is: the child spins at most a window per request either
     /// way.
     pub(crate) async fn set_spin(&self, window: Duration, timeout: Duration) -> Result<bool, ProcessError> {
-        if self.hello_flags.load(Ordering::Relaxed) & protocol::HELLO_FLAG_SPIN == 0 {
+        if !self.supports_spin() {
             return Ok(false);
         }
-        let micros = u32::try_from(window.as_micros()).unwrap_or(u32::MAX).min(protocol::MAX_SPIN_US);
+        let micros = spin_micros(window);
         let mut request = Vec::new();
         protocol::encode_set_spin(&mut request, micros);
         let mut known = self.spin_lock.lock().await;
@@ -358,13 +369,7 @@ impl Process {
         // Unknown until the child acknowledges (stays so if this future is dropped).
         *known = false;
         // Not `round_trip`: a control frame is not a request served.
-        let ticket = WriteTicket::none();
-        let reply = match &self.pipes {
-            Pipes::Sync(pipes) => pipes.round_trip(&request, ticket, timeout).await,
-            Pipes::Async(pipes) => {
-                pipes.round_trip(&request, ticket, timeout, || self.retire(StopCause::CancelledWrite)).await
-            }
-        }?;
+        let reply = self.exchange(&request, WriteTicket::none(), timeout).await?;
         match reply {
             Reply::Page(page) if page.iter().all(|&b| b == 0) => {}
             other => {
@@ -434,6 +439,11 @@ impl Process {
         self.life.kill.cancel();
         self.life.exited.cancelled().await;
     }
+}
+
+/// A spin window as the child holds it: whole microseconds, at most [`protocol::MAX_SPIN_US`].
+pub(crate) fn spin_micros(window: Duration) -> u32 {
+    u32::try_from(window.as_micros()).unwrap_or(u32::MAX).min(protocol::MAX_SPIN_US)
 }
 
 /// Busy time of a child: the periods with at least one request in flight, summed.

@@ -60,13 +60,10 @@ impl WalRedoManager {
             Err(ProcessError::QueueTimeout(t)) => Err(RedoError::QueueTimeout(t)),
             Err(e) => {
                 self.retire(process, e.stop_cause());
-                Err(match e {
-                    ProcessError::Timeout(t) => RedoError::Timeout(t),
-                    other => RedoError::ProcessFailed(
-                        anyhow::Error::new(other)
-                            .context(format!("set the spin window of walredo process {}", process.pid)),
-                    ),
-                })
+                Err(RedoError::of_process(
+                    e,
+                    format!("set the spin window of walredo process {}", process.pid),
+                ))
             }
         }
     }
