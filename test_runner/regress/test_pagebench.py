@@ -133,7 +133,8 @@ def test_ingest_with_rate_and_duration_paces_the_load_and_stops_at_an_acknowledg
     assert summary(run)["errors"] == 0, run.stderr
 
 
-@pytest.mark.parametrize("flag", [["--rate", "0"], ["--rate", "nan"], ["--duration=-1"], ["--duration", "inf"]])
+@pytest.mark.parametrize("flag", [["--rate", "0"], ["--rate", "nan"], ["--duration=-1"], ["--duration", "inf"],
+                                  ["--duration", "1e300"]])
 def test_ingest_refuses_a_bad_rate_or_duration(pageserver, flag):
     result = pagebench(pageserver, "ingest", "--tenant", "pb", *SHAPE, *flag, check=False)
     assert result.returncode != 0 and "check --" in result.stderr, result.stderr

@@ -112,6 +112,15 @@ pub enum TenantCount {
     All,
 }
 
+/// A flag's number of seconds as a `Duration`: positive, finite and representable, else a
+/// `check <flag>` error (never a panic on input).
+pub fn positive_seconds(flag: &str, seconds: f64) -> anyhow::Result<std::time::Duration> {
+    Some(seconds)
+        .filter(|s| *s > 0.0)
+        .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
+        .with_context(|| format!("check {flag}: {seconds:?} is not a positive number of seconds"))
+}
+
 fn parse_tenant_count(text: &str) -> Result<TenantCount, String> {
     match text {
         "all" => Ok(TenantCount::All),

@@ -48,7 +48,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context};
 use pageserver::page_service::client::Client;
@@ -130,10 +130,7 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
     let rate::Plan { duration, schedule } = rate::plan(args.rate.as_deref(), args.duration)?;
     let schedule = schedule.map(Arc::new);
     let depth = args.depth.unwrap_or(if schedule.is_some() { MAX_DEPTH } else { 1 });
-    let timeout = Some(args.timeout).filter(|t| *t > 0.0).and_then(|t| Duration::try_from_secs_f64(t).ok());
-    let timeout = timeout.with_context(|| {
-        format!("check --timeout: {:?} is not a positive number of seconds", args.timeout)
-    })?;
+    let timeout = crate::positive_seconds("--timeout", args.timeout)?;
     let series = match &args.series {
         Some(path) => Some(
             std::fs::OpenOptions::new()
@@ -379,6 +376,7 @@ fn series_line(t: &report::Tick, late: u64, target_rps: Option<f64>) -> serde_js
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn series_line_has_the_documented_fields_and_counts_requests_without_errors() {

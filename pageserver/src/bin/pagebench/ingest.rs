@@ -96,14 +96,12 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
     if let Some(rate) = args.rate.filter(|r| !(r.is_finite() && *r > 0.0)) {
         bail!("check --rate: {rate} is not a positive number of values per second");
     }
-    if let Some(duration) = args.duration.filter(|d| !(d.is_finite() && *d > 0.0)) {
-        bail!("check --duration: {duration} is not a positive number of seconds");
-    }
+    let duration = args.duration.map(|d| crate::positive_seconds("--duration", d)).transpose()?;
     let shape = args.shape.shape();
     let ids = args.target.tenant_ids().await?;
     let (mut values, mut bytes, mut interrupted, mut acked_lsn) = (0, 0, false, 0);
     let start = Instant::now();
-    let deadline = args.duration.map(|d| start + Duration::from_secs_f64(d));
+    let deadline = duration.and_then(|d| start.checked_add(d));
     for id in &ids {
         if cancel.is_cancelled() {
             interrupted = true;
