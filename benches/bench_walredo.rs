@@ -1,5 +1,5 @@
 //! `bench_walredo`: per-request latency of one `WalRedoManager` shared by N tokio tasks, for the
-//! `sync` and `async` process kinds, against the physical floor of the pipes.
+//! `sync`, `async` and `auto` process kinds, against the physical floor of the pipes.
 //!
 //! # Method (after Neon's `bench_walredo`)
 //!
@@ -10,7 +10,9 @@
 //! sampling):
 //! 1. builds a fresh multi-thread tokio runtime with 2 worker threads (this machine's vCPUs)
 //!    and a fresh manager, and warms it with one ping, so that spawning the child is not
-//!    measured;
+//!    measured, then with [`WARM_UP`] (300 ms) of the sample's own load (since 2026-11-23,
+//!    commit after 45bc2b9: before, only the adaptive variants had it, and the `sync/*/1`
+//!    figures were those of a fresh runtime, see below);
 //! 2. spawns N client tasks that wait on a `tokio::sync::Barrier`, then each runs
 //!    `max(ceil(iters / N), 8)` redos back to back with `tokio::task::yield_now()` between them,
 //!    checking every returned page byte for byte against the page computed locally with
@@ -44,11 +46,10 @@
 //!
 //! The adaptive worker controller: `sync/*`, `async/*` and `spin*/*` run one child
 //! (`max_pool_size = 1`, as every tenant had before the pool) without the controller's spin
-//! windows, so their figures compare with the tables below; `adaptive-async/<workload>/<N>`
-//! and `adaptive-sync/<workload>/<N>` run as the daemon does: the default pool (one child per
-//! CPU, at least 2) sized by the controller, which also sets the children's spin windows, after
-//! [`POOL_WARM_UP`] (300 ms) of the sample's own load before the measured part; N in
-//! {1, 2, 8, 64}.
+//! windows, so their figures compare with the tables below; `adaptive-async/<workload>/<N>`,
+//! `adaptive-sync/<workload>/<N>` and `auto/<workload>/<N>` run as the daemon does: the default
+//! pool (one child per CPU, at least 2) sized by the controller, which also sets the children's
+//! spin windows and, for `auto`, their path; N in {1, 2, 8, 64}.
 //!
 //! # How to run
 //!
@@ -240,8 +241,8 @@ use tokio::task::JoinSet;
 const CLIENTS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
 /// Client counts of the adaptive variants.
 const POOL_CLIENTS: [usize; 4] = [1, 2, 8, 64];
-/// Load run before the measured part of a pool sample: three controller periods.
-const POOL_WARM_UP: Duration = Duration::from_millis(300);
+/// Load run before the measured part of every manager sample: three controller periods.
+const WARM_UP: Duration = Duration::from_millis(300);
 /// Client counts of the spin-window variants: spinning pays at low concurrency.
 const SPIN_CLIENTS: [usize; 3] = [1, 2, 8];
 /// The spin window of `spin/*` and `spin-async/*`.
@@ -294,6 +295,7 @@ fn bench_walredo(c: &mut Criterion) {
         ("spin-async", ProcessKind::Async, SPIN_WINDOW, 1, &SPIN_CLIENTS[..]),
         ("adaptive-async", ProcessKind::Async, Duration::ZERO, pool, &POOL_CLIENTS[..]),
         ("adaptive-sync", ProcessKind::Sync, Duration::ZERO, pool, &POOL_CLIENTS[..]),
+        (ProcessKind::Auto.as_str(), ProcessKind::Auto, Duration::ZERO, pool, &POOL_CLIENTS[..]),
     ];
     for (name, kind, spin, pool, clients_list) in variants {
         let mut group = c.benchmark_group(name);
@@ -317,8 +319,8 @@ struct Setup<'a> {
     kind: ProcessKind,
     /// The child's spin window, set after the warm-up ping; zero: none (it blocks at once).
     spin: Duration,
-    /// Most children (`max_pool_size`); above 1 the pool is warmed by [`POOL_WARM_UP`] of the
-    /// sample's load before the measured part, so that the controller has sized it.
+    /// Most children (`max_pool_size`); above 1 the controller sizes the pool and sets the
+    /// spin windows (and the path of `auto` children).
     pool: usize,
 }
 
@@ -360,9 +362,7 @@ fn manager_sample(setup: &Setup<'_>, workload: &Arc<Workload>, clients: usize, i
             let pid = manager.status().process.expect("a child after the ping").pid;
             pin(Pid::from_raw(pid as i32), cpu);
         }
-        if setup.pool > 1 {
-            warm_pool(&manager, workload, clients).await;
-        }
+        warm_up(&manager, workload, clients).await;
 
         let barrier = Arc::new(Barrier::new(clients));
         let mut tasks = JoinSet::new();
@@ -380,10 +380,12 @@ fn manager_sample(setup: &Setup<'_>, workload: &Arc<Workload>, clients: usize, i
     scale(summed, iters, per_client * clients as u64)
 }
 
-/// Runs `clients` clients of `workload` for [`POOL_WARM_UP`] (unmeasured), so that the pool's
-/// controller sees the load and sizes the pool before the measured part.
-async fn warm_pool(manager: &Arc<WalRedoManager>, workload: &Arc<Workload>, clients: usize) {
-    let deadline = Instant::now() + POOL_WARM_UP;
+/// Runs `clients` clients of `workload` for [`WARM_UP`] (unmeasured), so that the pool's
+/// controller sees the load and sizes the pool before the measured part, and so that every
+/// variant is measured in the same steady state (where the scheduler has placed the threads
+/// and the child), not in a fresh runtime's first moments.
+async fn warm_up(manager: &Arc<WalRedoManager>, workload: &Arc<Workload>, clients: usize) {
+    let deadline = Instant::now() + WARM_UP;
     let mut tasks = JoinSet::new();
     for _ in 0..clients {
         let (manager, workload) = (Arc::clone(manager), Arc::clone(workload));
@@ -394,7 +396,7 @@ async fn warm_pool(manager: &Arc<WalRedoManager>, workload: &Arc<Workload>, clie
         });
     }
     while let Some(done) = tasks.join_next().await {
-        done.expect("pool warm-up client");
+        done.expect("warm-up client");
     }
 }
 

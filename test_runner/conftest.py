@@ -6,7 +6,7 @@
   (`daemon.allowed_errors.append(regex)`).
 - `pageserver`: one daemon with the default config, or with `walredo_process_kind` set from the
   `process_kind` fixture when the test uses it.
-- `process_kind`: "sync" and "async"; a test that takes it runs once per kind.
+- `process_kind`: "sync", "async" and "auto"; a test that takes it runs once per kind.
 - `tenant`: a fresh tenant on `pageserver`.
 
 The binary is `$PAGESERVER_BIN_DIR/pageserver` (default `<repo>/target/debug`).
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.daemon import Pageserver, default_bin_dir, new_tenant_id
+from fixtures.daemon import PROCESS_KINDS, Pageserver, default_bin_dir, new_tenant_id
 from fixtures.util import wait_until
-
-PROCESS_KINDS = ["sync", "async"]
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,9 @@
 //! - [`http`]: the management API;
 //! - [`logging`]: log setup (plain or JSON, never panics) and the panic hook;
 //! - [`process_metrics`]: the standard `process_*` metrics and `pageserver_build_info`;
-//! - [`walredo`]: the redo child process managers (sync and async kinds);
-//! - [`worker_controller`]: the pure sizing policy for a pool of workers (the redo process pool
-//!   to come; not wired in yet);
+//! - [`walredo`]: the redo child process managers (sync, async and auto kinds) and their pools;
+//! - [`worker_controller`]: the pure sizing policy for a pool of workers (the redo process
+//!   pool's);
 //! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary.
 
 pub mod compaction;

@@ -198,6 +198,15 @@ pub enum Path {
     Async,
 }
 
+impl Path {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Path::Sync => "sync",
+            Path::Async => "async",
+        }
+    }
+}
+
 /// What the pool should look like until the next update.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decision {

@@ -1,6 +1,7 @@
-//! End-to-end tests of the walredo manager against the real `walredo-proc` child, for both
-//! process kinds: correctness under pipelining, cancellation, crashes, hangs, bad records, the
-//! sandbox, idle stop, kind switch and shutdown.
+//! End-to-end tests of the walredo manager against the real `walredo-proc` child, for every
+//! process kind (and `auto` on each of its paths, see [`KINDS`]): correctness under
+//! pipelining, cancellation, crashes, hangs, bad records, the sandbox, idle stop, kind switch
+//! and shutdown.
 //!
 //! Hermetic: every test makes its own manager and metrics registry; waits are on conditions
 //! with deadlines, never sleeps as synchronisation.
@@ -11,16 +12,44 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use pageserver::test_support::walredo_proc_binary;
-use pageserver::walredo::{ProcessKind, RedoError, WalRedoConf, WalRedoManager, WalRedoMetrics};
+use pageserver::walredo::{Path, ProcessKind, RedoError, WalRedoConf, WalRedoManager, WalRedoMetrics};
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::protocol::{BufferTag, ErrorCode};
 use walredo_proc::record::Record;
 
-const KINDS: [ProcessKind; 2] = [ProcessKind::Sync, ProcessKind::Async];
+/// A process kind as a test runs it: `auto` as the daemon runs it (the controller keeps it on
+/// the blocking path under most of these tests' light load), and pinned to the yielding path,
+/// so that every test covers both of its ways to wait.
+#[derive(Debug, Clone, Copy)]
+struct Kind(ProcessKind, Option<Path>);
 
-fn conf(kind: ProcessKind) -> WalRedoConf {
+const KINDS: [Kind; 4] = [
+    Kind(ProcessKind::Sync, None),
+    Kind(ProcessKind::Async, None),
+    Kind(ProcessKind::Auto, None),
+    Kind(ProcessKind::Auto, Some(Path::Async)),
+];
+
+impl From<ProcessKind> for Kind {
+    fn from(kind: ProcessKind) -> Kind {
+        Kind(kind, None)
+    }
+}
+
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.1 {
+            None => write!(f, "{}", self.0),
+            Some(path) => write!(f, "{} ({} path)", self.0, path.as_str()),
+        }
+    }
+}
+
+fn conf(kind: impl Into<Kind>) -> WalRedoConf {
+    let Kind(kind, path) = kind.into();
     let mut conf = WalRedoConf::with_binary(walredo_proc_binary());
     conf.process_kind = kind;
+    conf.auto_path = path;
     conf.timeout = Duration::from_secs(20);
     conf
 }
@@ -123,7 +152,7 @@ fn manager_and_daemon_agree_on_the_default_process_kind() {
 async fn redo_from_nothing_and_from_base_image_gives_exact_pages() {
     for kind in KINDS {
         let (manager, _) = manager_with(conf(kind));
-        assert_same_bytes(&redo(&manager, 1).await.expect("redo"), &expected_for(1), kind.as_str());
+        assert_same_bytes(&redo(&manager, 1).await.expect("redo"), &expected_for(1), &kind.to_string());
 
         // On top of a base image: only the record above it is applied.
         let base = expected_for(2);
@@ -190,7 +219,7 @@ async fn spin_window_of_the_child_shows_in_the_status_and_redo_stays_correct() {
         let set = manager.set_spin(Duration::from_micros(100)).await.expect("set_spin");
         assert_eq!(set, None, "{kind}: without a child there is nothing to set");
         assert_eq!(pid_of(&manager), None, "{kind}: set_spin spawns no child");
-        assert_same_bytes(&redo(&manager, 0).await.expect("redo"), &expected_for(0), kind.as_str());
+        assert_same_bytes(&redo(&manager, 0).await.expect("redo"), &expected_for(0), &kind.to_string());
         let spin_us = |manager: &WalRedoManager| manager.status().process.expect("a child").spin_us;
         assert_eq!(spin_us(&manager), 0, "{kind}: a child starts parked");
 
@@ -226,7 +255,7 @@ async fn spin_window_of_the_child_shows_in_the_status_and_redo_stays_correct() {
         // Cut to the 1 ms cap; zero parks it again.
         manager.set_spin(Duration::from_millis(10)).await.expect("set_spin");
         assert_eq!(spin_us(&manager), 1000, "{kind}");
-        assert_same_bytes(&redo(&manager, 50).await.expect("redo"), &expected_for(50), kind.as_str());
+        assert_same_bytes(&redo(&manager, 50).await.expect("redo"), &expected_for(50), &kind.to_string());
         manager.set_spin(Duration::ZERO).await.expect("set_spin");
         assert_eq!(spin_us(&manager), 0, "{kind}");
         assert_eq!(manager.status().requests_served, 50, "{kind}: S frames are not requests");
@@ -284,7 +313,7 @@ async fn cancelled_requests_do_not_corrupt_other_requests() {
         }
         // And afterwards nothing is left over in the pipeline.
         for n in 1000..1010 {
-            assert_same_bytes(&redo(&manager, n).await.expect("redo"), &expected_for(n), kind.as_str());
+            assert_same_bytes(&redo(&manager, n).await.expect("redo"), &expected_for(n), &kind.to_string());
         }
         manager.shutdown().await;
     }
@@ -335,7 +364,7 @@ async fn sigkill_of_the_child_fails_requests_cleanly_and_a_new_child_serves_the_
         for task in tasks {
             let (n, result) = task.await.expect("task");
             match result {
-                Ok(page) => assert_same_bytes(&page, &expected_for(n), kind.as_str()),
+                Ok(page) => assert_same_bytes(&page, &expected_for(n), &kind.to_string()),
                 Err(RedoError::ProcessFailed(_)) => {}
                 Err(other) => panic!("{kind}: unexpected error {other}"),
             }
@@ -424,7 +453,7 @@ async fn invalid_record_fails_only_its_request_and_the_child_lives_on() {
 
 /// A manager of `kind` whose child runs with the test hook `flag`, after a ping that made the
 /// child break its sandbox: the ping failed with the child, which died of SIGSYS.
-async fn ping_kills_the_child_with_sigsys(kind: ProcessKind, flag: &str) -> Arc<WalRedoManager> {
+async fn ping_kills_the_child_with_sigsys(kind: Kind, flag: &str) -> Arc<WalRedoManager> {
     let mut conf = conf(kind);
     conf.args = vec![flag.to_string()];
     let (manager, _) = manager_with(conf);
@@ -471,30 +500,38 @@ async fn idle_child_is_stopped_and_respawned_on_demand() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kind_switch_at_runtime_drains_the_old_child_and_spawns_the_new_kind() {
-    let (manager, registry) = manager_with(conf(ProcessKind::Sync));
-    manager.ping().await.expect("ping");
-    let old_pid = pid_of(&manager).expect("a child");
-    assert_eq!(metric(&registry, "pageserver_walredo_process_kind", "sync"), 1.0);
+    use ProcessKind::{Async, Auto, Sync};
+    for (from, to) in [(Sync, Async), (Sync, Auto), (Auto, Async), (Async, Auto)] {
+        let what = format!("{from} -> {to}");
+        let (manager, registry) = manager_with(conf(from));
+        manager.ping().await.expect("ping");
+        let old_pid = pid_of(&manager).expect("a child");
+        assert_eq!(metric(&registry, "pageserver_walredo_process_kind", from.as_str()), 1.0, "{what}");
 
-    // Requests keep flowing while the kind changes; none may fail.
-    let load = spawn_redos(&manager, 0..200);
-    tokio::task::yield_now().await;
-    manager.set_process_kind(ProcessKind::Async);
-    for task in load {
-        let (n, result) = task.await.expect("task");
-        assert_same_bytes(&result.expect("redo during the switch"), &expected_for(n), "during the switch");
+        // Requests keep flowing while the kind changes; none may fail.
+        let load = spawn_redos(&manager, 0..200);
+        tokio::task::yield_now().await;
+        manager.set_process_kind(to);
+        for task in load {
+            let (n, result) = task.await.expect("task");
+            assert_same_bytes(&result.expect("redo during the switch"), &expected_for(n), &what);
+        }
+        manager.ping().await.expect("ping");
+        let status = manager.status();
+        assert_eq!(status.process_kind, to, "{what}");
+        let process = status.process.expect("a child");
+        assert_eq!(process.kind, to, "{what}");
+        assert_ne!(process.pid, old_pid, "{what}");
+        wait_for("the old child to exit", Duration::from_secs(10), || is_reaped(old_pid)).await;
+        assert_eq!(metric(&registry, "pageserver_walredo_process_kind", from.as_str()), 0.0, "{what}");
+        assert!(metric(&registry, "pageserver_walredo_process_kind", to.as_str()) >= 1.0, "{what}");
+        assert_eq!(
+            metric(&registry, "pageserver_wal_redo_process_stopped_total", "kind_change"),
+            1.0,
+            "{what}"
+        );
+        manager.shutdown().await;
     }
-    manager.ping().await.expect("ping");
-    let status = manager.status();
-    assert_eq!(status.process_kind, ProcessKind::Async);
-    let process = status.process.expect("a child");
-    assert_eq!(process.kind, ProcessKind::Async);
-    assert_ne!(process.pid, old_pid);
-    wait_for("the old child to exit", Duration::from_secs(10), || is_reaped(old_pid)).await;
-    assert_eq!(metric(&registry, "pageserver_walredo_process_kind", "sync"), 0.0);
-    assert_eq!(metric(&registry, "pageserver_walredo_process_kind", "async"), 1.0);
-    assert_eq!(metric(&registry, "pageserver_wal_redo_process_stopped_total", "kind_change"), 1.0);
-    manager.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -517,7 +554,7 @@ async fn shutdown_waits_for_in_flight_requests_and_leaves_no_child() {
         }
         assert!(matches!(manager.ping().await, Err(RedoError::ShuttingDown)));
         assert_eq!(pid_of(&manager), None);
-        assert_eq!(metric(&registry, "pageserver_walredo_process_kind", kind.as_str()), 0.0);
+        assert_eq!(metric(&registry, "pageserver_walredo_process_kind", &kind.to_string()), 0.0);
     }
 }
 
@@ -568,7 +605,7 @@ async fn idle_child_killed_from_outside_is_reaped_and_leaves_service_at_once() {
         wait_for("the status to show no child", Duration::from_secs(3), || pid_of(&manager).is_none()).await;
         let last_exit = manager.status().last_exit.expect("an exit status");
         assert!(last_exit.contains(&pid.to_string()) && last_exit.contains("SIGKILL"), "{kind}: {last_exit}");
-        assert_eq!(metric(&registry, "pageserver_walredo_process_kind", kind.as_str()), 0.0, "{kind}");
+        assert_eq!(metric(&registry, "pageserver_walredo_process_kind", &kind.to_string()), 0.0, "{kind}");
         assert_eq!(metric(&registry, "pageserver_wal_redo_process_stopped_total", "crashed"), 1.0, "{kind}");
         // The next request gets a new child at the first try.
         manager.ping().await.expect("ping after the kill");
@@ -615,7 +652,7 @@ async fn healthy_child_with_a_long_queue_is_not_killed_for_queueing() {
             let (n, result) = task.await.expect("task");
             match result {
                 Ok(page) => {
-                    assert_same_bytes(&page, &expected_for(n), kind.as_str());
+                    assert_same_bytes(&page, &expected_for(n), &kind.to_string());
                     served += 1;
                 }
                 // The queue has its own bound and error; the child is not blamed for it.

@@ -1,20 +1,17 @@
-"""The two redo process kinds (sync, async): chosen by the daemon setting, overridden per tenant,
-and switched at runtime under load without a failed request."""
+"""The redo process kinds (sync, async, auto): chosen by the daemon setting, overridden per tenant,
+and switched at runtime under load, round the cycle of kinds, without a failed request."""
 
 import random
 import threading
 
 from fixtures import oracle as o
+from fixtures.daemon import PROCESS_KINDS, other_kind
 from fixtures.oracle import Key
 from fixtures.page_client import LATEST
 from fixtures.util import proc_state, wait_until
 from fixtures.workload import HistoryBuilder, make_keys, verify
 
 KEY = Key.rel_block(8000, 1)
-
-
-def _other(kind):
-    return "async" if kind == "sync" else "sync"
 
 
 def _redo_once(ps, tenant, lsn):
@@ -32,9 +29,9 @@ def _child(ps, tenant):
 
 def kind_gauges(ps):
     m = ps.http.metrics()
-    values = {k: m.value("pageserver_walredo_process_kind", kind=k) for k in ("sync", "async")}
+    values = {k: m.value("pageserver_walredo_process_kind", kind=k) for k in PROCESS_KINDS}
     assert all(v is not None for v in values.values()), (
-        f"pageserver_walredo_process_kind{{kind=sync|async}} missing: {values}")
+        f"pageserver_walredo_process_kind{{kind=sync|async|auto}} missing: {values}")
     return values
 
 
@@ -60,7 +57,7 @@ def test_daemon_setting_chooses_process_kind(pageserver, process_kind):
 
 
 def test_tenant_override_at_create(pageserver, process_kind):
-    other = _other(process_kind)
+    other = other_kind(process_kind)
     t = pageserver.create_tenant(kind=other)
     plain = pageserver.create_tenant()
     status = pageserver.http.tenant_status(t)
@@ -122,7 +119,7 @@ def test_runtime_switch_under_load(pageserver_factory):
         for i in range(6):
             old_proc = _child(ps, t) if i else None
             before = kind_gauges(ps)
-            kind = _other(kind)
+            previous, kind = kind, other_kind(kind)
             status = ps.http.set_tenant_config(t, {"walredo_process_kind": kind})
             assert status["config"]["walredo_process_kind"] == kind
             assert status["effective_config"]["walredo_process_kind"] == kind
@@ -140,11 +137,11 @@ def test_runtime_switch_under_load(pageserver_factory):
                 assert old is not None
                 # the old child finishes its requests and exits (reaped by the daemon)
                 wait_until(lambda old=old: proc_state(old) == "gone", timeout=20,
-                           desc=f"the old {_other(kind)} child {old.pid} to exit")
+                           desc=f"the old {previous} child {old.pid} to exit")
 
-            def gauges_moved(before=before, kind=kind):
+            def gauges_moved(before=before, kind=kind, previous=previous):
                 now = kind_gauges(ps)
-                return now[kind] > before[kind] or now[_other(kind)] < before[_other(kind)]
+                return now[kind] > before[kind] or now[previous] < before[previous]
 
             wait_until(gauges_moved, timeout=10,
                        desc=f"pageserver_walredo_process_kind to move towards {kind} (before {before})")

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from fixtures import oracle as o
+from fixtures.daemon import other_kind
 from fixtures.page_client import ConnectionClosed, PageConnection
 from fixtures.util import wait_until
 from fixtures.workload import HistoryBuilder, make_keys, query_lsns, verify
@@ -17,24 +18,20 @@ from fixtures.workload import HistoryBuilder, make_keys, query_lsns, verify
 CRASH_WARNINGS = [r"(?i)walredo", r"(?i)redo (child|process)", r"(?i)(torn|truncat|recover|replay|checksum)"]
 
 
-def _other(kind):
-    return "async" if kind == "sync" else "sync"
-
-
 def _all_requests(rs, keys, limit=30):
     return [(k, lsn) for k in keys for lsn in query_lsns(rs, k, limit=limit)]
 
 
 def test_restart_keeps_acknowledged_records(pageserver, process_kind):
     t1 = pageserver.create_tenant()
-    t2 = pageserver.create_tenant(kind=_other(process_kind))
+    t2 = pageserver.create_tenant(kind=other_kind(process_kind))
     keys = make_keys(10)
     b1, b2 = HistoryBuilder(seed=31), HistoryBuilder(seed=32, start_lsn=2**40)
     with pageserver.connect(t1) as c1, pageserver.connect(t2) as c2:
         for _ in range(5):
             c1.ingest(b1.batch(keys, 30))
             c2.ingest(b2.batch(keys, 30))
-    pageserver.http.set_tenant_config(t1, {"walredo_process_kind": _other(process_kind)})
+    pageserver.http.set_tenant_config(t1, {"walredo_process_kind": other_kind(process_kind)})
     pageserver.http.set_tenant_config(t2, {"walredo_process_kind": None})
 
     for cycle in range(2):
@@ -42,8 +39,8 @@ def test_restart_keeps_acknowledged_records(pageserver, process_kind):
         listed = {t["id"]: t for t in pageserver.http.list_tenants()}
         assert set(listed) == {t1, t2}
         # overrides are stored with the tenant
-        assert listed[t1]["config"]["walredo_process_kind"] == _other(process_kind)
-        assert listed[t1]["effective_config"]["walredo_process_kind"] == _other(process_kind)
+        assert listed[t1]["config"]["walredo_process_kind"] == other_kind(process_kind)
+        assert listed[t1]["effective_config"]["walredo_process_kind"] == other_kind(process_kind)
         assert listed[t2]["config"].get("walredo_process_kind") is None
         assert listed[t2]["effective_config"]["walredo_process_kind"] == process_kind
         for t, b in ((t1, b1), (t2, b2)):

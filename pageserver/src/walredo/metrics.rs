@@ -82,7 +82,7 @@ pub struct WalRedoMetrics {
     pub process_launch_seconds: Histogram,
     pub processes_started: IntCounterVec,
     pub processes_stopped: IntCounterVec,
-    /// Live child processes of each kind (`sync`, `async`).
+    /// Live child processes of each kind (`sync`, `async`, `auto`).
     pub process_kind: IntGaugeVec,
     /// Stderr lines of children dropped over their rate limit.
     pub stderr_lines_dropped: IntCounter,
@@ -155,7 +155,7 @@ impl WalRedoMetrics {
                     &["kind"],
                 )?;
                 registry.register(Box::new(g.clone()))?;
-                for kind in [ProcessKind::Sync, ProcessKind::Async] {
+                for kind in ProcessKind::ALL {
                     g.with_label_values(&[kind.as_str()]).set(0);
                 }
                 g

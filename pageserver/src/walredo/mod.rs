@@ -54,6 +54,7 @@ use pool::{ChildBudget, ControllerStatus, Load, Pool, Sampler};
 use priority::{Priority, WriteTicket};
 use process::{InUse, Process, ProcessError, Reaping};
 
+pub use crate::worker_controller::Path;
 use crate::worker_controller::{max_spinning_for_cpus, WorkerController, WorkerControllerConf};
 
 /// Default of `wal_redo_timeout`.
@@ -75,6 +76,9 @@ pub enum ProcessKind {
     Sync,
     /// tokio `ChildStdin`/`ChildStdout`; yields while waiting.
     Async,
+    /// The sync kind's pipes, whose round trips block or yield as the pool's controller decides
+    /// for the tenant: block while few requests overlap, yield while many do.
+    Auto,
 }
 
 impl Default for ProcessKind {
@@ -84,10 +88,13 @@ impl Default for ProcessKind {
 }
 
 impl ProcessKind {
+    pub const ALL: [ProcessKind; 3] = [ProcessKind::Sync, ProcessKind::Async, ProcessKind::Auto];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ProcessKind::Sync => "sync",
             ProcessKind::Async => "async",
+            ProcessKind::Auto => "auto",
         }
     }
 }
@@ -98,7 +105,12 @@ impl std::str::FromStr for ProcessKind {
         match s {
             "sync" => Ok(ProcessKind::Sync),
             "async" => Ok(ProcessKind::Async),
-            other => anyhow::bail!("unknown walredo process kind {other:?}, expected \"sync\" or \"async\""),
+            "auto" => Ok(ProcessKind::Auto),
+            other => {
+                anyhow::bail!(
+                    "unknown walredo process kind {other:?}, expected \"sync\", \"async\" or \"auto\""
+                )
+            }
         }
     }
 }
@@ -131,6 +143,9 @@ pub struct WalRedoConf {
     /// Whether the controller sets the children's spin windows (the daemon: always; off only
     /// for benchmarks of the plain blocking round trip).
     pub adaptive_spin: bool,
+    /// The path of `auto` children: `None` (the daemon), the controller's; tests and benchmarks
+    /// pin one to measure or exercise it alone.
+    pub auto_path: Option<Path>,
 }
 
 impl WalRedoConf {
@@ -145,6 +160,7 @@ impl WalRedoConf {
             max_pool_size: pool::default_max_pool_size(),
             budget: ChildBudget::global(),
             adaptive_spin: true,
+            auto_path: None,
         }
     }
 }
@@ -225,6 +241,9 @@ pub struct ProcessStatus {
     pub in_flight: usize,
     /// The child's spin window in microseconds (0: it blocks at once); see [`WalRedoManager::set_spin`].
     pub spin_us: u32,
+    /// How requests reach the child now: `sync` (blocking round trips) or `async` (yielding);
+    /// fixed by the kind, except for `auto` children, which follow the controller.
+    pub path: &'static str,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -248,6 +267,8 @@ pub struct WalRedoManager {
     load: Arc<Load>,
     /// The controller's last look, for the status.
     controller: Mutex<Option<ControllerStatus>>,
+    /// The controller's last path, which `auto` children take (set on each one spawned).
+    path: Mutex<Path>,
     /// A background spawn for the pool is under way.
     growing: AtomicBool,
     me: Weak<WalRedoManager>,
@@ -273,6 +294,7 @@ impl WalRedoManager {
             tenant_id: tenant_id.to_string(),
             kind: Mutex::new(conf.process_kind),
             pool: Mutex::new(Pool::new(Arc::clone(&conf.budget))),
+            path: Mutex::new(conf.auto_path.unwrap_or(Path::Sync)),
             conf,
             load: Arc::new(Load::default()),
             controller: Mutex::new(None),
@@ -530,7 +552,8 @@ impl WalRedoManager {
         Ok(in_use)
     }
 
-    /// Spawns a child of the current kind (not yet in the pool); returns the kind with it.
+    /// Spawns a child of the current kind (not yet in the pool), on the controller's current
+    /// path; returns the kind with it.
     async fn spawn_child(&self) -> (ProcessKind, anyhow::Result<Arc<Process>>) {
         let kind = *lock(&self.kind);
         let spawned = Process::spawn(
@@ -541,7 +564,24 @@ impl WalRedoManager {
             Arc::clone(&self.reaping),
         )
         .await;
+        if let Ok(process) = &spawned {
+            process.set_path(*lock(&self.path));
+        }
         (kind, spawned)
+    }
+
+    /// Sets the path of `auto` children (see [`ProcessKind::Auto`]): those in service now, and
+    /// those spawned from now on; a path pinned by the conf wins.
+    fn set_path(&self, path: Path) {
+        let path = self.conf.auto_path.unwrap_or(path);
+        let mut current = lock(&self.path);
+        if *current != path {
+            tracing::debug!(tenant_id = self.tenant_id, path = path.as_str(), "walredo path changes");
+        }
+        *current = path;
+        for child in lock(&self.pool).children() {
+            child.set_path(path);
+        }
     }
 
     /// Spawns one more child in the background if the pool is below `target` and may grow;
@@ -654,6 +694,7 @@ impl WalRedoManager {
                 requests_served: p.served.load(Ordering::Relaxed),
                 in_flight: p.in_flight.load(Ordering::Relaxed),
                 spin_us: p.spin_us(),
+                path: p.path().as_str(),
             })
             .collect();
         WalRedoStatus {
@@ -787,6 +828,7 @@ async fn pool_controller(weak: Weak<WalRedoManager>, cancel: CancellationToken) 
         *lock(&manager.controller) =
             Some(ControllerStatus::new(&obs, controller.smoothed_demand(), &decision));
         manager.resize(decision.workers);
+        manager.set_path(decision.path);
         if manager.conf.adaptive_spin {
             manager.apply_spin(decision.spinning, decision.spin);
         }

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::process::{InUse, Process};
-use crate::worker_controller::{Decision, Observation, Path};
+use crate::worker_controller::{Decision, Observation};
 
 /// How often the controller looks at a pool.
 pub const PERIOD: Duration = Duration::from_millis(100);
@@ -306,10 +306,7 @@ impl ControllerStatus {
             target_children: d.workers,
             spinning: d.spinning,
             spin_us: d.spin.as_micros() as u64,
-            path: match d.path {
-                Path::Sync => "sync",
-                Path::Async => "async",
-            },
+            path: d.path.as_str(),
         }
     }
 }

@@ -1,8 +1,9 @@
 //! One walredo child process: spawn, hello, round trips, and the task that watches it.
 //!
-//! The two process kinds differ only in how they move bytes through the pipes
-//! ([`sync_pipes`]: non-blocking fds and `nix::poll` on the calling thread; [`async_pipes`]:
-//! tokio's `ChildStdin`/`ChildStdout`). Everything else is here, once.
+//! The process kinds differ only in how they move bytes through the pipes ([`sync_pipes`]:
+//! non-blocking fds and `nix::poll` on the calling thread, or, for the `auto` kind, that or
+//! awaits on the same fds, as [`Process::set_path`] says; [`async_pipes`]: tokio's
+//! `ChildStdin`/`ChildStdout`). Everything else is here, once.
 //!
 //! Spin window ([`Process::set_spin`]): the daemon's lever on how a child waits between
 //! requests. The window goes to the child in an `S` frame, through the same round trip as a
@@ -27,8 +28,12 @@
 //! - the live-process gauge and the stop counter move exactly once per child.
 
 pub(crate) mod async_pipes;
+#[cfg(test)]
+mod pipe_tests;
 mod stderr;
 pub(crate) mod sync_pipes;
+
+use sync_pipes::Wait;
 
 use std::os::fd::AsFd;
 use std::process::{ExitStatus, Stdio};
@@ -46,6 +51,7 @@ use super::metrics::{StopCause, WalRedoMetrics};
 use super::pipeline::Reply;
 use super::priority::WriteTicket;
 use super::{lock, ProcessKind, WalRedoConf};
+use crate::worker_controller::Path;
 
 /// Pipe buffer size asked for both directions, so that deep pipelines do not stall.
 const PIPE_SIZE: i32 = 1024 * 1024;
@@ -79,6 +85,23 @@ impl ProcessError {
 enum Pipes {
     Sync(sync_pipes::SyncPipes),
     Async(async_pipes::AsyncPipes),
+}
+
+impl Pipes {
+    /// One frame out, its reply back; `on_broken_write` runs if the future is dropped halfway
+    /// through the write (the stream is broken: the caller retires the child).
+    async fn round_trip(
+        &self,
+        frame: &[u8],
+        ticket: WriteTicket<'_>,
+        timeout: Duration,
+        on_broken_write: impl FnOnce(),
+    ) -> Result<Reply, ProcessError> {
+        match self {
+            Pipes::Sync(pipes) => pipes.round_trip(frame, ticket, timeout, on_broken_write).await,
+            Pipes::Async(pipes) => pipes.round_trip(frame, ticket, timeout, on_broken_write).await,
+        }
+    }
 }
 
 /// Children of one manager that are not reaped yet, and the exit status of the last one
@@ -238,7 +261,7 @@ impl Process {
         tokio::spawn(watch(child, stderr, Arc::clone(&life), reaping, tenant_id.to_string()));
 
         let pipes = match kind {
-            ProcessKind::Sync => (|| {
+            ProcessKind::Sync | ProcessKind::Auto => (|| {
                 let stdin = stdin.into_owned_fd().context("take walredo stdin")?;
                 let stdout = stdout.into_owned_fd().context("take walredo stdout")?;
                 sync_pipes::SyncPipes::new(stdin, stdout)
@@ -327,11 +350,27 @@ impl Process {
         ticket: WriteTicket<'_>,
         timeout: Duration,
     ) -> Result<Reply, ProcessError> {
+        self.pipes.round_trip(frame, ticket, timeout, || self.retire(StopCause::CancelledWrite)).await
+    }
+
+    /// Sets how this child's round trips from now on reach it, if its kind lets the controller
+    /// choose (`auto`): blocking ([`Path::Sync`]) or yielding ([`Path::Async`]). Other kinds
+    /// keep their own path.
+    pub(crate) fn set_path(&self, path: Path) {
+        if let (ProcessKind::Auto, Pipes::Sync(pipes)) = (self.kind, &self.pipes) {
+            pipes.set_wait(match path {
+                Path::Sync => Wait::Block,
+                Path::Async => Wait::Yield,
+            });
+        }
+    }
+
+    /// The path this child's round trips take now.
+    pub(crate) fn path(&self) -> Path {
         match &self.pipes {
-            Pipes::Sync(pipes) => pipes.round_trip(frame, ticket, timeout).await,
-            Pipes::Async(pipes) => {
-                pipes.round_trip(frame, ticket, timeout, || self.retire(StopCause::CancelledWrite)).await
-            }
+            Pipes::Sync(pipes) if pipes.wait_mode() == Wait::Yield => Path::Async,
+            Pipes::Sync(_) => Path::Sync,
+            Pipes::Async(_) => Path::Async,
         }
     }
 
@@ -612,7 +651,7 @@ mod tests {
         let conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
         let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
         let timeout = Duration::from_secs(20);
-        for kind in [ProcessKind::Sync, ProcessKind::Async] {
+        for kind in ProcessKind::ALL {
             let reaping = Reaping::new();
             let process = Process::spawn(&conf, kind, "tenant", Arc::clone(&metrics), Arc::clone(&reaping))
                 .await
@@ -656,10 +695,59 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_auto_child_switches_path_under_pipelined_load_and_stays_correct() {
+        let conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
+        let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        let process =
+            Process::spawn(&conf, ProcessKind::Auto, "tenant", metrics, Reaping::new()).await.expect("spawn");
+        assert_eq!(process.path(), Path::Sync, "an auto child starts blocking");
+        assert!(process
+            .set_spin(Duration::from_micros(50), Duration::from_secs(20))
+            .await
+            .expect("set_spin"));
+        let mut n = 0;
+        for round in 0..6u32 {
+            // Requests in flight on both paths at once: the switch lands between their waits.
+            let mut tasks = tokio::task::JoinSet::new();
+            for i in 0..48u32 {
+                let client = Arc::clone(&process);
+                let m = n + i;
+                tasks.spawn(async move { redo(&client, m).await });
+                if i % 12 == 5 {
+                    let path = if (round + i) % 2 == 0 { Path::Async } else { Path::Sync };
+                    process.set_path(path);
+                    assert_eq!(process.path(), path);
+                }
+            }
+            n += 48;
+            while let Some(joined) = tasks.join_next().await {
+                joined.expect("client task");
+            }
+            // And one at a time on each path.
+            for path in [Path::Async, Path::Sync] {
+                process.set_path(path);
+                for _ in 0..5 {
+                    redo(&process, n).await;
+                    n += 1;
+                }
+            }
+        }
+        assert_eq!(process.served.load(Ordering::Relaxed), u64::from(n));
+        // Only `auto` lets the path be chosen.
+        let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        let sync =
+            Process::spawn(&conf, ProcessKind::Sync, "tenant", metrics, Reaping::new()).await.expect("spawn");
+        sync.set_path(Path::Async);
+        assert_eq!(sync.path(), Path::Sync);
+        process.retire_and_wait(StopCause::Shutdown).await;
+        sync.retire_and_wait(StopCause::Shutdown).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_child_draining_after_a_kind_change_is_still_killed_when_it_fails() {
         let conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
         let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
-        for kind in [ProcessKind::Sync, ProcessKind::Async] {
+        for kind in ProcessKind::ALL {
             let reaping = Reaping::new();
             let process = Process::spawn(&conf, kind, "tenant", Arc::clone(&metrics), Arc::clone(&reaping))
                 .await

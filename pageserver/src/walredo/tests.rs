@@ -14,7 +14,7 @@ use walredo_proc::record::Record;
 
 use super::*;
 
-const KINDS: [ProcessKind; 2] = [ProcessKind::Sync, ProcessKind::Async];
+const KINDS: [ProcessKind; 3] = ProcessKind::ALL;
 
 fn manager_of(kind: ProcessKind, idle_timeout: Duration) -> (Arc<WalRedoManager>, prometheus::Registry) {
     let mut conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
@@ -403,6 +403,46 @@ async fn pool_grows_under_concurrent_load_and_shrinks_when_it_stops() {
         manager.shutdown().await;
         assert!(grown.iter().all(|&p| gone(p)), "{kind}: a child outlived shutdown");
     }
+}
+
+/// The paths of the children in service.
+fn paths(manager: &WalRedoManager) -> Vec<&'static str> {
+    manager.status().pool.children.iter().map(|p| p.path).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_children_yield_while_many_requests_overlap_and_block_again_after() {
+    let manager = pool_manager(ProcessKind::Auto, 2, ChildBudget::new(8));
+    // One request at a time: the blocking path.
+    let stop = CancellationToken::new();
+    let one = load(&manager, 1, &stop);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(paths(&manager), ["sync"], "one client");
+    stop.cancel();
+    for client in one {
+        client.await.expect("client task");
+    }
+
+    // 16 at a time: every child yields, also the one spawned for the load.
+    let stop = CancellationToken::new();
+    let clients = load(&manager, 16, &stop);
+    wait_for("the children to take the async path under 16 clients", Duration::from_secs(10), || {
+        paths(&manager) == ["async", "async"]
+    })
+    .await;
+    let controller = manager.status().pool.controller.expect("the controller has run");
+    assert_eq!(controller.path, "async", "{controller:?}");
+    assert!(controller.in_flight_avg > 4.0, "{controller:?}");
+    stop.cancel();
+    for client in clients {
+        assert!(client.await.expect("client task") > 0);
+    }
+    // Idle: back to blocking within a period or two.
+    wait_for("the children to block again after the load", Duration::from_secs(2), || {
+        paths(&manager).iter().all(|&p| p == "sync")
+    })
+    .await;
+    manager.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

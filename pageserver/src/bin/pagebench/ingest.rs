@@ -73,7 +73,7 @@ pub struct Args {
     #[arg(long, value_name = "SECONDS")]
     duration: Option<f64>,
     /// Per-tenant walredo process kind, set when the tenant is created (default: the daemon's).
-    #[arg(long, value_parser = ["sync", "async"])]
+    #[arg(long, value_parser = ["sync", "async", "auto"])]
     walredo_process_kind: Option<String>,
 }
 

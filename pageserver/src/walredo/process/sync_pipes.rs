@@ -1,4 +1,5 @@
-//! The `sync` process kind: non-blocking pipe fds driven by `nix::poll` on the calling thread.
+//! The `sync` process kind: non-blocking pipe fds driven by `nix::poll` on the calling thread;
+//! and the `auto` kind, the same pipes with a second way to wait ([`Wait::Yield`]).
 //!
 //! A round trip does its pipe I/O as blocking `poll` loops on the calling thread: no reactor
 //! registration, no wake-up through the runtime, which makes it the lower-latency kind at low
@@ -25,27 +26,155 @@
 //! on it: [`ProcessError::Timeout`], the child is killed) or, behind other requests, until the
 //! queue's deadline ([`ProcessError::QueueTimeout`], the child lives on).
 //!
-//! Cancellation: the future can only be dropped while it waits for a lock (the I/O between two
-//! awaits runs to its end): before its write nothing happened; after its write, its reply slot
-//! is abandoned ([`pipeline::Claim`]) and the reply is dropped on arrival. A write cut short by
-//! a timeout or an error fences the writer under the stdin lock: no byte follows a partial
-//! frame.
+//! Waiting ([`Wait`], set per child by [`SyncPipes::set_wait`], read once per round trip): the
+//! sync kind always blocks as above. An `auto` child follows the controller's path: blocking
+//! while few requests overlap, *yielding* while many do: the fds are registered with tokio's
+//! reactor ([`PipeFd`], `AsyncFd`), and every wait for a pipe is an await, as in the async kind;
+//! the reader does not spin then (it would busy-loop an executor thread). The registration is
+//! made by the first yielding wait on a pipe and dropped by the next blocking one under the same
+//! lock, so that a blocking child's replies do not also wake the reactor.
+//!
+//! Cancellation: a blocking round trip can only be dropped while it waits for a lock (the I/O
+//! between two awaits runs to its end); a yielding one also while it waits for a pipe. Before
+//! its write nothing happened; dropped halfway through its write (yielding only), the writer is
+//! fenced and `on_broken_write` retires the child, as in the async kind; after its write, its
+//! reply slot is abandoned ([`pipeline::Claim`]) and the reply is dropped on arrival, and the
+//! bytes read so far stay in the shared reader. A write cut short by a timeout or an error
+//! fences the writer under the stdin lock: no byte follows a partial frame.
 
+use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
+use tokio::net::unix::pipe;
 
 use super::ProcessError;
 use crate::walredo::lock;
-use crate::walredo::pipeline::{self, Claim, Reply, Shared, Turn, Waiter};
+use crate::walredo::pipeline::{self, Claim, Fence, Reply, Shared, Turn, Waiter};
 use crate::walredo::priority::WriteTicket;
 
-type Writer = pipeline::Writer<OwnedFd>;
-type Reader = pipeline::Reader<OwnedFd>;
+type Writer = pipeline::Writer<PipeFd>;
+type Reader = pipeline::Reader<PipeFd>;
+
+/// How a round trip waits for the pipes (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// `poll` on the calling thread, under `block_in_place`; the reader spins first.
+    Block,
+    /// Awaits on tokio's reactor; no spin.
+    Yield,
+}
+
+/// Which end of a pipe a [`PipeFd`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// The child's stdout, read by the daemon.
+    Read,
+    /// The child's stdin, written by the daemon.
+    Write,
+}
+
+/// One non-blocking end of a pipe to the child: a plain fd, or the same fd registered with
+/// tokio's reactor (`tokio::net::unix::pipe`) while waits on it yield.
+pub(crate) struct PipeFd {
+    end: End,
+    state: PipeState,
+}
+
+enum PipeState {
+    Plain(OwnedFd),
+    Receiver(pipe::Receiver),
+    Sender(pipe::Sender),
+    /// Registering or deregistering failed, which closes the fd: every use fails from now on
+    /// (and the child is retired for it).
+    Lost,
+}
+
+impl PipeFd {
+    fn new(fd: OwnedFd, end: End) -> PipeFd {
+        PipeFd { end, state: PipeState::Plain(fd) }
+    }
+
+    fn fd(&self) -> io::Result<BorrowedFd<'_>> {
+        match &self.state {
+            PipeState::Plain(fd) => Ok(fd.as_fd()),
+            PipeState::Receiver(receiver) => Ok(receiver.as_fd()),
+            PipeState::Sender(sender) => Ok(sender.as_fd()),
+            PipeState::Lost => Err(lost()),
+        }
+    }
+
+    /// A non-blocking read (`WouldBlock` when the pipe is empty). On the reactor, a
+    /// `WouldBlock` also clears the readiness that the next [`PipeFd::ready`] waits for.
+    fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match &self.state {
+            PipeState::Receiver(receiver) => receiver.try_read(buf),
+            _ => Ok(nix::unistd::read(self.fd()?, buf)?),
+        }
+    }
+
+    /// A non-blocking write (`WouldBlock` when the pipe is full); see [`PipeFd::read`].
+    fn write(&self, buf: &[u8]) -> io::Result<usize> {
+        match &self.state {
+            PipeState::Sender(sender) => sender.try_write(buf),
+            _ => Ok(nix::unistd::write(self.fd()?, buf)?),
+        }
+    }
+
+    /// Waits on the reactor until the pipe may be read (or written, for the write end), or
+    /// `deadline` passes; registers the fd first if it is not. Readiness, a hang-up or an error
+    /// is only a hint: the next read or write says which. Cancel-safe: it only waits.
+    async fn ready(&mut self, deadline: Instant, timeout: Duration) -> Result<(), ProcessError> {
+        if let PipeState::Plain(_) = self.state {
+            self.state = match (std::mem::replace(&mut self.state, PipeState::Lost), self.end) {
+                (PipeState::Plain(fd), End::Read) => {
+                    pipe::Receiver::from_owned_fd_unchecked(fd).map(PipeState::Receiver)
+                }
+                (PipeState::Plain(fd), End::Write) => {
+                    pipe::Sender::from_owned_fd_unchecked(fd).map(PipeState::Sender)
+                }
+                (other, _) => Ok(other),
+            }
+            .context("register walredo pipe with the reactor")
+            .map_err(ProcessError::Io)?;
+        }
+        let ready = async {
+            match &self.state {
+                PipeState::Receiver(receiver) => receiver.readable().await,
+                PipeState::Sender(sender) => sender.writable().await,
+                PipeState::Plain(_) | PipeState::Lost => Err(lost()),
+            }
+        };
+        match tokio::time::timeout_at(deadline.into(), ready).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ProcessError::Io(anyhow::Error::new(e).context("wait for walredo pipe"))),
+            Err(_) => Err(ProcessError::Timeout(timeout)),
+        }
+    }
+
+    /// Takes the fd off the reactor, if it is on it (before blocking waits, which do not need
+    /// it: a registered fd's events would also wake the reactor for nothing).
+    fn unregister(&mut self) -> Result<(), ProcessError> {
+        if matches!(self.state, PipeState::Receiver(_) | PipeState::Sender(_)) {
+            self.state = match std::mem::replace(&mut self.state, PipeState::Lost) {
+                PipeState::Receiver(receiver) => receiver.into_nonblocking_fd().map(PipeState::Plain),
+                PipeState::Sender(sender) => sender.into_nonblocking_fd().map(PipeState::Plain),
+                other => Ok(other),
+            }
+            .context("take walredo pipe off the reactor")
+            .map_err(ProcessError::Io)?;
+        }
+        Ok(())
+    }
+}
+
+fn lost() -> io::Error {
+    io::Error::other("walredo pipe closed after a failed reactor (de)registration")
+}
 
 /// `spin_loop` hints between two non-blocking reads while spinning: a read is a syscall, the
 /// hints keep the loop from hammering the pipe's lock in between, for well under a microsecond.
@@ -59,6 +188,8 @@ pub(crate) struct SyncPipes {
     shared: Shared,
     /// The spin window of the reader, in microseconds (0: block at once).
     spin_us: AtomicU64,
+    /// Whether round trips wait by yielding ([`Wait::Yield`]) rather than blocking.
+    yields: AtomicBool,
 }
 
 impl SyncPipes {
@@ -67,11 +198,25 @@ impl SyncPipes {
             set_nonblocking(fd).context("make walredo pipe non-blocking")?;
         }
         Ok(SyncPipes {
-            stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
-            stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
+            stdin: tokio::sync::Mutex::new(Writer::new(PipeFd::new(stdin, End::Write))),
+            stdout: tokio::sync::Mutex::new(Reader::new(PipeFd::new(stdout, End::Read))),
             shared: Shared::new(),
             spin_us: AtomicU64::new(0),
+            yields: AtomicBool::new(false),
         })
+    }
+
+    /// Sets how round trips that start from now on wait for the pipes.
+    pub(crate) fn set_wait(&self, wait: Wait) {
+        self.yields.store(wait == Wait::Yield, Ordering::Relaxed);
+    }
+
+    pub(crate) fn wait_mode(&self) -> Wait {
+        if self.yields.load(Ordering::Relaxed) {
+            Wait::Yield
+        } else {
+            Wait::Block
+        }
     }
 
     /// Sets how long the reader busy-polls for a reply before it blocks (see the module doc);
@@ -93,51 +238,63 @@ impl SyncPipes {
         blocking(|| read_reply(&mut stdout, deadline, timeout, Duration::ZERO))
     }
 
-    /// See [`super::Process::round_trip`]. Cancellation: see the module doc (dropped only
-    /// while waiting for a lock; a written request's reply slot is abandoned).
+    /// See [`super::Process::round_trip`]; `on_broken_write` runs if the future is dropped
+    /// halfway through writing the request (only a yielding write can be). Cancellation: see
+    /// the module doc.
     pub(crate) async fn round_trip(
         &self,
         request: &[u8],
         ticket: WriteTicket<'_>,
         timeout: Duration,
+        on_broken_write: impl FnOnce(),
     ) -> Result<Reply, ProcessError> {
+        let wait = self.wait_mode();
         let queue_deadline = Instant::now() + timeout;
         let seq = {
             let mut writer = Writer::lock(&self.stdin, ticket, queue_deadline, timeout).await?;
-            let since = Instant::now();
-            let fd = writer.pipe.as_fd();
-            let (mut written, mut result) = write_some(fd, request);
-            if result.is_ok() && written < request.len() {
-                (written, result) = blocking(|| self.write_rest(fd, request, written, since, timeout));
+            if wait == Wait::Block {
+                writer.pipe.unregister()?;
             }
-            if written > 0 {
+            let since = Instant::now();
+            // Fences the writer at once, under the lock, if the write ends halfway: no byte may
+            // follow a partial frame.
+            let mut fence = Fence::new(&mut *writer, request.len(), on_broken_write);
+            let (n, mut result) = write_some(&fence.writer.pipe, request);
+            fence.written = n;
+            if n > 0 {
                 self.shared.progress.mark();
             }
-            if let Err(e) = result {
-                // Fence at once, under the lock: no byte may follow a partial frame.
-                writer.broken = written > 0 && written < request.len();
-                return Err(e);
+            if result.is_ok() && fence.written < request.len() {
+                let (pipe, written) = (&mut fence.writer.pipe, &mut fence.written);
+                result = match wait {
+                    Wait::Block => blocking(|| self.write_rest(pipe, request, written, since, timeout)),
+                    Wait::Yield => self.write_rest_yielding(pipe, request, written, since, timeout).await,
+                };
             }
+            if let Err(e) = result {
+                return Err(fence.fail(e));
+            }
+            fence.done();
             writer.written()
         };
         let waiter = Waiter::after_write(&self.shared, seq, queue_deadline, timeout);
         // Dropped with the future while the reply is awaited, the claim abandons the slot.
-        Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter).await)
+        Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter, wait).await)
     }
 
-    /// Writes `request[written..]`, waiting while the child makes progress; returns how much
-    /// of the request is written in the end.
+    /// Writes `request[*written..]`, blocking while the child makes progress; `*written` is how
+    /// much of the request is written in the end.
     fn write_rest(
         &self,
-        fd: BorrowedFd<'_>,
+        pipe: &PipeFd,
         request: &[u8],
-        mut written: usize,
+        written: &mut usize,
         since: Instant,
         timeout: Duration,
-    ) -> (usize, Result<(), ProcessError>) {
-        while written < request.len() {
+    ) -> Result<(), ProcessError> {
+        while *written < request.len() {
             let deadline = self.shared.progress.child_deadline(timeout, since);
-            match wait(fd, PollFlags::POLLOUT, deadline, timeout) {
+            match wait(pipe, PollFlags::POLLOUT, deadline, timeout) {
                 Ok(()) => {}
                 // Another request saw progress meanwhile: wait on.
                 Err(ProcessError::Timeout(_))
@@ -145,25 +302,57 @@ impl SyncPipes {
                 {
                     continue
                 }
-                Err(e) => return (written, Err(e)),
+                Err(e) => return Err(e),
             }
-            let (n, result) = write_some(fd, &request[written..]);
-            written += n;
-            if n > 0 {
-                self.shared.progress.mark();
-            }
-            if result.is_err() {
-                return (written, result);
-            }
+            self.write_more(pipe, request, written)?;
         }
-        (written, Ok(()))
+        Ok(())
     }
 
-    async fn read_until(&self, waiter: &Waiter<'_>) -> Result<Reply, ProcessError> {
+    /// [`SyncPipes::write_rest`], yielding while it waits.
+    async fn write_rest_yielding(
+        &self,
+        pipe: &mut PipeFd,
+        request: &[u8],
+        written: &mut usize,
+        since: Instant,
+        timeout: Duration,
+    ) -> Result<(), ProcessError> {
+        while *written < request.len() {
+            let deadline = self.shared.progress.child_deadline(timeout, since);
+            match pipe.ready(deadline, timeout).await {
+                Ok(()) => {}
+                Err(ProcessError::Timeout(_))
+                    if Instant::now() < self.shared.progress.child_deadline(timeout, since) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(e),
+            }
+            self.write_more(pipe, request, written)?;
+        }
+        Ok(())
+    }
+
+    /// Writes what fits of `request[*written..]` now, counting it as progress of the child.
+    fn write_more(&self, pipe: &PipeFd, request: &[u8], written: &mut usize) -> Result<(), ProcessError> {
+        let (n, result) = write_some(pipe, &request[*written..]);
+        *written += n;
+        if n > 0 {
+            self.shared.progress.mark();
+        }
+        result
+    }
+
+    async fn read_until(&self, waiter: &Waiter<'_>, wait: Wait) -> Result<Reply, ProcessError> {
         let mut stdout = match waiter.turn(&self.stdout).await? {
             Turn::Reply(reply) => return Ok(reply),
             Turn::Reader(stdout) => stdout,
         };
+        if wait == Wait::Yield {
+            return self.read_yielding(&mut stdout, waiter).await;
+        }
+        stdout.pipe.unregister()?;
         // First what is there already, then what comes within the spin window, without a
         // hand-off; then block for the rest.
         if let Some(reply) = self.read_available(&mut stdout, waiter.seq)? {
@@ -188,6 +377,30 @@ impl SyncPipes {
                 Err(e) => return Err(e),
             }
         })
+    }
+
+    /// Reads replies (parking the others') until ours comes, yielding while the pipe is empty.
+    ///
+    /// Cancel-safe: dropped while it waits, the bytes read so far stay in the shared reader.
+    async fn read_yielding(&self, stdout: &mut Reader, waiter: &Waiter<'_>) -> Result<Reply, ProcessError> {
+        loop {
+            if let Some(reply) = self.read_available(stdout, waiter.seq)? {
+                return Ok(reply);
+            }
+            let at_head = match waiter.take() {
+                Ok(reply) => return Ok(reply),
+                Err(at_head) => at_head,
+            };
+            match stdout.pipe.ready(waiter.read_deadline(at_head), waiter.timeout).await {
+                Ok(()) => {}
+                Err(ProcessError::Timeout(_)) => {
+                    if let Some(e) = waiter.expired() {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Busy-polls for up to `window` for our reply, reading (and parking) the others' on the
@@ -253,13 +466,9 @@ fn set_nonblocking(fd: BorrowedFd<'_>) -> nix::Result<()> {
     fcntl(fd, FcntlArg::F_SETFL(flags | OFlag::O_NONBLOCK)).map(drop)
 }
 
-/// Waits until `fd` is ready for `events` or the deadline passes.
-fn wait(
-    fd: BorrowedFd<'_>,
-    events: PollFlags,
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<(), ProcessError> {
+/// Waits (blocking) until `pipe` is ready for `events` or the deadline passes.
+fn wait(pipe: &PipeFd, events: PollFlags, deadline: Instant, timeout: Duration) -> Result<(), ProcessError> {
+    let fd = pipe.fd().context("poll walredo pipe").map_err(ProcessError::Io)?;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -279,13 +488,13 @@ fn wait(
 }
 
 /// Writes what fits without waiting: how many bytes that was, and the error that stopped it.
-fn write_some(fd: BorrowedFd<'_>, buf: &[u8]) -> (usize, Result<(), ProcessError>) {
+fn write_some(pipe: &PipeFd, buf: &[u8]) -> (usize, Result<(), ProcessError>) {
     let mut written = 0;
     while written < buf.len() {
-        match nix::unistd::write(fd, &buf[written..]) {
+        match pipe.write(&buf[written..]) {
             Ok(n) => written += n,
-            Err(Errno::EAGAIN) => break,
-            Err(Errno::EINTR) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 let e = anyhow::Error::new(e).context("write to walredo stdin");
                 return (written, Err(ProcessError::Io(e)));
@@ -298,13 +507,13 @@ fn write_some(fd: BorrowedFd<'_>, buf: &[u8]) -> (usize, Result<(), ProcessError
 /// One non-blocking read into the reply buffer: `None` when nothing is there yet.
 fn read_some(stdout: &mut Reader) -> Result<Option<usize>, ProcessError> {
     loop {
-        match nix::unistd::read(stdout.pipe.as_fd(), stdout.replies.spare()) {
+        match stdout.pipe.read(stdout.replies.spare()) {
             Ok(n) => {
                 stdout.replies.advance(n);
                 return Ok(Some(n));
             }
-            Err(Errno::EAGAIN) => return Ok(None),
-            Err(Errno::EINTR) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("read walredo stdout"))),
         }
     }
@@ -327,13 +536,13 @@ fn read_reply(
         match read_some(stdout)? {
             Some(0) => return Err(eof()),
             Some(_) => spin_until = None,
-            None if spin.is_zero() => wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?,
+            None if spin.is_zero() => wait(&stdout.pipe, PollFlags::POLLIN, deadline, timeout)?,
             None => {
                 let until = *spin_until.get_or_insert_with(|| Instant::now() + spin);
                 if Instant::now() < until {
                     spin_hints();
                 } else {
-                    wait(stdout.pipe.as_fd(), PollFlags::POLLIN, deadline, timeout)?;
+                    wait(&stdout.pipe, PollFlags::POLLIN, deadline, timeout)?;
                     spin_until = None;
                 }
             }
