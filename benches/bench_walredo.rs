@@ -66,6 +66,40 @@
 //!
 //! # Results
 //!
+//! ## 2026-11-23, the `auto` kind (commit fb3f8d4 + spinning at one request in flight)
+//!
+//! Same machine, otherwise idle; every variant after the same 300 ms warm-up (step 1 above).
+//! `cargo bench -p benches --bench bench_walredo --
+//! '^floor/echo/1$|^(sync|async|adaptive-sync|adaptive-async|auto)/(ping|short|medium)/(1|2|8|64)$'`,
+//! then `python3 benches/summarize.py`. Medians in microseconds per request; "best of 4" is the
+//! best of `sync`, `async` (one child, no spin windows), `adaptive-sync` and `adaptive-async`
+//! (pool and spin windows, fixed path). `floor/echo/1`: 36.9 us.
+//!
+//! | workload | N | sync | async | adaptive-sync | adaptive-async | auto | auto / best of 4 |
+//! |---|---:|---:|---:|---:|---:|---:|---:|
+//! | ping | 1 | 17.2 | 34.8 | 14.0 | 55.7 | 15.6 | 1.12 |
+//! | ping | 2 | 45.1 | 37.0 | 16.3 | 30.7 | 16.0 | 0.98 |
+//! | ping | 8 | 84.8 | 77.6 | 47.7 | 64.7 | 55.7 | 1.17 |
+//! | ping | 64 | 395.3 | 384.3 | 372.0 | 298.2 | 288.4 | 0.97 |
+//! | short | 1 | 20.9 | 57.1 | 18.5 | 58.2 | 15.5 | 0.84 |
+//! | short | 2 | 47.9 | 64.5 | 16.3 | 27.2 | 20.5 | 1.26 |
+//! | short | 8 | 80.3 | 64.5 | 45.4 | 57.7 | 55.2 | 1.22 |
+//! | short | 64 | 342.6 | 336.0 | 316.1 | 273.9 | 254.1 | 0.93 |
+//! | medium | 1 | 69.5 | 74.0 | 25.5 | 74.1 | 26.1 | 1.03 |
+//! | medium | 2 | 75.3 | 81.2 | 46.2 | 49.0 | 42.1 | 0.91 |
+//! | medium | 8 | 136.5 | 97.0 | 131.4 | 95.2 | 95.3 | 1.00 |
+//! | medium | 64 | 800.5 | 880.2 | 838.6 | 587.3 | 623.7 | 1.06 |
+//!
+//! `auto` beats both `sync` and `async` at every point (0.27-0.98x of `async`), so it is the
+//! default. Within 5% of the best fixed configuration at 7 of 12 points; at N = 8 the fixed path
+//! threshold sends `ping`/`short` to the yielding path, where blocking with spin windows is
+//! faster for light requests (while yielding is faster for `medium`). `auto/short/1` is 0.42x
+//! the floor (target 0.2x, not met: a spinning round trip through the manager costs 10-15 us).
+//! Before this run the controller parked every child at one request in flight (the efb511b
+//! rule, from fresh-runtime samples); alternating one-variant runs after the warm-up gave
+//! `spin/short/1` 14.3 and 9.9 us against `sync/short/1` 21.1 and 23.3 us, so it now spins at
+//! one request in flight too; this table is with that change.
+//!
 //! ## 2026-11-23, the adaptive worker controller (commits ca3f943 and efb511b)
 //!
 //! Same machine, otherwise idle. `cargo bench -p benches --bench bench_walredo --

@@ -10,7 +10,9 @@ and async throughput N / median relative to N = 1; then the two pinned floors
 (`floor/echo-same-cpu/1`, `floor/echo-cross-cpu/1`); then, if the spin-window variants ran
 (`spin/*`: sync with a 100 us window, `spin-async/*`), their medians next to `sync` and `async`;
 then, if the adaptive variants ran (`adaptive-sync/*`, `adaptive-async/*`: the pool and spin
-windows of the controller), their medians against the better of `sync` and `async` (one child).
+windows of the controller; `auto/*`: the same, and the controller's path), their medians
+against the better of `sync` and `async` (one child), and `auto` against the best of the four
+fixed-path variants and against the floor.
 
 Usage: python3 benches/summarize.py [CRITERION_DIR]   (default: target/criterion, or
 $CARGO_TARGET_DIR/criterion, looked up from the workspace root)
@@ -91,18 +93,21 @@ def main():
     for workload in WORKLOADS:
         for n in ADAPTIVE_CLIENTS:
             ad, ads = median_ns(base, "adaptive-async", workload, n), median_ns(base, "adaptive-sync", workload, n)
-            if ad is None and ads is None:
+            au = median_ns(base, "auto", workload, n)
+            if ad is None and ads is None and au is None:
                 continue
             s, a = median_ns(base, "sync", workload, n), median_ns(base, "async", workload, n)
             best = min((x for x in (s, a) if x is not None), default=None)
+            best4 = min((x for x in (s, a, ads, ad) if x is not None), default=None)
             f = median_ns(base, "floor", FLOOR[workload], 1) if n == 1 else None
             rows.append(f"| {workload} | {n} | {us(s)} | {us(a)} | {us(ads)} | {us(ad)} | {ratio(ads, best)} "
-                        f"| {ratio(ad, best)} | {us(f)} | {ratio(ads, f)} |")
+                        f"| {ratio(ad, best)} | {us(au)} | {ratio(au, best4)} | {us(f)} | {ratio(au, f)} |")
     if rows:
         print()
         print("| workload | N | sync (us) | async (us) | adaptive-sync (us) | adaptive-async (us) "
-              "| adaptive-sync/best | adaptive-async/best | floor (us) | adaptive-sync/floor |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| adaptive-sync/best | adaptive-async/best | auto (us) | auto/best of 4 | floor (us) "
+              "| auto/floor |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         print("\n".join(rows))
 
 

@@ -47,9 +47,10 @@
 //! baseline (Envoy's adaptive concurrency does, and its docs admit a burst of rejections).
 //!
 //! **Spin** (the round-trip floor measured here): spinning pays only while requests arrive faster
-//! than the spin window covers, and only while requests overlap (more than one in flight on
-//! average: one at a time hands over faster on one CPU, parked); past it the spinner burns CPU
-//! and still goes to sleep. The mean
+//! than the spin window covers; past it the spinner burns CPU and still goes to sleep. It pays
+//! with one request at a time too: bench_walredo `short/1`, after 300 ms of load, 10-14 us with
+//! both sides spinning against 21-23 us parked (a fresh runtime's first moments showed 7 us
+//! parked, when the scheduler happened to put both sides on one CPU; it does not stay so). The mean
 //! idle gap of a worker between requests is `gap = (period x workers - busy) / arrivals` (idle
 //! worker time per request, with `workers` the live count). If there were arrivals and
 //! `gap <= spin_max`: `spin = clamp(2 x gap, spin_min, spin_max)` and
@@ -328,10 +329,7 @@ impl WorkerController {
             }
         };
 
-        // At most one request in flight on average, a blocking hand-over on one CPU (the
-        // scheduler's same-CPU wake-up) beats two spinners on two: measured here, sync short/1
-        // 7.4 us parked against 13-24 us spinning.
-        let (spinning, spin) = if obs.period.is_zero() || obs.arrivals == 0 || obs.in_flight() <= 1.0 {
+        let (spinning, spin) = if obs.period.is_zero() || obs.arrivals == 0 {
             (0, Duration::ZERO)
         } else {
             let gap = obs.idle_gap();
@@ -556,16 +554,16 @@ mod tests {
     }
 
     #[test]
-    fn steady_low_load_keeps_one_worker_on_the_sync_path_spinning_only_for_short_overlapping_gaps() {
+    fn steady_low_load_keeps_one_worker_on_the_sync_path_spinning_only_for_short_gaps() {
         let mut c = ctl(8, 1);
-        // 1000 requests of 20 us in 100 ms, one at a time (0.2 in flight): one worker, parked
-        // (a blocking hand-over on one CPU beats spinning on two).
+        // 1000 requests of 20 us in 100 ms, one at a time (0.2 in flight): one worker, on the
+        // sync path, spinning: idle gap 80 us, spin 160 us.
         for i in 0..10 {
             let d = c.update(obs(ms(20), 1000, 1));
-            assert_eq!(d, decision(1, 0, ZERO, Path::Sync), "period {i}");
+            assert_eq!(d, decision(1, 1, us(160), Path::Sync), "period {i}");
         }
-        // The same requests overlapping (1.5 in flight, still the sync path): idle gap 80 us,
-        // spin 160 us; the pool stays at ceil(0.2 x 1.25) = 1 worker.
+        // The same requests overlapping (1.5 in flight, still the sync path): the same spin;
+        // the pool stays at ceil(0.2 x 1.25) = 1 worker.
         let overlapping = |o: Observation| Observation { in_flight_avg: 1.5, ..o };
         for i in 0..10 {
             let d = c.update(overlapping(obs(ms(20), 1000, 1)));

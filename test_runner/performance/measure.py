@@ -362,7 +362,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--points", default="1x1,8x1,64x1,8x16",
                         help="CONNECTIONSxDEPTH, comma separated")
-    parser.add_argument("--kinds", default="sync,async",
+    parser.add_argument("--kinds", default="sync,async,auto",
                         help="daemon variants, comma separated: a walredo process kind, optionally with more "
                              "settings after colons, e.g. async:walredo_pool_max=1")
     parser.add_argument("--scenarios", default="cached,chain10")

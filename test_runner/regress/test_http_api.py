@@ -117,15 +117,15 @@ def test_put_config(pageserver):
     assert st["config"]["walredo_process_kind"] == "sync"
     assert st["effective_config"]["walredo_process_kind"] == "sync"
     assert st["walredo"]["process_kind"] == "sync"
-    # null falls back to the daemon's setting (async by default)
+    # null falls back to the daemon's setting (auto by default)
     st = http.set_tenant_config(t, {"walredo_process_kind": None})
     assert st["config"].get("walredo_process_kind") is None
-    assert st["effective_config"]["walredo_process_kind"] == "async"
+    assert st["effective_config"]["walredo_process_kind"] == "auto"
     http.set_tenant_config(t, {"walredo_process_kind": "sync"})
     # absent also falls back: the body replaces the overrides
     st = http.set_tenant_config(t, {})
-    assert st["effective_config"]["walredo_process_kind"] == "async"
-    assert http.tenant_status(t)["effective_config"]["walredo_process_kind"] == "async"
+    assert st["effective_config"]["walredo_process_kind"] == "auto"
+    assert http.tenant_status(t)["effective_config"]["walredo_process_kind"] == "auto"
 
 
 @pytest.mark.parametrize(

@@ -35,14 +35,14 @@ def kind_gauges(ps):
     return values
 
 
-def test_default_process_kind_is_async(pageserver):
+def test_default_process_kind_is_auto(pageserver):
     t = pageserver.create_tenant()
     status = pageserver.http.tenant_status(t)
     assert status["config"].get("walredo_process_kind") is None
-    assert status["effective_config"]["walredo_process_kind"] == "async"
-    assert status["walredo"]["process_kind"] == "async"
+    assert status["effective_config"]["walredo_process_kind"] == "auto"
+    assert status["walredo"]["process_kind"] == "auto"
     _redo_once(pageserver, t, 10)
-    assert _child(pageserver, t)["kind"] == "async"
+    assert _child(pageserver, t)["kind"] == "auto"
 
 
 def test_daemon_setting_chooses_process_kind(pageserver, process_kind):

@@ -65,7 +65,7 @@ pub use page_types::MAX_RECORDS_PER_REQUEST;
 
 /// The default process kind, of the daemon (`walredo_process_kind`) and of [`WalRedoConf`]:
 /// the one definition, which `config.rs` uses too.
-pub const DEFAULT_PROCESS_KIND: ProcessKind = ProcessKind::Async;
+pub const DEFAULT_PROCESS_KIND: ProcessKind = ProcessKind::Auto;
 
 /// How the daemon drives the child's pipes; read each time a child is spawned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -29,10 +29,11 @@
 //! Waiting ([`Wait`], set per child by [`SyncPipes::set_wait`], read once per round trip): the
 //! sync kind always blocks as above. An `auto` child follows the controller's path: blocking
 //! while few requests overlap, *yielding* while many do: the fds are registered with tokio's
-//! reactor ([`PipeFd`], `AsyncFd`), and every wait for a pipe is an await, as in the async kind;
-//! the reader does not spin then (it would busy-loop an executor thread). The registration is
-//! made by the first yielding wait on a pipe and dropped by the next blocking one under the same
-//! lock, so that a blocking child's replies do not also wake the reactor.
+//! reactor ([`PipeFd`], `tokio::net::unix::pipe`), and every wait for a pipe is an await, as
+//! in the async kind; the reader does not spin then (it would busy-loop an executor thread).
+//! The registration is made by the first yielding wait on a pipe and dropped by the next
+//! blocking one under the same lock, so that a blocking child's replies do not also wake the
+//! reactor.
 //!
 //! Cancellation: a blocking round trip can only be dropped while it waits for a lock (the I/O
 //! between two awaits runs to its end); a yielding one also while it waits for a pipe. Before
