@@ -295,17 +295,8 @@ impl SyncPipes {
     ) -> Result<(), ProcessError> {
         while *written < request.len() {
             let deadline = self.shared.progress.child_deadline(timeout, since);
-            match wait(pipe, PollFlags::POLLOUT, deadline, timeout) {
-                Ok(()) => {}
-                // Another request saw progress meanwhile: wait on.
-                Err(ProcessError::Timeout(_))
-                    if Instant::now() < self.shared.progress.child_deadline(timeout, since) =>
-                {
-                    continue
-                }
-                Err(e) => return Err(e),
-            }
-            self.write_more(pipe, request, written)?;
+            let waited = wait(pipe, PollFlags::POLLOUT, deadline, timeout);
+            self.write_after_wait(waited, pipe, request, written, since, timeout)?;
         }
         Ok(())
     }
@@ -321,22 +312,33 @@ impl SyncPipes {
     ) -> Result<(), ProcessError> {
         while *written < request.len() {
             let deadline = self.shared.progress.child_deadline(timeout, since);
-            match pipe.ready(deadline, timeout).await {
-                Ok(()) => {}
-                Err(ProcessError::Timeout(_))
-                    if Instant::now() < self.shared.progress.child_deadline(timeout, since) =>
-                {
-                    continue
-                }
-                Err(e) => return Err(e),
-            }
-            self.write_more(pipe, request, written)?;
+            let waited = pipe.ready(deadline, timeout).await;
+            self.write_after_wait(waited, pipe, request, written, since, timeout)?;
         }
         Ok(())
     }
 
-    /// Writes what fits of `request[*written..]` now, counting it as progress of the child.
-    fn write_more(&self, pipe: &PipeFd, request: &[u8], written: &mut usize) -> Result<(), ProcessError> {
+    /// After a wait for the pipe to take bytes: writes what fits of `request[*written..]`,
+    /// counting it as progress of the child; or, if the wait timed out while another request
+    /// saw progress meanwhile, nothing (the caller waits on); else the wait's error.
+    fn write_after_wait(
+        &self,
+        waited: Result<(), ProcessError>,
+        pipe: &PipeFd,
+        request: &[u8],
+        written: &mut usize,
+        since: Instant,
+        timeout: Duration,
+    ) -> Result<(), ProcessError> {
+        match waited {
+            Ok(()) => {}
+            Err(ProcessError::Timeout(_))
+                if Instant::now() < self.shared.progress.child_deadline(timeout, since) =>
+            {
+                return Ok(())
+            }
+            Err(e) => return Err(e),
+        }
         let (n, result) = write_some(pipe, &request[*written..]);
         *written += n;
         if n > 0 {
