@@ -52,6 +52,17 @@ def ratio(a, b):
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
 
 
+def print_table(columns, rows):
+    """A markdown table after a blank line, if there are rows; the first column is text, the others
+    right-aligned."""
+    if not rows:
+        return
+    print()
+    print("| " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * (len(columns) - 1))
+    print("\n".join(rows))
+
+
 def main():
     base = sys.argv[1] if len(sys.argv) > 1 else default_dir()
     if not os.path.isdir(base):
@@ -83,12 +94,8 @@ def main():
             f = median_ns(base, "floor", FLOOR[workload], 1) if n == 1 else None
             rows.append(f"| {workload} | {n} | {us(s)} | {us(sp)} | {ratio(sp, s)} | {us(a)} | {us(spa)} "
                         f"| {ratio(spa, a)} | {us(f)} | {ratio(sp, f)} |")
-    if rows:
-        print()
-        print("| workload | N | sync (us) | spin (us) | spin/sync | async (us) | spin-async (us) "
-              "| spin-async/async | floor (us) | spin/floor |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        print("\n".join(rows))
+    print_table(["workload", "N", "sync (us)", "spin (us)", "spin/sync", "async (us)", "spin-async (us)",
+                 "spin-async/async", "floor (us)", "spin/floor"], rows)
     rows = []
     for workload in WORKLOADS:
         for n in ADAPTIVE_CLIENTS:
@@ -102,13 +109,9 @@ def main():
             f = median_ns(base, "floor", FLOOR[workload], 1) if n == 1 else None
             rows.append(f"| {workload} | {n} | {us(s)} | {us(a)} | {us(ads)} | {us(ad)} | {ratio(ads, best)} "
                         f"| {ratio(ad, best)} | {us(au)} | {ratio(au, best4)} | {us(f)} | {ratio(au, f)} |")
-    if rows:
-        print()
-        print("| workload | N | sync (us) | async (us) | adaptive-sync (us) | adaptive-async (us) "
-              "| adaptive-sync/best | adaptive-async/best | auto (us) | auto/best of 4 | floor (us) "
-              "| auto/floor |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        print("\n".join(rows))
+    print_table(["workload", "N", "sync (us)", "async (us)", "adaptive-sync (us)", "adaptive-async (us)",
+                 "adaptive-sync/best", "adaptive-async/best", "auto (us)", "auto/best of 4", "floor (us)",
+                 "auto/floor"], rows)
 
 
 if __name__ == "__main__":

@@ -327,8 +327,9 @@ impl WalRedoManager {
     /// failure (crash, EOF, protocol violation) is retried once on a new child, since redo is a
     /// pure function of its input; a timeout or an error frame is not.
     ///
-    /// Cancel-safe, for both kinds: dropping the future never hands its reply to another
-    /// request (the sync kind yields only while it waits for a pipe, never mid-I/O).
+    /// Cancel-safe, for every kind: dropping the future never hands its reply to another
+    /// request (a blocking round trip yields only while it waits for a pipe's lock, never
+    /// mid-I/O; a yielding one dropped halfway through its write retires its child).
     pub async fn request_redo(
         &self,
         tag: BufferTag,

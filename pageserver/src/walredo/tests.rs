@@ -1,4 +1,4 @@
-//! Tests of the manager against the real `walredo-proc` child, for both process kinds:
+//! Tests of the manager against the real `walredo-proc` child, for every process kind:
 //! background redo requests (foreground requests go first, background requests alone are
 //! served and not starved by a closed-loop foreground load, and one waiting for its turn is
 //! cancel-safe and holds no child), and the pool (it grows under concurrent load and shrinks
