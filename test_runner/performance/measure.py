@@ -8,8 +8,9 @@ Not a test (pytest collects only test_*.py): a script to reproduce the published
 
 For each scenario and each walredo process kind it starts a fresh daemon in a temp work dir (free
 ports), loads the scenario's data set with `pagebench ingest`, optionally warms up, then runs
-`pagebench get-page` --repeat times per (connections, depth) point and reports the run with the
-median throughput. The daemons of both process kinds run side by side (idle when not measured)
+`pagebench get-page` --repeat times per point and reports the run with the median throughput. A
+point is a closed loop (connections x depth) or an open loop (connections x @rate: pagebench
+`--rate`, for CPU per request at a given load). The daemons of both process kinds run side by side (idle when not measured)
 and their runs alternate, so that a drift in the machine's speed (it is a shared VM) hits both
 kinds alike. While a run goes, it samples /proc every 0.5 s: the machine's CPU split
 (/proc/stat), and the CPU time and context switches of the daemon, of its redo children, and of
@@ -271,12 +272,13 @@ def delta(after: dict, before: dict, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-def run_point(bin_dir, daemon, scenario, conns, depth, duration, threads, quiet) -> dict:
+def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, quiet) -> dict:
     busy_before = wait_for_quiet_machine(*quiet)
     before = metrics(daemon.http)
+    load = ["--rate", str(rate)] if rate else ["--depth", str(depth)]
     proc = pagebench(bin_dir, daemon, ["get-page", "--tenant", "bench", *scenario["shape"],
                                        "--lsn", scenario["lsn"], "--connections", str(conns),
-                                       "--depth", str(depth), "--duration", str(duration),
+                                       *load, "--duration", str(duration),
                                        "--threads", str(threads)])
     sampler = Sampler(daemon, proc.pid, skip=1.0)
     sampler.start()
@@ -288,12 +290,17 @@ def run_point(bin_dir, daemon, scenario, conns, depth, duration, threads, quiet)
     after = metrics(daemon.http)
     requests = max(summary["requests"], 1)
     redo_count = delta(after, before, "pageserver_wal_redo_seconds_count")
+    cpu = sampler.result()
+    if cpu and summary["rps"]:
+        # Daemon and redo children together, in microseconds of CPU per request served.
+        cpu["cpu_us_per_request"] = round(1e4 * (cpu["daemon_cpu_pct"] + cpu["redo_cpu_pct"]) / summary["rps"], 1)
     return {
         "connections": conns,
         "depth": depth,
+        "rate": rate,
         "machine_busy_before_pct": busy_before,
         "summary": summary,
-        "cpu": sampler.result(),
+        "cpu": cpu,
         "per_request": {
             "cache_hit_ratio": round(delta(after, before, "pageserver_page_cache_hits_total")
                                      / requests, 3),
@@ -340,6 +347,17 @@ def run_strace(bin_dir, daemon, scenario, conns, depth, seconds=4.0) -> dict:
             "total_per_request": round(sum(calls.values()) / served, 2)}
 
 
+def parse_point(text: str) -> tuple[int, int, int | None]:
+    """`CONNSxDEPTH` (closed loop) or `CONNSx@RATE` (open loop at RATE requests/s in total)."""
+    shape, _, rate = text.partition("@")
+    conns, _, depth = shape.partition("x")
+    return int(conns), int(depth or 1), int(rate) if rate else None
+
+
+def point_label(conns: int, depth: int, rate: int | None) -> str:
+    return f"{conns} x @{rate}/s" if rate else f"{conns} x {depth}"
+
+
 def disturbed(run: dict, opts) -> bool:
     """Whether other processes or the hypervisor took a share of the machine during the run."""
     cpu = run["cpu"] or {}
@@ -361,7 +379,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--points", default="1x1,8x1,64x1,8x16",
-                        help="CONNECTIONSxDEPTH, comma separated")
+                        help="comma separated: CONNECTIONSxDEPTH (closed loop), or CONNECTIONSx@RATE (open loop, "
+                             "RATE requests/s in total)")
     parser.add_argument("--kinds", default="sync,async,auto",
                         help="daemon variants, comma separated: a walredo process kind, optionally with more "
                              "settings after colons, e.g. async:walredo_pool_max=1")
@@ -379,7 +398,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the daemons' work dirs (logs, strace output)")
     opts = parser.parse_args()
 
-    points = [tuple(int(x) for x in p.split("x")) for p in opts.points.split(",")]
+    points = [parse_point(p) for p in opts.points.split(",")]
     kinds = opts.kinds.split(",")
     results = []
     for scenario_name in opts.scenarios.split(","):
@@ -400,7 +419,7 @@ def main() -> int:
                     finish(pagebench(opts.bin_dir, daemon, ["get-page", "--tenant", "bench", *scenario["shape"],
                                                             "--lsn", scenario["lsn"], "--connections", "8",
                                                             "--duration", str(scenario["warmup"])]), 120)
-            for conns, depth in points:
+            for conns, depth, rate in points:
                 runs = {kind: [] for kind in kinds}
                 discarded = {kind: 0 for kind in kinds}
                 last = {}
@@ -408,12 +427,12 @@ def main() -> int:
                     for kind in kinds:
                         if len(runs[kind]) >= opts.repeat or discarded[kind] >= opts.repeat:
                             continue
-                        run = run_point(opts.bin_dir, daemons[kind], scenario, conns, depth, opts.duration,
+                        run = run_point(opts.bin_dir, daemons[kind], scenario, conns, depth, rate, opts.duration,
                                         opts.threads, (opts.quiet_below, opts.quiet_max_wait))
                         last[kind] = run
                         if disturbed(run, opts):
                             discarded[kind] += 1
-                            print(f"   {kind} {conns}x{depth}: run disturbed ({run['cpu']}), redone", file=sys.stderr)
+                            print(f"   {kind} {point_label(conns, depth, rate)}: run disturbed ({run['cpu']}), redone", file=sys.stderr)
                             continue
                         runs[kind].append(run)
                 for kind in kinds:
@@ -426,7 +445,7 @@ def main() -> int:
                              other_cpu_runs=[(run["cpu"] or {}).get("other_cpu_pct") for run in kind_runs])
                     results.append(r)
                     s = r["summary"]
-                    print(f"   {kind:<5} {conns:>3}x{depth:<3} rps {s['rps']:>9} p50 {s['latency_us']['p50']:>6} "
+                    print(f"   {kind:<5} {point_label(conns, depth, rate):>9} rps {s['rps']:>9} p50 {s['latency_us']['p50']:>6} "
                           f"p99 {s['latency_us']['p99']:>6} p999 {s['latency_us']['p999']:>6} "
                           f"errors {s['errors']} runs {r['rps_runs']} cpu {r['cpu']} per_request {r['per_request']}",
                           file=sys.stderr)
@@ -446,16 +465,16 @@ def main() -> int:
 
     results.sort(key=lambda r: (r["scenario"], r["kind"], r.get("strace", False)))
     print("| scenario | kind | conns x depth | rps (median) | rps (runs) | p50 us | p99 us | p99.9 us | errors "
-          "| daemon CPU % | redo CPU % | pagebench CPU % | idle % | other CPU % |")
-    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| daemon CPU % | redo CPU % | CPU us / request | pagebench CPU % | idle % | other CPU % |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if r.get("strace"):
             continue
         s, c = r["summary"], r["cpu"] or {}
         lat = s["latency_us"]
         runs = "/".join(f"{x / 1000:.1f}k" for x in r.get("rps_runs", [s["rps"]]))
-        print(f"| {r['scenario']} | {r['kind']} | {r['connections']} x {r['depth']} | {s['rps']:.0f} | {runs} | {lat['p50']} "
-              f"| {lat['p99']} | {lat['p999']} | {s['errors']} | {c.get('daemon_cpu_pct')} | {c.get('redo_cpu_pct')} "
+        print(f"| {r['scenario']} | {r['kind']} | {point_label(r['connections'], r['depth'], r.get('rate'))} | {s['rps']:.0f} | {runs} | {lat['p50']} "
+              f"| {lat['p99']} | {lat['p999']} | {s['errors']} | {c.get('daemon_cpu_pct')} | {c.get('redo_cpu_pct')} | {c.get('cpu_us_per_request')} "
               f"| {c.get('bench_cpu_pct')} | {(c.get('machine_pct') or {}).get('idle')} | {c.get('other_cpu_pct')} |")
     return 0
 
