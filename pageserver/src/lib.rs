@@ -3,6 +3,7 @@
 //! - [`server`]: `run(conf, shutdown)`, the daemon as a function;
 //! - [`config`]: settings (file, overrides, defaults);
 //! - [`tenants`] / [`tenant`]: the tenants and the GetPage@LSN path;
+//! - [`tenant_series`]: per-tenant metrics, exported for the busiest tenants only;
 //! - [`storage`]: durable per-tenant storage (append log, immutable layers, layer map,
 //!   compaction passes);
 //! - [`compaction`] / [`compaction_controller`]: the time-sliced background compactor of a
@@ -28,6 +29,7 @@ pub mod process_metrics;
 pub mod server;
 pub mod storage;
 pub mod tenant;
+pub mod tenant_series;
 pub mod tenants;
 pub mod test_support;
 pub mod walredo;

@@ -23,6 +23,7 @@ use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
 use crate::page_service::{self, PageServiceConf, PageServiceMetrics};
 use crate::storage::{self, StorageMetrics};
+use crate::tenant_series::TenantSeriesCollector;
 use crate::tenants::{Tenants, TenantsMetrics};
 use crate::walredo::WalRedoMetrics;
 
@@ -75,6 +76,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         .await
         .context("load tenants")?,
     );
+    registry.register(Box::new(TenantSeriesCollector::new(Arc::downgrade(&tenants))?))?;
 
     let pg_listener = tokio::net::TcpListener::bind(conf.listen_pg_addr)
         .await

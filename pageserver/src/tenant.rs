@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::compaction::{CompactionMetrics, CompactionSettings, CompactionStatus, Compactor, PassSummary};
 use crate::page_cache::PageCache;
 use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError};
+use crate::tenant_series::GetPageSeries;
 use crate::walredo::{lock, ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
 /// What one GetPage may read to rebuild a page (checked from the index before reading).
@@ -205,6 +206,8 @@ pub struct Tenant {
     /// Cancelled when the tenant stops; connections watch it.
     pub cancel: CancellationToken,
     pub(crate) counters: Counters,
+    /// Its GetPage series, exported while it is among the busiest tenants (`tenant_series`).
+    pub(crate) get_page_series: GetPageSeries,
 }
 
 /// Request counters of a tenant.
@@ -230,6 +233,17 @@ impl Tenant {
     /// [`WalRedoManager::request_redo`]); nothing is left half done.
     pub async fn get_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
         self.counters.get_page_requests.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        let result = self.read_page(key, lsn).await;
+        self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
+        if result.is_err() {
+            self.get_page_series.errors.inc();
+        }
+        result
+    }
+
+    /// [`Tenant::get_page`] without its accounting.
+    async fn read_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
         if self.cancel.is_cancelled() {
             return Err(GetPageError::ShuttingDown);
         }

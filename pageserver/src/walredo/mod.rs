@@ -48,7 +48,7 @@ use tokio_util::task::TaskTracker;
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::protocol::{self, BufferTag, ErrorCode};
 
-pub use metrics::{StopCause, WalRedoMetrics};
+pub use metrics::{StopCause, TenantRedoSeries, WalRedoMetrics};
 use pipeline::Reply;
 use pool::{ChildBudget, ControllerStatus, Load, Pool, Sampler};
 use priority::{Priority, WriteTicket};
@@ -278,6 +278,7 @@ pub struct WalRedoManager {
     /// Spawn attempts finished.
     spawn_attempts: AtomicU64,
     metrics: Arc<WalRedoMetrics>,
+    series: TenantRedoSeries,
     served: AtomicU64,
     /// Foreground requests before background ones.
     priority: Priority,
@@ -303,6 +304,7 @@ impl WalRedoManager {
             spawn_lock: tokio::sync::Mutex::new(None),
             spawn_attempts: AtomicU64::new(0),
             metrics,
+            series: TenantRedoSeries::new(tenant_id),
             served: AtomicU64::new(0),
             priority: Priority::new(),
             reaping: Reaping::new(),
@@ -446,7 +448,9 @@ impl WalRedoManager {
                 Err(ProcessError::QueueTimeout(t)) => return Err(self.count(RedoError::QueueTimeout(t))),
                 Ok(reply) => {
                     self.served.fetch_add(1, Ordering::Relaxed);
-                    self.metrics.redo_seconds.observe(started.elapsed().as_secs_f64());
+                    let took = started.elapsed().as_secs_f64();
+                    self.metrics.redo_seconds.observe(took);
+                    self.series.seconds.observe(took);
                     let label = if matches!(reply, Reply::Page(_)) { "ok" } else { "rejected" };
                     if label == "ok" {
                         self.metrics.requests.with_label_values(&[label]).inc();
@@ -491,6 +495,7 @@ impl WalRedoManager {
     /// Counts a failed request by outcome and hands the error back.
     fn count(&self, e: RedoError) -> RedoError {
         self.metrics.requests.with_label_values(&[e.result_label()]).inc();
+        self.series.errors.inc();
         e
     }
 
@@ -709,6 +714,18 @@ impl WalRedoManager {
             requests_served: self.served.load(Ordering::Relaxed),
             last_exit: self.reaping.last_exit(),
         }
+    }
+
+    /// The tenant's redo series (`tenant_series`).
+    pub fn series(&self) -> &TenantRedoSeries {
+        &self.series
+    }
+
+    /// Children in the pool now, and how many of them spin between requests.
+    pub fn children_and_spinning(&self) -> (usize, usize) {
+        let pool = lock(&self.pool);
+        let children = pool.children();
+        (children.len(), children.iter().filter(|p| p.spin_us() > 0).count())
     }
 
     /// Stops taking requests, waits for the ones in flight, then kills and reaps the child.
