@@ -551,33 +551,53 @@ mod tests {
         tenants.shutdown().await;
     }
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn loading_leaves_the_runtime_free_and_holds_a_damaged_tenant_as_broken() {
+    /// t3's tenant.toml is a FIFO: reading it blocks until a task of the (single-threaded)
+    /// runtime opens it and writes a damaged config. If loading ran on the runtime's thread,
+    /// that task could never run: the load would hang, and the test fails on its deadline.
+    #[test]
+    fn loading_leaves_the_runtime_free_and_holds_a_damaged_tenant_as_broken() {
         let workdir = tempfile::tempdir().unwrap();
         let conf = conf(workdir.path());
-        let tenants = load(&conf).await;
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let workdir_path = workdir.path().to_path_buf();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(loading_while_a_task_feeds_a_fifo(&workdir_path, &conf));
+            let _ = done_tx.send(());
+        });
+        done_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("loading blocked the runtime: the task feeding the FIFO never ran");
+    }
+
+    async fn loading_while_a_task_feeds_a_fifo(workdir: &Path, conf: &PageServerConf) {
+        use std::os::unix::fs::OpenOptionsExt;
+        let tenants = load(conf).await;
         for i in 0..8 {
             tenants.create(&format!("t{i}"), TenantConfOverrides::default()).await.unwrap();
         }
         tenants.shutdown().await;
         drop(tenants);
-        std::fs::write(workdir.path().join(TENANTS_DIR).join("t3").join("tenant.toml"), "[[[").unwrap();
+        let config = workdir.join(TENANTS_DIR).join("t3").join("tenant.toml");
+        std::fs::remove_file(&config).unwrap();
+        nix::unistd::mkfifo(&config, nix::sys::stat::Mode::S_IRWXU).unwrap();
 
-        // On a single-threaded runtime, another task runs while the tenants load.
-        let ticks = Arc::new(AtomicU64::new(0));
-        let ticker = tokio::spawn({
-            let ticks = Arc::clone(&ticks);
-            async move {
-                loop {
-                    ticks.fetch_add(1, Ordering::Relaxed);
-                    tokio::task::yield_now().await;
+        let feeder = tokio::spawn(async move {
+            loop {
+                // Non-blocking: fails (ENXIO) until the loader opens the FIFO for reading.
+                let opened =
+                    std::fs::OpenOptions::new().write(true).custom_flags(nix::libc::O_NONBLOCK).open(&config);
+                match opened {
+                    Ok(mut fifo) => {
+                        std::io::Write::write_all(&mut fifo, b"[[[").unwrap();
+                        return;
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
                 }
             }
         });
-        let tenants = load(&conf).await;
-        assert!(ticks.load(Ordering::Relaxed) > 0, "loading blocked the runtime");
-        ticker.abort();
-
+        let tenants = load(conf).await;
+        feeder.await.unwrap();
         assert_eq!(tenants.active().len(), 7);
         match tenants.get("t3") {
             Err(TenantError::Broken { reason, .. }) => assert!(reason.contains("tenant.toml"), "{reason}"),
