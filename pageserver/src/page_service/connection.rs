@@ -1,28 +1,26 @@
-//! One page service connection: a reader that decodes requests and starts each as a task of
-//! its own, and a writer that sends the replies in request order, gathering the replies that
-//! are ready into one vectored write (page bytes are written from the shared `Bytes`, never
-//! copied into a send buffer).
+//! One page service connection: a reader that decodes requests, starts each as a task of its
+//! own and queues its reply, and a writer ([`super::writer`]) that sends the replies in
+//! request order. Here: the wire <-> domain conversions (frames to tenant calls, errors to
+//! codes).
 //!
 //! Invariants: replies leave in request order; the ingest batches of a connection reach
 //! storage in the order sent (the reader queues each before reading the next frame); a bad
 //! frame gets an error reply and closes its own connection only.
 
-use std::collections::VecDeque;
-use std::io::IoSlice;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use bytes::{Bytes, BytesMut};
+use tokio::io::AsyncReadExt;
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
-use tokio::task::JoinHandle;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
-use super::{PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT, MAX_REPLIES_PER_WRITE};
+use super::writer::{write_replies, Pending, Queued, Reply, Writer};
+use super::{PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
 use crate::storage::{IngestError, Lsn, WaitLsnError};
 use crate::tenant::{GetPageError, Tenant};
 use crate::tenants::{TenantError, Tenants};
@@ -36,51 +34,12 @@ pub(super) fn refuse_now(stream: &TcpStream, code: ErrorCode, message: String) {
     let _ = stream.try_write(&out);
 }
 
-/// A reply on its way to the writer.
-enum Pending {
-    Ready(Reply),
-    Task(JoinHandle<Reply>),
-}
-
-/// The bytes of one reply frame, and whether the connection closes after it.
-struct Reply {
-    chunks: Vec<Bytes>,
-    close: bool,
-}
-
-impl Reply {
-    fn message(message: &ServerMessage) -> Reply {
-        let mut out = BytesMut::new();
-        message.encode(&mut out);
-        Reply { chunks: vec![out.freeze()], close: false }
-    }
-
-    fn error(metrics: &PageServiceMetrics, request_id: u64, code: ErrorCode, message: String) -> Reply {
-        metrics.errors.with_label_values(&[code.name()]).inc();
-        let mut reply = Reply::message(&ServerMessage::Error { request_id, code, message });
-        reply.close = code.closes_connection();
-        reply
-    }
-
-    fn page(request_id: u64, lsn: u64, page: Bytes) -> Reply {
-        let mut header = BytesMut::with_capacity(proto::PAGE_REPLY_HEADER_LEN);
-        proto::encode_page_header(&mut header, request_id, lsn, page.len());
-        Reply { chunks: vec![header.freeze(), page], close: false }
-    }
-}
-
 /// Settings of a connection.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ConnectionConf {
     /// A connection with nothing in flight that sends nothing this long is closed; a client
     /// that accepts no reply bytes this long is disconnected.
     pub idle_timeout: Duration,
-}
-
-/// A reply in the writer's queue, with the in-flight slot it holds until it is written.
-struct Queued {
-    pending: Pending,
-    _slot: OwnedSemaphorePermit,
 }
 
 /// Serves one connection until the client leaves, a bad frame, a timeout, or shutdown.
@@ -105,7 +64,7 @@ pub(crate) async fn handle_connection(
     let (replies, queue) = mpsc::channel::<Queued>(MAX_IN_FLIGHT);
     let writer_gone = CancellationToken::new();
     let write = async {
-        let written = write_replies(writer, queue, metrics, conf.idle_timeout).await;
+        let written = write_replies(Writer::Writev(writer), queue, metrics, conf.idle_timeout).await;
         writer_gone.cancel();
         written
     };
@@ -121,12 +80,11 @@ pub(crate) async fn handle_connection(
                     version: PROTOCOL_VERSION,
                     last_durable_lsn: tenant.last_durable_lsn(),
                 };
-                let _ =
-                    replies.send(Queued { pending: Pending::Ready(Reply::message(&ok)), _slot: slot }).await;
+                let _ = replies.send(Queued { pending: Pending::Ready(Reply::message(&ok)), slot }).await;
                 tenant
             }
             Err(reply) => {
-                let _ = replies.send(Queued { pending: Pending::Ready(reply), _slot: slot }).await;
+                let _ = replies.send(Queued { pending: Pending::Ready(reply), slot }).await;
                 return;
             }
         };
@@ -161,7 +119,7 @@ async fn hello(
     let frame = match frame {
         Err(_) => return Err(refuse(ErrorCode::BadFrame, format!("no Hello within {HELLO_TIMEOUT:?}"))),
         Ok(Err(e)) => return Err(refuse(e.code(), e.to_string())),
-        Ok(Ok(None)) => return Err(Reply { chunks: Vec::new(), close: true }),
+        Ok(Ok(None)) => return Err(Reply::close()),
         Ok(Ok(Some(frame))) => frame,
     };
     match proto::decode_client(frame) {
@@ -274,7 +232,7 @@ impl Connection<'_> {
                 }
             };
             let closes = matches!(&pending, Pending::Ready(reply) if reply.close);
-            if replies.send(Queued { pending, _slot: slot }).await.is_err() || closes {
+            if replies.send(Queued { pending, slot }).await.is_err() || closes {
                 return;
             }
         }
@@ -404,89 +362,4 @@ async fn read_frame(
             }
         }
     }
-}
-
-/// Writes replies in order, gathering those already done into one vectored write; a reply's
-/// in-flight slot is freed once it is written. Fails when the client accepts no bytes of a
-/// write for `write_timeout`.
-async fn write_replies(
-    mut writer: OwnedWriteHalf,
-    mut queue: mpsc::Receiver<Queued>,
-    metrics: &PageServiceMetrics,
-    write_timeout: Duration,
-) -> anyhow::Result<()> {
-    // Holds at most MAX_IN_FLIGHT: every entry holds a slot.
-    let mut waiting: VecDeque<Queued> = VecDeque::new();
-    let mut chunks: Vec<Bytes> = Vec::new();
-    let mut written_slots = Vec::new();
-    loop {
-        if waiting.is_empty() {
-            match queue.recv().await {
-                Some(queued) => waiting.push_back(queued),
-                None => break,
-            }
-        }
-        while let Ok(queued) = queue.try_recv() {
-            waiting.push_back(queued);
-        }
-        // The oldest reply goes first, whenever it is done; then whatever is done behind it.
-        let mut close = false;
-        let mut replies = 0;
-        while let Some(front) = waiting.front() {
-            let ready = match &front.pending {
-                Pending::Ready(_) => true,
-                Pending::Task(task) => task.is_finished(),
-            };
-            if replies > 0 && (!ready || replies >= MAX_REPLIES_PER_WRITE) {
-                break;
-            }
-            let Some(Queued { pending, _slot: slot }) = waiting.pop_front() else { break };
-            let reply = match pending {
-                Pending::Ready(reply) => reply,
-                Pending::Task(task) => task.await.map_err(|e| anyhow::anyhow!("request task failed: {e}"))?,
-            };
-            written_slots.push(slot);
-            replies += 1;
-            chunks.extend(reply.chunks);
-            if reply.close {
-                close = true;
-                break;
-            }
-        }
-        metrics.replies_per_write.observe(replies as f64);
-        match tokio::time::timeout(write_timeout, write_all_vectored(&mut writer, &mut chunks)).await {
-            Ok(written) => written?,
-            Err(_) => anyhow::bail!("the client accepted no reply for {write_timeout:?}"),
-        }
-        written_slots.clear();
-        if close {
-            let _ = tokio::time::timeout(write_timeout, writer.shutdown()).await;
-            return Ok(());
-        }
-    }
-    let _ = tokio::time::timeout(write_timeout, writer.shutdown()).await;
-    Ok(())
-}
-
-/// Writes every chunk, resuming mid-chunk after a partial write.
-async fn write_all_vectored(writer: &mut OwnedWriteHalf, chunks: &mut Vec<Bytes>) -> std::io::Result<()> {
-    let mut start = 0;
-    while start < chunks.len() {
-        let slices: Vec<IoSlice<'_>> = chunks[start..].iter().map(|c| IoSlice::new(c)).collect();
-        let mut written = writer.write_vectored(&slices).await?;
-        if written == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        while written > 0 && start < chunks.len() {
-            let chunk = &mut chunks[start];
-            let n = written.min(chunk.len());
-            chunk.advance(n);
-            written -= n;
-            if chunk.is_empty() {
-                start += 1;
-            }
-        }
-    }
-    chunks.clear();
-    Ok(())
 }

@@ -2,7 +2,10 @@
 //!
 //! - [`proto`]: frames and messages (pure);
 //! - [`client`]: an async client (pagebench, tests);
-//! - [`connection`]: one connection (reader, request tasks, ordered writer);
+//! - [`connection`]: one connection: reading, dispatch to the tenant, wire <-> domain
+//!   conversions and error codes;
+//! - [`reply_order`]: which replies go out in the next write (a pure policy);
+//! - [`writer`]: the reply path: replies as shared bytes, the ordered write loop, the writers;
 //! - this file: accepting connections, the bounds, the metrics.
 //!
 //! Invariants:
@@ -16,6 +19,8 @@
 pub mod client;
 mod connection;
 pub mod proto;
+mod reply_order;
+mod writer;
 
 use std::sync::Arc;
 use std::time::Duration;
