@@ -135,8 +135,12 @@ async fn foreground_request_is_answered_before_queued_background_requests() {
         })
         .await;
         tasks.push(spawn(FOREGROUND));
-        wait_for("the foreground request to take the child", Duration::from_secs(10), || {
+        // Written whole (its ticket is gone), not only counted on the child: a background
+        // request whose wait began before the foreground one arrived may otherwise reach the
+        // writer first, and rightly so (the rule of `priority`).
+        wait_for("the foreground request to be written to the child", Duration::from_secs(10), || {
             on_the_child(&manager) + manager.priority.background_waiting() == BACKGROUND as usize + 1
+                && manager.priority.foreground_queued() == 0
         })
         .await;
         signal(pid, nix::sys::signal::Signal::SIGCONT);
