@@ -7,6 +7,8 @@
 - `pageserver`: one daemon with the default config, or with `walredo_process_kind` set from the
   `process_kind` fixture when the test uses it.
 - `process_kind`: "sync", "async" and "auto"; a test that takes it runs once per kind.
+- `page_service_io`: "epoll" and "io_uring": every test that starts a daemon runs once per
+  mode (the daemon gets `page_service_io` unless the test sets it).
 - `tenant`: a fresh tenant on `pageserver`.
 
 The binary is `$PAGESERVER_BIN_DIR/pageserver` (default `<repo>/target/debug`).
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.daemon import PROCESS_KINDS, Pageserver, default_bin_dir, new_tenant_id
+from fixtures.daemon import IO_MODES, PROCESS_KINDS, Pageserver, default_bin_dir, new_tenant_id
 from fixtures.util import wait_until
 
 
@@ -34,12 +36,19 @@ def process_kind(request):
     return request.param
 
 
+@pytest.fixture(params=IO_MODES)
+def page_service_io(request):
+    return request.param
+
+
 @pytest.fixture
-def pageserver_factory(bin_dir, tmp_path):
+def pageserver_factory(bin_dir, tmp_path, page_service_io):
     daemons: list[Pageserver] = []
 
     def make(start: bool = True, raw_args: list[str] | None = None, env: dict | None = None,
              **config) -> Pageserver:
+        if not any(arg.startswith("page_service_io") for arg in raw_args or []):
+            config.setdefault("page_service_io", page_service_io)
         d = Pageserver(bin_dir, tmp_path / f"pageserver{len(daemons)}", config, raw_args, env)
         daemons.append(d)
         if start:

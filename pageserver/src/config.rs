@@ -10,6 +10,7 @@
 
 use crate::compaction::{CompactionMode, CompactionSettings};
 use crate::compaction_controller::ControllerConf;
+use crate::page_service::PageServiceIo;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -73,6 +74,7 @@ struct ConfigFile {
     max_connections: usize,
     #[serde(with = "humantime_serde")]
     page_service_idle_timeout: Duration,
+    page_service_io: PageServiceIo,
     walredo_memory_budget: ByteSize,
     log_format: LogFormat,
     compaction: CompactionMode,
@@ -97,6 +99,7 @@ impl Default for ConfigFile {
             layer_size: ByteSize::with_unit(DEFAULT_LAYER_SIZE),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             page_service_idle_timeout: crate::page_service::DEFAULT_IDLE_TIMEOUT,
+            page_service_io: PageServiceIo::default(),
             walredo_memory_budget: ByteSize::with_unit(crate::tenant::DEFAULT_REDO_MEMORY_BUDGET),
             log_format: LogFormat::Plain,
             compaction: CompactionMode::Sliced,
@@ -122,6 +125,9 @@ pub struct PageServerConf {
     pub layer_size: u64,
     pub max_connections: usize,
     pub page_service_idle_timeout: Duration,
+    /// How the page service writes replies (the io_uring writer falls back to `epoll` when the
+    /// kernel refuses a ring).
+    pub page_service_io: PageServiceIo,
     /// Bytes of page reconstruction data in flight, daemon-wide.
     pub walredo_memory_budget: u64,
     pub log_format: LogFormat,
@@ -176,6 +182,7 @@ impl PageServerConf {
             layer_size,
             max_connections,
             page_service_idle_timeout,
+            page_service_io,
             walredo_memory_budget,
             log_format,
             compaction,
@@ -248,6 +255,7 @@ impl PageServerConf {
             layer_size: layer_size.bytes,
             max_connections,
             page_service_idle_timeout: duration("page_service_idle_timeout", page_service_idle_timeout)?,
+            page_service_io,
             walredo_memory_budget: walredo_memory_budget.bytes,
             log_format,
             compaction: CompactionSettings {

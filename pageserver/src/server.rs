@@ -22,6 +22,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
 use crate::page_service::{self, PageServiceConf, PageServiceMetrics};
+use crate::page_service::{uring, PageServiceIo};
 use crate::storage::{self, StorageMetrics};
 use crate::tenant_series::TenantSeriesCollector;
 use crate::tenants::{Tenants, TenantsMetrics};
@@ -102,6 +103,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         max_connections: page_service_connections(&conf, fd_limit),
         idle_timeout: conf.page_service_idle_timeout,
         abort: connections_abort.clone(),
+        rings: start_rings(conf.page_service_io, &page_service_metrics),
     };
     let page_service = tokio::spawn(page_service::serve(
         pg_listener,
@@ -193,5 +195,30 @@ async fn write_ports_file(conf: &PageServerConf, pg: SocketAddr, http: SocketAdd
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::warn!("failed to write {PORTS_FILE}, serving without it: {e:#}"),
         Err(e) => tracing::warn!("failed to write {PORTS_FILE}, serving without it: {e}"),
+    }
+}
+
+/// The io_uring writers of the page service, if `io` asks for them and the kernel allows a
+/// ring; logs which way replies are written.
+fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<Arc<uring::Rings>> {
+    if io == PageServiceIo::Epoll {
+        tracing::info!(page_service_io = io.as_str(), "page service replies: writev per connection");
+        return None;
+    }
+    let started = uring::probe()
+        .map_err(|why| anyhow::anyhow!(why))
+        .and_then(|()| uring::Rings::start(1, Arc::clone(metrics)));
+    match started {
+        Ok(rings) => {
+            tracing::info!(page_service_io = io.as_str(), "page service replies: io_uring, 1 writer thread");
+            Some(Arc::new(rings))
+        }
+        Err(e) => {
+            tracing::warn!(
+                page_service_io = io.as_str(),
+                "io_uring is not available ({e:#}): page service replies fall back to writev per connection"
+            );
+            None
+        }
     }
 }

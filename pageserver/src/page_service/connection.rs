@@ -11,14 +11,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::AsyncReadExt;
-use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
+use super::uring::Rings;
 use super::writer::{write_replies, Pending, Queued, Reply, Writer};
 use super::{PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
 use crate::storage::{IngestError, Lsn, WaitLsnError};
@@ -35,11 +34,13 @@ pub(super) fn refuse_now(stream: &TcpStream, code: ErrorCode, message: String) {
 }
 
 /// Settings of a connection.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct ConnectionConf {
     /// A connection with nothing in flight that sends nothing this long is closed; a client
     /// that accepts no reply bytes this long is disconnected.
     pub idle_timeout: Duration,
+    /// The io_uring writers, if replies go through them.
+    pub rings: Option<Arc<Rings>>,
 }
 
 /// Serves one connection until the client leaves, a bad frame, a timeout, or shutdown.
@@ -57,14 +58,20 @@ pub(crate) async fn handle_connection(
     stop: CancellationToken,
     abort: CancellationToken,
 ) -> anyhow::Result<()> {
-    let (mut reader, writer) = stream.into_split();
+    // Shared by the reader and the writer (and, while a batch is with it, an io_uring writer
+    // thread, which so keeps the descriptor open until its operations on it are over).
+    let stream = Arc::new(stream);
+    let writer = match &conf.rings {
+        Some(rings) => Writer::Uring { socket: Arc::clone(&stream), ring: rings.pick() },
+        None => Writer::Writev(Arc::clone(&stream)),
+    };
     // Every request holds a slot from the frame's read until its reply is written: the reader
     // waits for a free slot before it reads on, so a connection never has more in flight.
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let (replies, queue) = mpsc::channel::<Queued>(MAX_IN_FLIGHT);
     let writer_gone = CancellationToken::new();
     let write = async {
-        let written = write_replies(Writer::Writev(writer), queue, metrics, conf.idle_timeout).await;
+        let written = write_replies(writer, queue, metrics, conf.idle_timeout).await;
         writer_gone.cancel();
         written
     };
@@ -74,7 +81,7 @@ pub(crate) async fn handle_connection(
         // Small until Hello: a connection that never says it costs little.
         let mut buf = BytesMut::with_capacity(proto::MAX_HELLO_FRAME_LEN as usize + 4);
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { return };
-        let tenant = match hello(&mut reader, &mut buf, tenants, metrics, &stop).await {
+        let tenant = match hello(&stream, &mut buf, tenants, metrics, &stop).await {
             Ok(tenant) => {
                 let ok = ServerMessage::HelloOk {
                     version: PROTOCOL_VERSION,
@@ -90,8 +97,8 @@ pub(crate) async fn handle_connection(
         };
         let span = tracing::info_span!("tenant", tenant_id = tenant.id);
         let connection =
-            Connection { tenant: &tenant, metrics, stop: &stop, writer_gone: &writer_gone, conf };
-        connection.read_requests(&mut reader, &mut buf, &slots, &replies).instrument(span).await;
+            Connection { tenant: &tenant, metrics, stop: &stop, writer_gone: &writer_gone, conf: &conf };
+        connection.read_requests(&stream, &mut buf, &slots, &replies).instrument(span).await;
     };
     let both = async {
         let ((), written) = tokio::join!(read, write);
@@ -105,7 +112,7 @@ pub(crate) async fn handle_connection(
 
 /// Reads and checks the Hello; an `Err` is the reply that refuses the connection.
 async fn hello(
-    reader: &mut OwnedReadHalf,
+    reader: &TcpStream,
     buf: &mut BytesMut,
     tenants: &Tenants,
     metrics: &PageServiceMetrics,
@@ -149,7 +156,7 @@ struct Connection<'a> {
     metrics: &'a Arc<PageServiceMetrics>,
     stop: &'a CancellationToken,
     writer_gone: &'a CancellationToken,
-    conf: ConnectionConf,
+    conf: &'a ConnectionConf,
 }
 
 impl Connection<'_> {
@@ -157,7 +164,7 @@ impl Connection<'_> {
     /// each and queues its reply. Waits for a free in-flight slot before reading each frame.
     async fn read_requests(
         &self,
-        reader: &mut OwnedReadHalf,
+        reader: &TcpStream,
         buf: &mut BytesMut,
         slots: &Arc<Semaphore>,
         replies: &mpsc::Sender<Queued>,
@@ -243,7 +250,7 @@ impl Connection<'_> {
     /// Cancel-safe, as [`read_frame`].
     async fn read_request_frame(
         &self,
-        reader: &mut OwnedReadHalf,
+        reader: &TcpStream,
         buf: &mut BytesMut,
         slots: &Semaphore,
     ) -> FrameRead {
@@ -332,7 +339,7 @@ fn ingest_error_code(e: &IngestError) -> ErrorCode {
 /// Reads one whole frame of at most `max_len` (before Hello, [`proto::MAX_HELLO_FRAME_LEN`]):
 /// `Ok(None)` at EOF between frames. Cancel-safe: bytes read stay in `buf` for the next call.
 async fn read_frame(
-    reader: &mut OwnedReadHalf,
+    reader: &TcpStream,
     buf: &mut BytesMut,
     max_len: u32,
 ) -> Result<Option<Bytes>, DecodeError> {
@@ -347,7 +354,7 @@ async fn read_frame(
         } else {
             buf.reserve((4 + max_len as usize).min(64 * 1024));
         }
-        match reader.read_buf(buf).await {
+        match read_some(reader, buf).await {
             Ok(0) if buf.is_empty() => return Ok(None),
             Ok(0) => {
                 return Err(DecodeError::Malformed(format!(
@@ -360,6 +367,17 @@ async fn read_frame(
                 tracing::debug!("read failed: {e}");
                 return Ok(None);
             }
+        }
+    }
+}
+
+/// Reads what the socket has into `buf` (waiting for some); 0 at EOF. Cancel-safe.
+async fn read_some(stream: &TcpStream, buf: &mut BytesMut) -> std::io::Result<usize> {
+    loop {
+        stream.readable().await?;
+        match stream.try_read_buf(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            read => return read,
         }
     }
 }

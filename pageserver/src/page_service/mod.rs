@@ -6,6 +6,7 @@
 //!   conversions and error codes;
 //! - [`reply_order`]: which replies go out in the next write (a pure policy);
 //! - [`writer`]: the reply path: replies as shared bytes, the ordered write loop, the writers;
+//! - [`uring`]: the io_uring writer threads (`page_service_io = "io_uring"`);
 //! - this file: accepting connections, the bounds, the metrics.
 //!
 //! Invariants:
@@ -20,12 +21,13 @@ pub mod client;
 mod connection;
 pub mod proto;
 mod reply_order;
+pub mod uring;
 mod writer;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -46,6 +48,28 @@ pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default of `page_service_idle_timeout`.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// How the page service writes replies (`page_service_io`; docs/settings.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PageServiceIo {
+    /// Each connection writes its own replies with a vectored `write` when tokio's epoll says
+    /// the socket has room.
+    #[default]
+    Epoll,
+    /// Connections hand their reply batches to io_uring writer threads, which send the batches
+    /// of many connections with one submit ([`uring`]); `epoll` when the kernel refuses a ring.
+    IoUring,
+}
+
+impl PageServiceIo {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PageServiceIo::Epoll => "epoll",
+            PageServiceIo::IoUring => "io_uring",
+        }
+    }
+}
+
 /// How the page service runs.
 #[derive(Debug, Clone)]
 pub struct PageServiceConf {
@@ -57,6 +81,9 @@ pub struct PageServiceConf {
     /// Cancelled when shutdown's grace is over: every connection is dropped at once, whatever
     /// it was writing (a client that never reads cannot hold up shutdown).
     pub abort: CancellationToken,
+    /// The io_uring writers, when replies go through them (`page_service_io = "io_uring"` and
+    /// the kernel allows it); `None`: each connection writes its own.
+    pub rings: Option<Arc<uring::Rings>>,
 }
 
 pub struct PageServiceMetrics {
@@ -65,6 +92,17 @@ pub struct PageServiceMetrics {
     errors: IntCounterVec,
     get_page_seconds: Histogram,
     replies_per_write: Histogram,
+    /// Syscalls that sent replies, by `io`: `writev` calls (`epoll`), `io_uring_enter` calls
+    /// (`io_uring`).
+    send_syscalls: IntCounterVec,
+    /// Send operations, by `io`: `writev` calls, `SENDMSG` operations.
+    sends: IntCounterVec,
+    /// Reply bytes sent, by `io`.
+    sent_bytes: IntCounterVec,
+    /// Replies of the batches handed to a ring between two of its submits.
+    replies_per_submit: Histogram,
+    /// io_uring sends that found the socket full and waited for room.
+    send_waits: IntCounter,
 }
 
 impl PageServiceMetrics {
@@ -93,12 +131,55 @@ impl PageServiceMetrics {
             )
             .buckets(prometheus::exponential_buckets(1.0, 2.0, 7)?),
         )?;
+        let by_io = |name: &str, help: &str| -> anyhow::Result<IntCounterVec> {
+            let counter = IntCounterVec::new(Opts::new(name, help), &["io"])?;
+            for io in ["epoll", "io_uring"] {
+                counter.with_label_values(&[io]);
+            }
+            Ok(counter)
+        };
+        let send_syscalls = by_io(
+            "pageserver_page_service_send_syscalls_total",
+            "Syscalls that sent replies: writev (io=epoll), io_uring_enter (io=io_uring)",
+        )?;
+        let sends = by_io(
+            "pageserver_page_service_sends_total",
+            "Reply send operations: writev calls (io=epoll), SENDMSG operations (io=io_uring)",
+        )?;
+        let sent_bytes = by_io("pageserver_page_service_sent_bytes_total", "Reply bytes sent")?;
+        let replies_per_submit = Histogram::with_opts(
+            HistogramOpts::new(
+                "pageserver_page_service_replies_per_submit",
+                "Replies handed to an io_uring writer between two of its submits",
+            )
+            .buckets(prometheus::exponential_buckets(1.0, 2.0, 11)?),
+        )?;
+        let send_waits = IntCounter::new(
+            "pageserver_page_service_send_waits_total",
+            "io_uring sends that found the socket full and waited for room",
+        )?;
         registry.register(Box::new(connections.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(get_page_seconds.clone()))?;
         registry.register(Box::new(replies_per_write.clone()))?;
-        Ok(PageServiceMetrics { connections, requests, errors, get_page_seconds, replies_per_write })
+        registry.register(Box::new(send_syscalls.clone()))?;
+        registry.register(Box::new(sends.clone()))?;
+        registry.register(Box::new(sent_bytes.clone()))?;
+        registry.register(Box::new(replies_per_submit.clone()))?;
+        registry.register(Box::new(send_waits.clone()))?;
+        Ok(PageServiceMetrics {
+            connections,
+            requests,
+            errors,
+            get_page_seconds,
+            replies_per_write,
+            send_syscalls,
+            sends,
+            sent_bytes,
+            replies_per_submit,
+            send_waits,
+        })
     }
 }
 
@@ -114,8 +195,8 @@ pub async fn serve(
     cancel: CancellationToken,
     tracker: TaskTracker,
 ) {
-    let PageServiceConf { max_connections, idle_timeout, abort } = conf;
-    let connection_conf = ConnectionConf { idle_timeout };
+    let PageServiceConf { max_connections, idle_timeout, abort, rings } = conf;
+    let connection_conf = ConnectionConf { idle_timeout, rings };
     let slots = Arc::new(Semaphore::new(max_connections));
     let mut next_id: u64 = 0;
     let (mut refusals, mut accept_failures) = (LogEvery::new(), LogEvery::new());
@@ -144,6 +225,7 @@ pub async fn serve(
             Ok(slot) => {
                 let (tenants, metrics) = (Arc::clone(&tenants), Arc::clone(&metrics));
                 let (stop, abort) = (cancel.clone(), abort.clone());
+                let connection_conf = connection_conf.clone();
                 tracker.spawn(
                     async move {
                         metrics.connections.inc();

@@ -8,22 +8,27 @@
 //!
 //! Writers:
 //! - [`Writer::Writev`]: one vectored `write` per batch on the connection's own socket (tokio),
-//!   resuming mid-chunk after a short write.
+//!   resuming mid-chunk after a short write;
+//! - [`Writer::Uring`]: the batch goes to an io_uring writer thread ([`super::uring`]), which
+//!   sends the batches of many connections with one submit; the connection waits for the
+//!   outcome.
 //!
 //! Invariant: a reply's in-flight slot is freed only once its bytes are written, so a client
 //! that does not read holds at most [`super::MAX_IN_FLIGHT`] replies of its own.
 
 use std::io::IoSlice;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 use tokio::task::JoinHandle;
 
 use super::proto::{self, ErrorCode, ServerMessage};
 use super::reply_order::{self, ReplyOrder};
+use super::uring::{Job, Ring};
 use super::{PageServiceMetrics, MAX_REPLIES_PER_WRITE};
 
 /// The bytes of one reply frame, and whether the connection closes after it.
@@ -99,24 +104,69 @@ impl Queued {
     }
 }
 
-/// Puts reply bytes on a connection's socket.
+/// Puts reply bytes on a connection's socket (shared with the connection's reader).
 pub(super) enum Writer {
-    /// Vectored writes on the connection's own socket.
-    Writev(OwnedWriteHalf),
+    /// Vectored writes on the connection's own socket, when tokio's epoll says it has room.
+    Writev(Arc<TcpStream>),
+    /// Batches handed to an io_uring writer thread ([`super::uring`]); each batch carries the
+    /// socket, so its descriptor stays open while the ring works on it.
+    Uring { socket: Arc<TcpStream>, ring: Ring },
 }
 
 impl Writer {
-    /// Writes every chunk, resuming after a short write; `chunks` is empty after success.
-    async fn write_all(&mut self, chunks: &mut Vec<Bytes>) -> std::io::Result<()> {
+    /// Writes every chunk of `replies` replies, resuming after a short write; `chunks` is
+    /// empty after success.
+    async fn write_all(
+        &mut self,
+        chunks: &mut Vec<Bytes>,
+        replies: usize,
+        metrics: &PageServiceMetrics,
+    ) -> std::io::Result<()> {
         match self {
-            Writer::Writev(socket) => write_all_vectored(socket, chunks).await,
+            Writer::Writev(socket) => write_all_vectored(socket, chunks, metrics).await,
+            Writer::Uring { socket, ring } => {
+                if chunks.is_empty() {
+                    return Ok(());
+                }
+                let (done, outcome) = oneshot::channel();
+                let job = Job { socket: Arc::clone(socket), chunks: std::mem::take(chunks), replies, done };
+                if let Err(job) = ring.submit(job) {
+                    // The ring's thread is gone (it logged why): this connection writes itself.
+                    *chunks = job.chunks;
+                    return write_all_vectored(socket, chunks, metrics).await;
+                }
+                // Given up before the ring answered (timeout, abort): the socket is shut down,
+                // which ends the ring's operations on it at once.
+                let give_up = ShutdownOnDrop(Some(Arc::clone(socket)));
+                let result = outcome
+                    .await
+                    .unwrap_or_else(|_| Err(std::io::Error::other("the io_uring writer stopped")));
+                give_up.defuse();
+                result
+            }
         }
     }
 
     /// Sends FIN after the last reply.
-    async fn shutdown(&mut self) -> std::io::Result<()> {
-        match self {
-            Writer::Writev(socket) => socket.shutdown().await,
+    fn shutdown(&self) {
+        let (Writer::Writev(socket) | Writer::Uring { socket, .. }) = self;
+        let _ = nix::sys::socket::shutdown(socket.as_raw_fd(), nix::sys::socket::Shutdown::Write);
+    }
+}
+
+/// Shuts a socket down both ways when dropped, unless defused.
+struct ShutdownOnDrop(Option<Arc<TcpStream>>);
+
+impl ShutdownOnDrop {
+    fn defuse(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for ShutdownOnDrop {
+    fn drop(&mut self) {
+        if let Some(socket) = self.0.take() {
+            let _ = nix::sys::socket::shutdown(socket.as_raw_fd(), nix::sys::socket::Shutdown::Both);
         }
     }
 }
@@ -166,7 +216,7 @@ pub(super) async fn write_replies(
             slots.push(slot);
         }
         metrics.replies_per_write.observe(slots.len() as f64);
-        match tokio::time::timeout(write_timeout, writer.write_all(&mut chunks)).await {
+        match tokio::time::timeout(write_timeout, writer.write_all(&mut chunks, slots.len(), metrics)).await {
             Ok(written) => written?,
             Err(_) => anyhow::bail!("the client accepted no reply for {write_timeout:?}"),
         }
@@ -175,16 +225,31 @@ pub(super) async fn write_replies(
             break;
         }
     }
-    let _ = tokio::time::timeout(write_timeout, writer.shutdown()).await;
+    writer.shutdown();
     Ok(())
 }
 
 /// Writes every chunk, resuming mid-chunk after a partial write.
-async fn write_all_vectored(writer: &mut OwnedWriteHalf, chunks: &mut Vec<Bytes>) -> std::io::Result<()> {
+async fn write_all_vectored(
+    socket: &TcpStream,
+    chunks: &mut Vec<Bytes>,
+    metrics: &PageServiceMetrics,
+) -> std::io::Result<()> {
     let mut start = 0;
     while start < chunks.len() {
         let slices: Vec<IoSlice<'_>> = chunks[start..].iter().map(|c| IoSlice::new(c)).collect();
-        let mut written = writer.write_vectored(&slices).await?;
+        let mut written = match socket.try_write_vectored(&slices) {
+            Ok(written) => written,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                drop(slices);
+                socket.writable().await?;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        metrics.send_syscalls.with_label_values(&["epoll"]).inc();
+        metrics.sends.with_label_values(&["epoll"]).inc();
+        metrics.sent_bytes.with_label_values(&["epoll"]).inc_by(written as u64);
         if written == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }

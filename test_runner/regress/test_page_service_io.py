@@ -1,0 +1,131 @@
+"""The page service's reply writers (`page_service_io`): the io_uring writer and the writev one.
+
+Every test here runs in both modes (the `page_service_io` fixture); the rest of the suite does
+too. Here: replies keep their order and their bytes through short sends to a client that stops
+reading, that client delays nobody else, and a kernel that refuses io_uring (a seccomp filter,
+as in a locked-down container) leaves the daemon serving with writev, saying so.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from fixtures import oracle as o
+from fixtures.oracle import Key
+from fixtures.page_client import LATEST, Page, PageConnection, connect
+from fixtures.seccomp import deny_io_uring_setup
+
+KEY = Key.rel_block(7300, 1)
+PIPELINED = 250  # below MAX_IN_FLIGHT (256): the daemon reads them all
+
+
+def _load(conn) -> bytes:
+    conn.ingest([(KEY, 10, o.RECORD, o.init_page(0)), (KEY, 20, o.RECORD, o.insert(b"io"))])
+    return conn.get_page(KEY)
+
+
+@pytest.fixture
+def small_tcp_send_buffers():
+    """Caps TCP send buffers at 64 KiB for the test (the daemon's sockets would otherwise grow
+    theirs to 4 MiB and hold every reply a connection may have in flight, so no send would
+    ever be short); restored after."""
+    path = Path("/proc/sys/net/ipv4/tcp_wmem")
+    saved = path.read_text()
+    path.write_text("4096 16384 65536")
+    try:
+        yield
+    finally:
+        path.write_text(saved)
+
+
+def test_a_client_that_stops_reading_delays_nobody_and_gets_every_reply_in_order(
+        pageserver, page_service_io, small_tcp_send_buffers):
+    tenant = pageserver.create_tenant()
+    with pageserver.connect(tenant) as conn:
+        page = _load(conn)
+
+    # A tiny receive buffer: the daemon's sends to this connection are short, then find the
+    # socket full, while the client reads nothing.
+    stalled = PageConnection(pageserver.pg_addr, timeout=60, rcvbuf=4096)
+    stalled.hello(tenant)
+    ids = [stalled.send_get_page(KEY, LATEST) for _ in range(PIPELINED)]
+    time.sleep(0.5)
+
+    # Meanwhile another connection of the same tenant is served as usual.
+    with connect(pageserver.pg_addr, tenant) as other:
+        worst = 0.0
+        for _ in range(50):
+            started = time.monotonic()
+            assert other.get_page(KEY) == page
+            worst = max(worst, time.monotonic() - started)
+    assert worst < 2.0, f"a GetPage took {worst:.3f} s while another client did not read"
+
+    # The stalled client reads at last: every reply, in order, whole.
+    for rid in ids:
+        reply = stalled.read_reply(timeout=30)
+        assert isinstance(reply, Page), reply
+        assert reply.request_id == rid
+        assert reply.page == page
+    stalled.close()
+
+    m = pageserver.http.metrics()
+    if page_service_io == "io_uring":
+        # The ring's sends found the socket full and waited for room (the EAGAIN path).
+        assert m.value("pageserver_page_service_send_waits_total") > 0
+        assert m.value("pageserver_page_service_sends_total", io="io_uring") > 0
+        assert m.value("pageserver_page_service_sends_total", io="epoll") == 0
+    else:
+        assert m.value("pageserver_page_service_sends_total", io="epoll") > 0
+        assert m.value("pageserver_page_service_sends_total", io="io_uring") == 0
+
+
+def test_a_kernel_that_refuses_io_uring_leaves_writev_and_the_daemon_says_so(
+        pageserver_factory, page_service_io):
+    ps = pageserver_factory(start=False)
+    ps.preexec_fn = deny_io_uring_setup
+    if page_service_io == "io_uring":
+        ps.allowed_errors.append("io_uring is not available")
+    ps.start()
+    tenant = ps.create_tenant()
+    with ps.connect(tenant) as conn:
+        page = _load(conn)
+        for _ in range(20):
+            assert conn.get_page(KEY) == page
+
+    log = ps.log_path.read_text()
+    if page_service_io == "io_uring":
+        assert "io_uring is not available (io_uring_setup failed: Operation not permitted" in log
+    else:
+        assert "page service replies: writev per connection" in log
+    m = ps.http.metrics()
+    assert m.value("pageserver_page_service_sends_total", io="epoll") >= 21
+    assert m.value("pageserver_page_service_sends_total", io="io_uring") == 0
+
+
+def test_many_connections_are_served_by_the_writer_of_the_mode(pageserver_factory, page_service_io):
+    ps = pageserver_factory()
+    tenant = ps.create_tenant()
+    with ps.connect(tenant) as conn:
+        page = _load(conn)
+    conns = [connect(ps.pg_addr, tenant) for _ in range(16)]
+    try:
+        for _ in range(20):
+            rids = [c.send_get_page(KEY, LATEST) for c in conns]
+            for c, rid in zip(conns, rids):
+                reply = c.read_reply(timeout=30)
+                assert isinstance(reply, Page) and reply.request_id == rid and reply.page == page
+    finally:
+        for c in conns:
+            c.close()
+    m = ps.http.metrics()
+    replies = 16 * 20 + 2
+    if page_service_io == "io_uring":
+        assert m.value("pageserver_page_service_replies_per_submit_sum") >= replies
+        assert m.value("pageserver_page_service_sends_total", io="io_uring") >= 16 * 20
+        assert m.value("pageserver_page_service_send_syscalls_total", io="epoll") == 0
+    else:
+        assert m.value("pageserver_page_service_replies_per_submit_count") == 0
+        assert m.value("pageserver_page_service_sends_total", io="epoll") >= 16 * 20
