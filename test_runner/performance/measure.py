@@ -8,7 +8,11 @@ Not a test (pytest collects only test_*.py): a script to reproduce the published
 
 For each scenario and each walredo process kind it starts a fresh daemon in a temp work dir (free
 ports), loads the scenario's data set with `pagebench ingest`, optionally warms up, then runs
-`pagebench get-page` --repeat times per point and reports the run with the median throughput. A
+`pagebench get-page` --repeat times per point and reports the run with the median throughput.
+The kind `floor` is not the daemon but `page-floor` (build it with `cargo build --release -p
+benches --bin page-floor`), the loopback floor that answers every GetPage with a constant page:
+its runs alternate with the others', and the table's last column gives each run's rps as a
+ratio to the floor's at the same point. A
 point is a closed loop (connections x depth) or an open loop (connections x @rate: pagebench
 `--rate`, for CPU per request at a given load). The daemons of both process kinds run side by side (idle when not measured)
 and their runs alternate, so that a drift in the machine's speed (it is a shared VM) hits both
@@ -43,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -115,8 +120,13 @@ def read_system_cpu() -> dict[str, int]:
 
 
 def metrics(http: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    try:
+        with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:  # page-floor has no metrics
+            return {}
+        raise
     out = {}
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
@@ -130,12 +140,17 @@ def metrics(http: str) -> dict[str, float]:
 
 
 class Daemon:
-    def __init__(self, bin_dir: Path, config: list[str]):
+    def __init__(self, bin_dir: Path, config: list[str], floor_shape: list[str] | None = None):
+        """The daemon with `config`; or, given `floor_shape` (pagebench's shape flags), the
+        loopback floor `page-floor` answering for that data set (benches/src/bin/page-floor.rs)."""
         self.workdir = Path(tempfile.mkdtemp(prefix="pagebench-daemon-"))
-        args = [str(bin_dir / "pageserver"), "-D", str(self.workdir),
-                "-c", "listen_pg_addr=127.0.0.1:0", "-c", "listen_http_addr=127.0.0.1:0"]
-        for c in config:
-            args += ["-c", c]
+        if floor_shape is not None:
+            args = [str(bin_dir / "page-floor"), "--workdir", str(self.workdir), *floor_shape, *config]
+        else:
+            args = [str(bin_dir / "pageserver"), "-D", str(self.workdir),
+                    "-c", "listen_pg_addr=127.0.0.1:0", "-c", "listen_http_addr=127.0.0.1:0"]
+            for c in config:
+                args += ["-c", c]
         self.args = args
         self.log = open(self.workdir / "pageserver.log", "wb")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -354,6 +369,12 @@ def parse_point(text: str) -> tuple[int, int, int | None]:
     return int(conns), int(depth or 1), int(rate) if rate else None
 
 
+def floor_ratio(r: dict, floors: dict) -> str:
+    """The run's rps over page-floor's at the same point, or '' without a floor run."""
+    floor = floors.get((r["scenario"], r["connections"], r["depth"], r.get("rate")))
+    return f"{r['summary']['rps'] / floor:.2f}" if floor else ""
+
+
 def point_label(conns: int, depth: int, rate: int | None) -> str:
     return f"{conns} x @{rate}/s" if rate else f"{conns} x {depth}"
 
@@ -383,7 +404,8 @@ def main() -> int:
                              "RATE requests/s in total)")
     parser.add_argument("--kinds", default="sync,async,auto",
                         help="daemon variants, comma separated: a walredo process kind, optionally with more "
-                             "settings after colons, e.g. async:walredo_pool_max=1")
+                             "settings after colons, e.g. async:walredo_pool_max=1; or `floor` (page-floor, the "
+                             "loopback floor, with its flags after colons, e.g. floor:--threads=2)")
     parser.add_argument("--scenarios", default="cached,chain10")
     parser.add_argument("--repeat", type=int, default=3, help="runs per point; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="pagebench --threads")
@@ -409,6 +431,11 @@ def main() -> int:
             # a drift of the machine's speed hits both kinds alike.
             for kind in kinds:
                 process_kind, *settings = kind.split(":")
+                if process_kind == "floor":
+                    # The loopback floor: settings are its flags (`floor:--threads=4`).
+                    daemons[kind] = daemon = Daemon(opts.bin_dir, settings, floor_shape=scenario["shape"])
+                    print(f"== {scenario_name} {kind}: page-floor pid {daemon.pid}", file=sys.stderr)
+                    continue
                 daemons[kind] = daemon = Daemon(opts.bin_dir, [f"walredo_process_kind={process_kind}", *settings,
                                                                *scenario["config"]])
                 print(f"== {scenario_name} {kind}: daemon pid {daemon.pid} in {daemon.workdir}", file=sys.stderr)
@@ -463,10 +490,13 @@ def main() -> int:
         opts.out.write_text(json.dumps(results, indent=1))
     opts.out.write_text(json.dumps(results, indent=1))
 
+    # The loopback floor's rps at each point, for the "/ floor" column.
+    floors = {(r["scenario"], r["connections"], r["depth"], r.get("rate")): r["summary"]["rps"]
+              for r in results if r["kind"].split(":")[0] == "floor" and not r.get("strace")}
     results.sort(key=lambda r: (r["scenario"], r["kind"], r.get("strace", False)))
     print("| scenario | kind | conns x depth | rps (median) | rps (runs) | p50 us | p99 us | p99.9 us | errors "
-          "| daemon CPU % | redo CPU % | CPU us / request | pagebench CPU % | idle % | other CPU % |")
-    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| daemon CPU % | redo CPU % | CPU us / request | pagebench CPU % | idle % | other CPU % | / floor |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if r.get("strace"):
             continue
@@ -475,7 +505,8 @@ def main() -> int:
         runs = "/".join(f"{x / 1000:.1f}k" for x in r.get("rps_runs", [s["rps"]]))
         print(f"| {r['scenario']} | {r['kind']} | {point_label(r['connections'], r['depth'], r.get('rate'))} | {s['rps']:.0f} | {runs} | {lat['p50']} "
               f"| {lat['p99']} | {lat['p999']} | {s['errors']} | {c.get('daemon_cpu_pct')} | {c.get('redo_cpu_pct')} | {c.get('cpu_us_per_request')} "
-              f"| {c.get('bench_cpu_pct')} | {(c.get('machine_pct') or {}).get('idle')} | {c.get('other_cpu_pct')} |")
+              f"| {c.get('bench_cpu_pct')} | {(c.get('machine_pct') or {}).get('idle')} | {c.get('other_cpu_pct')} "
+              f"| {floor_ratio(r, floors)} |")
     return 0
 
 
