@@ -62,7 +62,7 @@ pub(crate) async fn handle_connection(
     // thread, which so keeps the descriptor open until its operations on it are over).
     let stream = Arc::new(stream);
     let writer = match &conf.rings {
-        Some(rings) => Writer::Uring { socket: Arc::clone(&stream), ring: rings.pick() },
+        Some(rings) => Writer::uring(Arc::clone(&stream), rings.pick(), conf.idle_timeout),
         None => Writer::Writev(Arc::clone(&stream)),
     };
     // Every request holds a slot from the frame's read until its reply is written: the reader

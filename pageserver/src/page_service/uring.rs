@@ -1,36 +1,46 @@
 //! The io_uring writer: threads that own a ring each and send the reply batches of many
 //! connections with one `io_uring_enter` per round (`page_service_io = "io_uring"`).
 //!
-//! A connection hands a batch ([`Job`]: its socket, the batch's chunks of shared `Bytes`, a
-//! channel for the outcome) to its ring's queue and waits on the channel. The ring's thread
-//! loops: take every job queued meanwhile, build one `SENDMSG` per job (an iovec per chunk:
+//! A connection hands each batch ([`Job`]: the batch's chunks of shared `Bytes`, the in-flight
+//! slots of its replies, whether the connection closes after it) to its ring's queue and goes
+//! on at once: it does not wait for the send. The ring's thread loops: take every job queued
+//! meanwhile, start one `SENDMSG` per connection that has none in flight (an iovec per chunk:
 //! the page bytes are sent from where they are, never copied), submit them all and wait for
 //! completions in one `io_uring_enter`, then handle what completed: a short send resumes where
-//! it stopped, a full socket (`EAGAIN`: the sockets are non-blocking) waits with a `POLL_ADD`
-//! for room and sends again, an error or the end of the batch answers the connection. A queued
-//! job wakes the thread through an eventfd whose read is always pending on the ring.
+//! it stopped; a full socket (`MSG_DONTWAIT`: the kernel answers at once) waits for room with a
+//! `POLL_ADD`; a finished batch frees its slots (the connection's reader may read on), sends
+//! FIN if it closes the connection, and starts that connection's next batch; a failed one
+//! records the error, shuts the socket down and drops the connection's queued batches. A
+//! queued job wakes the thread through an eventfd whose read is always pending on the ring.
 //!
-//! So a connection whose client stops reading holds only its own job (parked on its poll);
-//! every other connection's sends go on. Slow readers never block the thread.
+//! So the batches of one connection leave in order, one at a time; a connection whose client
+//! stops reading holds only its own batches (parked on its poll), every other connection's
+//! sends go on, and a batch that makes no progress for the connection's write timeout gets
+//! its socket shut down (the thread looks at parked batches every [`STALL_CHECK`]).
 //!
 //! **Invariants** (what makes the `unsafe` pushes sound):
 //! - a job's chunks, iovecs and `msghdr` stay where they are, owned by the thread, from the
 //!   push of an operation that points at them until its completion is reaped;
-//! - a job holds the connection's socket (an `Arc` of it) until its last operation completed,
-//!   so the descriptor the kernel uses is never closed and its number reused underneath;
-//! - a connection that gives up on a job (timeout, abort) shuts the socket down, which makes
-//!   its pending operations complete at once (with an error), so no job outlives its
-//!   connection by more than a round.
+//! - a job holds the connection's socket (an `Arc` of it, in its [`Link`]) until its last
+//!   operation completed, so the descriptor the kernel uses is never closed and its number
+//!   reused underneath;
+//! - a connection that ends abruptly (abort, a failure) shuts its socket down, which makes
+//!   the ring's operations on it complete at once (with an error);
+//! - at teardown, the ring's operations are cancelled synchronously before any buffer is freed.
 
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes};
 use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use tokio::sync::oneshot;
+use nix::sys::socket::Shutdown;
+use tokio::net::TcpStream;
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::PageServiceMetrics;
 use crate::walredo::lock;
@@ -44,6 +54,9 @@ const MAX_IOVECS: usize = 1024;
 const WAKE: u64 = u64::MAX;
 /// `user_data` bit of a job's `POLL_ADD` (the rest is the job's slot).
 const POLL: u64 = 1 << 62;
+/// How often the thread looks for batches that wait for room longer than their connection's
+/// write timeout.
+const STALL_CHECK: Duration = Duration::from_millis(250);
 
 /// Whether io_uring can send here: a ring can be set up (not refused by the kernel, a seccomp
 /// filter or `kernel.io_uring_disabled`), knows the operations the writer uses, and completes
@@ -73,14 +86,42 @@ pub fn probe() -> Result<(), String> {
     }
 }
 
+/// What a connection and the ring share about the connection.
+pub(super) struct Link {
+    id: u64,
+    socket: Arc<TcpStream>,
+    /// A batch that makes no progress this long gets the socket shut down.
+    write_timeout: Duration,
+    /// Why the ring gave up on the connection (the socket is shut down then).
+    failed: Mutex<Option<String>>,
+}
+
+impl Link {
+    pub(super) fn new(socket: Arc<TcpStream>, write_timeout: Duration) -> Arc<Link> {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed) as u64;
+        Arc::new(Link { id, socket, write_timeout, failed: Mutex::new(None) })
+    }
+
+    /// Why the ring gave up on this connection, if it did.
+    pub(super) fn failure(&self) -> Option<String> {
+        lock(&self.failed).clone()
+    }
+
+    /// Shuts the socket down: operations on it end, the reader sees the end.
+    pub(super) fn shut_down(&self, how: Shutdown) {
+        let _ = nix::sys::socket::shutdown(self.socket.as_raw_fd(), how);
+    }
+}
+
 /// One batch of one connection, for a ring to send.
 pub(super) struct Job {
-    /// The connection's socket: held until the job's last operation completed, so its
-    /// descriptor is never closed (and its number reused) under the kernel.
-    pub(super) socket: Arc<tokio::net::TcpStream>,
+    pub(super) link: Arc<Link>,
     pub(super) chunks: Vec<Bytes>,
-    pub(super) replies: usize,
-    pub(super) done: oneshot::Sender<io::Result<()>>,
+    /// The in-flight slots of the batch's replies: freed once it is sent.
+    pub(super) slots: Vec<OwnedSemaphorePermit>,
+    /// FIN after this batch: the connection closes.
+    pub(super) close: bool,
 }
 
 /// What a connection and its ring's thread share.
@@ -152,11 +193,13 @@ impl Ring {
     /// Queues `job`; gives it back if the ring's thread is gone.
     pub(super) fn submit(&self, job: Job) -> Result<(), Job> {
         let shared = &self.0;
-        if shared.dead.load(Ordering::Acquire) {
-            return Err(job);
-        }
         let was_empty = {
             let mut queue = lock(&shared.queue);
+            // Under the queue's lock, as the thread's last look at the queue: a job is either
+            // refused here or taken (and given up) there, never stranded.
+            if shared.dead.load(Ordering::Acquire) {
+                return Err(job);
+            }
             let was_empty = queue.is_empty();
             queue.push(job);
             was_empty
@@ -176,17 +219,32 @@ struct InFlight {
     start: usize,
     iovecs: Vec<libc::iovec>,
     msg: Box<libc::msghdr>,
+    /// When it last sent something (or started).
+    progress: Instant,
+    /// Waiting for room in the socket.
+    parked: bool,
+    /// Its socket was shut down for a stall (once).
+    stalled: bool,
 }
 
 impl InFlight {
     fn new(job: Job) -> InFlight {
         // SAFETY: msghdr is plain data; all zero is an empty message.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        InFlight { job, start: 0, iovecs: Vec::new(), msg: Box::new(msg) }
+        InFlight {
+            job,
+            start: 0,
+            iovecs: Vec::new(),
+            msg: Box::new(msg),
+            progress: Instant::now(),
+            parked: false,
+            stalled: false,
+        }
     }
 
     /// The `SENDMSG` of what is left (up to [`MAX_IOVECS`] chunks).
     fn send(&mut self, slot: usize) -> squeue::Entry {
+        self.parked = false;
         self.iovecs.clear();
         for chunk in self.job.chunks[self.start..].iter().take(MAX_IOVECS) {
             self.iovecs
@@ -194,24 +252,28 @@ impl InFlight {
         }
         self.msg.msg_iov = self.iovecs.as_mut_ptr();
         self.msg.msg_iovlen = self.iovecs.len() as _;
-        opcode::SendMsg::new(types::Fd(self.job.socket.as_raw_fd()), &*self.msg as *const libc::msghdr)
+        opcode::SendMsg::new(types::Fd(self.job.link.socket.as_raw_fd()), &*self.msg as *const libc::msghdr)
             // MSG_DONTWAIT: a full socket completes at once (a short send, or EAGAIN) instead
-            // of the kernel retrying inside the ring, so waiting for room is ours to see and
-            // count, the same on every kernel.
+            // of the kernel retrying inside the ring, so waiting for room is ours to see, time
+            // and count, the same on every kernel.
             .flags((libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) as u32)
             .build()
             .user_data(slot as u64)
     }
 
     /// Waits for room in the socket.
-    fn poll(&self, slot: usize) -> squeue::Entry {
-        opcode::PollAdd::new(types::Fd(self.job.socket.as_raw_fd()), libc::POLLOUT as u32)
+    fn poll(&mut self, slot: usize) -> squeue::Entry {
+        self.parked = true;
+        opcode::PollAdd::new(types::Fd(self.job.link.socket.as_raw_fd()), libc::POLLOUT as u32)
             .build()
             .user_data(slot as u64 | POLL)
     }
 
     /// Counts `sent` bytes off the front; whether everything is sent.
     fn advance(&mut self, mut sent: usize) -> bool {
+        if sent > 0 {
+            self.progress = Instant::now();
+        }
         while sent > 0 && self.start < self.job.chunks.len() {
             let chunk = &mut self.job.chunks[self.start];
             let n = sent.min(chunk.len());
@@ -228,55 +290,129 @@ impl InFlight {
     }
 }
 
-/// The jobs in flight, by slot (a slot is reused once its job is done).
+/// What the thread holds: the jobs being sent, by slot (one per connection at most), and the
+/// jobs queued behind them, by connection.
 #[derive(Default)]
-struct Slots {
-    jobs: Vec<Option<InFlight>>,
+struct Jobs {
+    sending: Vec<Option<InFlight>>,
     free: Vec<usize>,
     busy: usize,
+    /// Per connection with a job being sent: its jobs waiting behind it, in order.
+    behind: HashMap<u64, VecDeque<Job>>,
 }
 
-impl Slots {
-    fn insert(&mut self, job: InFlight) -> usize {
-        self.busy += 1;
-        match self.free.pop() {
-            Some(slot) => {
-                self.jobs[slot] = Some(job);
-                slot
-            }
+impl Jobs {
+    /// Takes a job from a connection: sent next if its connection has none being sent, else
+    /// queued behind. Returns the `SENDMSG` to push, if any.
+    fn arrive(&mut self, job: Job, ready: &mut Vec<squeue::Entry>) {
+        match self.behind.get_mut(&job.link.id) {
+            Some(queue) => queue.push_back(job),
             None => {
-                self.jobs.push(Some(job));
-                self.jobs.len() - 1
+                self.behind.insert(job.link.id, VecDeque::new());
+                self.start(job, ready);
             }
         }
+    }
+
+    /// Starts sending `job` (its connection has no other job being sent).
+    fn start(&mut self, job: Job, ready: &mut Vec<squeue::Entry>) {
+        let mut in_flight = InFlight::new(job);
+        if in_flight.advance(0) {
+            // Nothing to send (a close without a last reply).
+            self.done(in_flight, Ok(()), ready);
+            return;
+        }
+        self.busy += 1;
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                self.sending.push(None);
+                self.sending.len() - 1
+            }
+        };
+        ready.push(in_flight.send(slot));
+        self.sending[slot] = Some(in_flight);
     }
 
     fn get(&mut self, slot: usize) -> Option<&mut InFlight> {
-        self.jobs.get_mut(slot).and_then(Option::as_mut)
+        self.sending.get_mut(slot).and_then(Option::as_mut)
     }
 
-    /// Ends the job in `slot` with `result` for its connection.
-    fn finish(&mut self, slot: usize, result: io::Result<()>) {
-        if let Some(done) = self.jobs.get_mut(slot).and_then(Option::take) {
+    /// Ends the job in `slot`.
+    fn finish(&mut self, slot: usize, result: io::Result<()>, ready: &mut Vec<squeue::Entry>) {
+        if let Some(in_flight) = self.sending.get_mut(slot).and_then(Option::take) {
             self.busy -= 1;
             self.free.push(slot);
-            let _ = done.job.done.send(result);
+            self.done(in_flight, result, ready);
         }
     }
 
-    /// Ends every job with an error. Only once the ring has no operation pending on them.
+    /// A job is over: its slots are freed (dropped with it); its connection's next job starts,
+    /// or on failure its connection is given up.
+    fn done(&mut self, in_flight: InFlight, result: io::Result<()>, ready: &mut Vec<squeue::Entry>) {
+        let job = in_flight.job;
+        let link = Arc::clone(&job.link);
+        let close = job.close;
+        drop(job);
+        match result {
+            Ok(()) if close => link.shut_down(Shutdown::Write),
+            Ok(()) => {}
+            Err(e) => {
+                tracing::debug!("io_uring send failed, closing the connection: {e}");
+                *lock(&link.failed) = Some(e.to_string());
+                link.shut_down(Shutdown::Both);
+                self.behind.remove(&link.id);
+                return;
+            }
+        }
+        let next = self.behind.get_mut(&link.id).and_then(VecDeque::pop_front);
+        match next {
+            Some(next) => self.start(next, ready),
+            None => {
+                self.behind.remove(&link.id);
+            }
+        }
+    }
+
+    /// Shuts down the sockets of parked jobs without progress for their write timeout; their
+    /// polls then complete and their sends fail. Whether any job is parked.
+    fn check_stalls(&mut self) -> bool {
+        let mut parked = false;
+        for job in self.sending.iter_mut().flatten().filter(|j| j.parked) {
+            parked = true;
+            if !job.stalled && job.progress.elapsed() >= job.job.link.write_timeout {
+                job.stalled = true;
+                tracing::debug!(
+                    "a client accepted no reply for {:?}, closing its connection",
+                    job.job.link.write_timeout
+                );
+                job.job.link.shut_down(Shutdown::Both);
+            }
+        }
+        parked
+    }
+
+    /// Gives every job up (the ring is gone). Only once no operation is pending on them.
     fn fail_all(&mut self, why: &str) {
-        for slot in 0..self.jobs.len() {
-            self.finish(slot, Err(io::Error::other(why.to_string())));
+        let mut ignored = Vec::new();
+        for slot in 0..self.sending.len() {
+            self.finish(slot, Err(io::Error::other(why.to_string())), &mut ignored);
+        }
+        for (_, queue) in self.behind.drain() {
+            for job in queue {
+                *lock(&job.link.failed) = Some(why.to_string());
+                job.link.shut_down(Shutdown::Both);
+            }
         }
     }
 
-    /// Ends every job with an error, but keeps (leaks) what their operations point at: for a
-    /// ring whose pending operations could not be cancelled.
-    fn fail_all_keeping_buffers(mut self, why: &str) {
-        for job in self.jobs.iter_mut().flatten() {
-            let done = std::mem::replace(&mut job.job.done, oneshot::channel().0);
-            let _ = done.send(Err(io::Error::other(why.to_string())));
+    /// Gives every job up but keeps (leaks) what their operations point at: for a ring whose
+    /// pending operations could not be cancelled.
+    fn fail_all_keeping_buffers(self, why: &str) {
+        let links = self.sending.iter().flatten().map(|job| &job.job.link);
+        for link in links.chain(self.behind.values().flatten().map(|job| &job.link)) {
+            *lock(&link.failed) = Some(why.to_string());
+            link.shut_down(Shutdown::Both);
         }
         std::mem::forget(self);
     }
@@ -284,20 +420,17 @@ impl Slots {
 
 /// The thread of one ring.
 fn run(mut ring: IoUring, shared: &Shared, metrics: &PageServiceMetrics) {
-    let mut slots = Slots::default();
+    let mut jobs = Jobs::default();
     let mut wake_buf = Box::new([0u8; 8]);
     let mut ready: Vec<squeue::Entry> = vec![wake_read(shared, &mut wake_buf)];
+    let stall_check = types::Timespec::from(STALL_CHECK);
     let failure = loop {
-        let jobs = std::mem::take(&mut *lock(&shared.queue));
-        let mut replies = 0;
-        for job in jobs {
-            replies += job.replies;
-            let slot = slots.insert(InFlight::new(job));
-            if let Some(job) = slots.get(slot) {
-                ready.push(job.send(slot));
-            }
+        let arrived = std::mem::take(&mut *lock(&shared.queue));
+        let replies: usize = arrived.iter().map(|job| job.slots.len()).sum();
+        for job in arrived {
+            jobs.arrive(job, &mut ready);
         }
-        if shared.stop.load(Ordering::Acquire) && slots.busy == 0 {
+        if shared.stop.load(Ordering::Acquire) && jobs.busy == 0 {
             break None;
         }
         if let Err(e) = push_all(&mut ring, &mut ready, metrics) {
@@ -307,19 +440,25 @@ fn run(mut ring: IoUring, shared: &Shared, metrics: &PageServiceMetrics) {
             metrics.replies_per_submit.observe(replies as f64);
         }
         metrics.send_syscalls.with_label_values(&["io_uring"]).inc();
-        match ring.submit_and_wait(1) {
+        // With a job parked on a full socket, wake up now and then to time it out.
+        let waited = if jobs.check_stalls() {
+            let args = types::SubmitArgs::new().timespec(&stall_check);
+            ring.submitter().submit_with_args(1, &args)
+        } else {
+            ring.submit_and_wait(1)
+        };
+        match waited {
             Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::ETIME) => {}
             Err(e) => break Some(e),
         }
         let completed: Vec<cqueue::Entry> = ring.completion().collect();
         for cqe in completed {
-            complete(&cqe, &mut slots, &mut ready, shared, &mut wake_buf, metrics);
+            complete(&cqe, &mut jobs, &mut ready, shared, &mut wake_buf, metrics);
         }
     };
-    shared.dead.store(true, Ordering::Release);
     if let Some(e) = failure {
-        tracing::error!("the io_uring writer failed, its connections write on their own from now on: {e}");
+        tracing::error!("the io_uring writer failed, its connections are closed: {e}");
     }
     const STOPPED: &str = "the io_uring writer stopped";
     // Nothing may be freed while the kernel could still write to it or read from it: cancel
@@ -330,17 +469,24 @@ fn run(mut ring: IoUring, shared: &Shared, metrics: &PageServiceMetrics) {
     match cancel {
         Err(e) if e.raw_os_error() != Some(libc::ENOENT) => {
             tracing::error!("could not cancel the io_uring writer's operations, leaking their buffers: {e}");
-            slots.fail_all_keeping_buffers(STOPPED);
+            jobs.fail_all_keeping_buffers(STOPPED);
             std::mem::forget(wake_buf);
         }
         _ => {
             drop(ring);
-            slots.fail_all(STOPPED);
+            jobs.fail_all(STOPPED);
         }
     }
-    // Jobs queued meanwhile fail too; their connections close.
-    for job in std::mem::take(&mut *lock(&shared.queue)) {
-        let _ = job.done.send(Err(io::Error::other(STOPPED)));
+    // Jobs queued meanwhile are given up too (their connections close); from now on jobs are
+    // refused (`Ring::submit`).
+    let queued = {
+        let mut queue = lock(&shared.queue);
+        shared.dead.store(true, Ordering::Release);
+        std::mem::take(&mut *queue)
+    };
+    for job in queued {
+        *lock(&job.link.failed) = Some(STOPPED.to_string());
+        job.link.shut_down(Shutdown::Both);
     }
 }
 
@@ -375,7 +521,7 @@ fn push_all(
 /// Handles one completion.
 fn complete(
     cqe: &cqueue::Entry,
-    slots: &mut Slots,
+    jobs: &mut Jobs,
     ready: &mut Vec<squeue::Entry>,
     shared: &Shared,
     wake_buf: &mut [u8; 8],
@@ -387,22 +533,22 @@ fn complete(
         return;
     }
     let slot = (data & !POLL) as usize;
-    let Some(job) = slots.get(slot) else { return };
+    let Some(job) = jobs.get(slot) else { return };
     if data & POLL != 0 {
         // Room in the socket, or an error the send will report.
         if res < 0 && res != -libc::EINTR {
-            slots.finish(slot, Err(io::Error::from_raw_os_error(-res)));
+            jobs.finish(slot, Err(io::Error::from_raw_os_error(-res)), ready);
         } else {
             ready.push(job.send(slot));
         }
         return;
     }
     match res {
-        0 if !job.advance(0) => slots.finish(slot, Err(io::ErrorKind::WriteZero.into())),
+        0 if !job.advance(0) => jobs.finish(slot, Err(io::ErrorKind::WriteZero.into()), ready),
         sent if sent >= 0 => {
             metrics.sent_bytes.with_label_values(&["io_uring"]).inc_by(sent as u64);
             if job.advance(sent as usize) {
-                slots.finish(slot, Ok(()));
+                jobs.finish(slot, Ok(()), ready);
             } else {
                 ready.push(job.send(slot));
             }
@@ -412,6 +558,6 @@ fn complete(
             ready.push(job.poll(slot));
         }
         e if e == -libc::EINTR => ready.push(job.send(slot)),
-        e => slots.finish(slot, Err(io::Error::from_raw_os_error(-e))),
+        e => jobs.finish(slot, Err(io::Error::from_raw_os_error(-e)), ready),
     }
 }

@@ -10,8 +10,9 @@
 //! - [`Writer::Writev`]: one vectored `write` per batch on the connection's own socket (tokio),
 //!   resuming mid-chunk after a short write;
 //! - [`Writer::Uring`]: the batch goes to an io_uring writer thread ([`super::uring`]), which
-//!   sends the batches of many connections with one submit; the connection waits for the
-//!   outcome.
+//!   sends the batches of many connections with one submit; the connection does not wait for
+//!   the send (the batch's slots are freed when it is sent, which is what holds the reader
+//!   back from a client that does not read).
 //!
 //! Invariant: a reply's in-flight slot is freed only once its bytes are written, so a client
 //! that does not read holds at most [`super::MAX_IN_FLIGHT`] replies of its own.
@@ -22,13 +23,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
+use nix::sys::socket::Shutdown;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio::task::JoinHandle;
 
 use super::proto::{self, ErrorCode, ServerMessage};
 use super::reply_order::{self, ReplyOrder};
-use super::uring::{Job, Ring};
+use super::uring::{Job, Link, Ring};
 use super::{PageServiceMetrics, MAX_REPLIES_PER_WRITE};
 
 /// The bytes of one reply frame, and whether the connection closes after it.
@@ -108,65 +110,80 @@ impl Queued {
 pub(super) enum Writer {
     /// Vectored writes on the connection's own socket, when tokio's epoll says it has room.
     Writev(Arc<TcpStream>),
-    /// Batches handed to an io_uring writer thread ([`super::uring`]); each batch carries the
-    /// socket, so its descriptor stays open while the ring works on it.
-    Uring { socket: Arc<TcpStream>, ring: Ring },
+    /// Batches handed to an io_uring writer thread ([`super::uring`]), which sends them in
+    /// order; the connection does not wait for them.
+    Uring(UringWriter),
+}
+
+/// A connection's side of the io_uring writer.
+pub(super) struct UringWriter {
+    link: Arc<Link>,
+    ring: Ring,
+    /// The last batch (with the FIN) is handed over: the ring finishes on its own.
+    closed: bool,
 }
 
 impl Writer {
-    /// Writes every chunk of `replies` replies, resuming after a short write; `chunks` is
-    /// empty after success.
-    async fn write_all(
+    pub(super) fn uring(socket: Arc<TcpStream>, ring: Ring, write_timeout: Duration) -> Writer {
+        Writer::Uring(UringWriter { link: Link::new(socket, write_timeout), ring, closed: false })
+    }
+
+    /// Sends a batch: every chunk, then frees the replies' `slots`; with `close`, FIN after
+    /// it. The io_uring writer returns once the batch is handed over (the slots are freed when
+    /// it is sent), with an error if the ring gave up on the connection.
+    async fn send(
         &mut self,
         chunks: &mut Vec<Bytes>,
-        replies: usize,
+        slots: Vec<OwnedSemaphorePermit>,
+        close: bool,
         metrics: &PageServiceMetrics,
     ) -> std::io::Result<()> {
         match self {
-            Writer::Writev(socket) => write_all_vectored(socket, chunks, metrics).await,
-            Writer::Uring { socket, ring } => {
-                if chunks.is_empty() {
-                    return Ok(());
+            Writer::Writev(socket) => {
+                write_all_vectored(socket, chunks, metrics).await?;
+                drop(slots);
+                if close {
+                    let _ = nix::sys::socket::shutdown(socket.as_raw_fd(), Shutdown::Write);
                 }
-                let (done, outcome) = oneshot::channel();
-                let job = Job { socket: Arc::clone(socket), chunks: std::mem::take(chunks), replies, done };
-                if let Err(job) = ring.submit(job) {
-                    // The ring's thread is gone (it logged why): this connection writes itself.
-                    *chunks = job.chunks;
-                    return write_all_vectored(socket, chunks, metrics).await;
-                }
-                // Given up before the ring answered (timeout, abort): the socket is shut down,
-                // which ends the ring's operations on it at once.
-                let give_up = ShutdownOnDrop(Some(Arc::clone(socket)));
-                let result = outcome
-                    .await
-                    .unwrap_or_else(|_| Err(std::io::Error::other("the io_uring writer stopped")));
-                give_up.defuse();
-                result
+                Ok(())
             }
+            Writer::Uring(writer) => writer.send(std::mem::take(chunks), slots, close),
         }
     }
 
-    /// Sends FIN after the last reply.
-    fn shutdown(&self) {
-        let (Writer::Writev(socket) | Writer::Uring { socket, .. }) = self;
-        let _ = nix::sys::socket::shutdown(socket.as_raw_fd(), nix::sys::socket::Shutdown::Write);
+    /// No more replies (the reader is done): FIN once everything is sent.
+    async fn finish(&mut self, metrics: &PageServiceMetrics) -> std::io::Result<()> {
+        self.send(&mut Vec::new(), Vec::new(), true, metrics).await
     }
 }
 
-/// Shuts a socket down both ways when dropped, unless defused.
-struct ShutdownOnDrop(Option<Arc<TcpStream>>);
-
-impl ShutdownOnDrop {
-    fn defuse(mut self) {
-        self.0 = None;
+impl UringWriter {
+    fn send(
+        &mut self,
+        chunks: Vec<Bytes>,
+        slots: Vec<OwnedSemaphorePermit>,
+        close: bool,
+    ) -> std::io::Result<()> {
+        if let Some(why) = self.link.failure() {
+            return Err(std::io::Error::other(why));
+        }
+        let job = Job { link: Arc::clone(&self.link), chunks, slots, close };
+        match self.ring.submit(job) {
+            Ok(()) => {
+                self.closed = close;
+                Ok(())
+            }
+            Err(_) => Err(std::io::Error::other("the io_uring writer stopped")),
+        }
     }
 }
 
-impl Drop for ShutdownOnDrop {
+impl Drop for UringWriter {
+    /// A connection that ends without handing over its last batch (aborted at shutdown, or
+    /// failed) shuts its socket down: the ring's operations on it end at once.
     fn drop(&mut self) {
-        if let Some(socket) = self.0.take() {
-            let _ = nix::sys::socket::shutdown(socket.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        if !self.closed {
+            self.link.shut_down(Shutdown::Both);
         }
     }
 }
@@ -216,16 +233,15 @@ pub(super) async fn write_replies(
             slots.push(slot);
         }
         metrics.replies_per_write.observe(slots.len() as f64);
-        match tokio::time::timeout(write_timeout, writer.write_all(&mut chunks, slots.len(), metrics)).await {
-            Ok(written) => written?,
+        match tokio::time::timeout(write_timeout, writer.send(&mut chunks, slots, close, metrics)).await {
+            Ok(sent) => sent?,
             Err(_) => anyhow::bail!("the client accepted no reply for {write_timeout:?}"),
         }
-        drop(slots);
         if close {
-            break;
+            return Ok(());
         }
     }
-    writer.shutdown();
+    writer.finish(metrics).await?;
     Ok(())
 }
 
