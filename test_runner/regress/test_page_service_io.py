@@ -2,8 +2,9 @@
 
 Every test here runs in both modes (the `page_service_io` fixture); the rest of the suite does
 too. Here: replies keep their order and their bytes through short sends to a client that stops
-reading, that client delays nobody else, and a kernel that refuses io_uring (a seccomp filter,
-as in a locked-down container) leaves the daemon serving with writev, saying so.
+reading, that client delays nobody else and is disconnected once it has accepted no reply byte
+for the write timeout, and a kernel that refuses io_uring (a seccomp filter, as in a
+locked-down container) leaves the daemon serving with writev, saying so.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fixtures import oracle as o
 from fixtures.oracle import Key
 from fixtures.page_client import LATEST, Page, PageConnection, connect
 from fixtures.seccomp import deny_io_uring_setup
+from fixtures.util import wait_until
 
 KEY = Key.rel_block(7300, 1)
 PIPELINED = 250  # below MAX_IN_FLIGHT (256): the daemon reads them all
@@ -129,3 +131,22 @@ def test_many_connections_are_served_by_the_writer_of_the_mode(pageserver_factor
     else:
         assert m.value("pageserver_page_service_replies_per_submit_count") == 0
         assert m.value("pageserver_page_service_sends_total", io="epoll") >= 16 * 20
+
+
+def test_a_client_that_accepts_no_reply_bytes_for_the_timeout_is_disconnected(
+        pageserver_factory, page_service_io, small_tcp_send_buffers):
+    # page_service_idle_timeout is also the write timeout: no reply byte accepted this long.
+    ps = pageserver_factory(page_service_idle_timeout="1 s")
+    tenant = ps.create_tenant()
+    with ps.connect(tenant) as conn:
+        _load(conn)
+    stalled = PageConnection(ps.pg_addr, timeout=60, rcvbuf=4096)
+    stalled.hello(tenant)
+    for _ in range(PIPELINED):
+        stalled.send_get_page(KEY, LATEST)
+    wait_until(lambda: ps.http.metrics().value("pageserver_page_service_connections") == 0, timeout=15,
+               desc="the daemon to drop the connection that accepts no replies")
+    stalled.close()
+    # The daemon is fine: a new connection is served.
+    with ps.connect(tenant) as conn:
+        assert conn.get_page(KEY)
