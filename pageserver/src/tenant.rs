@@ -242,6 +242,29 @@ impl Tenant {
         result
     }
 
+    /// What [`Tenant::get_page`] would answer without waiting for anything: a page in the page
+    /// cache at an LSN already durable (counted as a GetPage). `None` otherwise (the LSN is
+    /// ahead, the page must be read or rebuilt, or the request fails): call `get_page`.
+    ///
+    /// For callers that would spawn a task per request: a cache hit needs none.
+    pub fn get_page_now(&self, key: BufferTag, lsn: Lsn) -> Option<(Lsn, Bytes)> {
+        let started = Instant::now();
+        if self.cancel.is_cancelled() {
+            return None;
+        }
+        let durable = self.timeline.last_durable_lsn();
+        let lsn = match lsn {
+            Lsn::LATEST => durable,
+            lsn if lsn <= durable => lsn,
+            _ => return None,
+        };
+        let version = self.timeline.version_at(key, lsn).ok()??;
+        let page = self.deps.cache.get(&(self.generation, key, version.0))?;
+        self.counters.get_page_requests.fetch_add(1, Ordering::Relaxed);
+        self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
+        Some((lsn, page))
+    }
+
     /// [`Tenant::get_page`] without its accounting.
     async fn read_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
         if self.cancel.is_cancelled() {

@@ -505,8 +505,12 @@ mod tests {
     }
 
     async fn load(conf: &PageServerConf) -> Arc<Tenants> {
+        load_with_cache(conf, 0).await
+    }
+
+    async fn load_with_cache(conf: &PageServerConf, cache_bytes: u64) -> Arc<Tenants> {
         let registry = prometheus::Registry::new();
-        let cache = Arc::new(PageCache::new(0, &registry).unwrap());
+        let cache = Arc::new(PageCache::new(cache_bytes, &registry).unwrap());
         let storage_metrics = Arc::new(StorageMetrics::new(&registry).unwrap());
         let walredo_metrics = Arc::new(WalRedoMetrics::new(&registry).unwrap());
         let metrics = Arc::new(TenantsMetrics::new(&registry).unwrap());
@@ -548,6 +552,30 @@ mod tests {
         drop(tenants);
         let tenants = load(&conf).await;
         assert!(tenants.slot("t1").is_none(), "the deleted tenant came back at the next start");
+        tenants.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_cached_page_at_a_durable_lsn_is_answered_now_anything_else_is_left_to_get_page() {
+        let workdir = tempfile::tempdir().unwrap();
+        let conf = conf(workdir.path());
+        let tenants = load_with_cache(&conf, 1 << 20).await;
+        let tenant = tenants.create("t", TenantConfOverrides::default()).await.unwrap();
+        let key = storage::Key { spcnode: 1663, dbnode: 5, relnode: 1, forknum: 0, blknum: 1 };
+        let missing = storage::Key { blknum: 2, ..key };
+        let image = bytes::Bytes::from(vec![7u8; storage::PAGE_SIZE]);
+        let batch =
+            storage::IngestBatch { values: vec![(key, storage::Lsn(10), storage::Value::Image(image))] };
+        let durable = tenant.submit_ingest(batch).await.unwrap().await.unwrap();
+
+        assert!(tenant.get_page_now(key, storage::Lsn::LATEST).is_none(), "not in the page cache yet");
+        let (lsn, page) = tenant.get_page(key, storage::Lsn::LATEST).await.unwrap();
+        assert_eq!(tenant.get_page_now(key, storage::Lsn::LATEST), Some((lsn, page.clone())));
+        assert_eq!(tenant.get_page_now(key, durable), Some((durable, page)));
+        // Ahead of the durable LSN, get_page would wait; a missing key is get_page's error.
+        assert!(tenant.get_page_now(key, storage::Lsn(durable.0 + 1)).is_none());
+        assert!(tenant.get_page_now(missing, storage::Lsn::LATEST).is_none());
+        assert_eq!(tenant.status().counters.get_page_requests, 3, "hits are counted as GetPage requests");
         tenants.shutdown().await;
     }
 

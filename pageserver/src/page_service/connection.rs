@@ -207,22 +207,30 @@ impl Connection<'_> {
                 )),
                 Ok(Ok(ClientMessage::GetPage { request_id, key, lsn })) => {
                     metrics.requests.with_label_values(&["get_page"]).inc();
-                    let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
-                    Pending::Task(tokio::spawn(
-                        async move {
-                            let started = Instant::now();
-                            let reply = match tenant.get_page(key, Lsn(lsn)).await {
-                                Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
-                                Err(e) => {
-                                    let code = get_page_error_code(&e);
-                                    Reply::error(&metrics, request_id, code, format!("{e:#}"))
-                                }
-                            };
-                            metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
-                            reply
-                        }
-                        .in_current_span(),
-                    ))
+                    let started = Instant::now();
+                    // A page cache hit is answered here, without a task of its own.
+                    if let Some((lsn, page)) = tenant.get_page_now(key, Lsn(lsn)) {
+                        let reply = Reply::page(request_id, lsn.0, page);
+                        metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
+                        Pending::Ready(reply)
+                    } else {
+                        let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
+                        Pending::Task(tokio::spawn(
+                            async move {
+                                let started = Instant::now();
+                                let reply = match tenant.get_page(key, Lsn(lsn)).await {
+                                    Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
+                                    Err(e) => {
+                                        let code = get_page_error_code(&e);
+                                        Reply::error(&metrics, request_id, code, format!("{e:#}"))
+                                    }
+                                };
+                                metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
+                                reply
+                            }
+                            .in_current_span(),
+                        ))
+                    }
                 }
                 Ok(Ok(ClientMessage::Ingest { request_id, values })) => {
                     metrics.requests.with_label_values(&["ingest"]).inc();
