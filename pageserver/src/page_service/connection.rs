@@ -206,7 +206,7 @@ impl Connection<'_> {
                     "Hello may come only once".into(),
                 )),
                 Ok(Ok(ClientMessage::GetPage { request_id, key, lsn })) => {
-                    metrics.requests.with_label_values(&["get_page"]).inc();
+                    metrics.get_page_requests.inc();
                     let started = Instant::now();
                     // A page cache hit is answered here, without a task of its own.
                     if let Some((lsn, page)) = tenant.get_page_now(key, Lsn(lsn)) {
@@ -233,7 +233,7 @@ impl Connection<'_> {
                     }
                 }
                 Ok(Ok(ClientMessage::Ingest { request_id, values })) => {
-                    metrics.requests.with_label_values(&["ingest"]).inc();
+                    metrics.ingest_requests.inc();
                     match proto::reserved_lsn(&values) {
                         Some((i, why)) => Pending::Ready(Reply::error(
                             metrics,

@@ -88,17 +88,16 @@ pub struct PageServiceConf {
 
 pub struct PageServiceMetrics {
     connections: IntGauge,
-    requests: IntCounterVec,
     errors: IntCounterVec,
     get_page_seconds: Histogram,
     replies_per_write: Histogram,
-    /// Syscalls that sent replies, by `io`: `writev` calls (`epoll`), `io_uring_enter` calls
-    /// (`io_uring`).
-    send_syscalls: IntCounterVec,
-    /// Send operations, by `io`: `writev` calls, `SENDMSG` operations.
-    sends: IntCounterVec,
-    /// Reply bytes sent, by `io`.
-    sent_bytes: IntCounterVec,
+    /// `requests{type="get_page"}` and `{type="ingest"}`, resolved once (a label lookup per
+    /// request costs a hash).
+    get_page_requests: IntCounter,
+    ingest_requests: IntCounter,
+    /// How replies left, per writer (`io` label resolved once).
+    epoll_io: IoCounters,
+    uring_io: IoCounters,
     /// Replies of the batches handed to a ring between two of its submits.
     replies_per_submit: Histogram,
     /// io_uring sends that found the socket full and waited for room.
@@ -132,11 +131,7 @@ impl PageServiceMetrics {
             .buckets(prometheus::exponential_buckets(1.0, 2.0, 7)?),
         )?;
         let by_io = |name: &str, help: &str| -> anyhow::Result<IntCounterVec> {
-            let counter = IntCounterVec::new(Opts::new(name, help), &["io"])?;
-            for io in ["epoll", "io_uring"] {
-                counter.with_label_values(&[io]);
-            }
-            Ok(counter)
+            Ok(IntCounterVec::new(Opts::new(name, help), &["io"])?)
         };
         let send_syscalls = by_io(
             "pageserver_page_service_send_syscalls_total",
@@ -168,19 +163,33 @@ impl PageServiceMetrics {
         registry.register(Box::new(sent_bytes.clone()))?;
         registry.register(Box::new(replies_per_submit.clone()))?;
         registry.register(Box::new(send_waits.clone()))?;
+        let io = |io: PageServiceIo| IoCounters {
+            send_syscalls: send_syscalls.with_label_values(&[io.as_str()]),
+            sends: sends.with_label_values(&[io.as_str()]),
+            sent_bytes: sent_bytes.with_label_values(&[io.as_str()]),
+        };
         Ok(PageServiceMetrics {
             connections,
-            requests,
+            get_page_requests: requests.with_label_values(&["get_page"]),
+            ingest_requests: requests.with_label_values(&["ingest"]),
             errors,
             get_page_seconds,
             replies_per_write,
-            send_syscalls,
-            sends,
-            sent_bytes,
+            epoll_io: io(PageServiceIo::Epoll),
+            uring_io: io(PageServiceIo::IoUring),
             replies_per_submit,
             send_waits,
         })
     }
+}
+
+/// The send counters of one writer: `pageserver_page_service_send_syscalls_total{io}` (`writev`
+/// calls for `epoll`, `io_uring_enter` calls for `io_uring`), `_sends_total{io}` (`writev` calls,
+/// `SENDMSG` operations) and `_sent_bytes_total{io}`.
+pub(crate) struct IoCounters {
+    pub(crate) send_syscalls: IntCounter,
+    pub(crate) sends: IntCounter,
+    pub(crate) sent_bytes: IntCounter,
 }
 
 /// Accepts connections until `cancel`; each runs on `tracker`. Connections stop reading when

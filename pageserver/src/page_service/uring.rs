@@ -439,7 +439,7 @@ fn run(mut ring: IoUring, shared: &Shared, metrics: &PageServiceMetrics) {
         if replies > 0 {
             metrics.replies_per_submit.observe(replies as f64);
         }
-        metrics.send_syscalls.with_label_values(&["io_uring"]).inc();
+        metrics.uring_io.send_syscalls.inc();
         // With a job parked on a full socket, wake up now and then to time it out.
         let waited = if jobs.check_stalls() {
             let args = types::SubmitArgs::new().timespec(&stall_check);
@@ -503,7 +503,7 @@ fn push_all(
 ) -> io::Result<()> {
     for entry in ready.drain(..) {
         if entry.get_opcode() == u32::from(opcode::SendMsg::CODE) {
-            metrics.sends.with_label_values(&["io_uring"]).inc();
+            metrics.uring_io.sends.inc();
         }
         loop {
             // SAFETY: the entry points into a job's InFlight (chunks, iovecs, msghdr) or the
@@ -511,7 +511,7 @@ fn push_all(
             if unsafe { ring.submission().push(&entry) }.is_ok() {
                 break;
             }
-            metrics.send_syscalls.with_label_values(&["io_uring"]).inc();
+            metrics.uring_io.send_syscalls.inc();
             ring.submit()?;
         }
     }
@@ -546,7 +546,7 @@ fn complete(
     match res {
         0 if !job.advance(0) => jobs.finish(slot, Err(io::ErrorKind::WriteZero.into()), ready),
         sent if sent >= 0 => {
-            metrics.sent_bytes.with_label_values(&["io_uring"]).inc_by(sent as u64);
+            metrics.uring_io.sent_bytes.inc_by(sent as u64);
             if job.advance(sent as usize) {
                 jobs.finish(slot, Ok(()), ready);
             } else {

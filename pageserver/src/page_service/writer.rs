@@ -263,9 +263,9 @@ async fn write_all_vectored(
             }
             Err(e) => return Err(e),
         };
-        metrics.send_syscalls.with_label_values(&["epoll"]).inc();
-        metrics.sends.with_label_values(&["epoll"]).inc();
-        metrics.sent_bytes.with_label_values(&["epoll"]).inc_by(written as u64);
+        metrics.epoll_io.send_syscalls.inc();
+        metrics.epoll_io.sends.inc();
+        metrics.epoll_io.sent_bytes.inc_by(written as u64);
         if written == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
