@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -171,6 +171,15 @@ impl Connection<'_> {
     ) {
         let (tenant, metrics) = (self.tenant, self.metrics);
         loop {
+            // A whole frame already read and a slot free: taken without waiting (a pipelining
+            // client sends several per read), so without the selects below.
+            if let Some((slot, frame)) = self.buffered_frame(buf, slots) {
+                let pending = self.dispatch(Ok(frame)).await;
+                if !queue(replies, pending, slot).await {
+                    return;
+                }
+                continue;
+            }
             // Biased: once the writer is gone or shutdown began, no further frame is read.
             let slot = tokio::select! {
                 biased;
@@ -196,61 +205,82 @@ impl Connection<'_> {
                     FrameRead::Bad(e) => Err(Reply::error(metrics, 0, e.code(), e.to_string())),
                 },
             };
-            let pending = match frame.map(proto::decode_client) {
-                Err(reply) => Pending::Ready(reply),
-                Ok(Err(e)) => Pending::Ready(Reply::error(metrics, 0, e.code(), e.to_string())),
-                Ok(Ok(ClientMessage::Hello { .. })) => Pending::Ready(Reply::error(
-                    metrics,
-                    0,
-                    ErrorCode::BadFrame,
-                    "Hello may come only once".into(),
-                )),
-                Ok(Ok(ClientMessage::GetPage { request_id, key, lsn })) => {
-                    metrics.get_page_requests.inc();
-                    let started = Instant::now();
-                    // A page cache hit is answered here, without a task of its own.
-                    if let Some((lsn, page)) = tenant.get_page_now(key, Lsn(lsn)) {
-                        let reply = Reply::page(request_id, lsn.0, page);
-                        metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
-                        Pending::Ready(reply)
-                    } else {
-                        let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
-                        Pending::Task(tokio::spawn(
-                            async move {
-                                let started = Instant::now();
-                                let reply = match tenant.get_page(key, Lsn(lsn)).await {
-                                    Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
-                                    Err(e) => {
-                                        let code = get_page_error_code(&e);
-                                        Reply::error(&metrics, request_id, code, format!("{e:#}"))
-                                    }
-                                };
-                                metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
-                                reply
-                            }
-                            .in_current_span(),
-                        ))
-                    }
-                }
-                Ok(Ok(ClientMessage::Ingest { request_id, values })) => {
-                    metrics.ingest_requests.inc();
-                    match proto::reserved_lsn(&values) {
-                        Some((i, why)) => Pending::Ready(Reply::error(
-                            metrics,
-                            request_id,
-                            ErrorCode::InvalidRequest,
-                            format!("invalid ingest batch: value {i}: {why}"),
-                        )),
-                        // Queued here, before reading on, so the batches of a connection keep their order.
-                        None => start_ingest(tenant, metrics, request_id, values).await,
-                    }
-                }
-            };
-            let closes = matches!(&pending, Pending::Ready(reply) if reply.close);
-            if replies.send(Queued { pending, slot }).await.is_err() || closes {
+            let pending = self.dispatch(frame).await;
+            if !queue(replies, pending, slot).await {
                 return;
             }
         }
+    }
+
+    /// Starts a request (or takes the reply for a frame that was no request) and returns its
+    /// reply on its way.
+    async fn dispatch(&self, frame: Result<Bytes, Reply>) -> Pending {
+        let (tenant, metrics) = (self.tenant, self.metrics);
+        match frame.map(proto::decode_client) {
+            Err(reply) => Pending::Ready(reply),
+            Ok(Err(e)) => Pending::Ready(Reply::error(metrics, 0, e.code(), e.to_string())),
+            Ok(Ok(ClientMessage::Hello { .. })) => Pending::Ready(Reply::error(
+                metrics,
+                0,
+                ErrorCode::BadFrame,
+                "Hello may come only once".into(),
+            )),
+            Ok(Ok(ClientMessage::GetPage { request_id, key, lsn })) => {
+                metrics.get_page_requests.inc();
+                let started = Instant::now();
+                // A page cache hit is answered here, without a task of its own.
+                if let Some((lsn, page)) = tenant.get_page_now(key, Lsn(lsn)) {
+                    let reply = Reply::page(request_id, lsn.0, page);
+                    metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
+                    Pending::Ready(reply)
+                } else {
+                    let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
+                    Pending::Task(tokio::spawn(
+                        async move {
+                            let started = Instant::now();
+                            let reply = match tenant.get_page(key, Lsn(lsn)).await {
+                                Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
+                                Err(e) => {
+                                    let code = get_page_error_code(&e);
+                                    Reply::error(&metrics, request_id, code, format!("{e:#}"))
+                                }
+                            };
+                            metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
+                            reply
+                        }
+                        .in_current_span(),
+                    ))
+                }
+            }
+            Ok(Ok(ClientMessage::Ingest { request_id, values })) => {
+                metrics.ingest_requests.inc();
+                match proto::reserved_lsn(&values) {
+                    Some((i, why)) => Pending::Ready(Reply::error(
+                        metrics,
+                        request_id,
+                        ErrorCode::InvalidRequest,
+                        format!("invalid ingest batch: value {i}: {why}"),
+                    )),
+                    // Queued here, before reading on, so the batches of a connection keep their order.
+                    None => start_ingest(tenant, metrics, request_id, values).await,
+                }
+            }
+        }
+    }
+
+    /// A whole frame already in `buf`, with a free slot for it, when nothing asks the reader to
+    /// stop; `None` sends the reader the slow way (waiting, and every stop condition looked at).
+    fn buffered_frame(
+        &self,
+        buf: &mut BytesMut,
+        slots: &Arc<Semaphore>,
+    ) -> Option<(OwnedSemaphorePermit, Bytes)> {
+        if self.writer_gone.is_cancelled() || self.stop.is_cancelled() || self.tenant.cancel.is_cancelled() {
+            return None;
+        }
+        let len = proto::frame_len_max(buf, proto::MAX_FRAME_LEN).ok()??;
+        let slot = Arc::clone(slots).try_acquire_owned().ok()?;
+        Some((slot, buf.split_to(len).freeze()))
     }
 
     /// Reads the next request frame; idle when the client sent nothing for the idle timeout
@@ -274,6 +304,13 @@ impl Connection<'_> {
             }
         }
     }
+}
+
+/// Queues a reply for the writer; whether the reader goes on (not after a closing reply, nor
+/// once the writer is gone).
+async fn queue(replies: &mpsc::Sender<Queued>, pending: Pending, slot: OwnedSemaphorePermit) -> bool {
+    let closes = matches!(&pending, Pending::Ready(reply) if reply.close);
+    replies.send(Queued { pending, slot }).await.is_ok() && !closes
 }
 
 /// The outcome of reading a request frame.
