@@ -35,13 +35,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::socket::Shutdown;
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 
+use super::writer::consume;
 use super::PageServiceMetrics;
 use crate::walredo::lock;
 
@@ -270,23 +271,11 @@ impl InFlight {
     }
 
     /// Counts `sent` bytes off the front; whether everything is sent.
-    fn advance(&mut self, mut sent: usize) -> bool {
+    fn advance(&mut self, sent: usize) -> bool {
         if sent > 0 {
             self.progress = Instant::now();
         }
-        while sent > 0 && self.start < self.job.chunks.len() {
-            let chunk = &mut self.job.chunks[self.start];
-            let n = sent.min(chunk.len());
-            chunk.advance(n);
-            sent -= n;
-            if chunk.is_empty() {
-                self.start += 1;
-            }
-        }
-        while self.start < self.job.chunks.len() && self.job.chunks[self.start].is_empty() {
-            self.start += 1;
-        }
-        self.start == self.job.chunks.len()
+        consume(&mut self.job.chunks, &mut self.start, sent)
     }
 }
 
@@ -295,8 +284,8 @@ impl InFlight {
 #[derive(Default)]
 struct Jobs {
     sending: Vec<Option<InFlight>>,
+    /// Slots of `sending` that are `None`, for reuse.
     free: Vec<usize>,
-    busy: usize,
     /// Per connection with a job being sent: its jobs waiting behind it, in order.
     behind: HashMap<u64, VecDeque<Job>>,
 }
@@ -322,7 +311,6 @@ impl Jobs {
             self.done(in_flight, Ok(()), ready);
             return;
         }
-        self.busy += 1;
         let slot = match self.free.pop() {
             Some(slot) => slot,
             None => {
@@ -334,6 +322,11 @@ impl Jobs {
         self.sending[slot] = Some(in_flight);
     }
 
+    /// No job is being sent (so none waits behind one either).
+    fn sending_none(&self) -> bool {
+        self.sending.len() == self.free.len()
+    }
+
     fn get(&mut self, slot: usize) -> Option<&mut InFlight> {
         self.sending.get_mut(slot).and_then(Option::as_mut)
     }
@@ -341,7 +334,6 @@ impl Jobs {
     /// Ends the job in `slot`.
     fn finish(&mut self, slot: usize, result: io::Result<()>, ready: &mut Vec<squeue::Entry>) {
         if let Some(in_flight) = self.sending.get_mut(slot).and_then(Option::take) {
-            self.busy -= 1;
             self.free.push(slot);
             self.done(in_flight, result, ready);
         }
@@ -430,7 +422,7 @@ fn run(mut ring: IoUring, shared: &Shared, metrics: &PageServiceMetrics) {
         for job in arrived {
             jobs.arrive(job, &mut ready);
         }
-        if shared.stop.load(Ordering::Acquire) && jobs.busy == 0 {
+        if shared.stop.load(Ordering::Acquire) && jobs.sending_none() {
             break None;
         }
         if let Err(e) = push_all(&mut ring, &mut ready, metrics) {

@@ -254,7 +254,7 @@ async fn write_all_vectored(
     let mut start = 0;
     while start < chunks.len() {
         let slices: Vec<IoSlice<'_>> = chunks[start..].iter().map(|c| IoSlice::new(c)).collect();
-        let mut written = match socket.try_write_vectored(&slices) {
+        let written = match socket.try_write_vectored(&slices) {
             Ok(written) => written,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 drop(slices);
@@ -269,16 +269,47 @@ async fn write_all_vectored(
         if written == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
-        while written > 0 && start < chunks.len() {
-            let chunk = &mut chunks[start];
-            let n = written.min(chunk.len());
-            chunk.advance(n);
-            written -= n;
-            if chunk.is_empty() {
-                start += 1;
-            }
-        }
+        consume(chunks, &mut start, written);
     }
     chunks.clear();
     Ok(())
+}
+
+/// Counts `sent` bytes off `chunks[*start..]`: the chunks sent whole are passed (`*start`
+/// moves past them, and past empty ones), the first one sent in part loses its front. Whether
+/// every chunk is sent. Shared by both writers.
+pub(super) fn consume(chunks: &mut [Bytes], start: &mut usize, mut sent: usize) -> bool {
+    while let Some(chunk) = chunks.get_mut(*start) {
+        let n = sent.min(chunk.len());
+        chunk.advance(n);
+        sent -= n;
+        if !chunk.is_empty() {
+            break;
+        }
+        *start += 1;
+    }
+    *start == chunks.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consume_passes_whole_chunks_and_trims_the_one_sent_in_part() {
+        let mut chunks: Vec<Bytes> = vec![
+            Bytes::from_static(b"abc"),
+            Bytes::new(),
+            Bytes::from_static(b"defg"),
+            Bytes::from_static(b"h"),
+        ];
+        let mut start = 0;
+        assert!(!consume(&mut chunks, &mut start, 5));
+        // "abc" and the empty chunk are passed; "defg" lost "de".
+        assert_eq!((start, &chunks[start][..]), (2, &b"fg"[..]));
+        assert!(!consume(&mut chunks, &mut start, 0));
+        assert_eq!(start, 2);
+        assert!(consume(&mut chunks, &mut start, 3));
+        assert_eq!(start, 4);
+    }
 }
