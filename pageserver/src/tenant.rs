@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::compaction::{CompactionMetrics, CompactionSettings, CompactionStatus, Compactor, PassSummary};
 use crate::page_cache::PageCache;
 use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError};
-use crate::tenant_series::GetPageSeries;
+use crate::tenant_series::RequestSeries;
 use crate::walredo::{lock, ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
 /// What one GetPage may read to rebuild a page (checked from the index before reading).
@@ -207,7 +207,7 @@ pub struct Tenant {
     pub cancel: CancellationToken,
     pub(crate) counters: Counters,
     /// Its GetPage series, exported while it is among the busiest tenants (`tenant_series`).
-    pub(crate) get_page_series: GetPageSeries,
+    pub(crate) get_page_series: RequestSeries,
 }
 
 /// Request counters of a tenant.

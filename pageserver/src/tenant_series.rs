@@ -37,7 +37,7 @@ fn buckets() -> Vec<f64> {
 }
 
 /// A histogram of one tenant, labelled `tenant_id`, registered nowhere.
-pub fn histogram(name: &str, help: &str, tenant_id: &str) -> Histogram {
+fn histogram(name: &str, help: &str, tenant_id: &str) -> Histogram {
     Histogram::with_opts(
         HistogramOpts::new(name, help).const_label("tenant_id", tenant_id).buckets(buckets()),
     )
@@ -45,7 +45,7 @@ pub fn histogram(name: &str, help: &str, tenant_id: &str) -> Histogram {
 }
 
 /// A counter of one tenant, labelled `tenant_id`, registered nowhere.
-pub fn counter(name: &str, help: &str, tenant_id: &str) -> IntCounter {
+fn counter(name: &str, help: &str, tenant_id: &str) -> IntCounter {
     IntCounter::with_opts(Opts::new(name, help).const_label("tenant_id", tenant_id))
         .expect("a constant name and any label value are valid")
 }
@@ -78,17 +78,29 @@ pub mod names {
     );
 }
 
-/// A tenant's GetPage series (its redo series are its redo manager's).
-pub struct GetPageSeries {
+/// A tenant's series of one kind of request: the requests' time and their failures. A tenant
+/// has one for GetPage; its redo manager has one for redo (whose time is of successful requests
+/// only, as the daemon-wide `pageserver_wal_redo_seconds`).
+pub struct RequestSeries {
     pub seconds: Histogram,
     pub errors: IntCounter,
 }
 
-impl GetPageSeries {
-    pub fn new(tenant_id: &str) -> GetPageSeries {
-        let (name, help) = names::GET_PAGE_SECONDS;
-        let (errors_name, errors_help) = names::GET_PAGE_ERRORS;
-        GetPageSeries {
+impl RequestSeries {
+    pub fn get_page(tenant_id: &str) -> RequestSeries {
+        RequestSeries::new(tenant_id, names::GET_PAGE_SECONDS, names::GET_PAGE_ERRORS)
+    }
+
+    pub fn redo(tenant_id: &str) -> RequestSeries {
+        RequestSeries::new(tenant_id, names::REDO_SECONDS, names::REDO_ERRORS)
+    }
+
+    fn new(
+        tenant_id: &str,
+        (name, help): (&str, &str),
+        (errors_name, errors_help): (&str, &str),
+    ) -> RequestSeries {
+        RequestSeries {
             seconds: histogram(name, help, tenant_id),
             errors: counter(errors_name, errors_help, tenant_id),
         }
@@ -247,7 +259,7 @@ mod tests {
 
     #[test]
     fn a_tenants_series_carry_its_id() {
-        let series = GetPageSeries::new("tenant-a");
+        let series = RequestSeries::get_page("tenant-a");
         series.seconds.observe(0.001);
         series.errors.inc();
         let families: Vec<MetricFamily> = [series.seconds.collect(), series.errors.collect()].concat();

@@ -34,7 +34,7 @@ use crate::tenant::{
     read_overrides, write_overrides, RedoBudget, Tenant, TenantConfOverrides, TenantDeps, TenantState,
     TenantStatus,
 };
-use crate::tenant_series::GetPageSeries;
+use crate::tenant_series::RequestSeries;
 use crate::walredo::{lock, WalRedoConf, WalRedoManager, WalRedoMetrics};
 
 const TENANTS_DIR: &str = "tenants";
@@ -283,7 +283,7 @@ impl Tenants {
             deps: Arc::clone(&self.deps),
             cancel,
             counters: Default::default(),
-            get_page_series: GetPageSeries::new(id),
+            get_page_series: RequestSeries::get_page(id),
         })
     }
 

@@ -237,7 +237,6 @@ impl Connection<'_> {
                     let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
                     Pending::Task(tokio::spawn(
                         async move {
-                            let started = Instant::now();
                             let reply = match tenant.get_page(key, Lsn(lsn)).await {
                                 Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
                                 Err(e) => {

@@ -8,27 +8,6 @@ use prometheus::{
 };
 
 use super::ProcessKind;
-use crate::tenant_series::{self, names};
-
-/// One tenant's redo series, exported while the tenant is among the busiest
-/// ([`crate::tenant_series`]).
-pub struct TenantRedoSeries {
-    /// Wall time of a successful request, as `pageserver_wal_redo_seconds`.
-    pub seconds: Histogram,
-    /// Requests that failed, for any reason counted in `pageserver_wal_redo_requests_total`.
-    pub errors: IntCounter,
-}
-
-impl TenantRedoSeries {
-    pub fn new(tenant_id: &str) -> TenantRedoSeries {
-        let (name, help) = names::REDO_SECONDS;
-        let (errors_name, errors_help) = names::REDO_ERRORS;
-        TenantRedoSeries {
-            seconds: tenant_series::histogram(name, help, tenant_id),
-            errors: tenant_series::counter(errors_name, errors_help, tenant_id),
-        }
-    }
-}
 
 /// Why a child process stopped; the `cause` label of `pageserver_wal_redo_process_stopped_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

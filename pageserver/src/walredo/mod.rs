@@ -48,12 +48,13 @@ use tokio_util::task::TaskTracker;
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::protocol::{self, BufferTag, ErrorCode};
 
-pub use metrics::{StopCause, TenantRedoSeries, WalRedoMetrics};
+pub use metrics::{StopCause, WalRedoMetrics};
 use pipeline::Reply;
 use pool::{ChildBudget, ControllerStatus, Load, Pool, Sampler};
 use priority::{Priority, WriteTicket};
 use process::{InUse, Process, ProcessError, Reaping};
 
+use crate::tenant_series::RequestSeries;
 pub use crate::worker_controller::Path;
 use crate::worker_controller::{max_spinning_for_cpus, WorkerController, WorkerControllerConf};
 
@@ -278,7 +279,7 @@ pub struct WalRedoManager {
     /// Spawn attempts finished.
     spawn_attempts: AtomicU64,
     metrics: Arc<WalRedoMetrics>,
-    series: TenantRedoSeries,
+    series: RequestSeries,
     served: AtomicU64,
     /// Foreground requests before background ones.
     priority: Priority,
@@ -304,7 +305,7 @@ impl WalRedoManager {
             spawn_lock: tokio::sync::Mutex::new(None),
             spawn_attempts: AtomicU64::new(0),
             metrics,
-            series: TenantRedoSeries::new(tenant_id),
+            series: RequestSeries::redo(tenant_id),
             served: AtomicU64::new(0),
             priority: Priority::new(),
             reaping: Reaping::new(),
@@ -717,7 +718,7 @@ impl WalRedoManager {
     }
 
     /// The tenant's redo series (`tenant_series`).
-    pub fn series(&self) -> &TenantRedoSeries {
+    pub fn series(&self) -> &RequestSeries {
         &self.series
     }
 
