@@ -205,12 +205,18 @@ fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<A
         tracing::info!(page_service_io = io.as_str(), "page service replies: writev per connection");
         return None;
     }
-    let started = uring::probe()
-        .map_err(|why| anyhow::anyhow!(why))
-        .and_then(|()| uring::Rings::start(1, Arc::clone(metrics)));
+    let started = uring::probe().map_err(|why| anyhow::anyhow!(why)).and_then(|support| {
+        uring::Rings::start(1, support, Arc::clone(metrics)).map(|rings| (rings, support))
+    });
     match started {
-        Ok(rings) => {
-            tracing::info!(page_service_io = io.as_str(), "page service replies: io_uring, 1 writer thread");
+        Ok((rings, support)) => {
+            tracing::info!(
+                page_service_io = io.as_str(),
+                zero_copy = support.zero_copy,
+                "page service replies: io_uring, 1 writer thread; sends of {} bytes and more {}",
+                uring::ZERO_COPY_MIN,
+                if support.zero_copy { "go zero-copy (SENDMSG_ZC)" } else { "are copied (no SENDMSG_ZC)" }
+            );
             Some(Arc::new(rings))
         }
         Err(e) => {

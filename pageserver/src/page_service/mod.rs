@@ -102,6 +102,9 @@ pub struct PageServiceMetrics {
     replies_per_submit: Histogram,
     /// io_uring sends that found the socket full and waited for room.
     send_waits: IntCounter,
+    /// `SENDMSG_ZC` operations, and those whose bytes the kernel copied after all.
+    zero_copy_sends: IntCounter,
+    zero_copy_copied: IntCounter,
 }
 
 impl PageServiceMetrics {
@@ -153,6 +156,17 @@ impl PageServiceMetrics {
             "pageserver_page_service_send_waits_total",
             "io_uring sends that found the socket full and waited for room",
         )?;
+        let zero_copy_sends = IntCounter::new(
+            "pageserver_page_service_zero_copy_sends_total",
+            "io_uring sends that went zero-copy (SENDMSG_ZC)",
+        )?;
+        let zero_copy_copied = IntCounter::new(
+            "pageserver_page_service_zero_copy_copied_total",
+            "Zero-copy sends whose bytes the kernel copied after all (loopback, devices that cannot \
+             send from user pages), as IORING_SEND_ZC_REPORT_USAGE reports",
+        )?;
+        registry.register(Box::new(zero_copy_sends.clone()))?;
+        registry.register(Box::new(zero_copy_copied.clone()))?;
         registry.register(Box::new(connections.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(errors.clone()))?;
@@ -179,6 +193,8 @@ impl PageServiceMetrics {
             uring_io: io(PageServiceIo::IoUring),
             replies_per_submit,
             send_waits,
+            zero_copy_sends,
+            zero_copy_copied,
         })
     }
 }

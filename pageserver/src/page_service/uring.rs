@@ -13,6 +13,12 @@
 //! records the error, shuts the socket down and drops the connection's queued batches. A
 //! queued job wakes the thread through an eventfd whose read is always pending on the ring.
 //!
+//! Zero-copy: a batch of at least [`ZERO_COPY_MIN`] bytes may go as `SENDMSG_ZC` (see
+//! [`ZeroCopy`] for which): its first completion says what was sent, and a notification later
+//! says the kernel is done with the pages (and whether it copied them after all). The send is
+//! over at the first completion: its reply slots are freed and its connection's next batch
+//! starts; the job lingers in its ring slot, holding its chunks, until the last notification.
+//!
 //! So the batches of one connection leave in order, one at a time; a connection whose client
 //! stops reading holds only its own batches (parked on its poll), every other connection's
 //! sends go on, and a batch that makes no progress for the connection's write timeout gets
@@ -20,7 +26,8 @@
 //!
 //! **Invariants** (what makes the `unsafe` pushes sound):
 //! - a job's chunks, iovecs and `msghdr` stay where they are, owned by the thread, from the
-//!   push of an operation that points at them until its completion is reaped;
+//!   push of an operation that points at them until its completion is reaped, and the chunks of
+//!   a zero-copy send until its notification is reaped;
 //! - a job holds the connection's socket (an `Arc` of it, in its [`Link`]) until its last
 //!   operation completed, so the descriptor the kernel uses is never closed and its number
 //!   reused underneath;
@@ -31,7 +38,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -55,14 +62,31 @@ const MAX_IOVECS: usize = 1024;
 const WAKE: u64 = u64::MAX;
 /// `user_data` bit of a job's `POLL_ADD` (the rest is the job's slot).
 const POLL: u64 = 1 << 62;
+/// `IORING_SEND_ZC_REPORT_USAGE` (in a zero-copy send's `ioprio`): its notification says
+/// whether the kernel had to copy the bytes after all.
+const ZC_REPORT_USAGE: u16 = 8;
+/// `IORING_NOTIF_USAGE_ZC_COPIED`: set in a notification's result when the kernel copied.
+const ZC_COPIED: u32 = 1 << 31;
+/// Sends of at least this many bytes go zero-copy (`SENDMSG_ZC`) while the connection's sends
+/// are not copied anyway. Below it, pinning the pages and the extra notification cost more than
+/// the copy they save (the kernel's MSG_ZEROCOPY documentation puts the break-even at about
+/// 10 KB): a lone page reply is sent plain, a batch of two or more goes zero-copy.
+pub const ZERO_COPY_MIN: usize = 10 * 1024;
 /// How often the thread looks for batches that wait for room longer than their connection's
 /// write timeout.
 const STALL_CHECK: Duration = Duration::from_millis(250);
 
+/// What the kernel's io_uring offers the writer.
+#[derive(Debug, Clone, Copy)]
+pub struct Support {
+    /// `SENDMSG_ZC` (Linux 6.1): zero-copy sends.
+    pub zero_copy: bool,
+}
+
 /// Whether io_uring can send here: a ring can be set up (not refused by the kernel, a seccomp
 /// filter or `kernel.io_uring_disabled`), knows the operations the writer uses, and completes
 /// a no-op. The error says why not.
-pub fn probe() -> Result<(), String> {
+pub fn probe() -> Result<Support, String> {
     let mut ring = IoUring::new(8).map_err(|e| format!("io_uring_setup failed: {e}"))?;
     let mut probe = Probe::new();
     ring.submitter().register_probe(&mut probe).map_err(|e| format!("the io_uring probe failed: {e}"))?;
@@ -81,7 +105,7 @@ pub fn probe() -> Result<(), String> {
     ring.submit_and_wait(1).map_err(|e| format!("io_uring_enter failed: {e}"))?;
     let result = ring.completion().next().map(|cqe| cqe.result());
     match result {
-        Some(res) if res >= 0 => Ok(()),
+        Some(res) if res >= 0 => Ok(Support { zero_copy: probe.is_supported(opcode::SendMsgZc::CODE) }),
         Some(res) => Err(format!("a no-op failed: {}", io::Error::from_raw_os_error(-res))),
         None => Err("a no-op did not complete".to_string()),
     }
@@ -95,13 +119,69 @@ pub(super) struct Link {
     write_timeout: Duration,
     /// Why the ring gave up on the connection (the socket is shut down then).
     failed: Mutex<Option<String>>,
+    /// Whether this connection's large sends go zero-copy: [`ZeroCopy`] as a `u8`.
+    zero_copy: AtomicU8,
+}
+
+/// What a connection's zero-copy sends have shown. Its first large send goes zero-copy as a
+/// probe, the others plain until the probe's notification says whether the kernel sent from
+/// the pages (then they all go zero-copy) or copied them anyway (a device that cannot send from
+/// user pages: then they all go plain).
+///
+/// A peer on this host never gets a probe: the kernel copies every zero-copy send on local
+/// delivery, and on kernel 6.18 a zero-copy segment queued to a local client with a tiny
+/// receive window stalled that connection for more than 30 s (a plain one does not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(super) enum ZeroCopy {
+    Untried = 0,
+    Probing = 1,
+    Works = 2,
+    /// Sent plain: a probe came back copied, or the peer is on this host.
+    Plain = 3,
+}
+
+impl ZeroCopy {
+    /// Where a connection starts: plain for a peer on this host (loopback, or one of this
+    /// host's own addresses), else untried.
+    fn for_socket(socket: &TcpStream) -> ZeroCopy {
+        match (socket.peer_addr(), socket.local_addr()) {
+            (Ok(peer), Ok(local)) if !is_loopback(peer.ip()) && peer.ip() != local.ip() => ZeroCopy::Untried,
+            _ => ZeroCopy::Plain,
+        }
+    }
+}
+
+fn is_loopback(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(ip) => ip.is_loopback(),
+        std::net::IpAddr::V6(ip) => {
+            ip.is_loopback() || ip.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
+}
+
+impl Link {
+    fn zero_copy(&self) -> ZeroCopy {
+        match self.zero_copy.load(Ordering::Relaxed) {
+            0 => ZeroCopy::Untried,
+            1 => ZeroCopy::Probing,
+            2 => ZeroCopy::Works,
+            _ => ZeroCopy::Plain,
+        }
+    }
+
+    fn set_zero_copy(&self, state: ZeroCopy) {
+        self.zero_copy.store(state as u8, Ordering::Relaxed);
+    }
 }
 
 impl Link {
     pub(super) fn new(socket: Arc<TcpStream>, write_timeout: Duration) -> Arc<Link> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed) as u64;
-        Arc::new(Link { id, socket, write_timeout, failed: Mutex::new(None) })
+        let zero_copy = AtomicU8::new(ZeroCopy::for_socket(&socket) as u8);
+        Arc::new(Link { id, socket, write_timeout, failed: Mutex::new(None), zero_copy })
     }
 
     /// Why the ring gave up on this connection, if it did.
@@ -151,8 +231,13 @@ impl std::fmt::Debug for Rings {
 pub(super) struct Ring(Arc<Shared>);
 
 impl Rings {
-    /// Starts `threads` writer threads with a ring each.
-    pub fn start(threads: usize, metrics: Arc<PageServiceMetrics>) -> anyhow::Result<Rings> {
+    /// Starts `threads` writer threads with a ring each, using what the kernel offers
+    /// ([`probe`]).
+    pub fn start(
+        threads: usize,
+        support: Support,
+        metrics: Arc<PageServiceMetrics>,
+    ) -> anyhow::Result<Rings> {
         let mut rings = Vec::with_capacity(threads);
         for i in 0..threads.max(1) {
             let ring =
@@ -167,7 +252,7 @@ impl Rings {
             let (thread_shared, metrics) = (Arc::clone(&shared), Arc::clone(&metrics));
             std::thread::Builder::new()
                 .name(format!("ps-uring-{i}"))
-                .spawn(move || run(ring, &thread_shared, &metrics))
+                .spawn(move || run(ring, &thread_shared, support.zero_copy, &metrics))
                 .map_err(|e| anyhow::anyhow!("failed to start an io_uring writer thread: {e}"))?;
             rings.push(Ring(shared));
         }
@@ -226,10 +311,18 @@ struct InFlight {
     parked: bool,
     /// Its socket was shut down for a stall (once).
     stalled: bool,
+    /// Its sends go zero-copy (`SENDMSG_ZC`).
+    zero_copy: bool,
+    /// Zero-copy notifications still to come: until the last, the kernel may still read the
+    /// chunks, so they stay (the job lingers in its slot after it is sent).
+    notifs: usize,
+    /// Sent (its reply slots freed, its connection's next job started); only notifications are
+    /// awaited.
+    lingering: bool,
 }
 
 impl InFlight {
-    fn new(job: Job) -> InFlight {
+    fn new(job: Job, zero_copy: bool) -> InFlight {
         // SAFETY: msghdr is plain data; all zero is an empty message.
         let msg: libc::msghdr = unsafe { std::mem::zeroed() };
         InFlight {
@@ -240,10 +333,13 @@ impl InFlight {
             progress: Instant::now(),
             parked: false,
             stalled: false,
+            zero_copy,
+            notifs: 0,
+            lingering: false,
         }
     }
 
-    /// The `SENDMSG` of what is left (up to [`MAX_IOVECS`] chunks).
+    /// The `SENDMSG` (or `SENDMSG_ZC`) of what is left (up to [`MAX_IOVECS`] chunks).
     fn send(&mut self, slot: usize) -> squeue::Entry {
         self.parked = false;
         self.iovecs.clear();
@@ -253,13 +349,18 @@ impl InFlight {
         }
         self.msg.msg_iov = self.iovecs.as_mut_ptr();
         self.msg.msg_iovlen = self.iovecs.len() as _;
-        opcode::SendMsg::new(types::Fd(self.job.link.socket.as_raw_fd()), &*self.msg as *const libc::msghdr)
-            // MSG_DONTWAIT: a full socket completes at once (a short send, or EAGAIN) instead
-            // of the kernel retrying inside the ring, so waiting for room is ours to see, time
-            // and count, the same on every kernel.
-            .flags((libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) as u32)
-            .build()
-            .user_data(slot as u64)
+        let fd = types::Fd(self.job.link.socket.as_raw_fd());
+        let msg = &*self.msg as *const libc::msghdr;
+        // MSG_DONTWAIT: a full socket completes at once (a short send, or EAGAIN) instead of
+        // the kernel retrying inside the ring, so waiting for room is ours to see, time and
+        // count, the same on every kernel.
+        let flags = (libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) as u32;
+        let entry = if self.zero_copy {
+            opcode::SendMsgZc::new(fd, msg).flags(flags).ioprio(ZC_REPORT_USAGE).build()
+        } else {
+            opcode::SendMsg::new(fd, msg).flags(flags).build()
+        };
+        entry.user_data(slot as u64)
     }
 
     /// Waits for room in the socket.
@@ -279,18 +380,24 @@ impl InFlight {
     }
 }
 
-/// What the thread holds: the jobs being sent, by slot (one per connection at most), and the
-/// jobs queued behind them, by connection.
-#[derive(Default)]
+/// What the thread holds: the jobs being sent (or lingering for zero-copy notifications), by
+/// slot (one being sent per connection at most), and the jobs queued behind them, by
+/// connection.
 struct Jobs {
     sending: Vec<Option<InFlight>>,
     /// Slots of `sending` that are `None`, for reuse.
     free: Vec<usize>,
     /// Per connection with a job being sent: its jobs waiting behind it, in order.
     behind: HashMap<u64, VecDeque<Job>>,
+    /// The kernel has `SENDMSG_ZC`.
+    zero_copy: bool,
 }
 
 impl Jobs {
+    fn new(zero_copy: bool) -> Jobs {
+        Jobs { sending: Vec::new(), free: Vec::new(), behind: HashMap::new(), zero_copy }
+    }
+
     /// Takes a job from a connection: sent next if its connection has none being sent, else
     /// queued behind. Returns the `SENDMSG` to push, if any.
     fn arrive(&mut self, job: Job, ready: &mut Vec<squeue::Entry>) {
@@ -303,12 +410,25 @@ impl Jobs {
         }
     }
 
-    /// Starts sending `job` (its connection has no other job being sent).
+    /// Starts sending `job` (its connection has no other job being sent): zero-copy if it is
+    /// large enough and its connection's zero-copy sends are not known to be copied anyway
+    /// ([`ZeroCopy`]).
     fn start(&mut self, job: Job, ready: &mut Vec<squeue::Entry>) {
-        let mut in_flight = InFlight::new(job);
+        let large = self.zero_copy && job.chunks.iter().map(Bytes::len).sum::<usize>() >= ZERO_COPY_MIN;
+        let zero_copy = large
+            && match job.link.zero_copy() {
+                ZeroCopy::Untried => {
+                    job.link.set_zero_copy(ZeroCopy::Probing);
+                    true
+                }
+                ZeroCopy::Works => true,
+                ZeroCopy::Probing | ZeroCopy::Plain => false,
+            };
+        let mut in_flight = InFlight::new(job, zero_copy);
         if in_flight.advance(0) {
             // Nothing to send (a close without a last reply).
-            self.done(in_flight, Ok(()), ready);
+            let Job { link, close, .. } = in_flight.job;
+            self.done(link, close, Ok(()), ready);
             return;
         }
         let slot = match self.free.pop() {
@@ -322,7 +442,7 @@ impl Jobs {
         self.sending[slot] = Some(in_flight);
     }
 
-    /// No job is being sent (so none waits behind one either).
+    /// No job is being sent or lingers (so none waits behind one either).
     fn sending_none(&self) -> bool {
         self.sending.len() == self.free.len()
     }
@@ -331,21 +451,40 @@ impl Jobs {
         self.sending.get_mut(slot).and_then(Option::as_mut)
     }
 
-    /// Ends the job in `slot`.
-    fn finish(&mut self, slot: usize, result: io::Result<()>, ready: &mut Vec<squeue::Entry>) {
-        if let Some(in_flight) = self.sending.get_mut(slot).and_then(Option::take) {
+    fn release(&mut self, slot: usize) {
+        if self.sending.get_mut(slot).and_then(Option::take).is_some() {
             self.free.push(slot);
-            self.done(in_flight, result, ready);
         }
     }
 
-    /// A job is over: its slots are freed (dropped with it); its connection's next job starts,
-    /// or on failure its connection is given up.
-    fn done(&mut self, in_flight: InFlight, result: io::Result<()>, ready: &mut Vec<squeue::Entry>) {
-        let job = in_flight.job;
-        let link = Arc::clone(&job.link);
-        let close = job.close;
-        drop(job);
+    /// Ends the sending of the job in `slot`: its reply slots are freed and its connection goes
+    /// on ([`Jobs::done`]); the job itself (its chunks) stays until its last zero-copy
+    /// notification.
+    fn finish(&mut self, slot: usize, result: io::Result<()>, ready: &mut Vec<squeue::Entry>) {
+        let Some(in_flight) = self.get(slot).filter(|job| !job.lingering) else { return };
+        let (link, close) = (Arc::clone(&in_flight.job.link), in_flight.job.close);
+        drop(std::mem::take(&mut in_flight.job.slots));
+        if in_flight.notifs > 0 {
+            in_flight.lingering = true;
+        } else {
+            self.release(slot);
+        }
+        self.done(link, close, result, ready);
+    }
+
+    /// A zero-copy notification for the job in `slot` came: the kernel is done with the bytes
+    /// of one of its sends.
+    fn notified(&mut self, slot: usize) {
+        let Some(in_flight) = self.get(slot) else { return };
+        in_flight.notifs = in_flight.notifs.saturating_sub(1);
+        if in_flight.lingering && in_flight.notifs == 0 {
+            self.release(slot);
+        }
+    }
+
+    /// A connection's job is sent (or failed): FIN if it was the last; its next job starts, or
+    /// on failure the connection is given up.
+    fn done(&mut self, link: Arc<Link>, close: bool, result: io::Result<()>, ready: &mut Vec<squeue::Entry>) {
         match result {
             Ok(()) if close => link.shut_down(Shutdown::Write),
             Ok(()) => {}
@@ -389,6 +528,7 @@ impl Jobs {
         let mut ignored = Vec::new();
         for slot in 0..self.sending.len() {
             self.finish(slot, Err(io::Error::other(why.to_string())), &mut ignored);
+            self.release(slot);
         }
         for (_, queue) in self.behind.drain() {
             for job in queue {
@@ -411,8 +551,8 @@ impl Jobs {
 }
 
 /// The thread of one ring.
-fn run(mut ring: IoUring, shared: &Shared, metrics: &PageServiceMetrics) {
-    let mut jobs = Jobs::default();
+fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServiceMetrics) {
+    let mut jobs = Jobs::new(zero_copy);
     let mut wake_buf = Box::new([0u8; 8]);
     let mut ready: Vec<squeue::Entry> = vec![wake_read(shared, &mut wake_buf)];
     let stall_check = types::Timespec::from(STALL_CHECK);
@@ -494,8 +634,12 @@ fn push_all(
     metrics: &PageServiceMetrics,
 ) -> io::Result<()> {
     for entry in ready.drain(..) {
-        if entry.get_opcode() == u32::from(opcode::SendMsg::CODE) {
+        let code = entry.get_opcode();
+        if code == u32::from(opcode::SendMsg::CODE) {
             metrics.uring_io.sends.inc();
+        } else if code == u32::from(opcode::SendMsgZc::CODE) {
+            metrics.uring_io.sends.inc();
+            metrics.zero_copy_sends.inc();
         }
         loop {
             // SAFETY: the entry points into a job's InFlight (chunks, iovecs, msghdr) or the
@@ -526,6 +670,22 @@ fn complete(
     }
     let slot = (data & !POLL) as usize;
     let Some(job) = jobs.get(slot) else { return };
+    if cqueue::notif(cqe.flags()) {
+        // The kernel is done with a zero-copy send's bytes; it says whether it copied them.
+        let link = &job.job.link;
+        if res as u32 & ZC_COPIED != 0 {
+            metrics.zero_copy_copied.inc();
+            link.set_zero_copy(ZeroCopy::Plain);
+        } else if link.zero_copy() == ZeroCopy::Probing {
+            link.set_zero_copy(ZeroCopy::Works);
+        }
+        jobs.notified(slot);
+        return;
+    }
+    if cqueue::more(cqe.flags()) {
+        // A zero-copy send: its notification follows.
+        job.notifs += 1;
+    }
     if data & POLL != 0 {
         // Room in the socket, or an error the send will report.
         if res < 0 && res != -libc::EINTR {
@@ -551,5 +711,72 @@ fn complete(
         }
         e if e == -libc::EINTR => ready.push(job.send(slot)),
         e => jobs.finish(slot, Err(io::Error::from_raw_os_error(-e)), ready),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+
+    use super::*;
+
+    /// A batch of `pages` distinct 8 KiB pages, each after a small header, as replies are.
+    fn batch(n: u8, pages: usize) -> Vec<Bytes> {
+        (0..pages)
+            .flat_map(|p| {
+                let tag = n.wrapping_mul(16).wrapping_add(p as u8);
+                [Bytes::from(vec![tag; 24]), Bytes::from(vec![tag ^ 0xff; 8192])]
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_zero_copy_probe_that_comes_back_copied_turns_the_connection_plain() {
+        let support = probe().expect("io_uring works on this machine");
+        assert!(support.zero_copy, "the kernel has SENDMSG_ZC");
+        let metrics = Arc::new(PageServiceMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        let rings = Rings::start(1, support, Arc::clone(&metrics)).expect("start a ring");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (server, _) = listener.accept().expect("accept");
+        server.set_nonblocking(true).expect("nonblocking");
+        let link =
+            Link::new(Arc::new(TcpStream::from_std(server).expect("tokio socket")), Duration::from_secs(10));
+        // A peer on this host is never probed; pretend it is remote, to probe.
+        assert_eq!(link.zero_copy(), ZeroCopy::Plain);
+        link.set_zero_copy(ZeroCopy::Untried);
+
+        // Three batches of four pages at once: the first is the probe, the next go plain while
+        // it is out (its notification comes only once the bytes are delivered).
+        let ring = rings.pick();
+        let mut expected = Vec::new();
+        for n in 0..3 {
+            let chunks = batch(n, 4);
+            expected.extend(chunks.iter().flat_map(|c| c.iter().copied()));
+            let job = Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: false };
+            assert!(ring.submit(job).is_ok());
+        }
+        let mut received = vec![0u8; expected.len()];
+        client.read_exact(&mut received).expect("read three batches");
+        assert!(received == expected, "the bytes of three batches arrived whole and in order");
+        assert_eq!(metrics.zero_copy_sends.get(), 1, "only the probe went zero-copy");
+
+        // Over loopback the kernel copies on delivery, and says so.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while metrics.zero_copy_copied.get() == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(metrics.zero_copy_copied.get(), 1);
+        assert_eq!(link.zero_copy(), ZeroCopy::Plain);
+
+        // From then on the connection's large batches go plain; the last one closes it.
+        let chunks = batch(3, 4);
+        let last: Vec<u8> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
+        assert!(ring.submit(Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: true }).is_ok());
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).expect("read to FIN");
+        assert!(rest == last, "the last batch arrived whole, then FIN");
+        assert_eq!(metrics.zero_copy_sends.get(), 1);
+        assert_eq!(metrics.uring_io.sends.get(), 4);
     }
 }
