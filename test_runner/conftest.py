@@ -8,7 +8,8 @@
   `process_kind` fixture when the test uses it.
 - `process_kind`: "sync", "async" and "auto"; a test that takes it runs once per kind.
 - `page_service_io`: "epoll" and "io_uring": every test that starts a daemon runs once per
-  mode (the daemon gets `page_service_io` unless the test sets it).
+  writer (the daemon gets `page_service_io` unless the test sets it). The default, "auto",
+  picks one of the two by load: test_page_service_io.py covers its switches.
 - `tenant`: a fresh tenant on `pageserver`.
 
 The binary is `$PAGESERVER_BIN_DIR/pageserver` (default `<repo>/target/debug`).

@@ -21,6 +21,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
+use crate::page_service::io_choice::{self, IoChoice};
 use crate::page_service::{self, PageServiceConf, PageServiceMetrics};
 use crate::page_service::{uring, PageServiceIo};
 use crate::storage::{self, StorageMetrics};
@@ -103,7 +104,11 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         max_connections: page_service_connections(&conf, fd_limit),
         idle_timeout: conf.page_service_idle_timeout,
         abort: connections_abort.clone(),
-        rings: start_rings(conf.page_service_io, &page_service_metrics),
+        io: Arc::new(IoChoice::new(
+            conf.page_service_io,
+            start_rings(conf.page_service_io, &page_service_metrics),
+            page_service_metrics.choice.clone(),
+        )?),
     };
     let page_service = tokio::spawn(page_service::serve(
         pg_listener,
@@ -198,9 +203,9 @@ async fn write_ports_file(conf: &PageServerConf, pg: SocketAddr, http: SocketAdd
     }
 }
 
-/// The io_uring writers of the page service, if `io` asks for them and the kernel allows a
+/// The io_uring writers of the page service, if `io` may use them and the kernel allows a
 /// ring; logs which way replies are written.
-fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<Arc<uring::Rings>> {
+fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<uring::Rings> {
     if io == PageServiceIo::Epoll {
         tracing::info!(page_service_io = io.as_str(), "page service replies: writev per connection");
         return None;
@@ -208,23 +213,37 @@ fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<A
     let started = uring::probe().map_err(|why| anyhow::anyhow!(why)).and_then(|support| {
         uring::Rings::start(1, support, Arc::clone(metrics)).map(|rings| (rings, support))
     });
-    match started {
-        Ok((rings, support)) => {
-            tracing::info!(
-                page_service_io = io.as_str(),
-                zero_copy = support.zero_copy,
-                "page service replies: io_uring, 1 writer thread; sends of {} bytes and more {}",
-                uring::ZERO_COPY_MIN,
-                if support.zero_copy { "go zero-copy (SENDMSG_ZC)" } else { "are copied (no SENDMSG_ZC)" }
-            );
-            Some(Arc::new(rings))
-        }
+    let (rings, support) = match started {
+        Ok(started) => started,
         Err(e) => {
             tracing::warn!(
                 page_service_io = io.as_str(),
                 "io_uring is not available ({e:#}): page service replies fall back to writev per connection"
             );
-            None
+            return None;
         }
+    };
+    let zero_copy = if support.zero_copy {
+        format!(
+            "batches of {} bytes and more to remote peers go zero-copy if a probe shows it works",
+            uring::ZERO_COPY_MIN
+        )
+    } else {
+        "no zero-copy sends (the kernel lacks SENDMSG_ZC)".to_string()
+    };
+    if io == PageServiceIo::Auto {
+        tracing::info!(
+            page_service_io = io.as_str(),
+            "page service replies: writev per connection while fewer than {} connections write, \
+             io_uring (1 writer thread) from {} on; {zero_copy}",
+            io_choice::WRITEV_BELOW,
+            io_choice::RING_ABOVE,
+        );
+    } else {
+        tracing::info!(
+            page_service_io = io.as_str(),
+            "page service replies: io_uring, 1 writer thread; {zero_copy}"
+        );
     }
+    Some(rings)
 }

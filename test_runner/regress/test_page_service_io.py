@@ -150,3 +150,62 @@ def test_a_client_that_accepts_no_reply_bytes_for_the_timeout_is_disconnected(
     # The daemon is fine: a new connection is served.
     with ps.connect(tenant) as conn:
         assert conn.get_page(KEY)
+
+
+@pytest.mark.parametrize("page_service_io", ["auto"])
+def test_auto_sends_through_the_ring_while_many_connections_write_and_writev_while_few(
+        pageserver_factory, page_service_io):
+    ps = pageserver_factory()
+    tenant = ps.create_tenant()
+    with ps.connect(tenant) as conn:
+        page = _load(conn)
+
+    def rounds(conns, until, timeout):
+        """GetPage on every connection, round after round, until `until()` holds."""
+        deadline = time.monotonic() + timeout
+        while not until():
+            assert time.monotonic() < deadline, "auto did not switch writers"
+            for _ in range(5):
+                rids = [c.send_get_page(KEY, LATEST) for c in conns]
+                for c, rid in zip(conns, rids):
+                    reply = c.read_reply(timeout=30)
+                    assert isinstance(reply, Page) and reply.request_id == rid and reply.page == page
+
+    def metric(name, **labels):
+        return ps.http.metrics().value(name, **labels)
+
+    def chosen():
+        return metric("pageserver_page_service_io_uring_chosen")
+
+    # Few connections write: writev, the ring is not used.
+    few = [connect(ps.pg_addr, tenant) for _ in range(4)]
+    rounds(few, lambda: metric("pageserver_page_service_writing_connections") == 4, timeout=30)
+    assert chosen() == 0
+    assert metric("pageserver_page_service_sends_total", io="io_uring") == 0
+
+    # Many write (above RING_ABOVE = 192 per 100 ms): batches go through the ring.
+    many = few + [connect(ps.pg_addr, tenant) for _ in range(296)]
+    try:
+        rounds(many, lambda: chosen() == 1, timeout=60)
+        before = metric("pageserver_page_service_sends_total", io="io_uring")
+        rounds(many, lambda: metric("pageserver_page_service_sends_total", io="io_uring") >= before + 300,
+               timeout=60)
+        assert metric("pageserver_page_service_writing_connections") >= 192
+    finally:
+        for c in many[4:]:
+            c.close()
+
+    # Few again: back to writev, and the connections that used the ring follow.
+    rounds(few, lambda: chosen() == 0, timeout=30)
+    ring_sends = metric("pageserver_page_service_sends_total", io="io_uring")
+    epoll_sends = metric("pageserver_page_service_sends_total", io="epoll")
+    for _ in range(20):
+        for c in few:
+            assert c.get_page(KEY) == page
+    assert metric("pageserver_page_service_sends_total", io="io_uring") == ring_sends
+    assert metric("pageserver_page_service_sends_total", io="epoll") >= epoll_sends + 80
+    for c in few:
+        c.close()
+    log = ps.log_path.read_text()
+    assert "page service replies: io_uring (many connections write)" in log
+    assert "page service replies: writev per connection (few connections write)" in log

@@ -16,8 +16,8 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::io_choice::IoChoice;
 use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
-use super::uring::Rings;
 use super::writer::{write_replies, Pending, Queued, Reply, Writer};
 use super::{PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
 use crate::storage::{IngestError, Lsn, WaitLsnError};
@@ -39,8 +39,8 @@ pub(crate) struct ConnectionConf {
     /// A connection with nothing in flight that sends nothing this long is closed; a client
     /// that accepts no reply bytes this long is disconnected.
     pub idle_timeout: Duration,
-    /// The io_uring writers, if replies go through them.
-    pub rings: Option<Arc<Rings>>,
+    /// Which writer sends each batch.
+    pub io: Arc<IoChoice>,
 }
 
 /// Serves one connection until the client leaves, a bad frame, a timeout, or shutdown.
@@ -61,10 +61,7 @@ pub(crate) async fn handle_connection(
     // Shared by the reader and the writer (and, while a batch is with it, an io_uring writer
     // thread, which so keeps the descriptor open until its operations on it are over).
     let stream = Arc::new(stream);
-    let writer = match &conf.rings {
-        Some(rings) => Writer::uring(Arc::clone(&stream), rings.pick(), conf.idle_timeout),
-        None => Writer::Writev(Arc::clone(&stream)),
-    };
+    let writer = Writer::new(Arc::clone(&stream), Arc::clone(&conf.io), conf.idle_timeout);
     // Every request holds a slot from the frame's read until its reply is written: the reader
     // waits for a free slot before it reads on, so a connection never has more in flight.
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));

@@ -6,7 +6,8 @@
 //!   conversions and error codes;
 //! - [`reply_order`]: which replies go out in the next write (a pure policy);
 //! - [`writer`]: the reply path: replies as shared bytes, the ordered write loop, the writers;
-//! - [`uring`]: the io_uring writer threads (`page_service_io = "io_uring"`);
+//! - [`uring`]: the io_uring writer threads;
+//! - [`io_choice`]: which writer sends a batch (`page_service_io`; `auto` by load);
 //! - this file: accepting connections, the bounds, the metrics.
 //!
 //! Invariants:
@@ -19,6 +20,7 @@
 
 pub mod client;
 mod connection;
+pub mod io_choice;
 pub mod proto;
 mod reply_order;
 pub mod uring;
@@ -52,9 +54,12 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PageServiceIo {
+    /// `epoll` while few connections write, `io_uring` while many do ([`io_choice`]); `epoll`
+    /// when the kernel refuses a ring.
+    #[default]
+    Auto,
     /// Each connection writes its own replies with a vectored `write` when tokio's epoll says
     /// the socket has room.
-    #[default]
     Epoll,
     /// Connections hand their reply batches to io_uring writer threads, which send the batches
     /// of many connections with one submit ([`uring`]); `epoll` when the kernel refuses a ring.
@@ -64,6 +69,7 @@ pub enum PageServiceIo {
 impl PageServiceIo {
     pub fn as_str(self) -> &'static str {
         match self {
+            PageServiceIo::Auto => "auto",
             PageServiceIo::Epoll => "epoll",
             PageServiceIo::IoUring => "io_uring",
         }
@@ -81,9 +87,8 @@ pub struct PageServiceConf {
     /// Cancelled when shutdown's grace is over: every connection is dropped at once, whatever
     /// it was writing (a client that never reads cannot hold up shutdown).
     pub abort: CancellationToken,
-    /// The io_uring writers, when replies go through them (`page_service_io = "io_uring"` and
-    /// the kernel allows it); `None`: each connection writes its own.
-    pub rings: Option<Arc<uring::Rings>>,
+    /// Which writer sends each batch of replies (with the io_uring writers, if any).
+    pub io: Arc<io_choice::IoChoice>,
 }
 
 pub struct PageServiceMetrics {
@@ -105,6 +110,8 @@ pub struct PageServiceMetrics {
     /// `SENDMSG_ZC` operations, and those whose bytes the kernel copied after all.
     zero_copy_sends: IntCounter,
     zero_copy_copied: IntCounter,
+    /// `auto`'s input and choice.
+    pub choice: io_choice::ChoiceMetrics,
 }
 
 impl PageServiceMetrics {
@@ -165,6 +172,18 @@ impl PageServiceMetrics {
             "Zero-copy sends whose bytes the kernel copied after all (loopback, devices that cannot \
              send from user pages), as IORING_SEND_ZC_REPORT_USAGE reports",
         )?;
+        let choice = io_choice::ChoiceMetrics {
+            writing_connections: IntGauge::new(
+                "pageserver_page_service_writing_connections",
+                "Connections that wrote replies during the last 100 ms (page_service_io = \"auto\" only)",
+            )?,
+            ring_chosen: IntGauge::new(
+                "pageserver_page_service_io_uring_chosen",
+                "1 while reply batches go through the io_uring writer, else 0",
+            )?,
+        };
+        registry.register(Box::new(choice.writing_connections.clone()))?;
+        registry.register(Box::new(choice.ring_chosen.clone()))?;
         registry.register(Box::new(zero_copy_sends.clone()))?;
         registry.register(Box::new(zero_copy_copied.clone()))?;
         registry.register(Box::new(connections.clone()))?;
@@ -195,6 +214,7 @@ impl PageServiceMetrics {
             send_waits,
             zero_copy_sends,
             zero_copy_copied,
+            choice,
         })
     }
 }
@@ -220,8 +240,10 @@ pub async fn serve(
     cancel: CancellationToken,
     tracker: TaskTracker,
 ) {
-    let PageServiceConf { max_connections, idle_timeout, abort, rings } = conf;
-    let connection_conf = ConnectionConf { idle_timeout, rings };
+    let PageServiceConf { max_connections, idle_timeout, abort, io } = conf;
+    // `auto`'s controller, for as long as connections are accepted.
+    tokio::spawn(Arc::clone(&io).run(cancel.clone()));
+    let connection_conf = ConnectionConf { idle_timeout, io };
     let slots = Arc::new(Semaphore::new(max_connections));
     let mut next_id: u64 = 0;
     let (mut refusals, mut accept_failures) = (LogEvery::new(), LogEvery::new());

@@ -121,6 +121,8 @@ pub(super) struct Link {
     failed: Mutex<Option<String>>,
     /// Whether this connection's large sends go zero-copy: [`ZeroCopy`] as a `u8`.
     zero_copy: AtomicU8,
+    /// Batches handed to the ring and not yet sent (or failed).
+    unsent: AtomicUsize,
 }
 
 /// What a connection's zero-copy sends have shown. Its first large send goes zero-copy as a
@@ -181,7 +183,20 @@ impl Link {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed) as u64;
         let zero_copy = AtomicU8::new(ZeroCopy::for_socket(&socket) as u8);
-        Arc::new(Link { id, socket, write_timeout, failed: Mutex::new(None), zero_copy })
+        Arc::new(Link {
+            id,
+            socket,
+            write_timeout,
+            failed: Mutex::new(None),
+            zero_copy,
+            unsent: AtomicUsize::new(0),
+        })
+    }
+
+    /// The ring still has batches of this connection to send: its next bytes must follow
+    /// them through the ring.
+    pub(super) fn sending(&self) -> bool {
+        self.unsent.load(Ordering::Acquire) > 0
     }
 
     /// Why the ring gave up on this connection, if it did.
@@ -279,11 +294,13 @@ impl Ring {
     /// Queues `job`; gives it back if the ring's thread is gone.
     pub(super) fn submit(&self, job: Job) -> Result<(), Job> {
         let shared = &self.0;
+        job.link.unsent.fetch_add(1, Ordering::AcqRel);
         let was_empty = {
             let mut queue = lock(&shared.queue);
             // Under the queue's lock, as the thread's last look at the queue: a job is either
             // refused here or taken (and given up) there, never stranded.
             if shared.dead.load(Ordering::Acquire) {
+                job.link.unsent.fetch_sub(1, Ordering::AcqRel);
                 return Err(job);
             }
             let was_empty = queue.is_empty();
@@ -485,6 +502,7 @@ impl Jobs {
     /// A connection's job is sent (or failed): FIN if it was the last; its next job starts, or
     /// on failure the connection is given up.
     fn done(&mut self, link: Arc<Link>, close: bool, result: io::Result<()>, ready: &mut Vec<squeue::Entry>) {
+        link.unsent.fetch_sub(1, Ordering::AcqRel);
         match result {
             Ok(()) if close => link.shut_down(Shutdown::Write),
             Ok(()) => {}

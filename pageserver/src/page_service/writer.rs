@@ -6,13 +6,13 @@
 //! bytes, shared with the page cache or the redo reply (never copied into a send buffer). A
 //! writer sends the chunks of a batch of replies as they are.
 //!
-//! Writers:
-//! - [`Writer::Writev`]: one vectored `write` per batch on the connection's own socket (tokio),
-//!   resuming mid-chunk after a short write;
-//! - [`Writer::Uring`]: the batch goes to an io_uring writer thread ([`super::uring`]), which
-//!   sends the batches of many connections with one submit; the connection does not wait for
-//!   the send (the batch's slots are freed when it is sent, which is what holds the reader
-//!   back from a client that does not read).
+//! A [`Writer`] sends each batch one of two ways, as [`IoChoice`] says at that batch:
+//! - one vectored `write` on the connection's own socket (tokio), resuming mid-chunk after a
+//!   short write;
+//! - through an io_uring writer thread ([`super::uring`]), which sends the batches of many
+//!   connections with one submit; the connection does not wait for the send (the batch's
+//!   slots are freed when it is sent, which is what holds the reader back from a client that
+//!   does not read).
 //!
 //! Invariant: a reply's in-flight slot is freed only once its bytes are written, so a client
 //! that does not read holds at most [`super::MAX_IN_FLIGHT`] replies of its own.
@@ -28,6 +28,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio::task::JoinHandle;
 
+use super::io_choice::IoChoice;
 use super::proto::{self, ErrorCode, ServerMessage};
 use super::reply_order::{self, ReplyOrder};
 use super::uring::{Job, Link, Ring};
@@ -106,31 +107,36 @@ impl Queued {
     }
 }
 
-/// Puts reply bytes on a connection's socket (shared with the connection's reader).
-pub(super) enum Writer {
-    /// Vectored writes on the connection's own socket, when tokio's epoll says it has room.
-    Writev(Arc<TcpStream>),
-    /// Batches handed to an io_uring writer thread ([`super::uring`]), which sends them in
-    /// order; the connection does not wait for them.
-    Uring(UringWriter),
+/// Puts reply bytes on a connection's socket (shared with the connection's reader): with a
+/// vectored `write` of its own when tokio's epoll says the socket has room, or through an
+/// io_uring writer thread ([`super::uring`]), as [`IoChoice`] says batch by batch.
+pub(super) struct Writer {
+    socket: Arc<TcpStream>,
+    choice: Arc<IoChoice>,
+    write_timeout: Duration,
+    /// The connection's side of the io_uring writer, from its first batch through the ring.
+    uring: Option<UringWriter>,
+    /// The last period the connection was counted in as writing ([`IoChoice::use_ring`]).
+    counted: u64,
 }
 
 /// A connection's side of the io_uring writer.
-pub(super) struct UringWriter {
+struct UringWriter {
     link: Arc<Link>,
     ring: Ring,
-    /// The last batch (with the FIN) is handed over: the ring finishes on its own.
+    /// The last batch (with the FIN) is handed over or sent: nothing is left to end.
     closed: bool,
 }
 
 impl Writer {
-    pub(super) fn uring(socket: Arc<TcpStream>, ring: Ring, write_timeout: Duration) -> Writer {
-        Writer::Uring(UringWriter { link: Link::new(socket, write_timeout), ring, closed: false })
+    pub(super) fn new(socket: Arc<TcpStream>, choice: Arc<IoChoice>, write_timeout: Duration) -> Writer {
+        Writer { socket, choice, write_timeout, uring: None, counted: 0 }
     }
 
     /// Sends a batch: every chunk, then frees the replies' `slots`; with `close`, FIN after
-    /// it. The io_uring writer returns once the batch is handed over (the slots are freed when
-    /// it is sent), with an error if the ring gave up on the connection.
+    /// it. Through the ring, it returns once the batch is handed over (the slots are freed
+    /// when it is sent), with an error if the ring gave up on the connection. A connection
+    /// leaves the ring only once the ring has sent all its batches, so bytes keep their order.
     async fn send(
         &mut self,
         chunks: &mut Vec<Bytes>,
@@ -138,16 +144,30 @@ impl Writer {
         close: bool,
         metrics: &PageServiceMetrics,
     ) -> std::io::Result<()> {
-        match self {
-            Writer::Writev(socket) => {
-                write_all_vectored(socket, chunks, metrics).await?;
+        let want_ring = self.choice.use_ring(&mut self.counted);
+        let on_ring = match &self.uring {
+            Some(uring) => want_ring || uring.link.sending(),
+            None => false,
+        };
+        if want_ring && self.uring.is_none() {
+            if let Some(rings) = self.choice.rings() {
+                let link = Link::new(Arc::clone(&self.socket), self.write_timeout);
+                self.uring = Some(UringWriter { link, ring: rings.pick(), closed: false });
+            }
+        }
+        match &mut self.uring {
+            Some(uring) if want_ring || on_ring => uring.send(std::mem::take(chunks), slots, close),
+            _ => {
+                write_all_vectored(&self.socket, chunks, metrics).await?;
                 drop(slots);
                 if close {
-                    let _ = nix::sys::socket::shutdown(socket.as_raw_fd(), Shutdown::Write);
+                    let _ = nix::sys::socket::shutdown(self.socket.as_raw_fd(), Shutdown::Write);
+                    if let Some(uring) = &mut self.uring {
+                        uring.closed = true;
+                    }
                 }
                 Ok(())
             }
-            Writer::Uring(writer) => writer.send(std::mem::take(chunks), slots, close),
         }
     }
 
