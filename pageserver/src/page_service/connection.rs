@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -413,12 +414,31 @@ async fn read_frame(
 }
 
 /// Reads what the socket has into `buf` (waiting for some); 0 at EOF. Cancel-safe.
+///
+/// A read that leaves room in `buf` took everything the socket had: it clears the socket's
+/// read readiness, so the next read waits for epoll instead of first trying a `recvfrom` that
+/// would find nothing (one syscall per request less, as tokio's own `AsyncRead` does). Through
+/// `try_io`, which clears only the readiness it saw before the read: bytes that arrive in
+/// between set it again and are not missed.
 async fn read_some(stream: &TcpStream, buf: &mut BytesMut) -> std::io::Result<usize> {
     loop {
         stream.readable().await?;
-        match stream.try_read_buf(buf) {
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            read => return read,
+        let mut read = None;
+        let outcome = stream.try_io(Interest::READABLE, || {
+            let room = buf.capacity() - buf.len();
+            let n = stream.try_read_buf(buf)?;
+            read = Some(n);
+            if n > 0 && n < room {
+                // Not an error: the way to have `try_io` clear the readiness.
+                Err(std::io::ErrorKind::WouldBlock.into())
+            } else {
+                Ok(n)
+            }
+        });
+        match (read, outcome) {
+            (Some(n), _) => return Ok(n),
+            (None, Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            (None, outcome) => return outcome,
         }
     }
 }

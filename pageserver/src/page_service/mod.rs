@@ -145,7 +145,7 @@ impl PageServiceMetrics {
         };
         let send_syscalls = by_io(
             "pageserver_page_service_send_syscalls_total",
-            "Syscalls that sent replies: writev (io=epoll), io_uring_enter (io=io_uring)",
+            "Syscalls that sent replies: writev (io=epoll); io_uring_enter, and the eventfd writes that wake the ring (io=io_uring)",
         )?;
         let sends = by_io(
             "pageserver_page_service_sends_total",

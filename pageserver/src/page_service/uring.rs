@@ -227,6 +227,8 @@ struct Shared {
     stop: AtomicBool,
     /// The thread is gone (a ring error): jobs are refused, connections write themselves.
     dead: AtomicBool,
+    /// Counts the wake-ups' `write`s among the send syscalls.
+    metrics: Arc<PageServiceMetrics>,
 }
 
 /// The daemon's rings, one thread each; connections are spread over them round-robin.
@@ -263,6 +265,7 @@ impl Rings {
                     .map_err(|e| anyhow::anyhow!("failed to create an eventfd: {e}"))?,
                 stop: AtomicBool::new(false),
                 dead: AtomicBool::new(false),
+                metrics: Arc::clone(&metrics),
             });
             let (thread_shared, metrics) = (Arc::clone(&shared), Arc::clone(&metrics));
             std::thread::Builder::new()
@@ -307,8 +310,10 @@ impl Ring {
             queue.push(job);
             was_empty
         };
-        // The thread takes the whole queue when it wakes: one wake per non-empty queue.
+        // The thread takes the whole queue when it wakes: one wake per non-empty queue. The
+        // wake's `write` is a syscall spent on sending, and counted so.
         if was_empty {
+            shared.metrics.uring_io.send_syscalls.inc();
             let _ = shared.wake.write(1);
         }
         Ok(())
