@@ -325,6 +325,13 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
             "replies_per_write": round(delta(after, before, "pageserver_page_service_replies_per_write_sum")
                                        / max(delta(after, before, "pageserver_page_service_replies_per_write_count"), 1), 2),
             "fsyncs": delta(after, before, "pageserver_storage_fsyncs_total"),
+            # Syscalls that sent replies (writev calls, and the io_uring writer's
+            # io_uring_enter calls), per reply, and the share of replies sent through the ring.
+            "send_syscalls": round(sum(delta(after, before, f'pageserver_page_service_send_syscalls_total{{io="{io}"}}')
+                                       for io in ("epoll", "io_uring")) / requests, 3),
+            "io_uring_share": round(delta(after, before, 'pageserver_page_service_sends_total{io="io_uring"}')
+                                    / max(sum(delta(after, before, f'pageserver_page_service_sends_total{{io="{io}"}}')
+                                              for io in ("epoll", "io_uring")), 1), 3),
         },
     }
 
