@@ -306,6 +306,12 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
     requests = max(summary["requests"], 1)
     redo_count = delta(after, before, "pageserver_wal_redo_seconds_count")
     cpu = sampler.result()
+
+    def by_io(counter: str) -> dict[str, float]:
+        """The run's increase of `pageserver_page_service_<counter>_total`, per writer."""
+        return {io: delta(after, before, f'pageserver_page_service_{counter}_total{{io="{io}"}}')
+                for io in ("epoll", "io_uring")}
+
     if cpu and summary["rps"]:
         # Daemon and redo children together, in microseconds of CPU per request served.
         cpu["cpu_us_per_request"] = round(1e4 * (cpu["daemon_cpu_pct"] + cpu["redo_cpu_pct"]) / summary["rps"], 1)
@@ -327,11 +333,8 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
             "fsyncs": delta(after, before, "pageserver_storage_fsyncs_total"),
             # Syscalls that sent replies (writev calls, and the io_uring writer's
             # io_uring_enter calls), per reply, and the share of replies sent through the ring.
-            "send_syscalls": round(sum(delta(after, before, f'pageserver_page_service_send_syscalls_total{{io="{io}"}}')
-                                       for io in ("epoll", "io_uring")) / requests, 3),
-            "io_uring_share": round(delta(after, before, 'pageserver_page_service_sends_total{io="io_uring"}')
-                                    / max(sum(delta(after, before, f'pageserver_page_service_sends_total{{io="{io}"}}')
-                                              for io in ("epoll", "io_uring")), 1), 3),
+            "send_syscalls": round(sum(by_io("send_syscalls").values()) / requests, 3),
+            "io_uring_share": round(by_io("sends")["io_uring"] / max(sum(by_io("sends").values()), 1), 3),
         },
     }
 

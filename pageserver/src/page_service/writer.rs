@@ -145,10 +145,6 @@ impl Writer {
         metrics: &PageServiceMetrics,
     ) -> std::io::Result<()> {
         let want_ring = self.choice.use_ring(&mut self.counted);
-        let on_ring = match &self.uring {
-            Some(uring) => want_ring || uring.link.sending(),
-            None => false,
-        };
         if want_ring && self.uring.is_none() {
             if let Some(rings) = self.choice.rings() {
                 let link = Link::new(Arc::clone(&self.socket), self.write_timeout);
@@ -156,7 +152,10 @@ impl Writer {
             }
         }
         match &mut self.uring {
-            Some(uring) if want_ring || on_ring => uring.send(std::mem::take(chunks), slots, close),
+            // Through the ring while chosen, and while it still has batches of ours.
+            Some(uring) if want_ring || uring.link.sending() => {
+                uring.send(std::mem::take(chunks), slots, close)
+            }
             _ => {
                 write_all_vectored(&self.socket, chunks, metrics).await?;
                 drop(slots);
