@@ -296,10 +296,16 @@ impl Tenant {
             return Ok((lsn, page));
         }
         // Plan once (the limits are checked there) and reserve the memory before reading; held
-        // until the page is built.
+        // until the page is built. Everything the reconstruction holds counts: what it reads,
+        // its lists of values, the frames of the redo request (which sends the values from
+        // where they were read) and the reply.
         let plan = self.timeline.plan_read(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
+        let values = plan.values();
+        let holds = plan.bytes()
+            + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
+            + crate::walredo::redo_overhead(values);
         let _reserved = tokio::select! {
-            reserved = self.deps.redo_budget.reserve(plan.bytes()) => reserved?,
+            reserved = self.deps.redo_budget.reserve(holds) => reserved?,
             () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
         };
         let data = self.timeline.read_planned(plan).await.map_err(read_error)?;

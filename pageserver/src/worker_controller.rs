@@ -43,7 +43,9 @@
 //! a spawn costs milliseconds, so a burst grows the pool at once and an idle pool gives back one
 //! worker per `shrink_after` (Valkey's later design: one per second at depth 0; .NET's thread
 //! pool likewise changes its size a few times a second at most). A target back at or above the
-//! current size stops the clock. The policy never pins the pool small to probe a no-load
+//! current size stops the clock, and so does a period in which requests wait on a worker that
+//! makes no progress (`stuck`): a hung worker's requests neither arrive nor finish, which would
+//! read as no demand, and the pool never shrinks while they wait. The policy never pins the pool small to probe a no-load
 //! baseline (Envoy's adaptive concurrency does, and its docs admit a burst of rejections).
 //!
 //! **Spin** (the round-trip floor measured here): spinning pays only while requests arrive faster
@@ -242,6 +244,9 @@ pub struct Observation {
     pub in_flight_avg: f64,
     /// Live workers now.
     pub workers: usize,
+    /// Requests wait on a worker that has made no progress for a whole period (a hung
+    /// worker): the pool must not shrink, although its requests neither arrive nor finish.
+    pub stuck: bool,
 }
 
 impl Observation {
@@ -318,6 +323,11 @@ impl WorkerController {
         let workers = if target >= current {
             self.below_for = Duration::ZERO;
             target
+        } else if obs.stuck {
+            // A hung worker's requests stop arriving and finishing, which reads as no demand:
+            // hold the pool until they are gone.
+            self.below_for = Duration::ZERO;
+            current
         } else {
             self.below_for = self.below_for.saturating_add(obs.period);
             if self.below_for >= conf.shrink_after {
@@ -402,6 +412,7 @@ mod tests {
             queue_wait: ZERO,
             in_flight_avg: busy.as_secs_f64() / PERIOD.as_secs_f64(),
             workers,
+            stuck: false,
         }
     }
 
@@ -475,6 +486,7 @@ mod tests {
             queue_wait: ms(50),
             in_flight_avg: 0.5,
             workers: 0,
+            stuck: false,
         };
         assert_eq!(empty.demand(16), 1.0);
         assert_eq!(ctl(16, 1).update(empty).workers, 1);
@@ -536,6 +548,23 @@ mod tests {
             assert_eq!(d, decision(want, 0, ZERO, Path::Sync), "idle period {i}");
         }
         assert!(c.smoothed_demand() < 1e-5);
+    }
+
+    #[test]
+    fn a_pool_with_requests_stuck_on_a_hung_worker_never_shrinks() {
+        // Two workers under load, then one hangs: its requests neither arrive nor finish, so
+        // the periods look idle but for its busy time.
+        let mut c = ctl(4, 1);
+        assert_eq!(c.update(Observation { in_flight_avg: 6.0, ..obs(ms(150), 3000, 2) }).workers, 2);
+        let stalled = Observation { in_flight_avg: 0.0, stuck: true, ..obs(ms(100), 0, 2) };
+        for _ in 0..50 {
+            assert_eq!(c.update(stalled).workers, 2, "shrank while requests waited on a hung worker");
+        }
+        // Once nothing is stuck, the same periods shrink it after the usual second.
+        let calm = Observation { stuck: false, ..stalled };
+        let shrunk = (0..10).map(|_| c.update(calm).workers).collect::<Vec<_>>();
+        assert_eq!(shrunk.last(), Some(&1), "{shrunk:?}");
+        assert!(shrunk[..9].iter().all(|&w| w == 2), "{shrunk:?}");
     }
 
     #[test]
@@ -662,6 +691,7 @@ mod tests {
             queue_wait: Duration::MAX,
             in_flight_avg: 1e9,
             workers: usize::MAX,
+            stuck: false,
         };
         let mut c = ctl(8, 2);
         assert_eq!(c.update(absurd), decision(1, 0, ZERO, Path::Sync));
@@ -704,6 +734,7 @@ mod tests {
             queue_wait: Duration::MAX,
             in_flight_avg: f64::MAX,
             workers: usize::MAX,
+            stuck: false,
         };
         assert_eq!(c.update(flood), decision(8, 2, us(20), Path::Async));
         assert_eq!(c.smoothed_demand(), 8.0);
@@ -735,6 +766,7 @@ mod tests {
                                 queue_wait: durations[i % durations.len()],
                                 in_flight_avg,
                                 workers: workers[i % workers.len()],
+                                stuck: i % 2 == 0,
                             };
                             let d = c.update(obs);
                             assert_in_range(&c, d);

@@ -168,18 +168,31 @@ pub fn encode_begin(out: &mut Vec<u8>, tag: &BufferTag) {
 
 /// Appends a `P` frame.
 pub fn encode_push_page(out: &mut Vec<u8>, tag: &BufferTag, page: &Page) {
+    encode_push_page_head(out, tag);
+    out.extend_from_slice(page);
+}
+
+/// Appends a `P` frame up to its page: the frame is whole once the caller sends the page's
+/// [`BLCKSZ`] bytes right after (a vectored write sends them from where they are).
+pub fn encode_push_page_head(out: &mut Vec<u8>, tag: &BufferTag) {
     put_header(out, b'P', BUFFER_TAG_LEN + BLCKSZ);
     tag.encode(out);
-    out.extend_from_slice(page);
 }
 
 /// Appends an `A` frame carrying already encoded record bytes.
 ///
 /// The caller guarantees `1 <= record.len() <= MAX_RECORD_LEN` (see [`check_record_len`]).
 pub fn encode_apply_raw(out: &mut Vec<u8>, lsn: u64, record: &[u8]) {
-    put_header(out, b'A', 8 + record.len());
-    out.extend_from_slice(&lsn.to_be_bytes());
+    encode_apply_head(out, lsn, record.len());
     out.extend_from_slice(record);
+}
+
+/// Appends an `A` frame up to its record: the frame is whole once the caller sends the
+/// `record_len` bytes of the encoded record right after. The caller guarantees
+/// `1 <= record_len <= MAX_RECORD_LEN` (see [`check_record_len`]).
+pub fn encode_apply_head(out: &mut Vec<u8>, lsn: u64, record_len: usize) {
+    put_header(out, b'A', 8 + record_len);
+    out.extend_from_slice(&lsn.to_be_bytes());
 }
 
 /// Appends an `A` frame for a record.

@@ -38,6 +38,26 @@ struct Args {
     overrides: Vec<String>,
 }
 
+/// Makes glibc's allocator give large blocks back to the system when they are freed.
+///
+/// By default glibc raises its mmap threshold to the size of each large block freed (up to
+/// 32 MiB), so that later blocks of that size come from its heaps, which keep freed memory: the
+/// redo memory budget then bounds what reconstructions hold at once, but not the daemon's
+/// memory (12 MiB reads from many executor threads grew the peak RSS to 2.6-4.5 times the
+/// budget, test_redo_memory.py). A fixed threshold (1 MiB: storage spans and redo requests
+/// above it are rare and large, so a `mmap` each is cheap beside them) turns that off.
+fn bound_allocator_retention() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        const MMAP_THRESHOLD: libc::c_int = 1 << 20;
+        // SAFETY: mallopt only changes allocator parameters; it is called before the other
+        // threads start, and any value is valid input (it returns 0 when refused).
+        if unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) } == 0 {
+            tracing::warn!("glibc refused a fixed mmap threshold: freed large blocks may stay in its heaps");
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     let conf = match PageServerConf::load(&args.workdir, &args.overrides) {
@@ -48,6 +68,7 @@ fn main() -> ExitCode {
         }
     };
     logging::init(conf.log_format);
+    bound_allocator_retention();
     // Before any other thread exists, so that every thread inherits the mask (redo children do
     // not: spawning a process resets its signal mask).
     let signals = stop_signals();

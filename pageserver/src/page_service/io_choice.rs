@@ -150,6 +150,7 @@ impl IoChoice {
             queue_wait: Duration::ZERO,
             in_flight_avg: writing as f64,
             workers: 1,
+            stuck: false,
         });
         let ring = decision.path == Path::Async;
         self.metrics.writing_connections.set(i64::try_from(writing).unwrap_or(i64::MAX));

@@ -406,6 +406,11 @@ impl ReadPlan {
         self.spans.iter().map(|s| s.len as u64).sum()
     }
 
+    /// Number of values the plan reads.
+    pub(crate) fn values(&self) -> usize {
+        self.spans.iter().map(|s| s.values.len()).sum()
+    }
+
     /// Number of `pread` calls the plan makes.
     #[cfg(test)]
     pub(crate) fn reads(&self) -> usize {

@@ -32,6 +32,11 @@ pub enum StopCause {
     Dropped,
     /// The tenant's pool needs fewer children (its controller decided so).
     PoolShrink,
+    /// The child made no progress for the stall window while requests waited on it: it takes
+    /// no new request, those queued behind its oldest one go to another child, and it is
+    /// killed if it makes no progress for `wal_redo_timeout` (then it exits when its last
+    /// request lets go of it).
+    Stalled,
 }
 
 impl StopCause {
@@ -47,12 +52,20 @@ impl StopCause {
             StopCause::CancelledWrite => "cancelled_write",
             StopCause::Dropped => "dropped",
             StopCause::PoolShrink => "pool_shrink",
+            StopCause::Stalled => "stalled",
         }
     }
 
     /// Whether the child may still finish what is in flight before it is killed.
     pub fn is_graceful(self) -> bool {
-        matches!(self, StopCause::Idle | StopCause::KindChange | StopCause::Dropped | StopCause::PoolShrink)
+        matches!(
+            self,
+            StopCause::Idle
+                | StopCause::KindChange
+                | StopCause::Dropped
+                | StopCause::PoolShrink
+                | StopCause::Stalled
+        )
     }
 
     /// Whether the stop is a fault (logged as a warning), not part of normal operation.
@@ -79,6 +92,8 @@ pub struct WalRedoMetrics {
     /// Background requests (`request_redo_background`) that need a child (not answered from
     /// the base image alone); their outcomes are counted in `requests` with the others.
     pub background_requests: IntCounter,
+    /// Requests that left a stalled child for another one (queued behind its oldest request).
+    pub requests_moved: IntCounter,
     pub process_launch_seconds: Histogram,
     pub processes_started: IntCounterVec,
     pub processes_stopped: IntCounterVec,
@@ -130,6 +145,14 @@ impl WalRedoMetrics {
                 let c = IntCounter::new(
                     "pageserver_wal_redo_background_requests_total",
                     "Background WAL redo requests, which yield to GetPage requests",
+                )?;
+                registry.register(Box::new(c.clone()))?;
+                c
+            },
+            requests_moved: {
+                let c = IntCounter::new(
+                    "pageserver_wal_redo_requests_moved_total",
+                    "WAL redo requests that left a walredo process making no progress for another one",
                 )?;
                 registry.register(Box::new(c.clone()))?;
                 c

@@ -9,7 +9,10 @@
 //!   controller's measurements;
 //! - [`priority`]: foreground (GetPage) requests before background ones (compaction);
 //! - [`process`]: one child (spawn, hello, stderr, kill and reap) and its two kinds of pipes;
-//! - [`pipeline`]: reply assembly and matching of pipelined replies to requests;
+//! - [`request`]: a request in pieces, written with vectored writes (no copy of the image or
+//!   records);
+//! - [`pipeline`]: reply assembly, matching of pipelined replies to requests, and the child's
+//!   progress clock (when a child is stalled, and when it is hung);
 //! - [`metrics`]: the registry entries;
 //! - [`spin`]: setting the spin window of the child in service.
 //!
@@ -32,6 +35,7 @@ mod pipeline;
 pub mod pool;
 mod priority;
 mod process;
+mod request;
 mod spin;
 #[cfg(test)]
 mod tests;
@@ -45,18 +49,23 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use walredo_proc::page::{Page, BLCKSZ};
+use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, BufferTag, ErrorCode};
 
 pub use metrics::{StopCause, WalRedoMetrics};
-use pipeline::Reply;
+use pipeline::{Patience, Reply};
 use pool::{ChildBudget, ControllerStatus, Load, Pool, Sampler};
 use priority::{Priority, WriteTicket};
 use process::{InUse, Process, ProcessError, Reaping};
+use request::Request;
 
 use crate::tenant_series::RequestSeries;
 pub use crate::worker_controller::Path;
 use crate::worker_controller::{max_spinning_for_cpus, WorkerController, WorkerControllerConf};
+
+/// How many times a request may leave a stalled child for another one (each move waited the
+/// stall window, at most a second; a request that meets this many stalled children fails).
+const MAX_MOVES: u32 = 3;
 
 /// Default of `wal_redo_timeout`.
 pub const DEFAULT_WAL_REDO_TIMEOUT: Duration = Duration::from_secs(60);
@@ -135,6 +144,11 @@ pub struct WalRedoConf {
     /// (then it is killed), the longest a request waits behind others (then it fails alone
     /// with [`RedoError::QueueTimeout`]), and the bound on spawning and the hello.
     pub timeout: Duration,
+    /// How long a child may make no progress while work waits on it before it takes no new
+    /// request and the requests queued behind its oldest move to another child; `None`: a
+    /// quarter of `timeout`, at most 1 s. Only tests set it (to `timeout`, so that requests
+    /// stay queued on a child they stopped on purpose).
+    pub stall_after: Option<Duration>,
     /// A child unused this long is stopped; the next request spawns a new one.
     pub idle_timeout: Duration,
     /// Most children of one tenant (`walredo_pool_max`; default one per CPU, at least 2).
@@ -157,6 +171,7 @@ impl WalRedoConf {
             args: Vec::new(),
             process_kind: ProcessKind::default(),
             timeout: DEFAULT_WAL_REDO_TIMEOUT,
+            stall_after: None,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_pool_size: pool::default_max_pool_size(),
             budget: ChildBudget::global(),
@@ -164,6 +179,24 @@ impl WalRedoConf {
             auto_path: None,
         }
     }
+}
+
+impl WalRedoConf {
+    /// How long requests wait on a child that makes no progress ([`pipeline::Patience`]).
+    pub(crate) fn patience(&self) -> Patience {
+        let derived = Patience::of_timeout(self.timeout);
+        match self.stall_after {
+            Some(stall) => Patience { stall: stall.min(self.timeout), ..derived },
+            None => derived,
+        }
+    }
+}
+
+/// Bytes a redo of `records` records holds beyond the image and records themselves: the
+/// frames of its request (which sends the image and records from where they were read, without
+/// a copy) and the reply. For the redo memory budget.
+pub fn redo_overhead(records: usize) -> u64 {
+    Request::overhead(records) + request::REPLY_BYTES
 }
 
 /// The path of `walredo-proc` next to the running executable (how the daemon is shipped).
@@ -378,13 +411,13 @@ impl WalRedoManager {
         records: &[(u64, Bytes)],
         class: Class,
     ) -> Result<Bytes, RedoError> {
-        let base_page = validate_request(lsn, base.as_ref(), records)?;
+        validate_request(lsn, base.as_ref(), records)?;
         if records.is_empty() {
             if let Some(base) = base {
                 return Ok(base);
             }
         }
-        let request = pipeline::encode_redo_request(&tag, base_page, records);
+        let request = Request::redo(&tag, base.as_ref(), records);
         self.metrics.records_per_request.observe(records.len() as f64);
         self.metrics.bytes_per_request.observe(request.len() as f64);
         match self.execute(&request, true, class).await? {
@@ -398,17 +431,19 @@ impl WalRedoManager {
     ///
     /// Cancel-safe in the same way as [`WalRedoManager::request_redo`].
     pub async fn ping(&self) -> Result<(), RedoError> {
-        let mut request = Vec::new();
-        protocol::encode_ping(&mut request);
-        match self.execute(&request, true, Class::Foreground).await? {
+        let mut frame = Vec::new();
+        protocol::encode_ping(&mut frame);
+        match self.execute(&Request::frames(frame), true, Class::Foreground).await? {
             Reply::Page(page) if page.len() == BLCKSZ && page.iter().all(|&b| b == 0) => Ok(()),
             other => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("bad ping reply {other:?}")))),
         }
     }
 
-    /// Sends `request` to the child in service, retrying once on a new child after a failure;
-    /// a background request first waits for its turn (see [`priority`]), before each attempt.
-    async fn execute(&self, request: &[u8], retry: bool, class: Class) -> Result<Reply, RedoError> {
+    /// Sends `request` to the child in service, retrying once on a new child after a failure,
+    /// and moving to another child (without using up the retry, up to [`MAX_MOVES`] times)
+    /// when its child stalls with it queued behind another request; a background request
+    /// first waits for its turn (see [`priority`]), before each attempt.
+    async fn execute(&self, request: &Request, retry: bool, class: Class) -> Result<Reply, RedoError> {
         if self.cancel.is_cancelled() {
             return Err(self.count(RedoError::ShuttingDown));
         }
@@ -424,7 +459,9 @@ impl WalRedoManager {
         // Timed from here: a background request's wait for its turn is not redo time.
         let started = Instant::now();
         self.load.arrive();
+        let patience = self.conf.patience();
         let mut attempts_left = if retry { 2 } else { 1 };
+        let mut moves_left = MAX_MOVES;
         let mut retrying = false;
         loop {
             attempts_left -= 1;
@@ -442,11 +479,19 @@ impl WalRedoManager {
             };
             let process = self.get_or_spawn().await.map_err(|e| self.count(e))?;
             let taken = Instant::now();
-            let result = process.round_trip(request, ticket, self.conf.timeout).await;
+            let result = process.round_trip(request, ticket, patience).await;
             self.load.finish(taken.elapsed());
             match result {
                 // The child is working, only busy: it stays in service.
                 Err(ProcessError::QueueTimeout(t)) => return Err(self.count(RedoError::QueueTimeout(t))),
+                // Not this request's fault: it goes to another child, this one leaves service.
+                Err(e @ ProcessError::Stalled { .. }) if moves_left > 0 && !self.cancel.is_cancelled() => {
+                    moves_left -= 1;
+                    attempts_left += 1;
+                    self.metrics.requests_moved.inc();
+                    self.retire(&process, e.stop_cause());
+                    continue;
+                }
                 Ok(reply) => {
                     self.served.fetch_add(1, Ordering::Relaxed);
                     let took = started.elapsed().as_secs_f64();
@@ -658,14 +703,26 @@ impl WalRedoManager {
     }
 
     /// The least-loaded child in service, if any, counted as in use under the pool's lock (so
-    /// that the idle check never retires a child that a request has just taken).
+    /// that the idle check never retires a child that a request has just taken); children
+    /// found stalled on the way leave service.
     fn take_current(&self) -> Option<InUse> {
-        lock(&self.pool).pick()
+        let mut stalled = Vec::new();
+        let picked = lock(&self.pool).pick(self.conf.patience(), &mut stalled);
+        for process in stalled {
+            process.retire(StopCause::Stalled);
+        }
+        picked
     }
 
     /// Takes `process` out of service (if it still is) and retires it for `cause`.
     fn retire(&self, process: &Arc<Process>, cause: StopCause) {
-        lock(&self.pool).remove(process);
+        let mut pool = lock(&self.pool);
+        if cause == StopCause::Stalled {
+            pool.remove_stalled(process);
+        } else {
+            pool.remove(process);
+        }
+        drop(pool);
         process.retire(cause);
     }
 
@@ -840,8 +897,12 @@ async fn pool_controller(weak: Weak<WalRedoManager>, cancel: CancellationToken) 
             () = tokio::time::sleep(pool::PERIOD) => {}
         }
         let Some(manager) = weak.upgrade() else { return };
-        let children = lock(&manager.pool).children().to_vec();
-        let obs = sampler.observe(&manager.load, &children);
+        let (children, stuck) = {
+            let mut pool = lock(&manager.pool);
+            let stuck = pool.stuck(Instant::now(), pool::PERIOD);
+            (pool.children().to_vec(), stuck)
+        };
+        let obs = sampler.observe(&manager.load, &children, stuck);
         drop(children);
         let decision = controller.update(obs);
         *lock(&manager.controller) =
@@ -881,12 +942,9 @@ async fn pool_controller(weak: Weak<WalRedoManager>, cancel: CancellationToken) 
     }
 }
 
-/// Checks a request before anything is spawned or written; returns the base image as a page.
-fn validate_request<'a>(
-    lsn: u64,
-    base: Option<&'a Bytes>,
-    records: &[(u64, Bytes)],
-) -> Result<Option<&'a Page>, RedoError> {
+/// Checks a request before anything is spawned or written: the base image is a page, the
+/// records are within the limits and in LSN order.
+fn validate_request(lsn: u64, base: Option<&Bytes>, records: &[(u64, Bytes)]) -> Result<(), RedoError> {
     let invalid = |message: String| Err(RedoError::InvalidRequest(message));
     if base.is_none() && records.is_empty() {
         return invalid("no base image and no records".to_string());
@@ -909,11 +967,10 @@ fn validate_request<'a>(
         previous = *record_lsn;
     }
     match base {
-        None => Ok(None),
-        Some(base) => match <&Page>::try_from(base.as_ref()) {
-            Ok(page) => Ok(Some(page)),
-            Err(_) => invalid(format!("base image of {} bytes, expected {BLCKSZ}", base.len())),
-        },
+        Some(base) if base.len() != BLCKSZ => {
+            invalid(format!("base image of {} bytes, expected {BLCKSZ}", base.len()))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -5,9 +5,15 @@
 //! read belongs to sequence number `n`. Whoever holds the stdout lock reads replies until its own
 //! has arrived, parking the others' replies in [`Replies`] for their owners to take.
 //!
-//! Time and failure: [`Progress`] records when the child last accepted bytes or sent a reply,
-//! so that a request is timed against the child's progress, not against its place in the
-//! queue; [`Fence`] marks the stream broken the moment a write ends partway through a frame.
+//! Time and failure: [`Progress`] records when the child last showed progress (sent a reply,
+//! or made room in a full pipe) or became busy (took work while it had none), so that a
+//! request is timed against the child's progress, not against its place in the queue. Bytes
+//! the pipe takes while the child has older requests are not progress: a stopped child's pipe
+//! takes a megabyte. With work waiting and no progress for [`Patience::stall`], the child is
+//! *stalled*: requests behind the oldest one leave it for another child
+//! ([`ProcessError::Stalled`]); for [`Patience::timeout`], it is *hung*: the oldest request
+//! fails with [`ProcessError::Timeout`] and the child is killed. [`Fence`] marks the stream
+//! broken the moment a write ends partway through a frame.
 //!
 //! Invariants:
 //! - no byte follows a partial frame: a writer that finds [`Writer::broken`] writes nothing;
@@ -31,6 +37,7 @@ use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEAD
 
 use super::priority::WriteTicket;
 use super::process::ProcessError;
+use super::request::{Cursor, Request};
 
 /// A decoded reply of the child.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,21 +136,46 @@ impl<W> Writer<W> {
     }
 
     /// Takes the stdin lock for a request's write, waiting at most until `queue_deadline`
-    /// ([`ProcessError::QueueTimeout`]), and refuses a stream an earlier request broke.
+    /// ([`ProcessError::QueueTimeout`]) or until the child is stalled
+    /// ([`ProcessError::Stalled`]: the request goes to another child), and refuses a stream an
+    /// earlier request broke. The child's busy clock starts here if it had no work.
     ///
     /// `ticket` is the request's place in the foreground writer queue ([`super::priority`]);
     /// it is given up with the lock, once the request is written (or failed).
+    ///
+    /// Cancel-safe: it only waits (tokio's mutex keeps no place for a dropped waiter).
     pub(crate) async fn lock<'a>(
         stdin: &'a tokio::sync::Mutex<Writer<W>>,
+        shared: &Shared,
         ticket: WriteTicket<'a>,
         queue_deadline: Instant,
-        timeout: Duration,
+        patience: Patience,
     ) -> Result<Locked<'a, W>, ProcessError> {
-        let guard = tokio::time::timeout_at(queue_deadline.into(), stdin.lock())
-            .await
-            .map_err(|_| ProcessError::QueueTimeout(timeout))?;
+        let acquire = stdin.lock();
+        tokio::pin!(acquire);
+        let guard = loop {
+            let wake = shared.progress.stalled_at(patience).min(queue_deadline);
+            tokio::select! {
+                guard = &mut acquire => break guard,
+                () = tokio::time::sleep_until(wake.into()) => {
+                    if let Some(e) = shared.behind_expired(Instant::now(), queue_deadline, patience) {
+                        return Err(e);
+                    }
+                }
+            }
+        };
         guard.check_not_broken()?;
+        // The oldest request on the child starts its busy clock (it may have had none for
+        // hours: its last progress says nothing about this request).
+        if super::lock(&shared.replies).next_to_read() == guard.next_seq {
+            shared.progress.mark();
+        }
         Ok(Locked { guard, _ticket: ticket })
+    }
+
+    /// Sequence number the request being written will take.
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.next_seq
     }
 
     /// The error of a writer that finds the stream broken by an earlier request.
@@ -189,19 +221,30 @@ impl<W> std::ops::DerefMut for Locked<'_, W> {
 /// failed through [`Fence::fail`] (the future was dropped), runs `on_cancel`.
 pub(crate) struct Fence<'a, W, F: FnOnce()> {
     pub(crate) writer: &'a mut Writer<W>,
-    pub(crate) written: usize,
-    len: usize,
+    /// How much of `request` is written.
+    pub(crate) at: Cursor,
+    pub(crate) request: &'a Request,
     on_cancel: Option<F>,
 }
 
 impl<'a, W, F: FnOnce()> Fence<'a, W, F> {
-    pub(crate) fn new(writer: &'a mut Writer<W>, len: usize, on_cancel: F) -> Fence<'a, W, F> {
-        Fence { writer, written: 0, len, on_cancel: Some(on_cancel) }
+    pub(crate) fn new(writer: &'a mut Writer<W>, request: &'a Request, on_cancel: F) -> Fence<'a, W, F> {
+        Fence { writer, at: Cursor::default(), request, on_cancel: Some(on_cancel) }
+    }
+
+    /// Whether all of the request is written.
+    pub(crate) fn finished(&self) -> bool {
+        self.at.written() >= self.request.len()
+    }
+
+    /// `n` more bytes of the request are written.
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.request.advance(&mut self.at, n);
     }
 
     /// The whole request is written.
-    pub(crate) fn done(mut self) {
-        self.written = self.len;
+    pub(crate) fn done(self) {
+        debug_assert!(self.finished());
     }
 
     /// The write failed with `e` (the caller retires the process for it).
@@ -213,7 +256,7 @@ impl<'a, W, F: FnOnce()> Fence<'a, W, F> {
 
 impl<W, F: FnOnce()> Drop for Fence<'_, W, F> {
     fn drop(&mut self) {
-        if self.written > 0 && self.written < self.len {
+        if self.at.written() > 0 && !self.finished() {
             self.writer.broken = true;
             if let Some(on_cancel) = self.on_cancel.take() {
                 on_cancel();
@@ -222,9 +265,35 @@ impl<W, F: FnOnce()> Drop for Fence<'_, W, F> {
     }
 }
 
-/// When the child last made progress: accepted request bytes or sent a reply. A child is hung
-/// when work waits on it and it makes no progress for the round-trip timeout; time spent
-/// queueing behind other requests of a working child is not held against it.
+/// How long requests wait on a child that makes no progress (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Patience {
+    /// `wal_redo_timeout`: no progress this long while work waits, and the child is hung (the
+    /// oldest request on it fails with [`ProcessError::Timeout`], and it is killed); also the
+    /// longest a request waits behind others of a child that works ([`ProcessError::QueueTimeout`]).
+    pub(crate) timeout: Duration,
+    /// No progress this long while work waits, and the child is stalled: the requests behind
+    /// its oldest one leave it ([`ProcessError::Stalled`]), and new ones go elsewhere. At most
+    /// `timeout`.
+    pub(crate) stall: Duration,
+}
+
+impl Patience {
+    /// Longest stall window: a child that sends nothing for a second while requests wait has
+    /// stopped (a redo takes microseconds to milliseconds, the largest allowed one well under
+    /// a second); waiting longer only stalls its tenant.
+    pub(crate) const MAX_STALL: Duration = Duration::from_secs(1);
+
+    /// The patience of `timeout`, stalled after a quarter of it or [`Patience::MAX_STALL`].
+    pub(crate) fn of_timeout(timeout: Duration) -> Patience {
+        Patience { timeout, stall: (timeout / 4).min(Patience::MAX_STALL) }
+    }
+}
+
+/// When the child last made progress (sent a reply, or took bytes into a pipe it had filled)
+/// or became busy (took work while it had none). A child is stalled, or hung, when work waits
+/// on it and it makes no progress for the [`Patience`] windows; time spent queueing behind
+/// other requests of a working child is not held against it.
 pub(crate) struct Progress {
     base: Instant,
     /// Microseconds since `base` at the last progress.
@@ -241,10 +310,18 @@ impl Progress {
         self.last_us.fetch_max(us, Ordering::Relaxed);
     }
 
-    /// When the child counts as hung for work that waits on it since `since`.
-    pub(crate) fn child_deadline(&self, timeout: Duration, since: Instant) -> Instant {
-        let last = self.base + Duration::from_micros(self.last_us.load(Ordering::Relaxed));
-        last.max(since) + timeout
+    fn last(&self) -> Instant {
+        self.base + Duration::from_micros(self.last_us.load(Ordering::Relaxed))
+    }
+
+    /// When the child counts as hung, if work waits on it and nothing changes meanwhile.
+    pub(crate) fn hung_at(&self, patience: Patience) -> Instant {
+        self.last() + patience.timeout
+    }
+
+    /// When the child counts as stalled, if work waits on it and nothing changes meanwhile.
+    pub(crate) fn stalled_at(&self, patience: Patience) -> Instant {
+        self.last() + patience.stall
     }
 }
 
@@ -272,21 +349,7 @@ pub(crate) struct Waiter<'a> {
     pub(crate) seq: u64,
     /// Behind other requests, the request gives up at this instant ([`ProcessError::QueueTimeout`]).
     pub(crate) queue_deadline: Instant,
-    /// When the request was written: its wait on the child starts there at the latest.
-    pub(crate) written_at: Instant,
-    pub(crate) timeout: Duration,
-}
-
-impl<'a> Waiter<'a> {
-    /// The waiter of request `seq`, written just now.
-    pub(crate) fn after_write(
-        shared: &'a Shared,
-        seq: u64,
-        queue_deadline: Instant,
-        timeout: Duration,
-    ) -> Self {
-        Waiter { shared, seq, queue_deadline, written_at: Instant::now(), timeout }
-    }
+    pub(crate) patience: Patience,
 }
 
 impl Shared {
@@ -298,6 +361,57 @@ impl Shared {
     pub(crate) fn park(&self, reply: Reply) {
         self.progress.mark();
         super::lock(&self.replies).push(reply);
+    }
+
+    /// For a request that is not the oldest on the child (queued to write, or written behind
+    /// others), at `now`: whether it must leave the child, which is stalled
+    /// ([`ProcessError::Stalled`]), or give up, having waited past `queue_deadline` behind a
+    /// child that works ([`ProcessError::QueueTimeout`]); `None`: it waits on.
+    pub(crate) fn behind_expired(
+        &self,
+        now: Instant,
+        queue_deadline: Instant,
+        patience: Patience,
+    ) -> Option<ProcessError> {
+        if now >= self.progress.stalled_at(patience) {
+            return Some(ProcessError::Stalled { hung: now >= self.progress.hung_at(patience) });
+        }
+        (now >= queue_deadline).then_some(ProcessError::QueueTimeout(patience.timeout))
+    }
+
+    /// For the request `seq` being written, with `written` bytes of it in the pipe, after a
+    /// wait for room ended at `now`: whether it fails (`Some`) or waits on. Hung, the child
+    /// is killed either way: the oldest request on it fails with [`ProcessError::Timeout`],
+    /// one behind others leaves it ([`ProcessError::Stalled`]). Stalled, a request with
+    /// nothing written yet leaves it; one with a part written cannot (the child holds part
+    /// of its frame) and waits until the child is hung.
+    pub(crate) fn write_expired(
+        &self,
+        seq: u64,
+        written: usize,
+        now: Instant,
+        patience: Patience,
+    ) -> Option<ProcessError> {
+        if now >= self.progress.hung_at(patience) {
+            let oldest = super::lock(&self.replies).next_to_read() >= seq;
+            return Some(if oldest {
+                ProcessError::Timeout(patience.timeout)
+            } else {
+                ProcessError::Stalled { hung: true }
+            });
+        }
+        (written == 0 && now >= self.progress.stalled_at(patience))
+            .then_some(ProcessError::Stalled { hung: false })
+    }
+
+    /// Until when a writer may wait for room in the pipe before it looks again (see
+    /// [`Shared::write_expired`]).
+    pub(crate) fn write_deadline(&self, written: usize, patience: Patience) -> Instant {
+        if written == 0 {
+            self.progress.stalled_at(patience)
+        } else {
+            self.progress.hung_at(patience)
+        }
     }
 }
 
@@ -320,7 +434,8 @@ impl Waiter<'_> {
     /// Waits for the reply to be parked or for the stdout lock, whichever comes first.
     ///
     /// At the head of the queue the wait is the child's time, which the lock holder bounds;
-    /// behind others, the queue's own bound applies. Cancel-safe: it only waits.
+    /// behind others, the queue's own bound and the child's stall apply. Cancel-safe: it only
+    /// waits.
     pub(crate) async fn turn<'m, T>(
         &self,
         stdout: &'m tokio::sync::Mutex<T>,
@@ -334,7 +449,7 @@ impl Waiter<'_> {
                 if at_head {
                     std::future::pending().await
                 } else {
-                    tokio::time::sleep_until(self.queue_deadline.into()).await
+                    tokio::time::sleep_until(self.read_deadline(false).into()).await
                 }
             };
             let parked = std::future::poll_fn(|cx| super::lock(&self.shared.replies).poll_take(self.seq, cx));
@@ -344,7 +459,9 @@ impl Waiter<'_> {
                 // A reply parked meanwhile is taken at the top of the loop, never dropped here.
                 () = queue => {
                     if self.behind() {
-                        return Err(ProcessError::QueueTimeout(self.timeout));
+                        if let Some(e) = self.shared.behind_expired(Instant::now(), self.queue_deadline, self.patience) {
+                            return Err(e);
+                        }
                     }
                 }
             }
@@ -353,23 +470,25 @@ impl Waiter<'_> {
 
     /// Until when the holder of the stdout lock may wait for the next reply.
     pub(crate) fn read_deadline(&self, at_head: bool) -> Instant {
-        let child = self.shared.progress.child_deadline(self.timeout, self.written_at);
         if at_head {
-            child
+            self.shared.progress.hung_at(self.patience)
         } else {
-            child.min(self.queue_deadline)
+            self.shared.progress.stalled_at(self.patience).min(self.queue_deadline)
         }
     }
 
-    /// After a read deadline passed: the child is hung ([`ProcessError::Timeout`]), this
-    /// request waited too long behind others ([`ProcessError::QueueTimeout`]), or neither
-    /// (another request saw progress meanwhile) and the wait goes on (`None`).
+    /// After a read deadline passed: the child is hung with this request the oldest on it
+    /// ([`ProcessError::Timeout`]), or stalled with this request behind others
+    /// ([`ProcessError::Stalled`]), or this request waited too long behind others
+    /// ([`ProcessError::QueueTimeout`]), or none of these (the child made progress meanwhile)
+    /// and the wait goes on (`None`).
     pub(crate) fn expired(&self) -> Option<ProcessError> {
         let now = Instant::now();
-        if now >= self.shared.progress.child_deadline(self.timeout, self.written_at) {
-            return Some(ProcessError::Timeout(self.timeout));
+        if self.behind() {
+            return self.shared.behind_expired(now, self.queue_deadline, self.patience);
         }
-        (now >= self.queue_deadline && self.behind()).then_some(ProcessError::QueueTimeout(self.timeout))
+        (now >= self.shared.progress.hung_at(self.patience))
+            .then_some(ProcessError::Timeout(self.patience.timeout))
     }
 }
 
@@ -491,25 +610,6 @@ impl Drop for Claim<'_> {
             super::lock(self.replies).abandon(self.seq);
         }
     }
-}
-
-/// Encodes one redo request, `B [P] A* G`, ready for a single write.
-pub(crate) fn encode_redo_request(
-    tag: &protocol::BufferTag,
-    base: Option<&walredo_proc::page::Page>,
-    records: &[(u64, Bytes)],
-) -> Vec<u8> {
-    let records_len: usize = records.iter().map(|(_, r)| HEADER_LEN + 8 + r.len()).sum();
-    let mut out = Vec::with_capacity(3 * (HEADER_LEN + protocol::BUFFER_TAG_LEN) + BLCKSZ + records_len);
-    protocol::encode_begin(&mut out, tag);
-    if let Some(page) = base {
-        protocol::encode_push_page(&mut out, tag, page);
-    }
-    for (lsn, record) in records {
-        protocol::encode_apply_raw(&mut out, *lsn, record);
-    }
-    protocol::encode_get_page(&mut out, tag);
-    out
 }
 
 #[cfg(test)]

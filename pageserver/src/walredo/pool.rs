@@ -21,11 +21,12 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use super::pipeline::Patience;
 use super::process::{InUse, Process};
 use crate::worker_controller::{Decision, Observation};
 
@@ -85,11 +86,14 @@ pub(crate) struct Pool {
     /// Budget tokens held: one per child beyond the first.
     tokens: usize,
     budget: Arc<ChildBudget>,
+    /// Children taken out of service because they stalled, while requests may still wait on
+    /// them (until they exit: killed as hung, or drained).
+    stalled: Vec<Weak<Process>>,
 }
 
 impl Pool {
     pub(crate) fn new(budget: Arc<ChildBudget>) -> Pool {
-        Pool { children: Vec::new(), tokens: 0, budget }
+        Pool { children: Vec::new(), tokens: 0, budget, stalled: Vec::new() }
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -101,14 +105,46 @@ impl Pool {
     }
 
     /// The least-loaded child, counted as in use; children that exited on their own leave
-    /// first (they must not eat a request's one retry).
-    pub(crate) fn pick(&mut self) -> Option<InUse> {
+    /// first (they must not eat a request's one retry), and so do children that stalled
+    /// (work waits on them and they made no progress for `patience.stall`): they are added to
+    /// `stalled`, for the caller to retire, and no new request queues on them.
+    pub(crate) fn pick(&mut self, patience: Patience, stalled: &mut Vec<Arc<Process>>) -> Option<InUse> {
         if self.children.iter().any(|p| p.has_exited()) {
             self.children.retain(|p| !p.has_exited());
             self.settle_tokens();
         }
+        // Only a child with work can stall: no clock read while the pool is idle.
+        if self.children.iter().any(|p| p.in_flight.load(Ordering::Relaxed) > 0) {
+            let now = Instant::now();
+            if self.children.iter().any(|p| p.stalled(now, patience)) {
+                let (gone, kept) =
+                    std::mem::take(&mut self.children).into_iter().partition(|p| p.stalled(now, patience));
+                self.children = kept;
+                self.settle_tokens();
+                self.stalled.extend(gone.iter().map(Arc::downgrade));
+                stalled.extend(gone);
+            }
+        }
         let best = self.children.iter().min_by_key(|p| p.in_flight.load(Ordering::Relaxed))?;
         Some(InUse::new(best))
+    }
+
+    /// Takes `process` out of service because it stalled (see [`Pool::pick`]); whether it
+    /// was in service.
+    pub(crate) fn remove_stalled(&mut self, process: &Arc<Process>) -> bool {
+        let removed = self.remove(process);
+        if removed {
+            self.stalled.push(Arc::downgrade(process));
+        }
+        removed
+    }
+
+    /// Whether requests may be waiting on a child that makes no progress: one in service that
+    /// has had work and no progress for `period`, or one taken out of service for a stall that
+    /// has not exited yet.
+    pub(crate) fn stuck(&mut self, now: Instant, period: Duration) -> bool {
+        self.stalled.retain(|p| p.upgrade().is_some_and(|p| !p.has_exited()));
+        !self.stalled.is_empty() || self.children.iter().any(|p| p.stuck_for(now, period))
     }
 
     /// Whether one more child may join in the background: the pool has its first child (that
@@ -243,8 +279,8 @@ impl Sampler {
         self.at = Instant::now();
     }
 
-    /// The observation of the period since the last call.
-    pub(crate) fn observe(&mut self, load: &Load, children: &[Arc<Process>]) -> Observation {
+    /// The observation of the period since the last call; `stuck` as [`Pool::stuck`] says.
+    pub(crate) fn observe(&mut self, load: &Load, children: &[Arc<Process>], stuck: bool) -> Observation {
         let now = Instant::now();
         let period = now.saturating_duration_since(self.at);
         let arrivals = load.arrivals.load(Ordering::Relaxed);
@@ -267,6 +303,7 @@ impl Sampler {
             queue_wait: requests.saturating_sub(busy),
             in_flight_avg: if period.is_zero() { 0.0 } else { requests.as_secs_f64() / period.as_secs_f64() },
             workers: children.len(),
+            stuck,
         };
         *self = Sampler { at: now, arrivals, completions, request_nanos, busy: seen };
         obs

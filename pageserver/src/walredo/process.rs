@@ -48,8 +48,9 @@ use tokio_util::sync::CancellationToken;
 use walredo_proc::protocol::{self, FrameError};
 
 use super::metrics::{StopCause, WalRedoMetrics};
-use super::pipeline::Reply;
+use super::pipeline::{Patience, Progress, Reply};
 use super::priority::WriteTicket;
+use super::request::Request;
 use super::{lock, ProcessKind, WalRedoConf};
 use crate::worker_controller::Path;
 
@@ -66,6 +67,12 @@ pub(crate) enum ProcessError {
     /// child is not blamed.
     #[error("waited {0:?} behind other requests for the walredo process")]
     QueueTimeout(Duration),
+    /// The child made no progress for the stall window while this request waited behind its
+    /// oldest one: the request leaves it for another child (it was not the one the child was
+    /// working on, and redo is a pure function). `hung`: for the whole timeout, and the child
+    /// is to be killed (it holds part of this request's frame, or is simply hung).
+    #[error("the walredo process made no progress while this request waited behind others")]
+    Stalled { hung: bool },
     #[error("{0:#}")]
     Io(anyhow::Error),
     #[error("protocol violation by the child: {0}")]
@@ -75,7 +82,10 @@ pub(crate) enum ProcessError {
 impl ProcessError {
     pub(crate) fn stop_cause(&self) -> StopCause {
         match self {
-            ProcessError::Timeout(_) | ProcessError::QueueTimeout(_) => StopCause::Timeout,
+            ProcessError::Timeout(_)
+            | ProcessError::QueueTimeout(_)
+            | ProcessError::Stalled { hung: true } => StopCause::Timeout,
+            ProcessError::Stalled { hung: false } => StopCause::Stalled,
             ProcessError::Io(_) => StopCause::Crashed,
             ProcessError::Protocol(_) => StopCause::ProtocolViolation,
         }
@@ -92,14 +102,21 @@ impl Pipes {
     /// through the write (the stream is broken: the caller retires the child).
     async fn round_trip(
         &self,
-        frame: &[u8],
+        request: &Request,
         ticket: WriteTicket<'_>,
-        timeout: Duration,
+        patience: Patience,
         on_broken_write: impl FnOnce(),
     ) -> Result<Reply, ProcessError> {
         match self {
-            Pipes::Sync(pipes) => pipes.round_trip(frame, ticket, timeout, on_broken_write).await,
-            Pipes::Async(pipes) => pipes.round_trip(frame, ticket, timeout, on_broken_write).await,
+            Pipes::Sync(pipes) => pipes.round_trip(request, ticket, patience, on_broken_write).await,
+            Pipes::Async(pipes) => pipes.round_trip(request, ticket, patience, on_broken_write).await,
+        }
+    }
+
+    fn progress(&self) -> &Progress {
+        match self {
+            Pipes::Sync(pipes) => pipes.progress(),
+            Pipes::Async(pipes) => pipes.progress(),
         }
     }
 }
@@ -158,17 +175,26 @@ struct Lifecycle {
 }
 
 impl Lifecycle {
-    /// Records the retirement once, with a log line; returns whether this call did.
+    /// Records the retirement once, with a log line; returns whether this call did. A
+    /// failure after a graceful retirement (a stalled or draining child that is then hung)
+    /// is logged too: it is what kills the child.
     fn mark_retired(&self, cause: StopCause) -> bool {
-        if !self.record_stop(cause) {
-            return false;
-        }
-        if cause.is_failure() {
+        let first = self.record_stop(cause);
+        let killing = !cause.is_graceful() && !self.kill.is_cancelled();
+        if cause == StopCause::Stalled {
+            if first {
+                tracing::warn!(
+                    pid = self.pid,
+                    "walredo process makes no progress while requests wait: it takes no new \
+                     request, and those behind its oldest go to another process"
+                );
+            }
+        } else if cause.is_failure() && (first || killing) {
             tracing::warn!(pid = self.pid, cause = cause.label(), "killing walredo process");
-        } else {
+        } else if first {
             tracing::info!(pid = self.pid, cause = cause.label(), "stopping walredo process");
         }
-        true
+        first
     }
 
     /// Records the stop once in the metrics; returns whether this call did.
@@ -325,32 +351,44 @@ impl Process {
         }
     }
 
-    /// Sends one encoded request and waits for its reply, within `timeout`. `ticket` (the
-    /// request's place in the foreground writer queue) is given up once the request is written.
+    /// Sends one request and waits for its reply, as `patience` allows (see
+    /// [`Patience`]). `ticket` (the request's place in the foreground writer queue) is given
+    /// up once the request is written.
     ///
     /// Cancel-safe: if dropped after the request was written, its reply is discarded when it
     /// arrives; if dropped halfway through the write (async kind only: the sync kind writes
     /// without yielding), the process is retired (the stream is broken).
     pub(crate) async fn round_trip(
         &self,
-        request: &[u8],
+        request: &Request,
         ticket: WriteTicket<'_>,
-        timeout: Duration,
+        patience: Patience,
     ) -> Result<Reply, ProcessError> {
-        let reply = self.exchange(request, ticket, timeout).await?;
+        let reply = self.exchange(request, ticket, patience).await?;
         self.served.fetch_add(1, Ordering::Relaxed);
         Ok(reply)
     }
 
-    /// One frame out, its reply back, through this child's kind of pipes; what
+    /// One request out, its reply back, through this child's kind of pipes; what
     /// [`Process::round_trip`] and [`Process::set_spin`] share.
     async fn exchange(
         &self,
-        frame: &[u8],
+        request: &Request,
         ticket: WriteTicket<'_>,
-        timeout: Duration,
+        patience: Patience,
     ) -> Result<Reply, ProcessError> {
-        self.pipes.round_trip(frame, ticket, timeout, || self.retire(StopCause::CancelledWrite)).await
+        self.pipes.round_trip(request, ticket, patience, || self.retire(StopCause::CancelledWrite)).await
+    }
+
+    /// Whether work waits on this child and it has made no progress for `patience.stall`
+    /// (see [`Patience`]): new requests must not queue on it.
+    pub(crate) fn stalled(&self, now: Instant, patience: Patience) -> bool {
+        self.in_flight.load(Ordering::Relaxed) > 0 && now >= self.pipes.progress().stalled_at(patience)
+    }
+
+    /// Whether work waits on this child and it has made no progress for a whole `period`.
+    pub(crate) fn stuck_for(&self, now: Instant, period: Duration) -> bool {
+        self.stalled(now, Patience { timeout: period, stall: period })
     }
 
     /// Sets how this child's round trips from now on reach it, if its kind lets the controller
@@ -394,13 +432,14 @@ impl Process {
     /// while [`Process::spin_us`] still says the old one, until the next call, which then
     /// sends its window whatever it is: the child spins at most a window per request either
     /// way.
-    pub(crate) async fn set_spin(&self, window: Duration, timeout: Duration) -> Result<bool, ProcessError> {
+    pub(crate) async fn set_spin(&self, window: Duration, patience: Patience) -> Result<bool, ProcessError> {
         if !self.supports_spin() {
             return Ok(false);
         }
         let micros = spin_micros(window);
-        let mut request = Vec::new();
-        protocol::encode_set_spin(&mut request, micros);
+        let mut frame = Vec::new();
+        protocol::encode_set_spin(&mut frame, micros);
+        let request = Request::frames(frame);
         let mut known = self.spin_lock.lock().await;
         if *known && self.spin_us() == micros {
             return Ok(true);
@@ -408,7 +447,7 @@ impl Process {
         // Unknown until the child acknowledges (stays so if this future is dropped).
         *known = false;
         // Not `round_trip`: a control frame is not a request served.
-        let reply = self.exchange(&request, WriteTicket::none(), timeout).await?;
+        let reply = self.exchange(&request, WriteTicket::none(), patience).await?;
         match reply {
             Reply::Page(page) if page.iter().all(|&b| b == 0) => {}
             other => {
@@ -504,6 +543,9 @@ impl InUse {
         let mut clock = lock(&process.busy);
         if process.in_flight.fetch_add(1, Ordering::Relaxed) == 0 {
             clock.since = Some(Instant::now());
+            // Work waits on the child from now on: its progress clock starts here, not at
+            // whatever it last did before it went idle.
+            process.pipes.progress().mark();
         }
         drop(clock);
         InUse(Arc::clone(process))
@@ -638,9 +680,9 @@ mod tests {
     use crate::walredo::tests::{expected_for, records_for, tag};
 
     async fn redo(process: &Process, n: u32) {
-        let request = super::super::pipeline::encode_redo_request(&tag(n), None, &records_for(n));
+        let request = Request::redo(&tag(n), None, &records_for(n));
         let reply = process
-            .round_trip(&request, WriteTicket::none(), Duration::from_secs(20))
+            .round_trip(&request, WriteTicket::none(), Patience::of_timeout(Duration::from_secs(20)))
             .await
             .unwrap_or_else(|e| panic!("request {n}: {e}"));
         assert!(reply == Reply::Page(expected_for(n)), "request {n} got {reply:?}");
@@ -650,7 +692,7 @@ mod tests {
     async fn set_spin_on_a_live_process_keeps_its_round_trips_correct() {
         let conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
         let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
-        let timeout = Duration::from_secs(20);
+        let timeout = Patience::of_timeout(Duration::from_secs(20));
         for kind in ProcessKind::ALL {
             let reaping = Reaping::new();
             let process = Process::spawn(&conf, kind, "tenant", Arc::clone(&metrics), Arc::clone(&reaping))
@@ -702,7 +744,7 @@ mod tests {
             Process::spawn(&conf, ProcessKind::Auto, "tenant", metrics, Reaping::new()).await.expect("spawn");
         assert_eq!(process.path(), Path::Sync, "an auto child starts blocking");
         assert!(process
-            .set_spin(Duration::from_micros(50), Duration::from_secs(20))
+            .set_spin(Duration::from_micros(50), Patience::of_timeout(Duration::from_secs(20)))
             .await
             .expect("set_spin"));
         let mut n = 0;

@@ -50,7 +50,7 @@ impl WalRedoManager {
         process: &Arc<Process>,
         window: Duration,
     ) -> Result<(), RedoError> {
-        match process.set_spin(window, self.conf.timeout).await {
+        match process.set_spin(window, self.conf.patience()).await {
             Ok(true) => Ok(()),
             Ok(false) => Err(RedoError::ProcessFailed(anyhow::anyhow!(
                 "walredo process {} does not announce spin windows in its hello",

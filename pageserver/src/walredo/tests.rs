@@ -20,6 +20,8 @@ fn manager_of(kind: ProcessKind, idle_timeout: Duration) -> (Arc<WalRedoManager>
     let mut conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
     conf.process_kind = kind;
     conf.timeout = Duration::from_secs(20);
+    // The priority tests queue requests on a child they stopped: they must stay queued there.
+    conf.stall_after = Some(conf.timeout);
     conf.idle_timeout = idle_timeout;
     // The priority tests are about the requests queued on one child: a second child (the
     // pool grows while the first is stopped) would take the foreground request off that queue.
@@ -57,7 +59,7 @@ pub(super) fn records_for(n: u32) -> Vec<(u64, Bytes)> {
 
 /// The page those records make, computed here with the same apply code.
 pub(super) fn expected_for(n: u32) -> Bytes {
-    let mut page: Box<Page> = Box::new([0; BLCKSZ]);
+    let mut page: Box<walredo_proc::page::Page> = Box::new([0; BLCKSZ]);
     for (lsn, record) in records_for(n) {
         Record::decode(&record).expect("valid record").apply(&mut page, lsn).expect("record applies");
     }
@@ -570,4 +572,61 @@ async fn the_pool_controller_of_an_idle_tenant_sleeps_until_the_next_request() {
     })
     .await;
     manager.shutdown().await;
+}
+
+// ---------------------------------------------------------------- a stopped child
+
+/// A child stopped with requests on it and more arriving: the oldest request fails with a
+/// timeout counted from when it reached the child (requests written into the stopped child's
+/// pipe later are not its progress), the child is killed then, and every request queued behind
+/// the oldest one is served by another child, long before that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_behind_a_stopped_child_move_to_another_and_its_oldest_fails_at_the_timeout() {
+    const TIMEOUT: Duration = Duration::from_secs(3);
+    for kind in KINDS {
+        let mut conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
+        conf.process_kind = kind;
+        conf.timeout = TIMEOUT;
+        conf.max_pool_size = 1;
+        let registry = prometheus::Registry::new();
+        let metrics = Arc::new(WalRedoMetrics::new(&registry).expect("register metrics"));
+        let manager = WalRedoManager::new("tenant-stopped", conf, metrics);
+        manager.ping().await.expect("ping");
+        let stopped = pid_of(&manager).expect("a child");
+        signal(stopped, nix::sys::signal::Signal::SIGSTOP);
+
+        let started = Instant::now();
+        let oldest = tokio::spawn({
+            let manager = Arc::clone(&manager);
+            async move { foreground(&manager, 0).await }
+        });
+        wait_for("the oldest request to reach the child", Duration::from_secs(10), || {
+            on_the_child(&manager) == 1
+        })
+        .await;
+        // More requests arrive every 100 ms while the child is stopped; each must be served.
+        let mut later = Vec::new();
+        for n in 1..=20u32 {
+            let manager = Arc::clone(&manager);
+            later.push(tokio::spawn(async move { (n, Instant::now(), foreground(&manager, n).await) }));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for task in later {
+            let (n, sent, result) = task.await.expect("request task");
+            check(result, n, &format!("{kind}: a request behind the stopped child"));
+            assert!(sent.elapsed() < TIMEOUT, "{kind}: request {n} waited out the timeout");
+        }
+        let result = oldest.await.expect("request task");
+        let took = started.elapsed();
+        assert!(matches!(result, Err(RedoError::Timeout(_))), "{kind}: {result:?}");
+        assert!(
+            took < TIMEOUT + Duration::from_secs(1),
+            "{kind}: the stopped child was timed out after {took:?}"
+        );
+        wait_for("the stopped child to be killed and reaped", Duration::from_secs(10), || gone(stopped))
+            .await;
+        assert!(counter(&registry, "pageserver_wal_redo_requests_moved_total") >= 1.0, "{kind}");
+        assert!(!pids(&manager).contains(&stopped), "{kind}");
+        manager.shutdown().await;
+    }
 }

@@ -3,10 +3,13 @@
 //! A round trip yields while it waits for the pipes, so the executor thread runs other tasks
 //! meanwhile.
 //!
-//! Time: the child is timed, not the queue ([`pipeline::Progress`]). A request that waits for
-//! the stdin lock, or for the replies of earlier requests, longer than the timeout gives up
-//! with [`ProcessError::QueueTimeout`] and the child lives on; only a child that makes no
-//! progress for the timeout while work waits on it is a [`ProcessError::Timeout`] (and killed).
+//! Time: the child is timed, not the queue ([`pipeline::Progress`], [`pipeline::Patience`]). A
+//! request that waits for the stdin lock, or for the replies of earlier requests, longer than
+//! the timeout behind a child that works gives up with [`ProcessError::QueueTimeout`] and the
+//! child lives on; behind a child that makes no progress for the stall window it leaves for
+//! another child ([`ProcessError::Stalled`]); the oldest request of a child that makes no
+//! progress for the timeout fails with [`ProcessError::Timeout`] (and the child is killed).
+//! Requests are written with vectored writes, from the buffers their parts were read into.
 //!
 //! Cancellation: the mutexes are tokio's because their guards are held across the awaits of a
 //! write or a read. A future dropped
@@ -18,15 +21,18 @@
 //! - during a read: the bytes read so far stay in the shared [`pipeline::ReplyReader`], whose
 //!   next holder carries on (`AsyncReadExt::read` is cancel-safe).
 
+use std::io::IoSlice;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite};
 use tokio::process::{ChildStdin, ChildStdout};
 
 use super::ProcessError;
-use crate::walredo::pipeline::{self, Claim, Fence, Reply, Shared, Turn, Waiter};
+use crate::walredo::pipeline::{self, Claim, Fence, Patience, Reply, Shared, Turn, Waiter};
 use crate::walredo::priority::WriteTicket;
+use crate::walredo::request::{Request, SLICES_PER_WRITE};
 
 type Writer = pipeline::Writer<ChildStdin>;
 type Reader = pipeline::Reader<ChildStdout>;
@@ -46,6 +52,11 @@ impl AsyncPipes {
         }
     }
 
+    /// The child's progress clock.
+    pub(crate) fn progress(&self) -> &pipeline::Progress {
+        &self.shared.progress
+    }
+
     /// Reads the first frame of the child (its hello), before any request is written.
     ///
     /// Not cancel-safe: dropped mid-frame, the reader loses its place; the caller (spawn)
@@ -60,40 +71,54 @@ impl AsyncPipes {
     /// halfway through writing the request (cancellation: see the module doc).
     pub(crate) async fn round_trip(
         &self,
-        request: &[u8],
+        request: &Request,
         ticket: WriteTicket<'_>,
-        timeout: Duration,
+        patience: Patience,
         on_broken_write: impl FnOnce(),
     ) -> Result<Reply, ProcessError> {
-        let queue_deadline = Instant::now() + timeout;
+        let queue_deadline = Instant::now() + patience.timeout;
         let seq = {
-            let mut writer = Writer::lock(&self.stdin, ticket, queue_deadline, timeout).await?;
-            let since = Instant::now();
-            let mut fence = Fence::new(&mut *writer, request.len(), on_broken_write);
-            while fence.written < request.len() {
-                let deadline = self.shared.progress.child_deadline(timeout, since);
-                let write = fence.writer.pipe.write(&request[fence.written..]);
+            let mut writer =
+                Writer::lock(&self.stdin, &self.shared, ticket, queue_deadline, patience).await?;
+            let seq = writer.next_seq();
+            let mut fence = Fence::new(&mut *writer, request, on_broken_write);
+            while !fence.finished() {
+                let deadline = self.shared.write_deadline(fence.at.written(), patience);
+                // Whether the pipe was full on the way: then the bytes it took are room the
+                // child made, its progress.
+                let mut waited = false;
+                let write = std::future::poll_fn(|cx| {
+                    let mut slices = [IoSlice::new(&[]); SLICES_PER_WRITE];
+                    let n = fence.request.slices(&fence.at, &mut slices);
+                    let poll = Pin::new(&mut fence.writer.pipe).poll_write_vectored(cx, &slices[..n]);
+                    waited |= poll.is_pending();
+                    poll
+                });
                 match tokio::time::timeout_at(deadline.into(), write).await {
                     Ok(Ok(0)) => return Err(fence.fail(io_error("walredo stdin accepts no bytes"))),
                     Ok(Ok(n)) => {
-                        fence.written += n;
-                        self.shared.progress.mark();
+                        fence.advance(n);
+                        if waited {
+                            self.shared.progress.mark();
+                        }
                     }
                     Ok(Err(e)) => {
                         let e = anyhow::Error::new(e).context("write to walredo stdin");
                         return Err(fence.fail(ProcessError::Io(e)));
                     }
-                    Err(_) if Instant::now() >= self.shared.progress.child_deadline(timeout, since) => {
-                        return Err(fence.fail(ProcessError::Timeout(timeout)));
+                    Err(_) => {
+                        let written = fence.at.written();
+                        if let Some(e) = self.shared.write_expired(seq, written, Instant::now(), patience) {
+                            return Err(fence.fail(e));
+                        }
+                        // The child made progress meanwhile: wait on.
                     }
-                    // Another request saw progress meanwhile: wait on.
-                    Err(_) => {}
                 }
             }
             fence.done();
             writer.written()
         };
-        let waiter = Waiter::after_write(&self.shared, seq, queue_deadline, timeout);
+        let waiter = Waiter { shared: &self.shared, seq, queue_deadline, patience };
         // Dropped with the future while the reply is awaited, the claim abandons the slot.
         Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter).await)
     }

@@ -12,7 +12,12 @@ use tokio::process::{ChildStdin, ChildStdout};
 
 use super::sync_pipes::{SyncPipes, Wait};
 use super::{async_pipes::AsyncPipes, Pipes, ProcessError};
+use crate::walredo::pipeline::Patience;
 use crate::walredo::priority::WriteTicket;
+use crate::walredo::request::Request;
+
+/// The fake children never stall: the tests feed and drain them.
+const PATIENCE: Patience = Patience { timeout: Duration::from_secs(30), stall: Duration::from_secs(30) };
 
 /// The pipes under test, by name.
 const YIELDING: [&str; 2] = ["async", "auto (yielding)"];
@@ -69,9 +74,8 @@ async fn no_byte_follows_a_request_whose_write_was_cut_short() {
     for kind in YIELDING {
         let (pipes, requests_r, _requests_w, _replies_w) = fake_child(kind);
         let (broken, on_broken) = broken_counter();
-        let big = vec![b'1'; 4 << 20];
-        let mut first =
-            Box::pin(pipes.round_trip(&big, WriteTicket::none(), Duration::from_secs(30), on_broken));
+        let big = Request::frames(vec![b'1'; 4 << 20]);
+        let mut first = Box::pin(pipes.round_trip(&big, WriteTicket::none(), PATIENCE, on_broken));
         // Poll until part of it is in the pipe (the first poll may only register the fd).
         let deadline = Instant::now() + Duration::from_secs(5);
         while !has_bytes(&requests_r) {
@@ -84,7 +88,14 @@ async fn no_byte_follows_a_request_whose_write_was_cut_short() {
         let second = tokio::spawn({
             let pipes = Arc::clone(&pipes);
             async move {
-                pipes.round_trip(b"second request", WriteTicket::none(), Duration::from_secs(30), || {}).await
+                pipes
+                    .round_trip(
+                        &Request::frames(b"second request".to_vec()),
+                        WriteTicket::none(),
+                        PATIENCE,
+                        || {},
+                    )
+                    .await
             }
         });
         tokio::task::yield_now().await;
@@ -128,15 +139,19 @@ async fn a_request_cancelled_before_writing_a_byte_does_not_break_the_stream() {
             }
         }
         let (broken, on_broken) = broken_counter();
-        let mut request =
-            Box::pin(pipes.round_trip(b"request", WriteTicket::none(), Duration::from_secs(30), on_broken));
+        let frames = Request::frames(b"request".to_vec());
+        let mut request = Box::pin(pipes.round_trip(&frames, WriteTicket::none(), PATIENCE, on_broken));
         assert!(!poll_once(&mut request).await, "{kind}: the pipe is full");
         drop(request);
         assert_eq!(broken.load(Ordering::Relaxed), 0, "{kind}: nothing was written, nothing is broken");
         // The next request is written whole once the child reads: the stream is intact.
         let next = tokio::spawn({
             let pipes = Arc::clone(&pipes);
-            async move { pipes.round_trip(b"next", WriteTicket::none(), Duration::from_secs(30), || {}).await }
+            async move {
+                pipes
+                    .round_trip(&Request::frames(b"next".to_vec()), WriteTicket::none(), PATIENCE, || {})
+                    .await
+            }
         });
         let mut buf = vec![0u8; 1 << 16];
         let mut tail = Vec::new();

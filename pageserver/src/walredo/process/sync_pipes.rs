@@ -21,10 +21,13 @@
 //! too; it holds the executor thread for at most `W` (at most `MAX_SPIN_US`, 1 ms), as the
 //! blocking read it replaces would have. In the blocking part, every wait for bytes spins first.
 //!
-//! Time: the child is timed, not the queue, as in the async kind ([`pipeline::Progress`]):
-//! every `poll` waits until the child's deadline (no progress for the timeout while work waits
-//! on it: [`ProcessError::Timeout`], the child is killed) or, behind other requests, until the
-//! queue's deadline ([`ProcessError::QueueTimeout`], the child lives on).
+//! Time: the child is timed, not the queue, as in the async kind ([`pipeline::Progress`],
+//! [`pipeline::Patience`]): every `poll` waits until the child's deadline (no progress for the
+//! timeout while work waits on it: [`ProcessError::Timeout`] for its oldest request, the child
+//! is killed) or, behind other requests, until the child is stalled ([`ProcessError::Stalled`]:
+//! the request goes to another child) or the queue's deadline ([`ProcessError::QueueTimeout`],
+//! the child lives on). Requests are written with vectored writes (`writev`), from the buffers
+//! their parts were read into.
 //!
 //! Waiting ([`Wait`], set per child by [`SyncPipes::set_wait`], read once per round trip): the
 //! sync kind always blocks as above. An `auto` child follows the controller's path: blocking
@@ -43,7 +46,7 @@
 //! bytes read so far stay in the shared reader. A write cut short by a timeout or an error
 //! fences the writer under the stdin lock: no byte follows a partial frame.
 
-use std::io;
+use std::io::{self, IoSlice};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -55,8 +58,9 @@ use tokio::net::unix::pipe;
 
 use super::ProcessError;
 use crate::walredo::lock;
-use crate::walredo::pipeline::{self, Claim, Fence, Reply, Shared, Turn, Waiter};
+use crate::walredo::pipeline::{self, Claim, Fence, Patience, Reply, Shared, Turn, Waiter};
 use crate::walredo::priority::WriteTicket;
+use crate::walredo::request::{Request, SLICES_PER_WRITE};
 
 type Writer = pipeline::Writer<PipeFd>;
 type Reader = pipeline::Reader<PipeFd>;
@@ -118,11 +122,11 @@ impl PipeFd {
         }
     }
 
-    /// A non-blocking write (`WouldBlock` when the pipe is full); see [`PipeFd::read`].
-    fn write(&self, buf: &[u8]) -> io::Result<usize> {
+    /// A non-blocking vectored write (`WouldBlock` when the pipe is full); see [`PipeFd::read`].
+    fn write(&self, slices: &[IoSlice<'_>]) -> io::Result<usize> {
         match &self.state {
-            PipeState::Sender(sender) => sender.try_write(buf),
-            _ => Ok(nix::unistd::write(self.fd()?, buf)?),
+            PipeState::Sender(sender) => sender.try_write_vectored(slices),
+            _ => Ok(nix::sys::uio::writev(self.fd()?, slices)?),
         }
     }
 
@@ -230,6 +234,11 @@ impl SyncPipes {
         Duration::from_micros(self.spin_us.load(Ordering::Relaxed))
     }
 
+    /// The child's progress clock.
+    pub(crate) fn progress(&self) -> &pipeline::Progress {
+        &self.shared.progress
+    }
+
     /// Reads the first frame of the child (its hello), before any request is written.
     ///
     /// Cancel-safe while it waits for the stdout lock; the read itself runs to its end.
@@ -244,32 +253,28 @@ impl SyncPipes {
     /// the module doc.
     pub(crate) async fn round_trip(
         &self,
-        request: &[u8],
+        request: &Request,
         ticket: WriteTicket<'_>,
-        timeout: Duration,
+        patience: Patience,
         on_broken_write: impl FnOnce(),
     ) -> Result<Reply, ProcessError> {
         let wait = self.wait_mode();
-        let queue_deadline = Instant::now() + timeout;
+        let queue_deadline = Instant::now() + patience.timeout;
         let seq = {
-            let mut writer = Writer::lock(&self.stdin, ticket, queue_deadline, timeout).await?;
+            let mut writer =
+                Writer::lock(&self.stdin, &self.shared, ticket, queue_deadline, patience).await?;
             if wait == Wait::Block {
                 writer.pipe.unregister()?;
             }
-            let since = Instant::now();
+            let seq = writer.next_seq();
             // Fences the writer at once, under the lock, if the write ends halfway: no byte may
             // follow a partial frame.
-            let mut fence = Fence::new(&mut *writer, request.len(), on_broken_write);
-            let (n, mut result) = write_some(&fence.writer.pipe, request);
-            fence.written = n;
-            if n > 0 {
-                self.shared.progress.mark();
-            }
-            if result.is_ok() && fence.written < request.len() {
-                let (pipe, written) = (&mut fence.writer.pipe, &mut fence.written);
+            let mut fence = Fence::new(&mut *writer, request, on_broken_write);
+            let mut result = write_some(&mut fence);
+            if result.is_ok() && !fence.finished() {
                 result = match wait {
-                    Wait::Block => blocking(|| self.write_rest(pipe, request, written, since, timeout)),
-                    Wait::Yield => self.write_rest_yielding(pipe, request, written, since, timeout).await,
+                    Wait::Block => blocking(|| self.write_rest(&mut fence, seq, patience)),
+                    Wait::Yield => self.write_rest_yielding(&mut fence, seq, patience).await,
                 };
             }
             if let Err(e) = result {
@@ -278,70 +283,65 @@ impl SyncPipes {
             fence.done();
             writer.written()
         };
-        let waiter = Waiter::after_write(&self.shared, seq, queue_deadline, timeout);
+        let waiter = Waiter { shared: &self.shared, seq, queue_deadline, patience };
         // Dropped with the future while the reply is awaited, the claim abandons the slot.
         Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter, wait).await)
     }
 
-    /// Writes `request[*written..]`, blocking while the child makes progress; `*written` is how
-    /// much of the request is written in the end.
-    fn write_rest(
+    /// Writes the rest of the fence's request, blocking while the child makes progress.
+    fn write_rest<F: FnOnce()>(
         &self,
-        pipe: &PipeFd,
-        request: &[u8],
-        written: &mut usize,
-        since: Instant,
-        timeout: Duration,
+        fence: &mut Fence<'_, PipeFd, F>,
+        seq: u64,
+        patience: Patience,
     ) -> Result<(), ProcessError> {
-        while *written < request.len() {
-            let deadline = self.shared.progress.child_deadline(timeout, since);
-            let waited = wait(pipe, PollFlags::POLLOUT, deadline, timeout);
-            self.write_after_wait(waited, pipe, request, written, since, timeout)?;
+        while !fence.finished() {
+            let deadline = self.shared.write_deadline(fence.at.written(), patience);
+            let waited = wait(&fence.writer.pipe, PollFlags::POLLOUT, deadline, patience.timeout);
+            self.write_after_wait(waited, fence, seq, patience)?;
         }
         Ok(())
     }
 
     /// [`SyncPipes::write_rest`], yielding while it waits.
-    async fn write_rest_yielding(
+    async fn write_rest_yielding<F: FnOnce()>(
         &self,
-        pipe: &mut PipeFd,
-        request: &[u8],
-        written: &mut usize,
-        since: Instant,
-        timeout: Duration,
+        fence: &mut Fence<'_, PipeFd, F>,
+        seq: u64,
+        patience: Patience,
     ) -> Result<(), ProcessError> {
-        while *written < request.len() {
-            let deadline = self.shared.progress.child_deadline(timeout, since);
-            let waited = pipe.ready(deadline, timeout).await;
-            self.write_after_wait(waited, pipe, request, written, since, timeout)?;
+        while !fence.finished() {
+            let deadline = self.shared.write_deadline(fence.at.written(), patience);
+            let waited = fence.writer.pipe.ready(deadline, patience.timeout).await;
+            self.write_after_wait(waited, fence, seq, patience)?;
         }
         Ok(())
     }
 
-    /// After a wait for the pipe to take bytes: writes what fits of `request[*written..]`,
-    /// counting it as progress of the child; or, if the wait timed out while another request
-    /// saw progress meanwhile, nothing (the caller waits on); else the wait's error.
-    fn write_after_wait(
+    /// After a wait for the pipe to take bytes: writes what fits, counting it as progress of
+    /// the child (it made room); or, if the wait ended at its deadline, fails as
+    /// [`Shared::write_expired`] says, or writes nothing (the child made progress meanwhile,
+    /// the caller waits on); else the wait's error.
+    fn write_after_wait<F: FnOnce()>(
         &self,
         waited: Result<(), ProcessError>,
-        pipe: &PipeFd,
-        request: &[u8],
-        written: &mut usize,
-        since: Instant,
-        timeout: Duration,
+        fence: &mut Fence<'_, PipeFd, F>,
+        seq: u64,
+        patience: Patience,
     ) -> Result<(), ProcessError> {
         match waited {
             Ok(()) => {}
-            Err(ProcessError::Timeout(_))
-                if Instant::now() < self.shared.progress.child_deadline(timeout, since) =>
-            {
-                return Ok(())
+            Err(ProcessError::Timeout(_)) => {
+                return match self.shared.write_expired(seq, fence.at.written(), Instant::now(), patience) {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                }
             }
             Err(e) => return Err(e),
         }
-        let (n, result) = write_some(pipe, &request[*written..]);
-        *written += n;
-        if n > 0 {
+        let before = fence.at.written();
+        let result = write_some(fence);
+        if fence.at.written() > before {
             self.shared.progress.mark();
         }
         result
@@ -370,7 +370,7 @@ impl SyncPipes {
                 Ok(reply) => return Ok(reply),
                 Err(at_head) => at_head,
             };
-            match read_reply(&mut stdout, waiter.read_deadline(at_head), waiter.timeout, spin) {
+            match read_reply(&mut stdout, waiter.read_deadline(at_head), waiter.patience.timeout, spin) {
                 Ok(reply) => self.shared.park(reply),
                 Err(ProcessError::Timeout(_)) => {
                     if let Some(e) = waiter.expired() {
@@ -394,7 +394,7 @@ impl SyncPipes {
                 Ok(reply) => return Ok(reply),
                 Err(at_head) => at_head,
             };
-            match stdout.pipe.ready(waiter.read_deadline(at_head), waiter.timeout).await {
+            match stdout.pipe.ready(waiter.read_deadline(at_head), waiter.patience.timeout).await {
                 Ok(()) => {}
                 Err(ProcessError::Timeout(_)) => {
                     if let Some(e) = waiter.expired() {
@@ -490,21 +490,21 @@ fn wait(pipe: &PipeFd, events: PollFlags, deadline: Instant, timeout: Duration) 
     }
 }
 
-/// Writes what fits without waiting: how many bytes that was, and the error that stopped it.
-fn write_some(pipe: &PipeFd, buf: &[u8]) -> (usize, Result<(), ProcessError>) {
-    let mut written = 0;
-    while written < buf.len() {
-        match pipe.write(&buf[written..]) {
-            Ok(n) => written += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+/// Writes what fits of the fence's request without waiting; the error that stopped it, if any.
+fn write_some<F: FnOnce()>(fence: &mut Fence<'_, PipeFd, F>) -> Result<(), ProcessError> {
+    let mut slices = [IoSlice::new(&[]); SLICES_PER_WRITE];
+    loop {
+        let n = fence.request.slices(&fence.at, &mut slices);
+        if n == 0 {
+            return Ok(());
+        }
+        match fence.writer.pipe.write(&slices[..n]) {
+            Ok(written) => fence.advance(written),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                let e = anyhow::Error::new(e).context("write to walredo stdin");
-                return (written, Err(ProcessError::Io(e)));
-            }
+            Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("write to walredo stdin"))),
         }
     }
-    (written, Ok(()))
 }
 
 /// One non-blocking read into the reply buffer: `None` when nothing is there yet.
