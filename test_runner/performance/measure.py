@@ -52,6 +52,8 @@ import urllib.request
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# pagebench's tenant flags: `bench`, or with --tenants N > 1, `bench-0` .. `bench-<N-1>`.
+TENANT_ARGS = ["--tenant", "bench"]
 
 SCENARIOS = {
     # A small working set that fits the default page cache, asked at the latest LSN: after the
@@ -291,7 +293,7 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
     busy_before = wait_for_quiet_machine(*quiet)
     before = metrics(daemon.http)
     load = ["--rate", str(rate)] if rate else ["--depth", str(depth)]
-    proc = pagebench(bin_dir, daemon, ["get-page", "--tenant", "bench", *scenario["shape"],
+    proc = pagebench(bin_dir, daemon, ["get-page", *TENANT_ARGS, *scenario["shape"],
                                        "--lsn", scenario["lsn"], "--connections", str(conns),
                                        *load, "--duration", str(duration),
                                        "--threads", str(threads)])
@@ -315,6 +317,7 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
     if cpu and summary["rps"]:
         # Daemon and redo children together, in microseconds of CPU per request served.
         cpu["cpu_us_per_request"] = round(1e4 * (cpu["daemon_cpu_pct"] + cpu["redo_cpu_pct"]) / summary["rps"], 1)
+        cpu["daemon_us_per_request"] = round(1e4 * cpu["daemon_cpu_pct"] / summary["rps"], 1)
     return {
         "connections": conns,
         "depth": depth,
@@ -341,7 +344,7 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
 
 def run_strace(bin_dir, daemon, scenario, conns, depth, seconds=4.0) -> dict:
     """Syscalls per request of the daemon (all threads) and its redo child, from strace -c."""
-    proc = pagebench(bin_dir, daemon, ["get-page", "--tenant", "bench", *scenario["shape"],
+    proc = pagebench(bin_dir, daemon, ["get-page", *TENANT_ARGS, *scenario["shape"],
                                        "--lsn", scenario["lsn"], "--connections", str(conns),
                                        "--depth", str(depth), "--duration", str(seconds + 3)])
     time.sleep(1.0)
@@ -414,7 +417,8 @@ def main() -> int:
                              "RATE requests/s in total)")
     parser.add_argument("--kinds", default="sync,async,auto",
                         help="daemon variants, comma separated: a walredo process kind, optionally with more "
-                             "settings after colons, e.g. async:walredo_pool_max=1; or `floor` (page-floor, the "
+                             "settings after colons, e.g. async:walredo_pool_max=1 (bin=DIR: that variant's daemon from DIR); "
+                             "or `floor` (page-floor, the "
                              "loopback floor, with its flags after colons, e.g. floor:--threads=2)")
     parser.add_argument("--scenarios", default="cached,chain10")
     parser.add_argument("--repeat", type=int, default=3, help="runs per point; the median is reported")
@@ -428,7 +432,11 @@ def main() -> int:
     parser.add_argument("--max-steal", type=float, default=3.0,
                         help="a run with more hypervisor steal (%% of the machine) is redone")
     parser.add_argument("--keep", action="store_true", help="keep the daemons' work dirs (logs, strace output)")
+    parser.add_argument("--tenants", type=int, default=1,
+                        help="tenants with the scenario's data set each; a point's connections are per tenant")
     opts = parser.parse_args()
+    if opts.tenants > 1:
+        TENANT_ARGS.extend(["--tenants", str(opts.tenants)])
 
     points = [parse_point(p) for p in opts.points.split(",")]
     kinds = opts.kinds.split(",")
@@ -446,14 +454,18 @@ def main() -> int:
                     daemons[kind] = daemon = Daemon(opts.bin_dir, settings, floor_shape=scenario["shape"])
                     print(f"== {scenario_name} {kind}: page-floor pid {daemon.pid}", file=sys.stderr)
                     continue
-                daemons[kind] = daemon = Daemon(opts.bin_dir, [f"walredo_process_kind={process_kind}", *settings,
-                                                               *scenario["config"]])
+                # `bin=DIR`: this variant's daemon (and redo child) from DIR, e.g. a build of another
+                # commit to compare with side by side; pagebench is always --bin-dir's.
+                daemon_dir = next((Path(x[4:]) for x in settings if x.startswith("bin=")), opts.bin_dir)
+                settings = [x for x in settings if not x.startswith("bin=")]
+                daemons[kind] = daemon = Daemon(daemon_dir, [f"walredo_process_kind={process_kind}", *settings,
+                                                             *scenario["config"]])
                 print(f"== {scenario_name} {kind}: daemon pid {daemon.pid} in {daemon.workdir}", file=sys.stderr)
-                ingest = finish(pagebench(opts.bin_dir, daemon, ["ingest", "--tenant", "bench", *scenario["shape"]]),
+                ingest = finish(pagebench(opts.bin_dir, daemon, ["ingest", *TENANT_ARGS, *scenario["shape"]]),
                                 600)
                 print(f"   ingest {ingest}", file=sys.stderr)
                 if scenario["warmup"]:
-                    finish(pagebench(opts.bin_dir, daemon, ["get-page", "--tenant", "bench", *scenario["shape"],
+                    finish(pagebench(opts.bin_dir, daemon, ["get-page", *TENANT_ARGS, *scenario["shape"],
                                                             "--lsn", scenario["lsn"], "--connections", "8",
                                                             "--duration", str(scenario["warmup"])]), 120)
             for conns, depth, rate in points:

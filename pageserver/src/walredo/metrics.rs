@@ -4,7 +4,8 @@
 //! (the daemon exports it at `GET /metrics`); tests make a fresh one each.
 
 use prometheus::{
-    exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 use super::ProcessKind;
@@ -94,6 +95,9 @@ pub struct WalRedoMetrics {
     pub background_requests: IntCounter,
     /// Requests that left a stalled child for another one (queued behind its oldest request).
     pub requests_moved: IntCounter,
+    /// Slots of the daemon-wide spin budget granted now (spinning children and blocking
+    /// `auto` tenants).
+    pub spin_slots_granted: IntGauge,
     pub process_launch_seconds: Histogram,
     pub processes_started: IntCounterVec,
     pub processes_stopped: IntCounterVec,
@@ -148,6 +152,14 @@ impl WalRedoMetrics {
                 )?;
                 registry.register(Box::new(c.clone()))?;
                 c
+            },
+            spin_slots_granted: {
+                let g = IntGauge::new(
+                    "pageserver_wal_redo_spin_slots_granted",
+                    "Slots of the daemon-wide spin budget granted now (spinning redo children, blocking tenants)",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
             },
             requests_moved: {
                 let c = IntCounter::new(

@@ -37,6 +37,7 @@ mod priority;
 mod process;
 mod request;
 mod spin;
+pub mod spin_budget;
 #[cfg(test)]
 mod tests;
 
@@ -58,10 +59,13 @@ use pool::{ChildBudget, ControllerStatus, Load, Pool, Sampler};
 use priority::{Priority, WriteTicket};
 use process::{InUse, Process, ProcessError, Reaping};
 use request::Request;
+use spin_budget::{Bid, SpinBudget};
 
 use crate::tenant_series::RequestSeries;
 pub use crate::worker_controller::Path;
-use crate::worker_controller::{max_spinning_for_cpus, WorkerController, WorkerControllerConf};
+use crate::worker_controller::{
+    max_spinning_for_cpus, Decision, Observation, WorkerController, WorkerControllerConf,
+};
 
 /// How many times a request may leave a stalled child for another one (each move waited the
 /// stall window, at most a second; a request that meets this many stalled children fails).
@@ -155,6 +159,8 @@ pub struct WalRedoConf {
     pub max_pool_size: usize,
     /// The daemon-wide budget of children beyond the first of each tenant.
     pub budget: Arc<ChildBudget>,
+    /// The daemon-wide budget of spinning children and blocking round trips ([`spin_budget`]).
+    pub spin_budget: Arc<SpinBudget>,
     /// Whether the controller sets the children's spin windows (the daemon: always; off only
     /// for benchmarks of the plain blocking round trip).
     pub adaptive_spin: bool,
@@ -175,6 +181,7 @@ impl WalRedoConf {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_pool_size: pool::default_max_pool_size(),
             budget: ChildBudget::global(),
+            spin_budget: SpinBudget::global(),
             adaptive_spin: true,
             auto_path: None,
         }
@@ -293,6 +300,8 @@ pub struct PoolStatus {
 /// One tenant's access to WAL redo. See the module doc.
 pub struct WalRedoManager {
     tenant_id: String,
+    /// Unique in the daemon: the manager's name in the spin budget.
+    id: u64,
     conf: WalRedoConf,
     kind: Mutex<ProcessKind>,
     /// The children in service. A std mutex: held for a few instructions, never across an await.
@@ -325,11 +334,15 @@ impl WalRedoManager {
     /// Creates the manager; no child is spawned until the first request. Inside a tokio
     /// runtime, also starts the tasks that stop idle children and size the pool.
     pub fn new(tenant_id: &str, conf: WalRedoConf, metrics: Arc<WalRedoMetrics>) -> Arc<WalRedoManager> {
+        static IDS: AtomicU64 = AtomicU64::new(0);
         let manager = Arc::new_cyclic(|me| WalRedoManager {
             tenant_id: tenant_id.to_string(),
+            id: IDS.fetch_add(1, Ordering::Relaxed),
             kind: Mutex::new(conf.process_kind),
             pool: Mutex::new(Pool::new(Arc::clone(&conf.budget))),
-            path: Mutex::new(conf.auto_path.unwrap_or(Path::Sync)),
+            // Yielding until the controller's first period: blocking takes a slot of the
+            // spin budget, which only the controller asks for.
+            path: Mutex::new(conf.auto_path.unwrap_or(Path::Async)),
             conf,
             load: Arc::new(Load::default()),
             controller: Mutex::new(None),
@@ -796,6 +809,7 @@ impl WalRedoManager {
         // Take the spawn lock so that no spawn is half done while we look at the slot.
         let _spawning = self.spawn_lock.lock().await;
         let children = lock(&self.pool).remove_where(|_| true);
+        self.conf.spin_budget.withdraw(self.id);
         for process in children {
             process.retire_and_wait(StopCause::Shutdown).await;
         }
@@ -831,6 +845,31 @@ impl WalRedoManager {
                     );
                 }
             });
+        }
+    }
+
+    /// The controller's decision cut to what the daemon-wide [`SpinBudget`] grants this
+    /// tenant: spinning children, and for an `auto` tenant the blocking path, each take a slot;
+    /// without one, its children park and its round trips yield. The bid's score is the gain
+    /// per CPU of spinning, one over the period's idle gap per child (0 without requests).
+    fn within_spin_budget(&self, decision: Decision, obs: &Observation) -> Decision {
+        let blocks = decision.path == Path::Sync
+            && self.conf.auto_path.is_none()
+            && *lock(&self.kind) == ProcessKind::Auto;
+        let spins = if self.conf.adaptive_spin { decision.spinning } else { 0 };
+        let wanted = spins.max(usize::from(blocks));
+        // An idle tenant (no request this period) bids last: its path costs nothing until
+        // requests come, and then the next period bids for them.
+        let score = if obs.arrivals == 0 { 0.0 } else { 1.0 / obs.idle_gap().as_secs_f64().max(1e-9) };
+        let bid = (wanted > 0).then_some(Bid { score, wanted });
+        let granted = self.conf.spin_budget.grant(self.id, bid, Instant::now());
+        self.metrics.spin_slots_granted.set(self.conf.spin_budget.granted() as i64);
+        let spinning = decision.spinning.min(granted);
+        Decision {
+            spinning,
+            spin: if spinning == 0 { Duration::ZERO } else { decision.spin },
+            path: if blocks && granted == 0 { Path::Async } else { decision.path },
+            ..decision
         }
     }
 
@@ -904,7 +943,7 @@ async fn pool_controller(weak: Weak<WalRedoManager>, cancel: CancellationToken) 
         };
         let obs = sampler.observe(&manager.load, &children, stuck);
         drop(children);
-        let decision = controller.update(obs);
+        let decision = manager.within_spin_budget(controller.update(obs), &obs);
         *lock(&manager.controller) =
             Some(ControllerStatus::new(&obs, controller.smoothed_demand(), &decision));
         manager.resize(decision.workers);

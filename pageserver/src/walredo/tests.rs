@@ -324,6 +324,8 @@ fn pool_manager(kind: ProcessKind, max_pool_size: usize, budget: Arc<ChildBudget
     conf.timeout = Duration::from_secs(20);
     conf.max_pool_size = max_pool_size;
     conf.budget = budget;
+    // Its own spin budget: other tests' managers must not take its slots.
+    conf.spin_budget = SpinBudget::new(spin_budget::slots_for_cpus(pool::cpus()));
     let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("register metrics"));
     WalRedoManager::new("tenant-pool", conf, metrics)
 }
@@ -627,6 +629,51 @@ async fn requests_behind_a_stopped_child_move_to_another_and_its_oldest_fails_at
             .await;
         assert!(counter(&registry, "pageserver_wal_redo_requests_moved_total") >= 1.0, "{kind}");
         assert!(!pids(&manager).contains(&stopped), "{kind}");
+        manager.shutdown().await;
+    }
+}
+
+// ---------------------------------------------------------------- the spin budget
+
+/// Four tenants each with one client back to back (each would spin on its own) and a spin
+/// budget of one slot: at most one child spins at any time, and at most one `auto` tenant
+/// blocks; every request is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_spin_and_block_only_within_the_daemon_wide_budget() {
+    let spin_budget = SpinBudget::new(1);
+    let managers: Vec<Arc<WalRedoManager>> = (0..4)
+        .map(|i| {
+            let mut conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
+            conf.process_kind = ProcessKind::Auto;
+            conf.timeout = Duration::from_secs(20);
+            conf.max_pool_size = 1;
+            conf.spin_budget = Arc::clone(&spin_budget);
+            let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+            WalRedoManager::new(&format!("tenant-{i}"), conf, metrics)
+        })
+        .collect();
+    let stop = CancellationToken::new();
+    let clients: Vec<_> = managers.iter().flat_map(|m| load(m, 1, &stop)).collect();
+    let mut spun = false;
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let statuses: Vec<WalRedoStatus> = managers.iter().map(|m| m.status()).collect();
+        let spinning: usize =
+            statuses.iter().map(|s| s.pool.children.iter().filter(|p| p.spin_us > 0).count()).sum();
+        let blocking = statuses.iter().filter(|s| s.pool.children.iter().any(|p| p.path == "sync")).count();
+        // A slot moves between two periods: the tenant that lost it parks in the next one.
+        assert!(spinning <= 2, "{spinning} children spin with one slot: {statuses:?}");
+        assert!(blocking <= 2, "{blocking} tenants block with one slot: {statuses:?}");
+        spun |= spinning > 0;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(spun, "the one slot was never used");
+    assert!(spin_budget.granted() <= 1);
+    stop.cancel();
+    for client in clients {
+        assert!(client.await.expect("client task") > 0);
+    }
+    for manager in managers {
         manager.shutdown().await;
     }
 }
