@@ -297,13 +297,13 @@ impl Tenant {
         }
         // Plan once (the limits are checked there) and reserve the memory before reading; held
         // until the page is built. Everything the reconstruction holds counts: what it reads,
-        // its lists of values, the frames of the redo request (which sends the values from
-        // where they were read) and the reply.
+        // its lists of values, the redo request's own bytes (its frames and short records; it
+        // sends the image and long records from where they were read) and the reply.
         let plan = self.timeline.plan_read(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
-        let values = plan.values();
-        let holds = plan.bytes()
+        let (values, bytes) = (plan.values(), plan.bytes());
+        let holds = bytes
             + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
-            + crate::walredo::redo_overhead(values);
+            + crate::walredo::redo_overhead(values, bytes);
         let _reserved = tokio::select! {
             reserved = self.deps.redo_budget.reserve(holds) => reserved?,
             () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),

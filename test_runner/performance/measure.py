@@ -64,6 +64,14 @@ SCENARIOS = {
         "lsn": "latest",
         "warmup": 3.0,
     },
+    # Many small tenants (--tenants), each of 200 pages x chain 10, every request a redo: the
+    # daemon-wide spin budget's case (one busy connection per tenant).
+    "small-chain10": {
+        "config": ["page_cache_size=0", "compaction=off"],
+        "shape": ["--relations", "1", "--blocks", "200", "--chain-length", "10"],
+        "lsn": "latest",
+        "warmup": 0.0,
+    },
     # Every request rebuilds the page from its image and 10 records in the redo child.
     "chain10": {
         "config": ["page_cache_size=0"],

@@ -199,11 +199,11 @@ impl WalRedoConf {
     }
 }
 
-/// Bytes a redo of `records` records holds beyond the image and records themselves: the
-/// frames of its request (which sends the image and records from where they were read, without
-/// a copy) and the reply. For the redo memory budget.
-pub fn redo_overhead(records: usize) -> u64 {
-    Request::overhead(records) + request::REPLY_BYTES
+/// Bytes a redo of `records` records of `bytes` bytes in all holds beyond the image and records
+/// themselves: the frames of its request (which sends the image and the long records from where
+/// they were read, and copies only short ones) and the reply. For the redo memory budget.
+pub fn redo_overhead(records: usize, bytes: u64) -> u64 {
+    Request::overhead(records, bytes) + request::REPLY_BYTES
 }
 
 /// The path of `walredo-proc` next to the running executable (how the daemon is shipped).

@@ -151,15 +151,22 @@ impl<W> Writer<W> {
         queue_deadline: Instant,
         patience: Patience,
     ) -> Result<Locked<'a, W>, ProcessError> {
-        let acquire = stdin.lock();
-        tokio::pin!(acquire);
-        let guard = loop {
-            let wake = shared.progress.stalled_at(patience).min(queue_deadline);
-            tokio::select! {
-                guard = &mut acquire => break guard,
-                () = tokio::time::sleep_until(wake.into()) => {
-                    if let Some(e) = shared.behind_expired(Instant::now(), queue_deadline, patience) {
-                        return Err(e);
+        // A free pipe is taken without a timer (the common case: one per request).
+        let guard = match stdin.try_lock() {
+            Ok(guard) => guard,
+            Err(_) => {
+                let acquire = stdin.lock();
+                tokio::pin!(acquire);
+                loop {
+                    let wake = shared.progress.stalled_at(patience).min(queue_deadline);
+                    tokio::select! {
+                        biased;
+                        guard = &mut acquire => break guard,
+                        () = tokio::time::sleep_until(wake.into()) => {
+                            if let Some(e) = shared.behind_expired(Instant::now(), queue_deadline, patience) {
+                                return Err(e);
+                            }
+                        }
                     }
                 }
             }

@@ -1,12 +1,15 @@
 //! A request as the child reads it, held in pieces and written with vectored writes: the small
-//! parts of its frames (headers, buffer tags, LSNs) encoded into one buffer, the base page and
-//! the records sent from the `Bytes` they were read into.
+//! parts of its frames (headers, buffer tags, LSNs) and the short records encoded into one
+//! buffer, the base page and the long records sent from the `Bytes` they were read into.
 //!
 //! Why: a redo request is mostly page and record bytes that storage has just read. Encoding it
 //! into one contiguous buffer copied all of them once more per redo (CPU on every request) and
 //! held that copy, as large as what was read, outside the redo memory budget: a GetPage of
-//! 12 MiB of records held 24 MiB. Here the only bytes made are the frames' own: 13 per record
-//! and a few dozen per request ([`Request::overhead`]).
+//! 12 MiB of records held 24 MiB. Here only the frames' own bytes (13 per record, a few dozen
+//! per request) and records shorter than [`COPY_BELOW`] are copied ([`Request::overhead`]
+//! bounds both). Copying the short ones is deliberate: each slice costs the kernel more than
+//! copying a few hundred bytes does, and a request of a hundred small records as slices took
+//! four `writev` calls and ran 1.2-1.4x slower in bench_walredo `medium/8` than one copy.
 //!
 //! Invariants:
 //! - the bytes given by [`Request::slices`] from the start to the end are exactly the frames of
@@ -19,9 +22,14 @@ use std::ops::Range;
 use bytes::Bytes;
 use walredo_proc::protocol::{self, BufferTag};
 
-/// Slices handed to one vectored write; a longer request takes several writes (the pipe holds
-/// 1 MiB, far less than 64 records' worth in the requests long enough to need more).
+/// Slices handed to one vectored write; a longer request takes several writes (only records of
+/// at least [`COPY_BELOW`] bytes take slices of their own, so 32 of them are 32 KiB or more,
+/// and the pipe holds 1 MiB).
 pub(crate) const SLICES_PER_WRITE: usize = 64;
+
+/// Records shorter than this are copied into the request's own buffer rather than sent as
+/// slices of their own (see the module doc).
+pub(crate) const COPY_BELOW: usize = 1024;
 
 /// Bytes a request holds beyond its page and records, per record (the `A` frame's header and
 /// LSN, and the part that points at the record).
@@ -77,11 +85,14 @@ impl Request {
 
     /// The redo request `B [P] A* G` for `tag` from `base` (a page of `BLCKSZ` bytes, checked by
     /// the caller) and `records` (each within [`protocol::check_record_len`], checked by the
-    /// caller); the page and records are referenced, not copied.
+    /// caller); the page and the records of [`COPY_BELOW`] bytes or more are referenced, not
+    /// copied.
     pub(crate) fn redo(tag: &BufferTag, base: Option<&Bytes>, records: &[(u64, Bytes)]) -> Request {
+        let copied: usize = records.iter().map(|(_, r)| r.len()).filter(|&n| n < COPY_BELOW).sum();
+        let long = records.iter().filter(|(_, r)| r.len() >= COPY_BELOW).count();
         let mut request = Request {
-            head: Vec::with_capacity(records.len() * (protocol::HEADER_LEN + 8) + OVERHEAD_FIXED),
-            parts: Vec::with_capacity(2 * records.len() + 4),
+            head: Vec::with_capacity(records.len() * (protocol::HEADER_LEN + 8) + copied + OVERHEAD_FIXED),
+            parts: Vec::with_capacity(2 * long + 4),
             len: 0,
         };
         request.push_head(|out| protocol::encode_begin(out, tag));
@@ -90,17 +101,23 @@ impl Request {
             request.push_data(page.clone());
         }
         for (lsn, record) in records {
-            request.push_head(|out| protocol::encode_apply_head(out, *lsn, record.len()));
-            request.push_data(record.clone());
+            if record.len() < COPY_BELOW {
+                request.push_head(|out| protocol::encode_apply_raw(out, *lsn, record));
+            } else {
+                request.push_head(|out| protocol::encode_apply_head(out, *lsn, record.len()));
+                request.push_data(record.clone());
+            }
         }
         request.push_head(|out| protocol::encode_get_page(out, tag));
         request
     }
 
-    /// Bytes a redo request of `records` records holds beyond its page and records (for the
-    /// redo memory budget); its reply is [`REPLY_BYTES`] more.
-    pub(crate) fn overhead(records: usize) -> u64 {
-        (records * OVERHEAD_PER_RECORD + OVERHEAD_FIXED) as u64
+    /// Bytes a redo request of `records` records of `bytes` bytes in all holds beyond its page
+    /// and records (for the redo memory budget): the frames, and at most `bytes` of short
+    /// records copied; its reply is [`REPLY_BYTES`] more.
+    pub(crate) fn overhead(records: usize, bytes: u64) -> u64 {
+        let copied = bytes.min((records * COPY_BELOW) as u64);
+        (records * OVERHEAD_PER_RECORD + OVERHEAD_FIXED) as u64 + copied
     }
 
     /// Length of the request on the wire.
@@ -224,8 +241,10 @@ mod tests {
     #[test]
     fn a_request_written_in_any_pieces_is_its_encoded_frames() {
         let page = Bytes::from(vec![7u8; BLCKSZ]);
-        let records: Vec<(u64, Bytes)> =
-            (1..=40u64).map(|i| (i * 16, Bytes::from(vec![i as u8; 1 + (i as usize * 37) % 900]))).collect();
+        // Short ones (copied) and long ones (sent from where they are), mixed.
+        let records: Vec<(u64, Bytes)> = (1..=40u64)
+            .map(|i| (i * 16, Bytes::from(vec![i as u8; 1 + (i as usize * 397) % 9000])))
+            .collect();
         for base in [None, Some(&page)] {
             for count in [0, 1, 2, 40] {
                 let request = Request::redo(&tag(), base, &records[..count]);
@@ -242,17 +261,21 @@ mod tests {
     }
 
     #[test]
-    fn a_redo_request_copies_no_page_or_record_bytes() {
+    fn a_redo_request_copies_no_page_or_long_record_bytes() {
         let page = Bytes::from(vec![1u8; BLCKSZ]);
-        let records: Vec<(u64, Bytes)> = (1..=3u64).map(|i| (i, Bytes::from(vec![2u8; 5000]))).collect();
+        let mut records: Vec<(u64, Bytes)> = (1..=3u64).map(|i| (i, Bytes::from(vec![2u8; 5000]))).collect();
+        records.extend((4..=100u64).map(|i| (i, Bytes::from(vec![3u8; 100]))));
+        let bytes: u64 = records.iter().map(|(_, r)| r.len() as u64).sum();
         let request = Request::redo(&tag(), Some(&page), &records);
-        assert!(request.head.len() as u64 <= Request::overhead(records.len()));
+        assert!(request.head.len() as u64 <= Request::overhead(records.len(), bytes));
         let mut slices = [IoSlice::new(&[]); SLICES_PER_WRITE];
         let n = request.slices(&Cursor::default(), &mut slices);
         let pointers: Vec<*const u8> = slices[..n].iter().map(|s| s.as_ptr()).collect();
         assert!(pointers.contains(&page.as_ptr()), "the page is sent from where it was read");
-        for (_, record) in &records {
-            assert!(pointers.contains(&record.as_ptr()), "a record is sent from where it was read");
+        for (_, record) in &records[..3] {
+            assert!(pointers.contains(&record.as_ptr()), "a long record is sent from where it was read");
         }
+        // The 97 short records ride in the head: one slice between two long parts at most.
+        assert!(n <= 2 * 4 + 1, "{n} slices");
     }
 }
