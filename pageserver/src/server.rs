@@ -108,7 +108,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
             conf.page_service_io,
             start_rings(conf.page_service_io, &page_service_metrics),
             page_service_metrics.choice.clone(),
-        )?),
+        )),
     };
     let page_service = tokio::spawn(page_service::serve(
         pg_listener,
@@ -234,10 +234,9 @@ fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<u
     if io == PageServiceIo::Auto {
         tracing::info!(
             page_service_io = io.as_str(),
-            "page service replies: writev per connection while fewer than {} connections write, \
-             io_uring (1 writer thread) from {} on; {zero_copy}",
-            io_choice::WRITEV_BELOW,
-            io_choice::RING_ABOVE,
+            "page service replies: writev per connection, and io_uring (1 writer thread) while it \
+             measures better when {} or more connections write; {zero_copy}",
+            io_choice::PROBE_FROM,
         );
     } else {
         tracing::info!(

@@ -1,42 +1,283 @@
 //! Which writer sends a connection's next batch (`page_service_io`): always `writev`, always the
-//! io_uring writer, or (`auto`) whichever the load favours.
+//! io_uring writer, or (`auto`) whichever measures better on this machine under this load.
 //!
-//! Why `auto` decides by load: a batch handed to the io_uring writer crosses to its thread,
-//! and that hop costs more than the `writev` it saves while few connections write (0.6x of
-//! `writev`'s rps at 1 and 8 connections here); with many connections one submit covers many
-//! batches (0.19 `io_uring_enter` per reply at 64 connections) and the ring holds its own at
-//! 256 (1.02x rps, p99 4.1 against 5.9 ms). The load measure is the number of connections that
-//! wrote during the last period ([`PERIOD`]), the "requests in flight" of the
-//! [`WorkerController`](crate::worker_controller::WorkerController)'s path choice:
-//! [`Path::Async`] (batched through the ring) above [`RING_ABOVE`] such connections,
-//! [`Path::Sync`] (`writev`) below [`WRITEV_BELOW`], the last choice in between (hysteresis);
-//! `writev` at first. docs/performance.md ("Page service writers") has the measurements.
+//! Why `auto` measures instead of counting connections: which writer wins depends on the
+//! machine. On 2 vCPUs the ring breaks even with `writev` from about 256 writing connections
+//! (0.90-1.03x its rps); on a 16-core machine its one thread caps at about 125k replies/s and
+//! it loses at every load (0.50-0.52x of `writev` at 64-512 connections). A threshold fitted on
+//! one machine loses on the other (issue 18, docs/performance.md "Page service writers").
+//!
+//! So `auto` writes with `writev` and, while enough connections write that the ring could win
+//! ([`PROBE_FROM`] per [`PERIOD`]), now and then moves every connection to the other writer for a
+//! short probe and keeps whichever did better ([`Chooser`], a pure state machine fed one
+//! [`Sample`] per period: replies handed to the writers, the daemon's CPU time, writing
+//! connections):
+//! - the probe is judged against the periods just before it on the current writer: it wins with
+//!   [`MARGIN`] more replies per second, or, with the same replies per second (within
+//!   [`MARGIN`]), with [`MARGIN`] less daemon CPU per reply; a probe that lowers throughput never
+//!   wins (the CPU it saves would be the work it did not do);
+//! - the first probe comes [`FIRST_PROBE`] after the load began; every probe that does not win
+//!   stretches the wait before the next one [`BACKOFF`]-fold, up to [`LAST_PROBE`], so a losing
+//!   writer costs at most a few tenths of a second now and then (a probe that loses a fifth of
+//!   the rate in its first measured period ends there); a load that doubles or halves begins the
+//!   waits again, since the winner may differ;
+//! - below [`PROBE_FROM`] writing connections it is `writev`, without probes: there a batch's
+//!   hop to the ring thread costs more than the `writev` it saves (0.6x of `writev`'s rps at 1
+//!   and 8 connections on both machines).
+//!
+//! Each verdict is logged with both writers' figures, counted
+//! (`pageserver_page_service_io_probes_total{result}`), and its figures are kept as gauges
+//! (`_io_replies_per_second{io}`, `_io_cpu_per_reply_seconds{io}`).
 //!
 //! A connection follows the choice at its next batch boundary ([`IoChoice::use_ring`]):
 //! to the ring at once; back to `writev` only once the ring has sent all of its batches, so
-//! its bytes never overtake each other.
-//!
-//! The writer count is not sized by the controller: one ring thread (the daemon has one ring
-//! per `Rings`), since on this 2-vCPU machine a second would only take CPU from the executor.
+//! its bytes never overtake each other. The period after each switch is left out of the
+//! measurements, while connections move.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use prometheus::IntGauge;
+use prometheus::{GaugeVec, Histogram, IntCounterVec, IntGauge};
 use tokio_util::sync::CancellationToken;
 
 use super::uring::Rings;
 use super::PageServiceIo;
 use crate::walredo::lock;
-use crate::worker_controller::{Observation, Path, WorkerController, WorkerControllerConf};
 
-/// How often `auto` looks at the load.
+/// How often `auto` measures.
 pub const PERIOD: Duration = Duration::from_millis(100);
-/// `auto` moves to the io_uring writer above this many connections writing per period...
-pub const RING_ABOVE: f64 = 192.0;
-/// ... and back to `writev` below this many.
-pub const WRITEV_BELOW: f64 = 128.0;
+/// `auto` probes the other writer only while at least this many connections write per period.
+pub const PROBE_FROM: u64 = 32;
+/// A probe must beat the current writer by this share (rps, or CPU per reply at equal rps).
+pub const MARGIN: f64 = 0.05;
+/// Load on the probed writer's side this long before the first probe.
+pub const FIRST_PROBE: Duration = Duration::from_secs(1);
+/// The wait before the next probe grows this many times after a probe that did not win...
+pub const BACKOFF: u32 = 4;
+/// ... up to this.
+pub const LAST_PROBE: Duration = Duration::from_secs(64);
+/// Periods on the current writer that make the baseline a probe is judged against.
+const BASELINE_PERIODS: usize = 3;
+/// Periods a probe is measured over (after the one in which connections move).
+const PROBE_PERIODS: u32 = 3;
+/// A probe whose first measured period serves less than this share of the baseline's rate
+/// has lost already.
+const CLEAR_LOSS: f64 = 0.8;
+
+/// A writer `auto` can choose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// Each connection's own vectored `write` (`epoll`).
+    Writev,
+    /// The io_uring writer thread.
+    Ring,
+}
+
+impl Via {
+    fn other(self) -> Via {
+        match self {
+            Via::Writev => Via::Ring,
+            Via::Ring => Via::Writev,
+        }
+    }
+
+    /// The `io` label of the page service's metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Via::Writev => PageServiceIo::Epoll.as_str(),
+            Via::Ring => PageServiceIo::IoUring.as_str(),
+        }
+    }
+}
+
+/// What one period showed.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Sample {
+    /// How long the period was.
+    pub elapsed: Duration,
+    /// Replies handed to the writers.
+    pub replies: u64,
+    /// CPU time the daemon spent (all of its threads).
+    pub cpu: Duration,
+    /// Connections that wrote.
+    pub writing: u64,
+}
+
+/// Samples added up: a writer's rate over some periods.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Rate {
+    elapsed: Duration,
+    replies: u64,
+    cpu: Duration,
+}
+
+impl Rate {
+    fn add(&mut self, sample: &Sample) {
+        self.elapsed += sample.elapsed;
+        self.replies += sample.replies;
+        self.cpu += sample.cpu;
+    }
+
+    /// Replies per second.
+    pub fn replies_per_second(&self) -> f64 {
+        self.replies as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// The daemon's CPU seconds per reply.
+    pub fn cpu_per_reply(&self) -> f64 {
+        self.cpu.as_secs_f64() / self.replies.max(1) as f64
+    }
+
+    /// Whether `self` (the probe) beats `base`: more replies per second, or as many for less
+    /// CPU each; never while it serves fewer.
+    fn beats(&self, base: &Rate) -> bool {
+        let (rps, base_rps) = (self.replies_per_second(), base.replies_per_second());
+        if rps < base_rps * (1.0 - MARGIN) {
+            return false;
+        }
+        rps > base_rps * (1.0 + MARGIN) || self.cpu_per_reply() < base.cpu_per_reply() * (1.0 - MARGIN)
+    }
+}
+
+/// How a probe ended.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Verdict {
+    /// The writer probed.
+    pub probed: Via,
+    /// It beat the writer before it, and stays.
+    pub won: bool,
+    /// The writer before the probe, over the periods just before it.
+    pub before: Rate,
+    /// The probed writer, over the probe.
+    pub probe: Rate,
+}
+
+/// `auto`'s choice as a state machine: one [`Sample`] per period in, the writer for the next
+/// period (and a probe's verdict when one ends) out. No clock and no I/O: the time is the
+/// samples' `elapsed`.
+#[derive(Debug)]
+pub struct Chooser {
+    via: Via,
+    phase: Phase,
+    /// Load this long since the last probe ended (or the load began).
+    waited: Duration,
+    /// How long to wait before the next probe.
+    wait: Duration,
+    /// Writing connections when the wait began; a load twice or half this begins it again.
+    load: u64,
+}
+
+#[derive(Debug)]
+enum Phase {
+    /// On the chosen writer: its newest periods (at most [`BASELINE_PERIODS`]), after
+    /// `settling` more periods in which connections move.
+    Settled { recent: VecDeque<Sample>, settling: u32 },
+    /// Trying `via` against `before`, the writer it replaced, whose `baseline` it must beat.
+    Probing { before: Via, baseline: Rate, settling: u32, measured: Rate, periods: u32 },
+}
+
+impl Phase {
+    fn settling() -> Phase {
+        Phase::Settled { recent: VecDeque::with_capacity(BASELINE_PERIODS), settling: 1 }
+    }
+}
+
+impl Default for Chooser {
+    fn default() -> Self {
+        Chooser {
+            via: Via::Writev,
+            phase: Phase::Settled { recent: VecDeque::new(), settling: 0 },
+            waited: Duration::ZERO,
+            wait: FIRST_PROBE,
+            load: 0,
+        }
+    }
+}
+
+impl Chooser {
+    /// The writer chosen now.
+    pub fn via(&self) -> Via {
+        self.via
+    }
+
+    /// Ends a period: returns the verdict of a probe that ended with it. [`Chooser::via`] is
+    /// the writer for the next period.
+    pub fn period(&mut self, sample: Sample) -> Option<Verdict> {
+        if sample.writing < PROBE_FROM {
+            // Too few writers for the ring: writev, and the waits begin again with the load.
+            if self.via != Via::Writev {
+                self.via = Via::Writev;
+                self.phase = Phase::settling();
+            } else if let Phase::Settled { recent, .. } = &mut self.phase {
+                recent.clear();
+            }
+            self.waited = Duration::ZERO;
+            self.wait = FIRST_PROBE;
+            self.load = 0;
+            return None;
+        }
+        if self.load == 0 || sample.writing > 2 * self.load || 2 * sample.writing < self.load {
+            self.load = sample.writing;
+            self.waited = Duration::ZERO;
+            self.wait = FIRST_PROBE;
+        }
+        match &mut self.phase {
+            Phase::Settled { settling, .. } if *settling > 0 => {
+                *settling -= 1;
+                None
+            }
+            Phase::Settled { recent, .. } => {
+                if recent.len() == BASELINE_PERIODS {
+                    recent.pop_front();
+                }
+                recent.push_back(sample);
+                self.waited += sample.elapsed;
+                if self.waited >= self.wait && recent.len() == BASELINE_PERIODS {
+                    let mut baseline = Rate::default();
+                    recent.iter().for_each(|s| baseline.add(s));
+                    let before = self.via;
+                    self.via = before.other();
+                    self.phase = Phase::Probing {
+                        before,
+                        baseline,
+                        settling: 1,
+                        measured: Rate::default(),
+                        periods: 0,
+                    };
+                }
+                None
+            }
+            Phase::Probing { settling, .. } if *settling > 0 => {
+                *settling -= 1;
+                None
+            }
+            Phase::Probing { before, baseline, measured, periods, .. } => {
+                measured.add(&sample);
+                *periods += 1;
+                let clear_loss = *periods == 1
+                    && measured.replies_per_second() < baseline.replies_per_second() * CLEAR_LOSS;
+                if !clear_loss && *periods < PROBE_PERIODS {
+                    return None;
+                }
+                let verdict = Verdict {
+                    probed: self.via,
+                    won: !clear_loss && measured.beats(baseline),
+                    before: *baseline,
+                    probe: *measured,
+                };
+                if !verdict.won {
+                    self.via = *before;
+                    self.wait = (self.wait * BACKOFF).min(LAST_PROBE);
+                }
+                self.waited = Duration::ZERO;
+                self.phase = Phase::settling();
+                Some(verdict)
+            }
+        }
+    }
+}
 
 /// The page service's writers and the choice between them; shared by every connection.
 pub struct IoChoice {
@@ -44,24 +285,31 @@ pub struct IoChoice {
     mode: PageServiceIo,
     /// The io_uring writers, when the kernel allows a ring and the mode may use them.
     rings: Option<Rings>,
-    /// Batches go through the ring (`auto`: the controller's latest choice).
+    /// Batches go through the ring (`auto`: the chooser's latest choice).
     ring_now: AtomicBool,
     /// Counts periods; a connection remembers the last one it was counted in.
     period: AtomicU64,
     /// Connections that wrote in the current period.
     writing: AtomicU64,
-    /// `auto`'s path policy.
-    controller: Mutex<WorkerController>,
+    /// `auto`'s choice.
+    chooser: Mutex<Chooser>,
     metrics: ChoiceMetrics,
 }
 
-/// The gauges of `auto`'s choice.
+/// The metrics of `auto`'s choice.
 #[derive(Clone)]
 pub struct ChoiceMetrics {
     /// Connections that wrote during the last period.
     pub writing_connections: IntGauge,
     /// 1 while batches go through the io_uring writer.
     pub ring_chosen: IntGauge,
+    /// Replies per batch handed to a writer: its sum counts the replies.
+    pub replies: Histogram,
+    /// Probes, by `result` (`won`, `lost`).
+    pub probes: IntCounterVec,
+    /// Each writer's figures as last measured (by `io`).
+    pub replies_per_second: GaugeVec,
+    pub cpu_per_reply: GaugeVec,
 }
 
 impl std::fmt::Debug for IoChoice {
@@ -76,27 +324,19 @@ impl std::fmt::Debug for IoChoice {
 
 impl IoChoice {
     /// The choice for `mode`, with `rings` if io_uring is available.
-    pub fn new(
-        mode: PageServiceIo,
-        rings: Option<Rings>,
-        metrics: ChoiceMetrics,
-    ) -> anyhow::Result<IoChoice> {
-        let mut conf = WorkerControllerConf::new(1, 1);
-        conf.sync_below = WRITEV_BELOW;
-        conf.async_above = RING_ABOVE;
-        let controller = WorkerController::new(conf)?;
+    pub fn new(mode: PageServiceIo, rings: Option<Rings>, metrics: ChoiceMetrics) -> IoChoice {
         let rings = if mode == PageServiceIo::Epoll { None } else { rings };
         let ring_now = mode == PageServiceIo::IoUring && rings.is_some();
         metrics.ring_chosen.set(i64::from(ring_now));
-        Ok(IoChoice {
+        IoChoice {
             mode,
             rings,
             ring_now: AtomicBool::new(ring_now),
             period: AtomicU64::new(1),
             writing: AtomicU64::new(0),
-            controller: Mutex::new(controller),
+            chooser: Mutex::new(Chooser::default()),
             metrics,
-        })
+        }
     }
 
     /// The io_uring writers, if any batch may go through them.
@@ -117,107 +357,104 @@ impl IoChoice {
         self.ring_now.load(Ordering::Relaxed)
     }
 
-    /// `auto`: looks at the load every [`PERIOD`] and switches writers when the controller
-    /// says so, until `cancel`. Returns at once in the other modes (or without rings).
+    /// `auto`: measures every [`PERIOD`] and switches writers as the [`Chooser`] says, until
+    /// `cancel`. Returns at once in the other modes (or without rings).
     pub async fn run(self: Arc<Self>, cancel: CancellationToken) {
         if self.mode != PageServiceIo::Auto || self.rings.is_none() {
             return;
         }
         let mut ticks = tokio::time::interval(PERIOD);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut last = Instant::now();
+        let (mut last, mut last_cpu, mut last_replies) =
+            (Instant::now(), process_cpu(), self.metrics.replies.get_sample_sum());
         loop {
             tokio::select! {
                 () = cancel.cancelled() => return,
                 _ = ticks.tick() => {}
             }
-            let now = Instant::now();
-            self.observe(now.duration_since(last));
-            last = now;
+            let (now, cpu, replies) = (Instant::now(), process_cpu(), self.metrics.replies.get_sample_sum());
+            self.observe(Sample {
+                elapsed: now.duration_since(last),
+                replies: (replies - last_replies).max(0.0) as u64,
+                cpu: cpu.saturating_sub(last_cpu),
+                writing: 0,
+            });
+            (last, last_cpu, last_replies) = (now, cpu, replies);
         }
     }
 
-    /// Ends a period of length `period`: counts its writing connections and applies the
-    /// controller's path.
-    fn observe(&self, period: Duration) {
-        let writing = self.writing.swap(0, Ordering::Relaxed);
+    /// Ends a period (its `writing` is counted here): feeds the chooser and applies its choice.
+    fn observe(&self, mut sample: Sample) {
+        sample.writing = self.writing.swap(0, Ordering::Relaxed);
         self.period.fetch_add(1, Ordering::Relaxed);
-        let decision = lock(&self.controller).update(Observation {
-            period,
-            arrivals: writing,
-            completions: writing,
-            busy: Duration::ZERO,
-            queue_wait: Duration::ZERO,
-            in_flight_avg: writing as f64,
-            workers: 1,
-            stuck: false,
-        });
-        let ring = decision.path == Path::Async;
-        self.metrics.writing_connections.set(i64::try_from(writing).unwrap_or(i64::MAX));
+        let mut chooser = lock(&self.chooser);
+        let verdict = chooser.period(sample);
+        let ring = chooser.via() == Via::Ring;
+        drop(chooser);
+        self.metrics.writing_connections.set(i64::try_from(sample.writing).unwrap_or(i64::MAX));
+        if let Some(verdict) = verdict {
+            self.report(&verdict, sample.writing);
+        }
         if self.ring_now.swap(ring, Ordering::Relaxed) != ring {
             self.metrics.ring_chosen.set(i64::from(ring));
-            tracing::info!(
-                writing_connections = writing,
-                "page service replies: {}",
-                if ring {
-                    "io_uring (many connections write)"
-                } else {
-                    "writev per connection (few connections write)"
-                }
-            );
+            if verdict.is_some() {
+                // Said by the verdict's line.
+            } else if sample.writing < PROBE_FROM {
+                tracing::info!(
+                    writing_connections = sample.writing,
+                    "page service replies: writev per connection (fewer than {PROBE_FROM} \
+                     connections write)"
+                );
+            } else {
+                tracing::debug!(
+                    writing_connections = sample.writing,
+                    "page service replies: probing {}",
+                    if ring { Via::Ring } else { Via::Writev }.as_str()
+                );
+            }
         }
+    }
+
+    /// Logs and counts a probe's verdict, and keeps both writers' figures.
+    fn report(&self, verdict: &Verdict, writing: u64) {
+        let before = verdict.probed.other();
+        for (via, rate) in [(before, &verdict.before), (verdict.probed, &verdict.probe)] {
+            let io = [via.as_str()];
+            self.metrics.replies_per_second.with_label_values(&io).set(rate.replies_per_second());
+            self.metrics.cpu_per_reply.with_label_values(&io).set(rate.cpu_per_reply());
+        }
+        let result = if verdict.won { "won" } else { "lost" };
+        self.metrics.probes.with_label_values(&[result]).inc();
+        let kept = if verdict.won { verdict.probed } else { before };
+        tracing::info!(
+            writing_connections = writing,
+            "page service replies: {} {result} a probe ({:.0} replies/s at {:.1} us of CPU each, \
+             against {:.0} at {:.1} us with {}): {} it is",
+            verdict.probed.as_str(),
+            verdict.probe.replies_per_second(),
+            verdict.probe.cpu_per_reply() * 1e6,
+            verdict.before.replies_per_second(),
+            verdict.before.cpu_per_reply() * 1e6,
+            before.as_str(),
+            kept.as_str(),
+        );
+    }
+}
+
+/// The daemon's CPU time so far (user and system, all threads); zero if it cannot be read.
+fn process_cpu() -> Duration {
+    use nix::sys::resource::{getrusage, UsageWho};
+    match getrusage(UsageWho::RUSAGE_SELF) {
+        Ok(usage) => {
+            let micros = |t: nix::sys::time::TimeVal| {
+                Duration::from_secs(t.tv_sec().max(0) as u64)
+                    + Duration::from_micros(t.tv_usec().max(0) as u64)
+            };
+            micros(usage.user_time()) + micros(usage.system_time())
+        }
+        Err(_) => Duration::ZERO,
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn choice() -> IoChoice {
-        let metrics = ChoiceMetrics {
-            writing_connections: IntGauge::new("w", "w").expect("gauge"),
-            ring_chosen: IntGauge::new("r", "r").expect("gauge"),
-        };
-        IoChoice::new(PageServiceIo::Auto, None, metrics).expect("choice")
-    }
-
-    /// `n` connections write once each in this period (each twice: counted once).
-    fn write(choice: &IoChoice, n: usize) {
-        for _ in 0..n {
-            let mut counted = 0;
-            choice.use_ring(&mut counted);
-            choice.use_ring(&mut counted);
-        }
-    }
-
-    #[test]
-    fn auto_moves_to_the_ring_with_many_writers_and_back_with_few_with_hysteresis() {
-        let choice = choice();
-        assert!(!choice.ring_now.load(Ordering::Relaxed), "writev at first");
-        for (writers, ring) in
-            [(8, false), (160, false), (200, true), (160, true), (100, false), (160, false)]
-        {
-            write(&choice, writers);
-            choice.observe(PERIOD);
-            assert_eq!(choice.ring_now.load(Ordering::Relaxed), ring, "{writers} writers");
-            assert_eq!(choice.metrics.writing_connections.get(), writers as i64);
-            assert_eq!(choice.metrics.ring_chosen.get(), i64::from(ring));
-        }
-    }
-
-    #[test]
-    fn a_connection_counts_once_per_period() {
-        let choice = choice();
-        let mut counted = 0;
-        for _ in 0..5 {
-            choice.use_ring(&mut counted);
-        }
-        choice.observe(PERIOD);
-        assert_eq!(choice.metrics.writing_connections.get(), 1);
-        choice.use_ring(&mut counted);
-        choice.observe(PERIOD);
-        assert_eq!(choice.metrics.writing_connections.get(), 1, "counted again in the next period");
-        choice.observe(PERIOD);
-        assert_eq!(choice.metrics.writing_connections.get(), 0);
-    }
-}
+mod tests;

@@ -29,7 +29,7 @@ mod writer;
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -54,7 +54,7 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PageServiceIo {
-    /// `epoll` while few connections write, `io_uring` while many do ([`io_choice`]); `epoll`
+    /// `epoll`, and `io_uring` while it measures better ([`io_choice`]); `epoll`
     /// when the kernel refuses a ring.
     #[default]
     Auto,
@@ -181,7 +181,32 @@ impl PageServiceMetrics {
                 "pageserver_page_service_io_uring_chosen",
                 "1 while reply batches go through the io_uring writer, else 0",
             )?,
+            replies: replies_per_write.clone(),
+            probes: IntCounterVec::new(
+                Opts::new(
+                    "pageserver_page_service_io_probes_total",
+                    "Probes of the other writer by page_service_io = \"auto\", by result (won: kept)",
+                ),
+                &["result"],
+            )?,
+            replies_per_second: GaugeVec::new(
+                Opts::new(
+                    "pageserver_page_service_io_replies_per_second",
+                    "Replies per second of each writer as auto's last probe measured it",
+                ),
+                &["io"],
+            )?,
+            cpu_per_reply: GaugeVec::new(
+                Opts::new(
+                    "pageserver_page_service_io_cpu_per_reply_seconds",
+                    "The daemon's CPU seconds per reply with each writer as auto's last probe measured it",
+                ),
+                &["io"],
+            )?,
         };
+        registry.register(Box::new(choice.probes.clone()))?;
+        registry.register(Box::new(choice.replies_per_second.clone()))?;
+        registry.register(Box::new(choice.cpu_per_reply.clone()))?;
         registry.register(Box::new(choice.writing_connections.clone()))?;
         registry.register(Box::new(choice.ring_chosen.clone()))?;
         registry.register(Box::new(zero_copy_sends.clone()))?;
