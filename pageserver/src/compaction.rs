@@ -20,7 +20,9 @@
 //!   halves the share; each healthy period adds back a tenth, never below the floor;
 //! - a late timer earns a proportionally longer next slice, capped (Valkey's anti-starvation);
 //! - nothing due and no retry waiting: the task sleeps until the next ingest (the debt cannot
-//!   grow without one), so idle tenants cost no wake-ups.
+//!   grow without one), so idle tenants cost no wake-ups;
+//! - a timeline whose storage failed for good (a fatal failure: a failed fsync, the committer's
+//!   or a pass's own) gets no automatic pass until the tenant is reopened.
 //!
 //! **Invariants:** at most one pass per tenant at a time, run by this tenant's task; a pass's
 //! file work never runs on an executor thread except in `monolithic` mode; the loop stops when
@@ -296,8 +298,12 @@ impl Worker {
             let debt = self.debt();
             let decision = controller.update(Observation { debt, sched_delay: Duration::ZERO });
             self.show(debt, &controller, decision, false);
+            // A timeline whose storage failed for good writes nothing until it is reopened:
+            // no automatic pass (a requested one answers why).
+            let failed_for_good = self.timeline.write_error().is_some_and(|e| e.fatal);
             let due = self.settings.mode != CompactionMode::Off
                 && debt >= 1.0
+                && !failed_for_good
                 && retry_at.is_none_or(|t| Instant::now() >= t);
             if request.is_none() && !due {
                 idle_since = retry_at.is_none().then(|| self.timeline.last_durable_lsn());
