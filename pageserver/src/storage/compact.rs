@@ -68,6 +68,9 @@ pub struct CompactionConf {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct PassStats {
     pub input_layers: u64,
+    /// Values in the input layers: each is read once, so `values_read` over this is how far a
+    /// pass has got.
+    pub input_values: u64,
     pub output_layers: u64,
     pub keys: u64,
     pub values_read: u64,
@@ -186,6 +189,7 @@ impl Pass {
         shared.index.write().unwrap_or_else(PoisonError::into_inner).reset_new_records();
         let stats = PassStats {
             input_layers: inputs.len() as u64,
+            input_values: inputs.iter().map(|l| l.entries.len() as u64).sum(),
             bytes_before: inputs.iter().map(|l| l.size).sum(),
             gc_cutoff: cutoff.0,
             ..PassStats::default()
@@ -246,7 +250,7 @@ impl Pass {
         }
     }
 
-    /// Where the pass is: keys done so far.
+    /// Where the pass is: keys done and values read so far (of `input_values`).
     pub fn stats(&self) -> &PassStats {
         &self.stats
     }
