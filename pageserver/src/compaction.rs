@@ -20,7 +20,9 @@
 //!   halves the share; each healthy period adds back a tenth, never below the floor;
 //! - a late timer earns a proportionally longer next slice, capped (Valkey's anti-starvation);
 //! - nothing due and no retry waiting: the task sleeps until the next ingest (the debt cannot
-//!   grow without one), so idle tenants cost no wake-ups.
+//!   grow without one), so idle tenants cost no wake-ups;
+//! - a timeline whose storage failed for good (a fatal failure: a failed fsync, the committer's
+//!   or a pass's own) gets no automatic pass until the tenant is reopened.
 //!
 //! **Invariants:** at most one pass per tenant at a time, run by this tenant's task; a pass's
 //! file work never runs on an executor thread except in `monolithic` mode; the loop stops when
@@ -159,6 +161,8 @@ pub struct CompactionStatus {
     pub passes: u64,
     pub failed_passes: u64,
     pub gc_cutoff: u64,
+    /// The pass running now, and how far it has got.
+    pub current_pass: Option<PassProgress>,
     pub last_pass: Option<PassSummary>,
     pub last_error: Option<String>,
     pub bytes_rewritten: u64,
@@ -178,7 +182,35 @@ pub struct PassSummary {
     pub finished_at: String,
 }
 
-type Reply = oneshot::Sender<Result<Option<PassSummary>, String>>;
+/// The pass running now, as the status shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PassProgress {
+    /// Asked for through the API (`POST /v1/tenant/{id}/compact`), not started by the backlog.
+    pub requested: bool,
+    /// RFC 3339, UTC.
+    pub started_at: String,
+    pub seconds: f64,
+    pub slices: u64,
+    /// What it has done so far; `values_read` of `input_values` is how far it has got.
+    #[serde(flatten)]
+    pub stats: PassStats,
+    #[serde(skip)]
+    started: Instant,
+}
+
+/// Why a pass asked for through the API gave no summary.
+#[derive(Debug, thiserror::Error)]
+pub enum CompactError {
+    /// The tenant is shutting down: a pass it cancelled removed its outputs (nothing stored
+    /// is lost).
+    #[error("the tenant is shutting down")]
+    ShuttingDown,
+    /// The pass failed (logged by the compactor); nothing stored is lost.
+    #[error("compaction pass failed: {0}")]
+    Failed(String),
+}
+
+type Reply = oneshot::Sender<Result<Option<PassSummary>, CompactError>>;
 
 /// A tenant's compactor: its status and the door for passes asked for through the API.
 pub struct Compactor {
@@ -225,6 +257,7 @@ impl Compactor {
                 passes: 0,
                 failed_passes: 0,
                 gc_cutoff: timeline.gc_cutoff().0,
+                current_pass: None,
                 last_pass: None,
                 last_error: None,
                 bytes_rewritten: 0,
@@ -252,14 +285,22 @@ impl Compactor {
 
     /// Runs a pass now (at the cap share) and returns what it did; `None` if there was nothing
     /// to compact. Waits for a pass in progress to end first.
-    pub async fn compact_now(&self) -> anyhow::Result<Option<PassSummary>> {
+    ///
+    /// Cancel-safe in this sense: once the request is queued (at the first poll, unless 16
+    /// requests wait already), the pass runs to its end whether or not this future is still
+    /// awaited; the status shows it (`current_pass`) and its result (`last_pass`).
+    pub async fn compact_now(&self) -> Result<Option<PassSummary>, CompactError> {
         let (tx, rx) = oneshot::channel();
-        self.requests.send(tx).await.map_err(|_| anyhow::anyhow!("the tenant is shutting down"))?;
-        rx.await.map_err(|_| anyhow::anyhow!("the tenant is shutting down"))?.map_err(|e| anyhow::anyhow!(e))
+        self.requests.send(tx).await.map_err(|_| CompactError::ShuttingDown)?;
+        rx.await.map_err(|_| CompactError::ShuttingDown)?
     }
 
     pub fn status(&self) -> CompactionStatus {
-        lock(&self.status).clone()
+        let mut status = lock(&self.status).clone();
+        if let Some(p) = status.current_pass.as_mut() {
+            p.seconds = p.started.elapsed().as_secs_f64();
+        }
+        status
     }
 
     /// Waits for the task to stop (after the tenant was cancelled).
@@ -296,8 +337,12 @@ impl Worker {
             let debt = self.debt();
             let decision = controller.update(Observation { debt, sched_delay: Duration::ZERO });
             self.show(debt, &controller, decision, false);
+            // A timeline whose storage failed for good writes nothing until it is reopened:
+            // no automatic pass (a requested one answers why).
+            let failed_for_good = self.timeline.write_error().is_some_and(|e| e.fatal);
             let due = self.settings.mode != CompactionMode::Off
                 && debt >= 1.0
+                && !failed_for_good
                 && retry_at.is_none_or(|t| Instant::now() >= t);
             if request.is_none() && !due {
                 idle_since = retry_at.is_none().then(|| self.timeline.last_durable_lsn());
@@ -305,10 +350,11 @@ impl Worker {
             }
             idle_since = None;
             let start_debt = if request.is_some() { controller.conf().full_debt } else { debt };
-            let result = self.pass(&mut controller, start_debt).await;
+            let result = self.pass(&mut controller, start_debt, request.is_some()).await;
             let answer = match &result {
                 Ok(summary) => Ok(summary.clone()),
-                Err(e) => Err(format!("{e:#}")),
+                Err(_) if self.cancel.is_cancelled() => Err(CompactError::ShuttingDown),
+                Err(e) => Err(CompactError::Failed(format!("{e:#}"))),
             };
             retry_at = result.is_err().then(|| Instant::now() + RETRY_INTERVAL);
             self.record(result);
@@ -336,11 +382,13 @@ impl Worker {
         s.gc_cutoff = self.timeline.gc_cutoff().0;
     }
 
-    /// One pass from the freeze of the active segment to the install.
+    /// One pass from the freeze of the active segment to the install; `requested` through the
+    /// API (as the status shows it).
     async fn pass(
         &self,
         controller: &mut Controller,
         start_debt: f64,
+        requested: bool,
     ) -> anyhow::Result<Option<PassSummary>> {
         self.timeline.freeze().await.context("seal the active segment")?;
         let conf = CompactionConf {
@@ -358,6 +406,14 @@ impl Worker {
         self.metrics.running.inc();
         let _running = scopeguard(|| self.metrics.running.dec());
         let started = Instant::now();
+        lock(&self.compactor.status).current_pass = Some(PassProgress {
+            requested,
+            started_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+            seconds: 0.0,
+            slices: 0,
+            stats: pass.stats().clone(),
+            started,
+        });
         let monolithic = self.settings.mode == CompactionMode::Monolithic;
         let mut decision = controller.update(Observation { debt: start_debt, sched_delay: Duration::ZERO });
         self.show(start_debt, controller, decision, true);
@@ -387,6 +443,7 @@ impl Worker {
                     .context("compaction slice task")?
                 };
                 slices += 1;
+                self.progress(&pass, slices);
                 self.metrics.slices.inc();
                 self.metrics.slice_seconds.observe(slice_start.elapsed().as_secs_f64());
                 match step? {
@@ -439,12 +496,21 @@ impl Worker {
         }
     }
 
+    /// Shows how far the running pass has got.
+    fn progress(&self, pass: &crate::storage::Pass, slices: u64) {
+        if let Some(p) = lock(&self.compactor.status).current_pass.as_mut() {
+            p.stats.clone_from(pass.stats());
+            p.slices = slices;
+        }
+    }
+
     /// Logs a pass (INFO, once per pass) and adds it to the status and metrics.
     fn record(&self, result: anyhow::Result<Option<PassSummary>>) {
         let mut s = lock(&self.compactor.status);
         s.running = false;
         s.share = 0.0;
         s.gc_cutoff = self.timeline.gc_cutoff().0;
+        let current = s.current_pass.take();
         match result {
             Ok(None) => {}
             Ok(Some(p)) => {
@@ -477,6 +543,19 @@ impl Worker {
             }
             Err(e) => {
                 if self.cancel.is_cancelled() {
+                    if let Some(p) = current {
+                        let st = &p.stats;
+                        tracing::info!(
+                            seconds = p.started.elapsed().as_secs_f64(),
+                            requested = p.requested,
+                            values_read = st.values_read,
+                            input_values = st.input_values,
+                            gc_cutoff = st.gc_cutoff,
+                            "compaction pass cancelled by shutdown: its outputs are removed, the layers \
+                             it read stay as they were (nothing stored is lost, the GC cutoff it set \
+                             stays); the next pass starts over"
+                        );
+                    }
                     return;
                 }
                 tracing::warn!("compaction pass failed, retrying when due: {e:#}");

@@ -20,7 +20,9 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::compaction::CompactError;
 use crate::process_metrics::{GIT_COMMIT, VERSION};
+use crate::server::TrackRequests;
 use crate::storage::{Key, Lsn};
 use crate::tenant::TenantConfOverrides;
 use crate::tenants::{TenantError, Tenants};
@@ -101,7 +103,8 @@ pub async fn serve(
             () = cancel.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
-        let service = TowerToHyperService::new(app.clone());
+        // A request in its handler keeps the connection from timing out as idle.
+        let service = TrackRequests::new(TowerToHyperService::new(app.clone()), io.in_request());
         let conn = http1.serve_connection(TokioIo::new(io), service);
         let cancel = cancel.clone();
         connections.spawn(async move {
@@ -178,10 +181,15 @@ async fn put_tenant_config(
 }
 
 /// Runs a compaction pass of the tenant now; answers with what it did once it is done
-/// (`{"tenant_id", "pass": null}` when there was nothing to compact).
+/// (`{"tenant_id", "pass": null}` when there was nothing to compact), however long that takes:
+/// the connection is not idle meanwhile. A client that goes away does not stop the pass.
 async fn compact_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
     let tenant = state.tenants.get(&id)?;
-    let pass = tenant.compact().await.map_err(TenantError::Other)?;
+    let pass = tenant.compact().await.map_err(|e| match e {
+        CompactError::ShuttingDown => ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        // Logged by the compactor.
+        CompactError::Failed(_) => ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    })?;
     Ok(Json(serde_json::json!({ "tenant_id": tenant.id, "pass": pass })).into_response())
 }
 
@@ -252,11 +260,174 @@ async fn metrics(State(state): State<Arc<AppState>>) -> ApiResult {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::config::PageServerConf;
+    use crate::page_cache::PageCache;
+    use crate::storage::{IngestBatch, StorageMetrics, Value};
+    use crate::tenant::TenantConfOverrides;
+    use crate::tenants::TenantsMetrics;
+    use crate::walredo::WalRedoMetrics;
+    use std::time::Instant;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// The management API of a daemon with `settings`, on a port of its own, whose connections
+    /// are closed after `idle_timeout` without a byte moving.
+    struct Api {
+        addr: std::net::SocketAddr,
+        tenants: Arc<Tenants>,
+        cancel: CancellationToken,
+        served: tokio::task::JoinHandle<anyhow::Result<()>>,
+        _workdir: tempfile::TempDir,
+    }
+
+    impl Api {
+        async fn start(settings: &[(&str, toml::Value)], idle_timeout: Duration) -> Api {
+            let workdir = tempfile::tempdir().unwrap();
+            let mut table = toml::Table::new();
+            // No redo in these tests: the child is never started.
+            table.insert("walredo_proc_path".into(), "/bin/false".into());
+            for (k, v) in settings {
+                table.insert(k.to_string(), v.clone());
+            }
+            let conf = PageServerConf::from_table(workdir.path(), table).unwrap();
+            let registry = prometheus::Registry::new();
+            let cache = Arc::new(PageCache::new(0, &registry).unwrap());
+            let storage = Arc::new(StorageMetrics::new(&registry).unwrap());
+            let walredo = Arc::new(WalRedoMetrics::new(&registry).unwrap());
+            let metrics = Arc::new(TenantsMetrics::new(&registry).unwrap());
+            let tenants_cancel = CancellationToken::new();
+            let tenants =
+                Tenants::load(&conf, cache, storage, walredo, metrics, tenants_cancel.clone()).await.unwrap();
+            let tenants = Arc::new(tenants);
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let listener = crate::server::HttpListener::with_idle_timeout(listener, idle_timeout);
+            let cancel = CancellationToken::new();
+            let served = tokio::spawn(serve(listener, Arc::clone(&tenants), registry, cancel.clone()));
+            Api { addr, tenants, cancel, served, _workdir: workdir }
+        }
+
+        async fn stop(self) {
+            self.cancel.cancel();
+            self.served.await.unwrap().unwrap();
+            self.tenants.shutdown().await;
+        }
+    }
+
+    /// Sends `request` (`METHOD /path`, no body) on a connection of its own and returns the
+    /// whole answer (status line, headers, body), or what arrived before the server closed.
+    async fn send(addr: std::net::SocketAddr, request: &str) -> String {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head =
+            format!("{request} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        conn.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(120), conn.read_to_end(&mut answer)).await;
+        assert!(read.is_ok(), "no answer to {request} within 120 s");
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    /// A tenant `t` with `keys` keys of `versions` records each, sealed into layers (the
+    /// active segment is sealed by the pass).
+    async fn tenant_with_records(api: &Api, keys: u32, versions: u64) {
+        let tenant = api.tenants.create("t", TenantConfOverrides::default()).await.unwrap();
+        for v in 0..versions {
+            let values = (0..keys)
+                .map(|k| {
+                    let key = Key { spcnode: 1663, dbnode: 1, relnode: 1, forknum: 0, blknum: k };
+                    let record = Value::Record(bytes::Bytes::from(vec![k as u8; 100]));
+                    (key, Lsn(1 + v * u64::from(keys) + u64::from(k)), record)
+                })
+                .collect();
+            tenant.submit_ingest(IngestBatch { values }).await.unwrap().await.unwrap();
+        }
+    }
+
+    /// Settings under which a pass is slow: at most 2% of a CPU, and no images (no redo).
+    fn slow_compaction() -> Vec<(&'static str, toml::Value)> {
+        vec![
+            ("compaction", "off".into()),
+            ("compaction_cpu_floor", 0.02.into()),
+            ("compaction_cpu_cap", 0.02.into()),
+            ("compaction_image_threshold", 65536.into()),
+            ("layer_size", "64 KiB".into()),
+        ]
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn compact_call_whose_pass_outlasts_the_idle_timeout_answers_when_the_pass_is_done() {
+        let idle = Duration::from_millis(200);
+        let api = Api::start(&slow_compaction(), idle).await;
+        tenant_with_records(&api, 2000, 5).await;
+        let start = Instant::now();
+        let answer = send(api.addr, "POST /v1/tenant/t/compact").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "after {:?}: {answer:?}", start.elapsed());
+        let body = answer.split("\r\n\r\n").nth(1).unwrap();
+        let reply: serde_json::Value = serde_json::from_str(body).unwrap();
+        let seconds = reply["pass"]["seconds"].as_f64().unwrap();
+        // The test means something only if the pass took longer than the idle timeout.
+        assert!(seconds > 2.0 * idle.as_secs_f64(), "the pass took only {seconds} s");
+        assert_eq!(reply["pass"]["keys"], 2000);
+        api.stop().await;
+    }
 
     fn key(relnode: u32, forknum: u8, blknum: u32) -> Key {
         Key { spcnode: 1663, dbnode: 1, relnode, forknum, blknum }
+    }
+
+    /// The tenant status of `t` as the API answers it.
+    async fn tenant_status(addr: std::net::SocketAddr) -> serde_json::Value {
+        let answer = send(addr, "GET /v1/tenant/t").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+        serde_json::from_str(answer.split("\r\n\r\n").nth(1).unwrap()).unwrap()
+    }
+
+    /// Polls the tenant status until `condition` holds, failing the test after a minute.
+    async fn wait_for_status(
+        addr: std::net::SocketAddr,
+        what: &str,
+        condition: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let status = tenant_status(addr).await;
+            if condition(&status) {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}: {status}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn compact_call_whose_client_goes_away_leaves_the_pass_running_and_its_progress_shown() {
+        let api = Api::start(&slow_compaction(), crate::server::HTTP_IDLE_TIMEOUT).await;
+        tenant_with_records(&api, 2000, 5).await;
+        let mut client = tokio::net::TcpStream::connect(api.addr).await.unwrap();
+        let head = "POST /v1/tenant/t/compact HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n";
+        client.write_all(head.as_bytes()).await.unwrap();
+
+        let status = wait_for_status(api.addr, "the pass to show progress", |s| {
+            s["compaction"]["current_pass"]["values_read"].as_u64().is_some_and(|v| v > 0)
+        })
+        .await;
+        let p = &status["compaction"]["current_pass"];
+        assert_eq!(p["requested"], true, "{p}");
+        assert_eq!(p["input_values"], 10_000, "{p}");
+        assert!(p["values_read"].as_u64().unwrap() < 10_000, "the pass was already done: {p}");
+        assert!(p["started_at"].as_str().unwrap().ends_with('Z'), "{p}");
+        assert!(status["compaction"]["running"].as_bool().unwrap(), "{status}");
+
+        // The client goes away; the pass goes on to its end.
+        drop(client);
+        let status = wait_for_status(api.addr, "the pass to end", |s| s["compaction"]["passes"] == 1).await;
+        let c = &status["compaction"];
+        assert!(c["current_pass"].is_null(), "{c}");
+        assert_eq!(c["last_pass"]["values_read"], 10_000, "{c}");
+        assert_eq!(c["failed_passes"], 0, "{c}");
+        api.stop().await;
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub(crate) mod fds;
 mod http_listener;
 
 pub use fds::HTTP_MAX_CONNECTIONS;
-pub use http_listener::{HttpListener, HTTP_IDLE_TIMEOUT};
+pub use http_listener::{HttpListener, TrackRequests, HTTP_IDLE_TIMEOUT};
 
 /// File in the workdir naming the addresses the daemon listens on (JSON).
 pub const PORTS_FILE: &str = "ports.json";

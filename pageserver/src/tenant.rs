@@ -26,7 +26,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use crate::compaction::{CompactionMetrics, CompactionSettings, CompactionStatus, Compactor, PassSummary};
+use crate::compaction::{
+    CompactError, CompactionMetrics, CompactionSettings, CompactionStatus, Compactor, PassSummary,
+};
 use crate::page_cache::PageCache;
 use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError};
 use crate::tenant_series::RequestSeries;
@@ -403,7 +405,8 @@ impl Tenant {
     }
 
     /// Runs a compaction pass now and returns what it did (`None`: no layers to compact).
-    pub async fn compact(&self) -> anyhow::Result<Option<PassSummary>> {
+    /// Cancel-safe as [`Compactor::compact_now`]: the pass, once queued, runs to its end.
+    pub async fn compact(&self) -> Result<Option<PassSummary>, CompactError> {
         self.compactor.compact_now().await
     }
 }

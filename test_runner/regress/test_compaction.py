@@ -6,6 +6,7 @@ import random
 import threading
 import time
 
+from fixtures.http_client import HttpClient
 from fixtures.page_client import LATEST
 from fixtures.util import wait_until
 from fixtures.workload import HistoryBuilder, get_pages, make_keys, query_lsns, verify
@@ -135,3 +136,71 @@ def test_one_hot_key_makes_a_pass_due_whatever_the_average(pageserver_factory):
     assert c["images_created"] == 1 and c["last_pass"]["images_created"] == 1, c
     with ps.connect(tenant) as conn:
         verify(conn, b.rs, [(k, lsn) for k in keys[:5] for lsn in query_lsns(b.rs, k, limit=20)])
+
+
+def _slow_pass_daemon(pageserver_factory):
+    """A daemon whose passes take at most 2% of a CPU: a pass of a few thousand values lasts
+    seconds, longer than any client here waits for its answer."""
+    return pageserver_factory(compaction="off", gc_horizon=1 << 40, layer_size="64 KiB",
+                              raw_args=["compaction_cpu_floor=0.02", "compaction_cpu_cap=0.02"])
+
+
+def _compact_and_go_away(ps, tenant):
+    """POSTs a compaction with a client that gives up after half a second."""
+    client = HttpClient(ps.http_addr, timeout=0.5)
+    try:
+        r = client.request("POST", f"/v1/tenant/{tenant}/compact")
+    except OSError:  # the timeout: the client went away with the pass running
+        return None
+    return r
+
+
+def _in_progress(ps, tenant):
+    p = ps.http.tenant_status(tenant)["compaction"]["current_pass"]
+    return p if p is not None and 0 < p["values_read"] < p["input_values"] // 2 else None
+
+
+def test_compact_call_whose_client_goes_away_runs_on_and_shows_its_progress(pageserver_factory):
+    ps = _slow_pass_daemon(pageserver_factory)
+    tenant = ps.create_tenant()
+    keys = make_keys(40)
+    b = HistoryBuilder(seed=75)
+    _fill(ps, tenant, b, keys, 60)
+    assert _compact_and_go_away(ps, tenant) is None, "the pass ended within half a second"
+
+    p = wait_until(lambda: _in_progress(ps, tenant), timeout=60, desc="the pass to show its progress")
+    assert p["requested"] is True and p["started_at"].endswith("Z"), p
+    assert p["input_values"] == sum(len(b.rs.lsns(k)) for k in keys), p
+
+    def ended():
+        c = ps.http.tenant_status(tenant)["compaction"]
+        return c if c["passes"] == 1 else None
+
+    c = wait_until(ended, timeout=120, desc="the pass to end without its client")
+    assert c["current_pass"] is None and c["failed_passes"] == 0, c
+    assert c["last_pass"]["values_read"] == p["input_values"], c
+    with ps.connect(tenant) as conn:
+        verify(conn, b.rs, [(k, lsn) for k in keys[:10] for lsn in query_lsns(b.rs, k, limit=20)])
+
+
+def test_shutdown_during_a_pass_says_so_and_loses_nothing(pageserver_factory):
+    ps = _slow_pass_daemon(pageserver_factory)
+    tenant = ps.create_tenant()
+    keys = make_keys(40)
+    b = HistoryBuilder(seed=76)
+    _fill(ps, tenant, b, keys, 60)
+    assert _compact_and_go_away(ps, tenant) is None, "the pass ended within half a second"
+    wait_until(lambda: _in_progress(ps, tenant), timeout=60, desc="the pass to be under way")
+    layers = ps.http.tenant_status(tenant)["storage"]["layers"]
+
+    ps.stop()  # SIGTERM, with the pass half done
+    cancelled = [line for line in ps.log_path.read_text().splitlines()
+                 if "compaction pass cancelled by shutdown" in line]
+    assert len(cancelled) == 1, cancelled
+    assert "outputs are removed" in cancelled[0] and "values_read=" in cancelled[0], cancelled
+
+    ps.start()
+    status = ps.http.tenant_status(tenant)
+    assert status["compaction"]["passes"] == 0 and status["storage"]["layers"] == layers, status
+    with ps.connect(tenant) as conn:
+        verify(conn, b.rs, [(k, lsn) for k in keys[:10] for lsn in query_lsns(b.rs, k, limit=20)])

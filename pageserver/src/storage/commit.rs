@@ -13,9 +13,10 @@
 //!
 //! Failures: a round that fails (ENOSPC, EMFILE, EIO, ...) cuts its group off the segment, fails
 //! the group and everything queued behind it, and puts the timeline in the failed state: ingests
-//! are refused until a retry is due ([`RETRY_INTERVAL`]), then the next group is the retry; a
-//! round that succeeds ends the episode. A failed fsync makes the state fatal (no retry, reopen
-//! the timeline): the kernel may have dropped the dirty pages, so a later fsync proves nothing.
+//! are refused until a retry is due ([`super::shared::RETRY_INTERVAL`]), then the next group is
+//! the retry; a round that succeeds ends the episode. A failed fsync makes the state fatal (no
+//! retry, no seal, reopen the timeline): the kernel may have dropped the dirty pages, so a later
+//! fsync proves nothing.
 //! An episode is logged once when it starts (and once more if it turns fatal), and once when it
 //! ends.
 //!
@@ -33,18 +34,14 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 
 use super::manifest::SealIntent;
 use super::pool::{self, Pool};
 use super::segment::ActiveSegment;
-use super::shared::{Failure, Pending, Shared};
-use super::{FsyncFailed, IngestError, StorageWriteError};
-
-/// How long ingests are refused after a failed round before the next group may retry.
-pub(crate) const RETRY_INTERVAL: Duration = Duration::from_secs(1);
+use super::shared::{fail_all, Pending, Shared, Unrecoverable};
+use super::IngestError;
 
 /// A timeline's committer as the commit pool sees it: the committer state, and whether the
 /// timeline is in the pool's run queue (or being run).
@@ -165,27 +162,6 @@ pub(super) enum SealState {
     Renamed { intent: SealIntent, next: Option<ActiveSegment> },
 }
 
-fn clone_error(e: &IngestError) -> IngestError {
-    match e {
-        IngestError::StorageUnavailable { error, fatal } => {
-            IngestError::StorageUnavailable { error: error.clone(), fatal: *fatal }
-        }
-        IngestError::ShuttingDown => IngestError::ShuttingDown,
-        other => IngestError::Io(anyhow::anyhow!("{other}")),
-    }
-}
-
-/// A failure after which the state on disk is not known: fatal like a failed fsync.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct Unrecoverable(String);
-
-/// Whether `e` is fatal for the timeline: a failed fsync (see [`FsyncFailed`]) or a failed
-/// cleanup after a failed write.
-fn is_fatal(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| c.is::<FsyncFailed>() || c.is::<Unrecoverable>())
-}
-
 impl Committer {
     /// One round: takes every queued batch (with the test hook `fail_next_fsync`) and commits
     /// it as one group. `false` once stopping with nothing queued: the committer is done.
@@ -215,12 +191,20 @@ impl Committer {
     /// A round without batches that seals the active segment because compaction asked
     /// (`seal_now`). The request is cleared whether the seal worked or not (the requester looks
     /// at the layers), and `seals` is bumped either way.
+    ///
+    /// After a fatal failure it seals nothing: the end of the active segment is not known (a
+    /// cut that failed leaves more bytes than the acknowledged frames, which the seal would
+    /// turn into a layer longer than its manifest entry), nor is what an fsync dropped.
     fn seal_on_request(&mut self) {
-        let sealed = self.advance_seal().context("seal active segment for compaction");
+        let sealed = match self.shared.fatal_error() {
+            Some(_) => None,
+            None => Some(self.advance_seal().context("seal active segment for compaction")),
+        };
         self.shared.queue().seal_now = false;
         match sealed {
-            Ok(()) => self.succeeded(),
-            Err(e) => self.failed(e, Vec::new()),
+            Some(Ok(())) => self.succeeded(),
+            Some(Err(e)) => self.failed(e, Vec::new()),
+            None => {}
         }
         self.shared.seals.send_modify(|n| *n += 1);
     }
@@ -232,8 +216,8 @@ impl Committer {
         group: Vec<Pending>,
         fail_fsync: bool,
     ) -> Result<(), (anyhow::Error, Vec<Pending>)> {
-        if let Some(f) = self.shared.queue().failure.as_ref().filter(|f| f.state.fatal) {
-            return Err((anyhow::anyhow!("{}", f.state.error), group));
+        if let Some(error) = self.shared.fatal_error() {
+            return Err((anyhow::anyhow!("{error}"), group));
         }
         let written = self.advance_seal().and_then(|()| self.write_group(&group, fail_fsync));
         if let Err(e) = written {
@@ -265,41 +249,11 @@ impl Committer {
         }
     }
 
-    /// Starts or continues a failure episode: refuses ingests until the retry is due (or for
-    /// good), fails `unanswered` and everything queued (after the state is visible), and lets
-    /// the next batch start right above the durable LSN.
+    /// Starts or continues a failure episode (see [`Shared::record_failure`]) and fails
+    /// `unanswered` with it.
     fn failed(&mut self, e: anyhow::Error, unanswered: Vec<Pending>) {
-        let fatal = is_fatal(&e);
-        let error = format!("{e:#}");
-        self.shared.metrics.write_errors.inc();
-        let mut q = self.shared.queue();
-        let (since, was_fatal) = match &q.failure {
-            Some(f) => (f.state.since, f.state.fatal),
-            None => {
-                self.shared.metrics.failed_timelines.inc();
-                (SystemTime::now(), false)
-            }
-        };
-        match (&q.failure, fatal && !was_fatal) {
-            (None, false) => tracing::error!(
-                retry_every = ?RETRY_INTERVAL,
-                "failed to write to storage, refusing ingests until a retry succeeds: {error}"
-            ),
-            (_, true) => tracing::error!(
-                "failed to sync storage, refusing ingests until the timeline is reopened: {error}"
-            ),
-            (Some(_), false) => tracing::debug!("failed to write to storage again: {error}"),
-        }
-        let state = StorageWriteError { error, since, fatal: fatal || was_fatal };
-        let failure = Failure { state: state.clone(), retry_at: Instant::now() + RETRY_INTERVAL };
-        let error = failure.error();
-        let queued = std::mem::take(&mut q.pending);
-        q.failure = Some(failure);
-        q.last_queued = *self.shared.durable.borrow();
-        self.shared.health.send_replace(Some(state));
-        drop(q);
+        let error = self.shared.record_failure(&e);
         fail_all(unanswered, &error);
-        fail_all(queued, &error);
     }
 
     /// Writes and fsyncs `group`, then publishes it. If the write or the fsync fails, the
@@ -357,15 +311,14 @@ impl Committer {
         self.segment.entries.truncate(entries);
         self.segment.len = len;
         let file = &self.segment.file;
-        file.set_len(len).context("truncate active segment")?;
+        let fail = std::mem::take(&mut self.shared.queue().fail_next_cut);
+        match fail {
+            true => Err(std::io::Error::other("injected truncate failure")),
+            false => file.set_len(len),
+        }
+        .context("truncate active segment")?;
         self.shared.metrics.fsync(|| file.sync_data()).context("fdatasync truncated active segment")?;
         Ok(())
-    }
-}
-
-fn fail_all(batches: Vec<Pending>, error: &IngestError) {
-    for p in batches {
-        let _ = p.done.send(Err(clone_error(error)));
     }
 }
 

@@ -16,8 +16,11 @@
 //! Crash safety (docs/storage-format.md, "Compaction"): the pass starts by recording its intent
 //! (and the new GC cutoff) in the manifest; outputs are written under temporary names, fsynced,
 //! renamed to their layer names; one manifest write swaps the inputs for the outputs and lists
-//! the inputs for deletion; then the inputs are deleted. Recovery removes the leftovers of a
-//! pass that did not install, and deletes listed inputs that survived.
+//! the inputs for deletion; then the inputs are deleted (one that cannot be stays listed for
+//! later). Recovery removes the leftovers of a pass that did not install, and deletes listed
+//! inputs that survived. A failed fsync is fatal for the timeline, as in the committer; an
+//! install whose manifest was renamed into place but not made durable keeps both its inputs
+//! and its outputs.
 //!
 //! **Invariants:** the inputs are the oldest layers (a prefix of the layer list) at the start of
 //! the pass, and only compaction removes layers, so they still are at install; the outputs
@@ -40,7 +43,7 @@ use serde::Serialize;
 use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
 use super::index::{Frozen, ReadPlan};
 use super::layer;
-use super::manifest::{CompactIntent, LayerMeta};
+use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
 use super::shared::Shared;
 use super::{Key, Lsn, ReconstructData};
 
@@ -65,6 +68,9 @@ pub struct CompactionConf {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct PassStats {
     pub input_layers: u64,
+    /// Values in the input layers: each is read once, so `values_read` over this is how far a
+    /// pass has got.
+    pub input_values: u64,
     pub output_layers: u64,
     pub keys: u64,
     pub values_read: u64,
@@ -144,12 +150,19 @@ pub struct Pass {
     next_id: u64,
     stats: PassStats,
     installed: bool,
+    /// The install's manifest was renamed into place without being made durable: the inputs
+    /// and the outputs both stay, whichever manifest a crash leaves (the timeline has failed
+    /// for good; the next open sorts it out).
+    outcome_unknown: bool,
 }
 
 impl Pass {
     /// Starts a pass over every frozen layer, recording its intent and GC cutoff in the
-    /// manifest. `None` if there are no layers.
+    /// manifest. `None` if there are no layers. Refused once the timeline has failed for good.
     pub(super) fn begin(shared: &Arc<Shared>, conf: CompactionConf) -> anyhow::Result<Option<Pass>> {
+        if let Some(error) = shared.fatal_error() {
+            anyhow::bail!("storage failed for good, no compaction until the timeline is reopened: {error}");
+        }
         let inputs: Vec<Arc<Frozen>> =
             shared.index.read().unwrap_or_else(PoisonError::into_inner).layers().to_vec();
         let Some(top) = inputs.iter().map(|l| l.last_lsn).max() else {
@@ -168,13 +181,15 @@ impl Pass {
                 m.compacting = Some(CompactIntent { first_layer_id: first });
                 m.gc_cutoff = m.gc_cutoff.max(cutoff.0);
             })
-            .context("record compaction intent")?;
+            .context("record compaction intent")
+            .inspect_err(|e| shared.record_if_fatal(e))?;
         shared.gc_cutoff.fetch_max(cutoff.0, Ordering::Relaxed);
         // Records ingested from here on are the next pass's debt (also the few that reached the
         // active segment since the caller sealed it, which this pass does not take).
         shared.index.write().unwrap_or_else(PoisonError::into_inner).reset_new_records();
         let stats = PassStats {
             input_layers: inputs.len() as u64,
+            input_values: inputs.iter().map(|l| l.entries.len() as u64).sum(),
             bytes_before: inputs.iter().map(|l| l.size).sum(),
             gc_cutoff: cutoff.0,
             ..PassStats::default()
@@ -192,12 +207,21 @@ impl Pass {
             next_id,
             stats,
             installed: false,
+            outcome_unknown: false,
         }))
     }
 
     /// Runs the pass for about `budget` (checked after each key), blocking on file I/O: call it
     /// off the async executor. After `NeedImage`, call [`Pass::provide_image`] first.
+    ///
+    /// An error ends the pass. One that is fatal (a failed fsync, an install whose outcome is
+    /// unknown) makes the timeline fail for good, as the committer's do: nothing more is written
+    /// until it is reopened.
     pub fn run_slice(&mut self, budget: Duration) -> anyhow::Result<Step> {
+        self.slice(budget).inspect_err(|e| self.shared.record_if_fatal(e))
+    }
+
+    fn slice(&mut self, budget: Duration) -> anyhow::Result<Step> {
         let start = Instant::now();
         if let Some(w) = self.waiting.take() {
             anyhow::ensure!(w.image.is_some(), "compaction slice run before its image was provided");
@@ -226,7 +250,7 @@ impl Pass {
         }
     }
 
-    /// Where the pass is: keys done so far.
+    /// Where the pass is: keys done and values read so far (of `input_values`).
     pub fn stats(&self) -> &PassStats {
         &self.stats
     }
@@ -327,14 +351,25 @@ impl Pass {
         let inputs: Vec<String> = self.inputs.iter().map(|l| l.name.clone()).collect();
         let metas: Vec<LayerMeta> = self.outputs.iter().map(|o| o.meta.clone()).collect();
         let next_id = self.next_id;
-        sh.update_manifest(&self.dir_file, |m| {
+        let installed = sh.update_manifest(&self.dir_file, |m| {
             m.layers.retain(|l| !inputs.contains(&l.name));
             m.layers.splice(0..0, metas);
             m.compacting = None;
-            m.deleting = inputs.clone();
+            // Inputs of an earlier pass that could not be deleted stay listed with these.
+            m.deleting.retain(|n| !inputs.contains(n));
+            m.deleting.extend(inputs.iter().cloned());
             m.next_layer_id = m.next_layer_id.max(next_id);
-        })
-        .context("install compaction outputs")?;
+        });
+        if let Err(e) = installed {
+            if RenamedNotSynced::is_in(&e) {
+                // Logged once, as the timeline's fatal failure.
+                self.outcome_unknown = true;
+                return Err(e.context(
+                    "install compaction outputs (outcome unknown: its inputs and outputs are both kept)",
+                ));
+            }
+            return Err(e.context("install compaction outputs"));
+        }
         self.installed = true;
         sh.index.write().unwrap_or_else(PoisonError::into_inner).replace_layers(&input_ids, &outputs)?;
         let (before, after) = (self.inputs.len() as u64, self.outputs.len() as u64);
@@ -344,7 +379,7 @@ impl Pass {
         sh.sealed_bytes.fetch_sub(self.stats.bytes_before, Ordering::Relaxed);
         sh.metrics.layer_files.add(after as i64 - before as i64);
         self.inputs.clear();
-        self.stats.files_deleted = delete_files(sh, &self.dir_file, &inputs);
+        self.stats.files_deleted = delete_files(sh, &self.dir_file);
         Ok(self.stats.clone())
     }
 }
@@ -353,7 +388,7 @@ impl Drop for Pass {
     /// A pass that ends without installing (an error, a shutdown) removes its files; its intent
     /// stays in the manifest, so a crash before this cleanup is cleaned up by recovery.
     fn drop(&mut self) {
-        if self.installed {
+        if self.installed || self.outcome_unknown {
             return;
         }
         let mut files: Vec<PathBuf> =
@@ -367,21 +402,34 @@ impl Drop for Pass {
     }
 }
 
-/// Deletes the files `names` (inputs of an installed pass) and clears the manifest's list of
-/// them; returns how many were deleted. Failures are logged: recovery deletes what is left.
-fn delete_files(sh: &Shared, dir_file: &File, names: &[String]) -> u64 {
-    let mut deleted = 0;
+/// Deletes the files the manifest lists in `deleting` (the inputs of installed passes) and
+/// records the deletion; returns how many it deleted. A file that cannot be deleted stays
+/// listed (logged), so that the next pass or the next open deletes it: dropped from the list,
+/// it would be a file the manifest does not know, which stops the open.
+fn delete_files(sh: &Shared, dir_file: &File) -> u64 {
+    let names = sh.manifest.lock().unwrap_or_else(PoisonError::into_inner).deleting.clone();
+    let mut gone = Vec::new();
     for name in names {
-        match std::fs::remove_file(sh.dir.join(name)) {
-            Ok(()) => deleted += 1,
-            Err(e) => tracing::warn!(file = %name, "could not delete a compacted layer: {e}"),
+        match std::fs::remove_file(sh.dir.join(&name)) {
+            Ok(()) => gone.push((name, true)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => gone.push((name, false)),
+            Err(e) => {
+                tracing::warn!(file = %name, "could not delete a compacted layer, deleting it later: {e}")
+            }
         }
     }
+    if gone.is_empty() {
+        return 0;
+    }
     let synced = sh.metrics.fsync(|| dir_file.sync_all()).context("fsync timeline directory");
-    if let Err(e) = synced.and_then(|()| sh.update_manifest(dir_file, |m| m.deleting.clear())) {
+    let recorded = synced.and_then(|()| {
+        sh.update_manifest(dir_file, |m| m.deleting.retain(|n| !gone.iter().any(|(g, _)| g == n)))
+    });
+    if let Err(e) = recorded {
+        sh.record_if_fatal(&e);
         tracing::warn!("could not record the deletion of compacted layers: {e:#}");
     }
-    deleted
+    gone.iter().filter(|(_, deleted)| *deleted).count() as u64
 }
 
 /// The reads of `entries` (oldest first).

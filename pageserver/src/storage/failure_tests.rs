@@ -1,7 +1,11 @@
-//! Tests of storage write failures with real faults: a tmpfs that fills up (ENOSPC) and a
-//! descriptor limit (EMFILE, in a child process so that no other test shares the limit). What
-//! they check: a failure is visible (state, metrics, `wait_lsn`), nothing answered with an error
-//! is stored, and ingest recovers without a reopen once the cause is gone, seals included.
+//! Tests of storage write failures with real faults: a tmpfs that fills up (ENOSPC), a
+//! descriptor limit (EMFILE, in a child process so that no other test shares the limit), a
+//! file that cannot be deleted (EBUSY: a bind mount over it); and, through test hooks, the
+//! failures this machine cannot produce (a failed fsync, a failed truncate). What they check: a
+//! failure is visible (state, metrics, `wait_lsn`), nothing answered with an error is stored,
+//! ingest recovers without a reopen once the cause is gone, seals included; a fatal failure
+//! stops seals and compaction too; and whatever compaction meets, the timeline opens again
+//! with every acknowledged value.
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
@@ -9,7 +13,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::test_support::*;
-use super::{GetError, IngestError, Lsn, StorageMetrics, Timeline, WaitLsnError};
+use super::{
+    CompactionConf, GetError, IngestError, Lsn, Pass, PassStats, ReconstructData, Step, StorageMetrics,
+    Timeline, WaitLsnError,
+};
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -194,4 +201,179 @@ fn descriptor_limit_during_a_seal_is_retried_once_descriptors_are_free() {
     let tl = open(dir.path(), 20_000, &metrics());
     assert_eq!(tl.last_durable_lsn(), Lsn(last));
     assert!(has_image(&tl, last));
+}
+
+/// A pass that creates no image and drops nothing: every read gives the same answer before and
+/// after it, so no redo is needed to compare. Outputs of 4 KiB: several of them.
+const KEEP_ALL: CompactionConf =
+    CompactionConf { image_threshold: usize::MAX, gc_horizon: u64::MAX, layer_size: 4096 };
+const KEYS: u32 = 16;
+const LAYER_SIZE: u64 = 2000;
+
+/// Ingests `rounds` rounds of one record per key; returns the last LSN.
+async fn fill_records(tl: &Timeline, rounds: u64) -> u64 {
+    let mut last = 0;
+    for round in 0..rounds {
+        let values = (0..KEYS)
+            .map(|k| {
+                last = round * 100 + u64::from(k) + 1;
+                (key(k), last, record(&format!("k{k}r{round}")))
+            })
+            .collect();
+        tl.ingest(batch(values)).await.unwrap();
+    }
+    last
+}
+
+/// What every key reads at a few LSNs up to `last`.
+fn contents(tl: &Timeline, last: u64) -> Vec<Result<ReconstructData, String>> {
+    let lsns = (1..=last).step_by(37).chain([last]);
+    lsns.flat_map(|lsn| (0..KEYS).map(move |k| (k, lsn)))
+        .map(|(k, lsn)| tl.get_reconstruct_data(key(k), Lsn(lsn), NO_LIMITS).map_err(|e| e.to_string()))
+        .collect()
+}
+
+fn layer_files(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".layer"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Runs `pass` to its end (or its first error).
+fn run_pass(pass: &mut Pass) -> anyhow::Result<PassStats> {
+    loop {
+        match pass.run_slice(Duration::from_millis(1))? {
+            Step::Continue => {}
+            Step::NeedImage(_) => pass.provide_image(None),
+            Step::Done(stats) => return Ok(stats),
+        }
+    }
+}
+
+/// A timeline in `dir` whose compaction failed at the directory fsync after the manifest
+/// naming its outputs was renamed into place: after a crash either manifest may be the one.
+/// Returns what it read before, its last LSN and its layer files before the pass (the inputs).
+async fn install_with_failed_directory_fsync(
+    dir: &Path,
+    m: &Arc<StorageMetrics>,
+) -> (Vec<Result<ReconstructData, String>>, u64, Vec<String>) {
+    let tl = open(dir, LAYER_SIZE, m);
+    let last = fill_records(&tl, 20).await;
+    tl.freeze().await.unwrap();
+    let before = contents(&tl, last);
+    let inputs = layer_files(dir);
+    assert!(inputs.len() > 3, "{inputs:?}");
+    let mut pass = tl.begin_compaction(KEEP_ALL).unwrap().unwrap();
+    tl.fail_next_manifest_sync();
+    let err = run_pass(&mut pass).unwrap_err();
+    assert!(format!("{err:#}").contains("injected directory fsync failure"), "{err:#}");
+    drop(pass);
+
+    // The outcome is unknown, as after any failed fsync: the timeline refuses ingests until it
+    // is reopened, and keeps serving what it has.
+    let state = tl.write_error().expect("the failed install is visible");
+    assert!(state.fatal && state.error.contains("injected directory fsync failure"), "{state:?}");
+    let refused = tl.ingest(batch(vec![(key(0), last + 1, record("x"))])).await.unwrap_err();
+    assert!(matches!(refused, IngestError::StorageUnavailable { fatal: true, .. }), "{refused}");
+    assert_eq!(contents(&tl, last), before);
+    (before, last, inputs)
+}
+
+#[tokio::test]
+async fn directory_fsync_failing_after_the_install_rename_keeps_every_file_and_the_reopen_serves_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let (before, last, inputs) = install_with_failed_directory_fsync(dir.path(), &m).await;
+    let files = layer_files(dir.path());
+    let kept: Vec<&String> = inputs.iter().filter(|f| files.contains(f)).collect();
+    assert_eq!(kept.len(), inputs.len(), "inputs deleted: {files:?}");
+    assert!(files.len() > inputs.len(), "the outputs were removed: {files:?}");
+
+    // Whichever manifest the disk kept, the reopen serves every value (here, the new one: the
+    // rename happened, so the outputs, and the inputs go).
+    let tl = open(dir.path(), LAYER_SIZE, &m);
+    assert_eq!(contents(&tl, last), before);
+    assert_eq!(tl.write_error(), None);
+    tl.ingest(batch(vec![(key(0), last + 1, record("after"))])).await.unwrap();
+    assert!(inputs.iter().all(|f| !dir.path().join(f).exists()), "{:?}", layer_files(dir.path()));
+}
+
+#[tokio::test]
+async fn an_output_missing_at_open_keeps_the_compaction_inputs_it_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let (_, _, inputs) = install_with_failed_directory_fsync(dir.path(), &m).await;
+    let listed = super::manifest::read(dir.path()).unwrap().unwrap();
+    assert_eq!(listed.deleting, inputs, "the new manifest is in place");
+    let output = listed.layers.first().unwrap().name.clone();
+    // Lost behind the manifest's back (a damaged disk, a person): the open must not delete
+    // what still holds the data.
+    let _ = std::fs::remove_file(dir.path().join(&output));
+
+    let err = format!(
+        "{:#}",
+        Timeline::open(dir.path(), super::StorageConf { layer_size: LAYER_SIZE }, m).err().unwrap()
+    );
+    assert!(err.contains(&output) && err.contains("kept"), "{err}");
+    let files = layer_files(dir.path());
+    assert!(inputs.iter().all(|f| files.contains(f)), "inputs deleted: {files:?}");
+}
+
+#[tokio::test]
+async fn a_compaction_input_that_cannot_be_deleted_stays_listed_and_the_reopen_deletes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), LAYER_SIZE, &m);
+    let last = fill_records(&tl, 20).await;
+    tl.freeze().await.unwrap();
+    let before = contents(&tl, last);
+    let inputs = layer_files(dir.path());
+    let mut pass = tl.begin_compaction(KEEP_ALL).unwrap().unwrap();
+    let busy = BindMount::over(&dir.path().join(&inputs[0]));
+    let stats = run_pass(&mut pass).unwrap();
+    assert_eq!(stats.files_deleted, inputs.len() as u64 - 1, "{stats:?}");
+    assert_eq!(contents(&tl, last), before);
+    assert_eq!(tl.write_error(), None, "a file left over is no write failure");
+    drop(pass);
+    drop(tl);
+    drop(busy);
+
+    let tl = open(dir.path(), LAYER_SIZE, &m);
+    assert_eq!(contents(&tl, last), before);
+    assert!(!dir.path().join(&inputs[0]).exists(), "the leftover input was not deleted at open");
+}
+
+#[tokio::test]
+async fn a_failed_cut_stops_seals_and_compaction_and_the_reopen_serves_every_acknowledged_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 1 << 30, &m);
+    for lsn in 1..=5u64 {
+        tl.ingest(batch(vec![(key(lsn as u32), lsn, image(lsn as u8))])).await.unwrap();
+    }
+    // A group of 24 KiB fails its fsync, and cutting it off fails too: the file is longer than
+    // what was acknowledged, and the timeline has failed for good.
+    tl.fail_next_fsync();
+    tl.fail_next_cut();
+    let values = (6..=8u64).map(|lsn| (key(lsn as u32), lsn, image(lsn as u8))).collect();
+    let err = tl.ingest(batch(values)).await.unwrap_err();
+    assert!(matches!(&err, IngestError::StorageUnavailable { fatal: true, .. }), "{err}");
+    assert!(err.to_string().contains("injected truncate failure"), "{err}");
+
+    // Compaction asks for a seal, then a pass: neither may write on a timeline in this state.
+    let frozen = tl.freeze().await;
+    let begun = tl.begin_compaction(KEEP_ALL).map(|p| p.is_some());
+    let layers = tl.stats().layers;
+    drop(tl);
+
+    let tl = Timeline::open(dir.path(), super::StorageConf { layer_size: 1 << 30 }, m.clone())
+        .unwrap_or_else(|e| panic!("the timeline no longer opens: {e:#}"));
+    assert!((1..=5).all(|lsn| has_image(&tl, lsn)), "an acknowledged batch was lost");
+    assert!(frozen.is_err(), "a seal ran after the failed cut");
+    assert!(begun.is_err(), "a compaction pass began after the failed cut: {begun:?}");
+    assert_eq!(layers, 0);
 }

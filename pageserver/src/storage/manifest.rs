@@ -25,7 +25,7 @@ use std::path::Path;
 use anyhow::{bail, ensure, Context};
 use serde::{Deserialize, Serialize};
 
-use super::{layer, Lsn, StorageMetrics};
+use super::{layer, FsyncFailed, Lsn, StorageMetrics};
 
 /// File name of the manifest in a timeline directory.
 pub(crate) const MANIFEST_NAME: &str = "manifest.json";
@@ -177,12 +177,25 @@ pub(crate) fn read(dir: &Path) -> anyhow::Result<Option<Manifest>> {
 
 /// Makes `m` (with its generation advanced by one) the manifest of `dir`, atomically and
 /// durably: written under a temporary name, fsynced, renamed over the old one, directory
-/// fsynced. After a crash the directory holds the old manifest or the new one.
+/// fsynced. After a crash the directory holds the old manifest or the new one. On success, and
+/// when only the last fsync failed ([`RenamedNotSynced`]), `m` is the new manifest (the one the
+/// directory names); on any other error it is unchanged.
 pub(crate) fn write(
     dir: &Path,
     dir_file: &File,
     m: &mut Manifest,
     metrics: &StorageMetrics,
+) -> anyhow::Result<()> {
+    write_with(dir, dir_file, m, metrics, false)
+}
+
+/// [`write`], with a test hook: `fail_sync` makes the directory fsync after the rename fail.
+pub(crate) fn write_with(
+    dir: &Path,
+    dir_file: &File,
+    m: &mut Manifest,
+    metrics: &StorageMetrics,
+    fail_sync: bool,
 ) -> anyhow::Result<()> {
     let mut next = m.clone();
     next.generation += 1;
@@ -200,9 +213,27 @@ pub(crate) fn write(
         return Err(e);
     }
     std::fs::rename(&tmp, dir.join(MANIFEST_NAME)).context("rename manifest into place")?;
-    metrics.fsync(|| dir_file.sync_all()).context("fsync timeline directory")?;
+    let synced = metrics.fsync(|| match fail_sync {
+        true => Err(std::io::Error::other("injected directory fsync failure")),
+        false => dir_file.sync_all(),
+    });
     *m = next;
-    Ok(())
+    synced.map_err(|e| RenamedNotSynced(e).into())
+}
+
+/// The new manifest was renamed into place, then the directory fsync that makes the rename
+/// durable failed: the directory names the new manifest now, and after a crash it may name
+/// either. What the new manifest lists must stay, and so must what the old one lists. (An
+/// error of [`write`] without this one left the old manifest in place.)
+#[derive(Debug, thiserror::Error)]
+#[error("fsync timeline directory after renaming the manifest into place (outcome unknown)")]
+pub(crate) struct RenamedNotSynced(#[source] pub FsyncFailed);
+
+impl RenamedNotSynced {
+    /// Whether `e` says the manifest was renamed into place without being made durable.
+    pub(crate) fn is_in(e: &anyhow::Error) -> bool {
+        e.chain().any(|c| c.is::<RenamedNotSynced>())
+    }
 }
 
 #[cfg(test)]

@@ -137,7 +137,8 @@ fn resolve_seal(
 }
 
 /// Removes what compaction left: the outputs of a pass that did not install (unlisted layers
-/// with an id from the intent's first on), and the inputs of one that did (`deleting`).
+/// with an id from the intent's first on), and the inputs of one that did (`deleting`), but
+/// those only while every layer the manifest lists is there.
 fn resolve_compaction(
     dir: &Path,
     dir_file: &File,
@@ -147,6 +148,18 @@ fn resolve_compaction(
 ) -> anyhow::Result<()> {
     if m.compacting.is_none() && m.deleting.is_empty() {
         return Ok(());
+    }
+    // The inputs hold what the outputs that replaced them hold: never delete them while a
+    // listed layer is missing (the open fails, naming it, with the data still there).
+    let missing: Vec<&str> =
+        m.layers.iter().map(|l| l.name.as_str()).filter(|n| !listing.layers.iter().any(|f| f == n)).collect();
+    if !missing.is_empty() && !m.deleting.is_empty() {
+        bail!(
+            "layer file {} listed in {MANIFEST_NAME} is missing; the compaction inputs it replaced are \
+             kept ({})",
+            missing.join(", "),
+            m.deleting.join(", ")
+        );
     }
     let first = m.compacting.as_ref().map(|c| c.first_layer_id);
     let leftover = |name: &String| {

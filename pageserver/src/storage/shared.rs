@@ -9,15 +9,17 @@
 
 use std::fs::File;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::manifest::{self, Manifest};
-use super::{index, IngestError, Key, Lsn, StorageConf, StorageMetrics, StorageWriteError, Value};
+use super::{
+    index, FsyncFailed, IngestError, Key, Lsn, StorageConf, StorageMetrics, StorageWriteError, Value,
+};
 
 /// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
 pub(super) const QUEUE_BUDGET_KIB: usize = 256 << 10;
@@ -44,6 +46,8 @@ pub(super) struct Queue {
     pub(super) hold: bool,
     /// Test hook: the committer's next group fsync fails.
     pub(super) fail_next_fsync: bool,
+    /// Test hook: the committer's next cut of a failed group (the truncate) fails.
+    pub(super) fail_next_cut: bool,
     /// Seal the active segment at the next round whatever its size (for compaction); cleared
     /// when the seal is done. Watch `seals` for it.
     pub(super) seal_now: bool,
@@ -94,6 +98,40 @@ pub(super) struct Shared {
     pub(super) gc_cutoff: AtomicU64,
     /// Seals done since open; bumped after each (compaction waits on it after `seal_now`).
     pub(super) seals: watch::Sender<u64>,
+    /// Test hook: the next manifest write renames its file into place, then its directory
+    /// fsync fails.
+    pub(super) fail_next_manifest_sync: AtomicBool,
+}
+
+/// How long ingests are refused after a failed round before the next group may retry.
+pub(crate) const RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A failure after which the state on disk is not known: fatal like a failed fsync.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(super) struct Unrecoverable(pub(super) String);
+
+/// Whether `e` is fatal for the timeline: a failed fsync (see [`FsyncFailed`]), or a failure
+/// that leaves the state on disk unknown ([`Unrecoverable`]).
+pub(super) fn is_fatal(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<FsyncFailed>() || c.is::<Unrecoverable>())
+}
+
+fn clone_error(e: &IngestError) -> IngestError {
+    match e {
+        IngestError::StorageUnavailable { error, fatal } => {
+            IngestError::StorageUnavailable { error: error.clone(), fatal: *fatal }
+        }
+        IngestError::ShuttingDown => IngestError::ShuttingDown,
+        other => IngestError::Io(anyhow::anyhow!("{other}")),
+    }
+}
+
+/// Answers every batch of `batches` with `error`.
+pub(super) fn fail_all(batches: Vec<Pending>, error: &IngestError) {
+    for p in batches {
+        let _ = p.done.send(Err(clone_error(error)));
+    }
 }
 
 impl Queue {
@@ -116,18 +154,80 @@ impl Shared {
     }
 
     /// Writes the manifest changed by `change`, atomically and durably, under the manifest lock
-    /// (so that the committer and compaction never write over each other's changes).
+    /// (so that the committer and compaction never write over each other's changes). Refused
+    /// once the timeline has failed for good: after a failed fsync nothing more is written
+    /// until it is reopened. If the new manifest was renamed into place but its directory
+    /// fsync failed ([`manifest::RenamedNotSynced`]), the manifest kept here is the new one, as
+    /// the directory names it, and the caller must treat the change as perhaps made.
     pub(super) fn update_manifest(
         &self,
         dir_file: &File,
         change: impl FnOnce(&mut Manifest),
     ) -> anyhow::Result<()> {
         let mut m = self.manifest.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(error) = self.fatal_error() {
+            anyhow::bail!("storage failed for good, reopen the timeline: {error}");
+        }
         let mut next = m.clone();
         change(&mut next);
-        manifest::write(&self.dir, dir_file, &mut next, &self.metrics)?;
-        *m = next;
-        Ok(())
+        let fail_sync = self.fail_next_manifest_sync.swap(false, Ordering::Relaxed);
+        let written = manifest::write_with(&self.dir, dir_file, &mut next, &self.metrics, fail_sync);
+        if written.is_ok() || written.as_ref().is_err_and(manifest::RenamedNotSynced::is_in) {
+            *m = next;
+        }
+        written
+    }
+
+    /// Makes the timeline fail for good if `e` (a compaction's failure) [`is_fatal`], as the
+    /// committer does with its own; any other failure of compaction leaves ingest alone.
+    pub(super) fn record_if_fatal(&self, e: &anyhow::Error) {
+        if is_fatal(e) && self.fatal_error().is_none() {
+            self.record_failure(e);
+        }
+    }
+
+    /// Starts or continues a failure episode with `e` (the committer's failed rounds, and the
+    /// fatal failures of compaction): refuses ingests until the retry is due, or for good if
+    /// `e` [`is_fatal`]; fails everything queued (after the state is visible); lets the next
+    /// batch start right above the durable LSN. Returns the error the refused batches get.
+    pub(super) fn record_failure(&self, e: &anyhow::Error) -> IngestError {
+        let fatal = is_fatal(e);
+        let error = format!("{e:#}");
+        self.metrics.write_errors.inc();
+        let mut q = self.queue();
+        let (since, was_fatal) = match &q.failure {
+            Some(f) => (f.state.since, f.state.fatal),
+            None => {
+                self.metrics.failed_timelines.inc();
+                (SystemTime::now(), false)
+            }
+        };
+        match (&q.failure, fatal && !was_fatal) {
+            (None, false) => tracing::error!(
+                retry_every = ?RETRY_INTERVAL,
+                "failed to write to storage, refusing ingests until a retry succeeds: {error}"
+            ),
+            (_, true) => tracing::error!(
+                "failed to sync storage, refusing ingests until the timeline is reopened: {error}"
+            ),
+            (Some(_), false) => tracing::debug!("failed to write to storage again: {error}"),
+        }
+        let state = StorageWriteError { error, since, fatal: fatal || was_fatal };
+        let failure = Failure { state: state.clone(), retry_at: Instant::now() + RETRY_INTERVAL };
+        let error = failure.error();
+        let queued = std::mem::take(&mut q.pending);
+        q.failure = Some(failure);
+        q.last_queued = *self.durable.borrow();
+        self.health.send_replace(Some(state));
+        drop(q);
+        fail_all(queued, &error);
+        error
+    }
+
+    /// Why the timeline failed for good (a fatal failure: nothing is written until it is
+    /// reopened), if it did.
+    pub(super) fn fatal_error(&self) -> Option<String> {
+        self.queue().failure.as_ref().filter(|f| f.state.fatal).map(|f| f.state.error.clone())
     }
 
     /// Schedules the committer on the commit pool to look at the queue.

@@ -108,6 +108,33 @@ impl Drop for Tmpfs {
     }
 }
 
+/// A file bind-mounted over `target` until dropped: `unlink(target)` then fails with `EBUSY`,
+/// a real failure to delete a file (needs root, as [`Tmpfs`]).
+pub(crate) struct BindMount {
+    target: std::path::PathBuf,
+    _source: tempfile::NamedTempFile,
+}
+
+impl BindMount {
+    pub(crate) fn over(target: &Path) -> BindMount {
+        let source = tempfile::NamedTempFile::new().unwrap();
+        let status = std::process::Command::new("mount")
+            .arg("--bind")
+            .arg(source.path())
+            .arg(target)
+            .status()
+            .unwrap();
+        assert!(status.success(), "bind mount over {}: {status}", target.display());
+        BindMount { target: target.to_path_buf(), _source: source }
+    }
+}
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.target).status();
+    }
+}
+
 /// Read limits that never refuse.
 pub(crate) const NO_LIMITS: super::ReadLimits =
     super::ReadLimits { max_records: usize::MAX, max_bytes: u64::MAX };

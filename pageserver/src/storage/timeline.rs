@@ -12,7 +12,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -71,6 +71,7 @@ impl Timeline {
                 failure: None,
                 hold: false,
                 fail_next_fsync: false,
+                fail_next_cut: false,
                 seal_now: false,
             }),
             wake: OnceLock::new(),
@@ -89,6 +90,7 @@ impl Timeline {
             manifest: Mutex::new(rec.manifest),
             next_file_id: AtomicU32::new(rec.next_file_id),
             seals: watch::Sender::new(0),
+            fail_next_manifest_sync: AtomicBool::new(false),
         });
         let job = commit::start(&shared, dir_file, rec.segment)?;
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
@@ -257,8 +259,10 @@ impl Timeline {
     }
 
     /// Seals the active segment now if it holds anything (so that compaction can take its
-    /// values), and waits until the committer has tried. Cancel-safe.
+    /// values), and waits until the committer has tried. Fails, sealing nothing, once the
+    /// timeline has failed for good (a fatal storage failure: reopen it). Cancel-safe.
     pub async fn freeze(&self) -> anyhow::Result<()> {
+        self.refuse_if_failed_for_good()?;
         if self.shared.active_len.load(Ordering::Relaxed) <= super::format::FILE_HEADER_LEN {
             return Ok(());
         }
@@ -267,8 +271,17 @@ impl Timeline {
         self.shared.queue().seal_now = true;
         self.shared.wake();
         tokio::select! {
-            changed = seals.changed() => changed.context("committer stopped"),
+            changed = seals.changed() => changed.context("committer stopped")?,
             () = self.shared.stopped.cancelled() => anyhow::bail!("timeline shut down"),
+        }
+        self.refuse_if_failed_for_good()
+    }
+
+    /// Fails once a fatal storage failure stopped every write until the timeline is reopened.
+    fn refuse_if_failed_for_good(&self) -> anyhow::Result<()> {
+        match self.shared.fatal_error() {
+            Some(error) => anyhow::bail!("storage failed for good, reopen the timeline: {error}"),
+            None => Ok(()),
         }
     }
 
@@ -356,6 +369,19 @@ impl Timeline {
     #[cfg(test)]
     pub(super) fn fail_next_fsync(&self) {
         self.shared.queue().fail_next_fsync = true;
+    }
+
+    /// Test hook: makes the next cut of a failed group (after a failed write or fsync) fail.
+    #[cfg(test)]
+    pub(super) fn fail_next_cut(&self) {
+        self.shared.queue().fail_next_cut = true;
+    }
+
+    /// Test hook: the next manifest write (a seal's, or a compaction's) renames the new
+    /// manifest into place, then fails the directory fsync that would make it durable.
+    #[cfg(test)]
+    pub(super) fn fail_next_manifest_sync(&self) {
+        self.shared.fail_next_manifest_sync.store(true, Ordering::Relaxed);
     }
 
     #[cfg(test)]
