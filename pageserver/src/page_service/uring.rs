@@ -76,17 +76,44 @@ pub const ZERO_COPY_MIN: usize = 10 * 1024;
 /// write timeout.
 const STALL_CHECK: Duration = Duration::from_millis(250);
 
+/// Faults a test can make a ring inject: the answers of kernels older than the test machine's,
+/// a failed `io_uring_enter`.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(super) struct Hooks {
+    /// The next `io_uring_enter` that waits fails (as on an unexpected kernel error).
+    pub(super) fail_next_submit: AtomicBool,
+    /// Zero-copy sends carry a flag this kernel does not know, so that it answers `EINVAL` as
+    /// Linux 6.1 does to `IORING_SEND_ZC_REPORT_USAGE`.
+    pub(super) zc_unknown_flag: AtomicBool,
+    /// `io_uring_enter` with `IORING_ENTER_EXT_ARG` fails with `EINVAL`, as on Linux 5.6-5.10.
+    pub(super) no_ext_arg: AtomicBool,
+}
+
+/// A flag of a zero-copy send that no kernel knows (the test machine's answers `EINVAL`).
+#[cfg(test)]
+const ZC_UNKNOWN_FLAG: u16 = 1 << 15;
+
 /// What the kernel's io_uring offers the writer.
 #[derive(Debug, Clone, Copy)]
 pub struct Support {
-    /// `SENDMSG_ZC` (Linux 6.1): zero-copy sends.
+    /// `SENDMSG_ZC` (Linux 6.1) with `IORING_SEND_ZC_REPORT_USAGE` (Linux 6.2): zero-copy sends.
     pub zero_copy: bool,
 }
 
 /// Whether io_uring can send here: a ring can be set up (not refused by the kernel, a seccomp
 /// filter or `kernel.io_uring_disabled`), knows the operations the writer uses, and completes
 /// a no-op. The error says why not.
+///
+/// Zero-copy is offered only if a zero-copy send with the flags the writer gives it completes:
+/// Linux 6.1 has `SENDMSG_ZC` but answers `EINVAL` to `IORING_SEND_ZC_REPORT_USAGE` (6.2), which
+/// the opcode probe does not show.
 pub fn probe() -> Result<Support, String> {
+    probe_with(ZC_REPORT_USAGE)
+}
+
+/// [`probe`], with zero-copy sends carrying `zc_ioprio`.
+fn probe_with(zc_ioprio: u16) -> Result<Support, String> {
     let mut ring = IoUring::new(8).map_err(|e| format!("io_uring_setup failed: {e}"))?;
     let mut probe = Probe::new();
     ring.submitter().register_probe(&mut probe).map_err(|e| format!("the io_uring probe failed: {e}"))?;
@@ -105,10 +132,46 @@ pub fn probe() -> Result<Support, String> {
     ring.submit_and_wait(1).map_err(|e| format!("io_uring_enter failed: {e}"))?;
     let result = ring.completion().next().map(|cqe| cqe.result());
     match result {
-        Some(res) if res >= 0 => Ok(Support { zero_copy: probe.is_supported(opcode::SendMsgZc::CODE) }),
-        Some(res) => Err(format!("a no-op failed: {}", io::Error::from_raw_os_error(-res))),
-        None => Err("a no-op did not complete".to_string()),
+        Some(res) if res >= 0 => {}
+        Some(res) => return Err(format!("a no-op failed: {}", io::Error::from_raw_os_error(-res))),
+        None => return Err("a no-op did not complete".to_string()),
     }
+    let zero_copy = probe.is_supported(opcode::SendMsgZc::CODE) && zero_copy_send_works(&mut ring, zc_ioprio);
+    Ok(Support { zero_copy })
+}
+
+/// Whether a `SENDMSG_ZC` with `ioprio` completes: one byte to a UDP socket on loopback that
+/// sends to itself.
+fn zero_copy_send_works(ring: &mut IoUring, ioprio: u16) -> bool {
+    /// Static: the kernel may read it until the send's notification, which is not waited for.
+    static BYTE: [u8; 1] = [0];
+    let Ok(socket) = std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, 0)) else { return false };
+    let Ok(()) = socket.local_addr().and_then(|addr| socket.connect(addr)) else { return false };
+    let mut iovec = libc::iovec { iov_base: BYTE.as_ptr() as *mut libc::c_void, iov_len: BYTE.len() };
+    // SAFETY: msghdr is plain data; all zero is an empty message.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iovec;
+    msg.msg_iovlen = 1;
+    let send = opcode::SendMsgZc::new(types::Fd(socket.as_raw_fd()), &msg)
+        .flags(libc::MSG_DONTWAIT as u32)
+        .ioprio(ioprio)
+        .build()
+        .user_data(2);
+    // SAFETY: `msg` and `iovec` outlive the operation: its completion is reaped below before
+    // they go (the ring is not dropped before that either), and the byte is static.
+    if unsafe { ring.submission().push(&send) }.is_err() {
+        return false;
+    }
+    loop {
+        match ring.submit_and_wait(1) {
+            Ok(_) => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+    // The send's completion comes first (a notification may follow it; it needs nothing of
+    // ours).
+    ring.completion().next().is_some_and(|cqe| cqe.result() >= 0)
 }
 
 /// What a connection and the ring share about the connection.
@@ -229,6 +292,8 @@ struct Shared {
     dead: AtomicBool,
     /// Counts the wake-ups' `write`s among the send syscalls.
     metrics: Arc<PageServiceMetrics>,
+    #[cfg(test)]
+    hooks: Arc<Hooks>,
 }
 
 /// The daemon's rings, one thread each; connections are spread over them round-robin.
@@ -266,6 +331,8 @@ impl Rings {
                 stop: AtomicBool::new(false),
                 dead: AtomicBool::new(false),
                 metrics: Arc::clone(&metrics),
+                #[cfg(test)]
+                hooks: Arc::new(Hooks::default()),
             });
             let (thread_shared, metrics) = (Arc::clone(&shared), Arc::clone(&metrics));
             std::thread::Builder::new()
@@ -275,6 +342,12 @@ impl Rings {
             rings.push(Ring(shared));
         }
         Ok(Rings { rings, next: AtomicUsize::new(0) })
+    }
+
+    /// The faults the first ring injects, for a test to set.
+    #[cfg(test)]
+    pub(super) fn hooks(&self) -> Arc<Hooks> {
+        Arc::clone(&self.rings[0].0.hooks)
     }
 
     /// The ring for a new connection.
@@ -335,6 +408,8 @@ struct InFlight {
     stalled: bool,
     /// Its sends go zero-copy (`SENDMSG_ZC`).
     zero_copy: bool,
+    /// The flags of its zero-copy sends.
+    zc_ioprio: u16,
     /// Zero-copy notifications still to come: until the last, the kernel may still read the
     /// chunks, so they stay (the job lingers in its slot after it is sent).
     notifs: usize,
@@ -356,6 +431,7 @@ impl InFlight {
             parked: false,
             stalled: false,
             zero_copy,
+            zc_ioprio: ZC_REPORT_USAGE,
             notifs: 0,
             lingering: false,
         }
@@ -378,7 +454,7 @@ impl InFlight {
         // count, the same on every kernel.
         let flags = (libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) as u32;
         let entry = if self.zero_copy {
-            opcode::SendMsgZc::new(fd, msg).flags(flags).ioprio(ZC_REPORT_USAGE).build()
+            opcode::SendMsgZc::new(fd, msg).flags(flags).ioprio(self.zc_ioprio).build()
         } else {
             opcode::SendMsg::new(fd, msg).flags(flags).build()
         };
@@ -413,11 +489,20 @@ struct Jobs {
     behind: HashMap<u64, VecDeque<Job>>,
     /// The kernel has `SENDMSG_ZC`.
     zero_copy: bool,
+    #[cfg(test)]
+    hooks: Arc<Hooks>,
 }
 
 impl Jobs {
-    fn new(zero_copy: bool) -> Jobs {
-        Jobs { sending: Vec::new(), free: Vec::new(), behind: HashMap::new(), zero_copy }
+    fn new(zero_copy: bool, #[cfg(test)] hooks: Arc<Hooks>) -> Jobs {
+        Jobs {
+            sending: Vec::new(),
+            free: Vec::new(),
+            behind: HashMap::new(),
+            zero_copy,
+            #[cfg(test)]
+            hooks,
+        }
     }
 
     /// Takes a job from a connection: sent next if its connection has none being sent, else
@@ -447,6 +532,10 @@ impl Jobs {
                 ZeroCopy::Probing | ZeroCopy::Plain => false,
             };
         let mut in_flight = InFlight::new(job, zero_copy);
+        #[cfg(test)]
+        if self.hooks.zc_unknown_flag.load(Ordering::Relaxed) {
+            in_flight.zc_ioprio |= ZC_UNKNOWN_FLAG;
+        }
         if in_flight.advance(0) {
             // Nothing to send (a close without a last reply).
             let Job { link, close, .. } = in_flight.job;
@@ -575,7 +664,11 @@ impl Jobs {
 
 /// The thread of one ring.
 fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServiceMetrics) {
-    let mut jobs = Jobs::new(zero_copy);
+    let mut jobs = Jobs::new(
+        zero_copy,
+        #[cfg(test)]
+        Arc::clone(&shared.hooks),
+    );
     let mut wake_buf = Box::new([0u8; 8]);
     let mut ready: Vec<squeue::Entry> = vec![wake_read(shared, &mut wake_buf)];
     let stall_check = types::Timespec::from(STALL_CHECK);
@@ -596,8 +689,16 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
         }
         metrics.uring_io.send_syscalls.inc();
         // With a job parked on a full socket, wake up now and then to time it out.
+        #[cfg(test)]
+        if shared.hooks.fail_next_submit.swap(false, Ordering::Relaxed) {
+            break Some(io::Error::from_raw_os_error(libc::EFAULT));
+        }
         let waited = if jobs.check_stalls() {
             let args = types::SubmitArgs::new().timespec(&stall_check);
+            #[cfg(test)]
+            if shared.hooks.no_ext_arg.load(Ordering::Relaxed) {
+                break Some(io::Error::from_raw_os_error(libc::EINVAL));
+            }
             ring.submitter().submit_with_args(1, &args)
         } else {
             ring.submit_and_wait(1)
@@ -733,6 +834,18 @@ fn complete(
             ready.push(job.poll(slot));
         }
         e if e == -libc::EINTR => ready.push(job.send(slot)),
+        e if job.zero_copy && (e == -libc::EINVAL || e == -libc::EOPNOTSUPP) => {
+            // The kernel refuses this zero-copy send (flags it does not know, a socket that
+            // cannot send from user pages): nothing of it was sent; resend plain, and send
+            // this connection's batches plain from now on.
+            tracing::debug!(
+                "a zero-copy send was refused ({}), sending plain",
+                io::Error::from_raw_os_error(-e)
+            );
+            job.zero_copy = false;
+            job.job.link.set_zero_copy(ZeroCopy::Plain);
+            ready.push(job.send(slot));
+        }
         e => jobs.finish(slot, Err(io::Error::from_raw_os_error(-e)), ready),
     }
 }
@@ -744,7 +857,7 @@ mod tests {
     use super::*;
 
     /// A batch of `pages` distinct 8 KiB pages, each after a small header, as replies are.
-    fn batch(n: u8, pages: usize) -> Vec<Bytes> {
+    pub(super) fn batch(n: u8, pages: usize) -> Vec<Bytes> {
         (0..pages)
             .flat_map(|p| {
                 let tag = n.wrapping_mul(16).wrapping_add(p as u8);
@@ -801,5 +914,86 @@ mod tests {
         assert!(rest == last, "the last batch arrived whole, then FIN");
         assert_eq!(metrics.zero_copy_sends.get(), 1);
         assert_eq!(metrics.uring_io.sends.get(), 4);
+    }
+}
+
+#[cfg(test)]
+mod fault_tests {
+    //! The ring against the kernel answers it does not get on this machine (older kernels,
+    //! injected through [`Hooks`]) and against a failing ring.
+    use std::io::Read;
+
+    use nix::sys::socket::{self as sock, sockopt};
+
+    use super::tests::batch;
+    use super::*;
+
+    fn start() -> (Rings, Arc<Hooks>, Arc<PageServiceMetrics>) {
+        let support = probe().expect("io_uring works on this machine");
+        let metrics = Arc::new(PageServiceMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        let rings = Rings::start(1, support, Arc::clone(&metrics)).expect("start a ring");
+        let hooks = rings.hooks();
+        (rings, hooks, metrics)
+    }
+
+    /// A loopback connection: the client's end (blocking), and the daemon's as a [`Link`] with
+    /// `write_timeout`. A client with `small_rcvbuf` has a receive buffer of a few KiB (set
+    /// before the handshake): it holds little of a batch it does not read, and the rest waits in
+    /// the daemon's socket; with `small_sndbuf` that socket holds little too, so that a large
+    /// batch soon finds it full and parks.
+    fn connection(
+        small_rcvbuf: bool,
+        small_sndbuf: bool,
+        write_timeout: Duration,
+    ) -> (std::net::TcpStream, Arc<Link>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        if small_rcvbuf {
+            // Inherited by the accepted socket, the client's end, before its handshake.
+            sock::setsockopt(&listener, sockopt::RcvBuf, &4096).expect("SO_RCVBUF");
+        }
+        let server = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (client, _) = listener.accept().expect("accept");
+        if small_sndbuf {
+            sock::setsockopt(&server, sockopt::SndBuf, &4096).expect("SO_SNDBUF");
+        }
+        server.set_nonblocking(true).expect("nonblocking");
+        let link = Link::new(Arc::new(TcpStream::from_std(server).expect("tokio socket")), write_timeout);
+        (client, link)
+    }
+
+    fn bytes_of(chunks: &[Bytes]) -> Vec<u8> {
+        chunks.iter().flat_map(|c| c.iter().copied()).collect()
+    }
+
+    #[test]
+    fn a_kernel_that_refuses_zc_report_usage_gets_a_ring_without_zero_copy() {
+        let support = probe().expect("io_uring works on this machine");
+        assert!(support.zero_copy, "this kernel (6.2 or later) takes IORING_SEND_ZC_REPORT_USAGE");
+        // As Linux 6.1 answers a zero-copy send with REPORT_USAGE: EINVAL.
+        let old = probe_with(ZC_REPORT_USAGE | ZC_UNKNOWN_FLAG).expect("a ring, without zero-copy");
+        assert!(!old.zero_copy, "zero-copy offered though the kernel refuses its flags");
+    }
+
+    #[tokio::test]
+    async fn a_zero_copy_send_the_kernel_refuses_is_resent_plain_and_its_connection_turns_plain() {
+        let (rings, hooks, metrics) = start();
+        hooks.zc_unknown_flag.store(true, Ordering::Relaxed);
+        let (mut client, link) = connection(false, false, Duration::from_secs(10));
+        link.set_zero_copy(ZeroCopy::Untried);
+        let ring = rings.pick();
+        let mut expected = Vec::new();
+        for n in 0..3 {
+            let chunks = batch(n, 4);
+            expected.extend(bytes_of(&chunks));
+            let job = Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: n == 2 };
+            assert!(ring.submit(job).is_ok());
+        }
+        let mut received = Vec::new();
+        let _ = client.read_to_end(&mut received);
+        assert_eq!(received.len(), expected.len(), "every byte of three batches arrived, then FIN");
+        assert!(received == expected, "the bytes arrived whole and in order");
+        assert_eq!(link.failure(), None);
+        assert_eq!(link.zero_copy(), ZeroCopy::Plain, "the connection's sends go plain from then on");
+        assert_eq!(metrics.zero_copy_sends.get(), 1, "one zero-copy send tried, none after it");
     }
 }
