@@ -104,8 +104,9 @@ impl IoChoice {
         self.rings.as_ref()
     }
 
-    /// Whether a connection's next batch should go through the ring; counts the connection as
-    /// writing in this period (`counted`: the last period it was counted in, its own).
+    /// Whether a connection's next batch should go through the ring (never once the ring
+    /// failed); counts the connection as writing in this period (`counted`: the last period it
+    /// was counted in, its own).
     pub(super) fn use_ring(&self, counted: &mut u64) -> bool {
         if self.mode == PageServiceIo::Auto {
             let period = self.period.load(Ordering::Relaxed);
@@ -114,7 +115,12 @@ impl IoChoice {
                 self.writing.fetch_add(1, Ordering::Relaxed);
             }
         }
-        self.ring_now.load(Ordering::Relaxed)
+        self.ring_now.load(Ordering::Relaxed) && !self.ring_failed()
+    }
+
+    /// The io_uring writer failed: its thread is gone.
+    fn ring_failed(&self) -> bool {
+        self.rings.as_ref().is_some_and(Rings::dead)
     }
 
     /// `auto`: looks at the load every [`PERIOD`] and switches writers when the controller
@@ -152,7 +158,8 @@ impl IoChoice {
             workers: 1,
             stuck: false,
         });
-        let ring = decision.path == Path::Async;
+        // A failed ring is never chosen.
+        let ring = decision.path == Path::Async && !self.ring_failed();
         self.metrics.writing_connections.set(i64::try_from(writing).unwrap_or(i64::MAX));
         if self.ring_now.swap(ring, Ordering::Relaxed) != ring {
             self.metrics.ring_chosen.set(i64::from(ring));

@@ -19,6 +19,12 @@
 //! over at the first completion: its reply slots are freed and its connection's next batch
 //! starts; the job lingers in its ring slot, holding its chunks, until the last notification.
 //!
+//! A ring error (an `io_uring_enter` failing other than `EINTR`/`ETIME`) ends the thread: the
+//! connections with batches in it are closed (their bytes would be lost mid-stream), the ring
+//! is marked dead and refuses jobs, [`super::io_choice::IoChoice`] never chooses it again, and
+//! every other connection writes its next batches itself (`writev`); a WARN and the gauge
+//! `pageserver_page_service_io_uring_failed` say so.
+//!
 //! So the batches of one connection leave in order, one at a time; a connection whose client
 //! stops reading holds only its own batches (parked on its poll), every other connection's
 //! sends go on, and a batch that makes no progress for the connection's write timeout gets
@@ -344,16 +350,23 @@ impl Rings {
         Ok(Rings { rings, next: AtomicUsize::new(0) })
     }
 
+    /// Every ring's thread is gone (a ring error).
+    pub(super) fn dead(&self) -> bool {
+        self.rings.iter().all(|ring| ring.0.dead.load(Ordering::Acquire))
+    }
+
     /// The faults the first ring injects, for a test to set.
     #[cfg(test)]
     pub(super) fn hooks(&self) -> Arc<Hooks> {
         Arc::clone(&self.rings[0].0.hooks)
     }
 
-    /// The ring for a new connection.
+    /// The ring for a new connection: the next one whose thread is alive, if any is.
     pub(super) fn pick(&self) -> Ring {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
-        self.rings[i].clone()
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        let ring = |i: usize| &self.rings[i % self.rings.len()];
+        let alive = (first..first + self.rings.len()).map(ring).find(|r| !r.0.dead.load(Ordering::Acquire));
+        alive.unwrap_or_else(|| ring(first)).clone()
     }
 }
 
@@ -713,8 +726,11 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
             complete(&cqe, &mut jobs, &mut ready, shared, &mut wake_buf, metrics);
         }
     };
-    if let Some(e) = failure {
-        tracing::error!("the io_uring writer failed, its connections are closed: {e}");
+    if let Some(e) = &failure {
+        tracing::warn!(
+            "the io_uring writer failed ({e}): the connections with batches in it are closed, \
+             replies go through writev per connection from now on"
+        );
     }
     const STOPPED: &str = "the io_uring writer stopped";
     // Nothing may be freed while the kernel could still write to it or read from it: cancel
@@ -740,6 +756,10 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
         shared.dead.store(true, Ordering::Release);
         std::mem::take(&mut *queue)
     };
+    if failure.is_some() {
+        metrics.uring_failed.set(1);
+        metrics.choice.ring_chosen.set(0);
+    }
     for job in queued {
         *lock(&job.link.failed) = Some(STOPPED.to_string());
         job.link.shut_down(Shutdown::Both);
