@@ -66,6 +66,8 @@ const ENTRIES: u32 = 512;
 const MAX_IOVECS: usize = 1024;
 /// `user_data` of the eventfd read.
 const WAKE: u64 = u64::MAX;
+/// `user_data` of the stall check's `TIMEOUT` (kernels without `IORING_FEAT_EXT_ARG`).
+const STALL_TIMER: u64 = u64::MAX - 1;
 /// `user_data` bit of a job's `POLL_ADD` (the rest is the job's slot).
 const POLL: u64 = 1 << 62;
 /// `IORING_SEND_ZC_REPORT_USAGE` (in a zero-copy send's `ioprio`): its notification says
@@ -105,6 +107,10 @@ const ZC_UNKNOWN_FLAG: u16 = 1 << 15;
 pub struct Support {
     /// `SENDMSG_ZC` (Linux 6.1) with `IORING_SEND_ZC_REPORT_USAGE` (Linux 6.2): zero-copy sends.
     pub zero_copy: bool,
+    /// `IORING_FEAT_EXT_ARG` (Linux 5.11): a wait for completions can carry its own timeout.
+    /// Without it, a wait that must end in time for the stall check goes with a `TIMEOUT`
+    /// operation.
+    pub ext_arg: bool,
 }
 
 /// Whether io_uring can send here: a ring can be set up (not refused by the kernel, a seccomp
@@ -143,7 +149,7 @@ fn probe_with(zc_ioprio: u16) -> Result<Support, String> {
         None => return Err("a no-op did not complete".to_string()),
     }
     let zero_copy = probe.is_supported(opcode::SendMsgZc::CODE) && zero_copy_send_works(&mut ring, zc_ioprio);
-    Ok(Support { zero_copy })
+    Ok(Support { zero_copy, ext_arg: ring.params().is_feature_ext_arg() })
 }
 
 /// Whether a `SENDMSG_ZC` with `ioprio` completes: one byte to a UDP socket on loopback that
@@ -343,7 +349,7 @@ impl Rings {
             let (thread_shared, metrics) = (Arc::clone(&shared), Arc::clone(&metrics));
             std::thread::Builder::new()
                 .name(format!("ps-uring-{i}"))
-                .spawn(move || run(ring, &thread_shared, support.zero_copy, &metrics))
+                .spawn(move || run(ring, &thread_shared, support, &metrics))
                 .map_err(|e| anyhow::anyhow!("failed to start an io_uring writer thread: {e}"))?;
             rings.push(Ring(shared));
         }
@@ -676,15 +682,18 @@ impl Jobs {
 }
 
 /// The thread of one ring.
-fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServiceMetrics) {
+fn run(mut ring: IoUring, shared: &Shared, support: Support, metrics: &PageServiceMetrics) {
     let mut jobs = Jobs::new(
-        zero_copy,
+        support.zero_copy,
         #[cfg(test)]
         Arc::clone(&shared.hooks),
     );
     let mut wake_buf = Box::new([0u8; 8]);
     let mut ready: Vec<squeue::Entry> = vec![wake_read(shared, &mut wake_buf)];
+    // Read by the kernel when an operation or a wait that points at it is submitted.
     let stall_check = types::Timespec::from(STALL_CHECK);
+    // Without EXT_ARG: a stall check `TIMEOUT` is pending on the ring.
+    let mut timer_armed = false;
     let failure = loop {
         let arrived = std::mem::take(&mut *lock(&shared.queue));
         let replies: usize = arrived.iter().map(|job| job.slots.len()).sum();
@@ -694,6 +703,13 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
         if shared.stop.load(Ordering::Acquire) && jobs.sending_none() {
             break None;
         }
+        // With a job parked on a full socket, wake up now and then to time it out: the wait
+        // carries a timeout (EXT_ARG), or a `TIMEOUT` operation completes.
+        let parked = jobs.check_stalls();
+        if parked && !support.ext_arg && !timer_armed {
+            ready.push(opcode::Timeout::new(&stall_check).build().user_data(STALL_TIMER));
+            timer_armed = true;
+        }
         if let Err(e) = push_all(&mut ring, &mut ready, metrics) {
             break Some(e);
         }
@@ -701,12 +717,11 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
             metrics.replies_per_submit.observe(replies as f64);
         }
         metrics.uring_io.send_syscalls.inc();
-        // With a job parked on a full socket, wake up now and then to time it out.
         #[cfg(test)]
         if shared.hooks.fail_next_submit.swap(false, Ordering::Relaxed) {
             break Some(io::Error::from_raw_os_error(libc::EFAULT));
         }
-        let waited = if jobs.check_stalls() {
+        let waited = if parked && support.ext_arg {
             let args = types::SubmitArgs::new().timespec(&stall_check);
             #[cfg(test)]
             if shared.hooks.no_ext_arg.load(Ordering::Relaxed) {
@@ -723,6 +738,10 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
         }
         let completed: Vec<cqueue::Entry> = ring.completion().collect();
         for cqe in completed {
+            if cqe.user_data() == STALL_TIMER {
+                timer_armed = false;
+                continue;
+            }
             complete(&cqe, &mut jobs, &mut ready, shared, &mut wake_buf, metrics);
         }
     };
@@ -948,8 +967,13 @@ mod fault_tests {
     use super::tests::batch;
     use super::*;
 
+    const DEADLINE: Duration = Duration::from_secs(20);
+
     fn start() -> (Rings, Arc<Hooks>, Arc<PageServiceMetrics>) {
-        let support = probe().expect("io_uring works on this machine");
+        start_with(probe().expect("io_uring works on this machine"))
+    }
+
+    fn start_with(support: Support) -> (Rings, Arc<Hooks>, Arc<PageServiceMetrics>) {
         let metrics = Arc::new(PageServiceMetrics::new(&prometheus::Registry::new()).expect("metrics"));
         let rings = Rings::start(1, support, Arc::clone(&metrics)).expect("start a ring");
         let hooks = rings.hooks();
@@ -985,6 +1009,14 @@ mod fault_tests {
         chunks.iter().flat_map(|c| c.iter().copied()).collect()
     }
 
+    fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + DEADLINE;
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     #[test]
     fn a_kernel_that_refuses_zc_report_usage_gets_a_ring_without_zero_copy() {
         let support = probe().expect("io_uring works on this machine");
@@ -1015,5 +1047,33 @@ mod fault_tests {
         assert_eq!(link.failure(), None);
         assert_eq!(link.zero_copy(), ZeroCopy::Plain, "the connection's sends go plain from then on");
         assert_eq!(metrics.zero_copy_sends.get(), 1, "one zero-copy send tried, none after it");
+    }
+
+    #[tokio::test]
+    async fn a_kernel_without_ext_arg_times_out_a_parked_send_and_serves_the_others() {
+        // What the probe says on such a kernel, which answers EXT_ARG waits with EINVAL.
+        let support = Support { ext_arg: false, ..probe().expect("io_uring works on this machine") };
+        let (rings, hooks, metrics) = start_with(support);
+        hooks.no_ext_arg.store(true, Ordering::Relaxed);
+        let ring = rings.pick();
+        let (_stalled_client, stalled) = connection(true, true, Duration::from_secs(1));
+        let job = Job { link: Arc::clone(&stalled), chunks: batch(0, 64), slots: Vec::new(), close: false };
+        assert!(ring.submit(job).is_ok());
+        wait_for("the send to park on a full socket", || metrics.send_waits.get() > 0);
+
+        // Another connection is served meanwhile.
+        let (mut client, link) = connection(false, false, Duration::from_secs(10));
+        let chunks = batch(1, 4);
+        let expected = bytes_of(&chunks);
+        let job = Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: true };
+        assert!(ring.submit(job).is_ok(), "the ring takes the next connection's batch");
+        let mut received = Vec::new();
+        let _ = client.read_to_end(&mut received);
+        assert!(received == expected, "the other connection got its batch and FIN");
+        assert_eq!(link.failure(), None);
+
+        // The parked send is given up after its write timeout, without progress.
+        wait_for("the stalled connection to be shut down", || stalled.failure().is_some());
+        assert!(!stalled.sending());
     }
 }
