@@ -287,13 +287,14 @@ pub async fn serve(
                 tracker.spawn(
                     async move {
                         metrics.connections.inc();
+                        // The slot goes with the connection's socket: an io_uring writer may
+                        // hold both after the connection ended, until its sends are over.
                         let served =
-                            handle_connection(stream, &tenants, &metrics, connection_conf, stop, abort);
+                            handle_connection(stream, slot, &tenants, &metrics, connection_conf, stop, abort);
                         if let Err(e) = served.await {
                             tracing::debug!("connection ended: {e:#}");
                         }
                         metrics.connections.dec();
-                        drop(slot);
                     }
                     .instrument(span),
                 );

@@ -190,6 +190,9 @@ fn zero_copy_send_works(ring: &mut IoUring, ioprio: u16) -> bool {
 pub(super) struct Link {
     id: u64,
     socket: Arc<TcpStream>,
+    /// The connection's slot of `max_connections`: held as long as the socket is (a ring's
+    /// job may hold it after its connection ended), so that sockets stay within the bound.
+    _connection_slot: Option<Arc<OwnedSemaphorePermit>>,
     /// A batch that makes no progress this long gets the socket shut down.
     write_timeout: Duration,
     /// Why the ring gave up on the connection (the socket is shut down then).
@@ -254,13 +257,18 @@ impl Link {
 }
 
 impl Link {
-    pub(super) fn new(socket: Arc<TcpStream>, write_timeout: Duration) -> Arc<Link> {
+    pub(super) fn new(
+        socket: Arc<TcpStream>,
+        connection_slot: Option<Arc<OwnedSemaphorePermit>>,
+        write_timeout: Duration,
+    ) -> Arc<Link> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed) as u64;
         let zero_copy = AtomicU8::new(ZeroCopy::for_socket(&socket) as u8);
         Arc::new(Link {
             id,
             socket,
+            _connection_slot: connection_slot,
             write_timeout,
             failed: Mutex::new(None),
             zero_copy,
@@ -915,8 +923,11 @@ mod tests {
         let mut client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
         let (server, _) = listener.accept().expect("accept");
         server.set_nonblocking(true).expect("nonblocking");
-        let link =
-            Link::new(Arc::new(TcpStream::from_std(server).expect("tokio socket")), Duration::from_secs(10));
+        let link = Link::new(
+            Arc::new(TcpStream::from_std(server).expect("tokio socket")),
+            None,
+            Duration::from_secs(10),
+        );
         // A peer on this host is never probed; pretend it is remote, to probe.
         assert_eq!(link.zero_copy(), ZeroCopy::Plain);
         link.set_zero_copy(ZeroCopy::Untried);
@@ -1001,7 +1012,8 @@ mod fault_tests {
             sock::setsockopt(&server, sockopt::SndBuf, &4096).expect("SO_SNDBUF");
         }
         server.set_nonblocking(true).expect("nonblocking");
-        let link = Link::new(Arc::new(TcpStream::from_std(server).expect("tokio socket")), write_timeout);
+        let link =
+            Link::new(Arc::new(TcpStream::from_std(server).expect("tokio socket")), None, write_timeout);
         (client, link)
     }
 
