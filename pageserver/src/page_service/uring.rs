@@ -39,7 +39,9 @@
 //!   reused underneath;
 //! - a connection that ends abruptly (abort, a failure) shuts its socket down, which makes
 //!   the ring's operations on it complete at once (with an error);
-//! - at teardown, the ring's operations are cancelled synchronously before any buffer is freed.
+//! - at teardown, the ring's operations are cancelled synchronously before any buffer is freed,
+//!   and the chunks of a zero-copy send whose notification has not come are never freed (the
+//!   kernel may still read them: a retransmission must not send reused memory).
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -663,10 +665,20 @@ impl Jobs {
     }
 
     /// Gives every job up (the ring is gone). Only once no operation is pending on them.
-    fn fail_all(&mut self, why: &str) {
+    ///
+    /// The chunks of a zero-copy send whose notification has not come are kept (leaked): the
+    /// kernel may still read their pages (a retransmission), so their memory must not be reused.
+    /// Returns how many chunks were kept: at most one batch per connection, once per ring.
+    fn fail_all(&mut self, why: &str) -> usize {
         let mut ignored = Vec::new();
+        let mut kept = 0;
         for slot in 0..self.sending.len() {
             self.finish(slot, Err(io::Error::other(why.to_string())), &mut ignored);
+            if let Some(in_flight) = self.get(slot).filter(|job| job.notifs > 0) {
+                let chunks = std::mem::take(&mut in_flight.job.chunks);
+                kept += chunks.len();
+                std::mem::forget(chunks);
+            }
             self.release(slot);
         }
         for (_, queue) in self.behind.drain() {
@@ -675,6 +687,7 @@ impl Jobs {
                 job.link.shut_down(Shutdown::Both);
             }
         }
+        kept
     }
 
     /// Gives every job up but keeps (leaks) what their operations point at: for a ring whose
@@ -772,8 +785,23 @@ fn run(mut ring: IoUring, shared: &Shared, support: Support, metrics: &PageServi
             std::mem::forget(wake_buf);
         }
         _ => {
+            // Notifications that came meanwhile free their chunks; the others' are kept.
+            let notified: Vec<usize> = ring
+                .completion()
+                .filter(|cqe| cqueue::notif(cqe.flags()) && cqe.user_data() & POLL == 0)
+                .map(|cqe| cqe.user_data() as usize)
+                .collect();
+            for slot in notified {
+                jobs.notified(slot);
+            }
             drop(ring);
-            jobs.fail_all(STOPPED);
+            let kept = jobs.fail_all(STOPPED);
+            if kept > 0 {
+                tracing::warn!(
+                    "keeping {kept} reply chunks of zero-copy sends whose notification did not come \
+                     before the io_uring writer stopped (the kernel may still read them)"
+                );
+            }
         }
     }
     // Jobs queued meanwhile are given up too (their connections close); from now on jobs are
@@ -1087,5 +1115,55 @@ mod fault_tests {
         // The parked send is given up after its write timeout, without progress.
         wait_for("the stalled connection to be shut down", || stalled.failure().is_some());
         assert!(!stalled.sending());
+    }
+
+    /// Page bytes that count their owner's drop.
+    struct Tracked {
+        bytes: Vec<u8>,
+        dropped: Arc<AtomicUsize>,
+    }
+
+    impl AsRef<[u8]> for Tracked {
+        fn as_ref(&self) -> &[u8] {
+            &self.bytes
+        }
+    }
+
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.dropped.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_ring_that_fails_keeps_the_chunks_of_zero_copy_sends_not_yet_notified() {
+        let (rings, hooks, metrics) = start();
+        let (_client, link) = connection(true, false, Duration::from_secs(60));
+        link.set_zero_copy(ZeroCopy::Untried);
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let chunks: Vec<Bytes> = (0..64u8)
+            .map(|p| Bytes::from_owner(Tracked { bytes: vec![p; 8192], dropped: Arc::clone(&dropped) }))
+            .collect();
+        let ring = rings.pick();
+        assert!(ring
+            .submit(Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: false })
+            .is_ok());
+        // The kernel took the whole batch (zero-copy bytes are not charged to the socket's send
+        // buffer), but most of it waits in the socket for the client, who reads nothing: the
+        // send is over, its notification has not come.
+        wait_for("the zero-copy send to complete", || !link.sending());
+        assert!(metrics.zero_copy_sends.get() >= 1, "the batch went zero-copy");
+        assert_eq!(metrics.zero_copy_copied.get(), 0, "no notification yet");
+
+        // The ring fails at its next submit, which a batch of another connection brings about.
+        hooks.fail_next_submit.store(true, Ordering::Relaxed);
+        let (_other_client, other) = connection(false, false, Duration::from_secs(60));
+        let _ = ring.submit(Job { link: other, chunks: batch(1, 1), slots: Vec::new(), close: false });
+        wait_for("the ring to fail", || ring.0.dead.load(Ordering::Acquire));
+        assert_eq!(
+            dropped.load(Ordering::SeqCst),
+            0,
+            "pages of a zero-copy send freed before its notification"
+        );
     }
 }
