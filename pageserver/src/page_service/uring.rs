@@ -161,18 +161,18 @@ fn zero_copy_send_works(ring: &mut IoUring, ioprio: u16) -> bool {
     static BYTE: [u8; 1] = [0];
     let Ok(socket) = std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, 0)) else { return false };
     let Ok(()) = socket.local_addr().and_then(|addr| socket.connect(addr)) else { return false };
-    let mut iovec = libc::iovec { iov_base: BYTE.as_ptr() as *mut libc::c_void, iov_len: BYTE.len() };
+    let mut iovec = Box::new(libc::iovec { iov_base: BYTE.as_ptr() as *mut libc::c_void, iov_len: 1 });
     // SAFETY: msghdr is plain data; all zero is an empty message.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iovec;
+    let mut msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+    msg.msg_iov = &mut *iovec;
     msg.msg_iovlen = 1;
-    let send = opcode::SendMsgZc::new(types::Fd(socket.as_raw_fd()), &msg)
+    let send = opcode::SendMsgZc::new(types::Fd(socket.as_raw_fd()), &*msg)
         .flags(libc::MSG_DONTWAIT as u32)
         .ioprio(ioprio)
         .build()
         .user_data(2);
     // SAFETY: `msg` and `iovec` outlive the operation: its completion is reaped below before
-    // they go (the ring is not dropped before that either), and the byte is static.
+    // they go, or they are leaked if the wait for it fails; the byte is static.
     if unsafe { ring.submission().push(&send) }.is_err() {
         return false;
     }
@@ -180,7 +180,11 @@ fn zero_copy_send_works(ring: &mut IoUring, ioprio: u16) -> bool {
         match ring.submit_and_wait(1) {
             Ok(_) => break,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return false,
+            Err(_) => {
+                // The send may still be pending: what it points at stays.
+                std::mem::forget((msg, iovec));
+                return false;
+            }
         }
     }
     // The send's completion comes first (a notification may follow it; it needs nothing of
