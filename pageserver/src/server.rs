@@ -229,7 +229,7 @@ fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<u
             uring::ZERO_COPY_MIN
         )
     } else {
-        "no zero-copy sends (the kernel lacks SENDMSG_ZC)".to_string()
+        "no zero-copy sends (the kernel lacks SENDMSG_ZC or IORING_SEND_ZC_REPORT_USAGE)".to_string()
     };
     if io == PageServiceIo::Auto {
         tracing::info!(

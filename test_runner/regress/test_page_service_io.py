@@ -19,7 +19,15 @@ import pytest
 
 from fixtures import oracle as o
 from fixtures.oracle import Key
-from fixtures.page_client import LATEST, Page, PageConnection, connect
+from fixtures.page_client import (
+    LATEST,
+    ConnectionClosed,
+    Page,
+    PageConnection,
+    PageServiceError,
+    connect,
+    frame,
+)
 from fixtures.seccomp import deny_io_uring_setup
 from fixtures.util import wait_until
 
@@ -85,6 +93,71 @@ def test_a_client_that_stops_reading_delays_nobody_and_gets_every_reply_in_order
     else:
         assert m.value("pageserver_page_service_sends_total", io="epoll") > 0
         assert m.value("pageserver_page_service_sends_total", io="io_uring") == 0
+
+
+def page_service_sockets(pid: int, port: int) -> int:
+    """The daemon's TCP sockets on the page service port, but the listener: its connections."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().name
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            listening = fields[3] == "0A"
+            if local_port == port and not listening and fields[9] in inodes:
+                count += 1
+    return count
+
+
+def test_clients_that_never_read_hold_at_most_max_connections_daemon_sockets(
+        pageserver_factory, page_service_io, small_tcp_send_buffers):
+    """Each client says Hello, pipelines 250 GetPages and a bad frame, and never reads: the
+    daemon answers the bad frame and is done reading, with the replies still unsent. Such a
+    connection keeps its slot until its socket is done with, so 200 of them against
+    `max_connections = 4` leave the daemon 4 sockets (the rest are refused), not 200."""
+    ps = pageserver_factory(max_connections=4)
+    ps.allowed_errors.append("refusing a connection: too many connections")
+    tenant = ps.create_tenant()
+    with ps.connect(tenant) as conn:
+        page = _load(conn)
+    wait_until(lambda: ps.http.metrics().value("pageserver_page_service_connections") == 0, timeout=15,
+               desc="the loading connection to end")
+    port = ps.pg_addr[1]
+    clients, accepted = [], 0
+    try:
+        for _ in range(200):
+            c = PageConnection(ps.pg_addr, timeout=30, rcvbuf=4096)
+            clients.append(c)
+            try:
+                c.hello(tenant)
+                for _ in range(PIPELINED):
+                    c.send_get_page(KEY, LATEST)
+                c.send_raw(frame(0x7F))
+                accepted += 1
+            except (PageServiceError, ConnectionClosed, OSError):
+                pass  # refused: too many connections
+        # (A refused connection's socket lives a moment longer than its refusal: wait for those.)
+        wait_until(lambda: page_service_sockets(ps.pid, port) <= 4, timeout=10,
+                   desc=f"at most 4 page service sockets ({accepted} clients accepted)")
+        assert accepted <= 4
+    finally:
+        for c in clients:
+            c.close()
+    # The clients are gone: their slots come back, and a new connection is served.
+    def served() -> bool:
+        try:
+            with ps.connect(tenant) as conn:
+                return conn.get_page(KEY) == page
+        except (PageServiceError, ConnectionClosed, OSError):
+            return False
+    wait_until(served, timeout=30, desc="a connection to be served once the clients left")
 
 
 def test_a_kernel_that_refuses_io_uring_leaves_writev_and_the_daemon_says_so(

@@ -46,6 +46,11 @@ pub(crate) struct ConnectionConf {
 
 /// Serves one connection until the client leaves, a bad frame, a timeout, or shutdown.
 ///
+/// `connection_slot` (of `max_connections`) is freed once nothing holds the socket any more:
+/// when this returns, or later, once an io_uring writer is done with the batches it was handed
+/// (a client that does not read keeps them there up to the write timeout), so that the
+/// daemon's sockets stay within `max_connections`.
+///
 /// `stop` (shutdown begins): the reader stops and the requests in flight are answered. `abort`
 /// (shutdown's grace is over): the connection is dropped at once, whatever it was writing.
 ///
@@ -53,6 +58,7 @@ pub(crate) struct ConnectionConf {
 /// finish on their own tasks and their replies are dropped.
 pub(crate) async fn handle_connection(
     stream: TcpStream,
+    connection_slot: OwnedSemaphorePermit,
     tenants: &Tenants,
     metrics: &Arc<PageServiceMetrics>,
     conf: ConnectionConf,
@@ -62,7 +68,8 @@ pub(crate) async fn handle_connection(
     // Shared by the reader and the writer (and, while a batch is with it, an io_uring writer
     // thread, which so keeps the descriptor open until its operations on it are over).
     let stream = Arc::new(stream);
-    let writer = Writer::new(Arc::clone(&stream), Arc::clone(&conf.io), conf.idle_timeout);
+    let writer =
+        Writer::new(Arc::clone(&stream), Arc::new(connection_slot), Arc::clone(&conf.io), conf.idle_timeout);
     // Every request holds a slot from the frame's read until its reply is written: the reader
     // waits for a free slot before it reads on, so a connection never has more in flight.
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));

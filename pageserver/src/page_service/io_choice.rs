@@ -344,8 +344,9 @@ impl IoChoice {
         self.rings.as_ref()
     }
 
-    /// Whether a connection's next batch should go through the ring; counts the connection as
-    /// writing in this period (`counted`: the last period it was counted in, its own).
+    /// Whether a connection's next batch should go through the ring (never once the ring
+    /// failed); counts the connection as writing in this period (`counted`: the last period it
+    /// was counted in, its own).
     pub(super) fn use_ring(&self, counted: &mut u64) -> bool {
         if self.mode == PageServiceIo::Auto {
             let period = self.period.load(Ordering::Relaxed);
@@ -354,7 +355,12 @@ impl IoChoice {
                 self.writing.fetch_add(1, Ordering::Relaxed);
             }
         }
-        self.ring_now.load(Ordering::Relaxed)
+        self.ring_now.load(Ordering::Relaxed) && !self.ring_failed()
+    }
+
+    /// The io_uring writer failed: its thread is gone.
+    fn ring_failed(&self) -> bool {
+        self.rings.as_ref().is_some_and(Rings::dead)
     }
 
     /// `auto`: measures every [`PERIOD`] and switches writers as the [`Chooser`] says, until
@@ -389,7 +395,8 @@ impl IoChoice {
         self.period.fetch_add(1, Ordering::Relaxed);
         let mut chooser = lock(&self.chooser);
         let verdict = chooser.period(sample);
-        let ring = chooser.via() == Via::Ring;
+        // A failed ring is never chosen.
+        let ring = chooser.via() == Via::Ring && !self.ring_failed();
         drop(chooser);
         self.metrics.writing_connections.set(i64::try_from(sample.writing).unwrap_or(i64::MAX));
         if let Some(verdict) = verdict {

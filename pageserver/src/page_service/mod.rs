@@ -23,6 +23,8 @@ mod connection;
 pub mod io_choice;
 pub mod proto;
 mod reply_order;
+#[cfg(test)]
+mod serve_tests;
 pub mod uring;
 mod writer;
 
@@ -110,6 +112,8 @@ pub struct PageServiceMetrics {
     /// `SENDMSG_ZC` operations, and those whose bytes the kernel copied after all.
     zero_copy_sends: IntCounter,
     zero_copy_copied: IntCounter,
+    /// 1 once an io_uring writer failed (its thread is gone): batches go through `writev`.
+    uring_failed: IntGauge,
     /// `auto`'s input and choice.
     pub choice: io_choice::ChoiceMetrics,
 }
@@ -172,6 +176,11 @@ impl PageServiceMetrics {
             "Zero-copy sends whose bytes the kernel copied after all (loopback, devices that cannot \
              send from user pages), as IORING_SEND_ZC_REPORT_USAGE reports",
         )?;
+        let uring_failed = IntGauge::new(
+            "pageserver_page_service_io_uring_failed",
+            "1 once the io_uring writer failed (a ring error): reply batches go through writev \
+             until the daemon restarts",
+        )?;
         let choice = io_choice::ChoiceMetrics {
             writing_connections: IntGauge::new(
                 "pageserver_page_service_writing_connections",
@@ -211,6 +220,7 @@ impl PageServiceMetrics {
         registry.register(Box::new(choice.ring_chosen.clone()))?;
         registry.register(Box::new(zero_copy_sends.clone()))?;
         registry.register(Box::new(zero_copy_copied.clone()))?;
+        registry.register(Box::new(uring_failed.clone()))?;
         registry.register(Box::new(connections.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(errors.clone()))?;
@@ -239,6 +249,7 @@ impl PageServiceMetrics {
             send_waits,
             zero_copy_sends,
             zero_copy_copied,
+            uring_failed,
             choice,
         })
     }
@@ -301,13 +312,14 @@ pub async fn serve(
                 tracker.spawn(
                     async move {
                         metrics.connections.inc();
+                        // The slot goes with the connection's socket: an io_uring writer may
+                        // hold both after the connection ended, until its sends are over.
                         let served =
-                            handle_connection(stream, &tenants, &metrics, connection_conf, stop, abort);
+                            handle_connection(stream, slot, &tenants, &metrics, connection_conf, stop, abort);
                         if let Err(e) = served.await {
                             tracing::debug!("connection ended: {e:#}");
                         }
                         metrics.connections.dec();
-                        drop(slot);
                     }
                     .instrument(span),
                 );

@@ -19,6 +19,12 @@
 //! over at the first completion: its reply slots are freed and its connection's next batch
 //! starts; the job lingers in its ring slot, holding its chunks, until the last notification.
 //!
+//! A ring error (an `io_uring_enter` failing other than `EINTR`/`ETIME`) ends the thread: the
+//! connections with batches in it are closed (their bytes would be lost mid-stream), the ring
+//! is marked dead and refuses jobs, [`super::io_choice::IoChoice`] never chooses it again, and
+//! every other connection writes its next batches itself (`writev`); a WARN and the gauge
+//! `pageserver_page_service_io_uring_failed` say so.
+//!
 //! So the batches of one connection leave in order, one at a time; a connection whose client
 //! stops reading holds only its own batches (parked on its poll), every other connection's
 //! sends go on, and a batch that makes no progress for the connection's write timeout gets
@@ -33,7 +39,9 @@
 //!   reused underneath;
 //! - a connection that ends abruptly (abort, a failure) shuts its socket down, which makes
 //!   the ring's operations on it complete at once (with an error);
-//! - at teardown, the ring's operations are cancelled synchronously before any buffer is freed.
+//! - at teardown, the ring's operations are cancelled synchronously before any buffer is freed,
+//!   and the chunks of a zero-copy send whose notification has not come are never freed (the
+//!   kernel may still read them: a retransmission must not send reused memory).
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -60,6 +68,8 @@ const ENTRIES: u32 = 512;
 const MAX_IOVECS: usize = 1024;
 /// `user_data` of the eventfd read.
 const WAKE: u64 = u64::MAX;
+/// `user_data` of the stall check's `TIMEOUT` (kernels without `IORING_FEAT_EXT_ARG`).
+const STALL_TIMER: u64 = u64::MAX - 1;
 /// `user_data` bit of a job's `POLL_ADD` (the rest is the job's slot).
 const POLL: u64 = 1 << 62;
 /// `IORING_SEND_ZC_REPORT_USAGE` (in a zero-copy send's `ioprio`): its notification says
@@ -76,17 +86,48 @@ pub const ZERO_COPY_MIN: usize = 10 * 1024;
 /// write timeout.
 const STALL_CHECK: Duration = Duration::from_millis(250);
 
+/// Faults a test can make a ring inject: the answers of kernels older than the test machine's,
+/// a failed `io_uring_enter`.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(super) struct Hooks {
+    /// The next `io_uring_enter` that waits fails (as on an unexpected kernel error).
+    pub(super) fail_next_submit: AtomicBool,
+    /// Zero-copy sends carry a flag this kernel does not know, so that it answers `EINVAL` as
+    /// Linux 6.1 does to `IORING_SEND_ZC_REPORT_USAGE`.
+    pub(super) zc_unknown_flag: AtomicBool,
+    /// `io_uring_enter` with `IORING_ENTER_EXT_ARG` fails with `EINVAL`, as on Linux 5.6-5.10.
+    pub(super) no_ext_arg: AtomicBool,
+}
+
+/// A flag of a zero-copy send that no kernel knows (the test machine's answers `EINVAL`).
+#[cfg(test)]
+const ZC_UNKNOWN_FLAG: u16 = 1 << 15;
+
 /// What the kernel's io_uring offers the writer.
 #[derive(Debug, Clone, Copy)]
 pub struct Support {
-    /// `SENDMSG_ZC` (Linux 6.1): zero-copy sends.
+    /// `SENDMSG_ZC` (Linux 6.1) with `IORING_SEND_ZC_REPORT_USAGE` (Linux 6.2): zero-copy sends.
     pub zero_copy: bool,
+    /// `IORING_FEAT_EXT_ARG` (Linux 5.11): a wait for completions can carry its own timeout.
+    /// Without it, a wait that must end in time for the stall check goes with a `TIMEOUT`
+    /// operation.
+    pub ext_arg: bool,
 }
 
 /// Whether io_uring can send here: a ring can be set up (not refused by the kernel, a seccomp
 /// filter or `kernel.io_uring_disabled`), knows the operations the writer uses, and completes
 /// a no-op. The error says why not.
+///
+/// Zero-copy is offered only if a zero-copy send with the flags the writer gives it completes:
+/// Linux 6.1 has `SENDMSG_ZC` but answers `EINVAL` to `IORING_SEND_ZC_REPORT_USAGE` (6.2), which
+/// the opcode probe does not show.
 pub fn probe() -> Result<Support, String> {
+    probe_with(ZC_REPORT_USAGE)
+}
+
+/// [`probe`], with zero-copy sends carrying `zc_ioprio`.
+fn probe_with(zc_ioprio: u16) -> Result<Support, String> {
     let mut ring = IoUring::new(8).map_err(|e| format!("io_uring_setup failed: {e}"))?;
     let mut probe = Probe::new();
     ring.submitter().register_probe(&mut probe).map_err(|e| format!("the io_uring probe failed: {e}"))?;
@@ -105,16 +146,59 @@ pub fn probe() -> Result<Support, String> {
     ring.submit_and_wait(1).map_err(|e| format!("io_uring_enter failed: {e}"))?;
     let result = ring.completion().next().map(|cqe| cqe.result());
     match result {
-        Some(res) if res >= 0 => Ok(Support { zero_copy: probe.is_supported(opcode::SendMsgZc::CODE) }),
-        Some(res) => Err(format!("a no-op failed: {}", io::Error::from_raw_os_error(-res))),
-        None => Err("a no-op did not complete".to_string()),
+        Some(res) if res >= 0 => {}
+        Some(res) => return Err(format!("a no-op failed: {}", io::Error::from_raw_os_error(-res))),
+        None => return Err("a no-op did not complete".to_string()),
     }
+    let zero_copy = probe.is_supported(opcode::SendMsgZc::CODE) && zero_copy_send_works(&mut ring, zc_ioprio);
+    Ok(Support { zero_copy, ext_arg: ring.params().is_feature_ext_arg() })
+}
+
+/// Whether a `SENDMSG_ZC` with `ioprio` completes: one byte to a UDP socket on loopback that
+/// sends to itself.
+fn zero_copy_send_works(ring: &mut IoUring, ioprio: u16) -> bool {
+    /// Static: the kernel may read it until the send's notification, which is not waited for.
+    static BYTE: [u8; 1] = [0];
+    let Ok(socket) = std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, 0)) else { return false };
+    let Ok(()) = socket.local_addr().and_then(|addr| socket.connect(addr)) else { return false };
+    let mut iovec = Box::new(libc::iovec { iov_base: BYTE.as_ptr() as *mut libc::c_void, iov_len: 1 });
+    // SAFETY: msghdr is plain data; all zero is an empty message.
+    let mut msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+    msg.msg_iov = &mut *iovec;
+    msg.msg_iovlen = 1;
+    let send = opcode::SendMsgZc::new(types::Fd(socket.as_raw_fd()), &*msg)
+        .flags(libc::MSG_DONTWAIT as u32)
+        .ioprio(ioprio)
+        .build()
+        .user_data(2);
+    // SAFETY: `msg` and `iovec` outlive the operation: its completion is reaped below before
+    // they go, or they are leaked if the wait for it fails; the byte is static.
+    if unsafe { ring.submission().push(&send) }.is_err() {
+        return false;
+    }
+    loop {
+        match ring.submit_and_wait(1) {
+            Ok(_) => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => {
+                // The send may still be pending: what it points at stays.
+                std::mem::forget((msg, iovec));
+                return false;
+            }
+        }
+    }
+    // The send's completion comes first (a notification may follow it; it needs nothing of
+    // ours).
+    ring.completion().next().is_some_and(|cqe| cqe.result() >= 0)
 }
 
 /// What a connection and the ring share about the connection.
 pub(super) struct Link {
     id: u64,
     socket: Arc<TcpStream>,
+    /// The connection's slot of `max_connections`: held as long as the socket is (a ring's
+    /// job may hold it after its connection ended), so that sockets stay within the bound.
+    _connection_slot: Option<Arc<OwnedSemaphorePermit>>,
     /// A batch that makes no progress this long gets the socket shut down.
     write_timeout: Duration,
     /// Why the ring gave up on the connection (the socket is shut down then).
@@ -179,13 +263,18 @@ impl Link {
 }
 
 impl Link {
-    pub(super) fn new(socket: Arc<TcpStream>, write_timeout: Duration) -> Arc<Link> {
+    pub(super) fn new(
+        socket: Arc<TcpStream>,
+        connection_slot: Option<Arc<OwnedSemaphorePermit>>,
+        write_timeout: Duration,
+    ) -> Arc<Link> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed) as u64;
         let zero_copy = AtomicU8::new(ZeroCopy::for_socket(&socket) as u8);
         Arc::new(Link {
             id,
             socket,
+            _connection_slot: connection_slot,
             write_timeout,
             failed: Mutex::new(None),
             zero_copy,
@@ -229,6 +318,8 @@ struct Shared {
     dead: AtomicBool,
     /// Counts the wake-ups' `write`s among the send syscalls.
     metrics: Arc<PageServiceMetrics>,
+    #[cfg(test)]
+    hooks: Arc<Hooks>,
 }
 
 /// The daemon's rings, one thread each; connections are spread over them round-robin.
@@ -266,21 +357,36 @@ impl Rings {
                 stop: AtomicBool::new(false),
                 dead: AtomicBool::new(false),
                 metrics: Arc::clone(&metrics),
+                #[cfg(test)]
+                hooks: Arc::new(Hooks::default()),
             });
             let (thread_shared, metrics) = (Arc::clone(&shared), Arc::clone(&metrics));
             std::thread::Builder::new()
                 .name(format!("ps-uring-{i}"))
-                .spawn(move || run(ring, &thread_shared, support.zero_copy, &metrics))
+                .spawn(move || run(ring, &thread_shared, support, &metrics))
                 .map_err(|e| anyhow::anyhow!("failed to start an io_uring writer thread: {e}"))?;
             rings.push(Ring(shared));
         }
         Ok(Rings { rings, next: AtomicUsize::new(0) })
     }
 
-    /// The ring for a new connection.
+    /// Every ring's thread is gone (a ring error).
+    pub(super) fn dead(&self) -> bool {
+        self.rings.iter().all(|ring| ring.0.dead.load(Ordering::Acquire))
+    }
+
+    /// The faults the first ring injects, for a test to set.
+    #[cfg(test)]
+    pub(super) fn hooks(&self) -> Arc<Hooks> {
+        Arc::clone(&self.rings[0].0.hooks)
+    }
+
+    /// The ring for a new connection: the next one whose thread is alive, if any is.
     pub(super) fn pick(&self) -> Ring {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
-        self.rings[i].clone()
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        let ring = |i: usize| &self.rings[i % self.rings.len()];
+        let alive = (first..first + self.rings.len()).map(ring).find(|r| !r.0.dead.load(Ordering::Acquire));
+        alive.unwrap_or_else(|| ring(first)).clone()
     }
 }
 
@@ -335,6 +441,8 @@ struct InFlight {
     stalled: bool,
     /// Its sends go zero-copy (`SENDMSG_ZC`).
     zero_copy: bool,
+    /// The flags of its zero-copy sends.
+    zc_ioprio: u16,
     /// Zero-copy notifications still to come: until the last, the kernel may still read the
     /// chunks, so they stay (the job lingers in its slot after it is sent).
     notifs: usize,
@@ -356,6 +464,7 @@ impl InFlight {
             parked: false,
             stalled: false,
             zero_copy,
+            zc_ioprio: ZC_REPORT_USAGE,
             notifs: 0,
             lingering: false,
         }
@@ -378,7 +487,7 @@ impl InFlight {
         // count, the same on every kernel.
         let flags = (libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) as u32;
         let entry = if self.zero_copy {
-            opcode::SendMsgZc::new(fd, msg).flags(flags).ioprio(ZC_REPORT_USAGE).build()
+            opcode::SendMsgZc::new(fd, msg).flags(flags).ioprio(self.zc_ioprio).build()
         } else {
             opcode::SendMsg::new(fd, msg).flags(flags).build()
         };
@@ -413,11 +522,20 @@ struct Jobs {
     behind: HashMap<u64, VecDeque<Job>>,
     /// The kernel has `SENDMSG_ZC`.
     zero_copy: bool,
+    #[cfg(test)]
+    hooks: Arc<Hooks>,
 }
 
 impl Jobs {
-    fn new(zero_copy: bool) -> Jobs {
-        Jobs { sending: Vec::new(), free: Vec::new(), behind: HashMap::new(), zero_copy }
+    fn new(zero_copy: bool, #[cfg(test)] hooks: Arc<Hooks>) -> Jobs {
+        Jobs {
+            sending: Vec::new(),
+            free: Vec::new(),
+            behind: HashMap::new(),
+            zero_copy,
+            #[cfg(test)]
+            hooks,
+        }
     }
 
     /// Takes a job from a connection: sent next if its connection has none being sent, else
@@ -447,6 +565,10 @@ impl Jobs {
                 ZeroCopy::Probing | ZeroCopy::Plain => false,
             };
         let mut in_flight = InFlight::new(job, zero_copy);
+        #[cfg(test)]
+        if self.hooks.zc_unknown_flag.load(Ordering::Relaxed) {
+            in_flight.zc_ioprio |= ZC_UNKNOWN_FLAG;
+        }
         if in_flight.advance(0) {
             // Nothing to send (a close without a last reply).
             let Job { link, close, .. } = in_flight.job;
@@ -547,10 +669,20 @@ impl Jobs {
     }
 
     /// Gives every job up (the ring is gone). Only once no operation is pending on them.
-    fn fail_all(&mut self, why: &str) {
+    ///
+    /// The chunks of a zero-copy send whose notification has not come are kept (leaked): the
+    /// kernel may still read their pages (a retransmission), so their memory must not be reused.
+    /// Returns how many chunks were kept: at most one batch per connection, once per ring.
+    fn fail_all(&mut self, why: &str) -> usize {
         let mut ignored = Vec::new();
+        let mut kept = 0;
         for slot in 0..self.sending.len() {
             self.finish(slot, Err(io::Error::other(why.to_string())), &mut ignored);
+            if let Some(in_flight) = self.get(slot).filter(|job| job.notifs > 0) {
+                let chunks = std::mem::take(&mut in_flight.job.chunks);
+                kept += chunks.len();
+                std::mem::forget(chunks);
+            }
             self.release(slot);
         }
         for (_, queue) in self.behind.drain() {
@@ -559,6 +691,7 @@ impl Jobs {
                 job.link.shut_down(Shutdown::Both);
             }
         }
+        kept
     }
 
     /// Gives every job up but keeps (leaks) what their operations point at: for a ring whose
@@ -574,11 +707,18 @@ impl Jobs {
 }
 
 /// The thread of one ring.
-fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServiceMetrics) {
-    let mut jobs = Jobs::new(zero_copy);
+fn run(mut ring: IoUring, shared: &Shared, support: Support, metrics: &PageServiceMetrics) {
+    let mut jobs = Jobs::new(
+        support.zero_copy,
+        #[cfg(test)]
+        Arc::clone(&shared.hooks),
+    );
     let mut wake_buf = Box::new([0u8; 8]);
     let mut ready: Vec<squeue::Entry> = vec![wake_read(shared, &mut wake_buf)];
+    // Read by the kernel when an operation or a wait that points at it is submitted.
     let stall_check = types::Timespec::from(STALL_CHECK);
+    // Without EXT_ARG: a stall check `TIMEOUT` is pending on the ring.
+    let mut timer_armed = false;
     let failure = loop {
         let arrived = std::mem::take(&mut *lock(&shared.queue));
         let replies: usize = arrived.iter().map(|job| job.slots.len()).sum();
@@ -588,6 +728,13 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
         if shared.stop.load(Ordering::Acquire) && jobs.sending_none() {
             break None;
         }
+        // With a job parked on a full socket, wake up now and then to time it out: the wait
+        // carries a timeout (EXT_ARG), or a `TIMEOUT` operation completes.
+        let parked = jobs.check_stalls();
+        if parked && !support.ext_arg && !timer_armed {
+            ready.push(opcode::Timeout::new(&stall_check).build().user_data(STALL_TIMER));
+            timer_armed = true;
+        }
         if let Err(e) = push_all(&mut ring, &mut ready, metrics) {
             break Some(e);
         }
@@ -595,9 +742,16 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
             metrics.replies_per_submit.observe(replies as f64);
         }
         metrics.uring_io.send_syscalls.inc();
-        // With a job parked on a full socket, wake up now and then to time it out.
-        let waited = if jobs.check_stalls() {
+        #[cfg(test)]
+        if shared.hooks.fail_next_submit.swap(false, Ordering::Relaxed) {
+            break Some(io::Error::from_raw_os_error(libc::EFAULT));
+        }
+        let waited = if parked && support.ext_arg {
             let args = types::SubmitArgs::new().timespec(&stall_check);
+            #[cfg(test)]
+            if shared.hooks.no_ext_arg.load(Ordering::Relaxed) {
+                break Some(io::Error::from_raw_os_error(libc::EINVAL));
+            }
             ring.submitter().submit_with_args(1, &args)
         } else {
             ring.submit_and_wait(1)
@@ -609,11 +763,18 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
         }
         let completed: Vec<cqueue::Entry> = ring.completion().collect();
         for cqe in completed {
+            if cqe.user_data() == STALL_TIMER {
+                timer_armed = false;
+                continue;
+            }
             complete(&cqe, &mut jobs, &mut ready, shared, &mut wake_buf, metrics);
         }
     };
-    if let Some(e) = failure {
-        tracing::error!("the io_uring writer failed, its connections are closed: {e}");
+    if let Some(e) = &failure {
+        tracing::warn!(
+            "the io_uring writer failed ({e}): the connections with batches in it are closed, \
+             replies go through writev per connection from now on"
+        );
     }
     const STOPPED: &str = "the io_uring writer stopped";
     // Nothing may be freed while the kernel could still write to it or read from it: cancel
@@ -628,8 +789,23 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
             std::mem::forget(wake_buf);
         }
         _ => {
+            // Notifications that came meanwhile free their chunks; the others' are kept.
+            let notified: Vec<usize> = ring
+                .completion()
+                .filter(|cqe| cqueue::notif(cqe.flags()) && cqe.user_data() & POLL == 0)
+                .map(|cqe| cqe.user_data() as usize)
+                .collect();
+            for slot in notified {
+                jobs.notified(slot);
+            }
             drop(ring);
-            jobs.fail_all(STOPPED);
+            let kept = jobs.fail_all(STOPPED);
+            if kept > 0 {
+                tracing::warn!(
+                    "keeping {kept} reply chunks of zero-copy sends whose notification did not come \
+                     before the io_uring writer stopped (the kernel may still read them)"
+                );
+            }
         }
     }
     // Jobs queued meanwhile are given up too (their connections close); from now on jobs are
@@ -639,6 +815,10 @@ fn run(mut ring: IoUring, shared: &Shared, zero_copy: bool, metrics: &PageServic
         shared.dead.store(true, Ordering::Release);
         std::mem::take(&mut *queue)
     };
+    if failure.is_some() {
+        metrics.uring_failed.set(1);
+        metrics.choice.ring_chosen.set(0);
+    }
     for job in queued {
         *lock(&job.link.failed) = Some(STOPPED.to_string());
         job.link.shut_down(Shutdown::Both);
@@ -733,6 +913,18 @@ fn complete(
             ready.push(job.poll(slot));
         }
         e if e == -libc::EINTR => ready.push(job.send(slot)),
+        e if job.zero_copy && (e == -libc::EINVAL || e == -libc::EOPNOTSUPP) => {
+            // The kernel refuses this zero-copy send (flags it does not know, a socket that
+            // cannot send from user pages): nothing of it was sent; resend plain, and send
+            // this connection's batches plain from now on.
+            tracing::debug!(
+                "a zero-copy send was refused ({}), sending plain",
+                io::Error::from_raw_os_error(-e)
+            );
+            job.zero_copy = false;
+            job.job.link.set_zero_copy(ZeroCopy::Plain);
+            ready.push(job.send(slot));
+        }
         e => jobs.finish(slot, Err(io::Error::from_raw_os_error(-e)), ready),
     }
 }
@@ -744,7 +936,7 @@ mod tests {
     use super::*;
 
     /// A batch of `pages` distinct 8 KiB pages, each after a small header, as replies are.
-    fn batch(n: u8, pages: usize) -> Vec<Bytes> {
+    pub(super) fn batch(n: u8, pages: usize) -> Vec<Bytes> {
         (0..pages)
             .flat_map(|p| {
                 let tag = n.wrapping_mul(16).wrapping_add(p as u8);
@@ -763,8 +955,11 @@ mod tests {
         let mut client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
         let (server, _) = listener.accept().expect("accept");
         server.set_nonblocking(true).expect("nonblocking");
-        let link =
-            Link::new(Arc::new(TcpStream::from_std(server).expect("tokio socket")), Duration::from_secs(10));
+        let link = Link::new(
+            Arc::new(TcpStream::from_std(server).expect("tokio socket")),
+            None,
+            Duration::from_secs(10),
+        );
         // A peer on this host is never probed; pretend it is remote, to probe.
         assert_eq!(link.zero_copy(), ZeroCopy::Plain);
         link.set_zero_copy(ZeroCopy::Untried);
@@ -801,5 +996,178 @@ mod tests {
         assert!(rest == last, "the last batch arrived whole, then FIN");
         assert_eq!(metrics.zero_copy_sends.get(), 1);
         assert_eq!(metrics.uring_io.sends.get(), 4);
+    }
+}
+
+#[cfg(test)]
+mod fault_tests {
+    //! The ring against the kernel answers it does not get on this machine (older kernels,
+    //! injected through [`Hooks`]) and against a failing ring.
+    use std::io::Read;
+
+    use nix::sys::socket::{self as sock, sockopt};
+
+    use super::tests::batch;
+    use super::*;
+
+    const DEADLINE: Duration = Duration::from_secs(20);
+
+    fn start() -> (Rings, Arc<Hooks>, Arc<PageServiceMetrics>) {
+        start_with(probe().expect("io_uring works on this machine"))
+    }
+
+    fn start_with(support: Support) -> (Rings, Arc<Hooks>, Arc<PageServiceMetrics>) {
+        let metrics = Arc::new(PageServiceMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        let rings = Rings::start(1, support, Arc::clone(&metrics)).expect("start a ring");
+        let hooks = rings.hooks();
+        (rings, hooks, metrics)
+    }
+
+    /// A loopback connection: the client's end (blocking), and the daemon's as a [`Link`] with
+    /// `write_timeout`. A client with `small_rcvbuf` has a receive buffer of a few KiB (set
+    /// before the handshake): it holds little of a batch it does not read, and the rest waits in
+    /// the daemon's socket; with `small_sndbuf` that socket holds little too, so that a large
+    /// batch soon finds it full and parks.
+    fn connection(
+        small_rcvbuf: bool,
+        small_sndbuf: bool,
+        write_timeout: Duration,
+    ) -> (std::net::TcpStream, Arc<Link>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        if small_rcvbuf {
+            // Inherited by the accepted socket, the client's end, before its handshake.
+            sock::setsockopt(&listener, sockopt::RcvBuf, &4096).expect("SO_RCVBUF");
+        }
+        let server = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (client, _) = listener.accept().expect("accept");
+        if small_sndbuf {
+            sock::setsockopt(&server, sockopt::SndBuf, &4096).expect("SO_SNDBUF");
+        }
+        server.set_nonblocking(true).expect("nonblocking");
+        let link =
+            Link::new(Arc::new(TcpStream::from_std(server).expect("tokio socket")), None, write_timeout);
+        (client, link)
+    }
+
+    fn bytes_of(chunks: &[Bytes]) -> Vec<u8> {
+        chunks.iter().flat_map(|c| c.iter().copied()).collect()
+    }
+
+    fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + DEADLINE;
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_kernel_that_refuses_zc_report_usage_gets_a_ring_without_zero_copy() {
+        let support = probe().expect("io_uring works on this machine");
+        assert!(support.zero_copy, "this kernel (6.2 or later) takes IORING_SEND_ZC_REPORT_USAGE");
+        // As Linux 6.1 answers a zero-copy send with REPORT_USAGE: EINVAL.
+        let old = probe_with(ZC_REPORT_USAGE | ZC_UNKNOWN_FLAG).expect("a ring, without zero-copy");
+        assert!(!old.zero_copy, "zero-copy offered though the kernel refuses its flags");
+    }
+
+    #[tokio::test]
+    async fn a_zero_copy_send_the_kernel_refuses_is_resent_plain_and_its_connection_turns_plain() {
+        let (rings, hooks, metrics) = start();
+        hooks.zc_unknown_flag.store(true, Ordering::Relaxed);
+        let (mut client, link) = connection(false, false, Duration::from_secs(10));
+        link.set_zero_copy(ZeroCopy::Untried);
+        let ring = rings.pick();
+        let mut expected = Vec::new();
+        for n in 0..3 {
+            let chunks = batch(n, 4);
+            expected.extend(bytes_of(&chunks));
+            let job = Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: n == 2 };
+            assert!(ring.submit(job).is_ok());
+        }
+        let mut received = Vec::new();
+        let _ = client.read_to_end(&mut received);
+        assert_eq!(received.len(), expected.len(), "every byte of three batches arrived, then FIN");
+        assert!(received == expected, "the bytes arrived whole and in order");
+        assert_eq!(link.failure(), None);
+        assert_eq!(link.zero_copy(), ZeroCopy::Plain, "the connection's sends go plain from then on");
+        assert_eq!(metrics.zero_copy_sends.get(), 1, "one zero-copy send tried, none after it");
+    }
+
+    #[tokio::test]
+    async fn a_kernel_without_ext_arg_times_out_a_parked_send_and_serves_the_others() {
+        // What the probe says on such a kernel, which answers EXT_ARG waits with EINVAL.
+        let support = Support { ext_arg: false, ..probe().expect("io_uring works on this machine") };
+        let (rings, hooks, metrics) = start_with(support);
+        hooks.no_ext_arg.store(true, Ordering::Relaxed);
+        let ring = rings.pick();
+        let (_stalled_client, stalled) = connection(true, true, Duration::from_secs(1));
+        let job = Job { link: Arc::clone(&stalled), chunks: batch(0, 64), slots: Vec::new(), close: false };
+        assert!(ring.submit(job).is_ok());
+        wait_for("the send to park on a full socket", || metrics.send_waits.get() > 0);
+
+        // Another connection is served meanwhile.
+        let (mut client, link) = connection(false, false, Duration::from_secs(10));
+        let chunks = batch(1, 4);
+        let expected = bytes_of(&chunks);
+        let job = Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: true };
+        assert!(ring.submit(job).is_ok(), "the ring takes the next connection's batch");
+        let mut received = Vec::new();
+        let _ = client.read_to_end(&mut received);
+        assert!(received == expected, "the other connection got its batch and FIN");
+        assert_eq!(link.failure(), None);
+
+        // The parked send is given up after its write timeout, without progress.
+        wait_for("the stalled connection to be shut down", || stalled.failure().is_some());
+        assert!(!stalled.sending());
+    }
+
+    /// Page bytes that count their owner's drop.
+    struct Tracked {
+        bytes: Vec<u8>,
+        dropped: Arc<AtomicUsize>,
+    }
+
+    impl AsRef<[u8]> for Tracked {
+        fn as_ref(&self) -> &[u8] {
+            &self.bytes
+        }
+    }
+
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.dropped.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_ring_that_fails_keeps_the_chunks_of_zero_copy_sends_not_yet_notified() {
+        let (rings, hooks, metrics) = start();
+        let (_client, link) = connection(true, false, Duration::from_secs(60));
+        link.set_zero_copy(ZeroCopy::Untried);
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let chunks: Vec<Bytes> = (0..64u8)
+            .map(|p| Bytes::from_owner(Tracked { bytes: vec![p; 8192], dropped: Arc::clone(&dropped) }))
+            .collect();
+        let ring = rings.pick();
+        assert!(ring
+            .submit(Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: false })
+            .is_ok());
+        // The kernel took the whole batch (zero-copy bytes are not charged to the socket's send
+        // buffer), but most of it waits in the socket for the client, who reads nothing: the
+        // send is over, its notification has not come.
+        wait_for("the zero-copy send to complete", || !link.sending());
+        assert!(metrics.zero_copy_sends.get() >= 1, "the batch went zero-copy");
+        assert_eq!(metrics.zero_copy_copied.get(), 0, "no notification yet");
+
+        // The ring fails at its next submit, which a batch of another connection brings about.
+        hooks.fail_next_submit.store(true, Ordering::Relaxed);
+        let (_other_client, other) = connection(false, false, Duration::from_secs(60));
+        let _ = ring.submit(Job { link: other, chunks: batch(1, 1), slots: Vec::new(), close: false });
+        wait_for("the ring to fail", || ring.0.dead.load(Ordering::Acquire));
+        assert_eq!(
+            dropped.load(Ordering::SeqCst),
+            0,
+            "pages of a zero-copy send freed before its notification"
+        );
     }
 }

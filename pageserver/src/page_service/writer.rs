@@ -112,6 +112,8 @@ impl Queued {
 /// io_uring writer thread ([`super::uring`]), as [`IoChoice`] says batch by batch.
 pub(super) struct Writer {
     socket: Arc<TcpStream>,
+    /// The connection's slot of `max_connections`, held with the socket (by the ring too).
+    connection_slot: Arc<OwnedSemaphorePermit>,
     choice: Arc<IoChoice>,
     write_timeout: Duration,
     /// The connection's side of the io_uring writer, from its first batch through the ring.
@@ -129,8 +131,13 @@ struct UringWriter {
 }
 
 impl Writer {
-    pub(super) fn new(socket: Arc<TcpStream>, choice: Arc<IoChoice>, write_timeout: Duration) -> Writer {
-        Writer { socket, choice, write_timeout, uring: None, counted: 0 }
+    pub(super) fn new(
+        socket: Arc<TcpStream>,
+        connection_slot: Arc<OwnedSemaphorePermit>,
+        choice: Arc<IoChoice>,
+        write_timeout: Duration,
+    ) -> Writer {
+        Writer { socket, connection_slot, choice, write_timeout, uring: None, counted: 0 }
     }
 
     /// Sends a batch: every chunk, then frees the replies' `slots`; with `close`, FIN after
@@ -147,7 +154,11 @@ impl Writer {
         let want_ring = self.choice.use_ring(&mut self.counted);
         if want_ring && self.uring.is_none() {
             if let Some(rings) = self.choice.rings() {
-                let link = Link::new(Arc::clone(&self.socket), self.write_timeout);
+                let link = Link::new(
+                    Arc::clone(&self.socket),
+                    Some(Arc::clone(&self.connection_slot)),
+                    self.write_timeout,
+                );
                 self.uring = Some(UringWriter { link, ring: rings.pick(), closed: false });
             }
         }

@@ -1,0 +1,157 @@
+//! The page service served in this process, with the io_uring writer's test hooks:
+//! connections when the io_uring writer fails.
+//!
+//! Each test serves one tenant holding a few cached pages (so every GetPage is a cache hit
+//! answered by the connection's reader) with [`serve`] on a loopback port, and drives it with
+//! the async [`Client`] on the same runtime.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use page_types::{BufferTag, PAGE_SIZE};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::client::Client;
+use super::io_choice::IoChoice;
+use super::proto::{IngestValue, ValueKind, LSN_LATEST};
+use super::{serve, uring, PageServiceConf, PageServiceIo, PageServiceMetrics};
+use crate::config::PageServerConf;
+use crate::page_cache::PageCache;
+use crate::storage::StorageMetrics;
+use crate::tenants::{Tenants, TenantsMetrics};
+use crate::walredo::WalRedoMetrics;
+
+const TENANT: &str = "served";
+/// Keys ingested (each an image) and asked for.
+const KEYS: u32 = 8;
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A page service serving [`TENANT`] in this process.
+struct Served {
+    addr: std::net::SocketAddr,
+    metrics: Arc<PageServiceMetrics>,
+    choice: Arc<IoChoice>,
+    tenants: Arc<Tenants>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+    _workdir: tempfile::TempDir,
+}
+
+fn key(n: u32) -> BufferTag {
+    BufferTag { spcnode: 1663, dbnode: 5, relnode: 16400, forknum: 0, blknum: n }
+}
+
+fn image(n: u32) -> Bytes {
+    Bytes::from(vec![n as u8 ^ 0x5a; PAGE_SIZE])
+}
+
+impl Served {
+    /// Serves with `page_service_io = mode` (the io_uring writer, if the mode may use it,
+    /// started with its hooks), with [`KEYS`] pages ingested and read once (cached).
+    async fn start(mode: PageServiceIo) -> Served {
+        let workdir = tempfile::tempdir().unwrap();
+        let conf = PageServerConf::load(workdir.path(), &[]).unwrap();
+        let registry = prometheus::Registry::new();
+        let metrics = Arc::new(PageServiceMetrics::new(&registry).unwrap());
+        let cancel = CancellationToken::new();
+        let tenants = Arc::new(
+            Tenants::load(
+                &conf,
+                Arc::new(PageCache::new(64 << 20, &registry).unwrap()),
+                Arc::new(StorageMetrics::new(&registry).unwrap()),
+                Arc::new(WalRedoMetrics::new(&registry).unwrap()),
+                Arc::new(TenantsMetrics::new(&registry).unwrap()),
+                cancel.clone(),
+            )
+            .await
+            .unwrap(),
+        );
+        tenants.create(TENANT, Default::default()).await.unwrap();
+        let rings = match mode {
+            PageServiceIo::Epoll => None,
+            _ => Some(uring::Rings::start(1, uring::probe().unwrap(), Arc::clone(&metrics)).unwrap()),
+        };
+        let choice = Arc::new(IoChoice::new(mode, rings, metrics.choice.clone()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let conf = PageServiceConf {
+            max_connections: 1000,
+            idle_timeout: Duration::from_secs(60),
+            abort: CancellationToken::new(),
+            io: Arc::clone(&choice),
+        };
+        let tracker = TaskTracker::new();
+        tokio::spawn(serve(
+            listener,
+            Arc::clone(&tenants),
+            conf,
+            Arc::clone(&metrics),
+            cancel.clone(),
+            tracker.clone(),
+        ));
+        let served = Served { addr, metrics, choice, tenants, cancel, tracker, _workdir: workdir };
+        let mut client = served.client().await.unwrap();
+        let values = (0..KEYS)
+            .map(|n| IngestValue {
+                key: key(n),
+                lsn: 10 + u64::from(n),
+                kind: ValueKind::Image,
+                data: image(n),
+            })
+            .collect();
+        client.ingest(values).await.unwrap();
+        for n in 0..KEYS {
+            assert_eq!(client.get_page(key(n), LSN_LATEST).await.unwrap().1, image(n));
+        }
+        served
+    }
+
+    async fn client(&self) -> anyhow::Result<Client> {
+        Client::connect(self.addr, TENANT).await
+    }
+
+    fn hooks(&self) -> Arc<uring::Hooks> {
+        self.choice.rings().expect("an io_uring writer").hooks()
+    }
+
+    async fn stop(self) {
+        self.cancel.cancel();
+        self.tracker.close();
+        tokio::time::timeout(DEADLINE, self.tracker.wait()).await.expect("connections end");
+        self.tenants.shutdown().await;
+    }
+}
+
+/// The ring fails (its next `io_uring_enter` errs): new connections are served through
+/// `writev` from then on, in `io_uring` mode too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_ring_leaves_connections_to_writev() {
+    let served = Served::start(PageServiceIo::IoUring).await;
+    let ring_sends = || served.metrics.uring_io.sends.get();
+    assert!(ring_sends() > 0, "the io_uring writer sent the replies so far");
+    served.hooks().fail_next_submit.store(true, Ordering::Relaxed);
+    // The batch that wakes the ring meets the failure: its connection may be closed.
+    if let Ok(mut client) = served.client().await {
+        let _ = client.get_page(key(0), LSN_LATEST).await;
+    }
+    let deadline = Instant::now() + DEADLINE;
+    while !served.choice.rings().unwrap().dead() {
+        assert!(Instant::now() < deadline, "the ring did not fail");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(served.metrics.uring_failed.get(), 1, "the failure shows");
+    assert_eq!(served.metrics.choice.ring_chosen.get(), 0);
+    // Connections made after the failure are served.
+    for _ in 0..3 {
+        let mut client = served.client().await.expect("Hello answered after the ring failed");
+        for n in 0..KEYS {
+            assert_eq!(client.get_page(key(n), LSN_LATEST).await.unwrap().1, image(n));
+        }
+    }
+    assert!(served.metrics.epoll_io.sends.get() >= 3 * (u64::from(KEYS) + 1));
+    served.stop().await;
+}
