@@ -41,7 +41,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
-use super::index::{Frozen, ReadPlan};
+use super::index::{Frozen, Picked, ReadPlan};
 use super::layer;
 use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
 use super::shared::Shared;
@@ -434,7 +434,11 @@ fn delete_files(sh: &Shared, dir_file: &File) -> u64 {
 
 /// The reads of `entries` (oldest first).
 fn plan_of(entries: &[(Arc<File>, IndexEntry)]) -> ReadPlan {
-    ReadPlan::new(entries.iter().map(|(f, e)| (f, e)).collect())
+    let mut picked = Picked::with_capacity(entries.len());
+    for (f, e) in entries {
+        picked.push(f, e);
+    }
+    ReadPlan::new(picked)
 }
 
 /// Reads the values of `entries` (oldest first), checking their checksums.
