@@ -37,8 +37,11 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use bytes::Bytes;
+
 use crate::compaction_controller::{Controller, ControllerConf, Decision, Observation};
-use crate::storage::{CompactionConf, Lsn, PassStats, Step, Timeline};
+use crate::storage::{CompactionConf, ImageRequest, Lsn, PassStats, Step, Timeline};
+use crate::tenant::{GetPageError, RedoBudget};
 use crate::walredo::{lock, WalRedoManager};
 
 /// How often the debt is measured and the controller updated.
@@ -223,6 +226,8 @@ pub struct Compactor {
 struct Worker {
     timeline: Arc<Timeline>,
     walredo: Arc<WalRedoManager>,
+    /// The daemon's redo memory budget: what an image request reads is reserved there.
+    redo_budget: Arc<RedoBudget>,
     settings: CompactionSettings,
     layer_size: u64,
     metrics: Arc<CompactionMetrics>,
@@ -233,10 +238,11 @@ struct Worker {
 impl Compactor {
     /// Starts the compactor's task (inside a tokio runtime); it stops when `cancel` is. The
     /// settings were validated with the config; invalid controller settings fall back to the
-    /// defaults (logged).
+    /// defaults (logged). Page images are read within `redo_budget`.
     pub fn start(
         timeline: Arc<Timeline>,
         walredo: Arc<WalRedoManager>,
+        redo_budget: Arc<RedoBudget>,
         settings: CompactionSettings,
         layer_size: u64,
         metrics: Arc<CompactionMetrics>,
@@ -271,6 +277,7 @@ impl Compactor {
         let worker = Worker {
             timeline,
             walredo,
+            redo_budget,
             settings,
             layer_size,
             metrics,
@@ -449,15 +456,8 @@ impl Worker {
                 match step? {
                     Step::Continue => break,
                     Step::NeedImage(req) => {
-                        let records: Vec<(u64, bytes::Bytes)> =
-                            req.data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
-                        let base = req.data.image.map(|(_, b)| b);
-                        let page =
-                            self.walredo.request_redo_background(req.key, req.lsn.0, base, &records).await;
-                        if let Err(e) = &page {
-                            tracing::debug!(key = %req.key, lsn = %req.lsn, "compaction could not rebuild a page: {e}");
-                        }
-                        pass.provide_image(page.ok());
+                        let page = self.rebuild(req).await?;
+                        pass.provide_image(page);
                         if turn_start.elapsed() >= budget || self.cancel.is_cancelled() {
                             break;
                         }
@@ -501,6 +501,43 @@ impl Worker {
         if let Some(p) = lock(&self.compactor.status).current_pass.as_mut() {
             p.stats.clone_from(pass.stats());
             p.slices = slices;
+        }
+    }
+
+    /// Rebuilds the page a pass asked for: reserves what it holds from the redo memory budget
+    /// (waiting for room as long as it takes: a pass can wait, a GetPage cannot), reads it on
+    /// the blocking pool, and has the redo manager rebuild it in its background lane. `None`
+    /// if the redo failed (the pass keeps the key's records); an error if the read failed or
+    /// the tenant is shutting down.
+    async fn rebuild(&self, req: ImageRequest) -> anyhow::Result<Option<Bytes>> {
+        let (key, lsn) = (req.key, req.lsn);
+        let (values, bytes) = (req.values(), req.bytes());
+        // As a GetPage counts it: the values, the lists of them, the request's own bytes and
+        // the reply.
+        let holds = bytes
+            + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
+            + crate::walredo::redo_overhead(values, bytes);
+        let _reserved = loop {
+            let reserved = tokio::select! {
+                reserved = self.redo_budget.reserve(holds) => reserved,
+                () = self.cancel.cancelled() => anyhow::bail!("the tenant is shutting down"),
+            };
+            match reserved {
+                Ok(reserved) => break reserved,
+                Err(GetPageError::Overloaded { .. }) => continue,
+                Err(e) => return Err(e).context("reserve memory for a page image"),
+            }
+        };
+        let data =
+            tokio::task::spawn_blocking(move || req.read()).await.context("compaction read task")??;
+        let records: Vec<(u64, Bytes)> = data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
+        let base = data.image.map(|(_, b)| b);
+        match self.walredo.request_redo_background(key, lsn.0, base, &records).await {
+            Ok(page) => Ok(Some(page)),
+            Err(e) => {
+                tracing::debug!(%key, %lsn, "compaction could not rebuild a page: {e}");
+                Ok(None)
+            }
         }
     }
 

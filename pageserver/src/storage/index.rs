@@ -18,6 +18,8 @@
 //! close together into one span, read with one `pread`, of at most [`MAX_SPAN`] bytes. In a
 //! compacted layer a key's values are adjacent, so a page is rebuilt with one read per layer it
 //! touches (per MiB); in a sealed segment they are spread over the batches that wrote them.
+//! [`read_run`] reads values one span at a time into a reused buffer, for a caller (the
+//! compactor) that copies any number of values in bounded memory.
 //!
 //! **Invariants:** only durable values are in the map (the committer inserts after fsync); a
 //! read's size (records and bytes) is checked against its limits from the map alone, before any
@@ -426,6 +428,80 @@ fn joins(offset: u64, len: u64, values: usize, e: &IndexEntry) -> bool {
         && values < MAX_SPAN_VALUES
 }
 
+/// The bytes a plan of values reads ([`ReadPlan::bytes`]), counted as values are added oldest
+/// first, with the rule of [`ReadPlan::new`]: for a caller that bounds what a plan reads before
+/// making it.
+#[derive(Debug, Default)]
+pub(crate) struct ReadSize {
+    /// The last span: its file (by address), offset, length and values.
+    last: Option<(usize, u64, u64, usize)>,
+    bytes: u64,
+}
+
+impl ReadSize {
+    /// Bytes read so far.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The bytes that adding `e`, of `file`, adds: its own, and the gap before it when it joins
+    /// the last span.
+    pub(crate) fn cost(&self, file: &Arc<File>, e: &IndexEntry) -> u64 {
+        match self.last {
+            Some((f, offset, len, values))
+                if f == Arc::as_ptr(file) as usize && joins(offset, len, values, e) =>
+            {
+                e.offset + u64::from(e.len) - (offset + len)
+            }
+            _ => u64::from(e.len),
+        }
+    }
+
+    /// Adds `e`, of `file`.
+    pub(crate) fn add(&mut self, file: &Arc<File>, e: &IndexEntry) {
+        self.bytes += self.cost(file, e);
+        let f = Arc::as_ptr(file) as usize;
+        self.last = match self.last {
+            Some((lf, offset, len, values)) if lf == f && joins(offset, len, values, e) => {
+                Some((f, offset, e.offset + u64::from(e.len) - offset, values + 1))
+            }
+            _ => Some((f, e.offset, u64::from(e.len), 1)),
+        };
+    }
+}
+
+/// Reads the longest prefix of `entries` (values of `file`, in file order) that one span holds
+/// (the rule of [`ReadPlan::new`]) into `buf`, replacing its contents, checks each value's
+/// checksum, and returns how many values that is (0 for none). Value `e` of them is
+/// `buf[e.offset - entries[0].offset..][..e.len]`. So a caller that reuses `buf` reads any
+/// number of values in at most [`MAX_SPAN`] bytes (or one value) of memory.
+pub(crate) fn read_run(file: &File, entries: &[IndexEntry], buf: &mut Vec<u8>) -> anyhow::Result<usize> {
+    let Some(first) = entries.first() else {
+        return Ok(0);
+    };
+    let mut len = u64::from(first.len);
+    let mut n = 1;
+    while let Some(e) = entries.get(n).filter(|e| joins(first.offset, len, n, e)) {
+        len = e.offset + u64::from(e.len) - first.offset;
+        n += 1;
+    }
+    buf.clear();
+    buf.resize(len as usize, 0);
+    file.read_exact_at(buf, first.offset).with_context(|| {
+        format!("read {len} bytes at offset {} (value at lsn {})", first.offset, first.lsn)
+    })?;
+    for e in &entries[..n] {
+        let at = (e.offset - first.offset) as usize;
+        ensure!(
+            crc32c::crc32c(&buf[at..at + e.len as usize]) == e.crc,
+            "checksum mismatch in value at lsn {} (offset {})",
+            e.lsn,
+            e.offset
+        );
+    }
+    Ok(n)
+}
+
 impl ReadPlan {
     /// A plan for `picked` (oldest first): a value joins the span before it when it is of the
     /// same file and within [`MERGE_GAP`] after it (and the span stays within its bounds).
@@ -502,12 +578,6 @@ impl ReadPlan {
     pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
         let bufs = self.spans.iter().map(read_span).collect::<anyhow::Result<Vec<_>>>()?;
         self.assemble(bufs)
-    }
-
-    /// Reads every planned value (blocking) and returns them oldest first, with their kind.
-    pub(crate) fn execute_values(self) -> anyhow::Result<Vec<(Lsn, Kind, Bytes)>> {
-        let bufs = self.spans.iter().map(read_span).collect::<anyhow::Result<Vec<_>>>()?;
-        self.cut(bufs)
     }
 
     fn assemble(&self, bufs: Vec<Bytes>) -> anyhow::Result<ReconstructData> {
