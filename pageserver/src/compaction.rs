@@ -37,8 +37,11 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use bytes::Bytes;
+
 use crate::compaction_controller::{Controller, ControllerConf, Decision, Observation};
-use crate::storage::{CompactionConf, Lsn, PassStats, Step, Timeline};
+use crate::storage::{CompactionConf, ImageRequest, Lsn, PassStats, Step, Timeline};
+use crate::tenant::{GetPageError, RedoBudget};
 use crate::walredo::{lock, WalRedoManager};
 
 /// How often the debt is measured and the controller updated.
@@ -223,6 +226,8 @@ pub struct Compactor {
 struct Worker {
     timeline: Arc<Timeline>,
     walredo: Arc<WalRedoManager>,
+    /// The daemon's redo memory budget: what an image request reads is reserved there.
+    redo_budget: Arc<RedoBudget>,
     settings: CompactionSettings,
     layer_size: u64,
     metrics: Arc<CompactionMetrics>,
@@ -233,10 +238,11 @@ struct Worker {
 impl Compactor {
     /// Starts the compactor's task (inside a tokio runtime); it stops when `cancel` is. The
     /// settings were validated with the config; invalid controller settings fall back to the
-    /// defaults (logged).
+    /// defaults (logged). Page images are read within `redo_budget`.
     pub fn start(
         timeline: Arc<Timeline>,
         walredo: Arc<WalRedoManager>,
+        redo_budget: Arc<RedoBudget>,
         settings: CompactionSettings,
         layer_size: u64,
         metrics: Arc<CompactionMetrics>,
@@ -271,6 +277,7 @@ impl Compactor {
         let worker = Worker {
             timeline,
             walredo,
+            redo_budget,
             settings,
             layer_size,
             metrics,
@@ -423,12 +430,15 @@ impl Worker {
         loop {
             // One turn: slices, and the page images they ask for, until the turn has worked its
             // budget (the redo round trips count: they take the child that GetPage needs too),
-            // then a gap in proportion to the work done.
+            // then a gap in proportion to the work done. Only work counts: the time an image
+            // waited for room in the redo budget or for its redo turn (up to
+            // `wal_redo_timeout` behind GetPage) is not work, and is paid for by nobody.
             let budget =
                 if monolithic { Duration::MAX } else { controller.slice_for(decision, planned, actual) };
             let turn_start = Instant::now();
+            let mut waited = Duration::ZERO;
             loop {
-                let remaining = budget.saturating_sub(turn_start.elapsed());
+                let remaining = budget.saturating_sub(turn_start.elapsed().saturating_sub(waited));
                 let slice_start = Instant::now();
                 let step;
                 (pass, step) = if monolithic {
@@ -449,16 +459,11 @@ impl Worker {
                 match step? {
                     Step::Continue => break,
                     Step::NeedImage(req) => {
-                        let records: Vec<(u64, bytes::Bytes)> =
-                            req.data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
-                        let base = req.data.image.map(|(_, b)| b);
-                        let page =
-                            self.walredo.request_redo_background(req.key, req.lsn.0, base, &records).await;
-                        if let Err(e) = &page {
-                            tracing::debug!(key = %req.key, lsn = %req.lsn, "compaction could not rebuild a page: {e}");
-                        }
-                        pass.provide_image(page.ok());
-                        if turn_start.elapsed() >= budget || self.cancel.is_cancelled() {
+                        let (page, idle) = self.rebuild(req).await?;
+                        waited += idle;
+                        pass.provide_image(page);
+                        if turn_start.elapsed().saturating_sub(waited) >= budget || self.cancel.is_cancelled()
+                        {
                             break;
                         }
                     }
@@ -472,7 +477,7 @@ impl Worker {
                     }
                 }
             }
-            let worked = turn_start.elapsed();
+            let worked = turn_start.elapsed().saturating_sub(waited);
             if self.cancel.is_cancelled() {
                 anyhow::bail!("the tenant is shutting down");
             }
@@ -501,6 +506,48 @@ impl Worker {
         if let Some(p) = lock(&self.compactor.status).current_pass.as_mut() {
             p.stats.clone_from(pass.stats());
             p.slices = slices;
+        }
+    }
+
+    /// Rebuilds the page a pass asked for: reserves what it holds from the redo memory budget
+    /// (waiting for room as long as it takes: a pass can wait, a GetPage cannot), reads it on
+    /// the blocking pool, and has the redo manager rebuild it in its background lane. `None`
+    /// if the redo failed (the pass keeps the key's records); an error if the read failed or
+    /// the tenant is shutting down. With the page, the time it waited (for room in the budget,
+    /// and for its redo turn) rather than worked.
+    async fn rebuild(&self, req: ImageRequest) -> anyhow::Result<(Option<Bytes>, Duration)> {
+        let (key, lsn) = (req.key, req.lsn);
+        let (values, bytes) = (req.values(), req.bytes());
+        // As a GetPage counts it: the values, the lists of them, the request's own bytes and
+        // the reply.
+        let holds = bytes
+            + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
+            + crate::walredo::redo_overhead(values, bytes);
+        let waiting = Instant::now();
+        let _reserved = loop {
+            let reserved = tokio::select! {
+                reserved = self.redo_budget.reserve(holds) => reserved,
+                () = self.cancel.cancelled() => anyhow::bail!("the tenant is shutting down"),
+            };
+            match reserved {
+                Ok(reserved) => break reserved,
+                Err(GetPageError::Overloaded { .. }) => continue,
+                Err(e) => return Err(e).context("reserve memory for a page image"),
+            }
+        };
+        let mut waited = waiting.elapsed();
+        let data =
+            tokio::task::spawn_blocking(move || req.read()).await.context("compaction read task")??;
+        let records: Vec<(u64, Bytes)> = data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
+        let base = data.image.map(|(_, b)| b);
+        let (page, turn) = self.walredo.request_redo_background_timed(key, lsn.0, base, &records).await;
+        waited += turn;
+        match page {
+            Ok(page) => Ok((Some(page), waited)),
+            Err(e) => {
+                tracing::debug!(%key, %lsn, "compaction could not rebuild a page: {e}");
+                Ok((None, waited))
+            }
         }
     }
 
@@ -578,4 +625,82 @@ fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
         }
     }
     Guard(Some(f))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use page_types::BufferTag;
+    use walredo_proc::record::Record;
+
+    use super::*;
+    use crate::storage::{IngestBatch, StorageConf, StorageMetrics, Value};
+    use crate::walredo::metrics::WalRedoMetrics;
+    use crate::walredo::WalRedoConf;
+
+    const KEY: BufferTag = BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: 7 };
+
+    fn encode(record: Record<'_>) -> Value {
+        let mut out = Vec::new();
+        record.encode(&mut out);
+        Value::Record(Bytes::from(out))
+    }
+
+    /// Waits until `condition` holds, failing the test after `within`.
+    async fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
+        let deadline = Instant::now() + within;
+        while !condition() {
+            assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pass_at_the_floor_share_does_not_pause_for_the_time_its_image_waited_for_a_redo_turn() {
+        // The background redo waits this long for its turn (a GetPage stays queued to write).
+        const TURN_WAIT: Duration = Duration::from_secs(2);
+        let dir = tempfile::tempdir().unwrap();
+        let timeline =
+            Timeline::open(dir.path(), StorageConf::default(), Arc::new(StorageMetrics::unregistered()))
+                .unwrap();
+        // One key, a chain of exactly `compaction_image_threshold` records: the debt is 1.0, so
+        // a pass starts at the floor share (a gap 19 times the work), and it needs one image.
+        let settings = CompactionSettings::default();
+        let mut values = vec![(KEY, Lsn(1), encode(Record::InitPage { special_size: 0 }))];
+        for lsn in 2..=settings.image_threshold as u64 {
+            values.push((KEY, Lsn(lsn), encode(Record::PutBytes { offset: 100, data: &lsn.to_be_bytes() })));
+        }
+        timeline.ingest(IngestBatch { values }).await.unwrap();
+
+        let mut conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
+        conf.timeout = TURN_WAIT;
+        let registry = Registry::new();
+        let walredo = WalRedoManager::new("t", conf, Arc::new(WalRedoMetrics::new(&registry).unwrap()));
+        let held = walredo.hold_foreground_queue();
+        let cancel = CancellationToken::new();
+        let budget = Arc::new(RedoBudget::new(
+            crate::tenant::DEFAULT_REDO_MEMORY_BUDGET,
+            TURN_WAIT,
+            prometheus::IntGauge::new("budget", "test").unwrap(),
+        ));
+        let compactor = Compactor::start(
+            Arc::clone(&timeline),
+            Arc::clone(&walredo),
+            budget,
+            settings,
+            crate::storage::DEFAULT_LAYER_SIZE,
+            Arc::new(CompactionMetrics::new(&registry).unwrap()),
+            cancel.clone(),
+        );
+        // The pass waits TURN_WAIT for its image, then works for milliseconds: it ends within
+        // a few seconds, not after a pause of 19 x TURN_WAIT.
+        wait_for("the pass to end", TURN_WAIT * 8, || compactor.status().passes == 1).await;
+        let status = compactor.status();
+        let pass = status.last_pass.unwrap();
+        assert_eq!((pass.stats.images_created, pass.stats.image_failures), (1, 0), "{pass:?}");
+        drop(held);
+        cancel.cancel();
+        compactor.stopped().await;
+        walredo.shutdown().await;
+    }
 }

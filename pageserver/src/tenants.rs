@@ -267,6 +267,7 @@ impl Tenants {
         let compactor = Compactor::start(
             Arc::clone(&timeline),
             Arc::clone(&walredo),
+            Arc::clone(&self.deps.redo_budget),
             self.deps.compaction.clone(),
             self.storage_conf.layer_size,
             Arc::clone(&self.deps.compaction_metrics),

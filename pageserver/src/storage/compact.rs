@@ -6,12 +6,20 @@
 //!
 //! Per key (its values in the input layers, oldest first):
 //! - **GC**: values older than the newest image at or below the cutoff are dropped;
-//! - **image creation**: if more than `image_threshold` records sit above the key's newest
-//!   image, the pass asks its caller for the page at the key's newest LSN
-//!   ([`Step::NeedImage`]: storage knows nothing of redo) and writes that image in place of the
-//!   record at that LSN (and, if that LSN is at or below the cutoff, in place of everything);
-//! - the kept values are written back to back into the current output, so that a key's values
-//!   in a compacted layer are adjacent and a read of it is one `pread`.
+//! - **image creation**: if at least `image_threshold` records sit above the key's newest
+//!   image (or more than one redo request can take), the pass asks its caller for the page at
+//!   the key's newest LSN ([`Step::NeedImage`]: storage knows nothing of redo) and writes that
+//!   image in place of the record at that LSN (and, if that LSN is at or below the cutoff, in
+//!   place of everything older). A chain of more than [`IMAGE_PIECE_BYTES`] (or
+//!   `MAX_RECORDS_PER_REQUEST` records) is rebuilt in **pieces**, oldest first: each piece's
+//!   page is asked for from the previous piece's page and the piece's records, and is written
+//!   as an image in place of the piece's last record. So every retained LSN is readable within
+//!   one redo request's limits, and an image request reads at most [`IMAGE_PIECE_BYTES`];
+//! - the kept values are copied back to back into the current output, one span (at most 1 MiB)
+//!   at a time, so that a key's values in a compacted layer are adjacent and a read of it is
+//!   one `pread` per MiB. A pass holds a bounded amount of value bytes, whatever a key's size:
+//!   one span being copied, the output's write buffer, the page of the last piece, and what an
+//!   image request reads (its caller reserves that before reading it).
 //!
 //! Crash safety (docs/storage-format.md, "Compaction"): the pass starts by recording its intent
 //! (and the new GC cutoff) in the manifest; outputs are written under temporary names, fsynced,
@@ -30,6 +38,7 @@
 //! and is durable before anything below it is dropped; nothing here waits for another thread.
 
 use std::fs::{File, OpenOptions};
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -41,7 +50,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
-use super::index::{Frozen, ReadPlan};
+use super::index::{read_run, Frozen, Picked, ReadPlan, ReadSize};
 use super::layer;
 use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
 use super::shared::Shared;
@@ -51,6 +60,11 @@ use super::{Key, Lsn, ReconstructData};
 pub(crate) const TMP_PREFIX: &str = ".compact_";
 /// Bytes of values buffered before an output write.
 const WRITE_BUFFER: usize = 256 << 10;
+/// Most bytes of values (the base image and the records) one image of a pass is rebuilt from:
+/// a longer chain is rebuilt in pieces (see the module doc). Bounds the memory of an image
+/// request and what a GetPage at any LSN of the chain reads afterwards, at the cost of an 8 KiB
+/// image per MiB of records.
+pub const IMAGE_PIECE_BYTES: u64 = 1 << 20;
 
 /// What a pass does; see the module doc.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,12 +102,53 @@ pub struct PassStats {
     pub gc_cutoff: u64,
 }
 
-/// A page the pass needs reconstructed: `key` as of `lsn`, from `data`.
-#[derive(Debug)]
+/// A page the pass needs reconstructed: `key` as of `lsn`, from an image and the records above
+/// it: at most `MAX_RECORDS_PER_REQUEST` records, and [`IMAGE_PIECE_BYTES`] read (values and
+/// the gaps read with them) and held, unless one record alone is more.
+/// Nothing is read yet: reserve what it holds ([`ImageRequest::bytes`]), then
+/// [`ImageRequest::read`].
 pub struct ImageRequest {
     pub key: Key,
     pub lsn: Lsn,
-    pub data: ReconstructData,
+    /// The page of the previous piece, when this pass made it (else the plan reads the image).
+    base: Option<(Lsn, Bytes)>,
+    plan: ReadPlan,
+}
+
+impl ImageRequest {
+    /// Bytes of values the request holds once read: what it reads and the base image it has.
+    pub fn bytes(&self) -> u64 {
+        self.plan.bytes() + self.base.as_ref().map_or(0, |(_, b)| b.len() as u64)
+    }
+
+    /// Values it holds once read: the base image, if any, and the records.
+    pub fn values(&self) -> usize {
+        self.plan.values() + usize::from(self.base.is_some())
+    }
+
+    /// Reads the image and records, checking their checksums. Blocking: call it off the
+    /// async executor.
+    pub fn read(self) -> anyhow::Result<ReconstructData> {
+        let mut data = self
+            .plan
+            .execute()
+            .with_context(|| format!("read {:?} up to lsn {} for its image", self.key, self.lsn))?;
+        if self.base.is_some() {
+            data.image = self.base;
+        }
+        Ok(data)
+    }
+}
+
+impl std::fmt::Debug for ImageRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageRequest")
+            .field("key", &self.key)
+            .field("lsn", &self.lsn)
+            .field("values", &self.values())
+            .field("bytes", &self.bytes())
+            .finish()
+    }
 }
 
 /// What a slice ended with.
@@ -107,15 +162,88 @@ pub enum Step {
     Done(PassStats),
 }
 
-/// A key's input values: the file each is in and its entry, oldest first.
-type KeyValues = Vec<(Arc<File>, IndexEntry)>;
+/// A key's values in the inputs, oldest first: its run of entries in each input layer that
+/// holds it (the inputs are oldest first, and layers that share a key do not overlap in LSN).
+/// Refers to the inputs' index; copies no entry.
+struct KeyValues {
+    runs: Vec<(Arc<Frozen>, Range<usize>)>,
+    len: usize,
+}
 
-/// A key waiting for its image.
-struct Waiting {
+impl KeyValues {
+    fn of(inputs: &[Arc<Frozen>], key: Key) -> KeyValues {
+        let runs: Vec<(Arc<Frozen>, Range<usize>)> = inputs
+            .iter()
+            .map(|l| (Arc::clone(l), l.range_of(key, Lsn(u64::MAX))))
+            .filter(|(_, r)| !r.is_empty())
+            .collect();
+        let len = runs.iter().map(|(_, r)| r.len()).sum();
+        KeyValues { runs, len }
+    }
+
+    /// The values from the `from`th on, with their files (skipping whole runs, so that a key of
+    /// many pieces is not walked from its start for each).
+    fn iter_from(&self, mut from: usize) -> impl Iterator<Item = (&Arc<File>, &IndexEntry)> {
+        let mut first = self.runs.len();
+        for (i, (_, r)) in self.runs.iter().enumerate() {
+            if from < r.len() {
+                first = i;
+                break;
+            }
+            from -= r.len();
+        }
+        self.runs[first..].iter().enumerate().flat_map(move |(i, (l, r))| {
+            let start = if i == 0 { r.start + from } else { r.start };
+            l.entries[start..r.end].iter().map(move |e| (&l.file, e))
+        })
+    }
+
+    fn get(&self, i: usize) -> anyhow::Result<(&Arc<File>, &IndexEntry)> {
+        self.iter_from(i).next().with_context(|| format!("value {i} of a key of {}", self.len))
+    }
+
+    /// The file of the `from`th value and the entries of that file from it on.
+    fn run_from(&self, mut from: usize) -> anyhow::Result<(&Arc<File>, &[IndexEntry])> {
+        for (l, r) in &self.runs {
+            if from < r.len() {
+                return Ok((&l.file, &l.entries[r.start + from..r.end]));
+            }
+            from -= r.len();
+        }
+        anyhow::bail!("value past the end of a key of {}", self.len)
+    }
+}
+
+/// The key a pass is working on: what it keeps, and its images as they are made. Values are
+/// written in order; `next` is the first not yet written (those before it are written or
+/// dropped).
+struct KeyWork {
     key: Key,
     values: KeyValues,
-    keep_from: usize,
-    image: Option<Option<Bytes>>,
+    next: usize,
+    /// Values up to here (excluded) are due to be written now.
+    copy_until: usize,
+    /// A new image at or below the cutoff, in place of the value `next`: written unless a
+    /// newer one at or below the cutoff comes (which drops it and what is before).
+    held: Option<(usize, Bytes)>,
+    /// A new image above the cutoff, in place of the value at its index (`copy_until - 1`).
+    image_at: Option<(usize, Bytes)>,
+    /// While images are still to be made: the first record of the next piece.
+    piece_start: Option<usize>,
+    /// The page of the last piece, which the next piece starts from.
+    base: Option<(Lsn, Bytes)>,
+    /// The last value of the piece whose page was asked for, and the answer once provided.
+    asked: Option<usize>,
+    answer: Option<Option<Bytes>>,
+    /// Values written, images included.
+    written: usize,
+}
+
+/// Where a key's work stopped.
+enum KeyStep {
+    Done,
+    OutOfTime,
+    NeedImage(ImageRequest),
 }
 
 /// The output being written.
@@ -142,9 +270,12 @@ pub struct Pass {
     conf: CompactionConf,
     inputs: Vec<Arc<Frozen>>,
     cutoff: Lsn,
-    /// The last key done; `None` before the first.
+    /// The last key begun; `None` before the first.
     cursor: Option<Key>,
-    waiting: Option<Waiting>,
+    /// The key begun and not done.
+    current: Option<KeyWork>,
+    /// The span being copied (reused).
+    copy_buf: Vec<u8>,
     writer: Option<Writer>,
     outputs: Vec<Output>,
     next_id: u64,
@@ -201,7 +332,8 @@ impl Pass {
             inputs,
             cutoff,
             cursor: None,
-            waiting: None,
+            current: None,
+            copy_buf: Vec::new(),
             writer: None,
             outputs: Vec::new(),
             next_id,
@@ -211,8 +343,9 @@ impl Pass {
         }))
     }
 
-    /// Runs the pass for about `budget` (checked after each key), blocking on file I/O: call it
-    /// off the async executor. After `NeedImage`, call [`Pass::provide_image`] first.
+    /// Runs the pass for about `budget` (checked after each key, and after each span of a
+    /// long key's copy), blocking on file I/O: call it off the async executor. After
+    /// `NeedImage`, call [`Pass::provide_image`] first.
     ///
     /// An error ends the pass. One that is fatal (a failed fsync, an install whose outcome is
     /// unknown) makes the timeline fail for good, as the committer's do: nothing more is written
@@ -222,31 +355,41 @@ impl Pass {
     }
 
     fn slice(&mut self, budget: Duration) -> anyhow::Result<Step> {
-        let start = Instant::now();
-        if let Some(w) = self.waiting.take() {
-            anyhow::ensure!(w.image.is_some(), "compaction slice run before its image was provided");
-            self.finish_key(w)?;
-        }
+        let deadline = Instant::now().checked_add(budget);
         loop {
-            let Some(key) = self.inputs.iter().filter_map(|l| l.next_key(self.cursor)).min() else {
-                let stats = self.install()?;
-                return Ok(Step::Done(stats));
+            let mut w = match self.current.take() {
+                Some(w) => w,
+                None => {
+                    let Some(key) = self.inputs.iter().filter_map(|l| l.next_key(self.cursor)).min() else {
+                        let stats = self.install()?;
+                        return Ok(Step::Done(stats));
+                    };
+                    self.cursor = Some(key);
+                    self.start_key(key)
+                }
             };
-            self.cursor = Some(key);
-            if let Some(request) = self.start_key(key)? {
-                return Ok(Step::NeedImage(request));
+            match self.work_on(&mut w, deadline)? {
+                KeyStep::NeedImage(request) => {
+                    self.current = Some(w);
+                    return Ok(Step::NeedImage(request));
+                }
+                KeyStep::OutOfTime => {
+                    self.current = Some(w);
+                    return Ok(Step::Continue);
+                }
+                KeyStep::Done => self.end_key(w)?,
             }
-            if start.elapsed() >= budget {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(Step::Continue);
             }
         }
     }
 
     /// The page asked for by the last `NeedImage`, or `None` if it could not be rebuilt (the
-    /// key then keeps its values as they are).
+    /// key then keeps its values from there on as they are).
     pub fn provide_image(&mut self, page: Option<Bytes>) {
-        if let Some(w) = self.waiting.as_mut() {
-            w.image = Some(page);
+        if let Some(w) = self.current.as_mut().filter(|w| w.asked.is_some()) {
+            w.answer = Some(page);
         }
     }
 
@@ -255,52 +398,157 @@ impl Pass {
         &self.stats
     }
 
-    /// Collects `key`'s values; writes what it keeps, or returns the image it needs first.
-    fn start_key(&mut self, key: Key) -> anyhow::Result<Option<ImageRequest>> {
-        let values: KeyValues = self
-            .inputs
-            .iter()
-            .flat_map(|l| l.values_of(key, Lsn(u64::MAX)).iter().map(|e| (Arc::clone(&l.file), *e)))
-            .collect();
+    /// Looks at `key`'s values: which it keeps, and whether it needs images.
+    fn start_key(&mut self, key: Key) -> KeyWork {
+        let values = KeyValues::of(&self.inputs, key);
         self.stats.keys += 1;
-        self.stats.values_read += values.len() as u64;
-        let keep_from =
-            values.iter().rposition(|(_, e)| e.kind == Kind::Image && e.lsn <= self.cutoff).unwrap_or(0);
-        let base = values.iter().rposition(|(_, e)| e.kind == Kind::Image);
-        let chain = values.len() - base.map_or(0, |i| i + 1);
-        let fits = chain <= page_types::MAX_RECORDS_PER_REQUEST
-            && values[base.unwrap_or(0)..].iter().map(|(_, e)| u64::from(e.len)).sum::<u64>()
-                <= page_types::MAX_RECONSTRUCT_BYTES;
-        let w = Waiting { key, values, keep_from, image: None };
-        if chain < self.conf.image_threshold.max(1) || !fits {
-            self.finish_key(w)?;
-            return Ok(None);
+        self.stats.values_read += values.len as u64;
+        let (mut keep_from, mut base) = (0, None);
+        for (i, (_, e)) in values.iter_from(0).enumerate() {
+            if e.kind == Kind::Image {
+                base = Some(i);
+                if e.lsn <= self.cutoff {
+                    keep_from = i;
+                }
+            }
         }
-        // The chain is not empty here (it reached the threshold), so there is a newest value.
-        let top = w.values.last().map_or(Lsn(0), |(_, e)| e.lsn);
-        let data = plan_of(&w.values[base.unwrap_or(0)..])
-            .execute()
-            .with_context(|| format!("read {key:?} for its image"))?;
-        self.waiting = Some(w);
-        Ok(Some(ImageRequest { key, lsn: top, data }))
+        let start = base.map_or(0, |i| i + 1);
+        let chain = values.len - start;
+        let bytes: u64 = values.iter_from(base.unwrap_or(0)).map(|(_, e)| u64::from(e.len)).sum();
+        let fits = chain <= page_types::MAX_RECORDS_PER_REQUEST && bytes <= page_types::MAX_RECONSTRUCT_BYTES;
+        let imaging = chain > 0 && (chain >= self.conf.image_threshold.max(1) || !fits);
+        KeyWork {
+            key,
+            values,
+            next: keep_from,
+            copy_until: keep_from,
+            held: None,
+            image_at: None,
+            piece_start: imaging.then_some(start),
+            base: None,
+            asked: None,
+            answer: None,
+            written: 0,
+        }
     }
 
-    /// Writes the values `w` keeps (with its new image, if one was made).
-    fn finish_key(&mut self, w: Waiting) -> anyhow::Result<()> {
-        let total = w.values.len();
-        let mut kept = read_entries(&w.values[w.keep_from..]).with_context(|| format!("read {:?}", w.key))?;
-        if let Some(Some(image)) = w.image {
-            let top = kept.pop().map(|(lsn, _, _)| lsn).context("a key without values")?;
-            if top <= self.cutoff {
-                kept.clear();
-            }
-            kept.push((top, Kind::Image, image));
-            self.stats.images_created += 1;
-        } else if w.image.is_some() {
-            self.stats.image_failures += 1;
+    /// Goes on with `w` until it is done, needs an image, or (after some copying) is past
+    /// `deadline`.
+    fn work_on(&mut self, w: &mut KeyWork, deadline: Option<Instant>) -> anyhow::Result<KeyStep> {
+        if let Some(end) = w.asked.take() {
+            let answer = w.answer.take().context("compaction slice run before its image was provided")?;
+            self.took_image(w, end, answer)?;
         }
-        self.stats.values_dropped += (total - kept.len()) as u64;
-        self.stats.values_written += kept.len() as u64;
+        let mut copied = false;
+        loop {
+            if w.next < w.copy_until {
+                if copied && deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(KeyStep::OutOfTime);
+                }
+                self.copy_some(w)?;
+                copied = true;
+            } else if let Some(start) = w.piece_start {
+                if let Some(request) = self.next_piece(w, start)? {
+                    return Ok(KeyStep::NeedImage(request));
+                }
+            } else if w.copy_until < w.values.len {
+                w.copy_until = w.values.len;
+            } else {
+                return Ok(KeyStep::Done);
+            }
+        }
+    }
+
+    /// Takes the answer to the image of the piece ending at value `end`.
+    fn took_image(&mut self, w: &mut KeyWork, end: usize, page: Option<Bytes>) -> anyhow::Result<()> {
+        let Some(page) = page else {
+            // The records from the last image on stay as they are.
+            self.stats.image_failures += 1;
+            w.piece_start = None;
+            return Ok(());
+        };
+        self.stats.images_created += 1;
+        let lsn = w.values.get(end)?.1.lsn;
+        w.base = Some((lsn, page.clone()));
+        w.piece_start = Some(end + 1).filter(|&i| i < w.values.len);
+        if lsn <= self.cutoff {
+            // Everything older is dropped, an older image held too.
+            w.next = end;
+            w.copy_until = w.copy_until.max(end);
+            w.held = Some((end, page));
+        } else {
+            w.image_at = Some((end, page));
+            w.copy_until = end + 1;
+        }
+        Ok(())
+    }
+
+    /// The request for the next piece of `w`'s chain, from its first record `start`; `None`
+    /// (and no more pieces) when the chain is done.
+    fn next_piece(&mut self, w: &mut KeyWork, start: usize) -> anyhow::Result<Option<ImageRequest>> {
+        if start >= w.values.len {
+            w.piece_start = None;
+            return Ok(None);
+        }
+        // What the piece reads (gaps read with its values included) and holds.
+        let mut picked = Picked::with_capacity(64);
+        let mut size = ReadSize::default();
+        let base = w.base.as_ref().map_or(0, |(_, page)| page.len() as u64);
+        if w.base.is_none() && start > 0 {
+            // The first piece: from the key's newest image, the value before it.
+            let (file, e) = w.values.get(start - 1)?;
+            size.add(file, e);
+            picked.push(file, e);
+        }
+        let (mut records, mut end) = (0, start);
+        for (i, (file, e)) in w.values.iter_from(start).enumerate() {
+            let over = records == page_types::MAX_RECORDS_PER_REQUEST
+                || base + size.bytes() + size.cost(file, e) > IMAGE_PIECE_BYTES;
+            if records > 0 && over {
+                break;
+            }
+            size.add(file, e);
+            records += 1;
+            end = start + i;
+            picked.push(file, e);
+        }
+        w.asked = Some(end);
+        let lsn = w.values.get(end)?.1.lsn;
+        Ok(Some(ImageRequest { key: w.key, lsn, base: w.base.clone(), plan: ReadPlan::new(picked) }))
+    }
+
+    /// Writes what comes next of `w`: a new image in place of the value `next`, or the values
+    /// from `next` that one span holds (up to `copy_until` and to a new image's place).
+    fn copy_some(&mut self, w: &mut KeyWork) -> anyhow::Result<()> {
+        for slot in [&mut w.held, &mut w.image_at] {
+            if slot.as_ref().is_some_and(|(at, _)| *at == w.next) {
+                if let Some((at, page)) = slot.take() {
+                    let lsn = w.values.get(at)?.1.lsn;
+                    self.push(w.key, lsn, Kind::Image, &page)?;
+                    w.next += 1;
+                    w.written += 1;
+                    return Ok(());
+                }
+            }
+        }
+        let until = w.image_at.as_ref().map_or(w.copy_until, |(at, _)| w.copy_until.min(*at));
+        let (file, entries) = w.values.run_from(w.next)?;
+        let entries = &entries[..entries.len().min(until - w.next)];
+        let mut buf = std::mem::take(&mut self.copy_buf);
+        let n = read_run(file, entries, &mut buf).with_context(|| format!("read {:?}", w.key))?;
+        let first = entries.first().map_or(0, |e| e.offset);
+        for e in &entries[..n] {
+            let at = (e.offset - first) as usize;
+            self.push(w.key, e.lsn, e.kind, &buf[at..at + e.len as usize])?;
+        }
+        self.copy_buf = buf;
+        w.next += n;
+        w.written += n;
+        Ok(())
+    }
+
+    /// Appends a value to the current output (a new one if there is none).
+    fn push(&mut self, key: Key, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {
         let writer = match self.writer.as_mut() {
             Some(w) => w,
             None => {
@@ -309,10 +557,14 @@ impl Pass {
                 self.writer.insert(Writer::create(&self.shared.dir, id)?)
             }
         };
-        for (lsn, kind, bytes) in kept {
-            writer.push(w.key, lsn, kind, &bytes)?;
-        }
-        if writer.len + writer.buf.len() as u64 >= self.conf.layer_size {
+        self.stats.values_written += 1;
+        writer.push(key, lsn, kind, bytes)
+    }
+
+    /// A key is written: counts what it dropped, and cuts the output if it is full.
+    fn end_key(&mut self, w: KeyWork) -> anyhow::Result<()> {
+        self.stats.values_dropped += (w.values.len - w.written) as u64;
+        if self.writer.as_ref().is_some_and(|wr| wr.len + wr.buf.len() as u64 >= self.conf.layer_size) {
             self.finish_output()?;
         }
         Ok(())
@@ -430,16 +682,6 @@ fn delete_files(sh: &Shared, dir_file: &File) -> u64 {
         tracing::warn!("could not record the deletion of compacted layers: {e:#}");
     }
     gone.iter().filter(|(_, deleted)| *deleted).count() as u64
-}
-
-/// The reads of `entries` (oldest first).
-fn plan_of(entries: &[(Arc<File>, IndexEntry)]) -> ReadPlan {
-    ReadPlan::new(entries.iter().map(|(f, e)| (f, e)).collect())
-}
-
-/// Reads the values of `entries` (oldest first), checking their checksums.
-fn read_entries(entries: &[(Arc<File>, IndexEntry)]) -> anyhow::Result<Vec<(Lsn, Kind, Bytes)>> {
-    plan_of(entries).execute_values()
 }
 
 impl Writer {

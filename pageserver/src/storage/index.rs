@@ -13,15 +13,20 @@
 //! newest first visits its values newest first; [`Index::push_layer`] refuses a layer that
 //! would break this.
 //!
-//! Reads: a plan groups the values it needs by file and merges values that lie close together
-//! into one span, read with one `pread`. In a compacted layer a key's values are adjacent, so a
-//! page is rebuilt with one read per layer it touches; in a sealed segment they are spread over
-//! the batches that wrote them.
+//! Reads: under the lock, a lookup only copies out the entries it needs ([`Picked`]); without
+//! it, a plan ([`ReadPlan::new`], linear in the values) merges values of one file that lie
+//! close together into one span, read with one `pread`, of at most [`MAX_SPAN`] bytes. In a
+//! compacted layer a key's values are adjacent, so a page is rebuilt with one read per layer it
+//! touches (per MiB); in a sealed segment they are spread over the batches that wrote them.
+//! [`read_run`] reads values one span at a time into a reused buffer, for a caller (the
+//! compactor) that copies any number of values in bounded memory.
 //!
 //! **Invariants:** only durable values are in the map (the committer inserts after fsync); a
 //! read's size (records and bytes) is checked against its limits from the map alone, before any
-//! value is read; a `(key, lsn)` is in at most one file; reads take the lock only to plan,
-//! never across I/O, and check each value's crc32c before returning it.
+//! value is read; a `(key, lsn)` is in at most one file; the lock is held only to copy entries
+//! out, never to plan spans nor across I/O; every read checks each value's crc32c before
+//! returning it; a span is at most [`MAX_SPAN`] bytes (or one value) and [`MAX_SPAN_VALUES`]
+//! values.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
@@ -38,6 +43,11 @@ use super::{GetError, Key, Lsn, ReadLimits, ReconstructData};
 /// Values of one file closer than this are read together: reading a few KiB more from the page
 /// cache costs less than another system call.
 const MERGE_GAP: u64 = 4096;
+/// Most bytes one span reads (unless one value is larger): a read's buffer stays bounded
+/// whatever the number of values, and a MiB per system call already costs nothing more.
+pub(crate) const MAX_SPAN: u64 = 1 << 20;
+/// Most values one span holds: bounds the bookkeeping of a span of tiny values.
+pub(crate) const MAX_SPAN_VALUES: usize = 4096;
 
 /// An immutable layer file and its index, sorted by `(key, lsn)`.
 pub(crate) struct Frozen {
@@ -82,9 +92,14 @@ impl Frozen {
 
     /// The entries of `key` at or below `lsn`, oldest first.
     pub(crate) fn values_of(&self, key: Key, lsn: Lsn) -> &[IndexEntry] {
+        &self.entries[self.range_of(key, lsn)]
+    }
+
+    /// Where [`Frozen::values_of`] lies in `entries`.
+    pub(crate) fn range_of(&self, key: Key, lsn: Lsn) -> std::ops::Range<usize> {
         let start = self.entries.partition_point(|e| e.key < key);
         let end = self.entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
-        &self.entries[start..end.max(start)]
+        start..end.max(start)
     }
 
     /// The first key above `after` (from the first key if `None`), if any.
@@ -148,6 +163,12 @@ fn check_fits(older: &[Arc<Frozen>], layer: &Frozen) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Spans looked at while planning, on this thread: the work of [`ReadPlan::new`].
+    static SPAN_PROBES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// One value to take out of a span.
 struct SpanValue {
     lsn: Lsn,
@@ -166,7 +187,30 @@ struct Span {
     values: Vec<SpanValue>,
 }
 
-/// What a lookup found, planned under the lock and executed without it.
+/// The values a lookup needs, oldest first, copied out of the map under its lock (a copy of
+/// each entry, one handle per file): everything else is done without the lock.
+pub(crate) struct Picked {
+    files: Vec<Arc<File>>,
+    /// Index into `files`, and the entry.
+    values: Vec<(usize, IndexEntry)>,
+}
+
+impl Picked {
+    /// An empty list for `values` values (at most).
+    pub(crate) fn with_capacity(values: usize) -> Picked {
+        Picked { files: Vec::new(), values: Vec::with_capacity(values) }
+    }
+
+    /// Adds a value after the others (they must come oldest first for a plan).
+    pub(crate) fn push(&mut self, file: &Arc<File>, e: &IndexEntry) {
+        if !self.files.last().is_some_and(|f| Arc::ptr_eq(f, file)) {
+            self.files.push(Arc::clone(file));
+        }
+        self.values.push((self.files.len() - 1, *e));
+    }
+}
+
+/// What a lookup found, planned from [`Picked`] without the lock, and executed.
 pub(crate) struct ReadPlan {
     spans: Vec<Span>,
 }
@@ -323,10 +367,18 @@ impl Index {
         self.newest_first(key, lsn).next().map(|(_, e)| e.lsn)
     }
 
-    /// Plans the reads for `key` as of `lsn`: the newest image at or below `lsn` and the records
-    /// above it, or all records at or below `lsn` if there is no image. `None` if nothing.
-    /// Fails with `TooLarge`, before any value is read, when more than `limits` would be read.
+    /// [`Index::pick`] and its plan, for tests (the callers that hold the lock plan without it).
+    #[cfg(test)]
     pub(crate) fn plan(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<ReadPlan>, GetError> {
+        Ok(self.pick(key, lsn, limits)?.map(ReadPlan::new))
+    }
+
+    /// The values to read for `key` as of `lsn`: the newest image at or below `lsn` and the
+    /// records above it, or all records at or below `lsn` if there is no image. `None` if
+    /// nothing. Fails with `TooLarge`, before any value is read, when more than `limits` would
+    /// be read. Linear in the values it returns; plan them ([`ReadPlan::new`]) after releasing
+    /// the lock.
+    pub(crate) fn pick(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<Picked>, GetError> {
         let mut picked: Vec<(&Arc<File>, &IndexEntry)> = Vec::new();
         let mut bytes = 0u64;
         let mut records = 0usize;
@@ -355,23 +407,116 @@ impl Index {
         if picked.is_empty() {
             return Ok(None);
         }
-        picked.reverse();
-        Ok(Some(ReadPlan::new(picked)))
+        let mut out = Picked::with_capacity(picked.len());
+        for (file, e) in picked.into_iter().rev() {
+            out.push(file, e);
+        }
+        Ok(Some(out))
     }
 }
 
+/// Whether `e`, of the same file, can be read with the span of `values` values that starts at
+/// `offset` and is `len` bytes long: it starts after the span's end, within [`MERGE_GAP`] of
+/// it, and the span stays within its bounds with it.
+fn joins(offset: u64, len: u64, values: usize, e: &IndexEntry) -> bool {
+    #[cfg(test)]
+    SPAN_PROBES.with(|c| c.set(c.get() + 1));
+    let end = offset + len;
+    e.offset >= end
+        && e.offset - end <= MERGE_GAP
+        && e.offset + u64::from(e.len) - offset <= MAX_SPAN
+        && values < MAX_SPAN_VALUES
+}
+
+/// The bytes a plan of values reads ([`ReadPlan::bytes`]), counted as values are added oldest
+/// first, with the rule of [`ReadPlan::new`]: for a caller that bounds what a plan reads before
+/// making it.
+#[derive(Debug, Default)]
+pub(crate) struct ReadSize {
+    /// The last span: its file (by address), offset, length and values.
+    last: Option<(usize, u64, u64, usize)>,
+    bytes: u64,
+}
+
+impl ReadSize {
+    /// Bytes read so far.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The bytes that adding `e`, of `file`, adds: its own, and the gap before it when it joins
+    /// the last span.
+    pub(crate) fn cost(&self, file: &Arc<File>, e: &IndexEntry) -> u64 {
+        match self.last {
+            Some((f, offset, len, values))
+                if f == Arc::as_ptr(file) as usize && joins(offset, len, values, e) =>
+            {
+                e.offset + u64::from(e.len) - (offset + len)
+            }
+            _ => u64::from(e.len),
+        }
+    }
+
+    /// Adds `e`, of `file`.
+    pub(crate) fn add(&mut self, file: &Arc<File>, e: &IndexEntry) {
+        self.bytes += self.cost(file, e);
+        let f = Arc::as_ptr(file) as usize;
+        self.last = match self.last {
+            Some((lf, offset, len, values)) if lf == f && joins(offset, len, values, e) => {
+                Some((f, offset, e.offset + u64::from(e.len) - offset, values + 1))
+            }
+            _ => Some((f, e.offset, u64::from(e.len), 1)),
+        };
+    }
+}
+
+/// Reads the longest prefix of `entries` (values of `file`, in file order) that one span holds
+/// (the rule of [`ReadPlan::new`]) into `buf`, replacing its contents, checks each value's
+/// checksum, and returns how many values that is (0 for none). Value `e` of them is
+/// `buf[e.offset - entries[0].offset..][..e.len]`. So a caller that reuses `buf` reads any
+/// number of values in at most [`MAX_SPAN`] bytes (or one value) of memory.
+pub(crate) fn read_run(file: &File, entries: &[IndexEntry], buf: &mut Vec<u8>) -> anyhow::Result<usize> {
+    let Some(first) = entries.first() else {
+        return Ok(0);
+    };
+    let mut len = u64::from(first.len);
+    let mut n = 1;
+    while let Some(e) = entries.get(n).filter(|e| joins(first.offset, len, n, e)) {
+        len = e.offset + u64::from(e.len) - first.offset;
+        n += 1;
+    }
+    buf.clear();
+    buf.resize(len as usize, 0);
+    file.read_exact_at(buf, first.offset).with_context(|| {
+        format!("read {len} bytes at offset {} (value at lsn {})", first.offset, first.lsn)
+    })?;
+    for e in &entries[..n] {
+        let at = (e.offset - first.offset) as usize;
+        ensure!(
+            crc32c::crc32c(&buf[at..at + e.len as usize]) == e.crc,
+            "checksum mismatch in value at lsn {} (offset {})",
+            e.lsn,
+            e.offset
+        );
+    }
+    Ok(n)
+}
+
 impl ReadPlan {
-    /// A plan for `values` (oldest first): values of one file that lie within [`MERGE_GAP`] of
-    /// each other share a span.
-    pub(crate) fn new(values: Vec<(&Arc<File>, &IndexEntry)>) -> ReadPlan {
+    /// A plan for `picked` (oldest first): a value joins the span before it when it is of the
+    /// same file and within [`MERGE_GAP`] after it (and the span stays within its bounds).
+    /// Linear: a file's values come in one run (a key's values in a layer, then the next
+    /// layer's), in file order, so only the last span can take the next value.
+    pub(crate) fn new(picked: Picked) -> ReadPlan {
         let mut spans: Vec<Span> = Vec::new();
-        for (file, e) in values {
+        let mut last_file = usize::MAX;
+        for (f, e) in &picked.values {
+            let file = &picked.files[*f];
             let end = e.offset + u64::from(e.len);
-            let joins = spans.iter_mut().find(|s| {
-                Arc::ptr_eq(&s.file, file)
-                    && e.offset >= s.offset + s.len as u64
-                    && e.offset - (s.offset + s.len as u64) <= MERGE_GAP
-            });
+            let joins = spans
+                .last_mut()
+                .filter(|s| *f == last_file && joins(s.offset, s.len as u64, s.values.len(), e));
+            last_file = *f;
             match joins {
                 Some(s) => {
                     let at = (e.offset - s.offset) as usize;
@@ -433,12 +578,6 @@ impl ReadPlan {
     pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
         let bufs = self.spans.iter().map(read_span).collect::<anyhow::Result<Vec<_>>>()?;
         self.assemble(bufs)
-    }
-
-    /// Reads every planned value (blocking) and returns them oldest first, with their kind.
-    pub(crate) fn execute_values(self) -> anyhow::Result<Vec<(Lsn, Kind, Bytes)>> {
-        let bufs = self.spans.iter().map(read_span).collect::<anyhow::Result<Vec<_>>>()?;
-        self.cut(bufs)
     }
 
     fn assemble(&self, bufs: Vec<Bytes>) -> anyhow::Result<ReconstructData> {
@@ -629,6 +768,50 @@ mod tests {
             assert_eq!(d.records.len(), 9);
             assert!(d.records.iter().all(|(_, r)| &r[..] == b"record"));
         }
+    }
+
+    #[test]
+    fn planning_values_far_apart_looks_at_each_span_a_bounded_number_of_times() {
+        // A key's values spread over a sealed segment, each more than MERGE_GAP from the next
+        // (records of other keys in between): one span each. Planning them is linear.
+        const VALUES: u64 = 4096;
+        let entries: Vec<IndexEntry> = (0..VALUES)
+            .map(|i| IndexEntry {
+                key: key(1),
+                lsn: Lsn(i + 1),
+                kind: Kind::Record,
+                offset: i * (MERGE_GAP + 1000),
+                len: 100,
+                crc: 0,
+            })
+            .collect();
+        let mut idx = Index::new(0, tempfile::tempfile().map(Arc::new).unwrap());
+        idx.push_layer(
+            Frozen::new(1, "l".into(), tempfile::tempfile().map(Arc::new).unwrap(), entries, 0).unwrap(),
+        )
+        .unwrap();
+        let before = SPAN_PROBES.with(|c| c.get());
+        let plan = idx.plan(key(1), Lsn(VALUES), NO_LIMITS).unwrap().unwrap();
+        let probes = SPAN_PROBES.with(|c| c.get()) - before;
+        assert_eq!((plan.reads(), plan.values()), (VALUES as usize, VALUES as usize));
+        assert!(probes <= 2 * VALUES, "{probes} spans looked at to plan {VALUES} values");
+    }
+
+    #[test]
+    fn adjacent_values_are_read_in_spans_of_at_most_a_mib() {
+        let page = [3u8; 8192];
+        let vals: Vec<(Key, u64, Kind, &[u8])> =
+            (1..=300).map(|lsn| (key(1), lsn, Kind::Record, &page[..])).collect();
+        let (f, entries) = file_with(&vals);
+        let mut idx = Index::new(0, tempfile::tempfile().map(Arc::new).unwrap());
+        idx.push_layer(Frozen::new(1, "l".into(), f, entries, 0).unwrap()).unwrap();
+        let plan = idx.plan(key(1), Lsn(300), NO_LIMITS).unwrap().unwrap();
+        // 128 values of 8 KiB fill a MiB.
+        assert_eq!((plan.reads(), plan.bytes()), (3, 300 * 8192));
+        assert!(plan.spans.iter().all(|s| s.len as u64 <= MAX_SPAN));
+        let d = plan.execute().unwrap();
+        assert_eq!(d.records.len(), 300);
+        assert!(d.records.iter().all(|(_, r)| r[..] == page[..]));
     }
 
     #[test]

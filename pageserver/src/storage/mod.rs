@@ -56,7 +56,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-pub use compact::{CompactionConf, ImageRequest, Pass, PassStats, Step};
+pub use compact::{CompactionConf, ImageRequest, Pass, PassStats, Step, IMAGE_PIECE_BYTES};
 pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
 pub use metrics::{FsyncFailed, StorageMetrics};
 pub use timeline::Timeline;

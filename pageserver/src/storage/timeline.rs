@@ -249,13 +249,15 @@ impl Timeline {
         self.plan_read(key, lsn, limits)?.execute().map_err(GetError::Io)
     }
 
-    /// The reads for `key` at `lsn`, planned under the index lock (held only for this), from
-    /// the index alone: what they will cost ([`ReadPlan::bytes`], for reserving memory before
-    /// reading) and `TooLarge` over `limits`, with nothing read. The plan keeps its files open.
+    /// The reads for `key` at `lsn`, from the index alone (its lock held only to copy the
+    /// entries out, the spans planned after): what they will cost ([`ReadPlan::bytes`], for
+    /// reserving memory before reading) and `TooLarge` over `limits`, with nothing read. The
+    /// plan keeps its files open.
     pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
-        let plan = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).plan(key, lsn, limits)?;
+        let picked =
+            self.shared.index.read().unwrap_or_else(PoisonError::into_inner).pick(key, lsn, limits)?;
         self.check_retained(lsn)?;
-        plan.ok_or(GetError::NotFound { key, lsn })
+        picked.map(ReadPlan::new).ok_or(GetError::NotFound { key, lsn })
     }
 
     /// Seals the active segment now if it holds anything (so that compaction can take its

@@ -386,7 +386,8 @@ impl WalRedoManager {
         base: Option<Bytes>,
         records: &[(u64, Bytes)],
     ) -> Result<Bytes, RedoError> {
-        self.redo(tag, lsn, base, records, Class::Foreground).await
+        let mut waited = Duration::ZERO;
+        self.redo(tag, lsn, base, records, Class::Foreground, &mut waited).await
     }
 
     /// [`WalRedoManager::request_redo`] for background work (a compactor materializing page
@@ -413,7 +414,32 @@ impl WalRedoManager {
         base: Option<Bytes>,
         records: &[(u64, Bytes)],
     ) -> Result<Bytes, RedoError> {
-        self.redo(tag, lsn, base, records, Class::Background).await
+        self.request_redo_background_timed(tag, lsn, base, records).await.0
+    }
+
+    /// [`WalRedoManager::request_redo_background`], and how long the request waited for its
+    /// turn (before its first attempt and a retry): the time it did no work, for a caller that
+    /// paces itself by the work it does.
+    ///
+    /// Cancel-safe, as [`WalRedoManager::request_redo_background`].
+    pub async fn request_redo_background_timed(
+        &self,
+        tag: BufferTag,
+        lsn: u64,
+        base: Option<Bytes>,
+        records: &[(u64, Bytes)],
+    ) -> (Result<Bytes, RedoError>, Duration) {
+        let mut waited = Duration::ZERO;
+        let result = self.redo(tag, lsn, base, records, Class::Background, &mut waited).await;
+        (result, waited)
+    }
+
+    /// Test hook: a place in the foreground writer queue, as a GetPage queued to write holds
+    /// one, until dropped; background requests wait for their turn behind it (at most
+    /// `wal_redo_timeout`).
+    #[cfg(test)]
+    pub(crate) fn hold_foreground_queue(&self) -> priority::WriteTicket<'_> {
+        self.priority.foreground()
     }
 
     async fn redo(
@@ -423,6 +449,7 @@ impl WalRedoManager {
         base: Option<Bytes>,
         records: &[(u64, Bytes)],
         class: Class,
+        waited: &mut Duration,
     ) -> Result<Bytes, RedoError> {
         validate_request(lsn, base.as_ref(), records)?;
         if records.is_empty() {
@@ -433,7 +460,7 @@ impl WalRedoManager {
         let request = Request::redo(&tag, base.as_ref(), records);
         self.metrics.records_per_request.observe(records.len() as f64);
         self.metrics.bytes_per_request.observe(request.len() as f64);
-        match self.execute(&request, true, class).await? {
+        match self.execute(&request, true, class, waited).await? {
             Reply::Page(page) => Ok(page),
             Reply::Error(code, message) => Err(self.count(RedoError::Rejected { code, message })),
             Reply::Hello(_) => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("unexpected hello")))),
@@ -446,7 +473,8 @@ impl WalRedoManager {
     pub async fn ping(&self) -> Result<(), RedoError> {
         let mut frame = Vec::new();
         protocol::encode_ping(&mut frame);
-        match self.execute(&Request::frames(frame), true, Class::Foreground).await? {
+        let mut waited = Duration::ZERO;
+        match self.execute(&Request::frames(frame), true, Class::Foreground, &mut waited).await? {
             Reply::Page(page) if page.len() == BLCKSZ && page.iter().all(|&b| b == 0) => Ok(()),
             other => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("bad ping reply {other:?}")))),
         }
@@ -455,8 +483,15 @@ impl WalRedoManager {
     /// Sends `request` to the child in service, retrying once on a new child after a failure,
     /// and moving to another child (without using up the retry, up to [`MAX_MOVES`] times)
     /// when its child stalls with it queued behind another request; a background request
-    /// first waits for its turn (see [`priority`]), before each attempt.
-    async fn execute(&self, request: &Request, retry: bool, class: Class) -> Result<Reply, RedoError> {
+    /// first waits for its turn (see [`priority`]), before each attempt; those waits are added
+    /// to `waited`.
+    async fn execute(
+        &self,
+        request: &Request,
+        retry: bool,
+        class: Class,
+        waited: &mut Duration,
+    ) -> Result<Reply, RedoError> {
         if self.cancel.is_cancelled() {
             return Err(self.count(RedoError::ShuttingDown));
         }
@@ -465,7 +500,10 @@ impl WalRedoManager {
             Class::Background => {
                 self.metrics.background_requests.inc();
                 let turn = self.priority.background_turn(self.conf.timeout);
-                Some(self.unless_shutting_down(turn).await?)
+                let wait = Instant::now();
+                let slot = self.unless_shutting_down(turn).await;
+                *waited += wait.elapsed();
+                Some(slot?)
             }
         };
         let _in_flight = self.in_flight.token();
@@ -485,7 +523,10 @@ impl WalRedoManager {
                         // A retry waits for its turn again: the failure may have let
                         // foreground requests queue up for the new child.
                         let turn = self.priority.yield_to_foreground(self.conf.timeout);
-                        self.unless_shutting_down(turn).await?;
+                        let wait = Instant::now();
+                        let yielded = self.unless_shutting_down(turn).await;
+                        *waited += wait.elapsed();
+                        yielded?;
                     }
                     WriteTicket::none()
                 }

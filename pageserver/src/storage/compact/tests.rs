@@ -7,7 +7,7 @@ use bytes::Bytes;
 
 use crate::storage::test_support::*;
 use crate::storage::{
-    CompactionConf, GetError, Lsn, Pass, PassStats, ReconstructData, Step, Timeline, PAGE_SIZE,
+    CompactionConf, GetError, Lsn, Pass, PassStats, ReadLimits, ReconstructData, Step, Timeline, PAGE_SIZE,
 };
 
 /// A toy redo: the base image (zeros without one) with each record's bytes added into it at a
@@ -46,7 +46,7 @@ fn run(mut pass: Pass, slice: Duration) -> PassStats {
     loop {
         match pass.run_slice(slice).unwrap() {
             Step::Continue => {}
-            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.data))),
+            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.read().unwrap()))),
             Step::Done(stats) => return stats,
         }
     }
@@ -182,7 +182,7 @@ async fn a_crash_at_any_point_of_a_pass_loses_nothing() {
     let mut slices = 0;
     loop {
         match pass.run_slice(Duration::ZERO).unwrap() {
-            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.data))),
+            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.read().unwrap()))),
             Step::Continue => {}
             Step::Done(_) => panic!("the pass ended before the crash"),
         }
@@ -215,7 +215,7 @@ async fn ingest_and_reads_go_on_during_a_pass_and_a_second_pass_compacts_the_out
         fill(&tl, round, 1).await;
         round += 1;
         match pass.run_slice(Duration::ZERO).unwrap() {
-            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.data))),
+            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.read().unwrap()))),
             Step::Continue => {}
             Step::Done(stats) => break stats,
         }
@@ -249,7 +249,7 @@ async fn a_full_disk_during_a_pass_fails_it_and_loses_nothing() {
         let mut p = p.unwrap();
         loop {
             match p.run_slice(Duration::from_millis(5))? {
-                Step::NeedImage(req) => p.provide_image(Some(toy_redo(&req.data))),
+                Step::NeedImage(req) => p.provide_image(Some(toy_redo(&req.read().unwrap()))),
                 Step::Continue => {}
                 Step::Done(s) => return Ok(s),
             }
@@ -266,4 +266,130 @@ async fn a_full_disk_during_a_pass_fails_it_and_loses_nothing() {
     drop(tl);
     let tl = open(&dir, 20_000, &m);
     assert_eq!(pages(&tl, KEYS, &lsns), before);
+}
+
+/// What one GetPage may read: the redo request's limits.
+const REDO_LIMITS: ReadLimits = ReadLimits {
+    max_records: page_types::MAX_RECORDS_PER_REQUEST,
+    max_bytes: page_types::MAX_RECONSTRUCT_BYTES,
+};
+
+#[tokio::test]
+async fn a_chain_over_one_redo_request_gets_intermediate_images_and_every_lsn_stays_readable() {
+    const RECORDS: u64 = page_types::MAX_RECORDS_PER_REQUEST as u64 + 3000;
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 64 << 20, &m);
+    for first in (1..=RECORDS).step_by(5000) {
+        let values = (first..(first + 5000).min(RECORDS + 1))
+            .map(|lsn| (key(0), lsn, record(&format!("{}r{lsn}", (lsn % 200) as u8 as char))))
+            .collect();
+        tl.ingest(batch(values)).await.unwrap();
+    }
+    tl.freeze().await.unwrap();
+    let limit = page_types::MAX_RECORDS_PER_REQUEST as u64;
+    let lsns = [1, 2, 1000, limit - 1, limit, limit + 1, limit + 2, RECORDS - 1, RECORDS];
+    let expected = pages(&tl, 1, &lsns);
+    assert!(expected.values().all(|p| matches!(p, Ok(Some(_)))));
+    let err = tl.get_reconstruct_data(key(0), Lsn(RECORDS), REDO_LIMITS).unwrap_err();
+    assert!(matches!(err, GetError::TooLarge(_)), "{err}");
+
+    let mut pass = tl.begin_compaction(conf(8, u64::MAX)).unwrap().unwrap();
+    let stats = loop {
+        match pass.run_slice(Duration::from_millis(1)).unwrap() {
+            Step::Continue => {}
+            Step::NeedImage(req) => {
+                let (values, holds) = (req.values(), req.bytes());
+                let d = req.read().unwrap();
+                let bytes: u64 = d.image.iter().chain(&d.records).map(|(_, b)| b.len() as u64).sum();
+                assert_eq!(values, d.records.len() + usize::from(d.image.is_some()));
+                assert!(bytes <= holds && holds <= crate::storage::IMAGE_PIECE_BYTES, "{bytes} {holds}");
+                assert!(
+                    d.records.len() <= page_types::MAX_RECORDS_PER_REQUEST,
+                    "{} records",
+                    d.records.len()
+                );
+                assert!(bytes <= page_types::MAX_RECONSTRUCT_BYTES, "{bytes} bytes");
+                pass.provide_image(Some(toy_redo(&d)));
+            }
+            Step::Done(stats) => break stats,
+        }
+    };
+    assert!(stats.images_created >= 2 && stats.image_failures == 0, "{stats:?}");
+    for &lsn in &lsns {
+        let d = tl
+            .get_reconstruct_data(key(0), Lsn(lsn), REDO_LIMITS)
+            .unwrap_or_else(|e| panic!("lsn {lsn}: {e}"));
+        assert_eq!(Ok(Some(toy_redo(&d))), expected[&(0, lsn)], "lsn {lsn}");
+    }
+}
+
+/// One key with `n` records of 8000 bytes (LSN 1..=n), sealed: a chain of several pieces.
+async fn long_key(tl: &Timeline, n: u64) {
+    for first in (1..=n).step_by(100) {
+        let values = (first..(first + 100).min(n + 1))
+            .map(|lsn| (key(0), lsn, record(&format!("{}", (lsn % 200) as u8 as char).repeat(8000))))
+            .collect();
+        tl.ingest(batch(values)).await.unwrap();
+    }
+    tl.freeze().await.unwrap();
+}
+
+#[tokio::test]
+async fn pieces_at_or_below_the_cutoff_drop_what_is_older_and_every_retained_lsn_reads_the_same() {
+    const RECORDS: u64 = 600;
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 64 << 20, &m);
+    long_key(&tl, RECORDS).await;
+    let horizon = 250;
+    let cutoff = RECORDS - horizon;
+    let retained: Vec<u64> = (cutoff..=RECORDS).collect();
+    let expected = pages(&tl, 1, &retained);
+
+    let stats = run(tl.begin_compaction(conf(8, horizon)).unwrap().unwrap(), Duration::ZERO);
+    // 4.8 MB of records: pieces of at most a MiB, some of them at or below the cutoff.
+    assert!(stats.images_created >= 5 && stats.image_failures == 0, "{stats:?}");
+    assert!(stats.values_dropped > RECORDS - horizon - 130, "{stats:?}");
+    assert_eq!(tl.gc_cutoff(), Lsn(cutoff));
+    for &lsn in &retained {
+        let d = tl.get_reconstruct_data(key(0), Lsn(lsn), REDO_LIMITS).unwrap();
+        assert!(d.records.len() < 130, "lsn {lsn}: {} records", d.records.len());
+        assert_eq!(Ok(Some(toy_redo(&d))), expected[&(0, lsn)], "lsn {lsn}");
+    }
+    assert!(matches!(
+        tl.get_reconstruct_data(key(0), Lsn(cutoff - 1), NO_LIMITS),
+        Err(GetError::BelowGcCutoff { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_piece_that_cannot_be_rebuilt_leaves_its_records_and_keeps_the_images_made_before() {
+    const RECORDS: u64 = 600;
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 64 << 20, &m);
+    long_key(&tl, RECORDS).await;
+    let lsns: Vec<u64> = (1..=RECORDS).collect();
+    let expected = pages(&tl, 1, &lsns);
+
+    let mut pass = tl.begin_compaction(conf(8, u64::MAX)).unwrap().unwrap();
+    let mut asked = 0;
+    let stats = loop {
+        match pass.run_slice(Duration::ZERO).unwrap() {
+            Step::Continue => {}
+            Step::NeedImage(req) => {
+                asked += 1;
+                let page = (asked < 3).then(|| toy_redo(&req.read().unwrap()));
+                pass.provide_image(page);
+            }
+            Step::Done(stats) => break stats,
+        }
+    };
+    // Two pieces imaged, the third failed: no more pieces asked for.
+    assert_eq!((asked, stats.images_created, stats.image_failures), (3, 2, 1), "{stats:?}");
+    assert_eq!(stats.values_written, RECORDS);
+    assert_eq!(pages(&tl, 1, &lsns), expected);
+    let d = tl.get_reconstruct_data(key(0), Lsn(RECORDS), NO_LIMITS).unwrap();
+    assert!(d.image.is_some(), "the top is read from the second piece's image");
 }
