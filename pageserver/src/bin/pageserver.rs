@@ -44,12 +44,13 @@ struct Args {
 /// 32 MiB), so that later blocks of that size come from its heaps, which keep freed memory: the
 /// redo memory budget then bounds what reconstructions hold at once, but not the daemon's
 /// memory (12 MiB reads from many executor threads grew the peak RSS to 2.6-4.5 times the
-/// budget, test_redo_memory.py). A fixed threshold (1 MiB: storage spans and redo requests
-/// above it are rare and large, so a `mmap` each is cheap beside them) turns that off.
+/// budget, test_redo_memory.py). A fixed threshold turns that off: 256 KiB, below the storage
+/// read spans (at most 1 MiB each, so a long chain is read in spans just under 1 MiB) and large
+/// redo requests, which are rare and large enough that a `mmap` each is cheap beside them.
 fn bound_allocator_retention() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        const MMAP_THRESHOLD: libc::c_int = 1 << 20;
+        const MMAP_THRESHOLD: libc::c_int = 256 << 10;
         // SAFETY: mallopt only changes allocator parameters; it is called before the other
         // threads start, and any value is valid input (it returns 0 when refused).
         if unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) } == 0 {
