@@ -40,9 +40,10 @@ use tokio_util::sync::CancellationToken;
 use bytes::Bytes;
 
 use crate::compaction_controller::{Controller, ControllerConf, Decision, Observation};
+use crate::redo_budget::{BudgetError, RedoBudget};
 use crate::storage::{CompactionConf, ImageRequest, Lsn, PassStats, Step, Timeline};
-use crate::tenant::{GetPageError, RedoBudget};
-use crate::walredo::{lock, WalRedoManager};
+use crate::util::lock;
+use crate::walredo::WalRedoManager;
 
 /// How often the debt is measured and the controller updated.
 pub const PERIOD: Duration = Duration::from_millis(100);
@@ -531,7 +532,7 @@ impl Worker {
             };
             match reserved {
                 Ok(reserved) => break reserved,
-                Err(GetPageError::Overloaded { .. }) => continue,
+                Err(BudgetError::Overloaded { .. }) => continue,
                 Err(e) => return Err(e).context("reserve memory for a page image"),
             }
         };
@@ -679,7 +680,7 @@ mod tests {
         let held = walredo.hold_foreground_queue();
         let cancel = CancellationToken::new();
         let budget = Arc::new(RedoBudget::new(
-            crate::tenant::DEFAULT_REDO_MEMORY_BUDGET,
+            crate::redo_budget::DEFAULT_REDO_MEMORY_BUDGET,
             TURN_WAIT,
             prometheus::IntGauge::new("budget", "test").unwrap(),
         ));

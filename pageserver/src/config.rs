@@ -1,5 +1,7 @@
 //! The daemon's settings (docs/settings.md): the file form read from `pageserver.toml` and
-//! `-c key=value` overrides, and the runtime form the rest of the daemon uses.
+//! `-c key=value` overrides, composed into [`PageServerConf`] out of the settings structs the
+//! parts own (`TenantsConf`, `WalRedoConf`, `PageServiceSettings`, ...), defaults included.
+//! This module only parses, checks ranges and composes; only `server` sees the whole.
 //!
 //! Invariants:
 //! - every setting has a default, so the daemon starts without a file;
@@ -8,51 +10,33 @@
 //! - the runtime form is built by destructuring the file form, so a new field cannot be
 //!   forgotten.
 
-use crate::compaction::{CompactionMode, CompactionSettings};
-use crate::compaction_controller::ControllerConf;
-use crate::page_service::PageServiceIo;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-use crate::walredo::{self, ProcessKind, WalRedoConf};
+use crate::compaction::{self, CompactionMode, CompactionSettings};
+use crate::compaction_controller::{self, ControllerConf};
+use crate::logging::LogFormat;
+use crate::page_cache::{DEFAULT_PAGE_CACHE_SIZE, MAX_PAGE_CACHE_SIZE, MIN_PAGE_CACHE_SIZE};
+use crate::page_service::{self, PageServiceIo, PageServiceSettings, MAX_MAX_CONNECTIONS};
+use crate::redo_budget::DEFAULT_REDO_MEMORY_BUDGET;
+use crate::storage::{StorageConf, DEFAULT_LAYER_SIZE, MAX_LAYER_SIZE, MIN_LAYER_SIZE};
+use crate::tenant::DEFAULT_WAIT_LSN_TIMEOUT;
+use crate::tenants::TenantsConf;
+use crate::walredo::{self, ProcessKind, WalRedoConf, DEFAULT_PROCESS_KIND};
 
 pub const DEFAULT_WORKDIR: &str = ".pageserver";
 pub const CONFIG_FILE_NAME: &str = "pageserver.toml";
 pub const DEFAULT_PG_ADDR: &str = "127.0.0.1:64000";
 pub const DEFAULT_HTTP_ADDR: &str = "127.0.0.1:9898";
-pub const DEFAULT_WAIT_LSN_TIMEOUT: Duration = Duration::from_secs(60);
-pub const DEFAULT_PAGE_CACHE_SIZE: u64 = 128 << 20;
-pub const DEFAULT_LAYER_SIZE: u64 = 64 << 20;
-pub const DEFAULT_MAX_CONNECTIONS: usize = 1000;
-pub const DEFAULT_PROCESS_KIND: ProcessKind = walredo::DEFAULT_PROCESS_KIND;
 
 /// Every duration setting lies in `MIN_DURATION..=MAX_DURATION`: far from the overflow of
 /// `Instant + Duration`, and longer than any timeout a person means.
 pub const MIN_DURATION: Duration = Duration::from_millis(1);
 pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
-/// `page_cache_size` is 0 (off) or in `MIN_PAGE_CACHE_SIZE..=MAX_PAGE_CACHE_SIZE`.
-pub const MIN_PAGE_CACHE_SIZE: u64 = 1 << 20;
-pub const MAX_PAGE_CACHE_SIZE: u64 = 1 << 40;
-/// `layer_size` lies in `MIN_LAYER_SIZE..=MAX_LAYER_SIZE`.
-pub const MIN_LAYER_SIZE: u64 = 64 << 10;
-pub const MAX_LAYER_SIZE: u64 = 16 << 30;
-/// `max_connections` lies in `1..=MAX_MAX_CONNECTIONS`.
-pub const MAX_MAX_CONNECTIONS: usize = 100_000;
-/// Largest `walredo_pool_max`: redo children of one tenant.
-pub const MAX_WALREDO_POOL: usize = 64;
-
-/// Log line format on stderr.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Plain,
-    Json,
-}
 
 /// `pageserver.toml` as written; see docs/settings.md.
 #[derive(Debug, Deserialize)]
@@ -97,41 +81,32 @@ impl Default for ConfigFile {
             wait_lsn_timeout: DEFAULT_WAIT_LSN_TIMEOUT,
             page_cache_size: ByteSize::with_unit(DEFAULT_PAGE_CACHE_SIZE),
             layer_size: ByteSize::with_unit(DEFAULT_LAYER_SIZE),
-            max_connections: DEFAULT_MAX_CONNECTIONS,
-            page_service_idle_timeout: crate::page_service::DEFAULT_IDLE_TIMEOUT,
+            max_connections: page_service::DEFAULT_MAX_CONNECTIONS,
+            page_service_idle_timeout: page_service::DEFAULT_IDLE_TIMEOUT,
             page_service_io: PageServiceIo::default(),
-            walredo_memory_budget: ByteSize::with_unit(crate::tenant::DEFAULT_REDO_MEMORY_BUDGET),
+            walredo_memory_budget: ByteSize::with_unit(DEFAULT_REDO_MEMORY_BUDGET),
             log_format: LogFormat::Plain,
             compaction: CompactionMode::Sliced,
-            gc_horizon: crate::compaction::DEFAULT_GC_HORIZON,
-            compaction_image_threshold: crate::compaction::DEFAULT_IMAGE_THRESHOLD,
-            compaction_cpu_floor: crate::compaction_controller::DEFAULT_FLOOR,
-            compaction_cpu_cap: crate::compaction_controller::DEFAULT_CAP,
+            gc_horizon: compaction::DEFAULT_GC_HORIZON,
+            compaction_image_threshold: compaction::DEFAULT_IMAGE_THRESHOLD,
+            compaction_cpu_floor: compaction_controller::DEFAULT_FLOOR,
+            compaction_cpu_cap: compaction_controller::DEFAULT_CAP,
         }
     }
 }
 
-/// The settings in force.
+/// The settings in force: the daemon's own (where it runs, what it listens on, how it logs)
+/// and each part's settings struct, composed from the file. Only the server sees all of it.
 #[derive(Debug, Clone)]
 pub struct PageServerConf {
     pub workdir: PathBuf,
     pub listen_pg_addr: SocketAddr,
     pub listen_http_addr: SocketAddr,
-    /// Defaults of every tenant's redo manager; `process_kind` is the global default kind.
-    pub walredo: WalRedoConf,
-    pub wait_lsn_timeout: Duration,
+    pub log_format: LogFormat,
     /// 0 disables the page cache.
     pub page_cache_size: u64,
-    pub layer_size: u64,
-    pub max_connections: usize,
-    pub page_service_idle_timeout: Duration,
-    /// How the page service writes replies (the io_uring writer falls back to `epoll` when the
-    /// kernel refuses a ring).
-    pub page_service_io: PageServiceIo,
-    /// Bytes of page reconstruction data in flight, daemon-wide.
-    pub walredo_memory_budget: u64,
-    pub log_format: LogFormat,
-    pub compaction: CompactionSettings,
+    pub page_service: PageServiceSettings,
+    pub tenants: TenantsConf,
 }
 
 impl PageServerConf {
@@ -211,9 +186,10 @@ impl PageServerConf {
         );
         check_page_cache_size(page_cache_size)?;
         let max_pool_size = walredo_pool_max.unwrap_or_else(walredo::pool::default_max_pool_size);
+        let max_pools = walredo::pool::MAX_POOL_SIZE;
         anyhow::ensure!(
-            (1..=MAX_WALREDO_POOL).contains(&max_pool_size),
-            "invalid setting walredo_pool_max = {max_pool_size}: must be from 1 to {MAX_WALREDO_POOL}"
+            (1..=max_pools).contains(&max_pool_size),
+            "invalid setting walredo_pool_max = {max_pool_size}: must be from 1 to {max_pools}"
         );
         anyhow::ensure!(
             (1 << 20..=1 << 40).contains(&walredo_memory_budget.bytes),
@@ -243,26 +219,30 @@ impl PageServerConf {
             workdir: workdir.to_path_buf(),
             listen_pg_addr: addr("listen_pg_addr", &listen_pg_addr)?,
             listen_http_addr: addr("listen_http_addr", &listen_http_addr)?,
-            walredo: WalRedoConf {
-                process_kind: walredo_process_kind,
-                timeout: duration("wal_redo_timeout", wal_redo_timeout)?,
-                idle_timeout: duration("walredo_idle_timeout", walredo_idle_timeout)?,
-                max_pool_size,
-                ..WalRedoConf::with_binary(binary)
-            },
-            wait_lsn_timeout: duration("wait_lsn_timeout", wait_lsn_timeout)?,
-            page_cache_size: page_cache_size.bytes,
-            layer_size: layer_size.bytes,
-            max_connections,
-            page_service_idle_timeout: duration("page_service_idle_timeout", page_service_idle_timeout)?,
-            page_service_io,
-            walredo_memory_budget: walredo_memory_budget.bytes,
             log_format,
-            compaction: CompactionSettings {
-                mode: compaction,
-                gc_horizon,
-                image_threshold: compaction_image_threshold,
-                controller,
+            page_cache_size: page_cache_size.bytes,
+            page_service: PageServiceSettings {
+                max_connections,
+                idle_timeout: duration("page_service_idle_timeout", page_service_idle_timeout)?,
+                io: page_service_io,
+            },
+            tenants: TenantsConf {
+                walredo: WalRedoConf {
+                    process_kind: walredo_process_kind,
+                    timeout: duration("wal_redo_timeout", wal_redo_timeout)?,
+                    idle_timeout: duration("walredo_idle_timeout", walredo_idle_timeout)?,
+                    max_pool_size,
+                    ..WalRedoConf::with_binary(binary)
+                },
+                storage: StorageConf { layer_size: layer_size.bytes },
+                compaction: CompactionSettings {
+                    mode: compaction,
+                    gc_horizon,
+                    image_threshold: compaction_image_threshold,
+                    controller,
+                },
+                wait_lsn_timeout: duration("wait_lsn_timeout", wait_lsn_timeout)?,
+                walredo_memory_budget: walredo_memory_budget.bytes,
             },
         })
     }
@@ -373,8 +353,8 @@ mod tests {
         let conf = load(&[]).unwrap();
         assert_eq!(conf.listen_pg_addr.to_string(), DEFAULT_PG_ADDR);
         assert_eq!(conf.listen_http_addr.to_string(), DEFAULT_HTTP_ADDR);
-        assert_eq!(conf.walredo.process_kind, DEFAULT_PROCESS_KIND);
-        assert_eq!(conf.walredo.timeout, Duration::from_secs(60));
+        assert_eq!(conf.tenants.walredo.process_kind, DEFAULT_PROCESS_KIND);
+        assert_eq!(conf.tenants.walredo.timeout, Duration::from_secs(60));
         assert_eq!(conf.page_cache_size, DEFAULT_PAGE_CACHE_SIZE);
     }
 
@@ -391,9 +371,9 @@ mod tests {
             &["walredo_process_kind=async".to_string(), "wait_lsn_timeout=\"500 ms\"".to_string()],
         )
         .unwrap();
-        assert_eq!(conf.walredo.process_kind, ProcessKind::Async);
-        assert_eq!(conf.walredo.timeout, Duration::from_secs(5));
-        assert_eq!(conf.wait_lsn_timeout, Duration::from_millis(500));
+        assert_eq!(conf.tenants.walredo.process_kind, ProcessKind::Async);
+        assert_eq!(conf.tenants.walredo.timeout, Duration::from_secs(5));
+        assert_eq!(conf.tenants.wait_lsn_timeout, Duration::from_millis(500));
         assert_eq!(conf.page_cache_size, 64 << 20);
     }
 
@@ -449,11 +429,11 @@ mod tests {
             "max_connections=100000",
         ])
         .unwrap();
-        assert_eq!(conf.walredo.timeout, MAX_DURATION);
-        assert_eq!(conf.walredo.idle_timeout, MIN_DURATION);
+        assert_eq!(conf.tenants.walredo.timeout, MAX_DURATION);
+        assert_eq!(conf.tenants.walredo.idle_timeout, MIN_DURATION);
         assert_eq!(conf.page_cache_size, 1 << 40);
-        assert_eq!(conf.layer_size, 16 << 30);
-        assert_eq!(conf.max_connections, MAX_MAX_CONNECTIONS);
+        assert_eq!(conf.tenants.storage.layer_size, 16 << 30);
+        assert_eq!(conf.page_service.max_connections, MAX_MAX_CONNECTIONS);
         assert_eq!(load(&["page_cache_size=\"1 MiB\""]).unwrap().page_cache_size, 1 << 20);
         assert_eq!(load(&["page_cache_size=0"]).unwrap().page_cache_size, 0);
     }

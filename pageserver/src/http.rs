@@ -22,10 +22,13 @@ use tokio_util::task::TaskTracker;
 
 use crate::compaction::CompactError;
 use crate::process_metrics::{GIT_COMMIT, VERSION};
-use crate::server::TrackRequests;
 use crate::storage::{Key, Lsn};
 use crate::tenant::TenantConfOverrides;
 use crate::tenants::{TenantError, Tenants};
+
+pub mod listener;
+
+use listener::TrackRequests;
 
 struct AppState {
     tenants: Arc<Tenants>,
@@ -78,7 +81,7 @@ pub const HTTP_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Cancel-safe: dropping it drops the listener; connections already accepted run on as tasks
 /// of their own until their request is done or a timeout closes them.
 pub async fn serve(
-    mut listener: crate::server::HttpListener,
+    mut listener: listener::HttpListener,
     tenants: Arc<Tenants>,
     registry: prometheus::Registry,
     cancel: CancellationToken,
@@ -298,12 +301,21 @@ mod tests {
             let walredo = Arc::new(WalRedoMetrics::new(&registry).unwrap());
             let metrics = Arc::new(TenantsMetrics::new(&registry).unwrap());
             let tenants_cancel = CancellationToken::new();
-            let tenants =
-                Tenants::load(&conf, cache, storage, walredo, metrics, tenants_cancel.clone()).await.unwrap();
+            let tenants = Tenants::load(
+                &conf.workdir,
+                &conf.tenants,
+                cache,
+                storage,
+                walredo,
+                metrics,
+                tenants_cancel.clone(),
+            )
+            .await
+            .unwrap();
             let tenants = Arc::new(tenants);
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
-            let listener = crate::server::HttpListener::with_idle_timeout(listener, idle_timeout);
+            let listener = listener::HttpListener::with_idle_timeout(listener, idle_timeout);
             let cancel = CancellationToken::new();
             let served = tokio::spawn(serve(listener, Arc::clone(&tenants), registry, cancel.clone()));
             Api { addr, tenants, cancel, served, _workdir: workdir }
@@ -403,7 +415,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn compact_call_whose_client_goes_away_leaves_the_pass_running_and_its_progress_shown() {
-        let api = Api::start(&slow_compaction(), crate::server::HTTP_IDLE_TIMEOUT).await;
+        let api = Api::start(&slow_compaction(), listener::HTTP_IDLE_TIMEOUT).await;
         tenant_with_records(&api, 2000, 5).await;
         let mut client = tokio::net::TcpStream::connect(api.addr).await.unwrap();
         let head = "POST /v1/tenant/t/compact HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n";

@@ -11,7 +11,14 @@ use std::io::{self, Write};
 
 use tracing_subscriber::fmt::MakeWriter;
 
-use crate::config::LogFormat;
+/// Log line format on stderr (`log_format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Plain,
+    Json,
+}
 
 /// Sets the global subscriber (stderr, `RUST_LOG` or `info`) and the panic hook.
 pub fn init(format: LogFormat) {

@@ -12,6 +12,12 @@ use bytes::Bytes;
 use page_types::BufferTag;
 use prometheus::{IntCounter, IntGauge, Registry};
 
+/// Default of `page_cache_size`.
+pub const DEFAULT_PAGE_CACHE_SIZE: u64 = 128 << 20;
+/// `page_cache_size` is 0 (off) or in `MIN_PAGE_CACHE_SIZE..=MAX_PAGE_CACHE_SIZE`.
+pub const MIN_PAGE_CACHE_SIZE: u64 = 1 << 20;
+pub const MAX_PAGE_CACHE_SIZE: u64 = 1 << 40;
+
 /// What identifies one page version.
 pub type CacheKey = (u64, BufferTag, u64);
 

@@ -100,7 +100,7 @@ impl Collector for ProcessCollector {
             m.cpu_seconds.reset();
             m.cpu_seconds.inc_by(total);
         }
-        if let Some(open) = crate::server::fds::open_now() {
+        if let Some(open) = crate::fds::open_now() {
             m.open_fds.set(open as f64);
         }
         if let Ok((soft, _)) = getrlimit(Resource::RLIMIT_NOFILE) {

@@ -22,18 +22,15 @@ use tokio_util::task::TaskTracker;
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
 use crate::page_service::io_choice::{self, IoChoice};
-use crate::page_service::{self, PageServiceConf, PageServiceMetrics};
+use crate::page_service::{self, PageServiceConf, PageServiceMetrics, PageServiceSettings};
 use crate::page_service::{uring, PageServiceIo};
 use crate::storage::{self, StorageMetrics};
 use crate::tenant_series::TenantSeriesCollector;
 use crate::tenants::{Tenants, TenantsMetrics};
 use crate::walredo::WalRedoMetrics;
 
-pub(crate) mod fds;
-mod http_listener;
-
-pub use fds::HTTP_MAX_CONNECTIONS;
-pub use http_listener::{HttpListener, TrackRequests, HTTP_IDLE_TIMEOUT};
+use crate::fds;
+use crate::http::listener::HttpListener;
 
 /// File in the workdir naming the addresses the daemon listens on (JSON).
 pub const PORTS_FILE: &str = "ports.json";
@@ -53,9 +50,9 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let _lock = lock_workdir(&conf)?;
     let fd_limit = fds::raise_limit();
     anyhow::ensure!(
-        conf.walredo.binary.is_file(),
+        conf.tenants.walredo.binary.is_file(),
         "the walredo child {} does not exist (setting walredo_proc_path)",
-        conf.walredo.binary.display()
+        conf.tenants.walredo.binary.display()
     );
 
     let registry = prometheus::Registry::new();
@@ -68,7 +65,8 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let tenants_cancel = CancellationToken::new();
     let tenants = Arc::new(
         Tenants::load(
-            &conf,
+            &conf.workdir,
+            &conf.tenants,
             cache,
             storage_metrics,
             walredo_metrics,
@@ -91,7 +89,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     tracing::info!(
         workdir = %conf.workdir.display(),
         tenants = tenants.len(),
-        walredo_process_kind = conf.walredo.process_kind.as_str(),
+        walredo_process_kind = conf.tenants.walredo.process_kind.as_str(),
         "pageserver started"
     );
     tracing::info!("page service listening on {pg_addr}");
@@ -101,12 +99,12 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let connections_abort = CancellationToken::new();
     let connections = TaskTracker::new();
     let page_service_conf = PageServiceConf {
-        max_connections: page_service_connections(&conf, fd_limit),
-        idle_timeout: conf.page_service_idle_timeout,
+        max_connections: page_service_connections(&conf.page_service, fd_limit),
+        idle_timeout: conf.page_service.idle_timeout,
         abort: connections_abort.clone(),
         io: Arc::new(IoChoice::new(
-            conf.page_service_io,
-            start_rings(conf.page_service_io, &page_service_metrics),
+            conf.page_service.io,
+            start_rings(conf.page_service.io, &page_service_metrics),
             page_service_metrics.choice.clone(),
         )),
     };
@@ -151,12 +149,12 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
 }
 
 /// `max_connections`, lowered (with a WARN) when the descriptor limit leaves less room.
-fn page_service_connections(conf: &PageServerConf, fd_limit: Option<u64>) -> usize {
-    let (Some(limit), Some(open)) = (fd_limit, fds::open_now()) else { return conf.max_connections };
-    let connections = fds::page_service_connections(conf.max_connections, limit, open);
-    if connections < conf.max_connections {
+fn page_service_connections(settings: &PageServiceSettings, fd_limit: Option<u64>) -> usize {
+    let (Some(limit), Some(open)) = (fd_limit, fds::open_now()) else { return settings.max_connections };
+    let connections = fds::page_service_connections(settings.max_connections, limit, open);
+    if connections < settings.max_connections {
         tracing::warn!(
-            max_connections = conf.max_connections,
+            max_connections = settings.max_connections,
             fd_limit = limit,
             fds_open = open,
             fds_reserved = fds::reserve(limit),

@@ -21,24 +21,27 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bytes::Bytes;
 use page_types::BufferTag;
-use prometheus::IntGauge;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::compaction::{
     CompactError, CompactionMetrics, CompactionSettings, CompactionStatus, Compactor, PassSummary,
 };
+use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
+use crate::redo_budget::{BudgetError, RedoBudget};
 use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError};
-use crate::tenant_series::RequestSeries;
-use crate::walredo::{lock, ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
+use crate::util::lock;
+use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
 /// What one GetPage may read to rebuild a page (checked from the index before reading).
 const RECONSTRUCT_LIMITS: ReadLimits = ReadLimits {
     max_records: page_types::MAX_RECORDS_PER_REQUEST,
     max_bytes: page_types::MAX_RECONSTRUCT_BYTES,
 };
+
+/// Default of `wait_lsn_timeout`: the longest a GetPage waits for ingest to reach its LSN.
+pub const DEFAULT_WAIT_LSN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// File in the tenant's directory holding its overrides; its presence marks a complete tenant.
 pub const TENANT_CONFIG_FILE: &str = "tenant.toml";
@@ -76,6 +79,15 @@ pub enum GetPageError {
     Overloaded { bytes: u64, waited: Duration },
     #[error("read page: {0:#}")]
     Internal(anyhow::Error),
+}
+
+impl From<BudgetError> for GetPageError {
+    fn from(e: BudgetError) -> GetPageError {
+        match e {
+            BudgetError::ShuttingDown => GetPageError::ShuttingDown,
+            BudgetError::Overloaded { bytes, waited } => GetPageError::Overloaded { bytes, waited },
+        }
+    }
 }
 
 /// Whether a tenant serves (`active`) or could not be loaded (`broken`).
@@ -123,65 +135,6 @@ pub struct TenantCounters {
     pub get_page_requests: u64,
     pub ingest_batches: u64,
     pub ingested_values: u64,
-}
-
-/// Default of `walredo_memory_budget`.
-pub const DEFAULT_REDO_MEMORY_BUDGET: u64 = 256 << 20;
-
-/// The daemon-wide budget of bytes read for page reconstruction and not yet done with: a
-/// GetPage reserves what it will read (image and records, known from the index) before reading,
-/// and holds it until its page is built. A request larger than the whole budget takes all of it,
-/// so it runs alone rather than never. Counted in KiB (the semaphore's permits are `u32`).
-pub struct RedoBudget {
-    kib: Arc<Semaphore>,
-    total_kib: u32,
-    /// Longest wait for room (`wal_redo_timeout`); then the request fails `Overloaded`.
-    wait: Duration,
-    /// `pageserver_walredo_memory_budget_used_bytes`.
-    used: IntGauge,
-}
-
-/// Bytes reserved in the [`RedoBudget`], given back on drop.
-#[derive(Debug)]
-pub struct Reservation {
-    _permit: OwnedSemaphorePermit,
-    bytes: i64,
-    used: IntGauge,
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        self.used.sub(self.bytes);
-    }
-}
-
-impl RedoBudget {
-    pub fn new(bytes: u64, wait: Duration, used: IntGauge) -> RedoBudget {
-        let total_kib =
-            u32::try_from(bytes.div_ceil(1024).clamp(1, Semaphore::MAX_PERMITS as u64)).unwrap_or(u32::MAX);
-        RedoBudget { kib: Arc::new(Semaphore::new(total_kib as usize)), total_kib, wait, used }
-    }
-
-    /// Reserves `bytes` (at most the whole budget), waiting for room up to the budget's wait.
-    ///
-    /// Cancel-safe: dropped while waiting, nothing is reserved.
-    pub async fn reserve(&self, bytes: u64) -> Result<Reservation, GetPageError> {
-        let kib = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).clamp(1, self.total_kib);
-        match tokio::time::timeout(self.wait, Arc::clone(&self.kib).acquire_many_owned(kib)).await {
-            Ok(Ok(permit)) => {
-                let bytes = i64::from(kib) * 1024;
-                self.used.add(bytes);
-                Ok(Reservation { _permit: permit, bytes, used: self.used.clone() })
-            }
-            Ok(Err(_)) => Err(GetPageError::ShuttingDown),
-            Err(_) => Err(GetPageError::Overloaded { bytes, waited: self.wait }),
-        }
-    }
-
-    /// Bytes reserved now.
-    pub fn in_use(&self) -> u64 {
-        u64::from(self.total_kib).saturating_sub(self.kib.available_permits() as u64) * 1024
-    }
 }
 
 /// What a tenant needs from the daemon.
@@ -425,40 +378,4 @@ pub(crate) fn read_overrides(dir: &Path) -> anyhow::Result<Option<TenantConfOver
 pub(crate) fn write_overrides(dir: &Path, overrides: &TenantConfOverrides) -> anyhow::Result<()> {
     let text = toml::to_string(overrides).context("encode tenant config")?;
     storage::durable_write(dir, TENANT_CONFIG_FILE, text.as_bytes()).context("write tenant config")
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn redo_budget_makes_requests_wait_then_refuses_them_as_overloaded() {
-        let budget =
-            RedoBudget::new(1 << 20, Duration::from_millis(50), IntGauge::new("used", "used").unwrap());
-        let big = budget.reserve(600 << 10).await.unwrap();
-        assert_eq!(budget.in_use(), 600 << 10);
-        // Does not fit next to `big`: waits, then is refused.
-        let err = budget.reserve(600 << 10).await.unwrap_err();
-        assert!(matches!(err, GetPageError::Overloaded { bytes, .. } if bytes == 600 << 10), "{err}");
-        // Fits next to it.
-        let small = budget.reserve(8192).await.unwrap();
-        drop((big, small));
-        assert_eq!(budget.in_use(), 0);
-    }
-
-    #[tokio::test]
-    async fn redo_budget_gives_a_request_larger_than_itself_the_whole_budget() {
-        let budget =
-            RedoBudget::new(1 << 20, Duration::from_millis(50), IntGauge::new("used", "used").unwrap());
-        let huge = budget.reserve(12 << 20).await.unwrap();
-        assert_eq!(budget.in_use(), 1 << 20);
-        assert!(budget.reserve(1).await.is_err());
-        drop(huge);
-        let waiting = tokio::spawn({
-            let budget = Arc::new(budget);
-            async move { budget.reserve(1 << 20).await.map(drop) }
-        });
-        waiting.await.unwrap().unwrap();
-    }
 }

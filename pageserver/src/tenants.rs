@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context;
 use prometheus::{IntGauge, IntGaugeVec, Opts, Registry};
@@ -26,16 +27,17 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::compaction::{CompactionMetrics, Compactor};
-use crate::config::PageServerConf;
+use crate::compaction::{CompactionMetrics, CompactionSettings, Compactor};
+use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
+use crate::redo_budget::{RedoBudget, DEFAULT_REDO_MEMORY_BUDGET};
 use crate::storage::{self, StorageConf, StorageMetrics, Timeline};
 use crate::tenant::{
-    read_overrides, write_overrides, RedoBudget, Tenant, TenantConfOverrides, TenantDeps, TenantState,
-    TenantStatus,
+    read_overrides, write_overrides, Tenant, TenantConfOverrides, TenantDeps, TenantState, TenantStatus,
+    DEFAULT_WAIT_LSN_TIMEOUT,
 };
-use crate::tenant_series::RequestSeries;
-use crate::walredo::{lock, WalRedoConf, WalRedoManager, WalRedoMetrics};
+use crate::util::lock;
+use crate::walredo::{WalRedoConf, WalRedoManager, WalRedoMetrics};
 
 const TENANTS_DIR: &str = "tenants";
 const TIMELINE_DIR: &str = "timeline";
@@ -140,6 +142,33 @@ impl TenantsMetrics {
     }
 }
 
+/// The tenants' settings: what every tenant is built with (docs/settings.md; `config.rs`
+/// composes them from the file, the defaults are the modules' own).
+#[derive(Debug, Clone)]
+pub struct TenantsConf {
+    /// Defaults of every tenant's redo manager; `process_kind` is the global default kind.
+    pub walredo: WalRedoConf,
+    pub storage: StorageConf,
+    pub compaction: CompactionSettings,
+    /// `wait_lsn_timeout`.
+    pub wait_lsn_timeout: Duration,
+    /// `walredo_memory_budget`: bytes of page reconstruction data in flight, daemon-wide.
+    pub walredo_memory_budget: u64,
+}
+
+impl TenantsConf {
+    /// Every setting at its default, with this redo child configuration.
+    pub fn with_walredo(walredo: WalRedoConf) -> TenantsConf {
+        TenantsConf {
+            walredo,
+            storage: StorageConf::default(),
+            compaction: CompactionSettings::default(),
+            wait_lsn_timeout: DEFAULT_WAIT_LSN_TIMEOUT,
+            walredo_memory_budget: DEFAULT_REDO_MEMORY_BUDGET,
+        }
+    }
+}
+
 /// What loading found in one tenant's directory.
 enum Loaded {
     Opened(TenantConfOverrides, Arc<Timeline>),
@@ -171,7 +200,8 @@ impl Tenants {
     /// Not cancel-safe: dropped midway, the storage opened so far is closed again (nothing is
     /// lost, but the blocking opens still in flight run to their end).
     pub async fn load(
-        conf: &PageServerConf,
+        workdir: &Path,
+        conf: &TenantsConf,
         cache: Arc<PageCache>,
         storage_metrics: Arc<StorageMetrics>,
         walredo_metrics: Arc<WalRedoMetrics>,
@@ -179,7 +209,7 @@ impl Tenants {
         cancel: CancellationToken,
     ) -> anyhow::Result<Tenants> {
         let tenants = Tenants {
-            dir: conf.workdir.join(TENANTS_DIR),
+            dir: workdir.join(TENANTS_DIR),
             tenants: Mutex::new(BTreeMap::new()),
             change_lock: tokio::sync::Mutex::new(()),
             deps: Arc::new(TenantDeps {
@@ -195,7 +225,7 @@ impl Tenants {
                 default_process_kind: conf.walredo.process_kind,
             }),
             walredo_conf: conf.walredo.clone(),
-            storage_conf: StorageConf { layer_size: conf.layer_size },
+            storage_conf: conf.storage.clone(),
             storage_metrics,
             walredo_metrics,
             metrics,
@@ -498,25 +528,38 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
 
-    fn conf(workdir: &Path) -> PageServerConf {
-        let mut table = toml::Table::new();
-        // No test here redoes a page: the child is never started.
-        table.insert("walredo_proc_path".into(), toml::Value::String("/bin/false".into()));
-        PageServerConf::from_table(workdir, table).unwrap()
+    struct Conf {
+        workdir: PathBuf,
+        tenants: TenantsConf,
     }
 
-    async fn load(conf: &PageServerConf) -> Arc<Tenants> {
+    fn conf(workdir: &Path) -> Conf {
+        // No test here redoes a page: the child is never started.
+        let tenants = TenantsConf::with_walredo(WalRedoConf::with_binary(PathBuf::from("/bin/false")));
+        Conf { workdir: workdir.to_path_buf(), tenants }
+    }
+
+    async fn load(conf: &Conf) -> Arc<Tenants> {
         load_with_cache(conf, 0).await
     }
 
-    async fn load_with_cache(conf: &PageServerConf, cache_bytes: u64) -> Arc<Tenants> {
+    async fn load_with_cache(conf: &Conf, cache_bytes: u64) -> Arc<Tenants> {
         let registry = prometheus::Registry::new();
         let cache = Arc::new(PageCache::new(cache_bytes, &registry).unwrap());
         let storage_metrics = Arc::new(StorageMetrics::new(&registry).unwrap());
         let walredo_metrics = Arc::new(WalRedoMetrics::new(&registry).unwrap());
         let metrics = Arc::new(TenantsMetrics::new(&registry).unwrap());
         let cancel = CancellationToken::new();
-        let tenants = Tenants::load(conf, cache, storage_metrics, walredo_metrics, metrics, cancel).await;
+        let tenants = Tenants::load(
+            &conf.workdir,
+            &conf.tenants,
+            cache,
+            storage_metrics,
+            walredo_metrics,
+            metrics,
+            cancel,
+        )
+        .await;
         Arc::new(tenants.unwrap())
     }
 
@@ -599,7 +642,7 @@ mod tests {
             .expect("loading blocked the runtime: the task feeding the FIFO never ran");
     }
 
-    async fn loading_while_a_task_feeds_a_fifo(workdir: &Path, conf: &PageServerConf) {
+    async fn loading_while_a_task_feeds_a_fifo(workdir: &Path, conf: &Conf) {
         use std::os::unix::fs::OpenOptionsExt;
         let tenants = load(conf).await;
         for i in 0..8 {

@@ -6,8 +6,8 @@
 use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
 
-use pageserver::config::LogFormat;
 use pageserver::logging;
+use pageserver::logging::LogFormat;
 use tracing_subscriber::fmt::MakeWriter;
 
 /// Collects what the subscriber writes.

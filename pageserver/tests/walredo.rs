@@ -142,6 +142,7 @@ fn manager_and_daemon_agree_on_the_default_process_kind() {
     let daemon_default =
         pageserver::config::PageServerConf::from_table(std::path::Path::new("workdir"), toml::Table::new())
             .expect("default settings")
+            .tenants
             .walredo
             .process_kind;
     assert_eq!(WalRedoConf::with_binary(walredo_proc_binary()).process_kind, daemon_default);

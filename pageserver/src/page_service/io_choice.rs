@@ -44,7 +44,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::uring::Rings;
 use super::PageServiceIo;
-use crate::walredo::lock;
+use crate::util::lock;
 
 /// How often `auto` measures.
 pub const PERIOD: Duration = Duration::from_millis(100);

@@ -6,6 +6,7 @@
 //!   conversions and error codes;
 //! - [`reply_order`]: which replies go out in the next write (a pure policy);
 //! - [`writer`]: the reply path: replies as shared bytes, the ordered write loop, the writers;
+//! - `chunks`: a batch's chunks and how a partial send consumes them (under both writers);
 //! - [`uring`]: the io_uring writer threads;
 //! - [`io_choice`]: which writer sends a batch (`page_service_io`; `auto` by load);
 //! - this file: accepting connections, the bounds, the metrics.
@@ -18,6 +19,7 @@
 //!   connection ([`MAX_IN_FLIGHT`]), frame size ([`proto::MAX_FRAME_LEN`]), replies per write;
 //! - a bad frame gets an error reply and closes its own connection, nothing else.
 
+mod chunks;
 pub mod client;
 mod connection;
 pub mod io_choice;
@@ -51,6 +53,33 @@ pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Default of `page_service_idle_timeout`.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default of `max_connections`.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1000;
+/// `max_connections` lies in `1..=MAX_MAX_CONNECTIONS`.
+pub const MAX_MAX_CONNECTIONS: usize = 100_000;
+
+/// The page service's settings (docs/settings.md); [`PageServiceConf`] is what the server
+/// makes of them at start (the connection bound lowered to the descriptor limit, the writers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageServiceSettings {
+    /// `max_connections`.
+    pub max_connections: usize,
+    /// `page_service_idle_timeout`.
+    pub idle_timeout: Duration,
+    /// `page_service_io`: how replies are written (the io_uring writer falls back to `epoll`
+    /// when the kernel refuses a ring).
+    pub io: PageServiceIo,
+}
+
+impl Default for PageServiceSettings {
+    fn default() -> Self {
+        PageServiceSettings {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            io: PageServiceIo::default(),
+        }
+    }
+}
 
 /// How the page service writes replies (`page_service_io`; docs/settings.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]

@@ -60,7 +60,8 @@ impl Served {
         let cancel = CancellationToken::new();
         let tenants = Arc::new(
             Tenants::load(
-                &conf,
+                &conf.workdir,
+                &conf.tenants,
                 Arc::new(PageCache::new(64 << 20, &registry).unwrap()),
                 Arc::new(StorageMetrics::new(&registry).unwrap()),
                 Arc::new(WalRedoMetrics::new(&registry).unwrap()),

@@ -57,9 +57,9 @@ use nix::sys::socket::Shutdown;
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::writer::consume;
+use super::chunks::consume;
 use super::PageServiceMetrics;
-use crate::walredo::lock;
+use crate::util::lock;
 
 /// Submission queue entries per ring (the completion queue has twice as many; the kernel keeps
 /// what overflows).

@@ -22,12 +22,13 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use nix::sys::socket::Shutdown;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio::task::JoinHandle;
 
+use super::chunks::consume;
 use super::io_choice::IoChoice;
 use super::proto::{self, ErrorCode, ServerMessage};
 use super::reply_order::{self, ReplyOrder};
@@ -303,43 +304,4 @@ async fn write_all_vectored(
     }
     chunks.clear();
     Ok(())
-}
-
-/// Counts `sent` bytes off `chunks[*start..]`: the chunks sent whole are passed (`*start`
-/// moves past them, and past empty ones), the first one sent in part loses its front. Whether
-/// every chunk is sent. Shared by both writers.
-pub(super) fn consume(chunks: &mut [Bytes], start: &mut usize, mut sent: usize) -> bool {
-    while let Some(chunk) = chunks.get_mut(*start) {
-        let n = sent.min(chunk.len());
-        chunk.advance(n);
-        sent -= n;
-        if !chunk.is_empty() {
-            break;
-        }
-        *start += 1;
-    }
-    *start == chunks.len()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn consume_passes_whole_chunks_and_trims_the_one_sent_in_part() {
-        let mut chunks: Vec<Bytes> = vec![
-            Bytes::from_static(b"abc"),
-            Bytes::new(),
-            Bytes::from_static(b"defg"),
-            Bytes::from_static(b"h"),
-        ];
-        let mut start = 0;
-        assert!(!consume(&mut chunks, &mut start, 5));
-        // "abc" and the empty chunk are passed; "defg" lost "de".
-        assert_eq!((start, &chunks[start][..]), (2, &b"fg"[..]));
-        assert!(!consume(&mut chunks, &mut start, 0));
-        assert_eq!(start, 2);
-        assert!(consume(&mut chunks, &mut start, 3));
-        assert_eq!(start, 4);
-    }
 }

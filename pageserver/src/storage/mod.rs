@@ -66,8 +66,11 @@ pub type Key = page_types::BufferTag;
 
 pub use page_types::Lsn;
 
-/// Default size at which the active segment is sealed into a layer.
+/// Default size at which the active segment is sealed into a layer (`layer_size`).
 pub const DEFAULT_LAYER_SIZE: u64 = 64 << 20;
+/// `layer_size` lies in `MIN_LAYER_SIZE..=MAX_LAYER_SIZE`.
+pub const MIN_LAYER_SIZE: u64 = 64 << 10;
+pub const MAX_LAYER_SIZE: u64 = 16 << 30;
 
 /// Storage settings of a timeline.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -43,7 +43,7 @@ mod tests;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -54,14 +54,15 @@ use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, BufferTag, ErrorCode};
 
 pub use metrics::{StopCause, WalRedoMetrics};
-use pipeline::{Patience, Reply};
+use pipeline::{Patience, ProcessError, Reply};
 use pool::{ChildBudget, ControllerStatus, Load, Pool, Sampler};
 use priority::{Priority, WriteTicket};
-use process::{InUse, Process, ProcessError, Reaping};
+use process::{InUse, Process, Reaping};
 use request::Request;
 use spin_budget::{Bid, SpinBudget};
 
-use crate::tenant_series::RequestSeries;
+use crate::metrics::RequestSeries;
+use crate::util::lock;
 pub use crate::worker_controller::Path;
 use crate::worker_controller::{
     max_spinning_for_cpus, Decision, Observation, WorkerController, WorkerControllerConf,
@@ -1052,10 +1053,4 @@ fn validate_request(lsn: u64, base: Option<&Bytes>, records: &[(u64, Bytes)]) ->
         }
         _ => Ok(()),
     }
-}
-
-/// Locks a std mutex, going on after a panic elsewhere: the data guarded here stays
-/// consistent between statements, so a poisoned lock is no reason to fail.
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -35,9 +35,45 @@ use bytes::{Bytes, BytesMut};
 use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
 
+use super::metrics::StopCause;
 use super::priority::WriteTicket;
-use super::process::ProcessError;
 use super::request::{Cursor, Request};
+use crate::util::lock;
+
+/// How a round trip failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ProcessError {
+    /// The child made no progress for this long while work waited on it: it is hung.
+    #[error("no progress of the walredo process within {0:?}")]
+    Timeout(Duration),
+    /// The request waited this long behind other requests of a child that is working; the
+    /// child is not blamed.
+    #[error("waited {0:?} behind other requests for the walredo process")]
+    QueueTimeout(Duration),
+    /// The child made no progress for the stall window while this request waited behind its
+    /// oldest one: the request leaves it for another child (it was not the one the child was
+    /// working on, and redo is a pure function). `hung`: for the whole timeout, and the child
+    /// is to be killed (it holds part of this request's frame, or is simply hung).
+    #[error("the walredo process made no progress while this request waited behind others")]
+    Stalled { hung: bool },
+    #[error("{0:#}")]
+    Io(anyhow::Error),
+    #[error("protocol violation by the child: {0}")]
+    Protocol(#[from] FrameError),
+}
+
+impl ProcessError {
+    pub(crate) fn stop_cause(&self) -> StopCause {
+        match self {
+            ProcessError::Timeout(_)
+            | ProcessError::QueueTimeout(_)
+            | ProcessError::Stalled { hung: true } => StopCause::Timeout,
+            ProcessError::Stalled { hung: false } => StopCause::Stalled,
+            ProcessError::Io(_) => StopCause::Crashed,
+            ProcessError::Protocol(_) => StopCause::ProtocolViolation,
+        }
+    }
+}
 
 /// A decoded reply of the child.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -174,7 +210,7 @@ impl<W> Writer<W> {
         guard.check_not_broken()?;
         // The oldest request on the child starts its busy clock (it may have had none for
         // hours: its last progress says nothing about this request).
-        if super::lock(&shared.replies).next_to_read() == guard.next_seq {
+        if lock(&shared.replies).next_to_read() == guard.next_seq {
             shared.progress.mark();
         }
         Ok(Locked { guard, _ticket: ticket })
@@ -367,7 +403,7 @@ impl Shared {
     /// Files a reply read off the pipe and wakes the request it belongs to.
     pub(crate) fn park(&self, reply: Reply) {
         self.progress.mark();
-        super::lock(&self.replies).push(reply);
+        lock(&self.replies).push(reply);
     }
 
     /// For a request that is not the oldest on the child (queued to write, or written behind
@@ -400,7 +436,7 @@ impl Shared {
         patience: Patience,
     ) -> Option<ProcessError> {
         if now >= self.progress.hung_at(patience) {
-            let oldest = super::lock(&self.replies).next_to_read() >= seq;
+            let oldest = lock(&self.replies).next_to_read() >= seq;
             return Some(if oldest {
                 ProcessError::Timeout(patience.timeout)
             } else {
@@ -425,7 +461,7 @@ impl Shared {
 impl Waiter<'_> {
     /// The reply if it is parked, else whether this request's reply is the next to be read.
     pub(crate) fn take(&self) -> Result<Reply, bool> {
-        let mut replies = super::lock(&self.shared.replies);
+        let mut replies = lock(&self.shared.replies);
         match replies.take(self.seq) {
             Some(reply) => Ok(reply),
             None => Err(replies.next_to_read() == self.seq),
@@ -435,7 +471,7 @@ impl Waiter<'_> {
     /// Whether requests written before this one still wait for their replies (the child has not
     /// got to this one). Looks only: a parked reply stays for [`Waiter::take`].
     fn behind(&self) -> bool {
-        super::lock(&self.shared.replies).next_to_read() < self.seq
+        lock(&self.shared.replies).next_to_read() < self.seq
     }
 
     /// Waits for the reply to be parked or for the stdout lock, whichever comes first.
@@ -459,7 +495,7 @@ impl Waiter<'_> {
                     tokio::time::sleep_until(self.read_deadline(false).into()).await
                 }
             };
-            let parked = std::future::poll_fn(|cx| super::lock(&self.shared.replies).poll_take(self.seq, cx));
+            let parked = std::future::poll_fn(|cx| lock(&self.shared.replies).poll_take(self.seq, cx));
             tokio::select! {
                 reply = parked => return Ok(Turn::Reply(reply)),
                 guard = stdout.lock() => return Ok(Turn::Reader(guard)),
@@ -614,7 +650,7 @@ impl<'a> Claim<'a> {
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
         if !self.done {
-            super::lock(self.replies).abandon(self.seq);
+            lock(self.replies).abandon(self.seq);
         }
     }
 }

@@ -74,6 +74,9 @@ pub fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// Largest `walredo_pool_max`: redo children of one tenant.
+pub const MAX_POOL_SIZE: usize = 64;
+
 /// The default largest pool of a tenant: one child per CPU, at least 2 (redo is CPU work in the
 /// child; more children than CPUs only queue on the CPUs instead of the pipes).
 pub fn default_max_pool_size() -> usize {

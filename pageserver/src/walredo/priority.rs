@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::lock;
+use crate::util::lock;
 
 /// One manager's foreground writer queue and background slot.
 pub(crate) struct Priority {

@@ -45,52 +45,18 @@ use anyhow::Context;
 use tokio::io::AsyncReadExt;
 use tokio::process::{Child, ChildStderr};
 use tokio_util::sync::CancellationToken;
-use walredo_proc::protocol::{self, FrameError};
+use walredo_proc::protocol;
 
 use super::metrics::{StopCause, WalRedoMetrics};
-use super::pipeline::{Patience, Progress, Reply};
+use super::pipeline::{Patience, ProcessError, Progress, Reply};
 use super::priority::WriteTicket;
 use super::request::Request;
-use super::{lock, ProcessKind, WalRedoConf};
+use super::{ProcessKind, WalRedoConf};
+use crate::util::lock;
 use crate::worker_controller::Path;
 
 /// Pipe buffer size asked for both directions, so that deep pipelines do not stall.
 const PIPE_SIZE: i32 = 1024 * 1024;
-
-/// How a round trip failed.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum ProcessError {
-    /// The child made no progress for this long while work waited on it: it is hung.
-    #[error("no progress of the walredo process within {0:?}")]
-    Timeout(Duration),
-    /// The request waited this long behind other requests of a child that is working; the
-    /// child is not blamed.
-    #[error("waited {0:?} behind other requests for the walredo process")]
-    QueueTimeout(Duration),
-    /// The child made no progress for the stall window while this request waited behind its
-    /// oldest one: the request leaves it for another child (it was not the one the child was
-    /// working on, and redo is a pure function). `hung`: for the whole timeout, and the child
-    /// is to be killed (it holds part of this request's frame, or is simply hung).
-    #[error("the walredo process made no progress while this request waited behind others")]
-    Stalled { hung: bool },
-    #[error("{0:#}")]
-    Io(anyhow::Error),
-    #[error("protocol violation by the child: {0}")]
-    Protocol(#[from] FrameError),
-}
-
-impl ProcessError {
-    pub(crate) fn stop_cause(&self) -> StopCause {
-        match self {
-            ProcessError::Timeout(_)
-            | ProcessError::QueueTimeout(_)
-            | ProcessError::Stalled { hung: true } => StopCause::Timeout,
-            ProcessError::Stalled { hung: false } => StopCause::Stalled,
-            ProcessError::Io(_) => StopCause::Crashed,
-            ProcessError::Protocol(_) => StopCause::ProtocolViolation,
-        }
-    }
-}
 
 enum Pipes {
     Sync(sync_pipes::SyncPipes),

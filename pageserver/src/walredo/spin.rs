@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use super::process::{Process, ProcessError};
+use super::pipeline::ProcessError;
+use super::process::Process;
 use super::{RedoError, WalRedoManager};
 
 impl WalRedoManager {
@@ -36,7 +37,8 @@ impl WalRedoManager {
         let _in_flight = self.in_flight.token();
         // Not `take_current`: that counts as use. An idle stop meanwhile is graceful (the child
         // lives until this reference goes), so the round trip still completes.
-        let Some(process) = super::lock(&self.pool).children().iter().find(|p| !p.has_exited()).cloned()
+        let Some(process) =
+            crate::util::lock(&self.pool).children().iter().find(|p| !p.has_exited()).cloned()
         else {
             return Ok(None);
         };

@@ -31,8 +31,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::lock;
 use super::pool::{cpus, PERIOD};
+use crate::util::lock;
 
 /// A bid older than this is dropped (its manager stopped bidding without withdrawing).
 const BID_LIFETIME: Duration = Duration::from_millis(300);

@@ -29,7 +29,7 @@ use anyhow::Context;
 use tokio::io::{AsyncReadExt, AsyncWrite};
 use tokio::process::{ChildStdin, ChildStdout};
 
-use super::ProcessError;
+use crate::walredo::pipeline::ProcessError;
 use crate::walredo::pipeline::{self, Claim, Fence, Patience, Reply, Shared, Turn, Waiter};
 use crate::walredo::priority::WriteTicket;
 use crate::walredo::request::{Request, SLICES_PER_WRITE};

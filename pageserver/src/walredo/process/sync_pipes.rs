@@ -56,8 +56,8 @@ use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use tokio::net::unix::pipe;
 
-use super::ProcessError;
-use crate::walredo::lock;
+use crate::util::lock;
+use crate::walredo::pipeline::ProcessError;
 use crate::walredo::pipeline::{self, Claim, Fence, Patience, Reply, Shared, Turn, Waiter};
 use crate::walredo::priority::WriteTicket;
 use crate::walredo::request::{Request, SLICES_PER_WRITE};

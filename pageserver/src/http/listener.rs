@@ -24,7 +24,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
-use super::fds::HTTP_MAX_CONNECTIONS;
+use crate::fds::HTTP_MAX_CONNECTIONS;
 
 /// An HTTP connection on which no byte moved for this long is closed.
 pub const HTTP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
