@@ -1,6 +1,8 @@
 //! The vocabulary that the daemon (`pageserver`) and the redo child (`walredo-proc`) share: the
 //! WAL position [`Lsn`], the page key [`BufferTag`], and the limits every layer checks against
-//! ([`PAGE_SIZE`], [`MAX_RECORD_LEN`], [`MAX_RECORDS_PER_REQUEST`]).
+//! ([`PAGE_SIZE`], [`MAX_RECORD_LEN`], [`MAX_RECORDS_PER_REQUEST`]); and [`wal`], a pure
+//! decoder of PostgreSQL 15 WAL (pages, records, block references, full-page images) that both
+//! the daemon and the operator tool `pagectl` can use.
 //!
 //! It exists so that each of these is defined once and no module has to import "upward" (storage
 //! from a wire protocol, a tenant from the page service) just to name a key or an LSN.
@@ -10,6 +12,8 @@
 
 use std::fmt;
 use std::str::FromStr;
+
+pub mod wal;
 
 use serde::{Deserialize, Serialize};
 

@@ -1,0 +1,69 @@
+//! `pagectl`: the operator tool for what the daemon stores and ingests, run by hand or by
+//! tests, never by the daemon.
+//!
+//! - `pagectl waldump [--start X/X] [--end X/X] [--stats] <pg_wal dir or segment files...>`
+//!   decodes PostgreSQL 15 WAL segment files with the pageserver's own decoder
+//!   (`page_types::wal`) and prints one line per record, or with `--stats` one JSON object of
+//!   counts per resource manager that can be compared with `pg_waldump --stats`
+//!   ([`waldump`] has the details).
+//!
+//! This file only parses arguments and maps the outcome to an exit status: 0 when the WAL asked
+//! for was read to its end (the end of the range, or the end of readable WAL: zeros, a recycled
+//! segment, a record cut off by the end of the last file); 1 with the message on stderr for any
+//! other decode error or an unreadable file; 2 for bad arguments.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use page_types::Lsn;
+
+// A binary's root resolves `mod` next to itself (src/bin/); its modules live in src/bin/pagectl/.
+#[path = "pagectl/waldump.rs"]
+mod waldump;
+
+#[derive(Parser, Debug)]
+#[command(name = "pagectl", about = "Operator tool of the pageserver", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Decode PostgreSQL 15 WAL segment files: one line per record, or counts with --stats.
+    Waldump {
+        /// First record: the first one that starts at or after this LSN (default: the first
+        /// record that starts in the first segment).
+        #[arg(long)]
+        start: Option<Lsn>,
+        /// Stop before the first record that does not end at or below this LSN, as pg_waldump
+        /// does (default: the end of readable WAL).
+        #[arg(long)]
+        end: Option<Lsn>,
+        /// Print one JSON object of counts (records, per resource manager, full-page images)
+        /// instead of one line per record.
+        #[arg(long)]
+        stats: bool,
+        /// A pg_wal directory, or segment files (named like 000000010000000000000001).
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Waldump { start, end, stats, paths } => {
+            let args = waldump::Args { start, end, stats, paths };
+            match waldump::run(&args, &mut std::io::stdout().lock()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    use std::io::Write as _;
+                    let _ = writeln!(std::io::stderr(), "pagectl waldump: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+    }
+}
