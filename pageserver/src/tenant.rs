@@ -34,6 +34,8 @@ use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, ReadLimits, 
 use crate::util::lock;
 use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
+pub mod wal_receiver;
+
 /// What one GetPage may read to rebuild a page (checked from the index before reading).
 const RECONSTRUCT_LIMITS: ReadLimits = ReadLimits {
     max_records: page_types::MAX_RECORDS_PER_REQUEST,

@@ -7,6 +7,11 @@
 //!   counts per resource manager that can be compared with `pg_waldump --stats`
 //!   ([`waldump`] has the details).
 //!
+//! - `pagectl receivewal --source <connstr> --slot <name> [--start X/X] [--end X/X] --dir <dir>`
+//!   streams WAL from a PostgreSQL 15 primary with the daemon's replication client into
+//!   segment files laid out as in `pg_wal` ([`receivewal`]): a check that a WAL source is
+//!   reachable and streams.
+//!
 //! This file only parses arguments and maps the outcome to an exit status: 0 when the WAL asked
 //! for was read to its end (the end of the range, or the end of readable WAL: zeros, a recycled
 //! segment, a record cut off by the end of the last file); 1 with the message on stderr for any
@@ -19,6 +24,8 @@ use clap::{Parser, Subcommand};
 use page_types::Lsn;
 
 // A binary's root resolves `mod` next to itself (src/bin/); its modules live in src/bin/pagectl/.
+#[path = "pagectl/receivewal.rs"]
+mod receivewal;
 #[path = "pagectl/waldump.rs"]
 mod waldump;
 
@@ -49,11 +56,55 @@ enum Command {
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },
+    /// Stream WAL from a PostgreSQL 15 primary over physical replication into segment files,
+    /// with the pageserver's replication client; prints a JSON summary when `--end` is reached.
+    Receivewal {
+        /// libpq keyword/value connection string, e.g. "host=db1 port=5432 user=replicator".
+        #[arg(long)]
+        source: String,
+        /// Physical replication slot; created (reserving WAL) if missing.
+        #[arg(long)]
+        slot: String,
+        /// Where to start (default: the start of the segment of the server's flush position).
+        #[arg(long)]
+        start: Option<Lsn>,
+        /// Stop once everything below this LSN is received (default: stream until killed).
+        #[arg(long)]
+        end: Option<Lsn>,
+        /// Directory for the segment files (created if missing).
+        #[arg(long)]
+        dir: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Receivewal { source, slot, start, end, dir } => {
+            let args = receivewal::Args { source, slot, start, end, dir };
+            let outcome = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(anyhow::Error::from)
+                .and_then(|runtime| runtime.block_on(receivewal::run(&args)));
+            match outcome {
+                Ok(r) => {
+                    let summary = serde_json::json!({
+                        "start": r.start.to_string(),
+                        "end": r.end.to_string(),
+                        "timeline": r.timeline,
+                        "created_slot": r.created_slot,
+                    });
+                    println!("{summary}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    use std::io::Write as _;
+                    let _ = writeln!(std::io::stderr(), "pagectl receivewal: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Command::Waldump { start, end, stats, paths } => {
             let args = waldump::Args { start, end, stats, paths };
             match waldump::run(&args, &mut std::io::stdout().lock()) {
