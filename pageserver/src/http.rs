@@ -23,6 +23,7 @@ use tokio_util::task::TaskTracker;
 use crate::compaction::CompactError;
 use crate::process_metrics::{GIT_COMMIT, VERSION};
 use crate::storage::{Key, Lsn};
+use crate::tenant::wal_receiver::WalSource;
 use crate::tenant::TenantConfOverrides;
 use crate::tenants::{TenantError, Tenants};
 
@@ -94,6 +95,7 @@ pub async fn serve(
         .route("/v1/tenant/{id}/config", put(put_tenant_config))
         .route("/v1/tenant/{id}/keyspace", get(get_keyspace))
         .route("/v1/tenant/{id}/compact", post(compact_tenant))
+        .route("/v1/tenant/{id}/wal_source", put(put_wal_source).delete(delete_wal_source))
         .route("/metrics", get(metrics))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
@@ -181,6 +183,30 @@ async fn put_tenant_config(
     tenant.set_overrides(overrides).map_err(TenantError::Other)?;
     tracing::info!(tenant_id = tenant.id, config = ?tenant.overrides(), "tenant config changed");
     Ok(Json(tenant.status()).into_response())
+}
+
+/// Attaches the tenant to a PostgreSQL 15 primary (docs/http-api.md); answers the source's
+/// status. A bad connection string or slot name is 400; the connection itself is made by the
+/// receiver, whose errors show in the status.
+async fn put_wal_source(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: Result<Json<WalSource>, JsonRejection>,
+) -> ApiResult {
+    let Json(source) = body?;
+    source.validate().map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("invalid WAL source: {e}")))?;
+    let tenant = state.tenants.get(&id)?;
+    let status = tenant.attach_wal_source(source).await.map_err(TenantError::Other)?;
+    Ok(Json(status).into_response())
+}
+
+/// Detaches the tenant from its WAL source (what was stored stays); 404 if it has none.
+async fn delete_wal_source(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
+    let tenant = state.tenants.get(&id)?;
+    if !tenant.detach_wal_source().await.map_err(TenantError::Other)? {
+        return Err(ApiError(StatusCode::NOT_FOUND, format!("tenant {id} has no WAL source")));
+    }
+    Ok(Json(serde_json::json!({ "tenant_id": tenant.id, "wal_source": null })).into_response())
 }
 
 /// Runs a compaction pass of the tenant now; answers with what it did once it is done

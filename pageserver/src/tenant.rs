@@ -36,6 +36,8 @@ use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
 pub mod wal_receiver;
 
+use wal_receiver::{SourceFile, WalReceiver, WalSource, WalSourceStatus};
+
 /// What one GetPage may read to rebuild a page (checked from the index before reading).
 const RECONSTRUCT_LIMITS: ReadLimits = ReadLimits {
     max_records: page_types::MAX_RECORDS_PER_REQUEST,
@@ -111,6 +113,8 @@ pub struct TenantStatus {
     pub storage: StorageStatus,
     pub compaction: CompactionStatus,
     pub counters: TenantCounters,
+    /// Its WAL source (`PUT /v1/tenant/{id}/wal_source`), if it has one.
+    pub wal_source: Option<WalSourceStatus>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -144,6 +148,7 @@ pub struct TenantDeps {
     pub cache: Arc<PageCache>,
     pub compaction: CompactionSettings,
     pub compaction_metrics: Arc<CompactionMetrics>,
+    pub wal_receiver_metrics: Arc<wal_receiver::WalReceiverMetrics>,
     pub redo_budget: Arc<RedoBudget>,
     pub wait_lsn_timeout: Duration,
     pub default_process_kind: ProcessKind,
@@ -165,6 +170,10 @@ pub struct Tenant {
     pub(crate) counters: Counters,
     /// Its GetPage series, exported while it is among the busiest tenants (`tenant_series`).
     pub(crate) get_page_series: RequestSeries,
+    /// The receiver following its WAL source, if it has one.
+    pub(crate) wal_receiver: Mutex<Option<Arc<WalReceiver>>>,
+    /// Serializes attaching and detaching the WAL source.
+    pub(crate) wal_source_change: tokio::sync::Mutex<()>,
 }
 
 /// Request counters of a tenant.
@@ -339,6 +348,7 @@ impl Tenant {
                     fatal: e.fatal,
                 }),
             },
+            wal_source: lock(&self.wal_receiver).as_ref().map(|r| r.status()),
             counters: TenantCounters {
                 get_page_requests: self.counters.get_page_requests.load(Ordering::Relaxed),
                 ingest_batches: self.counters.ingest_batches.load(Ordering::Relaxed),
@@ -354,9 +364,90 @@ impl Tenant {
     /// cancelled at the first poll, and each step is idempotent.
     pub async fn shutdown(&self) {
         self.cancel.cancel();
+        // Before storage stops: the receiver makes its position durable as it stops.
+        let receiver = lock(&self.wal_receiver).take();
+        if let Some(receiver) = receiver {
+            receiver.stop().await;
+        }
         self.compactor.stopped().await;
         self.timeline.shutdown().await;
         self.walredo.shutdown().await;
+    }
+
+    /// Starts following `source` (at load; [`Tenant::attach_wal_source`] for the API).
+    pub(crate) fn start_wal_receiver(&self, source: SourceFile) {
+        let receiver = WalReceiver::start(
+            &self.id,
+            self.dir.clone(),
+            source,
+            Arc::clone(&self.timeline),
+            Arc::clone(&self.deps.wal_receiver_metrics),
+        );
+        if let Some(old) = lock(&self.wal_receiver).replace(receiver) {
+            // Never two receivers at once: callers stop the old one first.
+            tracing::error!(tenant_id = self.id, "a WAL receiver was replaced while running");
+            drop(old);
+        }
+    }
+
+    /// Attaches the tenant to `source` (made durable first), replacing the source it had; the
+    /// cluster it follows, its timeline and position are kept (a new connection string of the
+    /// same cluster resumes where the old one stopped; another cluster is refused at connect).
+    /// Cancel-safe: the change is made or not; the caller may not see which.
+    pub async fn attach_wal_source(&self, source: WalSource) -> anyhow::Result<WalSourceStatus> {
+        source.validate().map_err(|e| anyhow::anyhow!("invalid WAL source: {e}"))?;
+        let _change = self.wal_source_change.lock().await;
+        if let Some(running) = lock(&self.wal_receiver).as_ref() {
+            if running.source == source {
+                return Ok(running.status());
+            }
+        }
+        self.stop_wal_receiver().await;
+        let dir = self.dir.clone();
+        let file = tokio::task::spawn_blocking(move || -> anyhow::Result<SourceFile> {
+            let previous = wal_receiver::read_source_file(&dir)?;
+            let file = match previous {
+                Some(previous) => SourceFile { source, ..previous },
+                None => SourceFile { source, system_id: None, timeline: None, position: None },
+            };
+            wal_receiver::write_source_file(&dir, &file)?;
+            Ok(file)
+        })
+        .await
+        .context("write task")??;
+        tracing::info!(tenant_id = self.id, slot = file.source.slot, "attached a WAL source");
+        self.start_wal_receiver(file);
+        let status = lock(&self.wal_receiver).as_ref().map(|r| r.status());
+        status.context("the receiver just started")
+    }
+
+    /// Detaches the tenant from its WAL source; `false` if it had none.
+    pub async fn detach_wal_source(&self) -> anyhow::Result<bool> {
+        let _change = self.wal_source_change.lock().await;
+        let had = self.stop_wal_receiver().await;
+        let dir = self.dir.clone();
+        let file_existed = tokio::task::spawn_blocking(move || -> anyhow::Result<bool> {
+            let existed = wal_receiver::read_source_file(&dir)?.is_some();
+            wal_receiver::remove_source_file(&dir)?;
+            Ok(existed)
+        })
+        .await
+        .context("remove task")??;
+        if had || file_existed {
+            tracing::info!(tenant_id = self.id, "detached the WAL source");
+        }
+        Ok(had || file_existed)
+    }
+
+    async fn stop_wal_receiver(&self) -> bool {
+        let receiver = lock(&self.wal_receiver).take();
+        match receiver {
+            Some(receiver) => {
+                receiver.stop().await;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Runs a compaction pass now and returns what it did (`None`: no layers to compact).

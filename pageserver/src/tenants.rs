@@ -32,6 +32,7 @@ use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{RedoBudget, DEFAULT_REDO_MEMORY_BUDGET};
 use crate::storage::{self, StorageConf, StorageMetrics, Timeline};
+use crate::tenant::wal_receiver;
 use crate::tenant::{
     read_overrides, write_overrides, Tenant, TenantConfOverrides, TenantDeps, TenantState, TenantStatus,
     DEFAULT_WAIT_LSN_TIMEOUT,
@@ -120,6 +121,7 @@ pub struct TenantsMetrics {
     tenants: IntGaugeVec,
     redo_budget_used: IntGauge,
     pub(crate) compaction: Arc<CompactionMetrics>,
+    pub(crate) wal_receiver: Arc<wal_receiver::WalReceiverMetrics>,
 }
 
 impl TenantsMetrics {
@@ -138,7 +140,8 @@ impl TenantsMetrics {
         )?;
         registry.register(Box::new(redo_budget_used.clone()))?;
         let compaction = Arc::new(CompactionMetrics::new(registry)?);
-        Ok(TenantsMetrics { tenants, redo_budget_used, compaction })
+        let wal_receiver = Arc::new(wal_receiver::WalReceiverMetrics::new(registry)?);
+        Ok(TenantsMetrics { tenants, redo_budget_used, compaction, wal_receiver })
     }
 }
 
@@ -171,7 +174,7 @@ impl TenantsConf {
 
 /// What loading found in one tenant's directory.
 enum Loaded {
-    Opened(TenantConfOverrides, Arc<Timeline>),
+    Opened(TenantConfOverrides, Arc<Timeline>, Option<wal_receiver::SourceFile>),
     /// An interrupted creation, now removed.
     Incomplete,
 }
@@ -216,6 +219,7 @@ impl Tenants {
                 cache,
                 compaction: conf.compaction.clone(),
                 compaction_metrics: Arc::clone(&metrics.compaction),
+                wal_receiver_metrics: Arc::clone(&metrics.wal_receiver),
                 redo_budget: Arc::new(RedoBudget::new(
                     conf.walredo_memory_budget,
                     conf.walredo.timeout,
@@ -259,8 +263,11 @@ impl Tenants {
             };
             let slot = match loaded {
                 Ok(Loaded::Incomplete) => continue,
-                Ok(Loaded::Opened(overrides, timeline)) => {
+                Ok(Loaded::Opened(overrides, timeline, source)) => {
                     let tenant = tenants.assemble(&id, &path, overrides, timeline);
+                    if let Some(source) = source {
+                        tenant.start_wal_receiver(source);
+                    }
                     tracing::info!(
                         tenant_id = id,
                         last_durable_lsn = %crate::storage::Lsn(tenant.last_durable_lsn()),
@@ -315,6 +322,8 @@ impl Tenants {
             cancel,
             counters: Default::default(),
             get_page_series: RequestSeries::get_page(id),
+            wal_receiver: Mutex::new(None),
+            wal_source_change: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -516,8 +525,10 @@ fn load_tenant_dir(
             Ok(Loaded::Incomplete)
         }
         Some(overrides) => {
+            // Read first: a damaged source file makes the tenant broken before storage opens.
+            let source = wal_receiver::read_source_file(dir)?;
             let timeline = Timeline::open(&dir.join(TIMELINE_DIR), storage_conf, storage_metrics)?;
-            Ok(Loaded::Opened(overrides, timeline))
+            Ok(Loaded::Opened(overrides, timeline, source))
         }
     }
 }

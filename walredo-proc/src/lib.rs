@@ -9,5 +9,6 @@
 //! sandbox lives in the binary (`src/main.rs`), so the daemon never links the sandbox code.
 
 pub mod page;
+pub mod pg15;
 pub mod protocol;
 pub mod record;

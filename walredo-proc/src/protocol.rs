@@ -306,6 +306,9 @@ pub enum ErrorCode {
     BadRecord,
     /// A record that does not fit the page state.
     ApplyFailed,
+    /// A record of a family or type this child decodes but does not apply (yet): the message
+    /// names its resource manager and record type.
+    UnsupportedRecord,
     /// A code this version does not know (a newer child).
     Unknown(u16),
 }
@@ -316,6 +319,7 @@ impl ErrorCode {
             ErrorCode::BadRequest => 1,
             ErrorCode::BadRecord => 2,
             ErrorCode::ApplyFailed => 3,
+            ErrorCode::UnsupportedRecord => 4,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -325,6 +329,7 @@ impl ErrorCode {
             1 => ErrorCode::BadRequest,
             2 => ErrorCode::BadRecord,
             3 => ErrorCode::ApplyFailed,
+            4 => ErrorCode::UnsupportedRecord,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -334,6 +339,7 @@ impl ErrorCode {
             ErrorCode::BadRequest => "bad_request",
             ErrorCode::BadRecord => "bad_record",
             ErrorCode::ApplyFailed => "apply_failed",
+            ErrorCode::UnsupportedRecord => "unsupported_record",
             ErrorCode::Unknown(_) => "unknown",
         }
     }

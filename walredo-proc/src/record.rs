@@ -33,7 +33,8 @@ pub const KIND_SET_BITS: u8 = 0x06;
 pub const KIND_CLEAR_BITS: u8 = 0x07;
 pub const KIND_PUT_BYTES: u8 = 0x08;
 pub const KIND_APPEND: u8 = 0x09;
-/// Kinds reserved for raw PostgreSQL heap WAL records; `bad_record` in version 1.
+/// Kinds left to the PostgreSQL record families (0x10: `pg15`, see [`crate::pg15`]); not
+/// records of this family, so `bad_record` here.
 pub const RESERVED_KINDS: std::ops::RangeInclusive<u8> = 0x10..=0x1f;
 
 /// One decoded record. Byte payloads borrow from the buffer it was decoded from.

@@ -360,6 +360,14 @@ fn get_page_error_code(e: &GetPageError) -> ErrorCode {
             tracing::warn!("failed to get a page: {e:#}");
             ErrorCode::Overloaded
         }
+        GetPageError::Redo(RedoError::Rejected {
+            code: walredo_proc::protocol::ErrorCode::UnsupportedRecord,
+            ..
+        }) => {
+            // Expected until the child redoes that record type; the counter says how often.
+            tracing::debug!("failed to reconstruct a page: {e:#}");
+            ErrorCode::UnsupportedRecord
+        }
         GetPageError::Redo(
             RedoError::Rejected { .. } | RedoError::Timeout(_) | RedoError::InvalidRequest(_),
         ) => {

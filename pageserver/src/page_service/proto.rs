@@ -113,6 +113,9 @@ pub enum ErrorCode {
     StorageUnavailable,
     /// GetPage below the tenant's GC cutoff: that page version was garbage-collected.
     BelowGcCutoff,
+    /// GetPage whose page needs a record the redo child does not apply yet (the message names
+    /// its resource manager and record type).
+    UnsupportedRecord,
     /// A code this version does not know.
     Unknown(u16),
 }
@@ -136,6 +139,7 @@ impl ErrorCode {
             ErrorCode::Overloaded => 14,
             ErrorCode::StorageUnavailable => 15,
             ErrorCode::BelowGcCutoff => 16,
+            ErrorCode::UnsupportedRecord => 17,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -158,6 +162,7 @@ impl ErrorCode {
             14 => ErrorCode::Overloaded,
             15 => ErrorCode::StorageUnavailable,
             16 => ErrorCode::BelowGcCutoff,
+            17 => ErrorCode::UnsupportedRecord,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -180,6 +185,7 @@ impl ErrorCode {
             ErrorCode::Overloaded => "overloaded",
             ErrorCode::StorageUnavailable => "storage_unavailable",
             ErrorCode::BelowGcCutoff => "below_gc_cutoff",
+            ErrorCode::UnsupportedRecord => "unsupported_record",
             ErrorCode::Unknown(_) => "unknown",
         }
     }

@@ -162,6 +162,23 @@ impl Timeline {
         }
     }
 
+    /// Moves the last durable LSN up to `lsn` without storing anything, when nothing is in
+    /// flight (every queued batch is durable) and `lsn` is above it; later ingests must be above
+    /// `lsn`. For a WAL receiver: its caller vouches that everything up to `lsn` it had to store
+    /// is durable (the WAL after its last value held records that carry none), so GetPage up to
+    /// `lsn` need not wait. Not persisted: after a reopen the receiver moves it again. Whether
+    /// it moved.
+    pub fn advance_durable(&self, lsn: Lsn) -> bool {
+        let mut q = self.shared.queue();
+        let durable = *self.shared.durable.borrow();
+        if q.failure.is_some() || q.last_queued != durable || lsn <= durable {
+            return false;
+        }
+        q.last_queued = lsn;
+        self.shared.durable.send_replace(lsn);
+        true
+    }
+
     /// The highest LSN whose batch is durable (0/0 for an empty timeline).
     pub fn last_durable_lsn(&self) -> Lsn {
         *self.shared.durable.borrow()
@@ -467,6 +484,27 @@ mod tests {
         let warm = tl.read_planned(tl.plan_read(key(1), Lsn(12), NO_LIMITS).unwrap()).await.unwrap();
         assert_eq!(warm, expected);
         assert_eq!((m.reads_inline.get(), m.reads_offloaded.get()), (1, 1), "the cached read ran inline");
+    }
+
+    #[tokio::test]
+    async fn the_durable_lsn_moves_up_without_a_value_only_when_nothing_is_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        tl.ingest(batch(vec![(key(1), 10, image(1))])).await.unwrap();
+        assert!(tl.advance_durable(Lsn(40)));
+        assert_eq!(tl.last_durable_lsn(), Lsn(40));
+        // GetPage up to it need not wait; it never goes back.
+        tl.wait_lsn(Lsn(40), std::time::Duration::from_millis(10)).await.unwrap();
+        assert!(!tl.advance_durable(Lsn(30)) && !tl.advance_durable(Lsn(40)));
+        // Later ingests must be above it.
+        let err = tl.ingest(batch(vec![(key(1), 35, image(2))])).await.unwrap_err();
+        assert!(matches!(err, IngestError::LsnWentBackwards { .. }), "{err}");
+        tl.ingest(batch(vec![(key(1), 50, image(2))])).await.unwrap();
+        assert_eq!(tl.last_durable_lsn(), Lsn(50));
+        // Not persisted: a reopen knows only the values.
+        drop(tl);
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        assert_eq!(tl.last_durable_lsn(), Lsn(50));
     }
 
     #[tokio::test]

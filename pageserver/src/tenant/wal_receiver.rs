@@ -1,13 +1,567 @@
-//! The WAL receiver's room under the tenant: what a tenant needs to follow a PostgreSQL 15
-//! primary over physical replication.
+//! A tenant's WAL receiver: it follows a PostgreSQL 15 primary over physical replication
+//! (`PUT /v1/tenant/{id}/wal_source`), decodes the WAL with `page_types::wal` and stores each
+//! block reference as a value of the tenant ([`values`]), reporting what is durable back to the
+//! primary's slot.
 //!
-//! Built so far: [`connstr`] (libpq keyword/value connection strings) and [`pq`] (the
-//! replication protocol client: start-up, authentication, `IDENTIFY_SYSTEM`, slots and the
-//! `START_REPLICATION` stream), which `pagectl receivewal` drives today. The receiver task of a
-//! tenant (initial import, streaming ingest, status) is not built yet (ARCHITECTURE.md).
+//! - [`connstr`]: libpq keyword/value connection strings;
+//! - [`pq`]: the replication protocol client;
+//! - [`values`]: from a decoded record to the values stored;
+//! - this file: the source file of the tenant, the receiver task, its status.
 //!
-//! Layer: under `tenant`; it may use `storage`, `walredo` and `page_types::wal`, never
-//! `tenants`, `page_service` or `http`.
+//! **The source file** `wal_source.json` in the tenant's directory holds the source (connection
+//! string, slot), the cluster it follows (system id, timeline, learned at the first connection)
+//! and the position: the end of the last record whose values are durable (with the records
+//! that carry none), rounded up to the 8-byte boundary where the next record may start. It is written atomically (temp file, fsync, rename, fsync of the
+//! directory), at most once a second while streaming, and always before that position is
+//! reported to the primary as flushed, so the slot keeps everything not yet durable here.
+//!
+//! **Resuming** (a reconnect, a restart, a kill -9): from the larger of the file's position and
+//! the storage's last durable LSN (a batch may have become durable after the file was last
+//! written). Values are stored at their record's end LSN, and a batch holds whole records, so
+//! every record that ends at or below that point is stored and every later one is not:
+//! streaming restarts at the start of that point's WAL page and skips records ending at or
+//! below it. No gap, no duplicate.
+//!
+//! **Failures** are the source's, never the daemon's: a refused connection, a server that is
+//! not PostgreSQL 15, another cluster, a timeline switch, a WAL decode error or a failed ingest
+//! put the receiver in the `error` state with its reason and it tries again with backoff (100
+//! ms doubling to 10 s); no panic, nothing acknowledged is lost.
+//!
+//! Not built yet (ARCHITECTURE.md): the initial import by base backup (a tenant attached to an
+//! existing cluster serves only the pages the WAL touches from the attach on), relation sizes,
+//! and the visibility-map clears without a block reference.
+//!
+//! Layer: under `tenant`; it uses `storage` and `page_types::wal`, never `tenants`,
+//! `page_service` or `http`.
 
 pub mod connstr;
 pub mod pq;
+pub mod values;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context;
+use page_types::wal::WalDecoder;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+use prometheus::{IntCounter, Registry};
+
+use crate::storage::{IngestBatch, Lsn, Timeline};
+use crate::util::lock;
+use pq::{ReplicationConn, ReplicationMessage};
+
+/// The file in the tenant's directory that holds its WAL source.
+pub const SOURCE_FILE: &str = "wal_source.json";
+/// How long a connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// With no message at all for this long, the connection is given up (the primary sends
+/// keepalives every `wal_sender_timeout / 2`, 30 s by default).
+const SILENCE_TIMEOUT: Duration = Duration::from_secs(90);
+/// How often the position is made durable and reported while streaming.
+const STATUS_INTERVAL: Duration = Duration::from_secs(1);
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// WAL pages: streaming resumes at the start of one.
+const WAL_PAGE: u64 = 8192;
+
+/// Where a tenant's WAL comes from (the body of `PUT /v1/tenant/{id}/wal_source`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WalSource {
+    /// libpq keyword/value connection string of the primary.
+    pub postgres: String,
+    /// Its physical replication slot (created if missing).
+    pub slot: String,
+}
+
+impl WalSource {
+    /// Checks the connection string and the slot name.
+    pub fn validate(&self) -> Result<(), String> {
+        connstr::parse(&self.postgres).map_err(|e| format!("postgres: {e}"))?;
+        let ok = !self.slot.is_empty()
+            && self.slot.len() <= 63
+            && self.slot.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if !ok {
+            return Err(format!(
+                "slot {:?}: use 1 to 63 characters of a-z 0-9 _ (PostgreSQL's rule)",
+                self.slot
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `wal_source.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceFile {
+    #[serde(flatten)]
+    pub source: WalSource,
+    /// The cluster followed (`IDENTIFY_SYSTEM`'s system id), from the first connection on.
+    #[serde(default)]
+    pub system_id: Option<String>,
+    #[serde(default)]
+    pub timeline: Option<u32>,
+    /// The end of the last record whose values are durable.
+    #[serde(default)]
+    pub position: Option<u64>,
+}
+
+/// Reads the tenant's source file; `Ok(None)` if it has none.
+pub fn read_source_file(dir: &Path) -> anyhow::Result<Option<SourceFile>> {
+    let path = dir.join(SOURCE_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            serde_json::from_str(&text).map(Some).with_context(|| format!("parse {}", path.display()))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("read {}", path.display())),
+    }
+}
+
+/// Writes the source file durably.
+pub fn write_source_file(dir: &Path, file: &SourceFile) -> anyhow::Result<()> {
+    let text = serde_json::to_vec_pretty(file).context("encode the WAL source")?;
+    crate::storage::durable_write(dir, SOURCE_FILE, &text).context("write the WAL source")
+}
+
+/// Removes the source file durably.
+pub fn remove_source_file(dir: &Path) -> anyhow::Result<()> {
+    match std::fs::remove_file(dir.join(SOURCE_FILE)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).context("remove the WAL source"),
+    }
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).context("fsync the tenant directory")
+}
+
+/// The receivers' metrics, totals over all tenants (per-tenant figures are in the status).
+pub struct WalReceiverMetrics {
+    received_bytes: IntCounter,
+    records: IntCounter,
+    values: IntCounter,
+    connection_errors: IntCounter,
+}
+
+impl WalReceiverMetrics {
+    pub fn new(registry: &Registry) -> anyhow::Result<WalReceiverMetrics> {
+        let counter = |name: &str, help: &str| -> anyhow::Result<IntCounter> {
+            let c = IntCounter::new(name, help).with_context(|| format!("create {name}"))?;
+            registry.register(Box::new(c.clone())).with_context(|| format!("register {name}"))?;
+            Ok(c)
+        };
+        Ok(WalReceiverMetrics {
+            received_bytes: counter(
+                "pageserver_wal_receiver_received_bytes_total",
+                "WAL bytes received from the tenants' PostgreSQL primaries",
+            )?,
+            records: counter(
+                "pageserver_wal_receiver_records_total",
+                "WAL records decoded and stored (with their values, if any) by the WAL receivers",
+            )?,
+            values: counter(
+                "pageserver_wal_receiver_values_total",
+                "Values (page images and PostgreSQL records) stored from WAL, one per block reference",
+            )?,
+            connection_errors: counter(
+                "pageserver_wal_receiver_connection_errors_total",
+                "Connections of a WAL receiver that ended in an error (then it reconnects with backoff)",
+            )?,
+        })
+    }
+}
+
+/// What the receiver is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReceiverState {
+    Connecting,
+    Streaming,
+    Error,
+}
+
+/// `wal_source` in the tenant status.
+#[derive(Debug, Clone, Serialize)]
+pub struct WalSourceStatus {
+    /// `user@host:port` of the source (never its password).
+    pub postgres: String,
+    pub slot: String,
+    pub state: ReceiverState,
+    /// The reason of the `error` state (also kept while reconnecting after it).
+    pub error: Option<String>,
+    /// Where the current (or last) connection resumed: every record ending at or below it was
+    /// stored before, every later one is stored by this connection.
+    pub resumed_at: u64,
+    /// WAL received up to here.
+    pub received_lsn: u64,
+    /// Durable here up to this LSN (and reported to the slot as flushed).
+    pub durable_lsn: u64,
+    /// The primary's end of WAL, as of its last message.
+    pub server_wal_end: u64,
+    /// `server_wal_end - durable_lsn`.
+    pub lag_bytes: u64,
+    /// When the last message came (RFC 3339, UTC).
+    pub last_message: Option<String>,
+    /// Connection attempts after the first.
+    pub reconnects: u64,
+}
+
+struct Shared {
+    status: WalSourceStatus,
+    last_message: Option<SystemTime>,
+}
+
+/// A running receiver; stopping it ([`WalReceiver::stop`]) waits for its task.
+pub struct WalReceiver {
+    pub source: WalSource,
+    shared: Arc<Mutex<Shared>>,
+    cancel: CancellationToken,
+    task: tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl WalReceiver {
+    /// Starts following `file`'s source for the tenant in `dir`.
+    pub fn start(
+        tenant_id: &str,
+        dir: PathBuf,
+        file: SourceFile,
+        timeline: Arc<Timeline>,
+        metrics: Arc<WalReceiverMetrics>,
+    ) -> Arc<WalReceiver> {
+        let postgres = connstr::parse(&file.source.postgres).map(|c| c.to_string()).unwrap_or_default();
+        let durable = file.position.unwrap_or(0);
+        let shared = Arc::new(Mutex::new(Shared {
+            status: WalSourceStatus {
+                postgres,
+                slot: file.source.slot.clone(),
+                state: ReceiverState::Connecting,
+                error: None,
+                resumed_at: durable,
+                received_lsn: durable,
+                durable_lsn: durable,
+                server_wal_end: 0,
+                lag_bytes: 0,
+                last_message: None,
+                reconnects: 0,
+            },
+            last_message: None,
+        }));
+        if let Some(position) = file.position {
+            // Everything up to the position is stored (the file is written after the values).
+            timeline.advance_durable(Lsn(position));
+        }
+        let cancel = CancellationToken::new();
+        let source = file.source.clone();
+        let task = Task { dir, file, timeline, metrics, shared: Arc::clone(&shared), cancel: cancel.clone() };
+        let span = tracing::info_span!("wal_receiver", tenant_id = tenant_id);
+        let handle = tokio::spawn(tracing::Instrument::instrument(task.run(), span));
+        Arc::new(WalReceiver { source, shared, cancel, task: tokio::sync::Mutex::new(Some(handle)) })
+    }
+
+    pub fn status(&self) -> WalSourceStatus {
+        let shared = lock(&self.shared);
+        let mut status = shared.status.clone();
+        status.last_message = shared.last_message.map(|t| humantime::format_rfc3339_millis(t).to_string());
+        status.lag_bytes = status.server_wal_end.saturating_sub(status.durable_lsn);
+        status
+    }
+
+    /// Stops the receiver and waits for its task (which makes its position durable first).
+    /// Cancel-safe: the task stops either way.
+    pub async fn stop(&self) {
+        self.cancel.cancel();
+        if let Some(task) = self.task.lock().await.take() {
+            if let Err(e) = task.await {
+                tracing::error!("WAL receiver task failed: {e}");
+            }
+        }
+    }
+}
+
+impl Drop for WalReceiver {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+struct Task {
+    dir: PathBuf,
+    file: SourceFile,
+    timeline: Arc<Timeline>,
+    metrics: Arc<WalReceiverMetrics>,
+    shared: Arc<Mutex<Shared>>,
+    cancel: CancellationToken,
+}
+
+impl Task {
+    async fn run(mut self) {
+        let mut backoff = BACKOFF_MIN;
+        let mut attempts = 0u64;
+        loop {
+            {
+                let mut shared = lock(&self.shared);
+                shared.status.state = ReceiverState::Connecting;
+                shared.status.reconnects = attempts;
+            }
+            attempts += 1;
+            let began = Instant::now();
+            let result = self.stream_once().await;
+            if self.cancel.is_cancelled() {
+                return;
+            }
+            let reason = match result {
+                Ok(()) => "the connection ended".to_string(),
+                Err(e) => format!("{e:#}"),
+            };
+            tracing::warn!("WAL receiver: {reason}; reconnecting in {backoff:?}");
+            self.metrics.connection_errors.inc();
+            {
+                let mut shared = lock(&self.shared);
+                shared.status.state = ReceiverState::Error;
+                shared.status.error = Some(reason);
+            }
+            if began.elapsed() > BACKOFF_MAX {
+                backoff = BACKOFF_MIN;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = self.cancel.cancelled() => return,
+            }
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+
+    /// One connection: from connecting to the first error (or cancellation: `Ok`).
+    async fn stream_once(&mut self) -> anyhow::Result<()> {
+        let config =
+            connstr::parse(&self.file.source.postgres).map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
+        let mut conn = tokio::select! {
+            conn = tokio::time::timeout(CONNECT_TIMEOUT, ReplicationConn::connect(&config)) => conn
+                .map_err(|_| anyhow::anyhow!("connect to {config}: no answer within {CONNECT_TIMEOUT:?}"))?
+                .with_context(|| format!("connect to {config}"))?,
+            () = self.cancel.cancelled() => return Ok(()),
+        };
+        anyhow::ensure!(
+            conn.server_version.split('.').next() == Some("15"),
+            "{config} runs PostgreSQL {:?}; only PostgreSQL 15 is supported",
+            conn.server_version
+        );
+        let system = conn.identify_system().await.context("IDENTIFY_SYSTEM")?;
+        if let Some(id) = &self.file.system_id {
+            anyhow::ensure!(
+                *id == system.system_id,
+                "{config} is another cluster (system id {}) than the one this tenant follows ({id})",
+                system.system_id
+            );
+        }
+        if let Some(timeline) = self.file.timeline {
+            anyhow::ensure!(
+                timeline == system.timeline,
+                "timeline switch: the tenant follows timeline {timeline}, {config} is on timeline {} \
+                 (a promotion); following a new timeline is not supported",
+                system.timeline
+            );
+        }
+        let seg_size = conn.wal_segment_size().await.context("SHOW wal_segment_size")?;
+        let created = conn.ensure_physical_slot(&self.file.source.slot).await.context("create the slot")?;
+        if created {
+            tracing::info!(slot = self.file.source.slot, "created the replication slot");
+        }
+        let durable_storage = self.timeline.last_durable_lsn().0;
+        let resume = match self.file.position {
+            Some(position) => position.max(durable_storage),
+            // A new source: from the primary's current position (no base backup yet).
+            None => system.xlog_pos.0.max(durable_storage),
+        };
+        if self.file.system_id.is_none() || self.file.timeline.is_none() || self.file.position.is_none() {
+            self.file.system_id = Some(system.system_id.clone());
+            self.file.timeline = Some(system.timeline);
+            self.file.position = Some(resume);
+            let (dir, file) = (self.dir.clone(), self.file.clone());
+            tokio::task::spawn_blocking(move || write_source_file(&dir, &file))
+                .await
+                .context("write task")??;
+        }
+        let start = Lsn(resume - resume % WAL_PAGE);
+        conn.start_replication(&self.file.source.slot, start, system.timeline)
+            .await
+            .context("START_REPLICATION")?;
+        let seg_size = u32::try_from(seg_size).context("wal_segment_size")?;
+        let mut decoder = WalDecoder::with_segment_size(start, seg_size).context("start the WAL decoder")?;
+        tracing::info!(%config, start = %start, resume = %Lsn(resume), timeline = system.timeline, "streaming WAL");
+        {
+            let mut shared = lock(&self.shared);
+            shared.status.state = ReceiverState::Streaming;
+            shared.status.resumed_at = resume;
+            shared.status.received_lsn = start.0;
+            shared.status.durable_lsn = resume;
+        }
+
+        let mut received = start.0;
+        let mut processed = resume;
+        let mut persisted = resume;
+        let mut last_status = Instant::now();
+        let mut last_message = Instant::now();
+        loop {
+            // Wake for the next status update even while the primary is quiet, so that what
+            // was processed becomes durable and reported within a status interval.
+            let tick = tokio::time::sleep_until((last_status + STATUS_INTERVAL).into());
+            let message = tokio::select! {
+                m = conn.next_message() => Some(m),
+                () = tick => None,
+                () = self.cancel.cancelled() => {
+                    self.persist(processed, &mut persisted).await?;
+                    return Ok(());
+                }
+            };
+            let mut reply_now = false;
+            match message {
+                // The status tick: nothing came.
+                None => anyhow::ensure!(
+                    last_message.elapsed() < SILENCE_TIMEOUT,
+                    "no message from {config} for {SILENCE_TIMEOUT:?}"
+                ),
+                Some(message) => {
+                    let message = message.context("replication stream")?;
+                    last_message = Instant::now();
+                    lock(&self.shared).last_message = Some(SystemTime::now());
+                    reply_now =
+                        self.handle(message, &mut decoder, &mut received, &mut processed, resume).await?;
+                }
+            }
+            if reply_now || last_status.elapsed() >= STATUS_INTERVAL {
+                self.persist(processed, &mut persisted).await?;
+                conn.send_status(Lsn(received), Lsn(persisted), Lsn(persisted))
+                    .await
+                    .context("status update")?;
+                last_status = Instant::now();
+            }
+        }
+    }
+
+    /// Takes one message of the stream: WAL is decoded and its values stored (durable when
+    /// this returns). Whether the primary asked for a status update now.
+    async fn handle(
+        &mut self,
+        message: ReplicationMessage,
+        decoder: &mut WalDecoder,
+        received: &mut u64,
+        processed: &mut u64,
+        resume: u64,
+    ) -> anyhow::Result<bool> {
+        let mut values = Vec::new();
+        match message {
+            ReplicationMessage::XLogData { start: at, wal_end, data } => {
+                anyhow::ensure!(
+                    at.0 == *received,
+                    "the primary sent WAL at {at}, expected {}: a gap",
+                    Lsn(*received)
+                );
+                decoder.feed(&data);
+                *received += data.len() as u64;
+                self.metrics.received_bytes.inc_by(data.len() as u64);
+                let mut last_end = None;
+                let mut records = 0;
+                while let Some(record) = decoder.next_record().context("decode WAL")? {
+                    if record.end_lsn.0 <= resume {
+                        continue;
+                    }
+                    values::record_values(&record, &mut values)?;
+                    last_end = Some(record.end_lsn.0);
+                    records += 1;
+                }
+                self.metrics.records.inc_by(records);
+                self.metrics.values.inc_by(values.len() as u64);
+                if !values.is_empty() {
+                    self.timeline.ingest(IngestBatch { values }).await.context("store WAL values")?;
+                }
+                if let Some(end) = last_end {
+                    // The padding to the next 8-byte boundary is processed too: no record
+                    // starts in it (PostgreSQL's flush position counts it as well).
+                    *processed = end.next_multiple_of(8);
+                    // GetPage up to here need not wait for a later value.
+                    self.timeline.advance_durable(Lsn(*processed));
+                }
+                let mut shared = lock(&self.shared);
+                shared.status.received_lsn = *received;
+                shared.status.server_wal_end = wal_end.0.max(*received);
+                Ok(false)
+            }
+            ReplicationMessage::Keepalive { wal_end, reply } => {
+                lock(&self.shared).status.server_wal_end = wal_end.0;
+                Ok(reply)
+            }
+            ReplicationMessage::End => anyhow::bail!(
+                "the primary ended the stream at {} (it shuts down, or its timeline {} ended: a \
+                 promotion, which the next connection reports)",
+                Lsn(*received),
+                self.file.timeline.unwrap_or(0)
+            ),
+        }
+    }
+
+    /// Makes `processed` the durable position (the source file), if it moved.
+    async fn persist(&mut self, processed: u64, persisted: &mut u64) -> anyhow::Result<()> {
+        if processed > *persisted {
+            self.file.position = Some(processed);
+            let (dir, file) = (self.dir.clone(), self.file.clone());
+            tokio::task::spawn_blocking(move || write_source_file(&dir, &file))
+                .await
+                .context("write task")??;
+            *persisted = processed;
+            lock(&self.shared).status.durable_lsn = processed;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_source_file_round_trips_and_refuses_what_it_does_not_know() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(read_source_file(dir.path()).unwrap(), None);
+        let file = SourceFile {
+            source: WalSource { postgres: "host=h user=u".into(), slot: "s".into() },
+            system_id: Some("7309".into()),
+            timeline: Some(1),
+            position: Some(0x1_0000_0028),
+        };
+        write_source_file(dir.path(), &file).unwrap();
+        assert_eq!(read_source_file(dir.path()).unwrap(), Some(file));
+        std::fs::write(dir.path().join(SOURCE_FILE), r#"{"postgres": "host=h user=u", "slot": "s"}"#)
+            .unwrap();
+        let minimal = read_source_file(dir.path()).unwrap().unwrap();
+        assert_eq!((minimal.system_id, minimal.position), (None, None));
+        std::fs::write(dir.path().join(SOURCE_FILE), r#"{"postgres": "x", "slot": "s", "extra": 1}"#)
+            .unwrap();
+        assert!(read_source_file(dir.path()).is_err());
+        std::fs::write(dir.path().join(SOURCE_FILE), "{").unwrap();
+        assert!(read_source_file(dir.path()).is_err());
+        remove_source_file(dir.path()).unwrap();
+        assert_eq!(read_source_file(dir.path()).unwrap(), None);
+    }
+
+    #[test]
+    fn sources_are_validated() {
+        let ok = WalSource { postgres: "host=h user=u".into(), slot: "page_server_1".into() };
+        assert!(ok.validate().is_ok());
+        for (postgres, slot) in [
+            ("host=h", "s"),
+            ("host=h user=u", "Upper"),
+            ("host=h user=u", ""),
+            ("user=u sslmode=verify-full", "s"),
+        ] {
+            assert!(
+                WalSource { postgres: postgres.into(), slot: slot.into() }.validate().is_err(),
+                "{postgres} {slot}"
+            );
+        }
+    }
+}

@@ -248,6 +248,7 @@ impl RedoError {
 
     fn result_label(&self) -> &'static str {
         match self {
+            RedoError::Rejected { code: ErrorCode::UnsupportedRecord, .. } => "unsupported",
             RedoError::Rejected { .. } => "rejected",
             RedoError::Timeout(_) => "timeout",
             RedoError::QueueTimeout(_) => "queue_timeout",

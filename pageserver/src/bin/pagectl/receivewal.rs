@@ -52,7 +52,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Received> {
         conn.server_version
     );
     let system = conn.identify_system().await.context("IDENTIFY_SYSTEM")?;
-    let seg_size = segment_size(&mut conn).await?;
+    let seg_size = conn.wal_segment_size().await.context("SHOW wal_segment_size")?;
     let created_slot = conn.ensure_physical_slot(&args.slot).await.context("create the slot")?;
     let start = args.start.unwrap_or(Lsn(system.xlog_pos.0 - system.xlog_pos.0 % seg_size));
     if let Some(end) = args.end {
@@ -103,22 +103,6 @@ pub async fn run(args: &Args) -> anyhow::Result<Received> {
         conn.send_status(received, received, received).await.context("send a status update")?;
     }
     Ok(Received { start, end: received, timeline: system.timeline, created_slot })
-}
-
-/// `SHOW wal_segment_size` (e.g. `16MB`) in bytes.
-async fn segment_size(conn: &mut ReplicationConn) -> anyhow::Result<u64> {
-    let rows = conn.simple_query("SHOW wal_segment_size").await.context("SHOW wal_segment_size")?;
-    let text =
-        rows.first().and_then(|r| r.first()).cloned().flatten().context("SHOW wal_segment_size: no value")?;
-    let digits: String = text.chars().take_while(char::is_ascii_digit).collect();
-    let n: u64 = digits.parse().with_context(|| format!("wal_segment_size {text:?}"))?;
-    let bytes = match &text[digits.len()..] {
-        "MB" => n << 20,
-        "GB" => n << 30,
-        other => anyhow::bail!("wal_segment_size {text:?}: unit {other:?}"),
-    };
-    anyhow::ensure!(bytes.is_power_of_two(), "wal_segment_size {text:?} is not a power of two");
-    Ok(bytes)
 }
 
 /// The segment files being written.

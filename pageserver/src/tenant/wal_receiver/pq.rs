@@ -76,7 +76,7 @@ pub enum ReplicationMessage {
     XLogData { start: Lsn, wal_end: Lsn, data: Bytes },
     /// A keepalive; `reply` asks for a status update now.
     Keepalive { wal_end: Lsn, reply: bool },
-    /// The server ended the stream (CopyDone): its timeline ended (a promotion).
+    /// The server ended the stream (CopyDone, or a CommandComplete as it shuts down).
     End,
 }
 
@@ -243,6 +243,25 @@ impl ReplicationConn {
         })
     }
 
+    /// `SHOW wal_segment_size` (e.g. `16MB`) in bytes.
+    pub async fn wal_segment_size(&mut self) -> Result<u64, PqError> {
+        let rows = self.simple_query("SHOW wal_segment_size").await?;
+        let text = rows.first().and_then(|r| r.first()).cloned().flatten().unwrap_or_default();
+        let digits: String = text.chars().take_while(char::is_ascii_digit).collect();
+        let bad = || PqError::protocol(format!("wal_segment_size {text:?}"));
+        let n: u64 = digits.parse().map_err(|_| bad())?;
+        let bytes = match &text[digits.len()..] {
+            "MB" => n.checked_mul(1 << 20),
+            "GB" => n.checked_mul(1 << 30),
+            _ => None,
+        }
+        .ok_or_else(bad)?;
+        if !bytes.is_power_of_two() {
+            return Err(bad());
+        }
+        Ok(bytes)
+    }
+
     /// Creates the physical slot `slot` (reserving WAL from now on) unless it exists; returns
     /// whether it created it.
     pub async fn ensure_physical_slot(&mut self, slot: &str) -> Result<bool, PqError> {
@@ -296,7 +315,7 @@ impl ReplicationConn {
             let m = self.recv().await?;
             match m.tag {
                 b'd' => {}
-                b'c' => return Ok(ReplicationMessage::End),
+                b'c' | b'C' => return Ok(ReplicationMessage::End),
                 b'N' | b'S' => continue,
                 b'E' => return Err(server_error(m.body)),
                 t => {

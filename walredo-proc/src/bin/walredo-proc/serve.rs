@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use walredo_proc::page::{Page, BLCKSZ};
+use walredo_proc::pg15;
 use walredo_proc::protocol::{BufferTag, ErrorCode, Request};
 use walredo_proc::record::Record;
 
@@ -72,6 +73,24 @@ impl RedoState {
                     self.fail(ErrorCode::BadRequest, "A without B".to_string());
                 } else if self.failed.is_none() {
                     self.started = true;
+                    if record.first() == Some(&pg15::KIND_PG15) {
+                        // Decoded, not applied yet: the request fails naming what it met.
+                        match pg15::Pg15Record::decode(record) {
+                            Err(e) => self
+                                .fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", fmt_lsn(lsn))),
+                            Ok(r) => self.fail(
+                                ErrorCode::UnsupportedRecord,
+                                format!(
+                                    "{} (rmgr {}, info {:#04x}) at LSN {}: not applied by this walredo-proc",
+                                    r.type_name(),
+                                    r.rmid,
+                                    r.info,
+                                    fmt_lsn(lsn)
+                                ),
+                            ),
+                        }
+                        return None;
+                    }
                     match Record::decode(record) {
                         Err(e) => {
                             self.fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", fmt_lsn(lsn)))
@@ -169,6 +188,49 @@ mod tests {
 
         state.handle(Request::Begin(tag(2)));
         assert!(matches!(state.handle(Request::GetPage(tag(2))), Some(Reply::Page(_))));
+    }
+
+    #[test]
+    fn a_pg15_record_fails_its_request_as_unsupported_naming_its_type_and_a_broken_one_as_bad() {
+        let block = pg15::BlockHeader {
+            id: 0,
+            flags: pg15::FLAG_HAS_DATA,
+            fork: 0,
+            spcnode: 1663,
+            dbnode: 5,
+            relnode: 16384,
+            blkno: 0,
+            data: b"tuple",
+        };
+        let rec = pg15::Pg15Record {
+            rmid: 10,
+            info: 0x00,
+            xid: 7,
+            lsn: 0x28,
+            end_lsn: 0x68,
+            target: 0,
+            blocks: vec![block],
+            main_data: b"\x01\x00\x00",
+        };
+        let mut bytes = Vec::new();
+        rec.encode(&mut bytes).unwrap();
+        let mut state = RedoState::new();
+        state.handle(Request::Begin(tag(1)));
+        state.handle(Request::Apply { lsn: 0x68, record: &bytes });
+        let Some(Reply::Error(code, message)) = state.handle(Request::GetPage(tag(1))) else {
+            panic!("expected an error")
+        };
+        assert_eq!(code, ErrorCode::UnsupportedRecord);
+        assert!(message.contains("Heap INSERT") && message.contains("0/68"), "{message}");
+        state.handle(Request::Begin(tag(2)));
+        state.handle(Request::Apply { lsn: 0x68, record: &bytes[..bytes.len() - 1] });
+        assert!(matches!(
+            state.handle(Request::GetPage(tag(2))),
+            Some(Reply::Error(ErrorCode::BadRecord, _))
+        ));
+        // The child serves on.
+        state.handle(Request::Begin(tag(3)));
+        assert!(matches!(state.handle(Request::GetPage(tag(3))), Some(Reply::Page(_))));
     }
 
     #[test]

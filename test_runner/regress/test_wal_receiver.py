@@ -1,0 +1,183 @@
+"""A tenant following a real PostgreSQL 15 primary (`PUT /v1/tenant/{id}/wal_source`): every
+block reference of the WAL it streams becomes exactly one value (counted against PostgreSQL's own
+`pg_waldump`), also across a kill -9 of the daemon; a page whose newest value is an applied
+full-page image is served with the record's LSN; a page that needs redo of a PostgreSQL record
+fails alone with `unsupported_record` naming it (its redo is the next issue's); bad sources and
+detaching behave."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+
+from fixtures.oracle import Key
+from fixtures.page_client import PageServiceError
+from fixtures.postgres import Postgres
+from fixtures.util import wait_until
+
+RECORD = re.compile(r"lsn: ([0-9A-F]+)/([0-9A-F]+),")
+BLKREF = re.compile(r"blkref #\d+: rel (\d+)/(\d+)/(\d+)(?: fork (\w+))? blk (\d+)( FPW)?( for WAL verification)?")
+FORKS = {None: 0, "fsm": 1, "vm": 2, "init": 3}
+
+
+def lsn_int(text: str) -> int:
+    hi, lo = text.split("/")
+    return (int(hi, 16) << 32) | int(lo, 16)
+
+
+def lsn_text(v: int) -> str:
+    return f"{v >> 32:X}/{v & 0xFFFFFFFF:X}"
+
+
+def waldump_records(pg: Postgres, start: int, end: int):
+    """(start LSN, [(key, applied image?)]) of every record wholly in [start, end), by pg_waldump."""
+    out = pg.run("pg_waldump", "-p", str(pg.wal_dir), "-s", lsn_text(start), "-e", lsn_text(end)).stdout
+    records = []
+    for line in out.splitlines():
+        m = RECORD.search(line)
+        if not m:
+            continue
+        lsn = (int(m.group(1), 16) << 32) | int(m.group(2), 16)
+        refs = []
+        for b in BLKREF.finditer(line):
+            key = Key(int(b.group(1)), int(b.group(2)), int(b.group(3)), FORKS[b.group(4)], int(b.group(5)))
+            refs.append((key, b.group(6) is not None and b.group(7) is None))
+        records.append((lsn, refs))
+    return records
+
+
+@pytest.fixture
+def pg(tmp_path):
+    # No autovacuum: the WAL is the tests' own, so counts taken a moment apart agree.
+    pg = Postgres(tmp_path / "pg", settings={"autovacuum": "off"}).init().start()
+    # The test's own slot keeps the WAL that pg_waldump reads after the tenant's slot moved on.
+    pg.sql("select pg_create_physical_replication_slot('keep', true)")
+    yield pg
+    pg.stop()
+
+
+def attach(ps, tenant: str, pg: Postgres, slot: str = "pageserver") -> dict:
+    resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source", {"postgres": pg.connstr(), "slot": slot})
+    assert resp.status == 200, resp
+    return wait_until(lambda: (s := ps.http.tenant_status(tenant)["wal_source"])["state"] == "streaming" and s,
+                      timeout=30, desc="the receiver to stream")
+
+
+def caught_up(ps, tenant: str, pg: Postgres) -> dict:
+    """Waits until the tenant has made everything the primary flushed durable; its status."""
+    def done():
+        s = ps.http.tenant_status(tenant)
+        return s["wal_source"]["durable_lsn"] >= lsn_int(pg.sql("select pg_current_wal_flush_lsn()")) and s
+    return wait_until(done, timeout=60, desc="the tenant to catch up with the primary")
+
+
+def expected_values(pg: Postgres, start: int, end: int) -> int:
+    return sum(len(refs) for lsn, refs in waldump_records(pg, start, end) if lsn >= start)
+
+
+# `pg` comes first: set up first, it is stopped after the daemons (whose receivers would
+# otherwise see it go away).
+def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone(pg, pageserver_factory):
+    ps = pageserver_factory(compaction="off")
+    tenant = ps.create_tenant()
+    status = attach(ps, tenant, pg)
+    resumed = status["resumed_at"]
+    assert resumed > 0
+    pg.pgbench("-i", "-s", "1", "-q")
+    pg.pgbench("-c", "2", "-j", "2", "-T", "4", "-n")
+    pg.sql("CHECKPOINT")
+    # The first change after the checkpoint logs the page's image; the second only a record.
+    pg.sql("UPDATE pgbench_branches SET bbalance = bbalance + 1")
+    pg.sql("UPDATE pgbench_branches SET bbalance = bbalance + 1")
+    s = caught_up(ps, tenant, pg)
+    durable = s["wal_source"]["durable_lsn"]
+    assert s["wal_source"]["lag_bytes"] >= 0 and s["wal_source"]["last_message"]
+    records = [(lsn, refs) for lsn, refs in waldump_records(pg, resumed, durable) if lsn >= resumed]
+    assert s["storage"]["values"] == sum(len(refs) for _, refs in records) > 10_000
+    # The slot keeps only what is not durable here.
+    restart = lsn_int(pg.sql("select restart_lsn from pg_replication_slots where slot_name = 'pageserver'"))
+    assert resumed <= restart <= durable
+
+    # Full-page images, served as redo leaves them: pd_lsn is the record's end, which lies
+    # between the record's start and the next record's.
+    fpis = [(records[i][0], records[i + 1][0], key) for i in range(len(records) - 1)
+            for key, applied in records[i][1] if applied]
+    assert len(fpis) > 50
+    with ps.connect(tenant) as conn:
+        for start, next_start, key in fpis[:: max(1, len(fpis) // 200)]:
+            page = conn.get_page(key, next_start)
+            pd_lsn = (int.from_bytes(page[0:4], "little") << 32) | int.from_bytes(page[4:8], "little")
+            assert start < pd_lsn <= next_start, (key, lsn_text(start), lsn_text(pd_lsn))
+        # pgbench_branches' page changed again after its post-checkpoint image: it needs Heap redo.
+        branches = int(pg.sql("select pg_relation_filenode('pgbench_branches')"))
+        dbnode = int(pg.sql("select oid from pg_database where datname = 'postgres'"))
+        with pytest.raises(PageServiceError) as e:
+            conn.get_page(Key(1663, dbnode, branches, 0, 0))
+        assert e.value.name == "unsupported_record", e.value
+        assert "Heap" in str(e.value), e.value
+        # The connection and the tenant serve on.
+        start, next_start, key = fpis[0]
+        assert len(conn.get_page(key, next_start)) == 8192
+    metrics = ps.http.metrics()
+    assert metrics.value("pageserver_wal_receiver_values_total") == s["storage"]["values"]
+    assert metrics.value("pageserver_page_service_errors_total", code="unsupported_record") >= 1
+    assert metrics.value("pageserver_wal_redo_requests_total", result="unsupported") >= 1
+
+
+def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pageserver_factory):
+    ps = pageserver_factory(compaction="off")
+    tenant = ps.create_tenant()
+    resumed = attach(ps, tenant, pg)["resumed_at"]
+    pg.pgbench("-i", "-s", "1", "-q")
+    load = subprocess.Popen(pg._cmd("pgbench", "-h", str(pg.sockdir), "-p", str(pg.port), "-c", "2", "-j", "2",
+                                    "-T", "6", "-n", "postgres"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["durable_lsn"] > resumed + (8 << 20),
+                   timeout=60, desc="streaming to be well under way")
+        ps.kill()
+        time.sleep(0.5)
+        ps.start()
+        assert load.wait(timeout=120) == 0, load.stderr.read() if load.stderr else ""
+    finally:
+        if load.poll() is None:
+            load.kill()
+    s = caught_up(ps, tenant, pg)
+    assert s["wal_source"]["resumed_at"] > resumed, "the second connection resumed where the first stopped"
+    assert s["storage"]["values"] == expected_values(pg, resumed, s["wal_source"]["durable_lsn"])
+    # A restart of PostgreSQL: the receiver sees the stream end, reconnects, and goes on.
+    ps.allowed_errors.append(".*WAL receiver: .*")
+    pg.stop()
+    pg.start()
+    pg.pgbench("-c", "2", "-j", "2", "-T", "2", "-n")
+    s = caught_up(ps, tenant, pg)
+    assert s["wal_source"]["reconnects"] >= 1 and s["wal_source"]["state"] == "streaming", s["wal_source"]
+    assert s["storage"]["values"] == expected_values(pg, resumed, s["wal_source"]["durable_lsn"])
+
+
+def test_bad_sources_are_refused_or_reported_and_detach_stops(pg, pageserver_factory):
+    ps = pageserver_factory()
+    tenant = ps.create_tenant()
+    for body in [{"postgres": "host=x", "slot": "s"}, {"postgres": pg.connstr(), "slot": "Bad-Slot"},
+                 {"postgres": pg.connstr() + " sslmode=require", "slot": "s"}, {"postgres": pg.connstr()}]:
+        resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source", body)
+        assert resp.status in (400, 422), (body, resp)
+    assert ps.http.tenant_status(tenant)["wal_source"] is None
+    # Nothing listens there: an error state with its reason, retried, and the tenant serves on.
+    dead = f"host=127.0.0.1 port={pg.port + 1 if pg.port < 65535 else 1} user=postgres"
+    ps.allowed_errors.append(".*WAL receiver.*")
+    resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source", {"postgres": dead, "slot": "s"})
+    assert resp.status == 200, resp
+    s = wait_until(lambda: (w := ps.http.tenant_status(tenant)["wal_source"])["state"] == "error" and w,
+                   timeout=30, desc="the error state")
+    assert "connect" in s["error"], s
+    assert ps.http.request("DELETE", f"/v1/tenant/{tenant}/wal_source").status == 200
+    assert ps.http.tenant_status(tenant)["wal_source"] is None
+    assert ps.http.request("DELETE", f"/v1/tenant/{tenant}/wal_source").status == 404
+    # Attached again, after a restart it follows on from the file.
+    attach(ps, tenant, pg)
+    ps.restart()
+    wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["state"] == "streaming", timeout=30,
+               desc="streaming after the restart")
