@@ -38,6 +38,7 @@ pub mod connstr;
 pub mod pq;
 pub mod values;
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -49,7 +50,7 @@ use tokio_util::sync::CancellationToken;
 
 use prometheus::{IntCounter, Registry};
 
-use crate::storage::{IngestBatch, Lsn, Timeline};
+use crate::storage::{IngestBatch, IngestError, Lsn, Timeline};
 use crate::util::lock;
 use pq::{ReplicationConn, ReplicationMessage};
 
@@ -255,7 +256,15 @@ impl WalReceiver {
         }
         let cancel = CancellationToken::new();
         let source = file.source.clone();
-        let task = Task { dir, file, timeline, metrics, shared: Arc::clone(&shared), cancel: cancel.clone() };
+        let task = Task {
+            in_flight: InFlight::default(),
+            dir,
+            file,
+            timeline,
+            metrics,
+            shared: Arc::clone(&shared),
+            cancel: cancel.clone(),
+        };
         let span = tracing::info_span!("wal_receiver", tenant_id = tenant_id);
         let handle = tokio::spawn(tracing::Instrument::instrument(task.run(), span));
         Arc::new(WalReceiver { source, shared, cancel, task: tokio::sync::Mutex::new(Some(handle)) })
@@ -287,7 +296,48 @@ impl Drop for WalReceiver {
     }
 }
 
+/// Most batches submitted to storage and not yet known durable: decoding goes on while they
+/// are written and synced (group commit takes several at once).
+const MAX_IN_FLIGHT: usize = 32;
+
+/// The batches submitted and not yet known durable, oldest first, each with the position it
+/// completes (WAL whose records carried no values rides on the batch before it).
+#[derive(Default)]
+struct InFlight {
+    queue: VecDeque<(Option<Durable>, u64)>,
+}
+
+/// A submitted batch's way to durability (its last LSN, or why it failed).
+type Durable = tokio::task::JoinHandle<Result<Lsn, IngestError>>;
+
+impl InFlight {
+    /// Takes the durable batches off the front (all of them if `all`, and the oldest while
+    /// more than [`MAX_IN_FLIGHT`] wait), moving `processed` to what they complete; with
+    /// nothing left in flight, the timeline's durable LSN follows (GetPage need not wait for a
+    /// later value). An ingest that failed is this connection's error.
+    async fn settle(&mut self, timeline: &Timeline, processed: &mut u64, all: bool) -> anyhow::Result<()> {
+        while let Some((durable, _)) = self.queue.front() {
+            let done = durable.as_ref().is_none_or(|d| d.is_finished());
+            if !done && !all && self.queue.len() <= MAX_IN_FLIGHT {
+                break;
+            }
+            let Some((durable, end)) = self.queue.pop_front() else { break };
+            if let Some(durable) = durable {
+                durable.await.context("ingest task")?.context("store WAL values")?;
+            }
+            *processed = end;
+        }
+        if self.queue.is_empty() {
+            timeline.advance_durable(Lsn(*processed));
+        }
+        Ok(())
+    }
+}
+
 struct Task {
+    /// This connection's batches not yet known durable; settled before the next connection
+    /// resumes, so that it resumes after them.
+    in_flight: InFlight,
     dir: PathBuf,
     file: SourceFile,
     timeline: Arc<Timeline>,
@@ -309,6 +359,11 @@ impl Task {
             attempts += 1;
             let began = Instant::now();
             let result = self.stream_once().await;
+            // What this connection submitted becomes durable (or fails) before the next one
+            // reads the storage's durable LSN to resume after it.
+            if let Err(e) = self.in_flight.settle(&self.timeline, &mut 0, true).await {
+                tracing::warn!("WAL receiver: a batch of the last connection failed: {e:#}");
+            }
             if self.cancel.is_cancelled() {
                 return;
             }
@@ -413,6 +468,7 @@ impl Task {
                 m = conn.next_message() => Some(m),
                 () = tick => None,
                 () = self.cancel.cancelled() => {
+                    self.in_flight.settle(&self.timeline, &mut processed, true).await?;
                     self.persist(processed, &mut persisted).await?;
                     return Ok(());
                 }
@@ -428,10 +484,10 @@ impl Task {
                     let message = message.context("replication stream")?;
                     last_message = Instant::now();
                     lock(&self.shared).last_message = Some(SystemTime::now());
-                    reply_now =
-                        self.handle(message, &mut decoder, &mut received, &mut processed, resume).await?;
+                    reply_now = self.handle(message, &mut decoder, &mut received, resume).await?;
                 }
             }
+            self.in_flight.settle(&self.timeline, &mut processed, false).await?;
             if reply_now || last_status.elapsed() >= STATUS_INTERVAL {
                 self.persist(processed, &mut persisted).await?;
                 conn.send_status(Lsn(received), Lsn(persisted), Lsn(persisted))
@@ -442,14 +498,14 @@ impl Task {
         }
     }
 
-    /// Takes one message of the stream: WAL is decoded and its values stored (durable when
-    /// this returns). Whether the primary asked for a status update now.
+    /// Takes one message of the stream: WAL is decoded and its values submitted to storage
+    /// (in LSN order; durable later, see [`InFlight`]). Whether the primary asked for a status
+    /// update now.
     async fn handle(
         &mut self,
         message: ReplicationMessage,
         decoder: &mut WalDecoder,
         received: &mut u64,
-        processed: &mut u64,
         resume: u64,
     ) -> anyhow::Result<bool> {
         let mut values = Vec::new();
@@ -475,15 +531,17 @@ impl Task {
                 }
                 self.metrics.records.inc_by(records);
                 self.metrics.values.inc_by(values.len() as u64);
-                if !values.is_empty() {
-                    self.timeline.ingest(IngestBatch { values }).await.context("store WAL values")?;
-                }
+                let durable = if values.is_empty() {
+                    None
+                } else {
+                    let batch = IngestBatch { values };
+                    let durable = self.timeline.submit(batch).await.context("store WAL values")?;
+                    Some(tokio::spawn(durable))
+                };
                 if let Some(end) = last_end {
                     // The padding to the next 8-byte boundary is processed too: no record
                     // starts in it (PostgreSQL's flush position counts it as well).
-                    *processed = end.next_multiple_of(8);
-                    // GetPage up to here need not wait for a later value.
-                    self.timeline.advance_durable(Lsn(*processed));
+                    self.in_flight.queue.push_back((durable, end.next_multiple_of(8)));
                 }
                 let mut shared = lock(&self.shared);
                 shared.status.received_lsn = *received;
