@@ -288,7 +288,8 @@ impl Tenant {
     }
 
     /// Queues a batch for durable storage, in call order; the returned future resolves once
-    /// it is durable (fsync'd) with its last LSN.
+    /// it is durable (fsync'd) with its last LSN. Refused (`Invalid`) while the tenant follows
+    /// a PostgreSQL primary.
     ///
     /// Not cancel-safe in the sense that a queued batch stays queued: dropping the returned
     /// future means the batch becomes durable (or fails) unacknowledged.
@@ -299,6 +300,14 @@ impl Tenant {
     {
         if self.cancel.is_cancelled() {
             return Err(IngestError::ShuttingDown);
+        }
+        if lock(&self.wal_receiver).is_some() {
+            // Its LSNs are the primary's: values from elsewhere would collide with the WAL's.
+            return Err(IngestError::Invalid(format!(
+                "tenant {} follows a PostgreSQL primary (wal_source): its values come from that WAL; \
+                 detach the source to ingest through the page service",
+                self.id
+            )));
         }
         let count = batch.values.len() as u64;
         let durable = self.timeline.submit(batch).await?;

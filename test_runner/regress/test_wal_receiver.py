@@ -1,6 +1,7 @@
 """A tenant following a real PostgreSQL 15 primary (`PUT /v1/tenant/{id}/wal_source`): every
-block reference of the WAL it streams becomes exactly one value (counted against PostgreSQL's own
-`pg_waldump`), also across a kill -9 of the daemon; a page whose newest value is an applied
+block reference of the WAL it streams becomes exactly one value, and every visibility-map page a
+heap record clears bits of without referencing it one more (both counted from PostgreSQL's own
+`pg_waldump`: its block references and its record flags), also across a kill -9 of the daemon; a page whose newest value is an applied
 full-page image is served with the record's LSN; a page that needs redo of a PostgreSQL record
 fails alone with `unsupported_record` naming it (its redo is the next issue's); bad sources and
 detaching behave."""
@@ -17,10 +18,15 @@ from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.postgres import Postgres
 from fixtures.util import wait_until
+from fixtures.walreader import Wal, mask_lsn_and_checksum
 
 RECORD = re.compile(r"lsn: ([0-9A-F]+)/([0-9A-F]+),")
 BLKREF = re.compile(r"blkref #\d+: rel (\d+)/(\d+)/(\d+)(?: fork (\w+))? blk (\d+)( FPW)?( for WAL verification)?")
 FORKS = {None: 0, "fsm": 1, "vm": 2, "init": 3}
+RMGR_DESC = re.compile(r"rmgr: (\w+)\s.*desc: (\S+) (.*?)(?:, blkref #|$)")
+FLAGS = re.compile(r"flags 0x([0-9A-F]{2})")
+# Heap blocks one visibility-map page covers (8 KiB pages, 24-byte header, 2 bits a block).
+HEAPBLOCKS_PER_VM_PAGE = (8192 - 24) * 4
 
 
 def lsn_int(text: str) -> int:
@@ -32,8 +38,32 @@ def lsn_text(v: int) -> str:
     return f"{v >> 32:X}/{v & 0xFFFFFFFF:X}"
 
 
+def vm_pages_cleared(line: str, keys: list[Key]) -> set:
+    """The visibility-map pages a heap record clears bits of without referencing them, from
+    pg_waldump's description of its flags (PostgreSQL 15's heapdesc.c and heapam_xlog.h)."""
+    m = RMGR_DESC.search(line)
+    if not m or m.group(1) not in ("Heap", "Heap2") or not keys:
+        return set()
+    rmgr, op, desc = m.group(1), m.group(2).removesuffix("+INIT"), m.group(3)
+    f = FLAGS.search(desc)
+    flags = int(f.group(1), 16) if f else 0
+    heap = []  # heap block keys whose map bits the record clears
+    if rmgr == "Heap" and op in ("INSERT", "DELETE") and flags & 0x01:
+        heap.append(keys[0])
+    elif rmgr == "Heap" and op in ("UPDATE", "HOT_UPDATE"):
+        if flags & 0x01:
+            heap.append(keys[1] if len(keys) > 1 else keys[0])
+        if flags & 0x02:
+            heap.append(keys[0])
+    elif (rmgr, op) in (("Heap", "LOCK"), ("Heap2", "LOCK_UPDATED"), ("Heap2", "MULTI_INSERT")) and flags & 0x01:
+        heap.append(keys[0])
+    vm = {Key(k.spcnode, k.dbnode, k.relnode, 2, k.blknum // HEAPBLOCKS_PER_VM_PAGE) for k in heap}
+    return vm - set(keys)
+
+
 def waldump_records(pg: Postgres, start: int, end: int):
-    """(start LSN, [(key, applied image?)]) of every record wholly in [start, end), by pg_waldump."""
+    """(start LSN, [(key, applied image?)], map pages cleared) of every record wholly in
+    [start, end), by pg_waldump."""
     out = pg.run("pg_waldump", "-p", str(pg.wal_dir), "-s", lsn_text(start), "-e", lsn_text(end)).stdout
     records = []
     for line in out.splitlines():
@@ -45,14 +75,16 @@ def waldump_records(pg: Postgres, start: int, end: int):
         for b in BLKREF.finditer(line):
             key = Key(int(b.group(1)), int(b.group(2)), int(b.group(3)), FORKS[b.group(4)], int(b.group(5)))
             refs.append((key, b.group(6) is not None and b.group(7) is None))
-        records.append((lsn, refs))
+        records.append((lsn, refs, vm_pages_cleared(line, [k for k, _ in refs])))
     return records
 
 
 @pytest.fixture
 def pg(tmp_path):
     # No autovacuum: the WAL is the tests' own, so counts taken a moment apart agree.
-    pg = Postgres(tmp_path / "pg", settings={"autovacuum": "off"}).init().start()
+    # Images compressed with PGLZ, so that the image path the daemon and the reader take is the
+    # harder one.
+    pg = Postgres(tmp_path / "pg", settings={"autovacuum": "off", "wal_compression": "pglz"}).init().start()
     # The test's own slot keeps the WAL that pg_waldump reads after the tenant's slot moved on.
     pg.sql("select pg_create_physical_replication_slot('keep', true)")
     yield pg
@@ -75,7 +107,7 @@ def caught_up(ps, tenant: str, pg: Postgres) -> dict:
 
 
 def expected_values(pg: Postgres, start: int, end: int) -> int:
-    return sum(len(refs) for lsn, refs in waldump_records(pg, start, end) if lsn >= start)
+    return sum(len(refs) + len(vm) for lsn, refs, vm in waldump_records(pg, start, end) if lsn >= start)
 
 
 # `pg` comes first: set up first, it is stopped after the daemons (whose receivers would
@@ -88,6 +120,9 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
     assert resumed > 0
     pg.pgbench("-i", "-s", "1", "-q")
     pg.pgbench("-c", "2", "-j", "2", "-T", "4", "-n")
+    # VACUUM sets pages all-visible; the UPDATEs then clear their visibility-map bits.
+    pg.sql("VACUUM pgbench_accounts")
+    pg.sql("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 997 = 0")
     pg.sql("CHECKPOINT")
     # The first change after the checkpoint logs the page's image; the second only a record.
     pg.sql("UPDATE pgbench_branches SET bbalance = bbalance + 1")
@@ -95,22 +130,33 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
     s = caught_up(ps, tenant, pg)
     durable = s["wal_source"]["durable_lsn"]
     assert s["wal_source"]["lag_bytes"] >= 0 and s["wal_source"]["last_message"]
-    records = [(lsn, refs) for lsn, refs in waldump_records(pg, resumed, durable) if lsn >= resumed]
-    assert s["storage"]["values"] == sum(len(refs) for _, refs in records) > 10_000
+    records = [r for r in waldump_records(pg, resumed, durable) if r[0] >= resumed]
+    vm_values = sum(len(vm) for _, _, vm in records)
+    assert vm_values > 0, "the UPDATEs after VACUUM cleared visibility-map bits"
+    assert s["storage"]["values"] == sum(len(refs) for _, refs, _ in records) + vm_values > 10_000
     # The slot keeps only what is not durable here.
     restart = lsn_int(pg.sql("select restart_lsn from pg_replication_slots where slot_name = 'pageserver'"))
     assert resumed <= restart <= durable
 
-    # Full-page images, served as redo leaves them: pd_lsn is the record's end, which lies
-    # between the record's start and the next record's.
+    # Full-page images, served as redo leaves them: PostgreSQL's own image bytes (read by an
+    # independent reader from pg_wal), with pd_lsn the record's end, which lies between the
+    # record's start and the next record's.
     fpis = [(records[i][0], records[i + 1][0], key) for i in range(len(records) - 1)
             for key, applied in records[i][1] if applied]
+    wal = Wal(pg.wal_dir)
+    # A map page whose newest value is a derived clear needs redo too.
+    last_vm = next(vm for _, _, vm in reversed(records) if vm)
     assert len(fpis) > 50
     with ps.connect(tenant) as conn:
         for start, next_start, key in fpis[:: max(1, len(fpis) // 200)]:
             page = conn.get_page(key, next_start)
             pd_lsn = (int.from_bytes(page[0:4], "little") << 32) | int.from_bytes(page[4:8], "little")
             assert start < pd_lsn <= next_start, (key, lsn_text(start), lsn_text(pd_lsn))
+            image = next(i for i in wal.images(start)
+                         if (i.spcnode, i.dbnode, i.relnode, i.fork, i.blkno) ==
+                         (key.spcnode, key.dbnode, key.relnode, key.forknum, key.blknum))
+            assert image.apply
+            assert mask_lsn_and_checksum(page) == mask_lsn_and_checksum(image.page), (key, lsn_text(start))
         # pgbench_branches' page changed again after its post-checkpoint image: it needs Heap redo.
         branches = int(pg.sql("select pg_relation_filenode('pgbench_branches')"))
         dbnode = int(pg.sql("select oid from pg_database where datname = 'postgres'"))
@@ -118,9 +164,19 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
             conn.get_page(Key(1663, dbnode, branches, 0, 0))
         assert e.value.name == "unsupported_record", e.value
         assert "Heap" in str(e.value), e.value
+        with pytest.raises(PageServiceError) as e:
+            conn.get_page(sorted(last_vm, key=lambda k: k.blknum)[0])
+        # The child names the first record of the chain it cannot apply (the VISIBLE that set
+        # the bits, below the clear).
+        assert e.value.name == "unsupported_record" and "Heap" in str(e.value), e.value
         # The connection and the tenant serve on.
         start, next_start, key = fpis[0]
         assert len(conn.get_page(key, next_start)) == 8192
+        # Its values come from the WAL only: an Ingest is refused, nothing stored.
+        with pytest.raises(PageServiceError) as e:
+            conn.ingest([(key, durable + 8, 0, b"\0" * 8192)])  # kind 0: an image
+        assert e.value.name == "invalid_request" and "wal_source" in str(e.value), e.value
+    assert ps.http.tenant_status(tenant)["storage"]["values"] == s["storage"]["values"]
     metrics = ps.http.metrics()
     assert metrics.value("pageserver_wal_receiver_values_total") == s["storage"]["values"]
     assert metrics.value("pageserver_page_service_errors_total", code="unsupported_record") >= 1

@@ -28,8 +28,8 @@
 //! ms doubling to 10 s); no panic, nothing acknowledged is lost.
 //!
 //! Not built yet (ARCHITECTURE.md): the initial import by base backup (a tenant attached to an
-//! existing cluster serves only the pages the WAL touches from the attach on), relation sizes,
-//! and the visibility-map clears without a block reference.
+//! existing cluster serves only the pages the WAL touches from the attach on) and relation
+//! sizes.
 //!
 //! Layer: under `tenant`; it uses `storage` and `page_types::wal`, never `tenants`,
 //! `page_service` or `http`.

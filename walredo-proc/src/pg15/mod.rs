@@ -26,6 +26,15 @@ use page_types::MAX_RECORD_LEN;
 
 /// The first byte of every record of the family (one of the kinds `record.rs` leaves to it).
 pub const KIND_PG15: u8 = 0x10;
+/// The first byte of a [`VmClear`]: visibility-map bits a heap record clears without a block
+/// reference to the map's page.
+pub const KIND_PG15_VM_CLEAR: u8 = 0x11;
+/// `VISIBILITYMAP_ALL_VISIBLE` and `VISIBILITYMAP_ALL_FROZEN`: a heap block's two bits.
+pub const VM_ALL_VISIBLE: u8 = 0x01;
+pub const VM_ALL_FROZEN: u8 = 0x02;
+/// Heap blocks one visibility-map page covers (PostgreSQL 15, 8 KiB pages: 2 bits per heap
+/// block in the page after its 24-byte header).
+pub const HEAPBLOCKS_PER_VM_PAGE: u32 = (8192 - 24) * 4;
 /// The encoding's version, the second byte.
 pub const FORMAT_VERSION: u8 = 1;
 /// `BKPBLOCK_WILL_INIT`: redo does not read the page's previous contents.
@@ -276,6 +285,74 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
     }
 }
 
+/// Visibility-map bits cleared by a heap record that does not reference the map's page
+/// (`ALL_VISIBLE_CLEARED`, `ALL_FROZEN_CLEARED` in its flags): the daemon derives one for each
+/// map page such a record touches and stores it at the record's end LSN, for that page.
+/// Encoding, little-endian: `kind = 0x11 | version = 1 | rmid u8 | info u8 | lsn u64 |
+/// end_lsn u64 | n u8 | n x (heap block u32 | bits u8)`, bits of [`VM_ALL_VISIBLE`] and
+/// [`VM_ALL_FROZEN`] to clear.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmClear {
+    pub rmid: u8,
+    pub info: u8,
+    pub lsn: u64,
+    pub end_lsn: u64,
+    pub clears: Vec<(u32, u8)>,
+}
+
+impl VmClear {
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), Pg15Error> {
+        let n = u8::try_from(self.clears.len()).map_err(|_| Pg15Error::TooLong { len: self.clears.len() })?;
+        out.extend_from_slice(&[KIND_PG15_VM_CLEAR, FORMAT_VERSION, self.rmid, self.info]);
+        out.extend_from_slice(&self.lsn.to_le_bytes());
+        out.extend_from_slice(&self.end_lsn.to_le_bytes());
+        out.push(n);
+        for (block, bits) in &self.clears {
+            out.extend_from_slice(&block.to_le_bytes());
+            out.push(*bits);
+        }
+        Ok(())
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<VmClear, Pg15Error> {
+        let mut r = Reader { bytes, at: 0 };
+        let kind = r.u8()?;
+        if kind != KIND_PG15_VM_CLEAR {
+            return Err(Pg15Error::NotPg15(kind));
+        }
+        let version = r.u8()?;
+        if version != FORMAT_VERSION {
+            return Err(Pg15Error::Version(version));
+        }
+        let (rmid, info, lsn, end_lsn, n) = (r.u8()?, r.u8()?, r.u64()?, r.u64()?, r.u8()?);
+        let mut clears = Vec::with_capacity(usize::from(n));
+        for _ in 0..n {
+            clears.push((r.u32()?, r.u8()?));
+        }
+        if r.at != bytes.len() {
+            return Err(Pg15Error::Trailing(bytes.len() - r.at));
+        }
+        Ok(VmClear { rmid, info, lsn, end_lsn, clears })
+    }
+
+    pub fn type_name(&self) -> String {
+        format!("{} (its visibility-map clear)", record_type_name(self.rmid, self.info))
+    }
+}
+
+/// What a record of the PostgreSQL families is, for a child that applies none of them yet:
+/// `None` if `bytes` is of neither kind, else its type name or why it does not decode.
+pub fn describe(bytes: &[u8]) -> Option<Result<String, Pg15Error>> {
+    match bytes.first() {
+        Some(&KIND_PG15) => Some(
+            Pg15Record::decode(bytes)
+                .map(|r| format!("{} (rmgr {}, info {:#04x})", r.type_name(), r.rmid, r.info)),
+        ),
+        Some(&KIND_PG15_VM_CLEAR) => Some(VmClear::decode(bytes).map(|r| r.type_name())),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -354,7 +431,29 @@ mod tests {
         assert_eq!(Pg15Record::decode(&[]), Err(Pg15Error::Truncated(0)));
     }
 
+    #[test]
+    fn a_vm_clear_round_trips_and_a_broken_one_is_an_error() {
+        let clear =
+            VmClear { rmid: 10, info: 0x20, lsn: 0x28, end_lsn: 0x68, clears: vec![(7, 3), (40000, 2)] };
+        let mut out = Vec::new();
+        clear.encode(&mut out).unwrap();
+        assert_eq!(VmClear::decode(&out).unwrap(), clear);
+        assert_eq!(clear.type_name(), "Heap UPDATE (its visibility-map clear)");
+        assert_eq!(VmClear::decode(&out[..out.len() - 1]), Err(Pg15Error::Truncated(out.len() - 1)));
+        assert!(VmClear::decode(&[KIND_PG15]).is_err());
+    }
+
     proptest! {
+        #[test]
+        fn vm_clear_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let mut bytes = bytes;
+            if bytes.len() > 2 {
+                bytes[0] = KIND_PG15_VM_CLEAR;
+                bytes[1] = FORMAT_VERSION;
+            }
+            let _ = VmClear::decode(&bytes);
+        }
+
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200), tweak in any::<bool>()) {
             let mut bytes = bytes;

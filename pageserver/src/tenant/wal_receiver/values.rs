@@ -7,13 +7,22 @@
 //! Check-only images (`wal_consistency_checking`, without `BKPIMAGE_APPLY`) are not stored:
 //! the block gets the record, as if there were no image.
 //!
+//! Heap records whose flags say they cleared a heap page's visibility-map bits
+//! (`ALL_VISIBLE_CLEARED`, `ALL_FROZEN_CLEARED`) change a page they do not reference, the map's:
+//! for each map page they touch, a [`VmClear`] value is derived, at the same LSN (after the
+//! record's own values: a key's values within a record keep block order).
+//!
 //! Invariant: pure; a record that cannot be stored (an image that does not restore, a record
 //! too long for the family's encoding) is an error naming its LSN, never a value dropped.
 
 use bytes::Bytes;
 use page_types::wal::DecodedRecord;
 use page_types::{BufferTag, Lsn};
-use walredo_proc::pg15::{BlockHeader, Pg15Record, FLAG_HAD_IMAGE, FLAG_HAS_DATA, FLAG_WILL_INIT};
+use walredo_proc::page::{self, pd_upper, Page};
+use walredo_proc::pg15::{
+    BlockHeader, Pg15Record, VmClear, FLAG_HAD_IMAGE, FLAG_HAS_DATA, FLAG_WILL_INIT, HEAPBLOCKS_PER_VM_PAGE,
+    VM_ALL_FROZEN, VM_ALL_VISIBLE,
+};
 
 use crate::storage::Value;
 
@@ -27,15 +36,12 @@ pub enum ValueError {
 }
 
 /// What redo does after restoring an image: `pd_lsn` becomes the record's end LSN, unless the
-/// page is new (all zeros up to `pd_upper`, which PostgreSQL leaves as it is).
+/// page is new (`pd_upper` 0, which PostgreSQL leaves as it is).
 fn set_page_lsn(page: &mut [u8], lsn: Lsn) {
-    let pd_upper = page.get(14..16).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-    if pd_upper == 0 {
-        return;
-    }
-    if let Some(header) = page.get_mut(..8) {
-        header[..4].copy_from_slice(&((lsn.0 >> 32) as u32).to_le_bytes());
-        header[4..].copy_from_slice(&(lsn.0 as u32).to_le_bytes());
+    if let Ok(page) = <&mut Page>::try_from(page) {
+        if pd_upper(page) != 0 {
+            page::set_page_lsn(page, lsn.0);
+        }
     }
 }
 
@@ -105,7 +111,93 @@ pub fn record_values(
         };
         out.push((key_of(block), lsn, value));
     }
+    for (key, clear) in vm_clears(record) {
+        // A record that also references the map page changes it itself (never seen for these
+        // records; kept out rather than stored twice at one LSN).
+        if record.blocks.iter().any(|b| key_of(b) == key) {
+            continue;
+        }
+        let mut bytes = Vec::new();
+        clear.encode(&mut bytes).map_err(|source| ValueError::Encode {
+            lsn: record.lsn,
+            kind: clear.type_name(),
+            source,
+        })?;
+        out.push((key, lsn, Value::Record(Bytes::from(bytes))));
+    }
     Ok(())
+}
+
+/// The visibility-map fork (2).
+const VM_FORK: u8 = 2;
+/// Resource managers and heap record flags (PostgreSQL 15's `heapam_xlog.h`).
+const RM_HEAP2: u8 = 9;
+const RM_HEAP: u8 = 10;
+const ALL_VISIBLE_CLEARED: u8 = 0x01;
+const UPDATE_NEW_ALL_VISIBLE_CLEARED: u8 = 0x02;
+const LOCK_ALL_FROZEN_CLEARED: u8 = 0x01;
+
+/// The visibility-map pages a heap record clears bits of without referencing them, with the
+/// heap blocks and bits, one entry per map page.
+fn vm_clears(record: &DecodedRecord) -> Vec<(BufferTag, VmClear)> {
+    let flags_at = |offset: usize| record.main_data.get(offset).copied().unwrap_or(0);
+    let block = |id: u8| record.blocks.iter().find(|b| b.id == id);
+    let both = VM_ALL_VISIBLE | VM_ALL_FROZEN;
+    // (heap block reference, bits cleared)
+    let mut cleared: Vec<(&page_types::wal::BlockRef, u8)> = Vec::new();
+    let op = record.info & 0x70;
+    match (record.rmid, op) {
+        // INSERT: xl_heap_insert { offnum u16, flags u8 }.
+        (RM_HEAP, 0x00) if flags_at(2) & ALL_VISIBLE_CLEARED != 0 => {
+            cleared.extend(block(0).map(|b| (b, both)))
+        }
+        // DELETE: xl_heap_delete { xmax u32, offnum u16, infobits u8, flags u8 }.
+        (RM_HEAP, 0x10) if flags_at(7) & ALL_VISIBLE_CLEARED != 0 => {
+            cleared.extend(block(0).map(|b| (b, both)))
+        }
+        // UPDATE, HOT_UPDATE: xl_heap_update { old_xmax u32, old_offnum u16, old_infobits u8,
+        // flags u8, .. }; the old page is block 1, or block 0 when it is the same page.
+        (RM_HEAP, 0x20 | 0x40) => {
+            let flags = flags_at(7);
+            if flags & ALL_VISIBLE_CLEARED != 0 {
+                cleared.extend(block(1).or(block(0)).map(|b| (b, both)));
+            }
+            if flags & UPDATE_NEW_ALL_VISIBLE_CLEARED != 0 {
+                cleared.extend(block(0).map(|b| (b, both)));
+            }
+        }
+        // LOCK: xl_heap_lock { locking_xid u32, offnum u16, infobits i8, flags u8 }.
+        (RM_HEAP, 0x60) if flags_at(7) & LOCK_ALL_FROZEN_CLEARED != 0 => {
+            cleared.extend(block(0).map(|b| (b, VM_ALL_FROZEN)))
+        }
+        // MULTI_INSERT: xl_heap_multi_insert { flags u8, .. }.
+        (RM_HEAP2, 0x50) if flags_at(0) & ALL_VISIBLE_CLEARED != 0 => {
+            cleared.extend(block(0).map(|b| (b, both)))
+        }
+        // LOCK_UPDATED: xl_heap_lock_updated { xmax u32, offnum u16, infobits u8, flags u8 }.
+        (RM_HEAP2, 0x60) if flags_at(7) & LOCK_ALL_FROZEN_CLEARED != 0 => {
+            cleared.extend(block(0).map(|b| (b, VM_ALL_FROZEN)))
+        }
+        _ => {}
+    }
+    let mut out: Vec<(BufferTag, VmClear)> = Vec::new();
+    for (heap, bits) in cleared {
+        let key = BufferTag { forknum: VM_FORK, blknum: heap.blkno / HEAPBLOCKS_PER_VM_PAGE, ..key_of(heap) };
+        match out.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, clear)) => clear.clears.push((heap.blkno, bits)),
+            None => out.push((
+                key,
+                VmClear {
+                    rmid: record.rmid,
+                    info: record.info,
+                    lsn: record.lsn.0,
+                    end_lsn: record.end_lsn.0,
+                    clears: vec![(heap.blkno, bits)],
+                },
+            )),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -178,6 +270,44 @@ mod tests {
         // A check-only image (no BKPIMAGE_APPLY) is not stored; its block gets the record.
         let Value::Record(bytes) = &out[2].2 else { panic!() };
         assert!(Pg15Record::decode(bytes).unwrap().blocks[2].flags & FLAG_HAD_IMAGE != 0);
+    }
+
+    #[test]
+    fn heap_records_that_clear_visibility_bits_get_a_value_for_each_map_page() {
+        // UPDATE across pages: old page 40000 (block 1), new page 0 (block 0), both cleared:
+        // two map pages (40000 / 32672 = 1, 0 / 32672 = 0), the old page's first.
+        let mut rec = record(vec![block(0, None), block(1, None)]);
+        rec.blocks[1].blkno = 40000;
+        rec.main_data = Bytes::from(vec![0, 0, 0, 0, 1, 0, 0, 0x03, 0, 0, 0, 0, 2, 0]);
+        let mut out = Vec::new();
+        record_values(&rec, &mut out).unwrap();
+        assert_eq!(out.len(), 4, "two block values and two map pages");
+        let (k2, lsn2, Value::Record(v2)) = &out[2] else { panic!() };
+        assert_eq!((k2.forknum, k2.blknum, k2.relnode, *lsn2), (2, 1, 16384, rec.end_lsn));
+        assert_eq!(VmClear::decode(v2).unwrap().clears, vec![(40000, 3)]);
+        let (k3, _, Value::Record(v3)) = &out[3] else { panic!() };
+        assert_eq!((k3.forknum, k3.blknum), (2, 0));
+        assert_eq!(VmClear::decode(v3).unwrap().clears, vec![(0, 3)]);
+        // The same page for both (a HOT update): one map value with the block once per flag.
+        let mut hot = record(vec![block(0, None)]);
+        hot.info = 0x40;
+        hot.main_data = rec.main_data.clone();
+        let mut out = Vec::new();
+        record_values(&hot, &mut out).unwrap();
+        let (_, _, Value::Record(v)) = &out[1] else { panic!() };
+        assert_eq!(VmClear::decode(v).unwrap().clears, vec![(0, 3), (0, 3)]);
+        // LOCK clears the all-frozen bit only; without the flag, nothing is derived.
+        let mut lock = record(vec![block(0, None)]);
+        lock.info = 0x60;
+        lock.main_data = Bytes::from(vec![0, 0, 0, 0, 1, 0, 0, 0x01]);
+        let mut out = Vec::new();
+        record_values(&lock, &mut out).unwrap();
+        let (_, _, Value::Record(v)) = &out[1] else { panic!() };
+        assert_eq!(VmClear::decode(v).unwrap().clears, vec![(0, VM_ALL_FROZEN)]);
+        lock.main_data = Bytes::from(vec![0, 0, 0, 0, 1, 0, 0, 0]);
+        let mut out = Vec::new();
+        record_values(&lock, &mut out).unwrap();
+        assert_eq!(out.len(), 1);
     }
 
     #[test]

@@ -73,20 +73,15 @@ impl RedoState {
                     self.fail(ErrorCode::BadRequest, "A without B".to_string());
                 } else if self.failed.is_none() {
                     self.started = true;
-                    if record.first() == Some(&pg15::KIND_PG15) {
-                        // Decoded, not applied yet: the request fails naming what it met.
-                        match pg15::Pg15Record::decode(record) {
+                    // The PostgreSQL families: decoded, not applied yet; the request fails
+                    // naming what it met.
+                    if let Some(described) = pg15::describe(record) {
+                        match described {
                             Err(e) => self
                                 .fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", fmt_lsn(lsn))),
-                            Ok(r) => self.fail(
+                            Ok(what) => self.fail(
                                 ErrorCode::UnsupportedRecord,
-                                format!(
-                                    "{} (rmgr {}, info {:#04x}) at LSN {}: not applied by this walredo-proc",
-                                    r.type_name(),
-                                    r.rmid,
-                                    r.info,
-                                    fmt_lsn(lsn)
-                                ),
+                                format!("{what} at LSN {}: not applied by this walredo-proc", fmt_lsn(lsn)),
                             ),
                         }
                         return None;
