@@ -196,6 +196,9 @@ async fn put_wal_source(
     let Json(source) = body?;
     source.validate().map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("invalid WAL source: {e}")))?;
     let tenant = state.tenants.get(&id)?;
+    if tenant.cancel.is_cancelled() {
+        return Err(TenantError::ShuttingDown.into());
+    }
     let status = tenant.attach_wal_source(source).await.map_err(TenantError::Other)?;
     Ok(Json(status).into_response())
 }

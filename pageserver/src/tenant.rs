@@ -391,6 +391,7 @@ impl Tenant {
             source,
             Arc::clone(&self.timeline),
             Arc::clone(&self.deps.wal_receiver_metrics),
+            &self.cancel,
         );
         if let Some(old) = lock(&self.wal_receiver).replace(receiver) {
             // Never two receivers at once: callers stop the old one first.
@@ -406,6 +407,8 @@ impl Tenant {
     pub async fn attach_wal_source(&self, source: WalSource) -> anyhow::Result<WalSourceStatus> {
         source.validate().map_err(|e| anyhow::anyhow!("invalid WAL source: {e}"))?;
         let _change = self.wal_source_change.lock().await;
+        // A tenant stopping (deleted, or the daemon shutting down) takes no new receiver.
+        anyhow::ensure!(!self.cancel.is_cancelled(), "tenant {} is shutting down", self.id);
         if let Some(running) = lock(&self.wal_receiver).as_ref() {
             if running.source == source {
                 return Ok(running.status());

@@ -237,3 +237,8 @@ def test_bad_sources_are_refused_or_reported_and_detach_stops(pg, pageserver_fac
     ps.restart()
     wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["state"] == "streaming", timeout=30,
                desc="streaming after the restart")
+    # Deleting the tenant stops its receiver: the primary sees the slot's connection go.
+    assert pg.sql("select active from pg_replication_slots where slot_name = 'pageserver'") == "t"
+    ps.http.delete_tenant(tenant)
+    wait_until(lambda: pg.sql("select active from pg_replication_slots where slot_name = 'pageserver'") == "f",
+               timeout=10, desc="the slot to be released")

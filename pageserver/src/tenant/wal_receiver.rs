@@ -224,13 +224,15 @@ pub struct WalReceiver {
 }
 
 impl WalReceiver {
-    /// Starts following `file`'s source for the tenant in `dir`.
+    /// Starts following `file`'s source for the tenant in `dir`; it stops when [`WalReceiver::stop`]
+    /// is called, when it is dropped, or when `tenant_cancel` (the tenant's) fires.
     pub fn start(
         tenant_id: &str,
         dir: PathBuf,
         file: SourceFile,
         timeline: Arc<Timeline>,
         metrics: Arc<WalReceiverMetrics>,
+        tenant_cancel: &CancellationToken,
     ) -> Arc<WalReceiver> {
         let postgres = connstr::parse(&file.source.postgres).map(|c| c.to_string()).unwrap_or_default();
         let durable = file.position.unwrap_or(0);
@@ -254,7 +256,7 @@ impl WalReceiver {
             // Everything up to the position is stored (the file is written after the values).
             timeline.advance_durable(Lsn(position));
         }
-        let cancel = CancellationToken::new();
+        let cancel = tenant_cancel.child_token();
         let source = file.source.clone();
         let task = Task {
             in_flight: InFlight::default(),
