@@ -210,6 +210,7 @@ def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pa
     pg.pgbench("-c", "2", "-j", "2", "-T", "2", "-n")
     s = caught_up(ps, tenant, pg)
     assert s["wal_source"]["reconnects"] >= 1 and s["wal_source"]["state"] == "streaming", s["wal_source"]
+    assert s["wal_source"]["error"] is None, "streaming again clears the last error"
     assert s["storage"]["values"] == expected_values(pg, resumed, s["wal_source"]["durable_lsn"])
 
 

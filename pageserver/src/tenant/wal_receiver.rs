@@ -191,7 +191,7 @@ pub struct WalSourceStatus {
     pub postgres: String,
     pub slot: String,
     pub state: ReceiverState,
-    /// The reason of the `error` state (also kept while reconnecting after it).
+    /// The reason of the `error` state, kept while reconnecting after it (until streaming).
     pub error: Option<String>,
     /// Where the current (or last) connection resumed: every record ending at or below it was
     /// stored before, every later one is stored by this connection.
@@ -452,6 +452,7 @@ impl Task {
         {
             let mut shared = lock(&self.shared);
             shared.status.state = ReceiverState::Streaming;
+            shared.status.error = None;
             shared.status.resumed_at = resume;
             shared.status.received_lsn = start.0;
             shared.status.durable_lsn = resume;
