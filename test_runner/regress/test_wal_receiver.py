@@ -243,3 +243,31 @@ def test_bad_sources_are_refused_or_reported_and_detach_stops(pg, pageserver_fac
     ps.http.delete_tenant(tenant)
     wait_until(lambda: pg.sql("select active from pg_replication_slots where slot_name = 'pageserver'") == "f",
                timeout=10, desc="the slot to be released")
+
+
+def test_compaction_keeps_what_the_child_cannot_redo_yet_and_goes_on(pg, pageserver_factory):
+    # Chains of two records already ask for an image, which the child cannot make from
+    # PostgreSQL records yet: the pass must keep those values as they are and go on.
+    ps = pageserver_factory(compaction="off", compaction_image_threshold=2)
+    tenant = ps.create_tenant()
+    resumed = attach(ps, tenant, pg)["resumed_at"]
+    pg.pgbench("-i", "-s", "1", "-q")
+    pg.pgbench("-c", "2", "-j", "2", "-T", "2", "-n")
+    s = caught_up(ps, tenant, pg)
+    durable = s["wal_source"]["durable_lsn"]
+    records = [r for r in waldump_records(pg, resumed, durable) if r[0] >= resumed]
+    fpis = [(records[i][0], records[i + 1][0], key) for i in range(len(records) - 1)
+            for key, applied in records[i][1] if applied]
+    with ps.connect(tenant) as conn:
+        before = {(n, k): conn.get_page(k, n) for _, n, k in fpis[:: max(1, len(fpis) // 50)]}
+    r = ps.http.request("POST", f"/v1/tenant/{tenant}/compact")
+    assert r.status == 200, r.body
+    p = r.body["pass"]
+    assert p["image_failures"] > 0 and p["images_created"] == 0, p
+    assert p["values_dropped"] == 0 and p["values_written"] == p["input_values"], p
+    after = ps.http.tenant_status(tenant)
+    assert after["storage"]["values"] == s["storage"]["values"]
+    assert after["compaction"]["last_error"] is None
+    with ps.connect(tenant) as conn:
+        for (lsn, key), page in before.items():
+            assert conn.get_page(key, lsn) == page, (key, lsn_text(lsn))
