@@ -115,30 +115,27 @@ def expand_use_tree(tree: str) -> list[str]:
     """`a::{b, c::{d, e}}` -> [`a::b`, `a::c::d`, `a::c::e`] (aliases and globs dropped)."""
     tree = re.sub(r"\s+as\s+\w+", "", tree)
     tree = re.sub(r"\s+", "", tree)
-    depth = 0
-    for k, ch in enumerate(tree):
+    k = tree.find("{")
+    if k < 0:
+        return [tree.removesuffix("::*")]
+    # The outermost group: split its members at the commas not inside a nested group.
+    prefix, inner = tree[:k], tree[k + 1 : tree.rfind("}")]
+    parts, level, start = [], 0, 0
+    for q, ch in enumerate(inner):
         if ch == "{":
-            if depth == 0:
-                prefix, inner = tree[:k], tree[k + 1 : tree.rfind("}")]
-                parts, level, start = [], 0, 0
-                for q, c2 in enumerate(inner):
-                    if c2 == "{":
-                        level += 1
-                    elif c2 == "}":
-                        level -= 1
-                    elif c2 == "," and level == 0:
-                        parts.append(inner[start:q])
-                        start = q + 1
-                parts.append(inner[start:])
-                out = []
-                for p in parts:
-                    if not p:
-                        continue
-                    for sub in expand_use_tree(p):
-                        out.append(prefix + sub if sub != "self" else prefix.rstrip(":"))
-                return out
-            depth += 1
-    return [tree.removesuffix("::*")]
+            level += 1
+        elif ch == "}":
+            level -= 1
+        elif ch == "," and level == 0:
+            parts.append(inner[start:q])
+            start = q + 1
+    parts.append(inner[start:])
+    out = []
+    for p in parts:
+        if p:
+            for sub in expand_use_tree(p):
+                out.append(prefix + sub if sub != "self" else prefix.rstrip(":"))
+    return out
 
 
 def paths_in(text: str) -> list[str]:
@@ -150,7 +147,7 @@ def paths_in(text: str) -> list[str]:
     return paths
 
 
-def resolve(path: str, here: tuple[str, ...], is_mod_file: bool, modules: set) -> tuple | None:
+def resolve(path: str, here: tuple[str, ...], modules: set) -> tuple | None:
     """The deepest module of `modules` a path reaches, or None for paths outside the crate."""
     segs = path.split("::")
     if segs[0] == "crate":
@@ -237,7 +234,7 @@ def main() -> int:
             continue
         files.append(f)
     modules = {module_of(f, args.src) for f in files}
-    # Modules declared inline (`mod x {`) are not separate files; they belong to their file.
+    # A module declared inline (`mod x {`) is part of its file's module.
 
     # edges[parent][a] = {b: [evidence]} for sibling modules a, b under parent.
     edges = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
@@ -245,7 +242,7 @@ def main() -> int:
         here = module_of(f, args.src)
         text = drop_cfg_test_items(strip_comments_and_strings(f.read_text()))
         for p in paths_in(text):
-            target = resolve(p, here, f.name == "mod.rs", modules)
+            target = resolve(p, here, modules)
             if target is None:
                 continue
             k = 0

@@ -438,13 +438,9 @@ impl Tenant {
         let _change = self.wal_source_change.lock().await;
         let had = self.stop_wal_receiver().await;
         let dir = self.dir.clone();
-        let file_existed = tokio::task::spawn_blocking(move || -> anyhow::Result<bool> {
-            let existed = wal_receiver::read_source_file(&dir)?.is_some();
-            wal_receiver::remove_source_file(&dir)?;
-            Ok(existed)
-        })
-        .await
-        .context("remove task")??;
+        let file_existed = tokio::task::spawn_blocking(move || wal_receiver::remove_source_file(&dir))
+            .await
+            .context("remove task")??;
         if had || file_existed {
             tracing::info!(tenant_id = self.id, "detached the WAL source");
         }

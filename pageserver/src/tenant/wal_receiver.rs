@@ -129,14 +129,15 @@ pub fn write_source_file(dir: &Path, file: &SourceFile) -> anyhow::Result<()> {
     crate::storage::durable_write(dir, SOURCE_FILE, &text).context("write the WAL source")
 }
 
-/// Removes the source file durably.
-pub fn remove_source_file(dir: &Path) -> anyhow::Result<()> {
+/// Removes the source file durably; whether there was one.
+pub fn remove_source_file(dir: &Path) -> anyhow::Result<bool> {
     match std::fs::remove_file(dir.join(SOURCE_FILE)) {
         Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e).context("remove the WAL source"),
     }
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).context("fsync the tenant directory")
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).context("fsync the tenant directory")?;
+    Ok(true)
 }
 
 /// The receivers' metrics, totals over all tenants (per-tenant figures are in the status).
@@ -605,8 +606,9 @@ mod tests {
         assert!(read_source_file(dir.path()).is_err());
         std::fs::write(dir.path().join(SOURCE_FILE), "{").unwrap();
         assert!(read_source_file(dir.path()).is_err());
-        remove_source_file(dir.path()).unwrap();
+        assert!(remove_source_file(dir.path()).unwrap());
         assert_eq!(read_source_file(dir.path()).unwrap(), None);
+        assert!(!remove_source_file(dir.path()).unwrap());
     }
 
     #[test]

@@ -266,13 +266,11 @@ impl ReplicationConn {
     /// whether it created it.
     pub async fn ensure_physical_slot(&mut self, slot: &str) -> Result<bool, PqError> {
         let rows = self.simple_query(&format!("READ_REPLICATION_SLOT {}", quote_ident(slot))).await?;
-        let exists = rows.first().is_some_and(|row| row.first().is_some_and(|kind| kind.is_some()));
+        // One row whose slot_type is NULL when there is no such slot.
         if let Some(Some(kind)) = rows.first().and_then(|row| row.first()) {
             if kind != "physical" {
                 return Err(PqError::protocol(format!("slot {slot:?} exists and is {kind}, not physical")));
             }
-        }
-        if exists {
             return Ok(false);
         }
         self.simple_query(&format!("CREATE_REPLICATION_SLOT {} PHYSICAL RESERVE_WAL", quote_ident(slot)))
