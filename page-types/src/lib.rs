@@ -13,6 +13,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+pub mod keys;
 pub mod wal;
 
 use serde::{Deserialize, Serialize};

@@ -1,0 +1,222 @@
+//! The key space of a PostgreSQL cluster's tenant: which [`BufferTag`]s name relation pages and
+//! which name the cluster's other values (relation sizes, SLRU pages, the control file, the
+//! relation mapper files, dropped databases).
+//!
+//! A relation page keeps PostgreSQL's buffer tag: fork 0 (main), 1 (free space map), 2
+//! (visibility map) or 3 (init). Every other value lives at a fork number of 0x80 or more, a
+//! range PostgreSQL never uses (its forks are 0..=3), so the two spaces never meet and storage
+//! keeps both in one ordered key space:
+//!
+//! | what | forknum | spcnode | dbnode | relnode | blknum | value |
+//! |---|---|---|---|---|---|---|
+//! | size of a relation fork | `0x80 + fork` | spc | db | rel | 0 | `u32` LE blocks; empty: dropped |
+//! | SLRU page | `0x90` | [`SlruKind`] | 0 | segment no. | page in segment | 8 KiB page |
+//! | `global/pg_control` | `0xA0` | 0 | 0 | 0 | 0 | the file |
+//! | `pg_filenode.map` | `0xA1` | spc | db (0: global) | 0 | 0 | the file (512 bytes) |
+//! | a dropped database | `0xB0` | spc | db | 0 | 0 | empty |
+//!
+//! Values of these keys are complete in themselves (storage keeps them as images of 0 to 8192
+//! bytes): the newest at or below an LSN is the answer, no redo. A relation fork exists at an
+//! LSN when its newest size value at or below it is not the dropped marker and no drop of its
+//! database is newer than that value.
+//!
+//! Invariant: pure; no input makes anything here panic.
+
+use crate::BufferTag;
+
+/// PostgreSQL's forks: main, free space map, visibility map, init.
+pub const MAIN_FORK: u8 = 0;
+pub const FSM_FORK: u8 = 1;
+pub const VM_FORK: u8 = 2;
+pub const INIT_FORK: u8 = 3;
+/// The highest fork number of a relation page.
+pub const MAX_FORK: u8 = INIT_FORK;
+
+/// Fork numbers of the values that are not relation pages start here.
+pub const FIRST_META_FORK: u8 = 0x80;
+const REL_SIZE_FORK: u8 = 0x80;
+const SLRU_FORK: u8 = 0x90;
+const CONTROL_FILE_FORK: u8 = 0xA0;
+const RELMAP_FORK: u8 = 0xA1;
+const DB_DROP_FORK: u8 = 0xB0;
+
+/// Pages per SLRU segment (PostgreSQL's `SLRU_PAGES_PER_SEGMENT`).
+pub const SLRU_PAGES_PER_SEGMENT: u32 = 32;
+/// Size of a relation mapper file (`pg_filenode.map`).
+pub const RELMAP_FILE_SIZE: usize = 512;
+/// Size of `global/pg_control`.
+pub const CONTROL_FILE_SIZE: usize = 8192;
+
+/// A relation: tablespace, database, relfilenode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RelTag {
+    pub spcnode: u32,
+    pub dbnode: u32,
+    pub relnode: u32,
+}
+
+impl RelTag {
+    /// Block `blknum` of `fork`.
+    pub fn page(self, fork: u8, blknum: u32) -> BufferTag {
+        BufferTag { spcnode: self.spcnode, dbnode: self.dbnode, relnode: self.relnode, forknum: fork, blknum }
+    }
+
+    /// The key of the size of `fork` of this relation.
+    pub fn size_key(self, fork: u8) -> BufferTag {
+        self.page(REL_SIZE_FORK.saturating_add(fork), 0)
+    }
+}
+
+impl std::fmt::Display for RelTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}/{}", self.spcnode, self.dbnode, self.relnode)
+    }
+}
+
+/// The SLRUs a tenant keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SlruKind {
+    /// `pg_xact`: commit status of transactions.
+    Clog,
+    /// `pg_multixact/offsets`.
+    MultiXactOffsets,
+    /// `pg_multixact/members`.
+    MultiXactMembers,
+}
+
+impl SlruKind {
+    fn to_u32(self) -> u32 {
+        match self {
+            SlruKind::Clog => 0,
+            SlruKind::MultiXactOffsets => 1,
+            SlruKind::MultiXactMembers => 2,
+        }
+    }
+
+    fn from_u32(v: u32) -> Option<SlruKind> {
+        match v {
+            0 => Some(SlruKind::Clog),
+            1 => Some(SlruKind::MultiXactOffsets),
+            2 => Some(SlruKind::MultiXactMembers),
+            _ => None,
+        }
+    }
+
+    /// Its directory in a data directory.
+    pub fn dir(self) -> &'static str {
+        match self {
+            SlruKind::Clog => "pg_xact",
+            SlruKind::MultiXactOffsets => "pg_multixact/offsets",
+            SlruKind::MultiXactMembers => "pg_multixact/members",
+        }
+    }
+}
+
+/// The key of page `page` (0..32) of SLRU segment `segno`.
+pub fn slru_page_key(kind: SlruKind, segno: u32, page: u32) -> BufferTag {
+    BufferTag { spcnode: kind.to_u32(), dbnode: 0, relnode: segno, forknum: SLRU_FORK, blknum: page }
+}
+
+/// The key of `global/pg_control`.
+pub fn control_file_key() -> BufferTag {
+    BufferTag { spcnode: 0, dbnode: 0, relnode: 0, forknum: CONTROL_FILE_FORK, blknum: 0 }
+}
+
+/// The key of a relation mapper file: the shared one is tablespace 1664 (`pg_global`),
+/// database 0; a database's own is in its tablespace.
+pub fn relmap_key(spcnode: u32, dbnode: u32) -> BufferTag {
+    BufferTag { spcnode, dbnode, relnode: 0, forknum: RELMAP_FORK, blknum: 0 }
+}
+
+/// The key whose values mark the drops of a database in a tablespace.
+pub fn db_drop_key(spcnode: u32, dbnode: u32) -> BufferTag {
+    BufferTag { spcnode, dbnode, relnode: 0, forknum: DB_DROP_FORK, blknum: 0 }
+}
+
+/// What a key names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    /// A page of a relation fork.
+    RelPage,
+    /// The size of a relation fork.
+    RelSize { rel: RelTag, fork: u8 },
+    Slru { kind: SlruKind, segno: u32, page: u32 },
+    ControlFile,
+    RelMap,
+    DbDrop,
+    /// A key that names nothing of the above.
+    Unknown,
+}
+
+/// What `key` names.
+pub fn classify(key: &BufferTag) -> KeyKind {
+    let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
+    match key.forknum {
+        f if f <= MAX_FORK => KeyKind::RelPage,
+        f if (REL_SIZE_FORK..=REL_SIZE_FORK + MAX_FORK).contains(&f) && key.blknum == 0 => {
+            KeyKind::RelSize { rel, fork: f - REL_SIZE_FORK }
+        }
+        SLRU_FORK if key.dbnode == 0 && key.blknum < SLRU_PAGES_PER_SEGMENT => match SlruKind::from_u32(key.spcnode) {
+            Some(kind) => KeyKind::Slru { kind, segno: key.relnode, page: key.blknum },
+            None => KeyKind::Unknown,
+        },
+        CONTROL_FILE_FORK if *key == control_file_key() => KeyKind::ControlFile,
+        RELMAP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::RelMap,
+        DB_DROP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::DbDrop,
+        _ => KeyKind::Unknown,
+    }
+}
+
+/// Whether `key` names a relation page (GetPage's keys); the rest are the cluster's other
+/// values, whose stored images may be shorter than a page.
+pub fn is_rel_page(key: &BufferTag) -> bool {
+    key.forknum <= MAX_FORK
+}
+
+/// The value of a relation size key: `Some(blocks)`, or `None` for the dropped marker.
+pub fn encode_rel_size(blocks: Option<u32>) -> Vec<u8> {
+    blocks.map(|b| b.to_le_bytes().to_vec()).unwrap_or_default()
+}
+
+/// Reads a relation size value: `Ok(Some(blocks))`, `Ok(None)` (dropped), or an error for
+/// bytes that are neither.
+pub fn decode_rel_size(value: &[u8]) -> Result<Option<u32>, String> {
+    match value.len() {
+        0 => Ok(None),
+        4 => Ok(Some(u32::from_le_bytes([value[0], value[1], value[2], value[3]]))),
+        n => Err(format!("relation size value of {n} bytes, want 4 (or 0: dropped)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_key_classifies_as_what_made_it_and_pages_stay_pages() {
+        let rel = RelTag { spcnode: 1663, dbnode: 5, relnode: 16384 };
+        for fork in 0..=MAX_FORK {
+            assert_eq!(classify(&rel.page(fork, 7)), KeyKind::RelPage);
+            assert!(is_rel_page(&rel.page(fork, 7)));
+            assert_eq!(classify(&rel.size_key(fork)), KeyKind::RelSize { rel, fork });
+            assert!(!is_rel_page(&rel.size_key(fork)));
+        }
+        assert_eq!(
+            classify(&slru_page_key(SlruKind::MultiXactMembers, 3, 31)),
+            KeyKind::Slru { kind: SlruKind::MultiXactMembers, segno: 3, page: 31 }
+        );
+        assert_eq!(classify(&control_file_key()), KeyKind::ControlFile);
+        assert_eq!(classify(&relmap_key(1664, 0)), KeyKind::RelMap);
+        assert_eq!(classify(&db_drop_key(1663, 5)), KeyKind::DbDrop);
+        assert_eq!(classify(&BufferTag { forknum: 0x90, spcnode: 9, ..control_file_key() }), KeyKind::Unknown);
+        assert_eq!(classify(&BufferTag { forknum: 4, ..control_file_key() }), KeyKind::Unknown);
+        assert_eq!(classify(&BufferTag { forknum: 0xFF, ..control_file_key() }), KeyKind::Unknown);
+    }
+
+    #[test]
+    fn relation_sizes_round_trip_and_bad_lengths_are_errors() {
+        assert_eq!(decode_rel_size(&encode_rel_size(Some(42))), Ok(Some(42)));
+        assert_eq!(decode_rel_size(&encode_rel_size(None)), Ok(None));
+        assert!(decode_rel_size(&[1, 2, 3]).is_err());
+    }
+}
