@@ -1,7 +1,18 @@
 //! A small client of PostgreSQL's replication protocol, over plain TCP: start-up with
 //! `replication=true`, authentication (trust, cleartext, MD5, SCRAM-SHA-256), simple queries
 //! (`IDENTIFY_SYSTEM`, `READ_REPLICATION_SLOT`, `CREATE_REPLICATION_SLOT`), and the CopyBoth
-//! stream of `START_REPLICATION` (XLogData and keepalives in, standby status updates out).
+//! stream of `START_REPLICATION` (XLogData and keepalives in, standby status updates out), and
+//! a base backup (`BASE_BACKUP`, PostgreSQL 15's syntax and its single-COPY stream).
+//!
+//! **A base backup** in PostgreSQL 15 (`basebackup.c`, `basebackup_copy.c`, the "copystream"
+//! sink): a result set with the start position and timeline, a result set of tablespaces (the
+//! main data directory last, with NULL oid and location), then ONE CopyOutResponse whose
+//! CopyData messages start with a type byte: `n` a new archive (its name, `base.tar` or
+//! `<oid>.tar`, and the tablespace's location, empty for the main directory), `d` archive data
+//! (tar bytes, cut anywhere), `p` progress (int8 bytes sent so far), `m` the manifest begins
+//! (its data follows as `d`; we ask for none); then CopyDone, a result set with the end
+//! position and timeline, CommandComplete and ReadyForQuery. After it, the same connection
+//! takes other commands (e.g. `START_REPLICATION`).
 //!
 //! Why our own: the upstream `tokio-postgres` has no CopyBoth (Neon keeps a fork for it), and
 //! the part of the protocol used here is a dozen message types. The cryptography of
@@ -59,6 +70,57 @@ pub struct ReplicationConn {
     read: BytesMut,
     /// `server_version` as the server reported it at start-up.
     pub server_version: String,
+    /// Where a base backup's stream is.
+    backup: BackupPhase,
+}
+
+/// Where a base backup's stream is, so that each call reads one message at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BackupPhase {
+    /// No base backup in progress.
+    Idle,
+    /// In the COPY stream, archive data.
+    Archives,
+    /// In the COPY stream, after `m`: manifest data, dropped.
+    Manifest,
+    /// After CopyDone: the end position result set, until ReadyForQuery.
+    Ending { end: Option<(Lsn, u32)> },
+}
+
+/// A tablespace of a base backup, as the server lists it before the archives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tablespace {
+    /// Its oid; `None` for the main data directory (listed last).
+    pub oid: Option<u32>,
+    /// Its directory on the server; `None` for the main data directory.
+    pub location: Option<String>,
+    /// Its size in KiB, when the server estimated it (only with `PROGRESS`, which we do not
+    /// ask for).
+    pub size_kb: Option<u64>,
+}
+
+/// What a base backup's start tells.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseBackupStart {
+    /// The backup's start: WAL from here on makes the files consistent (the redo point of the
+    /// backup's checkpoint).
+    pub start_lsn: Lsn,
+    pub timeline: u32,
+    pub tablespaces: Vec<Tablespace>,
+}
+
+/// A message of a base backup's stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackupMessage {
+    /// A new tar archive begins: `base.tar` (location `None`) or `<oid>.tar` with the
+    /// tablespace's location.
+    Archive { name: String, location: Option<String> },
+    /// The next bytes of the current archive.
+    Data(Bytes),
+    /// Bytes of all archives sent so far.
+    Progress(u64),
+    /// The backup is complete; the connection is ready for another command.
+    End { end_lsn: Lsn, timeline: u32 },
 }
 
 /// What `IDENTIFY_SYSTEM` answers.
@@ -91,6 +153,7 @@ impl ReplicationConn {
             stream,
             read: BytesMut::with_capacity(64 << 10),
             server_version: String::new(),
+            backup: BackupPhase::Idle,
         };
         let mut out = BytesMut::new();
         let mut params: Vec<(&str, &str)> = vec![
@@ -345,6 +408,164 @@ impl ReplicationConn {
         }
     }
 
+    /// Starts a base backup, PostgreSQL 15's `BASE_BACKUP ( LABEL '...', CHECKPOINT 'fast',
+    /// WAL false, MANIFEST 'no', WAIT true )`: a fast checkpoint, no WAL in the archives (it
+    /// comes by streaming), no manifest, and the end waits until the WAL the backup needs is
+    /// archived if archiving is on. Returns once the COPY stream begins; read it with
+    /// [`ReplicationConn::next_backup_message`] until [`BackupMessage::End`].
+    ///
+    /// Not cancel-safe: dropped before it returns, it leaves the connection in the middle of
+    /// the command; drop the connection.
+    pub async fn base_backup(&mut self, label: &str) -> Result<BaseBackupStart, PqError> {
+        if self.backup != BackupPhase::Idle {
+            return Err(PqError::protocol("a base backup is already in progress on this connection"));
+        }
+        if label.contains('\0') {
+            return Err(PqError::protocol("a backup label cannot contain NUL"));
+        }
+        let q = format!(
+            "BASE_BACKUP ( LABEL '{}', CHECKPOINT 'fast', WAL false, MANIFEST 'no', WAIT true )",
+            label.replace('\'', "''")
+        );
+        let mut out = BytesMut::new();
+        postgres_protocol::message::frontend::query(&q, &mut out)?;
+        self.send(&out).await?;
+        // Result set 1: start position and timeline; result set 2: the tablespaces.
+        let mut result_sets = 0;
+        let mut start = None;
+        let mut tablespaces = Vec::new();
+        loop {
+            let m = self.recv().await?;
+            match m.tag {
+                b'T' => result_sets += 1,
+                b'D' => {
+                    let row = data_row(m.body)?;
+                    match result_sets {
+                        1 => start = Some(lsn_and_timeline(&row, "the backup's start")?),
+                        2 => tablespaces.push(tablespace_row(&row)?),
+                        _ => return Err(PqError::protocol("BASE_BACKUP: a row outside its result sets")),
+                    }
+                }
+                b'C' | b'N' | b'S' => {}
+                b'H' => {
+                    let (start_lsn, timeline) = start
+                        .ok_or_else(|| PqError::protocol("BASE_BACKUP: COPY before the start position"))?;
+                    self.backup = BackupPhase::Archives;
+                    return Ok(BaseBackupStart { start_lsn, timeline, tablespaces });
+                }
+                b'E' => return Err(self.drain_after_error(server_error(m.body)).await),
+                b'Z' => return Err(PqError::protocol("BASE_BACKUP ended before its COPY stream")),
+                t => {
+                    return Err(PqError::protocol(format!(
+                        "unexpected message {:?} starting a base backup",
+                        t as char
+                    )))
+                }
+            }
+        }
+    }
+
+    /// The next message of the base backup begun by [`ReplicationConn::base_backup`]. After
+    /// [`BackupMessage::End`] the connection is ready for another command; after an error it
+    /// is too when the error is the server's ([`PqError::Server`]: its ReadyForQuery was
+    /// read), and is to be dropped otherwise.
+    ///
+    /// Cancel-safe: it takes one whole message at a time and keeps where the stream is.
+    pub async fn next_backup_message(&mut self) -> Result<BackupMessage, PqError> {
+        loop {
+            let phase = self.backup;
+            if phase == BackupPhase::Idle {
+                return Err(PqError::protocol("no base backup in progress"));
+            }
+            let m = self.recv().await?;
+            match (phase, m.tag) {
+                (_, b'N' | b'S') => {}
+                (_, b'E') => {
+                    self.backup = BackupPhase::Idle;
+                    return Err(self.drain_after_error(server_error(m.body)).await);
+                }
+                (BackupPhase::Archives | BackupPhase::Manifest, b'd') => {
+                    let mut body = m.body;
+                    let kind = body.first().copied().ok_or_else(|| PqError::protocol("empty CopyData"))?;
+                    body.advance(1);
+                    if phase == BackupPhase::Manifest {
+                        if kind == b'd' || kind == b'p' {
+                            continue;
+                        }
+                        return Err(PqError::protocol(format!(
+                            "base backup message {:?} after the manifest",
+                            kind as char
+                        )));
+                    }
+                    match kind {
+                        b'n' => {
+                            let name = cstr(&mut body)?;
+                            let location = cstr(&mut body)?;
+                            if !body.is_empty() {
+                                return Err(PqError::protocol("trailing bytes in a new-archive message"));
+                            }
+                            let location = (!location.is_empty()).then_some(location);
+                            return Ok(BackupMessage::Archive { name, location });
+                        }
+                        b'd' => return Ok(BackupMessage::Data(body)),
+                        b'p' => {
+                            let done = get_u64(&mut body)?;
+                            return Ok(BackupMessage::Progress(done));
+                        }
+                        b'm' => self.backup = BackupPhase::Manifest,
+                        other => {
+                            return Err(PqError::protocol(format!(
+                                "unknown base backup message {:?}",
+                                other as char
+                            )))
+                        }
+                    }
+                }
+                (BackupPhase::Archives | BackupPhase::Manifest, b'c') => {
+                    self.backup = BackupPhase::Ending { end: None };
+                }
+                (BackupPhase::Ending { end }, tag) => match tag {
+                    b'T' | b'C' => {}
+                    b'D' if end.is_none() => {
+                        let row = data_row(m.body)?;
+                        let end = lsn_and_timeline(&row, "the backup's end")?;
+                        self.backup = BackupPhase::Ending { end: Some(end) };
+                    }
+                    b'Z' => {
+                        self.backup = BackupPhase::Idle;
+                        let (end_lsn, timeline) = end
+                            .ok_or_else(|| PqError::protocol("BASE_BACKUP ended without its end position"))?;
+                        return Ok(BackupMessage::End { end_lsn, timeline });
+                    }
+                    t => {
+                        return Err(PqError::protocol(format!(
+                            "unexpected message {:?} ending a base backup",
+                            t as char
+                        )))
+                    }
+                },
+                (_, t) => {
+                    return Err(PqError::protocol(format!(
+                        "unexpected message {:?} in a base backup",
+                        t as char
+                    )))
+                }
+            }
+        }
+    }
+
+    /// After an ErrorResponse: reads up to ReadyForQuery so that the connection takes the next
+    /// command, and returns `error` (or the failure to read on).
+    async fn drain_after_error(&mut self, error: PqError) -> PqError {
+        loop {
+            match self.recv().await {
+                Ok(m) if m.tag == b'Z' => return error,
+                Ok(_) => {}
+                Err(_) => return error,
+            }
+        }
+    }
+
     /// A standby status update: `written` received, `flushed` and `applied` durable (the slot
     /// keeps everything from `flushed` on).
     pub async fn send_status(&mut self, written: Lsn, flushed: Lsn, applied: Lsn) -> Result<(), PqError> {
@@ -445,6 +666,26 @@ fn data_row(mut body: Bytes) -> Result<Vec<Option<String>>, PqError> {
     Ok(row)
 }
 
+/// A row of `recptr` (`X/X`) and `tli` (a number), as the start and end of a base backup.
+fn lsn_and_timeline(row: &[Option<String>], what: &str) -> Result<(Lsn, u32), PqError> {
+    let bad = || PqError::protocol(format!("bad row for {what}: {row:?}"));
+    let lsn = row.first().cloned().flatten().and_then(|t| t.parse::<Lsn>().ok()).ok_or_else(bad)?;
+    let tli = row.get(1).cloned().flatten().and_then(|t| t.parse::<u32>().ok()).ok_or_else(bad)?;
+    Ok((lsn, tli))
+}
+
+/// A row of the tablespace list: oid, location, size in KiB (each may be NULL).
+fn tablespace_row(row: &[Option<String>]) -> Result<Tablespace, PqError> {
+    let bad = || PqError::protocol(format!("bad tablespace row {row:?}"));
+    if row.len() != 3 {
+        return Err(bad());
+    }
+    let col = |i: usize| row.get(i).cloned().flatten();
+    let oid = col(0).map(|t| t.parse::<u32>()).transpose().map_err(|_| bad())?;
+    let size_kb = col(2).map(|t| t.parse::<u64>()).transpose().map_err(|_| bad())?;
+    Ok(Tablespace { oid, location: col(1), size_kb })
+}
+
 /// An ErrorResponse's SQLSTATE and message.
 fn server_error(mut body: Bytes) -> PqError {
     let (mut code, mut message) = (String::new(), String::new());
@@ -487,6 +728,174 @@ mod tests {
         );
         // Truncated: no panic, what was read is kept.
         assert!(matches!(server_error(Bytes::from_static(b"C4271")), PqError::Server { .. }));
+    }
+
+    /// Appends one backend message.
+    fn msg(out: &mut BytesMut, tag: u8, body: &[u8]) {
+        out.put_u8(tag);
+        out.put_u32(body.len() as u32 + 4);
+        out.put_slice(body);
+    }
+
+    fn row(cols: &[Option<&str>]) -> Vec<u8> {
+        let mut b = BytesMut::new();
+        b.put_u16(cols.len() as u16);
+        for c in cols {
+            match c {
+                Some(t) => {
+                    b.put_i32(t.len() as i32);
+                    b.put_slice(t.as_bytes());
+                }
+                None => b.put_i32(-1),
+            }
+        }
+        b.to_vec()
+    }
+
+    /// Reads one frontend message (the startup message has no tag).
+    async fn read_frontend(s: &mut TcpStream, tagged: bool) -> Vec<u8> {
+        if tagged {
+            let _tag = s.read_u8().await.unwrap();
+        }
+        let len = s.read_u32().await.unwrap() as usize;
+        let mut body = vec![0; len - 4];
+        s.read_exact(&mut body).await.unwrap();
+        body
+    }
+
+    /// A server that trusts, answers the first query with `script`, and the second with one
+    /// row "ok".
+    async fn fake_server(script: BytesMut) -> (ConnConfig, tokio::task::JoinHandle<Vec<u8>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            read_frontend(&mut s, false).await;
+            let mut hello = BytesMut::new();
+            msg(&mut hello, b'R', &0i32.to_be_bytes());
+            msg(&mut hello, b'Z', b"I");
+            s.write_all(&hello).await.unwrap();
+            let query = read_frontend(&mut s, true).await;
+            s.write_all(&script).await.unwrap();
+            read_frontend(&mut s, true).await;
+            let mut answer = BytesMut::new();
+            msg(&mut answer, b'T', &[0, 1]);
+            msg(&mut answer, b'D', &row(&[Some("ok")]));
+            msg(&mut answer, b'C', b"SELECT\0");
+            msg(&mut answer, b'Z', b"I");
+            s.write_all(&answer).await.unwrap();
+            query
+        });
+        let config = ConnConfig {
+            host: "127.0.0.1".into(),
+            port,
+            user: "u".into(),
+            password: None,
+            dbname: None,
+            application_name: "test".into(),
+        };
+        (config, server)
+    }
+
+    fn backup_start(script: &mut BytesMut) {
+        msg(script, b'T', &[0, 2]);
+        msg(script, b'D', &row(&[Some("0/2000028"), Some("1")]));
+        msg(script, b'C', b"SELECT\0");
+        msg(script, b'T', &[0, 3]);
+        msg(script, b'D', &row(&[Some("16385"), Some("/srv/ts"), None]));
+        msg(script, b'D', &row(&[None, None, None]));
+        msg(script, b'C', b"SELECT\0");
+        msg(script, b'H', &[0, 0, 0]);
+    }
+
+    #[tokio::test]
+    async fn base_backup_stream_reads_in_order_and_leaves_the_connection_ready() {
+        let mut script = BytesMut::new();
+        backup_start(&mut script);
+        msg(&mut script, b'd', b"nbase.tar\0\0");
+        msg(&mut script, b'd', b"dtar bytes");
+        msg(&mut script, b'N', b"SNOTICE\0Mhello\0\0");
+        msg(&mut script, b'd', &[b'p', 0, 0, 0, 0, 0, 0, 4, 0]);
+        msg(&mut script, b'd', b"n16385.tar\0/srv/ts\0");
+        msg(&mut script, b'd', b"m");
+        msg(&mut script, b'd', b"dmanifest, dropped");
+        msg(&mut script, b'c', b"");
+        msg(&mut script, b'T', &[0, 2]);
+        msg(&mut script, b'D', &row(&[Some("0/2000100"), Some("1")]));
+        msg(&mut script, b'C', b"SELECT\0");
+        msg(&mut script, b'C', b"BASE_BACKUP\0");
+        msg(&mut script, b'Z', b"I");
+        let (config, server) = fake_server(script).await;
+        let mut conn = ReplicationConn::connect(&config).await.unwrap();
+        let start = conn.base_backup("it's mine").await.unwrap();
+        assert_eq!(start.start_lsn, Lsn(0x2000028));
+        assert_eq!(start.timeline, 1);
+        assert_eq!(
+            start.tablespaces,
+            vec![
+                Tablespace { oid: Some(16385), location: Some("/srv/ts".into()), size_kb: None },
+                Tablespace { oid: None, location: None, size_kb: None },
+            ]
+        );
+        let mut got = Vec::new();
+        loop {
+            let m = conn.next_backup_message().await.unwrap();
+            let end = matches!(m, BackupMessage::End { .. });
+            got.push(m);
+            if end {
+                break;
+            }
+        }
+        assert_eq!(
+            got,
+            vec![
+                BackupMessage::Archive { name: "base.tar".into(), location: None },
+                BackupMessage::Data(Bytes::from_static(b"tar bytes")),
+                BackupMessage::Progress(1024),
+                BackupMessage::Archive { name: "16385.tar".into(), location: Some("/srv/ts".into()) },
+                BackupMessage::End { end_lsn: Lsn(0x2000100), timeline: 1 },
+            ]
+        );
+        assert!(conn.next_backup_message().await.is_err());
+        // The connection takes the next command.
+        assert_eq!(conn.simple_query("SELECT 'ok'").await.unwrap(), vec![vec![Some("ok".into())]]);
+        let query = server.await.unwrap();
+        assert_eq!(
+            std::str::from_utf8(&query).unwrap(),
+            "BASE_BACKUP ( LABEL 'it''s mine', CHECKPOINT 'fast', WAL false, MANIFEST 'no', WAIT true )\0"
+        );
+    }
+
+    #[tokio::test]
+    async fn base_backup_error_mid_stream_is_the_servers_and_the_connection_stays_usable() {
+        let mut script = BytesMut::new();
+        backup_start(&mut script);
+        msg(&mut script, b'd', b"nbase.tar\0\0");
+        msg(&mut script, b'E', b"SERROR\0C58P01\0Mcould not open file\0\0");
+        msg(&mut script, b'Z', b"I");
+        let (config, server) = fake_server(script).await;
+        let mut conn = ReplicationConn::connect(&config).await.unwrap();
+        conn.base_backup("x").await.unwrap();
+        assert!(matches!(conn.next_backup_message().await, Ok(BackupMessage::Archive { .. })));
+        let err = conn.next_backup_message().await.unwrap_err();
+        assert!(matches!(err, PqError::Server { ref code, .. } if code == "58P01"), "{err}");
+        assert_eq!(conn.simple_query("SELECT 'ok'").await.unwrap(), vec![vec![Some("ok".into())]]);
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn base_backup_with_garbled_messages_is_a_protocol_error() {
+        for bad in [&b"x"[..], b"nno-terminator", b"p\0\0", b""] {
+            let mut script = BytesMut::new();
+            backup_start(&mut script);
+            msg(&mut script, b'd', bad);
+            let (config, server) = fake_server(script).await;
+            let mut conn = ReplicationConn::connect(&config).await.unwrap();
+            conn.base_backup("x").await.unwrap();
+            assert!(matches!(conn.next_backup_message().await, Err(PqError::Protocol(_))), "{bad:?}");
+            drop(conn);
+            server.abort();
+        }
     }
 
     #[test]
