@@ -35,7 +35,9 @@
 //! `page_service` or `http`.
 
 pub mod connstr;
+pub mod import;
 pub mod pq;
+pub mod tar;
 pub mod values;
 
 use std::collections::VecDeque;
