@@ -143,7 +143,7 @@ fn parse_rel_file(file: &str) -> Option<(u32, u8, u32)> {
     if segno == 0 && file.contains('.') {
         return None; // segment 0 has no suffix
     }
-    if segno >= u32::MAX / RELSEG_BLOCKS + 1 {
+    if segno > u32::MAX / RELSEG_BLOCKS {
         return None; // its blocks would be past the largest block number
     }
     let (relnode, fork) = match stem.split_once('_') {
