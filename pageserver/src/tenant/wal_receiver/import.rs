@@ -717,5 +717,33 @@ mod tests {
             let (values, _) = import(&cuts).unwrap();
             prop_assert_eq!(values, expected());
         }
+
+        #[test]
+        fn garbled_or_cut_archives_never_panic_and_batches_stay_bounded(
+            flips in proptest::collection::vec((0usize..60_000, any::<u8>()), 1..6),
+            len in 0usize..60_000,
+        ) {
+            let mut imp = Importer::new();
+            let mut result = Ok(());
+            for (name, location, mut bytes) in archives() {
+                for (at, v) in &flips {
+                    let n = bytes.len();
+                    bytes[at % n] = *v;
+                }
+                bytes.truncate(len);
+                result = imp.begin_archive(name, location).and_then(|()| imp.feed(&bytes));
+                while result.is_ok() {
+                    match imp.next_batch() {
+                        Ok(Some(batch)) => prop_assert!(batch.len() <= BATCH_VALUES),
+                        Ok(None) => break,
+                        Err(e) => result = Err(e),
+                    }
+                }
+                if result.is_err() {
+                    break;
+                }
+            }
+            let _ = result.and_then(|()| imp.finish().map(drop));
+        }
     }
 }
