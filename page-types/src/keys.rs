@@ -139,8 +139,15 @@ pub enum KeyKind {
     /// A page of a relation fork.
     RelPage,
     /// The size of a relation fork.
-    RelSize { rel: RelTag, fork: u8 },
-    Slru { kind: SlruKind, segno: u32, page: u32 },
+    RelSize {
+        rel: RelTag,
+        fork: u8,
+    },
+    Slru {
+        kind: SlruKind,
+        segno: u32,
+        page: u32,
+    },
     ControlFile,
     RelMap,
     DbDrop,
@@ -156,10 +163,12 @@ pub fn classify(key: &BufferTag) -> KeyKind {
         f if (REL_SIZE_FORK..=REL_SIZE_FORK + MAX_FORK).contains(&f) && key.blknum == 0 => {
             KeyKind::RelSize { rel, fork: f - REL_SIZE_FORK }
         }
-        SLRU_FORK if key.dbnode == 0 && key.blknum < SLRU_PAGES_PER_SEGMENT => match SlruKind::from_u32(key.spcnode) {
-            Some(kind) => KeyKind::Slru { kind, segno: key.relnode, page: key.blknum },
-            None => KeyKind::Unknown,
-        },
+        SLRU_FORK if key.dbnode == 0 && key.blknum < SLRU_PAGES_PER_SEGMENT => {
+            match SlruKind::from_u32(key.spcnode) {
+                Some(kind) => KeyKind::Slru { kind, segno: key.relnode, page: key.blknum },
+                None => KeyKind::Unknown,
+            }
+        }
         CONTROL_FILE_FORK if *key == control_file_key() => KeyKind::ControlFile,
         RELMAP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::RelMap,
         DB_DROP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::DbDrop,
@@ -208,7 +217,10 @@ mod tests {
         assert_eq!(classify(&control_file_key()), KeyKind::ControlFile);
         assert_eq!(classify(&relmap_key(1664, 0)), KeyKind::RelMap);
         assert_eq!(classify(&db_drop_key(1663, 5)), KeyKind::DbDrop);
-        assert_eq!(classify(&BufferTag { forknum: 0x90, spcnode: 9, ..control_file_key() }), KeyKind::Unknown);
+        assert_eq!(
+            classify(&BufferTag { forknum: 0x90, spcnode: 9, ..control_file_key() }),
+            KeyKind::Unknown
+        );
         assert_eq!(classify(&BufferTag { forknum: 4, ..control_file_key() }), KeyKind::Unknown);
         assert_eq!(classify(&BufferTag { forknum: 0xFF, ..control_file_key() }), KeyKind::Unknown);
     }

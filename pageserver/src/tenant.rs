@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
+use page_types::keys::RelTag;
 use page_types::BufferTag;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -77,6 +78,9 @@ pub enum GetPageError {
     Redo(#[from] RedoError),
     #[error("tenant is shutting down")]
     ShuttingDown,
+    /// A request for something that is not a relation page or fork.
+    #[error("invalid request: {0}")]
+    InvalidKey(String),
     #[error(
         "the daemon's redo memory budget (walredo_memory_budget) had no room for this request's {bytes} bytes within {waited:?}"
     )]
@@ -231,20 +235,64 @@ impl Tenant {
         Some((lsn, page))
     }
 
-    /// [`Tenant::get_page`] without its accounting.
-    async fn read_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
+    /// `lsn` once it is durable here ([`Lsn::LATEST`]: the last durable LSN), waiting up to
+    /// `wait_lsn_timeout` for it.
+    async fn wait_for(&self, lsn: Lsn) -> Result<Lsn, GetPageError> {
         if self.cancel.is_cancelled() {
             return Err(GetPageError::ShuttingDown);
         }
-        let lsn = if lsn == Lsn::LATEST {
-            self.timeline.last_durable_lsn()
-        } else {
-            tokio::select! {
-                waited = self.timeline.wait_lsn(lsn, self.deps.wait_lsn_timeout) => waited?,
-                () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
-            }
-            lsn
+        if lsn == Lsn::LATEST {
+            return Ok(self.timeline.last_durable_lsn());
+        }
+        tokio::select! {
+            waited = self.timeline.wait_lsn(lsn, self.deps.wait_lsn_timeout) => waited?,
+            () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
+        }
+        Ok(lsn)
+    }
+
+    /// The number of blocks of `fork` of `rel` as of `lsn` (`None`: the fork does not exist
+    /// then), and the LSN served. The relation sizes of a tenant that follows PostgreSQL
+    /// (`wal_receiver::values`); a value read like a page's image, no redo.
+    pub async fn get_rel_size(
+        &self,
+        rel: RelTag,
+        fork: u8,
+        lsn: Lsn,
+    ) -> Result<(Lsn, Option<u32>), GetPageError> {
+        if fork > page_types::keys::MAX_FORK {
+            return Err(GetPageError::InvalidKey(format!("fork {fork} of {rel}: forks are 0 to 3")));
+        }
+        let lsn = self.wait_for(lsn).await?;
+        let key = rel.size_key(fork);
+        let read_error = |e: GetError| match e {
+            GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },
+            e => GetPageError::Internal(anyhow::Error::new(e)),
         };
+        let limits = crate::storage::ReadLimits { max_records: 0, max_bytes: page_types::PAGE_SIZE as u64 };
+        let data = match self.timeline.plan_read(key, lsn, limits) {
+            Ok(plan) => self.timeline.read_planned(plan).await.map_err(read_error)?,
+            Err(GetError::NotFound { .. }) => return Ok((lsn, None)),
+            Err(e) => return Err(read_error(e)),
+        };
+        let dropped = self
+            .timeline
+            .version_at(page_types::keys::db_drop_key(rel.spcnode, rel.dbnode), lsn)
+            .map_err(read_error)?;
+        let blocks = wal_receiver::values::rel_size_of(&data, dropped)
+            .map_err(|e| GetPageError::Internal(anyhow::anyhow!("{rel} fork {fork}: {e}")))?;
+        Ok((lsn, blocks))
+    }
+
+    /// [`Tenant::get_page`] without its accounting.
+    async fn read_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
+        if !page_types::keys::is_rel_page(&key) {
+            return Err(GetPageError::InvalidKey(format!(
+                "{key}: fork {} is not a relation fork (0 main, 1 fsm, 2 vm, 3 init)",
+                key.forknum
+            )));
+        }
+        let lsn = self.wait_for(lsn).await?;
         let read_error = |e: GetError| match e {
             GetError::NotFound { .. } => GetPageError::NotFound { key, lsn },
             GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },

@@ -8,7 +8,6 @@ detaching behave."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import time
 
@@ -19,65 +18,7 @@ from fixtures.page_client import PageServiceError
 from fixtures.postgres import Postgres
 from fixtures.util import wait_until
 from fixtures.walreader import Wal, mask_lsn_and_checksum
-
-RECORD = re.compile(r"lsn: ([0-9A-F]+)/([0-9A-F]+),")
-BLKREF = re.compile(r"blkref #\d+: rel (\d+)/(\d+)/(\d+)(?: fork (\w+))? blk (\d+)( FPW)?( for WAL verification)?")
-FORKS = {None: 0, "fsm": 1, "vm": 2, "init": 3}
-RMGR_DESC = re.compile(r"rmgr: (\w+)\s.*desc: (\S+) (.*?)(?:, blkref #|$)")
-FLAGS = re.compile(r"flags 0x([0-9A-F]{2})")
-# Heap blocks one visibility-map page covers (8 KiB pages, 24-byte header, 2 bits a block).
-HEAPBLOCKS_PER_VM_PAGE = (8192 - 24) * 4
-
-
-def lsn_int(text: str) -> int:
-    hi, lo = text.split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)
-
-
-def lsn_text(v: int) -> str:
-    return f"{v >> 32:X}/{v & 0xFFFFFFFF:X}"
-
-
-def vm_pages_cleared(line: str, keys: list[Key]) -> set:
-    """The visibility-map pages a heap record clears bits of without referencing them, from
-    pg_waldump's description of its flags (PostgreSQL 15's heapdesc.c and heapam_xlog.h)."""
-    m = RMGR_DESC.search(line)
-    if not m or m.group(1) not in ("Heap", "Heap2") or not keys:
-        return set()
-    rmgr, op, desc = m.group(1), m.group(2).removesuffix("+INIT"), m.group(3)
-    f = FLAGS.search(desc)
-    flags = int(f.group(1), 16) if f else 0
-    heap = []  # heap block keys whose map bits the record clears
-    if rmgr == "Heap" and op in ("INSERT", "DELETE") and flags & 0x01:
-        heap.append(keys[0])
-    elif rmgr == "Heap" and op in ("UPDATE", "HOT_UPDATE"):
-        if flags & 0x01:
-            heap.append(keys[1] if len(keys) > 1 else keys[0])
-        if flags & 0x02:
-            heap.append(keys[0])
-    elif (rmgr, op) in (("Heap", "LOCK"), ("Heap2", "LOCK_UPDATED"), ("Heap2", "MULTI_INSERT")) and flags & 0x01:
-        heap.append(keys[0])
-    vm = {Key(k.spcnode, k.dbnode, k.relnode, 2, k.blknum // HEAPBLOCKS_PER_VM_PAGE) for k in heap}
-    return vm - set(keys)
-
-
-def waldump_records(pg: Postgres, start: int, end: int):
-    """(start LSN, [(key, applied image?)], map pages cleared) of every record wholly in
-    [start, end), by pg_waldump."""
-    out = pg.run("pg_waldump", "-p", str(pg.wal_dir), "-s", lsn_text(start), "-e", lsn_text(end)).stdout
-    records = []
-    for line in out.splitlines():
-        m = RECORD.search(line)
-        if not m:
-            continue
-        lsn = (int(m.group(1), 16) << 32) | int(m.group(2), 16)
-        refs = []
-        for b in BLKREF.finditer(line):
-            key = Key(int(b.group(1)), int(b.group(2)), int(b.group(3)), FORKS[b.group(4)], int(b.group(5)))
-            refs.append((key, b.group(6) is not None and b.group(7) is None))
-        records.append((lsn, refs, vm_pages_cleared(line, [k for k, _ in refs])))
-    return records
-
+from fixtures.waldump import lsn_int, lsn_text, waldump_records
 
 @pytest.fixture
 def pg(tmp_path):
@@ -107,7 +48,10 @@ def caught_up(ps, tenant: str, pg: Postgres) -> dict:
 
 
 def expected_values(pg: Postgres, start: int, end: int) -> int:
-    return sum(len(refs) + len(vm) for lsn, refs, vm in waldump_records(pg, start, end) if lsn >= start)
+    """Values stored for the records in [start, end): block references, derived map clears,
+    relation sizes and files."""
+    return sum(len(refs) + len(vm) + other for lsn, refs, vm, other in waldump_records(pg, start, end)
+               if lsn >= start)
 
 
 # `pg` comes first: set up first, it is stopped after the daemons (whose receivers would
@@ -131,9 +75,11 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
     durable = s["wal_source"]["durable_lsn"]
     assert s["wal_source"]["lag_bytes"] >= 0 and s["wal_source"]["last_message"]
     records = [r for r in waldump_records(pg, resumed, durable) if r[0] >= resumed]
-    vm_values = sum(len(vm) for _, _, vm in records)
+    vm_values = sum(len(vm) for _, _, vm, _ in records)
     assert vm_values > 0, "the UPDATEs after VACUUM cleared visibility-map bits"
-    assert s["storage"]["values"] == sum(len(refs) for _, refs, _ in records) + vm_values > 10_000
+    other = sum(o for _, _, _, o in records)
+    assert other > 20, "pgbench -i creates relations and extends them"
+    assert s["storage"]["values"] == sum(len(refs) for _, refs, _, _ in records) + vm_values + other > 10_000
     # The slot keeps only what is not durable here.
     restart = lsn_int(pg.sql("select restart_lsn from pg_replication_slots where slot_name = 'pageserver'"))
     assert resumed <= restart <= durable
@@ -145,7 +91,7 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
             for key, applied in records[i][1] if applied]
     wal = Wal(pg.wal_dir)
     # A map page whose newest value is a derived clear needs redo too.
-    last_vm = next(vm for _, _, vm in reversed(records) if vm)
+    last_vm = next(vm for _, _, vm, _ in reversed(records) if vm)
     assert len(fpis) > 50
     with ps.connect(tenant) as conn:
         for start, next_start, key in fpis[:: max(1, len(fpis) // 200)]:
@@ -271,3 +217,106 @@ def test_compaction_keeps_what_the_child_cannot_redo_yet_and_goes_on(pg, pageser
     with ps.connect(tenant) as conn:
         for (lsn, key), page in before.items():
             assert conn.get_page(key, lsn) == page, (key, lsn_text(lsn))
+
+
+def fork_sizes(pg: Postgres, where: str) -> dict:
+    """{((spc, db, relfilenode), fork): blocks or None (no such file)} of the relations of
+    database `postgres` that `where` selects, from the primary's own files (`pg_stat_file`:
+    `pg_relation_size` says 0 for a fork that does not exist)."""
+    rows = pg.sql(f"""
+        select c.relfilenode, coalesce(nullif(c.reltablespace, 0), 1663), d.oid, f.fork,
+               (pg_stat_file(pg_relation_filepath(c.oid) || f.suffix, true)).size
+        from pg_class c, pg_database d,
+             (values (0, ''), (1, '_fsm'), (2, '_vm'), (3, '_init')) f(fork, suffix)
+        where d.datname = 'postgres' and c.relfilenode <> 0 and ({where})""")
+    out = {}
+    for line in rows.splitlines():
+        rel, spc, db, fork, size = line.split("|")
+        out[((int(spc), int(db), int(rel)), int(fork))] = int(size) // 8192 if size else None
+    return out
+
+
+def vm_bits_all_clear(pg: Postgres, relfilenode: int) -> bool:
+    """Whether every bit of the primary's visibility map of `relfilenode` is clear (each page:
+    the 24-byte header, then the bits)."""
+    data = bytes.fromhex(pg.sql(
+        "select encode(pg_read_binary_file(pg_relation_filepath(oid) || '_vm'), 'hex') "
+        f"from pg_class where relfilenode = {relfilenode}"))
+    assert data and len(data) % 8192 == 0
+    return all(not any(data[p + 24:p + 8192]) for p in range(0, len(data), 8192))
+
+
+def served_sizes(conn, wanted: dict, lsn: int) -> dict:
+    out = {}
+    for (rel, fork) in wanted:
+        out[(rel, fork)] = conn.get_rel_size(rel, fork, lsn).blocks if conn.get_rel_exists(rel, fork, lsn).exists \
+            else None
+    return out
+
+
+def test_relation_sizes_follow_the_wal_at_every_lsn(pg, pageserver_factory):
+    ps = pageserver_factory(compaction="off")
+    tenant = ps.create_tenant()
+    attach(ps, tenant, pg)
+    # One client: PostgreSQL extends a relation by more than the block it needs (unlogged,
+    # `RelationAddExtraBlocks`) only when backends wait for its extension lock.
+    pg.pgbench("-i", "-s", "1", "-q")
+    pg.pgbench("-c", "1", "-T", "2", "-n")
+    pg.sql("CREATE TABLE t (i int primary key, s text)")
+    pg.sql("INSERT INTO t SELECT i, repeat('x', 500) FROM generate_series(1, 20000) i")
+    pg.sql("VACUUM t")
+    t_rel = int(pg.sql("select relfilenode from pg_class where relname = 't'"))
+    before_truncate = {k: v for k, v in fork_sizes(pg, "c.relname = 't'").items()}
+    lsn_before = lsn_int(pg.sql("select pg_current_wal_insert_lsn()"))
+    # VACUUM after deleting the tail truncates the heap, its visibility map and its free space map.
+    pg.sql("DELETE FROM t WHERE i > 3000")
+    pg.sql("VACUUM t")
+    pg.sql("CREATE TABLE gone (i int)")
+    pg.sql("INSERT INTO gone SELECT generate_series(1, 1000)")
+    gone = int(pg.sql("select relfilenode from pg_class where relname = 'gone'"))
+    lsn_gone = lsn_int(pg.sql("select pg_current_wal_insert_lsn()"))
+    pg.sql("DROP TABLE gone")
+    rolled = int(pg.run("psql", "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", input=(
+        "BEGIN;\nCREATE TABLE rolled (i int);\nINSERT INTO rolled VALUES (1);\n"
+        "SELECT pg_relation_filenode('rolled');\nROLLBACK;\n")).stdout.strip())
+    pg.sql("CHECKPOINT")
+    s = caught_up(ps, tenant, pg)
+    end = s["wal_source"]["durable_lsn"]
+    db = int(pg.sql("select oid from pg_database where datname = 'postgres'"))
+    # Every relation created after the attach (user relations: relfilenodes from 16384 on).
+    primary = fork_sizes(pg, "c.relfilenode >= 16384")
+    assert len(primary) >= 4 * 10
+    with ps.connect(tenant) as conn:
+        served = served_sizes(conn, primary, end)
+        # The free space map is not WAL-logged (a standby builds its own): it exists here only
+        # as far as the WAL says (truncations; images of its pages).
+        differ = {k: (primary[k], served[k]) for k in primary if k[1] != 1 and primary[k] != served[k]}
+        # VACUUM creates and extends a visibility map without WAL (vm_extend) before it knows
+        # whether a page will be all-visible; bits it then sets are logged. A map fork with no
+        # bit set is thus not in the WAL, and a standby has none: check PostgreSQL's bytes.
+        for (rel, fork), (_, here) in list(differ.items()):
+            if fork == 2 and here is None and vm_bits_all_clear(pg, rel[2]):
+                del differ[(rel, fork)]
+        assert not differ, differ
+        assert any(v for (rel, fork), v in served.items() if fork == 2), "visibility maps are served"
+        # Before the truncation: the sizes then (main and init forks; the maps as above).
+        at_before = served_sizes(conn, before_truncate, lsn_before)
+        assert {k: v for k, v in at_before.items() if k[1] in (0, 3)} == \
+            {k: v for k, v in before_truncate.items() if k[1] in (0, 3)}
+        assert at_before[((1663, db, t_rel), 0)] > served[((1663, db, t_rel), 0)] > 0
+        # A dropped relation exists until its drop commits; GetRelSize then says not_found.
+        assert conn.get_rel_exists((1663, db, gone), 0, lsn_gone).exists
+        assert conn.get_rel_size((1663, db, gone), 0, lsn_gone).blocks >= 1
+        assert not conn.get_rel_exists((1663, db, gone), 0, end).exists
+        with pytest.raises(PageServiceError) as e:
+            conn.get_rel_size((1663, db, gone), 0, end)
+        assert e.value.name == "not_found", e.value
+        # A relation of an aborted transaction is dropped by the abort.
+        assert not conn.get_rel_exists((1663, db, rolled), 0, end).exists
+        # Not a fork: invalid_request; a page key of another kind is no GetPage.
+        with pytest.raises(PageServiceError) as e:
+            conn.get_rel_size((1663, db, t_rel), 4, end)
+        assert e.value.name == "invalid_request", e.value
+        with pytest.raises(PageServiceError) as e:
+            conn.get_page(Key(1663, db, t_rel, 0x80, 0), end)
+        assert e.value.name == "invalid_request", e.value

@@ -23,6 +23,7 @@ use std::fmt;
 
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
+use page_types::keys::RelTag;
 use page_types::{BufferTag, Lsn};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -231,6 +232,39 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Client<R, W> {
         }
     }
 
+    /// The number of blocks of a relation fork at `lsn`, and the LSN served. A fork that does
+    /// not exist is a [`ServerError`] with code `not_found`. Not cancel-safe, as
+    /// [`Client::get_page`].
+    pub async fn get_rel_size(&mut self, rel: RelTag, fork: u8, lsn: u64) -> anyhow::Result<(u64, u32)> {
+        let request_id = self.next_request_id();
+        self.send(&ClientMessage::GetRelSize { request_id, rel, fork, lsn });
+        self.flush().await?;
+        match self.recv().await? {
+            ServerMessage::RelSize { request_id: got, lsn, blocks } if got == request_id => Ok((lsn, blocks)),
+            ServerMessage::Error { request_id, code, message } => {
+                Err(ServerError { request_id, code, message }.into())
+            }
+            other => bail!("expected RelSize for request {request_id}, got {}", describe(&other)),
+        }
+    }
+
+    /// Whether a relation fork exists at `lsn`, and the LSN served. Not cancel-safe, as
+    /// [`Client::get_page`].
+    pub async fn get_rel_exists(&mut self, rel: RelTag, fork: u8, lsn: u64) -> anyhow::Result<(u64, bool)> {
+        let request_id = self.next_request_id();
+        self.send(&ClientMessage::GetRelExists { request_id, rel, fork, lsn });
+        self.flush().await?;
+        match self.recv().await? {
+            ServerMessage::RelExists { request_id: got, lsn, exists } if got == request_id => {
+                Ok((lsn, exists))
+            }
+            ServerMessage::Error { request_id, code, message } => {
+                Err(ServerError { request_id, code, message }.into())
+            }
+            other => bail!("expected RelExists for request {request_id}, got {}", describe(&other)),
+        }
+    }
+
     /// Ingests one batch and waits until it is durable; returns the durable LSN (the batch's last
     /// LSN). An Error reply is returned as a [`ServerError`].
     ///
@@ -267,6 +301,12 @@ pub fn describe(message: &ServerMessage) -> String {
         }
         ServerMessage::Error { request_id, code, message } => {
             format!("Error(request {request_id}, {}: {message})", code.name())
+        }
+        ServerMessage::RelSize { request_id, lsn, blocks } => {
+            format!("RelSize(request {request_id}, lsn {}, {blocks} blocks)", Lsn(*lsn))
+        }
+        ServerMessage::RelExists { request_id, lsn, exists } => {
+            format!("RelExists(request {request_id}, lsn {}, {exists})", Lsn(*lsn))
         }
     }
 }

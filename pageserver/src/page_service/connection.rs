@@ -256,6 +256,16 @@ impl Connection<'_> {
                     ))
                 }
             }
+            Ok(Ok(ClientMessage::GetRelSize { request_id, rel, fork, lsn })) => {
+                rel_request(tenant, metrics, request_id, true, move |tenant| async move {
+                    tenant.get_rel_size(rel, fork, Lsn(lsn)).await
+                })
+            }
+            Ok(Ok(ClientMessage::GetRelExists { request_id, rel, fork, lsn })) => {
+                rel_request(tenant, metrics, request_id, false, move |tenant| async move {
+                    tenant.get_rel_size(rel, fork, Lsn(lsn)).await
+                })
+            }
             Ok(Ok(ClientMessage::Ingest { request_id, values })) => {
                 metrics.ingest_requests.inc();
                 match proto::reserved_lsn(&values) {
@@ -346,8 +356,48 @@ async fn start_ingest(
     }
 }
 
+/// A GetRelSize (`size`) or GetRelExists, answered by its own task: a relation that does not
+/// exist is `not_found` for GetRelSize and `false` for GetRelExists.
+fn rel_request<F, Fut>(
+    tenant: &Arc<Tenant>,
+    metrics: &Arc<PageServiceMetrics>,
+    request_id: u64,
+    size: bool,
+    read: F,
+) -> Pending
+where
+    F: FnOnce(Arc<Tenant>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(Lsn, Option<u32>), GetPageError>> + Send,
+{
+    metrics.rel_requests.inc();
+    let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
+    Pending::Task(tokio::spawn(
+        async move {
+            match read(tenant).await {
+                Ok((lsn, blocks)) if !size => Reply::message(&ServerMessage::RelExists {
+                    request_id,
+                    lsn: lsn.0,
+                    exists: blocks.is_some(),
+                }),
+                Ok((lsn, Some(blocks))) => {
+                    Reply::message(&ServerMessage::RelSize { request_id, lsn: lsn.0, blocks })
+                }
+                Ok((lsn, None)) => Reply::error(
+                    &metrics,
+                    request_id,
+                    ErrorCode::NotFound,
+                    format!("the relation fork does not exist at LSN {lsn}"),
+                ),
+                Err(e) => Reply::error(&metrics, request_id, get_page_error_code(&e), format!("{e:#}")),
+            }
+        }
+        .in_current_span(),
+    ))
+}
+
 fn get_page_error_code(e: &GetPageError) -> ErrorCode {
     match e {
+        GetPageError::InvalidKey(_) => ErrorCode::InvalidRequest,
         GetPageError::NotFound { .. } => ErrorCode::NotFound,
         GetPageError::BelowGcCutoff { .. } => ErrorCode::BelowGcCutoff,
         GetPageError::WaitLsn(WaitLsnError::Timeout { .. }) => ErrorCode::LsnTimeout,

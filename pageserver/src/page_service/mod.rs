@@ -131,6 +131,8 @@ pub struct PageServiceMetrics {
     /// request costs a hash).
     get_page_requests: IntCounter,
     ingest_requests: IntCounter,
+    /// `{type="rel"}`: GetRelSize and GetRelExists.
+    rel_requests: IntCounter,
     /// How replies left, per writer (`io` label resolved once).
     epoll_io: IoCounters,
     uring_io: IoCounters,
@@ -269,6 +271,7 @@ impl PageServiceMetrics {
             connections,
             get_page_requests: requests.with_label_values(&["get_page"]),
             ingest_requests: requests.with_label_values(&["ingest"]),
+            rel_requests: requests.with_label_values(&["rel"]),
             errors,
             get_page_seconds,
             replies_per_write,

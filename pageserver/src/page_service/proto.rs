@@ -9,6 +9,7 @@
 //! and against [`MAX_FRAME_LEN`] before use.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use page_types::keys::RelTag;
 use page_types::{BufferTag, Lsn, BUFFER_TAG_LEN, PAGE_SIZE as BLCKSZ};
 
 use crate::storage::{IngestBatch, Value};
@@ -56,10 +57,16 @@ pub const MAX_TENANT_ID_LEN: usize = 64;
 const HELLO: u8 = 0x01;
 const GET_PAGE: u8 = 0x02;
 const INGEST: u8 = 0x03;
+const GET_REL_SIZE: u8 = 0x04;
+const GET_REL_EXISTS: u8 = 0x05;
 const HELLO_OK: u8 = 0x81;
 const PAGE: u8 = 0x82;
 const INGEST_OK: u8 = 0x83;
 const ERROR: u8 = 0x84;
+const REL_SIZE: u8 = 0x85;
+const REL_EXISTS: u8 = 0x86;
+/// Size of the wire form of a relation fork: forknum, spcnode, dbnode, relnode.
+const REL_FORK_LEN: usize = 13;
 
 /// Bytes of a Page reply before the page: len, type, request id, lsn.
 pub const PAGE_REPLY_HEADER_LEN: usize = 4 + 1 + 8 + 8;
@@ -80,9 +87,33 @@ pub struct IngestValue {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClientMessage {
-    Hello { version: u32, tenant_id: String },
-    GetPage { request_id: u64, key: BufferTag, lsn: u64 },
-    Ingest { request_id: u64, values: Vec<IngestValue> },
+    Hello {
+        version: u32,
+        tenant_id: String,
+    },
+    GetPage {
+        request_id: u64,
+        key: BufferTag,
+        lsn: u64,
+    },
+    Ingest {
+        request_id: u64,
+        values: Vec<IngestValue>,
+    },
+    /// The number of blocks of a relation fork at an LSN.
+    GetRelSize {
+        request_id: u64,
+        rel: RelTag,
+        fork: u8,
+        lsn: u64,
+    },
+    /// Whether a relation fork exists at an LSN.
+    GetRelExists {
+        request_id: u64,
+        rel: RelTag,
+        fork: u8,
+        lsn: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,6 +122,8 @@ pub enum ServerMessage {
     Page { request_id: u64, lsn: u64, page: Bytes },
     IngestOk { request_id: u64, durable_lsn: u64 },
     Error { request_id: u64, code: ErrorCode, message: String },
+    RelSize { request_id: u64, lsn: u64, blocks: u32 },
+    RelExists { request_id: u64, lsn: u64, exists: bool },
 }
 
 /// Error codes of the Error reply; see the table in the protocol doc.
@@ -304,6 +337,11 @@ impl Reader {
             raw.as_ref().try_into().expect("split_to gave exactly that many bytes");
         Ok(BufferTag::decode(raw))
     }
+    fn rel_fork(&mut self) -> Result<(RelTag, u8), DecodeError> {
+        let fork = self.u8()?;
+        let rel = RelTag { spcnode: self.u32()?, dbnode: self.u32()?, relnode: self.u32()? };
+        Ok((rel, fork))
+    }
     fn finish(self) -> Result<(), DecodeError> {
         if self.payload.has_remaining() {
             return malformed(format!("{} payload has {} extra bytes", self.what, self.payload.remaining()));
@@ -360,6 +398,19 @@ pub fn decode_client(frame: Bytes) -> Result<ClientMessage, DecodeError> {
             r.finish()?;
             Ok(ClientMessage::Ingest { request_id, values })
         }
+        GET_REL_SIZE | GET_REL_EXISTS => {
+            let mut r =
+                Reader { payload, what: if ty == GET_REL_SIZE { "GetRelSize" } else { "GetRelExists" } };
+            let request_id = r.u64()?;
+            let (rel, fork) = r.rel_fork()?;
+            let lsn = r.u64()?;
+            r.finish()?;
+            Ok(if ty == GET_REL_SIZE {
+                ClientMessage::GetRelSize { request_id, rel, fork, lsn }
+            } else {
+                ClientMessage::GetRelExists { request_id, rel, fork, lsn }
+            })
+        }
         other => malformed(format!("unknown message type {other:#04x}")),
     }
 }
@@ -393,6 +444,23 @@ pub fn decode_server(frame: Bytes) -> Result<ServerMessage, DecodeError> {
             let message = String::from_utf8_lossy(&r.payload).into_owned();
             Ok(ServerMessage::Error { request_id, code, message })
         }
+        REL_SIZE => {
+            let mut r = Reader { payload, what: "RelSize" };
+            let message = ServerMessage::RelSize { request_id: r.u64()?, lsn: r.u64()?, blocks: r.u32()? };
+            r.finish()?;
+            Ok(message)
+        }
+        REL_EXISTS => {
+            let mut r = Reader { payload, what: "RelExists" };
+            let (request_id, lsn) = (r.u64()?, r.u64()?);
+            let exists = match r.u8()? {
+                0 => false,
+                1 => true,
+                other => return malformed(format!("RelExists answer {other}, expected 0 or 1")),
+            };
+            r.finish()?;
+            Ok(ServerMessage::RelExists { request_id, lsn, exists })
+        }
         other => malformed(format!("unknown message type {other:#04x}")),
     }
 }
@@ -404,6 +472,13 @@ fn put_frame(out: &mut BytesMut, ty: u8, payload_len: usize, body: impl FnOnce(&
     let before = out.len();
     body(out);
     debug_assert_eq!(out.len() - before, payload_len, "payload length of message type {ty:#04x}");
+}
+
+fn put_rel_fork(out: &mut BytesMut, rel: &RelTag, fork: u8) {
+    out.put_u8(fork);
+    out.put_u32(rel.spcnode);
+    out.put_u32(rel.dbnode);
+    out.put_u32(rel.relnode);
 }
 
 fn put_key(out: &mut BytesMut, key: &BufferTag) {
@@ -448,6 +523,19 @@ impl ClientMessage {
                     }
                 });
             }
+            ClientMessage::GetRelSize { request_id, rel, fork, lsn }
+            | ClientMessage::GetRelExists { request_id, rel, fork, lsn } => {
+                let ty = if matches!(self, ClientMessage::GetRelSize { .. }) {
+                    GET_REL_SIZE
+                } else {
+                    GET_REL_EXISTS
+                };
+                put_frame(out, ty, 8 + REL_FORK_LEN + 8, |out| {
+                    out.put_u64(*request_id);
+                    put_rel_fork(out, rel, *fork);
+                    out.put_u64(*lsn);
+                });
+            }
         }
     }
 }
@@ -476,6 +564,16 @@ impl ServerMessage {
                     out.put_slice(message.as_bytes());
                 });
             }
+            ServerMessage::RelSize { request_id, lsn, blocks } => put_frame(out, REL_SIZE, 20, |out| {
+                out.put_u64(*request_id);
+                out.put_u64(*lsn);
+                out.put_u32(*blocks);
+            }),
+            ServerMessage::RelExists { request_id, lsn, exists } => put_frame(out, REL_EXISTS, 17, |out| {
+                out.put_u64(*request_id);
+                out.put_u64(*lsn);
+                out.put_u8(u8::from(*exists));
+            }),
         }
     }
 }
@@ -548,6 +646,28 @@ mod tests {
             code: ErrorCode::NotFound,
             message: "no".into(),
         });
+        let rel = RelTag { spcnode: 1663, dbnode: 5, relnode: 16384 };
+        round_trip_client(ClientMessage::GetRelSize { request_id: 9, rel, fork: 2, lsn: 77 });
+        round_trip_client(ClientMessage::GetRelExists { request_id: 10, rel, fork: 0, lsn: LSN_LATEST });
+        round_trip_server(ServerMessage::RelSize { request_id: 9, lsn: 77, blocks: 131_073 });
+        round_trip_server(ServerMessage::RelExists { request_id: 10, lsn: 78, exists: true });
+        round_trip_server(ServerMessage::RelExists { request_id: 10, lsn: 78, exists: false });
+    }
+
+    #[test]
+    fn relation_requests_have_the_documented_layout_and_bad_answers_are_refused() {
+        let mut out = BytesMut::new();
+        let rel = RelTag { spcnode: 1663, dbnode: 5, relnode: 16384 };
+        ClientMessage::GetRelSize { request_id: 1, rel, fork: 2, lsn: 3 }.encode(&mut out);
+        let mut want = vec![0, 0, 0, 30, 0x04, 0, 0, 0, 0, 0, 0, 0, 1, 2];
+        want.extend([0, 0, 6, 127, 0, 0, 0, 5, 0, 0, 0x40, 0]);
+        want.extend([0, 0, 0, 0, 0, 0, 0, 3]);
+        assert_eq!(&out[..], &want[..]);
+        let mut answer = BytesMut::new();
+        ServerMessage::RelExists { request_id: 1, lsn: 2, exists: true }.encode(&mut answer);
+        let last = answer.len() - 1;
+        answer[last] = 2;
+        assert!(decode_server(answer.freeze()).is_err());
     }
 
     #[test]

@@ -51,14 +51,22 @@ impl Kind {
         }
     }
 
-    /// Checks a stored length against the limits of this kind.
-    pub(crate) fn check_len(self, len: usize) -> anyhow::Result<()> {
+    /// Checks a stored length against the limits of this kind for `key`: an image of a
+    /// relation page is a page; the cluster's other keys (`page_types::keys`: relation sizes,
+    /// SLRU pages, control and map files) hold images of 0 to [`PAGE_SIZE`] bytes and never
+    /// records (they are complete in themselves; nothing redoes them).
+    pub(crate) fn check_len(self, key: &Key, len: usize) -> anyhow::Result<()> {
+        let page = page_types::keys::is_rel_page(key);
         match self {
-            Kind::Image => ensure!(len == PAGE_SIZE, "image of {len} bytes, want {PAGE_SIZE}"),
-            Kind::Record => ensure!(
-                (1..=MAX_RECORD_LEN).contains(&len),
-                "record of {len} bytes, want 1..={MAX_RECORD_LEN}"
-            ),
+            Kind::Image if page => ensure!(len == PAGE_SIZE, "image of {len} bytes, want {PAGE_SIZE}"),
+            Kind::Image => ensure!(len <= PAGE_SIZE, "value of {len} bytes, want at most {PAGE_SIZE}"),
+            Kind::Record => {
+                ensure!(page, "a record for {key:?}, which is not a relation page (only images)");
+                ensure!(
+                    (1..=MAX_RECORD_LEN).contains(&len),
+                    "record of {len} bytes, want 1..={MAX_RECORD_LEN}"
+                )
+            }
         }
         Ok(())
     }
@@ -199,11 +207,18 @@ mod tests {
 
     #[test]
     fn kind_len_limits_are_enforced() {
-        assert!(Kind::Image.check_len(PAGE_SIZE).is_ok());
-        assert!(Kind::Image.check_len(PAGE_SIZE - 1).is_err());
-        assert!(Kind::Record.check_len(0).is_err());
-        assert!(Kind::Record.check_len(MAX_RECORD_LEN).is_ok());
-        assert!(Kind::Record.check_len(MAX_RECORD_LEN + 1).is_err());
+        let page = Key { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: 3 };
+        assert!(Kind::Image.check_len(&page, PAGE_SIZE).is_ok());
+        assert!(Kind::Image.check_len(&page, PAGE_SIZE - 1).is_err());
+        assert!(Kind::Record.check_len(&page, 0).is_err());
+        assert!(Kind::Record.check_len(&page, MAX_RECORD_LEN).is_ok());
+        assert!(Kind::Record.check_len(&page, MAX_RECORD_LEN + 1).is_err());
+        // The cluster's other keys: short images (even empty), never records.
+        let size = page_types::keys::RelTag { spcnode: 1663, dbnode: 5, relnode: 16384 }.size_key(0);
+        assert!(Kind::Image.check_len(&size, 0).is_ok());
+        assert!(Kind::Image.check_len(&size, 4).is_ok());
+        assert!(Kind::Image.check_len(&size, PAGE_SIZE + 1).is_err());
+        assert!(Kind::Record.check_len(&size, 4).is_err());
         assert!(Kind::from_byte(7).is_err());
     }
 }

@@ -190,7 +190,7 @@ pub(crate) fn read_index(file: &File, footer: &Footer) -> anyhow::Result<Vec<Ind
             len: c.u32()?,
             crc: c.u32()?,
         };
-        e.kind.check_len(e.len as usize)?;
+        e.kind.check_len(&e.key, e.len as usize)?;
         ensure!(
             e.offset >= FILE_HEADER_LEN && e.offset + u64::from(e.len) <= footer.index_offset,
             "entry outside the data region"

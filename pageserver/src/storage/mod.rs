@@ -245,7 +245,7 @@ pub(crate) fn validate(values: &[(Key, Lsn, Value)]) -> Result<(Lsn, Lsn, usize)
     };
     let mut seen = std::collections::HashSet::new();
     for (i, (key, lsn, value)) in values.iter().enumerate() {
-        value.kind().check_len(value.bytes().len()).map_err(|e| invalid(i, format!("{e}")))?;
+        value.kind().check_len(key, value.bytes().len()).map_err(|e| invalid(i, format!("{e}")))?;
         if i > 0 && *lsn < values[i - 1].1 {
             return Err(invalid(i, format!("lsn below the previous value's {}", values[i - 1].1)));
         }

@@ -200,7 +200,7 @@ fn parse_body(body: &[u8], count: u32, body_start: u64, entries: &mut Vec<IndexE
         let kind = Kind::from_byte(c.u8()?)?;
         let len = c.u32()?;
         let crc = c.u32()?;
-        kind.check_len(len as usize)?;
+        kind.check_len(&key, len as usize)?;
         let offset = body_start + c.pos() as u64;
         let bytes = c.bytes(len as usize)?;
         ensure!(crc32c::crc32c(bytes) == crc, "value checksum mismatch at {offset}");

@@ -262,6 +262,7 @@ impl WalReceiver {
         let cancel = tenant_cancel.child_token();
         let source = file.source.clone();
         let task = Task {
+            sizes: values::RelSizes::default(),
             in_flight: InFlight::default(),
             dir,
             file,
@@ -340,6 +341,9 @@ impl InFlight {
 }
 
 struct Task {
+    /// The relation sizes as this connection's records left them (cleared at each connection:
+    /// a failed batch may have lost what they say).
+    sizes: values::RelSizes,
     /// This connection's batches not yet known durable; settled before the next connection
     /// resumes, so that it resumes after them.
     in_flight: InFlight,
@@ -396,6 +400,7 @@ impl Task {
 
     /// One connection: from connecting to the first error (or cancellation: `Ok`).
     async fn stream_once(&mut self) -> anyhow::Result<()> {
+        self.sizes = values::RelSizes::default();
         let config =
             connstr::parse(&self.file.source.postgres).map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
         let mut conn = tokio::select! {
@@ -490,7 +495,8 @@ impl Task {
                     let message = message.context("replication stream")?;
                     last_message = Instant::now();
                     lock(&self.shared).last_message = Some(SystemTime::now());
-                    reply_now = self.handle(message, &mut decoder, &mut received, resume).await?;
+                    reply_now =
+                        self.handle(message, &mut decoder, &mut received, resume, &mut processed).await?;
                 }
             }
             self.in_flight.settle(&self.timeline, &mut processed, false).await?;
@@ -513,6 +519,7 @@ impl Task {
         decoder: &mut WalDecoder,
         received: &mut u64,
         resume: u64,
+        processed: &mut u64,
     ) -> anyhow::Result<bool> {
         let mut values = Vec::new();
         match message {
@@ -526,14 +533,17 @@ impl Task {
                 *received += data.len() as u64;
                 self.metrics.received_bytes.inc_by(data.len() as u64);
                 let mut last_end = None;
-                let mut records = 0;
+                let mut decoded = Vec::new();
                 while let Some(record) = decoder.next_record().context("decode WAL")? {
-                    if record.end_lsn.0 <= resume {
-                        continue;
+                    if record.end_lsn.0 > resume {
+                        decoded.push(record);
                     }
-                    values::record_values(&record, &mut values)?;
+                }
+                self.load_sizes(&decoded, processed).await?;
+                let records = decoded.len() as u64;
+                for record in &decoded {
+                    values::record_values(record, &mut self.sizes, &mut values)?;
                     last_end = Some(record.end_lsn.0);
-                    records += 1;
                 }
                 self.metrics.records.inc_by(records);
                 self.metrics.values.inc_by(values.len() as u64);
@@ -565,6 +575,42 @@ impl Task {
                 self.file.timeline.unwrap_or(0)
             ),
         }
+    }
+
+    /// Learns the sizes of the relation forks `records` touch that this connection has not
+    /// seen, from storage, after every batch in flight is durable (so storage has all this
+    /// receiver stored, drops included).
+    async fn load_sizes(
+        &mut self,
+        records: &[page_types::wal::DecodedRecord],
+        processed: &mut u64,
+    ) -> anyhow::Result<()> {
+        let mut missing: Vec<(page_types::keys::RelTag, u8)> = Vec::new();
+        for record in records {
+            for m in self.sizes.missing(record) {
+                if !missing.contains(&m) {
+                    missing.push(m);
+                }
+            }
+        }
+        if missing.is_empty() {
+            return Ok(());
+        }
+        self.in_flight.settle(&self.timeline, processed, true).await?;
+        let timeline = Arc::clone(&self.timeline);
+        let loaded = tokio::task::spawn_blocking(move || {
+            missing
+                .into_iter()
+                .map(|(rel, fork)| Ok((rel, fork, values::rel_size_at(&timeline, rel, fork, Lsn::LATEST)?)))
+                .collect::<Result<Vec<_>, crate::storage::GetError>>()
+        })
+        .await
+        .context("read task")?
+        .context("read relation sizes")?;
+        for (rel, fork, blocks) in loaded {
+            self.sizes.insert(rel, fork, blocks);
+        }
+        Ok(())
     }
 
     /// Makes `processed` the durable position (the source file), if it moved.

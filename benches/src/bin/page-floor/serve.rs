@@ -414,9 +414,11 @@ impl Conn {
                 self.out.push(Segment::Page);
                 return true;
             }
-            Ok(ClientMessage::Ingest { request_id, .. }) => {
-                (ErrorCode::InvalidRequest, request_id, "page-floor serves GetPage only".into())
-            }
+            Ok(
+                ClientMessage::Ingest { request_id, .. }
+                | ClientMessage::GetRelSize { request_id, .. }
+                | ClientMessage::GetRelExists { request_id, .. },
+            ) => (ErrorCode::InvalidRequest, request_id, "page-floor serves GetPage only".into()),
         };
         self.push_error(request_id, code, &message);
         false

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
+use page_types::keys::RelTag;
 use page_types::Lsn;
 use pageserver::page_service::client::{describe, Client, ClientReader, ClientWriter};
 use pageserver::page_service::proto::{ClientMessage, ServerMessage, LSN_LATEST};
@@ -22,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use walredo_proc::protocol::BufferTag;
 
 use crate::dataset::{Shape, SplitMix64};
-use crate::get_page::{LsnMode, TenantLoad};
+use crate::get_page::{LsnMode, RequestKind, TenantLoad};
 use crate::rate::Schedule;
 use crate::report::{self, Counters, IntervalLatency};
 
@@ -43,6 +44,7 @@ pub struct Shared {
     /// With `--verify`: the data set every page is checked against.
     pub verify: Option<Shape>,
     pub lsn: LsnMode,
+    pub request: RequestKind,
     pub timeout: Duration,
     pub depth: usize,
     pub counters: Arc<Counters>,
@@ -282,7 +284,13 @@ impl Sender {
                 low + self.rng.below(high - low + 1)
             }
         };
-        self.writer.send(&ClientMessage::GetPage { request_id, key, lsn });
+        let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
+        let fork = key.forknum;
+        self.writer.send(&match self.shared.request {
+            RequestKind::Page => ClientMessage::GetPage { request_id, key, lsn },
+            RequestKind::RelSize => ClientMessage::GetRelSize { request_id, rel, fork, lsn },
+            RequestKind::RelExists => ClientMessage::GetRelExists { request_id, rel, fork, lsn },
+        });
         // Never waits: at most `depth` requests exist, and the channel holds `depth`.
         self.in_flight_tx.send(InFlight { request_id, key, lsn, start }).await.is_ok()
     }
@@ -344,15 +352,21 @@ async fn receive(
                 }
                 None
             }
+            Ok(Ok(
+                ServerMessage::RelSize { request_id, .. } | ServerMessage::RelExists { request_id, .. },
+            )) if request_id == request.request_id && shared.request != RequestKind::Page => {
+                let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX).max(1);
+                stats.latency.saturating_record(micros);
+                shared.interval.record(micros);
+                stats.requests += 1;
+                shared.counters.done.fetch_add(1, Ordering::Relaxed);
+                None
+            }
             Ok(Ok(ServerMessage::Error { request_id, code, message }))
                 if request_id == request.request_id =>
             {
                 shared.error(&mut stats, code.name(), 1, || {
-                    format!(
-                        "request {request_id} for page {} at LSN {}: {message}",
-                        request.key,
-                        Lsn(request.lsn)
-                    )
+                    format!("request {request_id} for {} at LSN {}: {message}", request.key, Lsn(request.lsn))
                 });
                 code.closes_connection()
                     .then(|| format!("the daemon closed the connection after {}", code.name()))

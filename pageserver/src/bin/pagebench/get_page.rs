@@ -65,6 +65,18 @@ use crate::{OptionalShapeArgs, Target};
 /// The daemon's per-connection bound on requests in flight (page_service::MAX_IN_FLIGHT);
 /// a deeper pipeline would only queue in the socket.
 const MAX_DEPTH: u32 = 256;
+/// What each request asks.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestKind {
+    /// GetPage of a page of the key space.
+    Page,
+    /// GetRelSize of the relation fork of a page of the key space (a tenant that follows
+    /// PostgreSQL; elsewhere every request is `not_found`).
+    RelSize,
+    /// GetRelExists of the relation fork of a page of the key space.
+    RelExists,
+}
+
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LsnMode {
     /// The daemon's latest durable LSN.
@@ -101,6 +113,9 @@ pub struct Args {
     /// LSN of the requests.
     #[arg(long, value_enum, default_value_t = LsnMode::Latest)]
     lsn: LsnMode,
+    /// What each request asks: a page, or the size or existence of the page's relation fork.
+    #[arg(long, value_enum, default_value_t = RequestKind::Page)]
+    request: RequestKind,
     /// Compare every page with the one computed locally from the data set (costs client CPU);
     /// needs the shape flags given to `ingest` (defaults: those of `ingest`).
     #[arg(long)]
@@ -141,6 +156,10 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    anyhow::ensure!(
+        !args.verify || args.request == RequestKind::Page,
+        "--verify checks pages: use it with --request page"
+    );
     let shape = args.shape.shape(args.verify);
     let tenants = discover(&args, shape.as_ref()).await?;
     let clients = connect_all(&args, &tenants, shape.as_ref()).await?;
@@ -149,6 +168,7 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
     let shared = Arc::new(Shared {
         verify: shape.filter(|_| args.verify),
         lsn: args.lsn,
+        request: args.request,
         timeout,
         depth: depth as usize,
         counters: Arc::new(Counters::default()),
@@ -157,9 +177,10 @@ pub async fn run(args: Args, cancel: CancellationToken) -> anyhow::Result<()> {
         late: AtomicU64::new(0),
     });
     errln!(
-        "get-page: {} tenant(s) x {} connections, depth {depth}, lsn {:?}, {pages} pages, {}{}",
+        "get-page: {} tenant(s) x {} connections, depth {depth}, {:?} requests, lsn {:?}, {pages} pages, {}{}",
         tenants.len(),
         args.connections,
+        args.request,
         args.lsn,
         match &schedule {
             Some(schedule) => format!("open loop at {}", schedule.describe()),

@@ -2,6 +2,9 @@
 //! docs/http-api.md): what `get-page` chooses keys and LSNs from, and what `ingest --exists-ok`
 //! and `get-page --verify` compare with the data set's shape.
 //!
+//! Only relation pages (forks 0 to 3) are kept: the other keys of a tenant that follows
+//! PostgreSQL (relation sizes, SLRU pages, files; `page_types::keys`) are no GetPage's.
+//!
 //! Keys are kept as the daemon sends them, block ranges per relation fork, with the running
 //! count of keys before each range: key number `i` is found by a binary search, so millions of
 //! pages cost a few bytes per range, not per key.
@@ -75,7 +78,7 @@ impl KeySpace {
         let wire: Wire = serde_json::from_str(body).context("parse the key space")?;
         let mut ranges = Vec::new();
         let mut keys = 0u64;
-        for rel in &wire.relations {
+        for rel in wire.relations.iter().filter(|r| r.forknum <= page_types::keys::MAX_FORK) {
             for &[first, last] in &rel.blocks {
                 anyhow::ensure!(first <= last, "block range [{first}, {last}] is inverted");
                 let blocks = u64::from(last - first) + 1;

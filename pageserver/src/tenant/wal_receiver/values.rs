@@ -12,10 +12,23 @@
 //! for each map page they touch, a [`VmClear`] value is derived, at the same LSN (after the
 //! record's own values: a key's values within a record keep block order).
 //!
+//! **Relation sizes** (`page_types::keys`: a size value per relation fork) follow the WAL as a
+//! standby's files would: a block reference beyond the end extends the fork to it, an SMGR
+//! create makes an empty fork, an SMGR truncate shortens the main fork and the free-space and
+//! visibility maps as PostgreSQL 15 computes them, a commit or abort that drops relations marks
+//! all their forks dropped, and a database drop gets a marker of its own (newer than a
+//! relation's size value, it means the relation is gone). A relation mapper update stores the
+//! new map file. What PostgreSQL does without WAL is not seen: the free space map is not
+//! WAL-logged (a standby keeps its own), and extensions that no record references yet (bulk
+//! extension under contention) appear when a record first uses the block.
+//!
 //! Invariant: pure; a record that cannot be stored (an image that does not restore, a record
 //! too long for the family's encoding) is an error naming its LSN, never a value dropped.
 
+use std::collections::HashMap;
+
 use bytes::Bytes;
+use page_types::keys::{self, RelTag, FSM_FORK, MAIN_FORK, MAX_FORK, VM_FORK};
 use page_types::wal::DecodedRecord;
 use page_types::{BufferTag, Lsn};
 use walredo_proc::page::{self, pd_upper, Page};
@@ -33,6 +46,109 @@ pub enum ValueError {
     Image { lsn: Lsn, block: u8, source: page_types::wal::ImageError },
     #[error("record at {lsn} ({kind}): {source}")]
     Encode { lsn: Lsn, kind: String, source: walredo_proc::pg15::Pg15Error },
+    #[error("record at {lsn} ({kind}): {what}")]
+    Malformed { lsn: Lsn, kind: String, what: String },
+    /// A record whose effect cannot be followed from the WAL alone.
+    #[error("record at {lsn} ({kind}): {what}")]
+    Unsupported { lsn: Lsn, kind: String, what: String },
+}
+
+/// The sizes of the relation forks the receiver has seen: `Some(blocks)`, or `None` for a fork
+/// that does not exist (never created, or dropped). A fork not in the map is unknown: the
+/// caller loads what [`RelSizes::missing`] lists (from storage, see [`rel_size_at`]) before
+/// [`record_values`] needs it; an unknown fork counts as absent there.
+#[derive(Debug, Default)]
+pub struct RelSizes {
+    known: HashMap<(RelTag, u8), Option<u32>>,
+}
+
+impl RelSizes {
+    /// The forks `record` needs the size of that are not known yet.
+    pub fn missing(&self, record: &DecodedRecord) -> Vec<(RelTag, u8)> {
+        let mut out: Vec<(RelTag, u8)> = Vec::new();
+        let mut need = |rel: RelTag, fork: u8| {
+            if !self.known.contains_key(&(rel, fork)) && !out.contains(&(rel, fork)) {
+                out.push((rel, fork));
+            }
+        };
+        for block in &record.blocks {
+            need(rel_of(block), block.fork);
+        }
+        match smgr_op(record) {
+            Some(Ok(SmgrOp::Create { rel, fork })) => need(rel, fork),
+            Some(Ok(SmgrOp::Truncate { rel, flags, .. })) => {
+                for (flag, fork) in
+                    [(TRUNCATE_HEAP, MAIN_FORK), (TRUNCATE_VM, VM_FORK), (TRUNCATE_FSM, FSM_FORK)]
+                {
+                    if flags & flag != 0 {
+                        need(rel, fork);
+                    }
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+
+    /// Records what storage says of a fork.
+    pub fn insert(&mut self, rel: RelTag, fork: u8, blocks: Option<u32>) {
+        self.known.insert((rel, fork), blocks);
+    }
+
+    fn get(&self, rel: RelTag, fork: u8) -> Option<u32> {
+        self.known.get(&(rel, fork)).copied().flatten()
+    }
+
+    /// Sets a fork's size and appends its value, unless a value of this key is already in
+    /// this record's `out` (then that one is updated: one value per key and LSN).
+    fn set(
+        &mut self,
+        rel: RelTag,
+        fork: u8,
+        blocks: Option<u32>,
+        lsn: Lsn,
+        out: &mut Vec<(BufferTag, Lsn, Value)>,
+    ) {
+        self.known.insert((rel, fork), blocks);
+        let key = rel.size_key(fork);
+        let value = Value::Image(Bytes::from(keys::encode_rel_size(blocks)));
+        match out.iter_mut().rev().take_while(|(_, l, _)| *l == lsn).find(|(k, _, _)| *k == key) {
+            Some(slot) => slot.2 = value,
+            None => out.push((key, lsn, value)),
+        }
+    }
+}
+
+/// The size of `fork` of `rel` as of `lsn` from `timeline`: `None` if it does not exist then
+/// (no size value, the dropped marker, or a drop of its database newer than its size value).
+pub fn rel_size_at(
+    timeline: &crate::storage::Timeline,
+    rel: RelTag,
+    fork: u8,
+    lsn: Lsn,
+) -> Result<Option<u32>, crate::storage::GetError> {
+    use crate::storage::{GetError, ReadLimits};
+    let limits = ReadLimits { max_records: 0, max_bytes: page_types::PAGE_SIZE as u64 };
+    let data = match timeline.get_reconstruct_data(rel.size_key(fork), lsn, limits) {
+        Ok(data) => data,
+        Err(GetError::NotFound { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let dropped = timeline.version_at(keys::db_drop_key(rel.spcnode, rel.dbnode), lsn)?;
+    rel_size_of(&data, dropped).map_err(|e| GetError::Io(anyhow::anyhow!("{rel} fork {fork}: {e}")))
+}
+
+/// A relation fork's size from what storage holds for its size key and the LSN of the newest
+/// drop of its database (if any), both as of the same LSN.
+pub fn rel_size_of(
+    data: &crate::storage::ReconstructData,
+    dropped: Option<Lsn>,
+) -> Result<Option<u32>, String> {
+    let Some((at, bytes)) = &data.image else {
+        return Err("the size key holds records, not a value".into());
+    };
+    let blocks = keys::decode_rel_size(bytes).map_err(|e| format!("the size at {at}: {e}"))?;
+    Ok(blocks.filter(|_| dropped.is_none_or(|d| d < *at)))
 }
 
 /// What redo does after restoring an image: `pd_lsn` becomes the record's end LSN, unless the
@@ -56,11 +172,205 @@ pub fn key_of(block: &page_types::wal::BlockRef) -> BufferTag {
     }
 }
 
-/// Appends the values of `record` to `out`, in block id order.
+fn rel_of(block: &page_types::wal::BlockRef) -> RelTag {
+    RelTag { spcnode: block.rel.spcnode, dbnode: block.rel.dbnode, relnode: block.rel.relnode }
+}
+
+/// Appends the values of `record` to `out`: its blocks' in block id order, then the derived
+/// visibility-map clears, then the relation sizes and files it changes; `sizes` follows.
 pub fn record_values(
     record: &DecodedRecord,
+    sizes: &mut RelSizes,
     out: &mut Vec<(BufferTag, Lsn, Value)>,
 ) -> Result<(), ValueError> {
+    block_values(record, out)?;
+    let lsn = record.end_lsn;
+    for block in &record.blocks {
+        let rel = rel_of(block);
+        if sizes.get(rel, block.fork).is_none_or(|n| block.blkno >= n) {
+            let blocks =
+                block.blkno.checked_add(1).ok_or_else(|| malformed(record, "block number 0xFFFFFFFF"))?;
+            sizes.set(rel, block.fork, Some(blocks), lsn, out);
+        }
+    }
+    match smgr_op(record).transpose()? {
+        Some(SmgrOp::Create { rel, fork }) if sizes.get(rel, fork).is_none() => {
+            sizes.set(rel, fork, Some(0), lsn, out);
+        }
+        Some(SmgrOp::Create { .. }) => {}
+        Some(SmgrOp::Truncate { rel, blkno, flags }) => {
+            let vm = match blkno % HEAPBLOCKS_PER_VM_PAGE {
+                0 => blkno / HEAPBLOCKS_PER_VM_PAGE,
+                _ => blkno / HEAPBLOCKS_PER_VM_PAGE + 1,
+            };
+            for (flag, fork, new) in [
+                (TRUNCATE_HEAP, MAIN_FORK, blkno),
+                (TRUNCATE_VM, VM_FORK, vm),
+                (TRUNCATE_FSM, FSM_FORK, fsm_blocks_after_truncate(blkno)),
+            ] {
+                // PostgreSQL leaves a fork alone when it is not longer than the new size.
+                if flags & flag != 0 && sizes.get(rel, fork).is_some_and(|n| n > new) {
+                    sizes.set(rel, fork, Some(new), lsn, out);
+                }
+            }
+        }
+        None => {}
+    }
+    for rel in dropped_relations(record)? {
+        for fork in 0..=MAX_FORK {
+            sizes.set(rel, fork, None, lsn, out);
+        }
+    }
+    match (record.rmid, record.info & 0xF0) {
+        // XLOG_DBASE_DROP: xl_dbase_drop_rec { db_id, ntablespaces, tablespace_ids[] }.
+        (RM_DBASE, 0x20) => {
+            let db = u32_at(&record.main_data, 0).ok_or_else(|| malformed(record, "short database drop"))?;
+            let n = u32_at(&record.main_data, 4).ok_or_else(|| malformed(record, "short database drop"))?;
+            for i in 0..n as usize {
+                let spc = u32_at(&record.main_data, 8 + 4 * i)
+                    .ok_or_else(|| malformed(record, "short database drop"))?;
+                sizes.known.retain(|(rel, _), _| (rel.spcnode, rel.dbnode) != (spc, db));
+                out.push((keys::db_drop_key(spc, db), lsn, Value::Image(Bytes::new())));
+            }
+        }
+        // XLOG_DBASE_CREATE_FILE_COPY copies a database's files without WAL for their blocks.
+        (RM_DBASE, 0x00) => {
+            return Err(ValueError::Unsupported {
+                lsn: record.lsn,
+                kind: record_type_name(record.rmid, record.info),
+                what: "CREATE DATABASE with STRATEGY FILE_COPY copies files the WAL does not carry; \
+                       use the default STRATEGY WAL_LOG"
+                    .into(),
+            })
+        }
+        // XLOG_RELMAP_UPDATE: xl_relmap_update { dbid, tsid, nbytes, data[nbytes] }: the file.
+        (RM_RELMAP, 0x00) => {
+            let (Some(db), Some(spc), Some(n)) =
+                (u32_at(&record.main_data, 0), u32_at(&record.main_data, 4), u32_at(&record.main_data, 8))
+            else {
+                return Err(malformed(record, "short relation map update"));
+            };
+            let file = record
+                .main_data
+                .get(12..12 + n as usize)
+                .filter(|f| f.len() == keys::RELMAP_FILE_SIZE)
+                .ok_or_else(|| malformed(record, "relation map update without a 512-byte file"))?;
+            out.push((keys::relmap_key(spc, db), lsn, Value::Image(Bytes::copy_from_slice(file))));
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Resource managers (PostgreSQL 15's `rmgrlist.h`).
+const RM_XACT: u8 = 1;
+const RM_SMGR: u8 = 2;
+const RM_DBASE: u8 = 4;
+const RM_RELMAP: u8 = 7;
+/// `xl_smgr_truncate.flags`.
+const TRUNCATE_HEAP: u32 = 0x1;
+const TRUNCATE_VM: u32 = 0x2;
+const TRUNCATE_FSM: u32 = 0x4;
+
+fn record_type_name(rmid: u8, info: u8) -> String {
+    walredo_proc::pg15::record_type_name(rmid, info)
+}
+
+fn malformed(record: &DecodedRecord, what: &str) -> ValueError {
+    ValueError::Malformed {
+        lsn: record.lsn,
+        kind: record_type_name(record.rmid, record.info),
+        what: what.to_string(),
+    }
+}
+
+fn u32_at(data: &[u8], at: usize) -> Option<u32> {
+    let b = data.get(at..at.checked_add(4)?)?;
+    Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+fn rel_at(data: &[u8], at: usize) -> Option<RelTag> {
+    Some(RelTag { spcnode: u32_at(data, at)?, dbnode: u32_at(data, at + 4)?, relnode: u32_at(data, at + 8)? })
+}
+
+enum SmgrOp {
+    Create { rel: RelTag, fork: u8 },
+    Truncate { rel: RelTag, blkno: u32, flags: u32 },
+}
+
+/// An SMGR record's operation (`None`: not an SMGR create or truncate).
+fn smgr_op(record: &DecodedRecord) -> Option<Result<SmgrOp, ValueError>> {
+    let data = &record.main_data;
+    match (record.rmid, record.info & 0xF0) {
+        // xl_smgr_create { RelFileNode rnode; ForkNumber forkNum }.
+        (RM_SMGR, 0x10) => Some(match (rel_at(data, 0), u32_at(data, 12)) {
+            (Some(rel), Some(fork)) if fork <= u32::from(MAX_FORK) => {
+                Ok(SmgrOp::Create { rel, fork: fork as u8 })
+            }
+            _ => Err(malformed(record, "short SMGR create, or a fork beyond 3")),
+        }),
+        // xl_smgr_truncate { BlockNumber blkno; RelFileNode rnode; int flags }.
+        (RM_SMGR, 0x20) => Some(match (u32_at(data, 0), rel_at(data, 4), u32_at(data, 16)) {
+            (Some(blkno), Some(rel), Some(flags)) => Ok(SmgrOp::Truncate { rel, blkno, flags }),
+            _ => Err(malformed(record, "short SMGR truncate")),
+        }),
+        _ => None,
+    }
+}
+
+/// The relations a commit or abort (prepared or not) drops: `xl_xact_commit`/`xl_xact_abort`
+/// (the timestamp), then with `XLOG_XACT_HAS_INFO` the `xinfo` word and, in this order, the
+/// database info, the subtransactions and the relations (`XACT_XINFO_HAS_RELFILENODES`).
+fn dropped_relations(record: &DecodedRecord) -> Result<Vec<RelTag>, ValueError> {
+    const HAS_INFO: u8 = 0x80;
+    const HAS_DBINFO: u32 = 1 << 0;
+    const HAS_SUBXACTS: u32 = 1 << 1;
+    const HAS_RELFILENODES: u32 = 1 << 2;
+    let op = record.info & 0x70;
+    // COMMIT 0x00, ABORT 0x20, COMMIT_PREPARED 0x30, ABORT_PREPARED 0x40.
+    if record.rmid != RM_XACT || !matches!(op, 0x00 | 0x20 | 0x30 | 0x40) || record.info & HAS_INFO == 0 {
+        return Ok(Vec::new());
+    }
+    let data = &record.main_data;
+    let short = || malformed(record, "short transaction record");
+    let xinfo = u32_at(data, 8).ok_or_else(short)?;
+    let mut at = 12usize;
+    if xinfo & HAS_DBINFO != 0 {
+        at += 8;
+    }
+    if xinfo & HAS_SUBXACTS != 0 {
+        let n = u32_at(data, at).ok_or_else(short)?;
+        at = (n as usize).checked_mul(4).and_then(|b| b.checked_add(at + 4)).ok_or_else(short)?;
+    }
+    if xinfo & HAS_RELFILENODES == 0 {
+        return Ok(Vec::new());
+    }
+    let n = u32_at(data, at).ok_or_else(short)? as usize;
+    (0..n).map(|i| rel_at(data, at + 4 + 12 * i).ok_or_else(short)).collect()
+}
+
+/// Blocks of the free space map after truncating its heap to `heap_blocks`
+/// (`FreeSpaceMapPrepareTruncateRel`: up to the leaf page of the first removed heap block, that
+/// page kept when it keeps some of its slots). The map is a tree of three levels; physical
+/// page order is depth first, so leaf page `n` comes after the upper pages above it.
+fn fsm_blocks_after_truncate(heap_blocks: u32) -> u32 {
+    // Leaf slots per map page: (8192 - 24 - 4) nodes, of which 8192 / 2 - 1 are not leaves.
+    const SLOTS: u64 = (8192 - 24 - 4) - (8192 / 2 - 1);
+    let (leaf, slot) = (u64::from(heap_blocks) / SLOTS, u64::from(heap_blocks) % SLOTS);
+    // `fsm_logical_to_physical` of a bottom-level page.
+    let mut pages = 0u64;
+    let mut n = leaf;
+    for _ in 0..3 {
+        pages += n + 1;
+        n /= SLOTS;
+    }
+    let physical = pages - 1;
+    let blocks = if slot > 0 { physical + 1 } else { physical };
+    u32::try_from(blocks).unwrap_or(u32::MAX)
+}
+
+/// Appends the values of `record`'s block references and the visibility-map pages it clears.
+fn block_values(record: &DecodedRecord, out: &mut Vec<(BufferTag, Lsn, Value)>) -> Result<(), ValueError> {
     let lsn = record.end_lsn;
     let headers: Vec<BlockHeader<'_>> = record
         .blocks
@@ -128,8 +438,6 @@ pub fn record_values(
     Ok(())
 }
 
-/// The visibility-map fork (2).
-const VM_FORK: u8 = 2;
 /// Resource managers and heap record flags (PostgreSQL 15's `heapam_xlog.h`).
 const RM_HEAP2: u8 = 9;
 const RM_HEAP: u8 = 10;
@@ -251,7 +559,7 @@ mod tests {
     fn applied_images_become_images_at_the_end_lsn_and_the_rest_records_for_their_block() {
         let rec = record(vec![block(0, Some((true, 512))), block(1, None), block(2, Some((false, 512)))]);
         let mut out = Vec::new();
-        record_values(&rec, &mut out).unwrap();
+        block_values(&rec, &mut out).unwrap();
         assert_eq!(out.len(), 3);
         assert!(out.iter().all(|(_, lsn, _)| *lsn == rec.end_lsn));
         assert_eq!(out[1].0.blknum, 10);
@@ -280,7 +588,7 @@ mod tests {
         rec.blocks[1].blkno = 40000;
         rec.main_data = Bytes::from(vec![0, 0, 0, 0, 1, 0, 0, 0x03, 0, 0, 0, 0, 2, 0]);
         let mut out = Vec::new();
-        record_values(&rec, &mut out).unwrap();
+        block_values(&rec, &mut out).unwrap();
         assert_eq!(out.len(), 4, "two block values and two map pages");
         let (k2, lsn2, Value::Record(v2)) = &out[2] else { panic!() };
         assert_eq!((k2.forknum, k2.blknum, k2.relnode, *lsn2), (2, 1, 16384, rec.end_lsn));
@@ -293,7 +601,7 @@ mod tests {
         hot.info = 0x40;
         hot.main_data = rec.main_data.clone();
         let mut out = Vec::new();
-        record_values(&hot, &mut out).unwrap();
+        block_values(&hot, &mut out).unwrap();
         let (_, _, Value::Record(v)) = &out[1] else { panic!() };
         assert_eq!(VmClear::decode(v).unwrap().clears, vec![(0, 3), (0, 3)]);
         // LOCK clears the all-frozen bit only; without the flag, nothing is derived.
@@ -301,26 +609,126 @@ mod tests {
         lock.info = 0x60;
         lock.main_data = Bytes::from(vec![0, 0, 0, 0, 1, 0, 0, 0x01]);
         let mut out = Vec::new();
-        record_values(&lock, &mut out).unwrap();
+        block_values(&lock, &mut out).unwrap();
         let (_, _, Value::Record(v)) = &out[1] else { panic!() };
         assert_eq!(VmClear::decode(v).unwrap().clears, vec![(0, VM_ALL_FROZEN)]);
         lock.main_data = Bytes::from(vec![0, 0, 0, 0, 1, 0, 0, 0]);
         let mut out = Vec::new();
-        record_values(&lock, &mut out).unwrap();
+        block_values(&lock, &mut out).unwrap();
         assert_eq!(out.len(), 1);
     }
 
     #[test]
     fn a_new_page_keeps_its_zero_lsn_and_a_broken_image_is_an_error_naming_the_record() {
         let mut out = Vec::new();
-        record_values(&record(vec![block(0, Some((true, 0)))]), &mut out).unwrap();
+        block_values(&record(vec![block(0, Some((true, 0)))]), &mut out).unwrap();
         let Value::Image(page) = &out[0].2 else { panic!() };
         assert_eq!(&page[..8], &[0; 8]);
         let mut bad = block(0, Some((true, 512)));
         if let Some(image) = bad.image.as_mut() {
             image.bytes = Bytes::from_static(b"short");
         }
-        let err = record_values(&record(vec![bad]), &mut Vec::new()).unwrap_err();
+        let err = block_values(&record(vec![bad]), &mut Vec::new()).unwrap_err();
         assert!(err.to_string().contains("1/28"), "{err}");
+    }
+
+    fn sized(sizes: &mut RelSizes, rec: &DecodedRecord) -> Vec<(BufferTag, Option<u32>)> {
+        let mut out = Vec::new();
+        record_values(rec, sizes, &mut out).unwrap();
+        out.into_iter()
+            .filter(|(k, _, _)| !keys::is_rel_page(k))
+            .map(|(k, lsn, v)| {
+                assert_eq!(lsn, rec.end_lsn);
+                let Value::Image(bytes) = v else { panic!("sizes are images") };
+                (k, keys::decode_rel_size(&bytes).unwrap())
+            })
+            .collect()
+    }
+
+    fn rel() -> RelTag {
+        RelTag { spcnode: 1663, dbnode: 5, relnode: 16384 }
+    }
+
+    fn main_only(rmid: u8, info: u8, main_data: Vec<u8>) -> DecodedRecord {
+        let mut rec = record(Vec::new());
+        (rec.rmid, rec.info, rec.main_data) = (rmid, info, Bytes::from(main_data));
+        rec
+    }
+
+    #[test]
+    fn block_references_beyond_the_end_extend_their_fork_once_per_record() {
+        let mut sizes = RelSizes::default();
+        // Blocks 0, 10 and 20 of an unknown (absent) fork: one size value, 21.
+        let rec = record(vec![block(0, None), block(1, None), block(2, None)]);
+        assert_eq!(sizes.missing(&rec), vec![(rel(), 0)]);
+        sizes.insert(rel(), 0, None);
+        assert!(sizes.missing(&rec).is_empty());
+        assert_eq!(sized(&mut sizes, &rec), vec![(rel().size_key(0), Some(21))]);
+        // Within the fork: nothing.
+        assert_eq!(sized(&mut sizes, &record(vec![block(1, None)])), vec![]);
+    }
+
+    #[test]
+    fn smgr_create_truncate_and_drops_follow_postgres() {
+        let mut sizes = RelSizes::default();
+        let smgr = |info: u8, words: &[u32]| {
+            main_only(RM_SMGR, info, words.iter().flat_map(|w| w.to_le_bytes()).collect())
+        };
+        // CREATE of the VM fork: empty; again: unchanged.
+        let create = smgr(0x10, &[1663, 5, 16384, 2]);
+        assert_eq!(sizes.missing(&create), vec![(rel(), 2)]);
+        sizes.insert(rel(), 2, None);
+        assert_eq!(sized(&mut sizes, &create), vec![(rel().size_key(2), Some(0))]);
+        assert_eq!(sized(&mut sizes, &create), vec![]);
+        // TRUNCATE to 40000 heap blocks of a fork of 100000, VM of 4, FSM of 30: the heap to
+        // 40000, the VM to 2 pages (40000 is inside map page 1), the FSM to 12 pages (heap
+        // block 40000 is in leaf 9, physical block 11 after the root and the upper page; it
+        // keeps some of its slots, so it stays).
+        sizes.insert(rel(), 0, Some(100_000));
+        sizes.insert(rel(), 2, Some(4));
+        sizes.insert(rel(), 1, Some(30));
+        let truncate = smgr(0x20, &[40_000, 1663, 5, 16384, 7]);
+        assert_eq!(
+            sized(&mut sizes, &truncate),
+            vec![
+                (rel().size_key(0), Some(40_000)),
+                (rel().size_key(2), Some(2)),
+                (rel().size_key(1), Some(12))
+            ]
+        );
+        // A fork already short enough is left alone.
+        assert_eq!(sized(&mut sizes, &truncate), vec![]);
+        // A commit dropping the relation: every fork dropped.
+        let mut commit = vec![0u8; 8];
+        commit.extend_from_slice(&(1u32 << 2).to_le_bytes());
+        commit.extend_from_slice(&1u32.to_le_bytes());
+        commit.extend([1663u32, 5, 16384].iter().flat_map(|w| w.to_le_bytes()));
+        let dropped = sized(&mut sizes, &main_only(RM_XACT, 0x80, commit.clone()));
+        assert_eq!(dropped, (0..=MAX_FORK).map(|f| (rel().size_key(f), None)).collect::<Vec<_>>());
+        // Without XLOG_XACT_HAS_INFO there is nothing to drop; a short list is an error.
+        assert_eq!(sized(&mut sizes, &main_only(RM_XACT, 0x00, commit.clone())), vec![]);
+        commit.truncate(commit.len() - 1);
+        assert!(record_values(&main_only(RM_XACT, 0x80, commit), &mut sizes, &mut Vec::new()).is_err());
+        // A database drop: a marker, and the database's forks forgotten.
+        sizes.insert(rel(), 0, Some(3));
+        let mut out = Vec::new();
+        let drop = main_only(RM_DBASE, 0x20, [5u32, 1, 1663].iter().flat_map(|w| w.to_le_bytes()).collect());
+        record_values(&drop, &mut sizes, &mut out).unwrap();
+        assert_eq!(out.iter().map(|(k, _, _)| *k).collect::<Vec<_>>(), vec![keys::db_drop_key(1663, 5)]);
+        assert_eq!(sizes.missing(&record(vec![block(0, None)])), vec![(rel(), 0)]);
+        // FILE_COPY is refused by name.
+        let copy = main_only(RM_DBASE, 0x00, vec![0; 16]);
+        let err = record_values(&copy, &mut sizes, &mut Vec::new()).unwrap_err();
+        assert!(err.to_string().contains("FILE_COPY"), "{err}");
+    }
+
+    #[test]
+    fn fsm_sizes_after_truncate_match_postgres_layout() {
+        // Heap blocks 0: nothing left of the map (the root and the first leaf's path: 0).
+        assert_eq!(fsm_blocks_after_truncate(0), 2);
+        // One heap block keeps the root, the upper page and leaf 0: 3 pages.
+        assert_eq!(fsm_blocks_after_truncate(1), 3);
+        assert_eq!(fsm_blocks_after_truncate(4069), 3);
+        assert_eq!(fsm_blocks_after_truncate(4070), 4);
     }
 }
