@@ -468,7 +468,7 @@ impl Tenant {
             let previous = wal_receiver::read_source_file(&dir)?;
             let file = match previous {
                 Some(previous) => SourceFile { source, ..previous },
-                None => SourceFile { source, system_id: None, timeline: None, position: None },
+                None => SourceFile { source, system_id: None, timeline: None, position: None, import: None },
             };
             wal_receiver::write_source_file(&dir, &file)?;
             Ok(file)

@@ -18,7 +18,14 @@ from fixtures.page_client import PageServiceError
 from fixtures.postgres import Postgres
 from fixtures.util import wait_until
 from fixtures.walreader import Wal, mask_lsn_and_checksum
-from fixtures.waldump import lsn_int, lsn_text, waldump_records
+from fixtures.waldump import Sizes, lsn_int, lsn_text, waldump_records
+
+
+@pytest.fixture
+def page_service_io():
+    """One reply writer for these tests: the WAL path does not depend on it (both writers are
+    covered by the rest of the suite), and each run starts a PostgreSQL."""
+    return "auto"
 
 @pytest.fixture
 def pg(tmp_path):
@@ -47,10 +54,11 @@ def caught_up(ps, tenant: str, pg: Postgres) -> dict:
     return wait_until(done, timeout=60, desc="the tenant to catch up with the primary")
 
 
-def expected_values(pg: Postgres, start: int, end: int) -> int:
+def expected_values(pg: Postgres, start: int, end: int, sizes: dict) -> int:
     """Values stored for the records in [start, end): block references, derived map clears,
-    relation sizes and files."""
-    return sum(len(refs) + len(vm) + other for lsn, refs, vm, other in waldump_records(pg, start, end)
+    relation sizes and files; `sizes`: the fork sizes at `start` (see `fork_sizes`)."""
+    return sum(len(refs) + len(vm) + other
+               for lsn, refs, vm, other in waldump_records(pg, start, end, Sizes(dict(sizes)))
                if lsn >= start)
 
 
@@ -61,7 +69,9 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
     tenant = ps.create_tenant()
     status = attach(ps, tenant, pg)
     resumed = status["resumed_at"]
-    assert resumed > 0
+    imported = status["import"]["values"]
+    assert resumed == status["import"]["start_lsn"] > 0 and imported > 1000, status
+    at_attach = fork_sizes(pg, "true")
     pg.pgbench("-i", "-s", "1", "-q")
     pg.pgbench("-c", "2", "-j", "2", "-T", "4", "-n")
     # VACUUM sets pages all-visible; the UPDATEs then clear their visibility-map bits.
@@ -74,12 +84,13 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
     s = caught_up(ps, tenant, pg)
     durable = s["wal_source"]["durable_lsn"]
     assert s["wal_source"]["lag_bytes"] >= 0 and s["wal_source"]["last_message"]
-    records = [r for r in waldump_records(pg, resumed, durable) if r[0] >= resumed]
+    records = [r for r in waldump_records(pg, resumed, durable, Sizes(dict(at_attach))) if r[0] >= resumed]
     vm_values = sum(len(vm) for _, _, vm, _ in records)
     assert vm_values > 0, "the UPDATEs after VACUUM cleared visibility-map bits"
     other = sum(o for _, _, _, o in records)
     assert other > 20, "pgbench -i creates relations and extends them"
-    assert s["storage"]["values"] == sum(len(refs) for _, refs, _, _ in records) + vm_values + other > 10_000
+    wal_values = sum(len(refs) for _, refs, _, _ in records) + vm_values + other
+    assert s["storage"]["values"] == imported + wal_values and wal_values > 10_000
     # The slot keeps only what is not durable here.
     restart = lsn_int(pg.sql("select restart_lsn from pg_replication_slots where slot_name = 'pageserver'"))
     assert resumed <= restart <= durable
@@ -124,7 +135,7 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
         assert e.value.name == "invalid_request" and "wal_source" in str(e.value), e.value
     assert ps.http.tenant_status(tenant)["storage"]["values"] == s["storage"]["values"]
     metrics = ps.http.metrics()
-    assert metrics.value("pageserver_wal_receiver_values_total") == s["storage"]["values"]
+    assert metrics.value("pageserver_wal_receiver_values_total") == s["storage"]["values"] - imported
     assert metrics.value("pageserver_page_service_errors_total", code="unsupported_record") >= 1
     assert metrics.value("pageserver_wal_redo_requests_total", result="unsupported") >= 1
 
@@ -132,7 +143,9 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
 def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pageserver_factory):
     ps = pageserver_factory(compaction="off")
     tenant = ps.create_tenant()
-    resumed = attach(ps, tenant, pg)["resumed_at"]
+    status = attach(ps, tenant, pg)
+    resumed, imported = status["resumed_at"], status["import"]["values"]
+    at_attach = fork_sizes(pg, "true")
     pg.pgbench("-i", "-s", "1", "-q")
     load = subprocess.Popen(pg._cmd("pgbench", "-h", str(pg.sockdir), "-p", str(pg.port), "-c", "2", "-j", "2",
                                     "-T", "6", "-n", "postgres"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -148,7 +161,7 @@ def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pa
             load.kill()
     s = caught_up(ps, tenant, pg)
     assert s["wal_source"]["resumed_at"] > resumed, "the second connection resumed where the first stopped"
-    assert s["storage"]["values"] == expected_values(pg, resumed, s["wal_source"]["durable_lsn"])
+    assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"], at_attach)
     # A restart of PostgreSQL: the receiver sees the stream end, reconnects, and goes on.
     ps.allowed_errors.append(".*WAL receiver: .*")
     pg.stop()
@@ -157,7 +170,7 @@ def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pa
     s = caught_up(ps, tenant, pg)
     assert s["wal_source"]["reconnects"] >= 1 and s["wal_source"]["state"] == "streaming", s["wal_source"]
     assert s["wal_source"]["error"] is None, "streaming again clears the last error"
-    assert s["storage"]["values"] == expected_values(pg, resumed, s["wal_source"]["durable_lsn"])
+    assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"], at_attach)
 
 
 def test_bad_sources_are_refused_or_reported_and_detach_stops(pg, pageserver_factory):
@@ -191,44 +204,62 @@ def test_bad_sources_are_refused_or_reported_and_detach_stops(pg, pageserver_fac
                timeout=10, desc="the slot to be released")
 
 
-def test_compaction_keeps_what_the_child_cannot_redo_yet_and_goes_on(pg, pageserver_factory):
+def test_compaction_and_gc_keep_what_the_child_cannot_redo_yet_and_every_page_above_the_cutoff(
+        pg, pageserver_factory):
     # Chains of two records already ask for an image, which the child cannot make from
-    # PostgreSQL records yet: the pass must keep those values as they are and go on.
-    ps = pageserver_factory(compaction="off", compaction_image_threshold=2)
+    # PostgreSQL records yet: the pass must keep those values as they are and go on. A GC
+    # horizon of 4 MiB puts the cutoff inside the run: what lies below it and is covered by a
+    # newer image at or below it goes (the imported images of pages logged again since, older
+    # full-page images), the newest image at or below the cutoff stays under what is kept.
+    ps = pageserver_factory(compaction="off", compaction_image_threshold=2, gc_horizon=4 << 20)
     tenant = ps.create_tenant()
     resumed = attach(ps, tenant, pg)["resumed_at"]
     pg.pgbench("-i", "-s", "1", "-q")
     pg.pgbench("-c", "2", "-j", "2", "-T", "2", "-n")
+    # After a checkpoint, each page's first change logs its image: about 8 MiB of them.
+    pg.sql("CHECKPOINT")
+    pg.sql("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 100 = 0")
     s = caught_up(ps, tenant, pg)
     durable = s["wal_source"]["durable_lsn"]
+    cutoff = durable - (4 << 20)
     records = [r for r in waldump_records(pg, resumed, durable) if r[0] >= resumed]
     fpis = [(records[i][0], records[i + 1][0], key) for i in range(len(records) - 1)
             for key, applied in records[i][1] if applied]
+    kept = [f for f in fpis if f[1] >= cutoff]
+    assert len(kept) > 10 and any(f[1] < cutoff for f in fpis), "full-page images on both sides of the cutoff"
+    keys_before = ps.http.request("GET", f"/v1/tenant/{tenant}/keyspace").body["keys"]
     with ps.connect(tenant) as conn:
-        before = {(n, k): conn.get_page(k, n) for _, n, k in fpis[:: max(1, len(fpis) // 50)]}
+        before = {(n, k): conn.get_page(k, n) for _, n, k in kept[:: max(1, len(kept) // 50)]}
     r = ps.http.request("POST", f"/v1/tenant/{tenant}/compact")
     assert r.status == 200, r.body
     p = r.body["pass"]
     assert p["image_failures"] > 0 and p["images_created"] == 0, p
-    assert p["values_dropped"] == 0 and p["values_written"] == p["input_values"], p
+    assert p["gc_cutoff"] >= cutoff and p["values_dropped"] > 0, p
+    assert p["values_written"] == p["input_values"] - p["values_dropped"], p
     after = ps.http.tenant_status(tenant)
-    assert after["storage"]["values"] == s["storage"]["values"]
+    assert after["storage"]["values"] == s["storage"]["values"] - p["values_dropped"]
     assert after["compaction"]["last_error"] is None
+    # No key lost its last value: every page keeps its base.
+    assert ps.http.request("GET", f"/v1/tenant/{tenant}/keyspace").body["keys"] == keys_before
     with ps.connect(tenant) as conn:
         for (lsn, key), page in before.items():
             assert conn.get_page(key, lsn) == page, (key, lsn_text(lsn))
+        with pytest.raises(PageServiceError) as e:
+            conn.get_page(fpis[0][2], fpis[0][1])
+        assert e.value.name == "below_gc_cutoff", e.value
 
 
 def fork_sizes(pg: Postgres, where: str) -> dict:
     """{((spc, db, relfilenode), fork): blocks or None (no such file)} of the relations of
-    database `postgres` that `where` selects, from the primary's own files (`pg_stat_file`:
+    database `postgres` (the shared catalogs included) that `where` selects, from the primary's own files (`pg_stat_file`:
     `pg_relation_size` says 0 for a fork that does not exist)."""
     rows = pg.sql(f"""
-        select c.relfilenode, coalesce(nullif(c.reltablespace, 0), 1663), d.oid, f.fork,
+        select pg_relation_filenode(c.oid), coalesce(nullif(c.reltablespace, 0), 1663),
+               case when c.reltablespace = 1664 then 0 else d.oid end, f.fork,
                (pg_stat_file(pg_relation_filepath(c.oid) || f.suffix, true)).size
         from pg_class c, pg_database d,
              (values (0, ''), (1, '_fsm'), (2, '_vm'), (3, '_init')) f(fork, suffix)
-        where d.datname = 'postgres' and c.relfilenode <> 0 and ({where})""")
+        where d.datname = 'postgres' and pg_relation_filenode(c.oid) is not null and ({where})""")
     out = {}
     for line in rows.splitlines():
         rel, spc, db, fork, size = line.split("|")
@@ -241,7 +272,7 @@ def vm_bits_all_clear(pg: Postgres, relfilenode: int) -> bool:
     the 24-byte header, then the bits)."""
     data = bytes.fromhex(pg.sql(
         "select encode(pg_read_binary_file(pg_relation_filepath(oid) || '_vm'), 'hex') "
-        f"from pg_class where relfilenode = {relfilenode}"))
+        f"from pg_class where pg_relation_filenode(oid) = {relfilenode}"))
     assert data and len(data) % 8192 == 0
     return all(not any(data[p + 24:p + 8192]) for p in range(0, len(data), 8192))
 
@@ -265,7 +296,7 @@ def test_relation_sizes_follow_the_wal_at_every_lsn(pg, pageserver_factory):
     pg.sql("CREATE TABLE t (i int primary key, s text)")
     pg.sql("INSERT INTO t SELECT i, repeat('x', 500) FROM generate_series(1, 20000) i")
     pg.sql("VACUUM t")
-    t_rel = int(pg.sql("select relfilenode from pg_class where relname = 't'"))
+    t_rel = int(pg.sql("select pg_relation_filenode('t')"))
     before_truncate = {k: v for k, v in fork_sizes(pg, "c.relname = 't'").items()}
     lsn_before = lsn_int(pg.sql("select pg_current_wal_insert_lsn()"))
     # VACUUM after deleting the tail truncates the heap, its visibility map and its free space map.
@@ -283,9 +314,9 @@ def test_relation_sizes_follow_the_wal_at_every_lsn(pg, pageserver_factory):
     s = caught_up(ps, tenant, pg)
     end = s["wal_source"]["durable_lsn"]
     db = int(pg.sql("select oid from pg_database where datname = 'postgres'"))
-    # Every relation created after the attach (user relations: relfilenodes from 16384 on).
-    primary = fork_sizes(pg, "c.relfilenode >= 16384")
-    assert len(primary) >= 4 * 10
+    # Every relation: the imported catalogs, and those created after the attach.
+    primary = fork_sizes(pg, "true")
+    assert len(primary) >= 4 * 300
     with ps.connect(tenant) as conn:
         served = served_sizes(conn, primary, end)
         # The free space map is not WAL-logged (a standby builds its own): it exists here only

@@ -243,6 +243,14 @@ impl Timeline {
         Lsn(self.shared.gc_cutoff.load(Ordering::Relaxed))
     }
 
+    /// Raises the GC cutoff to at least `lsn` (in memory; a compaction pass makes it durable,
+    /// and the caller says it again after a restart until then): a timeline whose history
+    /// starts at `lsn` (a PostgreSQL base backup imported, consistent from its end) refuses
+    /// reads below it as it refuses reads below what GC dropped.
+    pub fn raise_gc_cutoff(&self, lsn: Lsn) {
+        self.shared.gc_cutoff.fetch_max(lsn.0, Ordering::Relaxed);
+    }
+
     /// Fails for an LSN below the GC cutoff. Checked after a lookup: the cutoff is raised before
     /// compaction drops anything, so a lookup it does not refuse saw every value it needs.
     fn check_retained(&self, lsn: Lsn) -> Result<(), GetError> {

@@ -27,9 +27,18 @@
 //! put the receiver in the `error` state with its reason and it tries again with backoff (100
 //! ms doubling to 10 s); no panic, nothing acknowledged is lost.
 //!
-//! Not built yet (ARCHITECTURE.md): the initial import by base backup (a tenant attached to an
-//! existing cluster serves only the pages the WAL touches from the attach on) and relation
-//! sizes.
+//! **The initial import.** A source without a position (newly attached) first takes a base
+//! backup over the same connection, after creating the slot (which reserves the WAL from
+//! before the backup's start): [`import`] turns its archives into values (every block of every
+//! relation fork, the relation sizes, the SLRU pages, `pg_control`, the relation maps), stored
+//! in batches at LSNs 1, 2, 3.. (below any WAL position: PostgreSQL's WAL starts at 16 MiB),
+//! then streaming starts at the backup's start. The backup's pages are fuzzy until its end
+//! LSN (pages copied while being written; the WAL from the start repairs them with full-page
+//! images): the tenant's history starts there, its GC cutoff is raised to it. The source file
+//! records the import before it begins and when it is complete; an import interrupted (an
+//! error, a kill -9) begins again with a new backup at the next LSNs, and ends by marking
+//! dropped every relation fork the interrupted attempt stored a size for that the new backup
+//! does not have, so nothing of the old attempt is seen above the new one.
 //!
 //! Layer: under `tenant`; it uses `storage` and `page_types::wal`, never `tenants`,
 //! `page_service` or `http`.
@@ -52,9 +61,13 @@ use tokio_util::sync::CancellationToken;
 
 use prometheus::{IntCounter, Registry};
 
-use crate::storage::{IngestBatch, IngestError, Lsn, Timeline};
+use bytes::Bytes;
+use page_types::keys;
+use page_types::BufferTag;
+
+use crate::storage::{IngestBatch, IngestError, Lsn, Timeline, Value};
 use crate::util::lock;
-use pq::{ReplicationConn, ReplicationMessage};
+use pq::{BackupMessage, ReplicationConn, ReplicationMessage};
 
 /// The file in the tenant's directory that holds its WAL source.
 pub const SOURCE_FILE: &str = "wal_source.json";
@@ -111,6 +124,20 @@ pub struct SourceFile {
     /// The end of the last record whose values are durable.
     #[serde(default)]
     pub position: Option<u64>,
+    /// The initial import, from the moment it begins.
+    #[serde(default)]
+    pub import: Option<ImportRecord>,
+}
+
+/// The initial import of a source's tenant (`wal_source.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImportRecord {
+    /// Attempts begun (the last one may have been interrupted).
+    pub attempts: u32,
+    /// The backup's start and end LSNs, once an attempt is complete.
+    pub start_lsn: Option<u64>,
+    pub end_lsn: Option<u64>,
 }
 
 /// Reads the tenant's source file; `Ok(None)` if it has none.
@@ -183,6 +210,8 @@ impl WalReceiverMetrics {
 #[serde(rename_all = "lowercase")]
 pub enum ReceiverState {
     Connecting,
+    /// Taking the initial base backup.
+    Importing,
     Streaming,
     Error,
 }
@@ -211,6 +240,26 @@ pub struct WalSourceStatus {
     pub last_message: Option<String>,
     /// Connection attempts after the first.
     pub reconnects: u64,
+    /// The initial import (none for a source attached before it existed).
+    pub import: Option<ImportStatus>,
+}
+
+/// `wal_source.import` in the tenant status.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ImportStatus {
+    /// Running, or done.
+    pub done: bool,
+    pub attempts: u32,
+    /// The backup's start LSN (streaming starts there) and end LSN (the tenant's history, and
+    /// its GC cutoff, start there), once known.
+    pub start_lsn: Option<u64>,
+    pub end_lsn: Option<u64>,
+    /// The backup's bytes received, and the server's estimate of its size.
+    pub bytes: u64,
+    pub estimated_bytes: u64,
+    pub files: u64,
+    /// Values stored (relation pages, sizes, SLRU pages, files).
+    pub values: u64,
 }
 
 struct Shared {
@@ -252,12 +301,22 @@ impl WalReceiver {
                 lag_bytes: 0,
                 last_message: None,
                 reconnects: 0,
+                import: file.import.as_ref().map(|i| ImportStatus {
+                    done: i.end_lsn.is_some(),
+                    attempts: i.attempts,
+                    start_lsn: i.start_lsn,
+                    end_lsn: i.end_lsn,
+                    ..ImportStatus::default()
+                }),
             },
             last_message: None,
         }));
         if let Some(position) = file.position {
             // Everything up to the position is stored (the file is written after the values).
             timeline.advance_durable(Lsn(position));
+        }
+        if let Some(end) = file.import.as_ref().and_then(|i| i.end_lsn) {
+            timeline.raise_gc_cutoff(Lsn(end));
         }
         let cancel = tenant_cancel.child_token();
         let source = file.source.clone();
@@ -299,6 +358,56 @@ impl WalReceiver {
 impl Drop for WalReceiver {
     fn drop(&mut self) {
         self.cancel.cancel();
+    }
+}
+
+/// The label of the receiver's base backups on the server.
+const IMPORT_LABEL: &str = "pageserver import";
+
+/// The import's batches: each at the next LSN from just above what storage holds, all below
+/// the backup's start; up to [`MAX_IN_FLIGHT`] in flight.
+struct ImportBatches<'a> {
+    timeline: &'a Timeline,
+    next_lsn: u64,
+    below: Lsn,
+    in_flight: VecDeque<Durable>,
+    /// Values stored so far.
+    values: u64,
+}
+
+impl<'a> ImportBatches<'a> {
+    fn new(timeline: &'a Timeline, below: Lsn) -> anyhow::Result<ImportBatches<'a>> {
+        let next_lsn = timeline.last_durable_lsn().0 + 1;
+        Ok(ImportBatches { timeline, next_lsn, below, in_flight: VecDeque::new(), values: 0 })
+    }
+
+    async fn store(&mut self, values: Vec<(BufferTag, Bytes)>) -> anyhow::Result<()> {
+        if values.is_empty() {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Lsn(self.next_lsn) < self.below,
+            "the import needs more batches than there are LSNs below the backup's start {}",
+            self.below
+        );
+        let lsn = Lsn(self.next_lsn);
+        self.next_lsn += 1;
+        self.values += values.len() as u64;
+        let batch =
+            IngestBatch { values: values.into_iter().map(|(k, v)| (k, lsn, Value::Image(v))).collect() };
+        let durable = self.timeline.submit(batch).await.context("store imported values")?;
+        self.in_flight.push_back(tokio::spawn(durable));
+        self.settle(MAX_IN_FLIGHT).await
+    }
+
+    /// Waits until at most `keep` batches are in flight.
+    async fn settle(&mut self, keep: usize) -> anyhow::Result<()> {
+        while self.in_flight.len() > keep {
+            if let Some(durable) = self.in_flight.pop_front() {
+                durable.await.context("ingest task")?.context("store imported values")?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -435,21 +544,16 @@ impl Task {
         if created {
             tracing::info!(slot = self.file.source.slot, "created the replication slot");
         }
-        let durable_storage = self.timeline.last_durable_lsn().0;
-        let resume = match self.file.position {
-            Some(position) => position.max(durable_storage),
-            // A new source: from the primary's current position (no base backup yet).
-            None => system.xlog_pos.0.max(durable_storage),
-        };
-        if self.file.system_id.is_none() || self.file.timeline.is_none() || self.file.position.is_none() {
+        if self.file.system_id.is_none() || self.file.timeline.is_none() {
             self.file.system_id = Some(system.system_id.clone());
             self.file.timeline = Some(system.timeline);
-            self.file.position = Some(resume);
-            let (dir, file) = (self.dir.clone(), self.file.clone());
-            tokio::task::spawn_blocking(move || write_source_file(&dir, &file))
-                .await
-                .context("write task")??;
+            self.write_file().await?;
         }
+        if self.file.position.is_none() {
+            self.import(&mut conn, system.timeline).await.context("import the base backup")?;
+        }
+        let durable_storage = self.timeline.last_durable_lsn().0;
+        let resume = self.file.position.unwrap_or(0).max(durable_storage);
         let start = Lsn(resume - resume % WAL_PAGE);
         conn.start_replication(&self.file.source.slot, start, system.timeline)
             .await
@@ -613,14 +717,129 @@ impl Task {
         Ok(())
     }
 
+    /// Writes the source file durably.
+    async fn write_file(&self) -> anyhow::Result<()> {
+        let (dir, file) = (self.dir.clone(), self.file.clone());
+        tokio::task::spawn_blocking(move || write_source_file(&dir, &file)).await.context("write task")?
+    }
+
+    /// The initial import: a base backup over `conn` into storage (see the module doc). On
+    /// success the source file has the backup's LSNs and the position at its start.
+    async fn import(&mut self, conn: &mut ReplicationConn, timeline: u32) -> anyhow::Result<()> {
+        let previous = self.file.import.clone();
+        if previous.is_none() {
+            anyhow::ensure!(
+                self.timeline.stats().values == 0,
+                "the tenant holds values already; a PostgreSQL source imports its cluster into a new tenant"
+            );
+        }
+        let attempts = previous.as_ref().map_or(0, |i| i.attempts) + 1;
+        self.file.import = Some(ImportRecord { attempts, start_lsn: None, end_lsn: None });
+        self.write_file().await?;
+        // The relation sizes an interrupted attempt may have stored.
+        let stale: Vec<BufferTag> = if previous.is_some() {
+            let tl = Arc::clone(&self.timeline);
+            tokio::task::spawn_blocking(move || tl.keyspace())
+                .await
+                .context("key space task")?
+                .into_iter()
+                .map(|(key, _)| key)
+                .filter(|key| matches!(keys::classify(key), keys::KeyKind::RelSize { .. }))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let set_status = |shared: &Mutex<Shared>, f: &dyn Fn(&mut ImportStatus)| {
+            let mut shared = lock(shared);
+            f(shared.status.import.get_or_insert_with(ImportStatus::default));
+        };
+        {
+            let mut shared = lock(&self.shared);
+            shared.status.state = ReceiverState::Importing;
+            shared.status.import = Some(ImportStatus { attempts, ..ImportStatus::default() });
+        }
+        let begun = Instant::now();
+        let backup = conn.base_backup(IMPORT_LABEL).await.context("BASE_BACKUP")?;
+        anyhow::ensure!(
+            backup.timeline == timeline,
+            "the backup is of timeline {}, the server said {timeline}",
+            backup.timeline
+        );
+        let estimated = backup.tablespaces.iter().filter_map(|t| t.size_kb).sum::<u64>() * 1024;
+        set_status(&self.shared, &|i| {
+            i.start_lsn = Some(backup.start_lsn.0);
+            i.estimated_bytes = estimated;
+        });
+        tracing::info!(start = %backup.start_lsn, attempt = attempts, "importing a base backup");
+        let mut importer = import::Importer::new();
+        let mut batches = ImportBatches::new(&self.timeline, backup.start_lsn)?;
+        let end = loop {
+            let message = tokio::select! {
+                m = conn.next_backup_message() => m.context("base backup stream")?,
+                () = self.cancel.cancelled() => anyhow::bail!("the import was cancelled"),
+            };
+            match message {
+                BackupMessage::Archive { name, location } => {
+                    importer.begin_archive(&name, location.as_deref())?
+                }
+                BackupMessage::Data(data) => {
+                    importer.feed(&data)?;
+                    while let Some(values) = importer.next_batch()? {
+                        batches.store(values).await?;
+                    }
+                }
+                BackupMessage::Progress(_) => {}
+                BackupMessage::End { end_lsn, timeline: end_timeline } => {
+                    anyhow::ensure!(end_timeline == timeline, "the backup ended on timeline {end_timeline}");
+                    break end_lsn;
+                }
+            }
+            let (progress, stored) = (importer.progress().clone(), batches.values);
+            set_status(&self.shared, &|i| {
+                i.bytes = progress.bytes;
+                i.files = progress.files;
+                i.values = stored;
+            });
+        };
+        let mut last = importer.finish()?;
+        let sized: std::collections::HashSet<BufferTag> = last.iter().map(|(k, _)| *k).collect();
+        last.extend(
+            stale
+                .into_iter()
+                .filter(|k| !sized.contains(k))
+                .map(|k| (k, Bytes::from(keys::encode_rel_size(None)))),
+        );
+        for chunk in last.chunks(4096) {
+            batches.store(chunk.to_vec()).await?;
+        }
+        batches.settle(0).await?;
+        let progress = importer.progress().clone();
+        self.file.import =
+            Some(ImportRecord { attempts, start_lsn: Some(backup.start_lsn.0), end_lsn: Some(end.0) });
+        self.file.position = Some(backup.start_lsn.0);
+        self.write_file().await?;
+        self.timeline.advance_durable(backup.start_lsn);
+        self.timeline.raise_gc_cutoff(end);
+        let stored = batches.values;
+        set_status(&self.shared, &|i| {
+            i.done = true;
+            i.end_lsn = Some(end.0);
+            i.bytes = progress.bytes;
+            i.files = progress.files;
+            i.values = stored;
+        });
+        tracing::info!(
+            start = %backup.start_lsn, end = %end, files = progress.files, bytes = progress.bytes,
+            values = stored, seconds = begun.elapsed().as_secs_f64(), "imported the base backup"
+        );
+        Ok(())
+    }
+
     /// Makes `processed` the durable position (the source file), if it moved.
     async fn persist(&mut self, processed: u64, persisted: &mut u64) -> anyhow::Result<()> {
         if processed > *persisted {
             self.file.position = Some(processed);
-            let (dir, file) = (self.dir.clone(), self.file.clone());
-            tokio::task::spawn_blocking(move || write_source_file(&dir, &file))
-                .await
-                .context("write task")??;
+            self.write_file().await?;
             *persisted = processed;
             lock(&self.shared).status.durable_lsn = processed;
         }
@@ -642,13 +861,18 @@ mod tests {
             system_id: Some("7309".into()),
             timeline: Some(1),
             position: Some(0x1_0000_0028),
+            import: Some(ImportRecord {
+                attempts: 2,
+                start_lsn: Some(0x1_0000_0000),
+                end_lsn: Some(0x1_0000_0100),
+            }),
         };
         write_source_file(dir.path(), &file).unwrap();
         assert_eq!(read_source_file(dir.path()).unwrap(), Some(file));
         std::fs::write(dir.path().join(SOURCE_FILE), r#"{"postgres": "host=h user=u", "slot": "s"}"#)
             .unwrap();
         let minimal = read_source_file(dir.path()).unwrap().unwrap();
-        assert_eq!((minimal.system_id, minimal.position), (None, None));
+        assert_eq!((minimal.system_id, minimal.position, minimal.import), (None, None, None));
         std::fs::write(dir.path().join(SOURCE_FILE), r#"{"postgres": "x", "slot": "s", "extra": 1}"#)
             .unwrap();
         assert!(read_source_file(dir.path()).is_err());
