@@ -15,12 +15,17 @@
 //! `target` is the block id the value is for; flags: [`FLAG_WILL_INIT`], [`FLAG_HAS_DATA`] (the
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
-//! This child decodes the family and applies none of it yet: each record fails its request
-//! with `unsupported_record`, naming the resource manager and record type. Redo of heap,
-//! heap2, btree and the visibility map comes in this module's directory.
+//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`visibilitymap`]); a record it
+//! does not apply yet fails its request with `unsupported_record`, naming the resource manager
+//! and record type.
 //!
 //! Invariants: pure, no I/O; [`Pg15Record::decode`] never panics on input and checks every
 //! length; [`Pg15Record::encode`] never writes more than [`MAX_RECORD_LEN`] bytes.
+
+pub mod btree;
+pub mod heap;
+pub mod redo;
+pub mod visibilitymap;
 
 use page_types::MAX_RECORD_LEN;
 
@@ -337,19 +342,6 @@ impl VmClear {
 
     pub fn type_name(&self) -> String {
         format!("{} (its visibility-map clear)", record_type_name(self.rmid, self.info))
-    }
-}
-
-/// What a record of the PostgreSQL families is, for a child that applies none of them yet:
-/// `None` if `bytes` is of neither kind, else its type name or why it does not decode.
-pub fn describe(bytes: &[u8]) -> Option<Result<String, Pg15Error>> {
-    match bytes.first() {
-        Some(&KIND_PG15) => Some(
-            Pg15Record::decode(bytes)
-                .map(|r| format!("{} (rmgr {}, info {:#04x})", r.type_name(), r.rmid, r.info)),
-        ),
-        Some(&KIND_PG15_VM_CLEAR) => Some(VmClear::decode(bytes).map(|r| r.type_name())),
-        _ => None,
     }
 }
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::pg15;
+use walredo_proc::pg15::redo::RedoError;
 use walredo_proc::protocol::{BufferTag, ErrorCode, Request};
 use walredo_proc::record::Record;
 
@@ -73,16 +74,15 @@ impl RedoState {
                     self.fail(ErrorCode::BadRequest, "A without B".to_string());
                 } else if self.failed.is_none() {
                     self.started = true;
-                    // The PostgreSQL families: decoded, not applied yet; the request fails
-                    // naming what it met.
-                    if let Some(described) = pg15::describe(record) {
-                        match described {
-                            Err(e) => self
-                                .fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", fmt_lsn(lsn))),
-                            Ok(what) => self.fail(
-                                ErrorCode::UnsupportedRecord,
-                                format!("{what} at LSN {}: not applied by this walredo-proc", fmt_lsn(lsn)),
-                            ),
+                    // The PostgreSQL families.
+                    if let Some(applied) = pg15::redo::apply(record, &mut self.page) {
+                        if let Err(e) = applied {
+                            let code = match e {
+                                RedoError::Unsupported(_) => ErrorCode::UnsupportedRecord,
+                                RedoError::Malformed(_) => ErrorCode::BadRecord,
+                                RedoError::DoesNotFit(_) => ErrorCode::ApplyFailed,
+                            };
+                            self.fail(code, format!("record at LSN {}: {e}", fmt_lsn(lsn)));
                         }
                         return None;
                     }
