@@ -866,6 +866,31 @@ mod tests {
     }
 
     #[test]
+    fn split_with_a_posting_list_split_puts_the_new_posting_list_on_the_left() {
+        // hikey, a, P (TIDs 1, 3, 5 of key 2), c, d; the new item (key 2, TID 2) goes right at
+        // 4 and swaps with P's last TID.
+        let p = posting(2, &[(1, 1), (1, 3), (1, 5)]);
+        let items = [leaf_tuple(0, 0, 9), leaf_tuple(1, 9, 1), p, leaf_tuple(1, 7, 3), leaf_tuple(1, 8, 4)];
+        let mut orig = bt_page(Opaque { flags: BTP_LEAF | BTP_HAS_GARBAGE, ..leaf(6) }, &items);
+        let hikey = leaf_tuple(0, 0, 2);
+        let mut left_data = leaf_tuple(1, 2, 2);
+        left_data.extend_from_slice(&hikey);
+        let main = split_main(0, 4, 4, 1);
+        let right_img = upper_image(&[leaf_tuple(0, 0, 9), leaf_tuple(1, 5, 2), leaf_tuple(1, 7, 3)]);
+        let rec = record(XLOG_BTREE_SPLIT_R, &main, vec![block(0, 5, &left_data), block(1, 9, &right_img)]);
+        apply(&rec, 0, &mut orig).unwrap();
+        assert_eq!(items_of(&orig), vec![hikey, leaf_tuple(1, 9, 1), posting(2, &[(1, 1), (1, 2), (1, 3)])]);
+        assert_eq!(
+            Opaque::read(&orig).unwrap(),
+            Opaque { flags: BTP_LEAF | BTP_INCOMPLETE_SPLIT, ..leaf(9) }
+        );
+        let mut bad = items_of(&orig);
+        bad.truncate(1);
+        let mut short = bt_page(leaf(6), &bad);
+        assert!(apply(&rec, 0, &mut short).is_err(), "no posting list at 3");
+    }
+
+    #[test]
     fn split_r_of_an_upper_page_clears_the_childs_split() {
         let main = split_main(1, 2, 3, 0);
         let hikey = leaf_tuple(0, 0, 2);
