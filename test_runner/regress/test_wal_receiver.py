@@ -316,7 +316,7 @@ def test_relation_sizes_follow_the_wal_at_every_lsn(pg, pageserver_factory):
     db = int(pg.sql("select oid from pg_database where datname = 'postgres'"))
     # Every relation: the imported catalogs, and those created after the attach.
     primary = fork_sizes(pg, "true")
-    assert len(primary) >= 4 * 300
+    assert len(primary) >= 4 * 250, "every relation of the database, catalogs included"
     with ps.connect(tenant) as conn:
         served = served_sizes(conn, primary, end)
         # The free space map is not WAL-logged (a standby builds its own): it exists here only

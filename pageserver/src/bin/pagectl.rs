@@ -17,6 +17,12 @@
 //!   storing it ([`basebackup`]); prints one JSON object: the start and end LSNs, the values
 //!   per class, and with `--list` every file with its size and class.
 //!
+//! - `pagectl redocheck [--start X/X] [--end X/X] [--show N] <pg_wal dir or segments...>`
+//!   applies every record of WAL written with `wal_consistency_checking` with the redo child's
+//!   PostgreSQL redo and compares each page with PostgreSQL's check image ([`redocheck`]);
+//!   prints one JSON object of matches per record type, apply times and the first
+//!   differences; exit status 1 when any page differs or any apply failed.
+//!
 //! This file only parses arguments and maps the outcome to an exit status: 0 when the WAL asked
 //! for was read to its end (the end of the range, or the end of readable WAL: zeros, a recycled
 //! segment, a record cut off by the end of the last file); 1 with the message on stderr for any
@@ -33,6 +39,8 @@ use page_types::Lsn;
 mod basebackup;
 #[path = "pagectl/receivewal.rs"]
 mod receivewal;
+#[path = "pagectl/redocheck.rs"]
+mod redocheck;
 #[path = "pagectl/waldump.rs"]
 mod waldump;
 
@@ -81,6 +89,22 @@ enum Command {
         /// Directory for the segment files (created if missing).
         #[arg(long)]
         dir: PathBuf,
+    },
+    /// Apply PostgreSQL 15 WAL written with wal_consistency_checking with the redo child's
+    /// redo, record by record, and compare each page with PostgreSQL's check image.
+    Redocheck {
+        /// First record (default: the first that starts in the first segment).
+        #[arg(long)]
+        start: Option<Lsn>,
+        /// Stop before the first record that does not end at or below this LSN.
+        #[arg(long)]
+        end: Option<Lsn>,
+        /// How many differences and failures to print.
+        #[arg(long, default_value_t = 10)]
+        show: usize,
+        /// A pg_wal directory, or segment files.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
     },
     /// Take a base backup of a PostgreSQL 15 server and run it through the importer without
     /// storing it; prints a JSON summary (start and end LSNs, values per class).
@@ -137,6 +161,26 @@ fn main() -> ExitCode {
                 Err(e) => {
                     use std::io::Write as _;
                     let _ = writeln!(std::io::stderr(), "pagectl receivewal: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Command::Redocheck { start, end, show, paths } => {
+            let args = redocheck::Args { paths, start, end, show };
+            match redocheck::run(&args) {
+                Ok(report) => {
+                    println!("{report}");
+                    let clean = report["differences"].as_array().is_some_and(|d| d.is_empty())
+                        && report["failures"].as_array().is_some_and(|f| f.is_empty());
+                    if clean {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    }
+                }
+                Err(e) => {
+                    use std::io::Write as _;
+                    let _ = writeln!(std::io::stderr(), "pagectl redocheck: {e:#}");
                     ExitCode::from(1)
                 }
             }

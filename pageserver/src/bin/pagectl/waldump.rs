@@ -209,16 +209,41 @@ fn record_line(rec: &DecodedRecord) -> String {
 
 /// Reads the WAL `args` name and writes what it decodes to `out`.
 pub fn run(args: &Args, out: &mut dyn Write) -> anyhow::Result<()> {
-    let segments = find_segments(&args.paths)?;
+    let mut stats = Stats::default();
+    let start = for_each_record(&args.paths, args.start, args.end, &mut |rec| {
+        if args.stats {
+            stats.add(rec);
+            true
+        } else {
+            // stdout went away (`| head`): nothing more to say
+            writeln!(out, "{}", record_line(rec)).is_ok()
+        }
+    })?;
+    if args.stats {
+        let _ = writeln!(out, "{}", stats.to_json(start));
+    }
+    Ok(())
+}
+
+/// Calls `each` with every record of the range (see the module doc) in order, until it says
+/// `false`; returns the start used.
+pub fn for_each_record(
+    paths: &[PathBuf],
+    start: Option<Lsn>,
+    end: Option<Lsn>,
+    each: &mut dyn FnMut(&DecodedRecord) -> bool,
+) -> anyhow::Result<Lsn> {
+    let segments = find_segments(paths)?;
     let first = segments.first().context("no segment files")?;
     let seg_size = read_segment_size(&first.path)?;
     let seg = u64::from(seg_size);
     let first_start = Lsn(first.segno(seg_size).saturating_mul(seg));
-    let start = args.start.unwrap_or(first_start);
-    if start.is_reserved() && args.start.is_some() {
+    let asked = start.is_some();
+    let start = start.unwrap_or(first_start);
+    if start.is_reserved() && asked {
         bail!("--start {start} is not a WAL position");
     }
-    let end = args.end.unwrap_or(Lsn::LATEST);
+    let end = end.unwrap_or(Lsn::LATEST);
     let start_segno = start.0 / seg;
     let Some(index) = segments.iter().position(|s| s.segno(seg_size) == start_segno) else {
         bail!("no segment file holds the start {start} (the first is {})", first.path.display());
@@ -227,7 +252,6 @@ pub fn run(args: &Args, out: &mut dyn Write) -> anyhow::Result<()> {
     let page_start = start.0 - start.0 % WAL_PAGE_SIZE;
     let mut decoder =
         WalDecoder::with_segment_size(Lsn(page_start), seg_size).context("start the decoder")?;
-    let mut stats = Stats::default();
     let mut buf = vec![0u8; READ_CHUNK];
     'files: for (expected_segno, segment) in (start_segno..).zip(segments.get(index..).unwrap_or_default()) {
         if segment.segno(seg_size) != expected_segno {
@@ -257,10 +281,8 @@ pub fn run(args: &Args, out: &mut dyn Write) -> anyhow::Result<()> {
                         if rec.end_lsn > end {
                             break 'files; // as pg_waldump: only records wholly below --end
                         }
-                        if args.stats {
-                            stats.add(&rec);
-                        } else if writeln!(out, "{}", record_line(&rec)).is_err() {
-                            return Ok(()); // stdout went away (`| head`): nothing more to say
+                        if !each(&rec) {
+                            break 'files;
                         }
                     }
                     Ok(None) => break,
@@ -273,10 +295,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> anyhow::Result<()> {
             break; // a short file: nothing after it can follow on
         }
     }
-    if args.stats {
-        let _ = writeln!(out, "{}", stats.to_json(start));
-    }
-    Ok(())
+    Ok(start)
 }
 
 #[cfg(test)]

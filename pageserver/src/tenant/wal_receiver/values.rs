@@ -370,7 +370,10 @@ fn fsm_blocks_after_truncate(heap_blocks: u32) -> u32 {
 }
 
 /// Appends the values of `record`'s block references and the visibility-map pages it clears.
-fn block_values(record: &DecodedRecord, out: &mut Vec<(BufferTag, Lsn, Value)>) -> Result<(), ValueError> {
+pub fn block_values(
+    record: &DecodedRecord,
+    out: &mut Vec<(BufferTag, Lsn, Value)>,
+) -> Result<(), ValueError> {
     let lsn = record.end_lsn;
     let headers: Vec<BlockHeader<'_>> = record
         .blocks
