@@ -23,6 +23,7 @@
 //! length; [`Pg15Record::encode`] never writes more than [`MAX_RECORD_LEN`] bytes.
 
 pub mod btree;
+pub mod bufpage;
 pub mod heap;
 pub mod redo;
 pub mod visibilitymap;
