@@ -687,6 +687,22 @@ mod tests {
     }
 
     #[test]
+    fn repair_fragmentation_not_presorted_with_few_survivors_copies_each_through_scratch() {
+        let mut page = with_items(&[8; 12]);
+        // Offsets: lp n at 8192 - 8n. Keep lp 3 (pointing at lp 11's bytes) and lp 9 (at lp 2's).
+        for n in 1..=12 {
+            set_item_id(&mut page, n, ItemId { off: 0, flags: crate::page::LP_DEAD, len: 0 }).unwrap();
+        }
+        set_item_id(&mut page, 3, ItemId { off: 8192 - 88, flags: LP_NORMAL, len: 8 }).unwrap();
+        set_item_id(&mut page, 9, ItemId { off: 8192 - 16, flags: LP_NORMAL, len: 8 }).unwrap();
+        page_repair_fragmentation(&mut page).unwrap();
+        assert_eq!(lp(&page, 3), (8184, LP_NORMAL, 8));
+        assert_eq!(lp(&page, 9), (8176, LP_NORMAL, 8));
+        assert_eq!((&page[8184..8192], &page[8176..8184]), (&[11u8; 8][..], &[2u8; 8][..]));
+        assert_eq!(bounds(&page), (72, 8176, 8192));
+    }
+
+    #[test]
     fn repair_fragmentation_truncates_trailing_unused_line_pointers() {
         let mut page = with_items(&[8, 8, 8]);
         set_pd_flags(&mut page, PD_HAS_FREE_LINES);

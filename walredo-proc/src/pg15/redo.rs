@@ -4,7 +4,8 @@
 //!
 //! [`apply`] decodes the record and dispatches on its resource manager: [`super::heap`]
 //! (Heap and Heap2, with the heap side of VISIBLE), [`super::btree`] (Btree),
-//! [`super::visibilitymap`] (the map page of VISIBLE, and the derived [`super::VmClear`]).
+//! [`super::visibilitymap`] (the map page of VISIBLE, and the derived [`super::VmClear`] and
+//! [`super::VmTruncate`]).
 //! A record of another resource manager, or of a type not applied yet, is
 //! [`RedoError::Unsupported`] naming it.
 //!
@@ -19,7 +20,7 @@
 //! (corrupt input, or a page that is not what the WAL expects), never a page silently made
 //! different.
 
-use super::{Pg15Record, VmClear, KIND_PG15, KIND_PG15_VM_CLEAR};
+use super::{Pg15Record, VmClear, VmTruncate, KIND_PG15, KIND_PG15_VM_CLEAR, KIND_PG15_VM_TRUNCATE};
 use crate::page::Page;
 
 /// Why a record was not applied.
@@ -67,6 +68,11 @@ pub fn apply(bytes: &[u8], page: &mut Page) -> Option<Result<(), RedoError>> {
             VmClear::decode(bytes)
                 .map_err(|e| RedoError::Malformed(e.to_string()))
                 .and_then(|clear| super::visibilitymap::apply_clear(&clear, page)),
+        ),
+        Some(&KIND_PG15_VM_TRUNCATE) => Some(
+            VmTruncate::decode(bytes)
+                .map_err(|e| RedoError::Malformed(e.to_string()))
+                .and_then(|t| super::visibilitymap::apply_truncate(&t, page)),
         ),
         _ => None,
     }

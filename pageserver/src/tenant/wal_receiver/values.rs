@@ -33,8 +33,8 @@ use page_types::wal::DecodedRecord;
 use page_types::{BufferTag, Lsn};
 use walredo_proc::page::{self, pd_upper, Page};
 use walredo_proc::pg15::{
-    BlockHeader, Pg15Record, VmClear, FLAG_HAD_IMAGE, FLAG_HAS_DATA, FLAG_WILL_INIT, HEAPBLOCKS_PER_VM_PAGE,
-    VM_ALL_FROZEN, VM_ALL_VISIBLE,
+    BlockHeader, Pg15Record, VmClear, VmTruncate, FLAG_HAD_IMAGE, FLAG_HAS_DATA, FLAG_WILL_INIT,
+    HEAPBLOCKS_PER_VM_PAGE, VM_ALL_FROZEN, VM_ALL_VISIBLE,
 };
 
 use crate::storage::Value;
@@ -203,6 +203,18 @@ pub fn record_values(
                 0 => blkno / HEAPBLOCKS_PER_VM_PAGE,
                 _ => blkno / HEAPBLOCKS_PER_VM_PAGE + 1,
             };
+            // The map page that keeps part of its bits gets the rest cleared, as a standby's
+            // redo does (no WAL of its own).
+            let map_page = blkno / HEAPBLOCKS_PER_VM_PAGE;
+            if flags & TRUNCATE_VM != 0
+                && blkno % HEAPBLOCKS_PER_VM_PAGE != 0
+                && sizes.get(rel, VM_FORK).is_some_and(|n| n > map_page)
+            {
+                let mut bytes = Vec::new();
+                VmTruncate { lsn: record.lsn.0, end_lsn: record.end_lsn.0, heap_blocks: blkno }
+                    .encode(&mut bytes);
+                out.push((rel.page(VM_FORK, map_page), lsn, Value::Record(Bytes::from(bytes))));
+            }
             for (flag, fork, new) in [
                 (TRUNCATE_HEAP, MAIN_FORK, blkno),
                 (TRUNCATE_VM, VM_FORK, vm),
@@ -701,6 +713,18 @@ mod tests {
         );
         // A fork already short enough is left alone.
         assert_eq!(sized(&mut sizes, &truncate), vec![]);
+        // The map page that keeps part of its bits (page 1: 40000 is inside it) gets the rest
+        // cleared, while the map reaches it.
+        sizes.insert(rel(), 2, Some(4));
+        let mut out = Vec::new();
+        record_values(&truncate, &mut sizes, &mut out).unwrap();
+        let (key, _, Value::Record(bytes)) = &out[0] else { panic!("the map value first") };
+        assert_eq!(*key, rel().page(2, 1));
+        assert_eq!(VmTruncate::decode(bytes).unwrap().heap_blocks, 40_000);
+        sizes.insert(rel(), 2, Some(1));
+        let mut out = Vec::new();
+        record_values(&truncate, &mut sizes, &mut out).unwrap();
+        assert!(out.iter().all(|(k, _, _)| !keys::is_rel_page(k)), "a map that ends before page 1: nothing");
         // A commit dropping the relation: every fork dropped.
         let mut commit = vec![0u8; 8];
         commit.extend_from_slice(&(1u32 << 2).to_le_bytes());

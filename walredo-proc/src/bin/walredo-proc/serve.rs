@@ -199,7 +199,7 @@ mod tests {
         };
         let rec = pg15::Pg15Record {
             rmid: 10,
-            info: 0x00,
+            info: 0x30,
             xid: 7,
             lsn: 0x28,
             end_lsn: 0x68,
@@ -216,7 +216,7 @@ mod tests {
             panic!("expected an error")
         };
         assert_eq!(code, ErrorCode::UnsupportedRecord);
-        assert!(message.contains("Heap INSERT") && message.contains("0/68"), "{message}");
+        assert!(message.contains("Heap TRUNCATE") && message.contains("0/68"), "{message}");
         state.handle(Request::Begin(tag(2)));
         state.handle(Request::Apply { lsn: 0x68, record: &bytes[..bytes.len() - 1] });
         assert!(matches!(
