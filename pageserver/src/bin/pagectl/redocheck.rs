@@ -284,8 +284,9 @@ fn heap_mask(page: &mut [u8]) {
     }
 }
 
-/// `btree_mask` (nbtxlog.c): LSN, checksum, hint bits, the hole; a deleted page's content; a
-/// leaf's line pointer flags; BTP_HAS_GARBAGE, BTP_SPLIT_END and the cycle id.
+/// `btree_mask` (PostgreSQL 15's nbtxlog.c): LSN, checksum, hint bits, the hole; a leaf's line
+/// pointer flags; BTP_HAS_GARBAGE, BTP_SPLIT_END and the cycle id. (Before PostgreSQL 14 it also
+/// masked a deleted page's content; 15 keeps it, with the page's safexid.)
 fn btree_mask(page: &mut [u8]) {
     mask_lsn_and_checksum(page);
     mask_hint_bits(page);
@@ -295,11 +296,7 @@ fn btree_mask(page: &mut [u8]) {
         return;
     }
     let flags = u16_at(page, special + 12) as u16;
-    if flags & 0x04 != 0 {
-        // mask_page_content: everything after the header, and pd_lower/pd_upper.
-        page[24..].fill(0);
-        page[12..16].fill(0);
-    } else if flags & 0x01 != 0 {
+    if flags & 0x01 != 0 {
         let lower = u16_at(page, 12).clamp(24, BLCKSZ);
         for at in (24..lower).step_by(4) {
             if at + 4 <= BLCKSZ {
