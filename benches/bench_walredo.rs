@@ -51,6 +51,27 @@
 //! pool (one child per CPU, at least 2) sized by the controller, which also sets the children's
 //! spin windows and, for `auto`, their path; N in {1, 2, 8, 64}.
 //!
+//! Real PostgreSQL 15 records (since 2026-11-25): `sync/<pg15>/<N>`, `async/<pg15>/<N>` and
+//! `auto/<pg15>/<N>` with `<pg15>` one of `pg15-heap-1`, `pg15-heap-10`, `pg15-heap-100`,
+//! `pg15-btree-1`, `pg15-btree-10`, `pg15-btree-100` and N in {1, 8}: the same samples as
+//! above, each request a base image (8 KiB) and the next 1, 10 or 100 record values of that
+//! block as the daemon stores them (the `pg15` family; 8.3 KB on the wire with 1 record,
+//! 9.1 KB with 10, 16.6-17.4 KB with 100, the values 70-80 bytes each), cut out of WAL of
+//! `fixtures.pg_workloads.redo_mix` with `pagectl chain` (`benches/data/README.md`): a hot heap
+//! page (pgbench_branches block 0: HOT updates, row locks, one prune in 100) and a leaf of an
+//! index of duplicates (`mix_k`: inserts and posting-list splits). The child applies them with
+//! its native redo (`walredo_proc::pg15::redo`); every reply is checked byte for byte against
+//! the same redo run here, which loading checked against PostgreSQL's own page (masked).
+//! `apply/<pg15>`: that redo in-process, no child, no pipes: criterion's plain sampling of
+//! one chain applied to a copy of the base page (the copy made outside the measured time),
+//! with the throughput in records, so the figure divided by 1, 10 or 100 is the native cost of
+//! one record, and `<kind>/<pg15>/1` minus `apply/<pg15>` is what the manager and the pipes add.
+//!
+//! Sample size, measurement and warm-up times (20, 3 s, 1 s) are criterion's defaults here, set
+//! in `criterion_group!`, so `--sample-size`, `--measurement-time` and `--warm-up-time` on the
+//! command line override them (since 2026-11-25; before, each group set them and the command
+//! line could not). Criterion's minimum sample size is 10.
+//!
 //! # How to run
 //!
 //! ```text
@@ -58,6 +79,8 @@
 //! cargo bench -p benches --bench bench_walredo -- 'short/(1|64)$'      # a subset (regex on ids)
 //! cargo bench -p benches --bench bench_walredo -- '^floor/|/1$'        # N = 1 and the floors
 //! cargo bench -p benches --bench bench_walredo -- '^(floor/echo|spin|sync)/(short/)?1$' # spin at N = 1
+//! cargo bench -p benches --bench bench_walredo -- 'pg15-'              # the PostgreSQL 15 chains
+//! cargo bench -p benches --bench bench_walredo -- '^apply/'            # native redo, in-process
 //! python3 benches/summarize.py [DIR]          # the table below, from target/criterion
 //! # investigation only: force one placement for every id (BIN = target/release/deps/bench_walredo-*)
 //! taskset -c 0 $BIN --bench                                # everything on vCPU 0
@@ -65,6 +88,8 @@
 //! ```
 //!
 //! # Results
+//!
+//! (No figures of the `pg15-*` ids and `apply/*` yet: they come from a run on an idle machine.)
 //!
 //! ## 2026-11-23, the `auto` kind (commit fb3f8d4 + spinning at one request in flight)
 //!
@@ -261,8 +286,8 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use benches::{Workload, WorkloadKind, PAGE_REPLY_LEN, TAG};
-use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
+use benches::{apply_pg15, Pg15Chain, Workload, WorkloadKind, PAGE_REPLY_LEN};
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, SamplingMode, Throughput};
 use nix::sched::{sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
 use pageserver::test_support::walredo_proc_binary;
@@ -270,6 +295,7 @@ use pageserver::walredo::pool::default_max_pool_size;
 use pageserver::walredo::{ProcessKind, WalRedoConf, WalRedoManager, WalRedoMetrics};
 use tokio::sync::Barrier;
 use tokio::task::JoinSet;
+use walredo_proc::page::Page;
 
 /// Client counts.
 const CLIENTS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
@@ -277,6 +303,8 @@ const CLIENTS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
 const POOL_CLIENTS: [usize; 4] = [1, 2, 8, 64];
 /// Load run before the measured part of every manager sample: three controller periods.
 const WARM_UP: Duration = Duration::from_millis(300);
+/// Client counts of the `pg15-*` workloads.
+const PG15_CLIENTS: [usize; 2] = [1, 8];
 /// Client counts of the spin-window variants: spinning pays at low concurrency.
 const SPIN_CLIENTS: [usize; 3] = [1, 2, 8];
 /// The spin window of `spin/*` and `spin-async/*`.
@@ -286,6 +314,8 @@ const WORKER_THREADS: usize = 2;
 /// Fewest requests per client in a sample, so that every one of the N clients takes part even
 /// when criterion asks for fewer than N iterations (during warm-up).
 const MIN_PER_CLIENT: u64 = 8;
+/// Criterion's defaults for every benchmark (in `criterion_group!`'s config, so that
+/// `--sample-size`, `--measurement-time` and `--warm-up-time` on the command line override them).
 const SAMPLE_SIZE: usize = 20;
 /// Wall time of the measurement and of the warm-up of each benchmark.
 const MEASUREMENT_TIME: Duration = Duration::from_secs(3);
@@ -297,6 +327,29 @@ fn bench_walredo(c: &mut Criterion) {
     let binary = walredo_proc_binary();
     let workloads: Vec<Arc<Workload>> =
         WorkloadKind::ALL.iter().map(|&kind| Arc::new(Workload::new(kind))).collect();
+    // Loading checks each fixture against PostgreSQL's page.
+    let pg15: Vec<Arc<Workload>> =
+        Pg15Chain::ALL.iter().map(|&chain| Arc::new(Workload::new(WorkloadKind::Pg15(chain)))).collect();
+
+    // The native redo cost: the chain applied in-process, no child, no pipes.
+    let mut apply = c.benchmark_group("apply");
+    for workload in &pg15 {
+        let base: Box<Page> = workload
+            .base
+            .as_deref()
+            .and_then(|b| <&Page>::try_from(b).ok())
+            .map(|b| Box::new(*b))
+            .expect("a pg15 workload has a base page");
+        apply.throughput(Throughput::Elements(workload.records.len() as u64));
+        apply.bench_function(workload.kind.name(), |b| {
+            b.iter_batched_ref(
+                || base.clone(),
+                |page| apply_pg15(page, &workload.records).expect("the chain applies"),
+                BatchSize::SmallInput,
+            )
+        });
+    }
+    apply.finish();
 
     let mut floor = c.benchmark_group("floor");
     configure(&mut floor);
@@ -343,6 +396,16 @@ fn bench_walredo(c: &mut Criterion) {
                 });
             }
         }
+        // Real PostgreSQL 15 records, for the kinds a tenant runs (`auto`) and the two fixed ones.
+        let kinds = [ProcessKind::Sync.as_str(), ProcessKind::Async.as_str(), ProcessKind::Auto.as_str()];
+        for workload in pg15.iter().filter(|_| kinds.contains(&name)) {
+            for clients in PG15_CLIENTS {
+                let id = format!("{}/{clients}", workload.kind.name());
+                group.bench_function(id, |b| {
+                    b.iter_custom(|iters| manager_sample(&setup, workload, clients, iters))
+                });
+            }
+        }
         group.finish();
     }
 }
@@ -361,11 +424,14 @@ struct Setup<'a> {
 /// Flat sampling: every sample builds a runtime and a child, so equal samples are fairer than
 /// criterion's linear ramp (whose first samples would be mostly setup).
 fn configure(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
-    group
+    group.sampling_mode(SamplingMode::Flat);
+}
+
+fn criterion_config() -> Criterion {
+    Criterion::default()
         .sample_size(SAMPLE_SIZE)
-        .sampling_mode(SamplingMode::Flat)
         .measurement_time(MEASUREMENT_TIME)
-        .warm_up_time(WARM_UP_TIME);
+        .warm_up_time(WARM_UP_TIME)
 }
 
 /// One sample of `<kind>/<workload>/<clients>` (or `spin*/...`); see the module doc.
@@ -449,7 +515,7 @@ async fn client(
             manager.ping().await.expect("ping");
         } else {
             let page = manager
-                .request_redo(TAG, workload.lsn, workload.base.clone(), &workload.records)
+                .request_redo(workload.tag, workload.lsn, workload.base.clone(), &workload.records)
                 .await
                 .expect("redo");
             assert!(page == workload.expected, "{:?}: the child returned another page", workload.kind);
@@ -552,5 +618,9 @@ fn scale(summed: Duration, iters: u64, ran: u64) -> Duration {
     Duration::from_secs_f64(summed.as_secs_f64() * iters as f64 / ran as f64)
 }
 
-criterion_group!(benches, bench_walredo);
+criterion_group! {
+    name = benches;
+    config = criterion_config();
+    targets = bench_walredo
+}
 criterion_main!(benches);

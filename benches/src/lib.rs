@@ -12,13 +12,26 @@
 //!   `Record::apply`; a bench that gets another page from the child fails instead of reporting;
 //! - `short` serializes to about 1.1 KB and `medium` to about 26 KB (see the tests), the sizes of
 //!   Neon's `short` and `medium` workloads.
+//!
+//! The `pg15-*` workloads ([`Pg15Chain`]) are real PostgreSQL 15 WAL: a block's page and the
+//! next 1, 10 or 100 record values of that block as the daemon stores them, read from the
+//! fixtures in `benches/data/` (made with `pagectl chain`, see `benches/data/README.md`): a hot
+//! heap page (`pg15-heap-*`: HOT updates, locks, a prune) and a btree leaf (`pg15-btree-*`:
+//! inserts and posting-list splits). Their expected page is computed here with the child's own
+//! redo (`walredo_proc::pg15::redo::apply`), which is exactly what the child returns; loading
+//! checks that it equals PostgreSQL's page of the fixture once both are masked as PostgreSQL
+//! masks them (`walredo_proc::pg15::mask`), and fails otherwise.
 
+use std::path::PathBuf;
+
+use anyhow::{bail, ensure, Context};
 use bytes::Bytes;
 use walredo_proc::page::{Page, BLCKSZ};
+use walredo_proc::pg15::{mask, redo, Pg15Record};
 use walredo_proc::protocol::{self, BufferTag, HEADER_LEN};
 use walredo_proc::record::Record;
 
-/// The three request shapes of the bench.
+/// The request shapes of the bench.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkloadKind {
     /// `H`: the child answers a zero page without doing anything.
@@ -28,19 +41,143 @@ pub enum WorkloadKind {
     /// A base image, one large put-bytes and [`MEDIUM_SMALL_RECORDS`] small tuple records
     /// (about 26 KB).
     Medium,
+    /// A base image and a chain of real PostgreSQL 15 records of its block, from a fixture.
+    Pg15(Pg15Chain),
 }
 
 impl WorkloadKind {
+    /// The synthetic workloads (the `pg15-*` ones are [`Pg15Chain::ALL`]).
     pub const ALL: [WorkloadKind; 3] = [WorkloadKind::Ping, WorkloadKind::Short, WorkloadKind::Medium];
 
-    /// The name in benchmark ids: `ping`, `short`, `medium`.
+    /// The name in benchmark ids: `ping`, `short`, `medium`, `pg15-heap-10`, ...
     pub fn name(self) -> &'static str {
         match self {
             WorkloadKind::Ping => "ping",
             WorkloadKind::Short => "short",
             WorkloadKind::Medium => "medium",
+            WorkloadKind::Pg15(chain) => chain.name(),
         }
     }
+}
+
+/// The fixtures of the `pg15-*` workloads: a page and its next 1, 10 or 100 records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pg15Chain {
+    /// pgbench_branches block 0 during the pgbench run: HOT updates, row locks, a prune.
+    Heap1,
+    Heap10,
+    Heap100,
+    /// A leaf of `mix_k` during an insert of duplicates: inserts and posting-list splits.
+    Btree1,
+    Btree10,
+    Btree100,
+}
+
+impl Pg15Chain {
+    pub const ALL: [Pg15Chain; 6] = [
+        Pg15Chain::Heap1,
+        Pg15Chain::Heap10,
+        Pg15Chain::Heap100,
+        Pg15Chain::Btree1,
+        Pg15Chain::Btree10,
+        Pg15Chain::Btree100,
+    ];
+
+    /// The name in benchmark ids.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pg15Chain::Heap1 => "pg15-heap-1",
+            Pg15Chain::Heap10 => "pg15-heap-10",
+            Pg15Chain::Heap100 => "pg15-heap-100",
+            Pg15Chain::Btree1 => "pg15-btree-1",
+            Pg15Chain::Btree10 => "pg15-btree-10",
+            Pg15Chain::Btree100 => "pg15-btree-100",
+        }
+    }
+
+    /// Records in the chain.
+    pub fn records(self) -> usize {
+        match self {
+            Pg15Chain::Heap1 | Pg15Chain::Btree1 => 1,
+            Pg15Chain::Heap10 | Pg15Chain::Btree10 => 10,
+            Pg15Chain::Heap100 | Pg15Chain::Btree100 => 100,
+        }
+    }
+
+    /// The fixture file, under this crate's directory.
+    pub fn path(self) -> PathBuf {
+        let file = match self {
+            Pg15Chain::Heap1 => "pg15-heap-chain-1.bin",
+            Pg15Chain::Heap10 => "pg15-heap-chain-10.bin",
+            Pg15Chain::Heap100 => "pg15-heap-chain-100.bin",
+            Pg15Chain::Btree1 => "pg15-btree-chain-1.bin",
+            Pg15Chain::Btree10 => "pg15-btree-chain-10.bin",
+            Pg15Chain::Btree100 => "pg15-btree-chain-100.bin",
+        };
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data").join(file)
+    }
+}
+
+/// The first bytes of a chain fixture (`pagectl chain` writes them).
+pub const CHAIN_MAGIC: &[u8; 8] = b"PG15CHN1";
+
+/// A chain fixture as `pagectl chain` writes it, little-endian: `magic "PG15CHN1" | base page
+/// (8192) | n u32 | n x (lsn u64 | len u32 | pg15 value bytes) | expected page (8192)`.
+#[derive(Debug, Clone)]
+pub struct ChainFile {
+    /// The block's page before the chain (`pd_lsn` set to where it was taken).
+    pub base: Box<Page>,
+    /// The record values, at their LSNs (each its record's end LSN), in order.
+    pub records: Vec<(u64, Bytes)>,
+    /// PostgreSQL's page after the last record (its consistency-check image, unmasked).
+    pub postgres_page: Box<Page>,
+}
+
+impl ChainFile {
+    pub fn read(path: &std::path::Path) -> anyhow::Result<ChainFile> {
+        let bytes = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
+        ChainFile::parse(&bytes).with_context(|| format!("parse {}", path.display()))
+    }
+
+    pub fn parse(bytes: &[u8]) -> anyhow::Result<ChainFile> {
+        let mut at = 0usize;
+        let mut take = |n: usize| -> anyhow::Result<&[u8]> {
+            let end = at.checked_add(n).filter(|end| *end <= bytes.len()).context("truncated")?;
+            let out = &bytes[at..end];
+            at = end;
+            Ok(out)
+        };
+        ensure!(take(CHAIN_MAGIC.len())? == CHAIN_MAGIC, "not a chain fixture (magic)");
+        let base = to_page(take(BLCKSZ)?)?;
+        let n = u32::from_le_bytes(take(4)?.try_into().context("n")?);
+        let mut records = Vec::new();
+        for _ in 0..n {
+            let lsn = u64::from_le_bytes(take(8)?.try_into().context("lsn")?);
+            let len = u32::from_le_bytes(take(4)?.try_into().context("len")?);
+            let value = take(usize::try_from(len).context("len")?)?;
+            records.push((lsn, Bytes::copy_from_slice(value)));
+        }
+        let postgres_page = to_page(take(BLCKSZ)?)?;
+        ensure!(take(1).is_err(), "trailing bytes after the expected page");
+        Ok(ChainFile { base, records, postgres_page })
+    }
+}
+
+fn to_page(bytes: &[u8]) -> anyhow::Result<Box<Page>> {
+    let page: &Page = bytes.try_into().context("a page")?;
+    Ok(Box::new(*page))
+}
+
+/// Applies pg15 record values to `page` with the child's redo, as the child does.
+pub fn apply_pg15(page: &mut Page, records: &[(u64, Bytes)]) -> anyhow::Result<()> {
+    for (lsn, value) in records {
+        match redo::apply(value, page) {
+            Some(Ok(())) => {}
+            Some(Err(e)) => bail!("apply the record at {lsn:#x}: {e}"),
+            None => bail!("the value at {lsn:#x} is not of the pg15 family"),
+        }
+    }
+    Ok(())
 }
 
 /// Data bytes of the one tuple of `short`.
@@ -66,6 +203,8 @@ const LSN_STEP: u64 = 0x40;
 #[derive(Debug, Clone)]
 pub struct Workload {
     pub kind: WorkloadKind,
+    /// The block the request is for ([`TAG`], or the fixture's block for `pg15-*`).
+    pub tag: BufferTag,
     /// The request LSN (that of the last record).
     pub lsn: u64,
     pub base: Option<Bytes>,
@@ -77,12 +216,16 @@ pub struct Workload {
 }
 
 impl Workload {
-    /// Builds the workload; panics only if the record recipes themselves are wrong (a bug here).
+    /// Builds the workload; panics only if the record recipes themselves are wrong (a bug here),
+    /// or for `pg15-*` if its fixture does not load (see [`Workload::pg15`]).
     pub fn new(kind: WorkloadKind) -> Workload {
         let (base, records): (Option<Box<Page>>, Vec<Vec<u8>>) = match kind {
             WorkloadKind::Ping => (None, Vec::new()),
             WorkloadKind::Short => (None, short_records()),
             WorkloadKind::Medium => (Some(medium_base()), medium_records()),
+            WorkloadKind::Pg15(chain) => {
+                return Workload::pg15(chain).unwrap_or_else(|e| panic!("load {}: {e:#}", chain.name()))
+            }
         };
         let records: Vec<(u64, Bytes)> = records
             .into_iter()
@@ -115,12 +258,63 @@ impl Workload {
 
         Workload {
             kind,
+            tag: TAG,
             lsn,
             base: base.map(|page| Bytes::copy_from_slice(&page[..])),
             records,
             expected: Bytes::copy_from_slice(&page[..]),
             wire,
         }
+    }
+}
+
+impl Workload {
+    /// Loads a `pg15-*` workload from its fixture: the block's page as the base image, the
+    /// record values, the request for the fixture's block, and the page the child must return,
+    /// computed with the child's redo; fails if that page is not PostgreSQL's (masked).
+    pub fn pg15(chain: Pg15Chain) -> anyhow::Result<Workload> {
+        let file = ChainFile::read(&chain.path())?;
+        ensure!(
+            file.records.len() == chain.records(),
+            "{} records, {} expected",
+            file.records.len(),
+            chain.records()
+        );
+        let (lsn, last) = file.records.last().context("no records")?;
+        let first = Pg15Record::decode(&file.records[0].1).context("decode the first record")?;
+        let block = first.blocks.iter().find(|b| b.id == first.target).context("the target block")?;
+        let tag = BufferTag {
+            spcnode: block.spcnode,
+            dbnode: block.dbnode,
+            relnode: block.relnode,
+            forknum: block.fork,
+            blknum: block.blkno,
+        };
+        let rmid = Pg15Record::decode(last).context("decode the last record")?.rmid;
+
+        let mut page = file.base.clone();
+        apply_pg15(&mut page, &file.records)?;
+        if let Some(at) = mask::first_difference(rmid, &page[..], &file.postgres_page[..]) {
+            bail!("the redo of the chain differs from PostgreSQL's page at byte {at} (masked)");
+        }
+
+        let mut wire = Vec::new();
+        protocol::encode_begin(&mut wire, &tag);
+        protocol::encode_push_page(&mut wire, &tag, &file.base);
+        for (record_lsn, record) in &file.records {
+            protocol::encode_apply_raw(&mut wire, *record_lsn, record);
+        }
+        protocol::encode_get_page(&mut wire, &tag);
+
+        Ok(Workload {
+            kind: WorkloadKind::Pg15(chain),
+            tag,
+            lsn: *lsn,
+            base: Some(Bytes::copy_from_slice(&file.base[..])),
+            records: file.records,
+            expected: Bytes::copy_from_slice(&page[..]),
+            wire,
+        })
     }
 }
 
@@ -216,5 +410,77 @@ mod tests {
             usize::from(walredo_proc::page::pd_lower(page)),
             24 + 4 * (MEDIUM_BASE_TUPLES + MEDIUM_SMALL_RECORDS / 2)
         );
+    }
+
+    #[test]
+    fn pg15_workloads_load_with_their_record_counts_and_sizes() {
+        for chain in Pg15Chain::ALL {
+            let w = Workload::new(WorkloadKind::Pg15(chain));
+            assert_eq!(w.records.len(), chain.records(), "{}", chain.name());
+            assert!(w.base.is_some());
+            assert_eq!(w.lsn, w.records.last().expect("records").0);
+            // B + P (a page) + one A per record + G; pg15 values of these records are small (a
+            // prune carries its offsets: a few hundred bytes).
+            let values: usize = w.records.iter().map(|(_, r)| r.len()).sum();
+            assert!(values < 100 * chain.records(), "{}: {values} bytes of values", chain.name());
+            assert!(
+                w.wire.len() > BLCKSZ + values
+                    && w.wire.len() < BLCKSZ + values + 100 * (chain.records() + 4),
+                "{}: {} bytes on the wire",
+                chain.name(),
+                w.wire.len()
+            );
+            let size = std::fs::metadata(chain.path()).expect("the fixture").len();
+            assert!(size < 40_000, "{}: the fixture is {size} bytes", chain.name());
+        }
+    }
+
+    #[test]
+    fn pg15_expected_page_is_the_redo_of_the_fixture_and_postgres_page_masked() {
+        for chain in Pg15Chain::ALL {
+            let w = Workload::new(WorkloadKind::Pg15(chain));
+            let file = ChainFile::read(&chain.path()).expect("the fixture");
+            let mut page = file.base.clone();
+            apply_pg15(&mut page, &file.records).expect("the chain applies");
+            assert!(w.expected[..] == page[..], "{}", chain.name());
+            let rmid = Pg15Record::decode(&file.records[0].1).expect("a pg15 record").rmid;
+            assert_eq!(
+                mask::first_difference(rmid, &page[..], &file.postgres_page[..]),
+                None,
+                "{}",
+                chain.name()
+            );
+            // The chain changes the page: the masked base is not already the result.
+            assert!(mask::first_difference(rmid, &file.base[..], &file.postgres_page[..]).is_some());
+            assert_eq!(walredo_proc::page::page_lsn(&page), w.lsn, "{}: pd_lsn", chain.name());
+        }
+    }
+
+    #[test]
+    fn pg15_heap_and_btree_chains_are_for_one_block_each_and_share_their_base() {
+        let heap: Vec<Workload> =
+            Pg15Chain::ALL[..3].iter().map(|&c| Workload::new(WorkloadKind::Pg15(c))).collect();
+        let btree: Vec<Workload> =
+            Pg15Chain::ALL[3..].iter().map(|&c| Workload::new(WorkloadKind::Pg15(c))).collect();
+        for family in [&heap, &btree] {
+            assert!(family.iter().all(|w| w.tag == family[0].tag && w.base == family[0].base));
+            // A shorter chain is the start of the longer one.
+            assert!(family[2].records.starts_with(&family[1].records));
+            assert!(family[1].records.starts_with(&family[0].records));
+        }
+        assert_ne!(heap[0].tag, btree[0].tag);
+    }
+
+    #[test]
+    fn chain_file_refuses_a_wrong_magic_a_truncated_file_and_trailing_bytes() {
+        let good = std::fs::read(Pg15Chain::Heap1.path()).expect("the fixture");
+        assert!(ChainFile::parse(&good).is_ok());
+        let mut bad = good.clone();
+        bad[0] = b'X';
+        assert!(ChainFile::parse(&bad).is_err());
+        assert!(ChainFile::parse(&good[..good.len() - 1]).is_err());
+        let mut long = good;
+        long.push(0);
+        assert!(ChainFile::parse(&long).is_err());
     }
 }

@@ -23,6 +23,13 @@
 //!   prints one JSON object of matches per record type, apply times and the first
 //!   differences; exit status 1 when any page differs or any apply failed.
 //!
+//! - `pagectl chain [--key <spc>/<db>/<rel>/<fork>/<blk>] --records N [--out FILE] [--start X/X]
+//!   [--end X/X] <pg_wal dir or segments...>` cuts N consecutive PostgreSQL 15 record values of
+//!   one block (without `--key`: the block with the most) out of WAL written with
+//!   `wal_consistency_checking`, checks that the redo child's redo of them gives PostgreSQL's
+//!   page, and writes them with the base and expected pages as a `bench_walredo` fixture
+//!   ([`chain`]); prints one JSON object describing the chain.
+//!
 //! This file only parses arguments and maps the outcome to an exit status: 0 when the WAL asked
 //! for was read to its end (the end of the range, or the end of readable WAL: zeros, a recycled
 //! segment, a record cut off by the end of the last file); 1 with the message on stderr for any
@@ -37,6 +44,8 @@ use page_types::Lsn;
 // A binary's root resolves `mod` next to itself (src/bin/); its modules live in src/bin/pagectl/.
 #[path = "pagectl/basebackup.rs"]
 mod basebackup;
+#[path = "pagectl/chain.rs"]
+mod chain;
 #[path = "pagectl/receivewal.rs"]
 mod receivewal;
 #[path = "pagectl/redocheck.rs"]
@@ -102,6 +111,30 @@ enum Command {
         /// How many differences and failures to print.
         #[arg(long, default_value_t = 10)]
         show: usize,
+        /// A pg_wal directory, or segment files.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// Cut a chain of N PostgreSQL 15 records of one block out of WAL written with
+    /// wal_consistency_checking, check it against PostgreSQL's page, and write it as a
+    /// bench_walredo fixture.
+    Chain {
+        /// The block, as <spcnode>/<dbnode>/<relnode>/<forknum>/<blknum> (default: the block
+        /// with the most record values, printed on stderr).
+        #[arg(long, value_parser = chain::parse_key)]
+        key: Option<page_types::BufferTag>,
+        /// Record values in the chain.
+        #[arg(long)]
+        records: usize,
+        /// The fixture file to write (default: only print the chain).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// First record (default: the first that starts in the first segment).
+        #[arg(long)]
+        start: Option<Lsn>,
+        /// Stop before the first record that does not end at or below this LSN.
+        #[arg(long)]
+        end: Option<Lsn>,
         /// A pg_wal directory, or segment files.
         #[arg(required = true)]
         paths: Vec<PathBuf>,
@@ -181,6 +214,20 @@ fn main() -> ExitCode {
                 Err(e) => {
                     use std::io::Write as _;
                     let _ = writeln!(std::io::stderr(), "pagectl redocheck: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Command::Chain { key, records, out, start, end, paths } => {
+            let args = chain::Args { paths, key, records, out, start, end };
+            match chain::run(&args) {
+                Ok(report) => {
+                    println!("{report}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    use std::io::Write as _;
+                    let _ = writeln!(std::io::stderr(), "pagectl chain: {e:#}");
                     ExitCode::from(1)
                 }
             }

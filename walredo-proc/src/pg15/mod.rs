@@ -25,6 +25,7 @@
 pub mod btree;
 pub mod bufpage;
 pub mod heap;
+pub mod mask;
 pub mod redo;
 pub mod visibilitymap;
 
