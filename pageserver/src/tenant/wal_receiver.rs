@@ -518,11 +518,7 @@ impl Task {
                 .with_context(|| format!("connect to {config}"))?,
             () = self.cancel.cancelled() => return Ok(()),
         };
-        anyhow::ensure!(
-            conn.server_version.split('.').next() == Some("15"),
-            "{config} runs PostgreSQL {:?}; only PostgreSQL 15 is supported",
-            conn.server_version
-        );
+        conn.require_pg15().with_context(|| format!("{config}"))?;
         let system = conn.identify_system().await.context("IDENTIFY_SYSTEM")?;
         if let Some(id) = &self.file.system_id {
             anyhow::ensure!(

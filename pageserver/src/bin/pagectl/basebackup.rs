@@ -42,11 +42,7 @@ pub struct Backup {
 pub async fn run(args: &Args) -> anyhow::Result<Backup> {
     let config = connstr::parse(&args.source).map_err(|e| anyhow::anyhow!("invalid --source: {e}"))?;
     let mut conn = ReplicationConn::connect(&config).await.with_context(|| format!("connect to {config}"))?;
-    anyhow::ensure!(
-        conn.server_version.split('.').next() == Some("15"),
-        "{config} runs PostgreSQL {:?}, not 15",
-        conn.server_version
-    );
+    conn.require_pg15().with_context(|| format!("{config}"))?;
     let start = conn.base_backup(LABEL).await.context("BASE_BACKUP")?;
     let mut importer = if args.list { Importer::new().with_listing() } else { Importer::new() };
     let mut files = Vec::new();

@@ -46,11 +46,7 @@ pub struct Received {
 pub async fn run(args: &Args) -> anyhow::Result<Received> {
     let config = connstr::parse(&args.source).map_err(|e| anyhow::anyhow!("invalid --source: {e}"))?;
     let mut conn = ReplicationConn::connect(&config).await.with_context(|| format!("connect to {config}"))?;
-    anyhow::ensure!(
-        conn.server_version.split('.').next() == Some("15"),
-        "{config} runs PostgreSQL {:?}, not 15",
-        conn.server_version
-    );
+    conn.require_pg15().with_context(|| format!("{config}"))?;
     let system = conn.identify_system().await.context("IDENTIFY_SYSTEM")?;
     let seg_size = conn.wal_segment_size().await.context("SHOW wal_segment_size")?;
     let created_slot = conn.ensure_physical_slot(&args.slot).await.context("create the slot")?;

@@ -50,6 +50,9 @@ pub enum PqError {
     Server { code: String, message: String },
     #[error("protocol: {0}")]
     Protocol(String),
+    /// The server is not PostgreSQL 15, the only version whose WAL and backups this reads.
+    #[error("the server runs PostgreSQL {0:?}; only PostgreSQL 15 is supported")]
+    UnsupportedVersion(String),
 }
 
 impl PqError {
@@ -293,6 +296,15 @@ impl ReplicationConn {
     }
 
     /// `IDENTIFY_SYSTEM`.
+    /// Fails unless the server is PostgreSQL 15.
+    pub fn require_pg15(&self) -> Result<(), PqError> {
+        if self.server_version.split('.').next() == Some("15") {
+            Ok(())
+        } else {
+            Err(PqError::UnsupportedVersion(self.server_version.clone()))
+        }
+    }
+
     pub async fn identify_system(&mut self) -> Result<SystemId, PqError> {
         let rows = self.simple_query("IDENTIFY_SYSTEM").await?;
         let row = rows.first().ok_or_else(|| PqError::protocol("IDENTIFY_SYSTEM returned no row"))?;
