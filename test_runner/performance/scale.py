@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""How the daemon's memory, restart and reads follow a tenant's size (issue 22's targets).
+
+Not a test: the benchmark behind docs/performance.md, "Storage at size".
+
+    cargo build --release --bins
+    python3 test_runner/performance/scale.py --bin-dir target/release --sizes 1,5,20 --out scale.json
+
+For each size (GB of ingested data) a fresh daemon (release build, default settings but
+`page_cache_size=0` for the reads) gets one tenant loaded with `pagebench ingest` (relations of
+10,000 pages, an image and `--chain-length` records each, as many relations as the size asks),
+then:
+
+- one compaction pass (`POST .../compact`, waited for): its bytes written over the bytes
+  ingested (the write amplification of a pass over a freshly loaded tenant), and the disk
+  used against the data ingested;
+- the daemon's RSS, then a restart (SIGTERM, start): the time from the start to the first
+  GetPage served, and the RSS after it;
+- `pagebench get-page`, 8 connections at depth 1, random keys at the latest LSN, `--seconds`:
+  requests/s and latency percentiles.
+
+Prints one JSON line per size, a table, and writes JSON with --out. The update load of the
+issue (a working set rewritten at a steady rate for minutes) is not run here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import measure  # noqa: E402
+from fixtures.http_client import HttpClient  # noqa: E402
+from fixtures.oracle import Key  # noqa: E402
+from fixtures.page_client import connect  # noqa: E402
+
+BLOCKS = 10_000
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def addr(text: str) -> tuple[str, int]:
+    host, port = text.rsplit(":", 1)
+    return host, int(port)
+
+
+def one_size(args, gb: float) -> dict:
+    per_relation = BLOCKS * (8192 + args.chain_length * 100)
+    relations = max(1, round(gb * 1e9 / per_relation))
+    shape = ["--relations", str(relations), "--blocks", str(BLOCKS), "--chain-length", str(args.chain_length)]
+    daemon = measure.Daemon(args.bin_dir, ["page_cache_size=0"])
+    try:
+        began = time.monotonic()
+        measure.finish(measure.pagebench(args.bin_dir, daemon, ["ingest", *measure.TENANT_ARGS, *shape]), 7200)
+        ingest_s = time.monotonic() - began
+        http = HttpClient(addr(daemon.http), timeout=7200)
+        m0 = measure.metrics(daemon.http)
+        began = time.monotonic()
+        r = http.request("POST", "/v1/tenant/bench/compact")
+        assert r.status == 200, r
+        compact_s = time.monotonic() - began
+        m1 = measure.metrics(daemon.http)
+        ingested = m1.get("pageserver_storage_ingested_bytes_total", 0.0)
+        written = measure.delta(m1, m0, "pageserver_compaction_written_bytes_total")
+        disk = du(daemon.workdir / "tenants")
+        rss_loaded = rss_bytes(daemon.pid)
+
+        # Restart: from the start to the first page served.
+        daemon.proc.terminate()
+        daemon.proc.wait(timeout=120)
+        daemon.log.close()
+        began = time.monotonic()
+        (daemon.workdir / "ports.json").unlink(missing_ok=True)
+        daemon.log = open(daemon.workdir / "pageserver.log", "ab")
+        daemon.proc = subprocess.Popen(daemon.args, stdout=daemon.log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL)
+        while True:
+            try:
+                p = json.loads((daemon.workdir / "ports.json").read_text())
+                daemon.pg, daemon.http = p["pg"], p["http"]
+                with connect(addr(daemon.pg), "bench", timeout=60) as conn:
+                    conn.get_page(Key(1663, 1, 16384, 0, 0))  # the data set's first page
+                break
+            except Exception:  # not up yet
+                if time.monotonic() - began > 600:
+                    raise
+                time.sleep(0.01)
+        restart_s = time.monotonic() - began
+        time.sleep(1)
+        rss_restarted = rss_bytes(daemon.pid)
+
+        run = measure.run_point(args.bin_dir, daemon, {"shape": [], "lsn": "latest"}, 8, 1, None,
+                                args.seconds, 1, (40.0, 30.0))
+        s = run["summary"]
+        return {
+            "size_gb": gb, "relations": relations, "ingested_bytes": int(ingested),
+            "ingest_seconds": round(ingest_s, 1), "compact_seconds": round(compact_s, 1),
+            "compaction_write_amplification": round(written / max(ingested, 1), 2),
+            "disk_bytes": disk, "disk_over_ingested": round(disk / max(ingested, 1), 2),
+            "rss_loaded_bytes": rss_loaded, "rss_restarted_bytes": rss_restarted,
+            "restart_to_first_page_seconds": round(restart_s, 3),
+            "get_page_rps": round(s["rps"]), "latency_us": s.get("latency_us"),
+        }
+    finally:
+        daemon.stop(keep=args.keep)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bin-dir", type=Path, required=True)
+    ap.add_argument("--sizes", default="1", help="GB, comma-separated")
+    ap.add_argument("--chain-length", type=int, default=10)
+    ap.add_argument("--seconds", type=float, default=10.0, help="of the GetPage run")
+    ap.add_argument("--keep", action="store_true", help="keep the daemons' work dirs")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    args.bin_dir = args.bin_dir.resolve()
+    rows = []
+    for gb in (float(x) for x in args.sizes.split(",")):
+        row = one_size(args, gb)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("| size | ingested | RSS loaded / restarted | restart to a page | GetPage rps (8x1) | p99 us | compaction WA | disk / ingested |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        lat = r["latency_us"] or {}
+        print(f"| {r['size_gb']} GB | {r['ingested_bytes'] / 1e9:.2f} GB | {r['rss_loaded_bytes'] >> 20} / "
+              f"{r['rss_restarted_bytes'] >> 20} MiB | {r['restart_to_first_page_seconds']} s | {r['get_page_rps']} | "
+              f"{lat.get('p99')} | {r['compaction_write_amplification']}x | {r['disk_over_ingested']}x |")
+    if args.out:
+        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
