@@ -30,8 +30,8 @@ from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.pgmask import btree_mask, heap_mask, lsn_mask
 from fixtures.postgres import Postgres
-from fixtures.util import wait_until
-from fixtures.waldump import lsn_int, lsn_text, record_types, waldump_records
+from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
+from fixtures.waldump import lsn_text, record_types, waldump_records
 from fixtures.walreader import Wal
 
 # How many records of one type are checked (evenly spaced over the run).
@@ -39,28 +39,8 @@ PER_TYPE = 60
 MASKS = {"Heap": heap_mask, "Heap2": heap_mask, "Btree": btree_mask}
 
 
-@pytest.fixture
-def page_service_io():
-    """One reply writer: redo does not depend on it, and each run starts a PostgreSQL."""
-    return "auto"
-
-
 def start_pg(tmp_path, **settings) -> Postgres:
     return Postgres(tmp_path / "pg", settings={"autovacuum": "off", "wal_compression": "pglz", **settings}).init().start()
-
-
-def attach(ps, tenant: str, pg: Postgres) -> dict:
-    resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source", {"postgres": pg.connstr(), "slot": "pageserver"})
-    assert resp.status == 200, resp
-    return wait_until(lambda: (s := ps.http.tenant_status(tenant)["wal_source"])["state"] == "streaming"
-                      and s["import"]["done"] and s, timeout=120, desc="the import to finish")
-
-
-def caught_up(ps, tenant: str, pg: Postgres) -> int:
-    flush = lsn_int(pg.sql("select pg_current_wal_flush_lsn()"))
-    wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["durable_lsn"] >= flush, timeout=120,
-               desc="the tenant to catch up with the primary")
-    return flush
 
 
 def test_every_record_matches_postgres_check_image_at_its_lsn(tmp_path, pageserver_factory):
@@ -73,7 +53,7 @@ def test_every_record_matches_postgres_check_image_at_its_lsn(tmp_path, pageserv
         tenant = ps.create_tenant()
         start = attach(ps, tenant, pg)["resumed_at"]
         pg_workloads.redo_mix(pg, seconds=1)
-        end = caught_up(ps, tenant, pg)
+        end = caught_up(ps, tenant, pg)["wal_source"]["durable_lsn"]
         types = record_types(pg, start, end)
         lsns = sorted(types)
         next_of = dict(zip(lsns, lsns[1:] + [end]))
@@ -180,7 +160,7 @@ def test_every_page_at_the_end_matches_the_data_files_also_after_kill_9(tmp_path
         ps.start()
         load.join(timeout=300)
         assert not load.is_alive()
-        end = caught_up(ps, tenant, pg)
+        end = caught_up(ps, tenant, pg)["wal_source"]["durable_lsn"]
         pg.sql("CHECKPOINT")
         pages = list(relation_pages(pg))
         assert len(pages) > 3000

@@ -16,6 +16,7 @@ from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.postgres import Postgres
 from fixtures.util import wait_until
+from fixtures.wal_source import attach, page_service_io  # noqa: F401 (a fixture)
 from fixtures.waldump import lsn_int
 
 REL_FILE = re.compile(r"^(\d+)(_fsm|_vm|_init)?(?:\.(\d+))?$")
@@ -23,12 +24,6 @@ FORK = {None: 0, "_fsm": 1, "_vm": 2, "_init": 3}
 RELSEG_BLOCKS = 131072
 
 
-
-@pytest.fixture
-def page_service_io():
-    """One reply writer for these tests: the WAL path does not depend on it (both writers are
-    covered by the rest of the suite), and each run starts a PostgreSQL."""
-    return "auto"
 
 @pytest.fixture
 def pg(tmp_path):
@@ -54,11 +49,10 @@ def relation_files(datadir: Path) -> dict:
 
 
 def attach_and_import(ps, tenant: str, pg: Postgres) -> dict:
-    resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source", {"postgres": pg.connstr(), "slot": "pageserver"})
-    assert resp.status == 200, resp
-    return wait_until(lambda: (s := ps.http.tenant_status(tenant)["wal_source"])["state"] == "streaming"
-                      and s["import"]["done"] and s["durable_lsn"] >= s["import"]["end_lsn"] and s,
-                      timeout=120, desc="the import to finish and the WAL to reach the backup's end")
+    """Attaches and waits until the WAL reached the backup's end (the tenant's history starts)."""
+    attach(ps, tenant, pg)
+    return wait_until(lambda: (s := ps.http.tenant_status(tenant)["wal_source"])["durable_lsn"]
+                      >= s["import"]["end_lsn"] and s, timeout=120, desc="the WAL to reach the backup's end")
 
 
 def check_every_block(ps, tenant: str, pg: Postgres) -> int:

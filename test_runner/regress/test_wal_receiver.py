@@ -19,14 +19,9 @@ from fixtures.postgres import Postgres
 from fixtures.util import wait_until
 from fixtures.pgmask import heap_mask
 from fixtures.walreader import Wal, mask_lsn_and_checksum
+from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
 from fixtures.waldump import Sizes, lsn_int, lsn_text, waldump_records
 
-
-@pytest.fixture
-def page_service_io():
-    """One reply writer for these tests: the WAL path does not depend on it (both writers are
-    covered by the rest of the suite), and each run starts a PostgreSQL."""
-    return "auto"
 
 @pytest.fixture
 def pg(tmp_path):
@@ -38,21 +33,6 @@ def pg(tmp_path):
     pg.sql("select pg_create_physical_replication_slot('keep', true)")
     yield pg
     pg.stop()
-
-
-def attach(ps, tenant: str, pg: Postgres, slot: str = "pageserver") -> dict:
-    resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source", {"postgres": pg.connstr(), "slot": slot})
-    assert resp.status == 200, resp
-    return wait_until(lambda: (s := ps.http.tenant_status(tenant)["wal_source"])["state"] == "streaming" and s,
-                      timeout=30, desc="the receiver to stream")
-
-
-def caught_up(ps, tenant: str, pg: Postgres) -> dict:
-    """Waits until the tenant has made everything the primary flushed durable; its status."""
-    def done():
-        s = ps.http.tenant_status(tenant)
-        return s["wal_source"]["durable_lsn"] >= lsn_int(pg.sql("select pg_current_wal_flush_lsn()")) and s
-    return wait_until(done, timeout=60, desc="the tenant to catch up with the primary")
 
 
 def expected_values(pg: Postgres, start: int, end: int, sizes: dict) -> int:
