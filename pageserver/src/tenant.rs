@@ -252,8 +252,7 @@ impl Tenant {
     }
 
     /// The number of blocks of `fork` of `rel` as of `lsn` (`None`: the fork does not exist
-    /// then), and the LSN served. The relation sizes of a tenant that follows PostgreSQL
-    /// (`wal_receiver::values`); a value read like a page's image, no redo.
+    /// then), and the LSN served: [`wal_receiver::values::rel_size_at`] once `lsn` is durable.
     pub async fn get_rel_size(
         &self,
         rel: RelTag,
@@ -264,23 +263,11 @@ impl Tenant {
             return Err(GetPageError::InvalidKey(format!("fork {fork} of {rel}: forks are 0 to 3")));
         }
         let lsn = self.wait_for(lsn).await?;
-        let key = rel.size_key(fork);
-        let read_error = |e: GetError| match e {
-            GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },
-            e => GetPageError::Internal(anyhow::Error::new(e)),
-        };
-        let limits = crate::storage::ReadLimits { max_records: 0, max_bytes: page_types::PAGE_SIZE as u64 };
-        let data = match self.timeline.plan_read(key, lsn, limits) {
-            Ok(plan) => self.timeline.read_planned(plan).await.map_err(read_error)?,
-            Err(GetError::NotFound { .. }) => return Ok((lsn, None)),
-            Err(e) => return Err(read_error(e)),
-        };
-        let dropped = self
-            .timeline
-            .version_at(page_types::keys::db_drop_key(rel.spcnode, rel.dbnode), lsn)
-            .map_err(read_error)?;
-        let blocks = wal_receiver::values::rel_size_of(&data, dropped)
-            .map_err(|e| GetPageError::Internal(anyhow::anyhow!("{rel} fork {fork}: {e}")))?;
+        let blocks =
+            wal_receiver::values::rel_size_at(&self.timeline, rel, fork, lsn).await.map_err(|e| match e {
+                GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },
+                e => GetPageError::Internal(anyhow::Error::new(e)),
+            })?;
         Ok((lsn, blocks))
     }
 

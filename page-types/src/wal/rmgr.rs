@@ -6,6 +6,14 @@
 
 /// `RM_XLOG_ID`: checkpoints, switches, full-page writes, parameter changes.
 pub const RM_XLOG_ID: u8 = 0;
+/// The resource managers whose records the pageserver reads beyond counting them.
+pub const RM_XACT_ID: u8 = 1;
+pub const RM_SMGR_ID: u8 = 2;
+pub const RM_DBASE_ID: u8 = 4;
+pub const RM_RELMAP_ID: u8 = 7;
+pub const RM_HEAP2_ID: u8 = 9;
+pub const RM_HEAP_ID: u8 = 10;
+pub const RM_BTREE_ID: u8 = 11;
 /// The largest built-in id in PostgreSQL 15 (`RM_MAX_BUILTIN_ID`).
 pub const RM_MAX_BUILTIN_ID: u8 = 21;
 /// The first id for custom (extension) resource managers (`RM_MIN_CUSTOM_ID`).

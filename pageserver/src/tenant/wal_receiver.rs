@@ -697,17 +697,10 @@ impl Task {
             return Ok(());
         }
         self.in_flight.settle(&self.timeline, processed, true).await?;
-        let timeline = Arc::clone(&self.timeline);
-        let loaded = tokio::task::spawn_blocking(move || {
-            missing
-                .into_iter()
-                .map(|(rel, fork)| Ok((rel, fork, values::rel_size_at(&timeline, rel, fork, Lsn::LATEST)?)))
-                .collect::<Result<Vec<_>, crate::storage::GetError>>()
-        })
-        .await
-        .context("read task")?
-        .context("read relation sizes")?;
-        for (rel, fork, blocks) in loaded {
+        for (rel, fork) in missing {
+            let blocks = values::rel_size_at(&self.timeline, rel, fork, Lsn::LATEST)
+                .await
+                .context("read relation sizes")?;
             self.sizes.insert(rel, fork, blocks);
         }
         Ok(())

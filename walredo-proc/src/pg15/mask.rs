@@ -11,10 +11,7 @@
 
 use crate::page::BLCKSZ;
 
-/// Resource managers whose masks this module has (PostgreSQL 15's `rmgrlist.h`).
-pub const RM_HEAP2: u8 = 9;
-pub const RM_HEAP: u8 = 10;
-pub const RM_BTREE: u8 = 11;
+use super::redo::{RM_BTREE, RM_HEAP, RM_HEAP2};
 
 /// Masks `page` as PostgreSQL masks the pages of `rmid`'s records: `heap_mask` for Heap and
 /// Heap2, `btree_mask` for Btree, LSN and checksum only for any other resource manager.

@@ -242,10 +242,12 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
     let op = info & 0x70;
     let name: Option<&str> = match rmid {
         // Heap: XLOG_HEAP_OPMASK 0x70; 0x80 is XLOG_HEAP_INIT_PAGE.
-        10 => ["INSERT", "DELETE", "UPDATE", "TRUNCATE", "HOT_UPDATE", "CONFIRM", "LOCK", "INPLACE"]
-            .get(usize::from(op >> 4))
-            .copied(),
-        9 => [
+        redo::RM_HEAP => {
+            ["INSERT", "DELETE", "UPDATE", "TRUNCATE", "HOT_UPDATE", "CONFIRM", "LOCK", "INPLACE"]
+                .get(usize::from(op >> 4))
+                .copied()
+        }
+        redo::RM_HEAP2 => [
             "REWRITE",
             "PRUNE",
             "VACUUM",
@@ -257,7 +259,7 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
         ]
         .get(usize::from(op >> 4))
         .copied(),
-        11 => match info & 0xF0 {
+        redo::RM_BTREE => match info & 0xF0 {
             0x00 => Some("INSERT_LEAF"),
             0x10 => Some("INSERT_UPPER"),
             0x20 => Some("INSERT_META"),
@@ -275,7 +277,7 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
             0xE0 => Some("META_CLEANUP"),
             _ => None,
         },
-        0 => match info & 0xF0 {
+        page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
             0xA0 => Some("FPI"),
             0xB0 => Some("FPI_FOR_HINT"),
             _ => None,
@@ -284,7 +286,7 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
     };
     match name {
         Some(name)
-            if (rmid == 10 || rmid == 9)
+            if (rmid == redo::RM_HEAP || rmid == redo::RM_HEAP2)
                 && info & 0x80 != 0
                 && matches!(name, "INSERT" | "UPDATE" | "HOT_UPDATE" | "MULTI_INSERT") =>
         {

@@ -96,6 +96,4 @@ fn apply_record(bytes: &[u8], page: &mut Page) -> Result<(), RedoError> {
 }
 
 /// Resource managers (PostgreSQL 15's `rmgrlist.h`).
-pub const RM_HEAP2: u8 = 9;
-pub const RM_HEAP: u8 = 10;
-pub const RM_BTREE: u8 = 11;
+pub use page_types::wal::rmgr::{RM_BTREE_ID as RM_BTREE, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP};

@@ -29,15 +29,19 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use page_types::keys::{self, RelTag, FSM_FORK, MAIN_FORK, MAX_FORK, VM_FORK};
+use page_types::wal::rmgr::{
+    RM_DBASE_ID as RM_DBASE, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP, RM_RELMAP_ID as RM_RELMAP,
+    RM_SMGR_ID as RM_SMGR, RM_XACT_ID as RM_XACT,
+};
 use page_types::wal::DecodedRecord;
 use page_types::{BufferTag, Lsn};
 use walredo_proc::page::{self, pd_upper, Page};
 use walredo_proc::pg15::{
-    BlockHeader, Pg15Record, VmClear, VmTruncate, FLAG_HAD_IMAGE, FLAG_HAS_DATA, FLAG_WILL_INIT,
-    HEAPBLOCKS_PER_VM_PAGE, VM_ALL_FROZEN, VM_ALL_VISIBLE,
+    record_type_name, BlockHeader, Pg15Record, VmClear, VmTruncate, FLAG_HAD_IMAGE, FLAG_HAS_DATA,
+    FLAG_WILL_INIT, HEAPBLOCKS_PER_VM_PAGE, VM_ALL_FROZEN, VM_ALL_VISIBLE,
 };
 
-use crate::storage::Value;
+use crate::storage::{GetError, ReadLimits, Timeline, Value};
 
 /// Why a record could not become values.
 #[derive(Debug, thiserror::Error)]
@@ -121,33 +125,26 @@ impl RelSizes {
 
 /// The size of `fork` of `rel` as of `lsn` from `timeline`: `None` if it does not exist then
 /// (no size value, the dropped marker, or a drop of its database newer than its size value).
-pub fn rel_size_at(
-    timeline: &crate::storage::Timeline,
+/// A value read like a page's image (no redo), through [`Timeline::read_planned`]: for the page
+/// service's GetRelSize and for the receiver's sizes alike.
+pub async fn rel_size_at(
+    timeline: &Timeline,
     rel: RelTag,
     fork: u8,
     lsn: Lsn,
-) -> Result<Option<u32>, crate::storage::GetError> {
-    use crate::storage::{GetError, ReadLimits};
+) -> Result<Option<u32>, GetError> {
     let limits = ReadLimits { max_records: 0, max_bytes: page_types::PAGE_SIZE as u64 };
-    let data = match timeline.get_reconstruct_data(rel.size_key(fork), lsn, limits) {
-        Ok(data) => data,
+    let data = match timeline.plan_read(rel.size_key(fork), lsn, limits) {
+        Ok(plan) => timeline.read_planned(plan).await?,
         Err(GetError::NotFound { .. }) => return Ok(None),
         Err(e) => return Err(e),
     };
     let dropped = timeline.version_at(keys::db_drop_key(rel.spcnode, rel.dbnode), lsn)?;
-    rel_size_of(&data, dropped).map_err(|e| GetError::Io(anyhow::anyhow!("{rel} fork {fork}: {e}")))
-}
-
-/// A relation fork's size from what storage holds for its size key and the LSN of the newest
-/// drop of its database (if any), both as of the same LSN.
-pub fn rel_size_of(
-    data: &crate::storage::ReconstructData,
-    dropped: Option<Lsn>,
-) -> Result<Option<u32>, String> {
+    let bad = |what: String| GetError::Io(anyhow::anyhow!("the size of {rel} fork {fork}: {what}"));
     let Some((at, bytes)) = &data.image else {
-        return Err("the size key holds records, not a value".into());
+        return Err(bad("the size key holds records, not a value".into()));
     };
-    let blocks = keys::decode_rel_size(bytes).map_err(|e| format!("the size at {at}: {e}"))?;
+    let blocks = keys::decode_rel_size(bytes).map_err(|e| bad(format!("at {at}: {e}")))?;
     Ok(blocks.filter(|_| dropped.is_none_or(|d| d < *at)))
 }
 
@@ -274,19 +271,10 @@ pub fn record_values(
     Ok(())
 }
 
-/// Resource managers (PostgreSQL 15's `rmgrlist.h`).
-const RM_XACT: u8 = 1;
-const RM_SMGR: u8 = 2;
-const RM_DBASE: u8 = 4;
-const RM_RELMAP: u8 = 7;
 /// `xl_smgr_truncate.flags`.
 const TRUNCATE_HEAP: u32 = 0x1;
 const TRUNCATE_VM: u32 = 0x2;
 const TRUNCATE_FSM: u32 = 0x4;
-
-fn record_type_name(rmid: u8, info: u8) -> String {
-    walredo_proc::pg15::record_type_name(rmid, info)
-}
 
 fn malformed(record: &DecodedRecord, what: &str) -> ValueError {
     ValueError::Malformed {
@@ -453,9 +441,7 @@ pub fn block_values(
     Ok(())
 }
 
-/// Resource managers and heap record flags (PostgreSQL 15's `heapam_xlog.h`).
-const RM_HEAP2: u8 = 9;
-const RM_HEAP: u8 = 10;
+/// Heap record flags (PostgreSQL 15's `heapam_xlog.h`).
 const ALL_VISIBLE_CLEARED: u8 = 0x01;
 const UPDATE_NEW_ALL_VISIBLE_CLEARED: u8 = 0x02;
 const LOCK_ALL_FROZEN_CLEARED: u8 = 0x01;
