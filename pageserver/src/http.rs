@@ -233,7 +233,8 @@ async fn get_keyspace(State(state): State<Arc<AppState>>, Path(id): Path<String>
     let last_durable_lsn = timeline.last_durable_lsn().0;
     let keys = tokio::task::spawn_blocking(move || timeline.keyspace())
         .await
-        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("list the key space: {e}")))?;
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("list the key space: {e}")))?
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("list the key space: {e:#}")))?;
     Ok(Json(keyspace_json(&tenant.id, last_durable_lsn, &keys)).into_response())
 }
 

@@ -38,7 +38,6 @@
 //! and is durable before anything below it is dropped; nothing here waits for another thread.
 
 use std::fs::{File, OpenOptions};
-use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -163,22 +162,24 @@ pub enum Step {
 }
 
 /// A key's values in the inputs, oldest first: its run of entries in each input layer that
-/// holds it (the inputs are oldest first, and layers that share a key do not overlap in LSN).
-/// Refers to the inputs' index; copies no entry.
+/// holds it (the inputs are oldest first, and layers that share a key do not overlap in LSN),
+/// copied out of the inputs' indexes.
 struct KeyValues {
-    runs: Vec<(Arc<Frozen>, Range<usize>)>,
+    runs: Vec<(Arc<File>, Vec<IndexEntry>)>,
     len: usize,
 }
 
 impl KeyValues {
-    fn of(inputs: &[Arc<Frozen>], key: Key) -> KeyValues {
-        let runs: Vec<(Arc<Frozen>, Range<usize>)> = inputs
-            .iter()
-            .map(|l| (Arc::clone(l), l.range_of(key, Lsn(u64::MAX))))
-            .filter(|(_, r)| !r.is_empty())
-            .collect();
+    fn of(inputs: &[Arc<Frozen>], key: Key) -> anyhow::Result<KeyValues> {
+        let mut runs = Vec::new();
+        for l in inputs {
+            let entries = l.lookup(key, Lsn(u64::MAX))?;
+            if !entries.is_empty() {
+                runs.push((Arc::clone(&l.file), entries));
+            }
+        }
         let len = runs.iter().map(|(_, r)| r.len()).sum();
-        KeyValues { runs, len }
+        Ok(KeyValues { runs, len })
     }
 
     /// The values from the `from`th on, with their files (skipping whole runs, so that a key of
@@ -192,9 +193,9 @@ impl KeyValues {
             }
             from -= r.len();
         }
-        self.runs[first..].iter().enumerate().flat_map(move |(i, (l, r))| {
-            let start = if i == 0 { r.start + from } else { r.start };
-            l.entries[start..r.end].iter().map(move |e| (&l.file, e))
+        self.runs[first..].iter().enumerate().flat_map(move |(i, (file, r))| {
+            let start = if i == 0 { from } else { 0 };
+            r[start..].iter().map(move |e| (file, e))
         })
     }
 
@@ -204,9 +205,9 @@ impl KeyValues {
 
     /// The file of the `from`th value and the entries of that file from it on.
     fn run_from(&self, mut from: usize) -> anyhow::Result<(&Arc<File>, &[IndexEntry])> {
-        for (l, r) in &self.runs {
+        for (file, r) in &self.runs {
             if from < r.len() {
-                return Ok((&l.file, &l.entries[r.start + from..r.end]));
+                return Ok((file, &r[from..]));
             }
             from -= r.len();
         }
@@ -250,7 +251,7 @@ enum KeyStep {
 struct Writer {
     id: u64,
     tmp: PathBuf,
-    file: File,
+    file: Arc<File>,
     /// Bytes on disk (header and flushed values).
     len: u64,
     buf: Vec<u8>,
@@ -320,7 +321,7 @@ impl Pass {
         shared.index.write().unwrap_or_else(PoisonError::into_inner).reset_new_records();
         let stats = PassStats {
             input_layers: inputs.len() as u64,
-            input_values: inputs.iter().map(|l| l.entries.len() as u64).sum(),
+            input_values: inputs.iter().map(|l| l.values()).sum(),
             bytes_before: inputs.iter().map(|l| l.size).sum(),
             gc_cutoff: cutoff.0,
             ..PassStats::default()
@@ -360,12 +361,18 @@ impl Pass {
             let mut w = match self.current.take() {
                 Some(w) => w,
                 None => {
-                    let Some(key) = self.inputs.iter().filter_map(|l| l.next_key(self.cursor)).min() else {
+                    let mut next = None;
+                    for l in &self.inputs {
+                        if let Some(k) = l.next_key(self.cursor)? {
+                            next = Some(next.map_or(k, |n: Key| n.min(k)));
+                        }
+                    }
+                    let Some(key) = next else {
                         let stats = self.install()?;
                         return Ok(Step::Done(stats));
                     };
                     self.cursor = Some(key);
-                    self.start_key(key)
+                    self.start_key(key)?
                 }
             };
             match self.work_on(&mut w, deadline)? {
@@ -399,8 +406,8 @@ impl Pass {
     }
 
     /// Looks at `key`'s values: which it keeps, and whether it needs images.
-    fn start_key(&mut self, key: Key) -> KeyWork {
-        let values = KeyValues::of(&self.inputs, key);
+    fn start_key(&mut self, key: Key) -> anyhow::Result<KeyWork> {
+        let values = KeyValues::of(&self.inputs, key)?;
         self.stats.keys += 1;
         self.stats.values_read += values.len as u64;
         let (mut keep_from, mut base) = (0, None);
@@ -417,7 +424,7 @@ impl Pass {
         let bytes: u64 = values.iter_from(base.unwrap_or(0)).map(|(_, e)| u64::from(e.len)).sum();
         let fits = chain <= page_types::MAX_RECORDS_PER_REQUEST && bytes <= page_types::MAX_RECONSTRUCT_BYTES;
         let imaging = chain > 0 && (chain >= self.conf.image_threshold.max(1) || !fits);
-        KeyWork {
+        Ok(KeyWork {
             key,
             values,
             next: keep_from,
@@ -429,7 +436,7 @@ impl Pass {
             asked: None,
             answer: None,
             written: 0,
-        }
+        })
     }
 
     /// Goes on with `w` until it is done, needs an image, or (after some copying) is past
@@ -577,16 +584,16 @@ impl Pass {
         };
         w.flush()?;
         let file_id = self.shared.next_file_id.fetch_add(1, Ordering::Relaxed);
-        let size = layer::append_index_and_footer(&w.file, w.len, &w.entries)?;
+        let (size, index) = layer::append_index_and_footer(&w.file, w.len, &w.entries)?;
         self.shared.metrics.fsync(|| w.file.sync_data()).context("fdatasync compaction output")?;
-        let layer = Frozen::new(file_id, String::new(), Arc::new(w.file), w.entries, size)?;
-        let name = layer::file_name(layer.first_lsn, layer.last_lsn, Some(w.id));
+        let (first_lsn, last_lsn) = (index.footer.first_lsn, index.footer.last_lsn);
+        let name = layer::file_name(first_lsn, last_lsn, Some(w.id));
         std::fs::rename(&w.tmp, self.shared.dir.join(&name)).context("rename compaction output")?;
-        let meta =
-            LayerMeta { name: name.clone(), first_lsn: layer.first_lsn.0, last_lsn: layer.last_lsn.0, size };
+        let meta = LayerMeta { name: name.clone(), first_lsn: first_lsn.0, last_lsn: last_lsn.0, size };
         self.stats.bytes_written += size;
         self.stats.output_layers += 1;
-        self.outputs.push(Output { meta, layer: Arc::new(Frozen { name, ..layer }) });
+        let layer = Frozen::with_blocks(file_id, name, w.file, index, size);
+        self.outputs.push(Output { meta, layer: Arc::new(layer) });
         Ok(())
     }
 
@@ -695,7 +702,14 @@ impl Writer {
             .open(&tmp)
             .with_context(|| format!("create {}", tmp.display()))?;
         file.write_all_at(&format::file_header(), 0).context("write compaction output header")?;
-        Ok(Writer { id, tmp, file, len: FILE_HEADER_LEN, buf: Vec::new(), entries: Vec::new() })
+        Ok(Writer {
+            id,
+            tmp,
+            file: Arc::new(file),
+            len: FILE_HEADER_LEN,
+            buf: Vec::new(),
+            entries: Vec::new(),
+        })
     }
 
     fn push(&mut self, key: Key, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {

@@ -11,10 +11,11 @@ use super::{Key, Lsn};
 
 /// Magic at offset 0 of every storage file (active segment and sealed layer).
 pub(crate) const FILE_MAGIC: [u8; 8] = *b"PSSTOR01";
-/// Format version written right after [`FILE_MAGIC`]: 2 means "this file's directory has a
-/// manifest" (a file with version 2 and no `manifest.json` beside it means the manifest was
-/// lost). Version 1 files (written before the manifest existed) are still read.
-pub(crate) const FORMAT_VERSION: u32 = 2;
+/// Format version written right after [`FILE_MAGIC`]: 2 and up mean "this file's directory has
+/// a manifest" (such a file with no `manifest.json` beside it means the manifest was lost); 3
+/// means "written by a build whose layers carry a block index" (a layer's footer says which
+/// index it has). Version 1 and 2 files are still read.
+pub(crate) const FORMAT_VERSION: u32 = 3;
 /// Oldest file format version still read.
 pub(crate) const MIN_FORMAT_VERSION: u32 = 1;
 /// `magic(8) | version u32 | crc32c(bytes 0..12) u32`.

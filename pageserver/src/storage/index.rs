@@ -2,35 +2,38 @@
 //! which files, do I read for (key, lsn)", and the read path that turns such a plan into
 //! [`ReconstructData`] with positional reads.
 //!
-//! Structure: the frozen layers (sealed or compacted files, immutable), oldest first, each with
-//! its index entries sorted by `(key, lsn)` in memory; and the active segment, whose entries
-//! grow with every commit (an ordered map). A lookup walks from the active segment to the
-//! oldest layer and stops at the first image. Values stay on disk; memory holds about 48 bytes
-//! per value of a frozen layer (more in the active segment).
+//! Structure: the frozen layers (sealed or compacted files, immutable), oldest first, and the
+//! active segment, whose entries grow with every commit (an ordered map in memory). A layer of
+//! format version 3 keeps only its footer and fences in memory (its index blocks are read on
+//! demand through a daemon-wide cache, `layer::block_index`); one of versions 1 and 2 keeps its
+//! whole index (about 48 bytes per value) until compaction rewrites it. A lookup walks from
+//! the active segment to the oldest layer and stops at the first image.
 //!
 //! Order: layers may overlap in LSN range only if they are disjoint in keys (the outputs of one
 //! compaction cover the same LSN range, split by key). So for any one key, walking the layers
 //! newest first visits its values newest first; [`Index::push_layer`] refuses a layer that
 //! would break this.
 //!
-//! Reads: under the lock, a lookup only copies out the entries it needs ([`Picked`]); without
-//! it, a plan ([`ReadPlan::new`], linear in the values) merges values of one file that lie
-//! close together into one span, read with one `pread`, of at most [`MAX_SPAN`] bytes. In a
-//! compacted layer a key's values are adjacent, so a page is rebuilt with one read per layer it
-//! touches (per MiB); in a sealed segment they are spread over the batches that wrote them.
-//! [`read_run`] reads values one span at a time into a reused buffer, for a caller (the
-//! compactor) that copies any number of values in bounded memory.
+//! Reads: under the lock, a lookup only copies out the active segment's entries of its key and
+//! takes the layer list (one shared `Arc`) ([`Index::snapshot`]); without it, it reads the
+//! layers' index blocks ([`Snapshot::pick`]) and a plan ([`ReadPlan::new`], linear in the
+//! values) merges values of one file that lie close together into one span, read with one
+//! `pread`, of at most [`MAX_SPAN`] bytes. In a compacted layer a key's values are adjacent, so
+//! a page is rebuilt with one read per layer it touches (per MiB); in a sealed segment they are
+//! spread over the batches that wrote them. [`read_run`] reads values one span at a time into a
+//! reused buffer, for a caller (the compactor) that copies any number of values in bounded
+//! memory.
 //!
 //! **Invariants:** only durable values are in the map (the committer inserts after fsync); a
-//! read's size (records and bytes) is checked against its limits from the map alone, before any
-//! value is read; a `(key, lsn)` is in at most one file; the lock is held only to copy entries
-//! out, never to plan spans nor across I/O; every read checks each value's crc32c before
-//! returning it; a span is at most [`MAX_SPAN`] bytes (or one value) and [`MAX_SPAN_VALUES`]
-//! values.
+//! read's size (records and bytes) is checked against its limits from the index alone, before
+//! any value is read; a `(key, lsn)` is in at most one file; the lock is held only to copy the
+//! active entries out, never across I/O; the layer list is replaced, never changed in place, so
+//! a lookup's snapshot stays valid (its files stay open); every read checks each value's
+//! crc32c before returning it; a span is at most [`MAX_SPAN`] bytes (or one value) and
+//! [`MAX_SPAN_VALUES`] values.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::ops::Bound;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
@@ -38,6 +41,7 @@ use anyhow::{ensure, Context};
 use bytes::Bytes;
 
 use super::format::{IndexEntry, Kind};
+use super::layer::{BlockIndex, LayerIndex, OpenLayer};
 use super::{GetError, Key, Lsn, ReadLimits, ReconstructData};
 
 /// Values of one file closer than this are read together: reading a few KiB more from the page
@@ -49,21 +53,29 @@ pub(crate) const MAX_SPAN: u64 = 1 << 20;
 /// Most values one span holds: bounds the bookkeeping of a span of tiny values.
 pub(crate) const MAX_SPAN_VALUES: usize = 4096;
 
-/// An immutable layer file and its index, sorted by `(key, lsn)`.
+/// An immutable layer file and its index, sorted by `(key, lsn)`: loaded whole (a layer of
+/// format version 1 or 2) or as a block index (version 3: fences in memory, blocks read on
+/// demand, `layer::block_index`).
 pub(crate) struct Frozen {
     /// The file's id in this map (not stored on disk).
     pub id: u32,
     pub name: String,
     pub file: Arc<File>,
-    pub entries: Vec<IndexEntry>,
+    index: FrozenIndex,
     pub first_lsn: Lsn,
     pub last_lsn: Lsn,
     /// File length in bytes.
     pub size: u64,
 }
 
+enum FrozenIndex {
+    Flat { entries: Vec<IndexEntry>, keys: u64 },
+    Blocks(BlockIndex),
+}
+
 impl Frozen {
-    /// A layer from its entries; sorts them if needed and refuses a `(key, lsn)` twice.
+    /// A layer from its entries (a flat index); sorts them if needed and refuses a
+    /// `(key, lsn)` twice.
     pub(crate) fn new(
         id: u32,
         name: String,
@@ -79,36 +91,106 @@ impl Frozen {
         }
         let first_lsn = entries.iter().map(|e| e.lsn).min().with_context(|| format!("{name} is empty"))?;
         let last_lsn = entries.iter().map(|e| e.lsn).max().unwrap_or(first_lsn);
-        Ok(Frozen { id, name, file, entries, first_lsn, last_lsn, size })
+        let keys = 1 + entries.windows(2).filter(|w| w[0].key != w[1].key).count() as u64;
+        Ok(Frozen { id, name, file, index: FrozenIndex::Flat { entries, keys }, first_lsn, last_lsn, size })
+    }
+
+    /// A layer with a block index, on `index`'s file.
+    pub(crate) fn with_blocks(
+        id: u32,
+        name: String,
+        file: Arc<File>,
+        index: BlockIndex,
+        size: u64,
+    ) -> Frozen {
+        let (first_lsn, last_lsn) = (index.footer.first_lsn, index.footer.last_lsn);
+        Frozen { id, name, file, index: FrozenIndex::Blocks(index), first_lsn, last_lsn, size }
+    }
+
+    /// A layer opened by `layer::open`.
+    pub(crate) fn opened(id: u32, name: String, layer: OpenLayer) -> anyhow::Result<Frozen> {
+        match layer.index {
+            LayerIndex::Flat(entries) => Frozen::new(id, name, layer.file, entries, layer.len),
+            LayerIndex::Blocks(index) => Ok(Frozen::with_blocks(id, name, layer.file, index, layer.len)),
+        }
+    }
+
+    /// Whether the index is a block index (format version 3).
+    #[cfg(test)]
+    pub(crate) fn block_indexed(&self) -> bool {
+        matches!(self.index, FrozenIndex::Blocks(_))
     }
 
     fn min_key(&self) -> Option<Key> {
-        self.entries.first().map(|e| e.key)
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => entries.first().map(|e| e.key),
+            FrozenIndex::Blocks(b) => Some(b.footer.min_key),
+        }
     }
 
     fn max_key(&self) -> Option<Key> {
-        self.entries.last().map(|e| e.key)
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => entries.last().map(|e| e.key),
+            FrozenIndex::Blocks(b) => Some(b.footer.max_key),
+        }
     }
 
-    /// The entries of `key` at or below `lsn`, oldest first.
-    pub(crate) fn values_of(&self, key: Key, lsn: Lsn) -> &[IndexEntry] {
-        &self.entries[self.range_of(key, lsn)]
+    /// Number of values.
+    pub(crate) fn values(&self) -> u64 {
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => entries.len() as u64,
+            FrozenIndex::Blocks(b) => b.footer.entry_count,
+        }
     }
 
-    /// Where [`Frozen::values_of`] lies in `entries`.
-    pub(crate) fn range_of(&self, key: Key, lsn: Lsn) -> std::ops::Range<usize> {
-        let start = self.entries.partition_point(|e| e.key < key);
-        let end = self.entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
-        start..end.max(start)
+    /// Number of distinct keys.
+    pub(crate) fn key_count(&self) -> u64 {
+        match &self.index {
+            FrozenIndex::Flat { keys, .. } => *keys,
+            FrozenIndex::Blocks(b) => b.footer.key_count,
+        }
+    }
+
+    /// The entries of `key` at or below `lsn`, oldest first. Reads index blocks (through the
+    /// block cache) for a block index.
+    pub(crate) fn lookup(&self, key: Key, lsn: Lsn) -> anyhow::Result<Vec<IndexEntry>> {
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => {
+                let start = entries.partition_point(|e| e.key < key);
+                let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
+                Ok(entries[start..end.max(start)].to_vec())
+            }
+            FrozenIndex::Blocks(b) => {
+                b.lookup(key, lsn).with_context(|| format!("index of layer {}", self.name))
+            }
+        }
     }
 
     /// The first key above `after` (from the first key if `None`), if any.
-    pub(crate) fn next_key(&self, after: Option<Key>) -> Option<Key> {
-        let at = match after {
-            Some(k) => self.entries.partition_point(|e| e.key <= k),
-            None => 0,
-        };
-        self.entries.get(at).map(|e| e.key)
+    pub(crate) fn next_key(&self, after: Option<Key>) -> anyhow::Result<Option<Key>> {
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => {
+                let at = match after {
+                    Some(k) => entries.partition_point(|e| e.key <= k),
+                    None => 0,
+                };
+                Ok(entries.get(at).map(|e| e.key))
+            }
+            FrozenIndex::Blocks(b) => {
+                b.next_key(after).with_context(|| format!("index of layer {}", self.name))
+            }
+        }
+    }
+
+    /// Calls `f` with every entry, in `(key, lsn)` order.
+    pub(crate) fn for_each(&self, f: &mut dyn FnMut(&IndexEntry)) -> anyhow::Result<()> {
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => {
+                entries.iter().for_each(f);
+                Ok(())
+            }
+            FrozenIndex::Blocks(b) => b.for_each(f).with_context(|| format!("index of layer {}", self.name)),
+        }
     }
 
     /// Whether this layer was written by compaction (its values are sorted by key).
@@ -126,11 +208,11 @@ struct Active {
 
 /// The layer map. Lives behind the timeline's `RwLock`.
 pub(crate) struct Index {
-    /// Oldest first.
-    layers: Vec<Arc<Frozen>>,
+    /// Oldest first; shared with lookups in progress (replaced, never changed in place).
+    layers: Arc<[Arc<Frozen>]>,
     active: Active,
-    keys: HashSet<Key>,
-    values: u64,
+    /// Distinct keys of the active segment.
+    active_keys: u64,
     /// Records committed since the last compaction pass began (or, after an open, those of
     /// the active segment): the backlog of compaction.
     new_records: u64,
@@ -219,13 +301,12 @@ impl Index {
     /// An empty map whose active segment is the file `id`.
     pub(crate) fn new(active_id: u32, active_file: Arc<File>) -> Index {
         Index {
-            layers: Vec::new(),
+            layers: Arc::new([]),
             active: Active { id: active_id, file: active_file, map: BTreeMap::new() },
-            keys: HashSet::new(),
+            active_keys: 0,
             new_records: 0,
             new_chains: HashMap::new(),
             longest_new_chain: 0,
-            values: 0,
         }
     }
 
@@ -234,16 +315,8 @@ impl Index {
     /// values).
     pub(crate) fn push_layer(&mut self, layer: Frozen) -> anyhow::Result<()> {
         check_fits(&self.layers, &layer)?;
-        self.add_counts(&layer.entries);
-        self.layers.push(Arc::new(layer));
+        self.layers = self.layers.iter().cloned().chain([Arc::new(layer)]).collect();
         Ok(())
-    }
-
-    fn add_counts(&mut self, entries: &[IndexEntry]) {
-        self.values += entries.len() as u64;
-        for e in entries {
-            self.keys.insert(e.key);
-        }
     }
 
     /// Adds committed values of the active segment. Fails, without adding any, if a
@@ -253,6 +326,10 @@ impl Index {
             anyhow::bail!("duplicate value for {:?} at lsn {}", e.key, e.lsn);
         }
         for e in entries {
+            let range = (e.key, Lsn(0))..=(e.key, Lsn(u64::MAX));
+            if self.active.map.range(range).next().is_none() {
+                self.active_keys += 1;
+            }
             self.active.map.insert((e.key, e.lsn), *e);
             if e.kind == Kind::Record {
                 self.new_records += 1;
@@ -261,7 +338,6 @@ impl Index {
                 self.longest_new_chain = self.longest_new_chain.max(*chain);
             }
         }
-        self.add_counts(entries);
         Ok(())
     }
 
@@ -282,17 +358,30 @@ impl Index {
         self.longest_new_chain = 0;
     }
 
-    /// The active segment became the layer `name` (same file): it joins the layers, and the
-    /// file `next_id` is the new, empty active segment.
-    pub(crate) fn freeze_active(&mut self, name: String, size: u64, next_id: u32, next_file: Arc<File>) {
+    /// The active segment became the layer `name` (same file) with the block index `index`
+    /// (`None`: the index is made from the segment's entries in memory): it joins the layers,
+    /// and the file `next_id` is the new, empty active segment.
+    pub(crate) fn freeze_active(
+        &mut self,
+        name: String,
+        index: Option<BlockIndex>,
+        size: u64,
+        next_id: u32,
+        next_file: Arc<File>,
+    ) {
         let old = std::mem::replace(
             &mut self.active,
             Active { id: next_id, file: next_file, map: BTreeMap::new() },
         );
+        self.active_keys = 0;
+        let layer = match index {
+            Some(index) => Ok(Frozen::with_blocks(old.id, name, old.file, index, size)),
+            None => Frozen::new(old.id, name, old.file, old.map.into_values().collect(), size),
+        };
         // Sorted by (key, lsn) and unique (the map's keys), and above every layer; only an empty
         // segment fails, and one is never sealed.
-        if let Ok(layer) = Frozen::new(old.id, name, old.file, old.map.into_values().collect(), size) {
-            self.layers.push(Arc::new(layer));
+        if let Ok(layer) = layer {
+            self.layers = self.layers.iter().cloned().chain([Arc::new(layer)]).collect();
         }
     }
 
@@ -323,66 +412,125 @@ impl Index {
 
     /// Replaces the layers, as [`Index::replaced`] does; changes nothing if that fails.
     pub(crate) fn replace_layers(&mut self, inputs: &[u32], outputs: &[Arc<Frozen>]) -> anyhow::Result<()> {
-        self.layers = self.replaced(inputs, outputs)?;
-        self.values =
-            self.layers.iter().map(|l| l.entries.len() as u64).sum::<u64>() + self.active.map.len() as u64;
+        self.layers = self.replaced(inputs, outputs)?.into();
         Ok(())
     }
 
-    /// Number of distinct keys.
+    /// Distinct keys, from the counts each file keeps: the most of the active segment's, any
+    /// one layer's, and the compaction outputs' together (the outputs of a pass are disjoint in
+    /// keys, and a pass takes every layer). Exact when one of them holds every key (after a
+    /// pass, or before the first seal); otherwise a lower bound.
     pub(crate) fn keys(&self) -> u64 {
-        self.keys.len() as u64
+        let compacted: u64 = self.layers.iter().filter(|l| l.compacted()).map(|l| l.key_count()).sum();
+        let largest = self.layers.iter().map(|l| l.key_count()).max().unwrap_or(0);
+        self.active_keys.max(largest).max(compacted)
     }
 
     /// Number of values.
     pub(crate) fn values(&self) -> u64 {
-        self.values
+        self.layers.iter().map(|l| l.values()).sum::<u64>() + self.active.map.len() as u64
     }
 
-    /// Every key in key order, with the LSN of its oldest value. O(values).
-    pub(crate) fn first_lsns(&self) -> Vec<(Key, Lsn)> {
-        let mut first: BTreeMap<Key, Lsn> = BTreeMap::new();
-        let all = self.layers.iter().flat_map(|l| l.entries.iter()).chain(self.active.map.values());
-        for e in all {
-            first.entry(e.key).and_modify(|l| *l = (*l).min(e.lsn)).or_insert(e.lsn);
+    /// What [`first_lsns`] needs, copied out under the lock: the active segment's entries and
+    /// the layers.
+    pub(crate) fn all(&self) -> (Vec<IndexEntry>, Arc<[Arc<Frozen>]>) {
+        (self.active.map.values().copied().collect(), Arc::clone(&self.layers))
+    }
+
+    /// What a lookup of `key` at `lsn` reads, copied out under the lock: the active segment's
+    /// entries of `key` down to its newest image at or below `lsn`, and the layers (one shared
+    /// list). The layers' indexes are read without the lock.
+    pub(crate) fn snapshot(&self, key: Key, lsn: Lsn) -> Snapshot {
+        let mut active = Vec::new();
+        for e in self.active.map.range((key, Lsn(0))..=(key, lsn)).rev().map(|(_, e)| e) {
+            active.push(*e);
+            if e.kind == Kind::Image {
+                break;
+            }
         }
-        first.into_iter().collect()
+        Snapshot { active_file: Arc::clone(&self.active.file), active, layers: Arc::clone(&self.layers) }
     }
 
-    /// The entries of `key` at or below `lsn`, newest first, with the file each is in: the
-    /// active segment's, then each layer's from the newest layer down.
-    fn newest_first(&self, key: Key, lsn: Lsn) -> impl Iterator<Item = (&Arc<File>, &IndexEntry)> {
-        let range = (Bound::Included((key, Lsn(0))), Bound::Included((key, lsn)));
-        let active = self.active.map.range(range).rev().map(|(_, e)| (&self.active.file, e));
-        let layers = self
-            .layers
-            .iter()
-            .rev()
-            .flat_map(move |l| l.values_of(key, lsn).iter().rev().map(|e| (&l.file, e)));
-        active.chain(layers)
+    /// [`Index::snapshot`] and [`Snapshot::pick`] and its plan, for tests.
+    #[cfg(test)]
+    pub(crate) fn plan(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<ReadPlan>, GetError> {
+        Ok(self.snapshot(key, lsn).pick(key, lsn, limits)?.map(ReadPlan::new))
+    }
+
+    /// [`Snapshot::newest_at`], for tests.
+    #[cfg(test)]
+    pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
+        self.snapshot(key, lsn).newest_at(key, lsn).unwrap()
+    }
+}
+
+/// Every key in key order, with the LSN of its oldest value, from [`Index::all`]: reads every
+/// layer's whole index. O(values).
+pub(crate) fn first_lsns(active: &[IndexEntry], layers: &[Arc<Frozen>]) -> anyhow::Result<Vec<(Key, Lsn)>> {
+    let mut first: BTreeMap<Key, Lsn> = BTreeMap::new();
+    let mut add = |e: &IndexEntry| {
+        first.entry(e.key).and_modify(|l| *l = (*l).min(e.lsn)).or_insert(e.lsn);
+    };
+    for l in layers {
+        l.for_each(&mut add)?;
+    }
+    active.iter().for_each(add);
+    Ok(first.into_iter().collect())
+}
+
+/// One lookup's view of the map (see [`Index::snapshot`]).
+pub(crate) struct Snapshot {
+    active_file: Arc<File>,
+    /// Newest first.
+    active: Vec<IndexEntry>,
+    layers: Arc<[Arc<Frozen>]>,
+}
+
+impl Snapshot {
+    /// Calls `f` with the entries of `key` at or below `lsn`, newest first, with the file each
+    /// is in (the active segment's, then each layer's from the newest layer down), until it
+    /// returns `false`.
+    fn newest_first<'a, F>(&'a self, key: Key, lsn: Lsn, mut f: F) -> Result<(), GetError>
+    where
+        F: FnMut(&'a Arc<File>, &IndexEntry) -> Result<bool, GetError>,
+    {
+        for e in &self.active {
+            if !f(&self.active_file, e)? {
+                return Ok(());
+            }
+        }
+        for l in self.layers.iter().rev() {
+            if l.first_lsn > lsn {
+                continue;
+            }
+            for e in l.lookup(key, lsn).map_err(GetError::Io)?.iter().rev() {
+                if !f(&l.file, e)? {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The LSN of the newest value of `key` at or below `lsn`.
-    pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
-        self.newest_first(key, lsn).next().map(|(_, e)| e.lsn)
-    }
-
-    /// [`Index::pick`] and its plan, for tests (the callers that hold the lock plan without it).
-    #[cfg(test)]
-    pub(crate) fn plan(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<ReadPlan>, GetError> {
-        Ok(self.pick(key, lsn, limits)?.map(ReadPlan::new))
+    pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Result<Option<Lsn>, GetError> {
+        let mut found = None;
+        self.newest_first(key, lsn, |_, e| {
+            found = Some(e.lsn);
+            Ok(false)
+        })?;
+        Ok(found)
     }
 
     /// The values to read for `key` as of `lsn`: the newest image at or below `lsn` and the
     /// records above it, or all records at or below `lsn` if there is no image. `None` if
     /// nothing. Fails with `TooLarge`, before any value is read, when more than `limits` would
-    /// be read. Linear in the values it returns; plan them ([`ReadPlan::new`]) after releasing
-    /// the lock.
+    /// be read. Reads only index blocks; plan the values with [`ReadPlan::new`].
     pub(crate) fn pick(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<Picked>, GetError> {
-        let mut picked: Vec<(&Arc<File>, &IndexEntry)> = Vec::new();
+        let mut picked: Vec<(&Arc<File>, IndexEntry)> = Vec::new();
         let mut bytes = 0u64;
         let mut records = 0usize;
-        for (file, e) in self.newest_first(key, lsn) {
+        self.newest_first(key, lsn, |file, e| {
             bytes += u64::from(e.len);
             if bytes > limits.max_bytes {
                 return Err(GetError::TooLarge(format!(
@@ -399,16 +547,14 @@ impl Index {
                 }
                 records += 1;
             }
-            picked.push((file, e));
-            if e.kind == Kind::Image {
-                break;
-            }
-        }
+            picked.push((file, *e));
+            Ok(e.kind != Kind::Image)
+        })?;
         if picked.is_empty() {
             return Ok(None);
         }
         let mut out = Picked::with_capacity(picked.len());
-        for (file, e) in picked.into_iter().rev() {
+        for (file, e) in picked.iter().rev() {
             out.push(file, e);
         }
         Ok(Some(out))
@@ -746,7 +892,8 @@ mod tests {
         assert_eq!(lsns, vec![20, 30, 50]);
         assert_eq!(idx.newest_at(key(1), Lsn(49)), Some(Lsn(30)));
         assert_eq!(idx.newest_at(key(2), Lsn(100)), Some(Lsn(12)));
-        assert_eq!(idx.first_lsns(), vec![(key(1), Lsn(10)), (key(2), Lsn(12))]);
+        let (active, layers) = idx.all();
+        assert_eq!(first_lsns(&active, &layers).unwrap(), vec![(key(1), Lsn(10)), (key(2), Lsn(12))]);
         assert_eq!((idx.keys(), idx.values()), (2, 5));
     }
 

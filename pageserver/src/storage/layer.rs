@@ -1,20 +1,26 @@
-//! Sealed layer files: immutable files holding values, an index block and a fixed-size footer,
-//! named by the LSN range they cover (`layer_<first>_<last>.layer`, 16 hex digits each).
+//! Sealed layer files: immutable files holding values, their index and a footer, named by the
+//! LSN range they cover (`layer_<first>_<last>.layer`, 16 hex digits each).
 //!
-//! A layer is what a full active segment becomes: the committer appends the index block and the
+//! A layer is what a full active segment becomes: the committer appends the index and the
 //! footer after the last frame, fsyncs, and renames the file, so sealing copies no value bytes
-//! and open readers keep their file descriptor. Opening a layer reads only the footer and the
-//! index block, never the values. The data region before the index is opaque to readers (for a
-//! sealed segment it is batch frames; a compactor may write bare values): only index entries
-//! point into it.
+//! and open readers keep their file descriptor. The data region before the index is opaque to
+//! readers (for a sealed segment it is batch frames; a compactor writes bare values): only index
+//! entries point into it.
 //!
-//! **Invariants:** a file is a layer only if its footer, footer checksum and index checksum are
-//! valid and its index and footer end exactly at the end of the file; a layer file is never
-//! written again once renamed; every entry lies inside the data region.
+//! Two index layouts (docs/storage-format.md): layers written from format version 3 on carry a
+//! **block index** (`block_index`: 8 KiB blocks, a fence per block, read on demand through a
+//! cache); layers of versions 1 and 2 carry one **flat index** block, loaded whole at open
+//! ([`open`] tells them apart by the footer's magic). Everything this build writes has a
+//! block index.
+//!
+//! **Invariants:** a file is a layer only if its footer, footer checksum and index (or fence)
+//! checksum are valid and its index and footer end exactly at the end of the file; a layer file
+//! is never written again once renamed; every entry lies inside the data region.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{ensure, Context};
 
@@ -22,13 +28,17 @@ use super::format::{self, put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KE
 use super::segment::read_at;
 use super::Lsn;
 
+pub(crate) mod block_index;
+
+pub(crate) use block_index::BlockIndex;
+
 /// First 4 bytes of an index block ("INDX"); never equal to a batch frame's magic.
 pub(crate) const INDEX_MAGIC: u32 = u32::from_le_bytes(*b"INDX");
 /// Size of one index entry: key, lsn u64, kind u8, offset u64, len u32, crc u32.
 pub(crate) const INDEX_ENTRY_LEN: usize = KEY_LEN + 8 + 1 + 8 + 4 + 4;
-/// Version of the footer layout, independent of the file header's format version.
+/// Version of the flat footer's layout, independent of the file header's format version.
 pub(crate) const FOOTER_VERSION: u32 = 1;
-/// Magic at the start of the footer.
+/// Magic at the start of the flat footer.
 pub(crate) const FOOTER_MAGIC: [u8; 8] = *b"PSLAYER1";
 /// magic(8) version u32 entry_count u64 index_offset u64 index_len u64 first_lsn u64
 /// last_lsn u64 index_crc u32 footer_crc u32.
@@ -86,13 +96,41 @@ pub(crate) fn parse_file_name(name: &str) -> Option<LayerName> {
 
 /// Bytes that [`append_index_and_footer`] adds for `entries` index entries.
 pub(crate) fn index_and_footer_len(entries: usize) -> u64 {
+    block_index::encoded_len(entries)
+}
+
+/// Appends the block index of `entries` (sorted here by key, then LSN), its fences and its
+/// footer at `data_end` of `file`, without fsync. Returns the new file length and the index
+/// (as [`BlockIndex::open`] would read it back). `entries` must be non-empty, unique and lie
+/// below `data_end`.
+pub(crate) fn append_index_and_footer(
+    file: &Arc<File>,
+    data_end: u64,
+    entries: &[IndexEntry],
+) -> anyhow::Result<(u64, BlockIndex)> {
+    let mut sorted;
+    let entries = if entries.windows(2).all(|w| (w[0].key, w[0].lsn) < (w[1].key, w[1].lsn)) {
+        entries
+    } else {
+        sorted = entries.to_vec();
+        sorted.sort_by_key(|e| (e.key, e.lsn));
+        &sorted[..]
+    };
+    let (buf, footer, fences) = block_index::encode(data_end, entries)?;
+    file.write_all_at(&buf, data_end).context("write layer index and footer")?;
+    Ok((data_end + buf.len() as u64, BlockIndex::written(Arc::clone(file), footer, fences)))
+}
+
+/// Bytes that [`append_flat_index_and_footer`] adds for `entries` index entries.
+#[cfg(test)]
+pub(crate) fn flat_index_and_footer_len(entries: usize) -> u64 {
     4 + (entries * INDEX_ENTRY_LEN) as u64 + FOOTER_LEN
 }
 
-/// Appends the index block (entries sorted by key, then LSN) and the footer at `data_end` of
-/// `file`, without fsync. Returns the new file length. `entries` must be non-empty and lie
-/// below `data_end`.
-pub(crate) fn append_index_and_footer(
+/// Appends a flat index (versions 1 and 2: one block, entries sorted by key, then LSN) and its
+/// footer at `data_end` of `file`, as builds before version 3 did: for tests of old files.
+#[cfg(test)]
+pub(crate) fn append_flat_index_and_footer(
     file: &File,
     data_end: u64,
     entries: &[IndexEntry],
@@ -105,12 +143,7 @@ pub(crate) fn append_index_and_footer(
     let mut buf = Vec::with_capacity(4 + sorted.len() * INDEX_ENTRY_LEN + FOOTER_LEN as usize);
     buf.extend_from_slice(&INDEX_MAGIC.to_le_bytes());
     for e in &sorted {
-        put_key(&mut buf, &e.key);
-        buf.extend_from_slice(&e.lsn.0.to_le_bytes());
-        buf.push(e.kind.to_byte());
-        buf.extend_from_slice(&e.offset.to_le_bytes());
-        buf.extend_from_slice(&e.len.to_le_bytes());
-        buf.extend_from_slice(&e.crc.to_le_bytes());
+        encode_entry(&mut buf, e);
     }
     let index_len = buf.len() as u64;
     let footer = Footer {
@@ -126,6 +159,31 @@ pub(crate) fn append_index_and_footer(
     Ok(data_end + buf.len() as u64)
 }
 
+/// Appends the encoding of one index entry (key, lsn, kind, offset, len, crc).
+pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &IndexEntry) {
+    put_key(buf, &e.key);
+    buf.extend_from_slice(&e.lsn.0.to_le_bytes());
+    buf.push(e.kind.to_byte());
+    buf.extend_from_slice(&e.offset.to_le_bytes());
+    buf.extend_from_slice(&e.len.to_le_bytes());
+    buf.extend_from_slice(&e.crc.to_le_bytes());
+}
+
+/// Decodes one index entry and checks its kind and length.
+pub(crate) fn decode_entry(c: &mut Cursor<'_>) -> anyhow::Result<IndexEntry> {
+    let e = IndexEntry {
+        key: c.key()?,
+        lsn: c.lsn()?,
+        kind: Kind::from_byte(c.u8()?)?,
+        offset: c.u64()?,
+        len: c.u32()?,
+        crc: c.u32()?,
+    };
+    e.kind.check_len(&e.key, e.len as usize)?;
+    Ok(e)
+}
+
+#[cfg(test)]
 fn encode_footer(f: &Footer, out: &mut Vec<u8>) {
     let start = out.len();
     out.extend_from_slice(&FOOTER_MAGIC);
@@ -182,15 +240,7 @@ pub(crate) fn read_index(file: &File, footer: &Footer) -> anyhow::Result<Vec<Ind
     ensure!(c.u32()? == INDEX_MAGIC, "bad index magic");
     let mut entries = Vec::with_capacity(footer.entry_count as usize);
     for _ in 0..footer.entry_count {
-        let e = IndexEntry {
-            key: c.key()?,
-            lsn: c.lsn()?,
-            kind: Kind::from_byte(c.u8()?)?,
-            offset: c.u64()?,
-            len: c.u32()?,
-            crc: c.u32()?,
-        };
-        e.kind.check_len(&e.key, e.len as usize)?;
+        let e = decode_entry(&mut c)?;
         ensure!(
             e.offset >= FILE_HEADER_LEN && e.offset + u64::from(e.len) <= footer.index_offset,
             "entry outside the data region"
@@ -205,32 +255,44 @@ pub(crate) fn read_index(file: &File, footer: &Footer) -> anyhow::Result<Vec<Ind
     Ok(entries)
 }
 
+/// The index of an opened layer.
+pub(crate) enum LayerIndex {
+    /// Versions 1 and 2: the whole index, loaded.
+    Flat(Vec<IndexEntry>),
+    /// Version 3: footer and fences; blocks read on demand.
+    Blocks(BlockIndex),
+}
+
 /// An opened, checked layer file.
 pub(crate) struct OpenLayer {
-    pub file: File,
-    pub footer: Footer,
-    pub entries: Vec<IndexEntry>,
+    pub file: Arc<File>,
+    pub last_lsn: Lsn,
+    pub index: LayerIndex,
     pub len: u64,
 }
 
-/// Opens the layer at `path` read-only and loads its index; checks its header, footer, index and
-/// that its name matches its LSN range.
+/// Opens the layer at `path` read-only and reads its index (a block index's footer and fences,
+/// or a flat index whole); checks its header, footer, fences or index, and that its name
+/// matches its LSN range.
 pub(crate) fn open(path: &Path) -> anyhow::Result<OpenLayer> {
-    let file = File::open(path).context("open layer file")?;
+    let file = Arc::new(File::open(path).context("open layer file")?);
     let len = file.metadata().context("stat layer file")?.len();
     let mut header = [0u8; FILE_HEADER_LEN as usize];
     read_at(&file, &mut header, 0).context("read layer header")?;
     format::check_file_header(&header)?;
-    let footer = read_footer(&file, len)?;
+    let (first_lsn, last_lsn, index) = if block_index::has_block_footer(&file, len) {
+        let index = BlockIndex::open(Arc::clone(&file), len)?;
+        (index.footer.first_lsn, index.footer.last_lsn, LayerIndex::Blocks(index))
+    } else {
+        let footer = read_footer(&file, len)?;
+        (footer.first_lsn, footer.last_lsn, LayerIndex::Flat(read_index(&file, &footer)?))
+    };
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
     ensure!(
-        parse_file_name(name).map(|n| (n.first, n.last)) == Some((footer.first_lsn, footer.last_lsn)),
-        "name does not match the footer's lsn range {}..={}",
-        footer.first_lsn,
-        footer.last_lsn
+        parse_file_name(name).map(|n| (n.first, n.last)) == Some((first_lsn, last_lsn)),
+        "name does not match the footer's lsn range {first_lsn}..={last_lsn}"
     );
-    let entries = read_index(&file, &footer)?;
-    Ok(OpenLayer { file, footer, entries, len })
+    Ok(OpenLayer { file, last_lsn, index, len })
 }
 
 #[cfg(test)]
@@ -264,48 +326,78 @@ mod tests {
         }
     }
 
-    #[test]
-    fn sealed_segment_opens_as_layer_with_sorted_index() {
-        let dir = tempfile::tempdir().unwrap();
-        let dir_file = File::open(dir.path()).unwrap();
-        let mut seg =
-            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
-        let mut buf = Vec::new();
-        let rec = |b: &'static [u8]| Value::Record(Bytes::from_static(b));
-        seg.append(&[(key(9), Lsn(5), rec(b"a")), (key(1), Lsn(5), rec(b"b"))], &mut buf).unwrap();
-        seg.append(&[(key(1), Lsn(7), rec(b"c"))], &mut buf).unwrap();
-        let end = append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
-        let path = dir.path().join(file_name(Lsn(5), Lsn(7), None));
-        std::fs::rename(dir.path().join("active.seg"), &path).unwrap();
+    /// The entries of an opened layer, in file order.
+    fn entries_of(layer: &OpenLayer) -> Vec<IndexEntry> {
+        match &layer.index {
+            LayerIndex::Flat(entries) => entries.clone(),
+            LayerIndex::Blocks(index) => {
+                let mut out = Vec::new();
+                index.for_each(&mut |e| out.push(*e)).unwrap();
+                out
+            }
+        }
+    }
 
-        let layer = open(&path).unwrap();
-        assert_eq!(layer.len, end);
-        assert_eq!((layer.footer.first_lsn, layer.footer.last_lsn), (Lsn(5), Lsn(7)));
-        let order: Vec<_> = layer.entries.iter().map(|e| (e.key.blknum, e.lsn.0)).collect();
-        assert_eq!(order, vec![(1, 5), (1, 7), (9, 5)]);
-        let mut sorted = seg.entries.clone();
-        sorted.sort_by_key(|e| (e.key, e.lsn));
-        assert_eq!(layer.entries, sorted);
+    #[test]
+    fn sealed_segment_opens_as_layer_with_sorted_index_in_either_layout() {
+        for flat in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let dir_file = File::open(dir.path()).unwrap();
+            let mut seg =
+                ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
+            let mut buf = Vec::new();
+            let rec = |b: &'static [u8]| Value::Record(Bytes::from_static(b));
+            seg.append(&[(key(9), Lsn(5), rec(b"a")), (key(1), Lsn(5), rec(b"b"))], &mut buf).unwrap();
+            seg.append(&[(key(1), Lsn(7), rec(b"c"))], &mut buf).unwrap();
+            let end = if flat {
+                append_flat_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap()
+            } else {
+                append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap().0
+            };
+            let path = dir.path().join(file_name(Lsn(5), Lsn(7), None));
+            std::fs::rename(dir.path().join("active.seg"), &path).unwrap();
+
+            let layer = open(&path).unwrap();
+            assert_eq!(matches!(layer.index, LayerIndex::Flat(_)), flat);
+            assert_eq!(layer.len, end);
+            assert_eq!(layer.last_lsn, Lsn(7));
+            let entries = entries_of(&layer);
+            let order: Vec<_> = entries.iter().map(|e| (e.key.blknum, e.lsn.0)).collect();
+            assert_eq!(order, vec![(1, 5), (1, 7), (9, 5)]);
+            let mut sorted = seg.entries.clone();
+            sorted.sort_by_key(|e| (e.key, e.lsn));
+            assert_eq!(entries, sorted);
+        }
     }
 
     #[test]
     fn layer_with_corrupt_index_or_wrong_name_fails_to_open() {
-        let dir = tempfile::tempdir().unwrap();
-        let dir_file = File::open(dir.path()).unwrap();
-        let mut seg =
-            ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
-        let mut buf = Vec::new();
-        seg.append(&[(key(1), Lsn(5), Value::Record(Bytes::from_static(b"a")))], &mut buf).unwrap();
-        append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
-        let wrong = dir.path().join(file_name(Lsn(5), Lsn(6), None));
-        std::fs::rename(dir.path().join("active.seg"), &wrong).unwrap();
-        assert!(open(&wrong).is_err());
+        for flat in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let dir_file = File::open(dir.path()).unwrap();
+            let mut seg =
+                ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
+            let mut buf = Vec::new();
+            seg.append(&[(key(1), Lsn(5), Value::Record(Bytes::from_static(b"a")))], &mut buf).unwrap();
+            if flat {
+                append_flat_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
+            } else {
+                append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
+            }
+            let wrong = dir.path().join(file_name(Lsn(5), Lsn(6), None));
+            std::fs::rename(dir.path().join("active.seg"), &wrong).unwrap();
+            assert!(open(&wrong).is_err());
 
-        let right = dir.path().join(file_name(Lsn(5), Lsn(5), None));
-        std::fs::rename(&wrong, &right).unwrap();
-        open(&right).unwrap();
-        seg.file.write_all_at(&[0xee], seg.len + 6).unwrap();
-        let err = open(&right).err().unwrap();
-        assert!(format!("{err:#}").contains("index checksum mismatch"), "{err:#}");
+            let right = dir.path().join(file_name(Lsn(5), Lsn(5), None));
+            std::fs::rename(&wrong, &right).unwrap();
+            open(&right).unwrap();
+            // In the flat index, an entry; in a block index, the fence array (one block of one
+            // entry: the fence follows it).
+            let at = if flat { seg.len + 6 } else { seg.len + INDEX_ENTRY_LEN as u64 + 6 };
+            seg.file.write_all_at(&[0xee], at).unwrap();
+            let err = open(&right).err().unwrap();
+            let want = if flat { "index checksum mismatch" } else { "fence checksum mismatch" };
+            assert!(format!("{err:#}").contains(want), "{err:#}");
+        }
     }
 }

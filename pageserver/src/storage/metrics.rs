@@ -57,6 +57,11 @@ impl StorageMetrics {
             registry.register(Box::new(g.clone())).with_context(|| format!("register {name}"))?;
             Ok(g)
         };
+        let cache = super::layer::block_index::BlockCache::global();
+        for c in [&cache.hits, &cache.misses] {
+            registry.register(Box::new(c.clone())).context("register the block cache's counters")?;
+        }
+        registry.register(Box::new(cache.bytes.clone())).context("register the block cache's size")?;
         let layer_files = IntGauge::new(
             "pageserver_storage_layer_files",
             "Sealed layer files currently open, over all timelines",
@@ -144,7 +149,7 @@ mod tests {
         m.fsync(|| Ok(())).unwrap();
         assert!(StorageMetrics::new(&registry).is_err());
         let families = registry.gather();
-        assert_eq!(families.len(), 12);
+        assert_eq!(families.len(), 15);
         assert!(families.iter().all(|f| f.name().starts_with("pageserver_storage_")));
         assert_eq!(m.fsyncs.get(), 1);
     }

@@ -4,19 +4,22 @@
 //! the active segment by a committer (rounds on a small thread pool shared by all timelines)
 //! that writes every queued batch and then fsyncs once (group commit); only then are the
 //! batches acknowledged, indexed and visible. A full
-//! active segment is sealed in place into an immutable layer file (index + footer appended,
-//! fsync, rename, fsync directory) and recorded in the manifest. On open, recovery checks the
-//! directory against the manifest, finishes or undoes an interrupted seal, loads every layer's
-//! index, and cuts a torn tail off the active segment. The byte format and the recovery
+//! active segment is sealed in place into an immutable layer file (block index + fences + footer
+//! appended, fsync, rename, fsync directory) and recorded in the manifest. On open, recovery
+//! checks the directory against the manifest, finishes or undoes an interrupted seal, reads
+//! every layer's footer and fences (the whole flat index of a layer of version 1 or 2), and cuts
+//! a torn tail off the active segment. The byte format and the recovery
 //! procedure are specified in `docs/storage-format.md`.
 //!
 //! Code map: `format` (shared constants and codecs), `segment` (batch frames, the active
-//! segment, the scan), `layer` (index block, footer, layer files), `manifest` (the list of the
-//! timeline's files and the seal intent), `index` (in-memory index and the read path, with its
-//! limits), `shared` (the state the handle and the committer share: queue, index, durable LSN,
-//! failure), `timeline` (the handle: ingest queue, reads, waits, shutdown), `commit` (the
-//! committer: group commit, failure episodes; `commit/seal` holds sealing as retryable steps),
-//! `pool` (the commit threads shared by all timelines, running any `pool::Task`), `recovery`
+//! segment, the scan), `layer` (layer files: footer, the flat index of versions 1 and 2;
+//! `layer/block_index`: the block index of version 3, its fences and the daemon-wide block
+//! cache), `manifest` (the list of the timeline's files and the seal intent), `index` (the
+//! layer map and the read path, with its limits), `shared` (the state the handle and the
+//! committer share: queue, index, durable LSN, failure), `timeline` (the handle: ingest queue,
+//! reads, waits, shutdown), `commit` (the committer: group commit, failure episodes;
+//! `commit/seal` holds sealing as retryable steps), `pool` (the commit threads shared by all
+//! timelines, running any `pool::Task`), `recovery`
 //! (open-time repair), `metrics`.
 //!
 //! Dependencies point one way: `timeline` -> `commit`, `recovery` -> `shared`, `manifest`,

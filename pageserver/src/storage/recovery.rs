@@ -233,12 +233,13 @@ fn open_layers(dir: &Path, metas: &[LayerMeta]) -> anyhow::Result<OpenedLayers> 
         );
         let l = layer::open(&path).with_context(|| format!("open layer {}", path.display()))?;
         let id = o.next_file_id;
-        let frozen = Frozen::new(id, meta.name.clone(), Arc::new(l.file), l.entries, l.len)
+        let (last_lsn, len) = (l.last_lsn, l.len);
+        let frozen = Frozen::opened(id, meta.name.clone(), l)
             .with_context(|| format!("index layer {}", path.display()))?;
         o.layers.push(frozen);
         o.next_file_id += 1;
-        o.last_lsn = o.last_lsn.max(l.footer.last_lsn);
-        o.sealed_bytes += l.len;
+        o.last_lsn = o.last_lsn.max(last_lsn);
+        o.sealed_bytes += len;
         o.metas.push(meta.clone());
     }
     Ok(o)
@@ -305,7 +306,7 @@ fn recover_v1(
     opened.finish(segment, floor, m)
 }
 
-/// Fails if a file of the directory was written next to a manifest (format version 2): then the
+/// Fails if a file of the directory was written next to a manifest (format version 2 or 3): then the
 /// manifest was lost, and the listing alone cannot show what else is missing. One exception: an
 /// `active.seg` holding nothing but its header and no layers is a new timeline whose first open
 /// stopped before its manifest was written.

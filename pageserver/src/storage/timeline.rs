@@ -42,7 +42,8 @@ pub struct Timeline {
 impl Timeline {
     /// Opens or creates the storage in `dir` (creating it), recovering from a crash: finishes an
     /// interrupted seal and cuts a torn tail. Fails if another `Timeline` has `dir` open.
-    /// Blocking (reads every layer's index): from async code, call it in `spawn_blocking`.
+    /// Blocking (reads every layer's footer and fences, and the active segment): from async
+    /// code, call it in `spawn_blocking`.
     pub fn open(
         dir: &Path,
         conf: StorageConf,
@@ -233,7 +234,8 @@ impl Timeline {
     /// sees. In-memory only, no I/O. `Ok(None)` if the key has nothing at or below `lsn`;
     /// `BelowGcCutoff` if `lsn` is below the GC cutoff.
     pub fn version_at(&self, key: Key, lsn: Lsn) -> Result<Option<Lsn>, GetError> {
-        let found = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).newest_at(key, lsn);
+        let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
+        let found = snapshot.newest_at(key, lsn)?;
         self.check_retained(lsn)?;
         Ok(found)
     }
@@ -279,8 +281,8 @@ impl Timeline {
     /// reserving memory before reading) and `TooLarge` over `limits`, with nothing read. The
     /// plan keeps its files open.
     pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
-        let picked =
-            self.shared.index.read().unwrap_or_else(PoisonError::into_inner).pick(key, lsn, limits)?;
+        let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
+        let picked = snapshot.pick(key, lsn, limits)?;
         self.check_retained(lsn)?;
         picked.map(ReadPlan::new).ok_or(GetError::NotFound { key, lsn })
     }
@@ -362,11 +364,11 @@ impl Timeline {
     }
 
     /// Every key, in key order, with the LSN of its oldest value (the key space, for
-    /// `GET /v1/tenant/{id}/keyspace`). In-memory only, but it holds the index's read lock for
-    /// O(keys x log values): call it from a blocking thread for a large timeline.
-    pub fn keyspace(&self) -> Vec<(Key, Lsn)> {
-        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-        index.first_lsns()
+    /// `GET /v1/tenant/{id}/keyspace`). Reads every layer's whole index (the lock held only to
+    /// copy the active segment's entries): O(values), blocking; call it from a blocking thread.
+    pub fn keyspace(&self) -> anyhow::Result<Vec<(Key, Lsn)>> {
+        let (active, layers) = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).all();
+        super::index::first_lsns(&active, &layers)
     }
 
     /// Keys, values, layers, bytes on disk, last durable LSN.
@@ -383,6 +385,14 @@ impl Timeline {
                 + self.shared.active_len.load(Ordering::Relaxed),
             last_durable_lsn: self.last_durable_lsn(),
         }
+    }
+
+    /// Test hook: how many frozen layers have a block index (only their fences in memory), of
+    /// how many.
+    #[cfg(test)]
+    pub(super) fn block_indexed_layers(&self) -> (usize, usize) {
+        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
+        (index.layers().iter().filter(|l| l.block_indexed()).count(), index.layers().len())
     }
 
     /// Test hook: while held, the committer leaves queued batches alone.

@@ -731,6 +731,7 @@ impl Task {
             tokio::task::spawn_blocking(move || tl.keyspace())
                 .await
                 .context("key space task")?
+                .context("list the key space")?
                 .into_iter()
                 .map(|(key, _)| key)
                 .filter(|key| matches!(keys::classify(key), keys::KeyKind::RelSize { .. }))

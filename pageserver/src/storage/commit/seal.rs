@@ -18,7 +18,7 @@
 //! files, active segment) changes only once step 6 is durable.
 
 use std::sync::atomic::Ordering;
-use std::sync::PoisonError;
+use std::sync::{Arc, PoisonError};
 
 use anyhow::{ensure, Context};
 
@@ -78,7 +78,7 @@ impl Committer {
     fn write_layer(&mut self, intent: &SealIntent) -> anyhow::Result<()> {
         let m = &self.shared.metrics;
         let file = &self.segment.file;
-        let len = layer::append_index_and_footer(file, intent.data_len, &self.segment.entries)?;
+        let (len, _) = layer::append_index_and_footer(file, intent.data_len, &self.segment.entries)?;
         ensure!(len == intent.layer.size, "sealed layer has {len} bytes, expected {}", intent.layer.size);
         m.fsync(|| file.sync_data()).context("fdatasync sealed layer")?;
         let dir = &self.shared.dir;
@@ -97,8 +97,16 @@ impl Committer {
         tracing::info!(
             layer = %intent.layer.name, values = self.segment.entries.len(), bytes = len, "sealed layer"
         );
+        // The index as written (read back: a retried seal wrote it in an earlier round). Should
+        // that fail, the layer's index is made from the segment's entries instead.
+        let index = layer::BlockIndex::open(Arc::clone(&self.segment.file), len)
+            .inspect_err(
+                |e| tracing::warn!(layer = %intent.layer.name, "read back a sealed layer's index: {e:#}"),
+            )
+            .ok();
         self.shared.index.write().unwrap_or_else(PoisonError::into_inner).freeze_active(
             intent.layer.name.clone(),
+            index,
             len,
             next.file_id,
             next.file.clone(),

@@ -101,10 +101,16 @@ async fn compaction_keeps_every_page_merges_layers_and_creates_images() {
     let before = pages(&tl, KEYS, &lsns);
     let layers_before = tl.stats().layers;
     assert!(layers_before > 5, "{layers_before}");
+    // Seals write block indexes (format version 3): no layer holds its entries in memory.
+    let n = layers_before as usize;
+    assert_eq!(tl.block_indexed_layers(), (n, n));
 
     let pass = tl.begin_compaction(conf(3, u64::MAX)).unwrap().unwrap();
     let stats = run(pass, Duration::from_micros(50));
     assert_eq!(stats.input_layers, layers_before);
+    let n = stats.output_layers as usize;
+    assert_eq!(tl.block_indexed_layers(), (n, n));
+    assert!(stats.values_written > 2 * super::super::layer::block_index::BLOCK_ENTRIES as u64, "{stats:?}");
     assert_eq!(stats.keys, u64::from(KEYS));
     // Odd keys have 30 records and no image; even keys end with an image.
     assert_eq!(stats.images_created, u64::from(KEYS / 2), "{stats:?}");
@@ -121,6 +127,7 @@ async fn compaction_keeps_every_page_merges_layers_and_creates_images() {
     // Reopened, the same pages, and ingest goes on above.
     drop(tl);
     let tl = open(dir.path(), 2000, &m);
+    assert_eq!(tl.block_indexed_layers(), (n, n));
     assert_eq!(pages(&tl, KEYS, &lsns), before);
     fill(&tl, 30, 2).await;
 }

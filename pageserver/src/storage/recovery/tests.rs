@@ -135,11 +135,11 @@ fn append_seal_index(dir: &Path, keep: Option<u64>, v1: bool) {
     let len = file.metadata().unwrap().len();
     let scan = segment::scan(&file, len, Lsn(0)).unwrap();
     let (first, last) = (scan.entries[0].lsn, scan.entries.last().unwrap().lsn);
-    let size = len + layer::index_and_footer_len(scan.entries.len());
+    let size = len + layer::flat_index_and_footer_len(scan.entries.len());
     let mut m = manifest::read(dir).unwrap().unwrap();
     m.sealing = Some(SealIntent { layer: LayerMeta::new(first, last, size), data_len: len });
     write_manifest(dir, &mut m);
-    let end = layer::append_index_and_footer(&file, len, &scan.entries).unwrap();
+    let end = layer::append_flat_index_and_footer(&file, len, &scan.entries).unwrap();
     assert_eq!(end, size);
     if let Some(keep) = keep {
         assert!(keep < end - len);
@@ -255,17 +255,38 @@ async fn crash_after_rename_before_new_active_segment_recreates_it() {
 }
 
 #[tokio::test]
-async fn corrupt_layer_index_makes_open_fail_instead_of_dropping_data() {
+async fn corrupt_layer_index_is_an_error_instead_of_dropped_data() {
     let dir = tempfile::tempdir().unwrap();
     let m = metrics();
     two_layers(dir.path(), &m).await;
     let path = dir.path().join(layer::file_name(Lsn(10), Lsn(10), None));
-    let f = OpenOptions::new().write(true).open(&path).unwrap();
+    let f = OpenOptions::new().read(true).write(true).open(&path).unwrap();
     let len = f.metadata().unwrap().len();
-    f.write_all_at(&[0xAA], len - layer::FOOTER_LEN - 3).unwrap();
+    // One value, so one index block (its entry) and one fence before the footer.
+    let block = len - layer::block_index::FOOTER_LEN - FENCE_AND_ENTRY;
+    let flip = |at: u64| {
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0xAA], at).unwrap();
+    };
+    // A corrupt fence array: the layer does not open, so the timeline does not.
+    flip(len - layer::block_index::FOOTER_LEN - 3);
     let err = Timeline::open(dir.path(), Default::default(), m.clone()).err().unwrap();
-    assert!(format!("{err:#}").contains("index checksum mismatch"), "{err:#}");
+    assert!(format!("{err:#}").contains("fence checksum mismatch"), "{err:#}");
+    flip(len - layer::block_index::FOOTER_LEN - 3);
+    // A corrupt index block is read only by a lookup: the lookup fails (never "not found", never
+    // an older version) and the newer layer still serves its own key.
+    flip(block + 20);
+    let tl = Timeline::open(dir.path(), Default::default(), m.clone()).unwrap();
+    let err = tl.get_reconstruct_data(key(1), Lsn(10), NO_LIMITS).unwrap_err();
+    assert!(matches!(err, GetError::Io(_)), "{err:?}");
+    assert!(format!("{err:#}").contains("index block 0 checksum mismatch"), "{err:#}");
+    let d = tl.get_reconstruct_data(key(1), Lsn(20), NO_LIMITS).unwrap();
+    assert_eq!(d.image.unwrap().0, Lsn(20));
 }
+
+/// Bytes of one index entry and one fence.
+const FENCE_AND_ENTRY: u64 = layer::INDEX_ENTRY_LEN as u64 + 33;
 
 fn open_err(dir: &Path) -> String {
     format!("{:#}", Timeline::open(dir, Default::default(), metrics()).err().unwrap())
@@ -388,7 +409,7 @@ async fn ingest_forged_footer(tl: &Timeline, dir: &Path, lsn: u64) {
         crc: crc32c::crc32c(b"r10"),
     };
     let scratch = tempfile::tempfile().unwrap();
-    let end = layer::append_index_and_footer(&scratch, index_offset, &[entry]).unwrap();
+    let end = layer::append_flat_index_and_footer(&scratch, index_offset, &[entry]).unwrap();
     let mut forged = vec![0u8; (end - index_offset) as usize];
     scratch.read_exact_at(&mut forged, index_offset).unwrap();
     let value = Value::Record(bytes::Bytes::from(forged));

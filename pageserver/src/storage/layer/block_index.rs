@@ -1,0 +1,510 @@
+//! The block index of a layer file (format version 3): the index entries of the layer, sorted
+//! by `(key, lsn)`, cut into index blocks of at most [`BLOCK_ENTRIES`] entries (8 KiB), followed
+//! by the *fence array* (the first `(key, lsn)` of each block, the block's checksum and the most
+//! records one key has in it) and a footer (`docs/storage-format.md`, "Layer files").
+//!
+//! Opening a layer reads only the footer and the fences ([`BlockIndex::open`]): a layer costs
+//! memory in proportion to its blocks (about 36 bytes per 178 values), never to its values.
+//! A lookup finds the blocks that can hold a key from the fences (binary search) and reads
+//! them through [`BlockCache`], a daemon-wide cache of decoded blocks bounded in bytes.
+//!
+//! **Invariants:** a block's bytes are checked against the checksum in its fence before they
+//! are decoded; every decoded entry is checked (kind and length, inside the data region,
+//! inside the layer's LSN and key range, in strict `(key, lsn)` order, between its fence and
+//! the next) so a corrupt file is an error, never a wrong answer or a panic; the cache key
+//! includes a per-open number, so a deleted and recreated file never meets a stale block.
+
+use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use anyhow::{bail, ensure, Context};
+use prometheus::{IntCounter, IntGauge};
+
+use super::{decode_entry, encode_entry, INDEX_ENTRY_LEN};
+use crate::storage::format::{put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
+use crate::storage::segment::read_at;
+use crate::storage::{Key, Lsn};
+
+/// Entries per index block: the most that fit in 8 KiB.
+pub(crate) const BLOCK_ENTRIES: usize = 8192 / INDEX_ENTRY_LEN;
+/// Bytes of a full index block.
+const BLOCK_BYTES: u64 = (BLOCK_ENTRIES * INDEX_ENTRY_LEN) as u64;
+/// One fence: first key, first lsn u64, block crc32c u32, most records of one key u32.
+const FENCE_LEN: usize = KEY_LEN + 8 + 4 + 4;
+/// Magic at the start of a block-index footer (a version 1 footer starts with `PSLAYER1`).
+pub(crate) const FOOTER_MAGIC: [u8; 8] = *b"PSLAYER2";
+/// magic(8) entry_count u64 key_count u64 index_offset u64 first_lsn u64 last_lsn u64
+/// min_key max_key fence_crc u32 footer_crc u32.
+pub(crate) const FOOTER_LEN: u64 = 8 + 8 * 5 + 2 * KEY_LEN as u64 + 4 + 4;
+/// Bytes of decoded index blocks the daemon keeps (all layers of all tenants together).
+pub(crate) const BLOCK_CACHE_BYTES: u64 = 64 << 20;
+
+/// What the footer of a block-indexed layer says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Footer {
+    pub entry_count: u64,
+    /// Distinct keys in the layer.
+    pub key_count: u64,
+    /// Where the data region ends and the index blocks begin.
+    pub index_offset: u64,
+    pub first_lsn: Lsn,
+    pub last_lsn: Lsn,
+    pub min_key: Key,
+    pub max_key: Key,
+}
+
+/// The first entry of an index block, and what the layer keeps in memory about the block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fence {
+    pub key: Key,
+    pub lsn: Lsn,
+    crc: u32,
+    /// The most records one key has in this block (for finding long chains without reading
+    /// the blocks).
+    pub max_records: u32,
+}
+
+/// Bytes [`write`] adds after the data region for `entries` entries.
+pub(crate) fn encoded_len(entries: usize) -> u64 {
+    let blocks = entries.div_ceil(BLOCK_ENTRIES);
+    (entries * INDEX_ENTRY_LEN + blocks * FENCE_LEN) as u64 + FOOTER_LEN
+}
+
+/// Encodes the block index, fences and footer of `entries` (sorted by `(key, lsn)`, unique,
+/// non-empty, all inside `data_end`), to be written at `data_end`. Returns the bytes and the
+/// decoded footer and fences (what [`BlockIndex::open`] would read back).
+pub(crate) fn encode(data_end: u64, entries: &[IndexEntry]) -> anyhow::Result<(Vec<u8>, Footer, Vec<Fence>)> {
+    let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
+        bail!("an empty layer");
+    };
+    ensure!(
+        entries.windows(2).all(|w| (w[0].key, w[0].lsn) < (w[1].key, w[1].lsn)),
+        "layer entries not sorted by (key, lsn) or not unique"
+    );
+    let mut buf = Vec::with_capacity(encoded_len(entries.len()) as usize);
+    let mut fences = Vec::with_capacity(entries.len().div_ceil(BLOCK_ENTRIES));
+    let mut key_count = 0u64;
+    let mut prev_key = None;
+    for block in entries.chunks(BLOCK_ENTRIES) {
+        let start = buf.len();
+        let (mut max_records, mut run_key, mut run) = (0u32, None, 0u32);
+        for e in block {
+            encode_entry(&mut buf, e);
+            if prev_key != Some(e.key) {
+                key_count += 1;
+                prev_key = Some(e.key);
+            }
+            if run_key != Some(e.key) {
+                (run_key, run) = (Some(e.key), 0);
+            }
+            if e.kind == Kind::Record {
+                run += 1;
+                max_records = max_records.max(run);
+            }
+        }
+        fences.push(Fence {
+            key: block[0].key,
+            lsn: block[0].lsn,
+            crc: crc32c::crc32c(&buf[start..]),
+            max_records,
+        });
+    }
+    let fence_start = buf.len();
+    for f in &fences {
+        put_key(&mut buf, &f.key);
+        buf.extend_from_slice(&f.lsn.0.to_le_bytes());
+        buf.extend_from_slice(&f.crc.to_le_bytes());
+        buf.extend_from_slice(&f.max_records.to_le_bytes());
+    }
+    let fence_crc = crc32c::crc32c(&buf[fence_start..]);
+    let footer = Footer {
+        entry_count: entries.len() as u64,
+        key_count,
+        index_offset: data_end,
+        first_lsn: entries.iter().map(|e| e.lsn).min().unwrap_or(first.lsn),
+        last_lsn: entries.iter().map(|e| e.lsn).max().unwrap_or(first.lsn),
+        min_key: first.key,
+        max_key: last.key,
+    };
+    let footer_start = buf.len();
+    buf.extend_from_slice(&FOOTER_MAGIC);
+    for v in
+        [footer.entry_count, footer.key_count, footer.index_offset, footer.first_lsn.0, footer.last_lsn.0]
+    {
+        buf.extend_from_slice(&v.to_le_bytes());
+    }
+    put_key(&mut buf, &footer.min_key);
+    put_key(&mut buf, &footer.max_key);
+    buf.extend_from_slice(&fence_crc.to_le_bytes());
+    let crc = crc32c::crc32c(&buf[footer_start..]);
+    buf.extend_from_slice(&crc.to_le_bytes());
+    Ok((buf, footer, fences))
+}
+
+/// Whether the last [`FOOTER_LEN`] bytes of a file of `file_len` bytes start with a
+/// block-index footer's magic (else the layer is of version 1 or 2: one flat index).
+pub(crate) fn has_block_footer(file: &File, file_len: u64) -> bool {
+    let mut magic = [0u8; 8];
+    file_len >= FILE_HEADER_LEN + FOOTER_LEN
+        && read_at(file, &mut magic, file_len - FOOTER_LEN).is_ok()
+        && magic == FOOTER_MAGIC
+}
+
+/// Reads and checks the footer and fences of a block-indexed layer of `file_len` bytes.
+fn read_footer_and_fences(file: &File, file_len: u64) -> anyhow::Result<(Footer, Vec<Fence>)> {
+    ensure!(file_len >= FILE_HEADER_LEN + FOOTER_LEN, "file too short for a footer");
+    let mut raw = [0u8; FOOTER_LEN as usize];
+    read_at(file, &mut raw, file_len - FOOTER_LEN).context("read footer")?;
+    ensure!(raw[..8] == FOOTER_MAGIC, "bad footer magic");
+    let mut c = Cursor::new(&raw[8..]);
+    let footer = Footer {
+        entry_count: c.u64()?,
+        key_count: c.u64()?,
+        index_offset: c.u64()?,
+        first_lsn: c.lsn()?,
+        last_lsn: c.lsn()?,
+        min_key: c.key()?,
+        max_key: c.key()?,
+    };
+    let fence_crc = c.u32()?;
+    ensure!(c.u32()? == crc32c::crc32c(&raw[..FOOTER_LEN as usize - 4]), "footer checksum mismatch");
+    let f = &footer;
+    ensure!(
+        f.entry_count > 0 && f.first_lsn <= f.last_lsn && f.min_key <= f.max_key,
+        "empty or inverted layer"
+    );
+    ensure!((1..=f.entry_count).contains(&f.key_count), "{} keys in {} entries", f.key_count, f.entry_count);
+    ensure!(f.index_offset >= FILE_HEADER_LEN, "index inside the file header");
+    let entries = usize::try_from(f.entry_count).context("too many entries")?;
+    let end = f.index_offset.checked_add(encoded_len(entries));
+    ensure!(end == Some(file_len), "index of {} entries does not end at the end of the file", f.entry_count);
+    let blocks = entries.div_ceil(BLOCK_ENTRIES);
+    let fence_offset = f.index_offset + (entries * INDEX_ENTRY_LEN) as u64;
+    let mut raw = vec![0u8; blocks * FENCE_LEN];
+    read_at(file, &mut raw, fence_offset).context("read fences")?;
+    ensure!(crc32c::crc32c(&raw) == fence_crc, "fence checksum mismatch");
+    let mut c = Cursor::new(&raw);
+    let mut fences = Vec::with_capacity(blocks);
+    for _ in 0..blocks {
+        fences.push(Fence { key: c.key()?, lsn: c.lsn()?, crc: c.u32()?, max_records: c.u32()? });
+    }
+    ensure!(fences.windows(2).all(|w| (w[0].key, w[0].lsn) < (w[1].key, w[1].lsn)), "fences out of order");
+    ensure!(fences.first().map(|f| f.key) == Some(f.min_key), "first fence is not the layer's first key");
+    ensure!(fences.iter().all(|x| x.key <= f.max_key), "a fence above the layer's last key");
+    Ok((footer, fences))
+}
+
+/// The cache of decoded index blocks, shared by every layer of the process, and its counters
+/// (registered by `StorageMetrics::new`).
+pub(crate) struct BlockCache {
+    cache: quick_cache::sync::Cache<(u64, u32), Arc<[IndexEntry]>, BlockWeight>,
+    pub hits: IntCounter,
+    pub misses: IntCounter,
+    pub bytes: IntGauge,
+}
+
+#[derive(Clone)]
+struct BlockWeight;
+
+impl quick_cache::Weighter<(u64, u32), Arc<[IndexEntry]>> for BlockWeight {
+    fn weight(&self, _key: &(u64, u32), block: &Arc<[IndexEntry]>) -> u64 {
+        (block.len() * std::mem::size_of::<IndexEntry>()) as u64 + 64
+    }
+}
+
+impl BlockCache {
+    fn new(bytes: u64) -> anyhow::Result<BlockCache> {
+        let blocks = (bytes / (BLOCK_ENTRIES * std::mem::size_of::<IndexEntry>()) as u64).max(1) as usize;
+        Ok(BlockCache {
+            cache: quick_cache::sync::Cache::with_weighter(blocks, bytes, BlockWeight),
+            hits: IntCounter::new(
+                "pageserver_storage_index_block_cache_hits_total",
+                "Layer index blocks found in the block cache",
+            )?,
+            misses: IntCounter::new(
+                "pageserver_storage_index_block_cache_misses_total",
+                "Layer index blocks read from their file (and added to the block cache)",
+            )?,
+            bytes: IntGauge::new(
+                "pageserver_storage_index_block_cache_bytes",
+                "Bytes of decoded index blocks in the block cache (all tenants)",
+            )?,
+        })
+    }
+
+    /// The process's cache.
+    pub(crate) fn global() -> &'static BlockCache {
+        static CACHE: OnceLock<BlockCache> = OnceLock::new();
+        // Only an invalid metric name fails, and the names are constants.
+        CACHE.get_or_init(|| BlockCache::new(BLOCK_CACHE_BYTES).expect("block cache metrics"))
+    }
+}
+
+/// A number no other opened layer of this process has: the layer's part of a cache key.
+fn next_uid() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The index of one block-indexed layer: its footer and fences in memory, its blocks on disk.
+pub(crate) struct BlockIndex {
+    uid: u64,
+    file: Arc<File>,
+    pub footer: Footer,
+    fences: Box<[Fence]>,
+}
+
+impl BlockIndex {
+    /// Reads the footer and fences of `file` (`file_len` bytes).
+    pub(crate) fn open(file: Arc<File>, file_len: u64) -> anyhow::Result<BlockIndex> {
+        let (footer, fences) = read_footer_and_fences(&file, file_len)?;
+        Ok(BlockIndex { uid: next_uid(), file, footer, fences: fences.into() })
+    }
+
+    /// The index just written by [`encode`] (no read).
+    pub(crate) fn written(file: Arc<File>, footer: Footer, fences: Vec<Fence>) -> BlockIndex {
+        BlockIndex { uid: next_uid(), file, footer, fences: fences.into() }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn fences(&self) -> &[Fence] {
+        &self.fences
+    }
+
+    /// Block `i`, from the cache or read and checked.
+    fn block(&self, i: usize) -> anyhow::Result<Arc<[IndexEntry]>> {
+        let global = BlockCache::global();
+        let key = (self.uid, i as u32);
+        if let Some(b) = global.cache.get(&key) {
+            global.hits.inc();
+            return Ok(b);
+        }
+        global.misses.inc();
+        let b: Arc<[IndexEntry]> = self.read_block(i)?.into();
+        global.cache.insert(key, Arc::clone(&b));
+        global.bytes.set(i64::try_from(global.cache.weight()).unwrap_or(i64::MAX));
+        Ok(b)
+    }
+
+    /// Reads block `i` from the file (not through the cache) and checks it.
+    fn read_block(&self, i: usize) -> anyhow::Result<Vec<IndexEntry>> {
+        let fence =
+            self.fences.get(i).with_context(|| format!("index block {i} of {}", self.fences.len()))?;
+        let entries = self.footer.entry_count as usize;
+        let count = (entries - i * BLOCK_ENTRIES).min(BLOCK_ENTRIES);
+        let mut raw = vec![0u8; count * INDEX_ENTRY_LEN];
+        let offset = self.footer.index_offset + i as u64 * BLOCK_BYTES;
+        read_at(&self.file, &mut raw, offset).with_context(|| format!("read index block {i}"))?;
+        ensure!(crc32c::crc32c(&raw) == fence.crc, "index block {i} checksum mismatch");
+        let f = &self.footer;
+        let next = self.fences.get(i + 1).map(|n| (n.key, n.lsn));
+        let mut c = Cursor::new(&raw);
+        let mut out: Vec<IndexEntry> = Vec::with_capacity(count);
+        for _ in 0..count {
+            let e = decode_entry(&mut c)?;
+            ensure!(
+                e.offset >= FILE_HEADER_LEN && e.offset + u64::from(e.len) <= f.index_offset,
+                "entry outside the data region"
+            );
+            ensure!(
+                (f.first_lsn..=f.last_lsn).contains(&e.lsn),
+                "entry lsn {} outside the layer's range",
+                e.lsn
+            );
+            ensure!(
+                (f.min_key..=f.max_key).contains(&e.key),
+                "entry key {:?} outside the layer's range",
+                e.key
+            );
+            let at = (e.key, e.lsn);
+            match out.last() {
+                None => ensure!(at == (fence.key, fence.lsn), "index block {i} does not start at its fence"),
+                Some(p) => ensure!((p.key, p.lsn) < at, "index block {i} out of order"),
+            }
+            ensure!(next.is_none_or(|n| at < n), "index block {i} reaches into the next block");
+            out.push(e);
+        }
+        Ok(out)
+    }
+
+    /// The blocks that may hold entries of `key` at or below `lsn`.
+    fn blocks_of(&self, key: Key, lsn: Lsn) -> std::ops::Range<usize> {
+        // The block before the first one starting at or after (key, 0) may end with key's values.
+        let start = self.fences.partition_point(|f| (f.key, f.lsn) < (key, Lsn(0))).saturating_sub(1);
+        let end = self.fences.partition_point(|f| (f.key, f.lsn) <= (key, lsn));
+        start..end.max(start)
+    }
+
+    /// The entries of `key` at or below `lsn`, oldest first.
+    pub(crate) fn lookup(&self, key: Key, lsn: Lsn) -> anyhow::Result<Vec<IndexEntry>> {
+        let mut out = Vec::new();
+        if key < self.footer.min_key || key > self.footer.max_key || lsn < self.footer.first_lsn {
+            return Ok(out);
+        }
+        for i in self.blocks_of(key, lsn) {
+            let block = self.block(i)?;
+            let from = block.partition_point(|e| e.key < key);
+            out.extend(block[from..].iter().take_while(|e| e.key == key && e.lsn <= lsn));
+        }
+        Ok(out)
+    }
+
+    /// The first key above `after` (the layer's first key if `None`), if any.
+    pub(crate) fn next_key(&self, after: Option<Key>) -> anyhow::Result<Option<Key>> {
+        let Some(after) = after else {
+            return Ok(Some(self.footer.min_key));
+        };
+        if after >= self.footer.max_key {
+            return Ok(None);
+        }
+        // Blocks starting at or below `after` come before `i`: the first key above it is in
+        // block i - 1 or is block i's first.
+        let i = self.fences.partition_point(|f| f.key <= after);
+        if i > 0 {
+            let block = self.block(i - 1)?;
+            if let Some(e) = block.iter().find(|e| e.key > after) {
+                return Ok(Some(e.key));
+            }
+        }
+        Ok(self.fences.get(i).map(|f| f.key))
+    }
+
+    /// Calls `f` with every entry in `(key, lsn)` order, reading the blocks directly (a scan
+    /// does not push the lookups' blocks out of the cache).
+    pub(crate) fn for_each(&self, f: &mut dyn FnMut(&IndexEntry)) -> anyhow::Result<()> {
+        for i in 0..self.fences.len() {
+            self.read_block(i)?.iter().for_each(&mut *f);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+
+    fn key(rel: u32, blk: u32) -> Key {
+        Key { spcnode: 1, dbnode: 2, relnode: rel, forknum: 0, blknum: blk }
+    }
+
+    /// A layer file of `entries` (their values are not written: a data region of zeros).
+    fn layer_of(entries: &[IndexEntry]) -> (Arc<File>, u64) {
+        let file = tempfile::tempfile().unwrap();
+        let data_end = entries.iter().map(|e| e.offset + u64::from(e.len)).max().unwrap();
+        let (bytes, _, _) = encode(data_end, entries).unwrap();
+        file.write_all_at(&bytes, data_end).unwrap();
+        (Arc::new(file), data_end + bytes.len() as u64)
+    }
+
+    /// `keys` keys with `per_key` values each (an image, then records), sorted.
+    fn entries(keys: u32, per_key: u64) -> Vec<IndexEntry> {
+        let mut out = Vec::new();
+        let mut offset = FILE_HEADER_LEN;
+        for k in 0..keys {
+            for l in 0..per_key {
+                let kind = if l == 0 { Kind::Image } else { Kind::Record };
+                let len = if l == 0 { 8192 } else { 40 };
+                out.push(IndexEntry {
+                    key: key(1 + k / 100, k % 100),
+                    lsn: Lsn(10 + l * 3 + u64::from(k % 2)),
+                    kind,
+                    offset,
+                    len,
+                    crc: k,
+                });
+                offset += u64::from(len);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn lookups_equal_a_filter_of_the_entries_across_block_boundaries() {
+        for (keys, per_key) in [(1, 1), (3, 500), (700, 3), (40, 177)] {
+            let all = entries(keys, per_key);
+            let (file, len) = layer_of(&all);
+            let idx = BlockIndex::open(file, len).unwrap();
+            assert_eq!(idx.footer.entry_count, all.len() as u64);
+            assert_eq!(idx.footer.key_count, u64::from(keys));
+            assert_eq!(idx.fences().len(), all.len().div_ceil(BLOCK_ENTRIES));
+            let mut distinct: Vec<Key> = all.iter().map(|e| e.key).collect();
+            distinct.dedup();
+            for (n, k) in
+                distinct.iter().enumerate().step_by(7).chain([(distinct.len() - 1, distinct.last().unwrap())])
+            {
+                for lsn in [0, 9, 10, 11, 13, 40, 200, u64::MAX] {
+                    let want: Vec<_> =
+                        all.iter().filter(|e| e.key == *k && e.lsn <= Lsn(lsn)).copied().collect();
+                    assert_eq!(idx.lookup(*k, Lsn(lsn)).unwrap(), want, "{k:?}@{lsn} ({keys}x{per_key})");
+                }
+                let next = distinct.get(n + 1).copied();
+                assert_eq!(idx.next_key(Some(*k)).unwrap(), next, "next after {k:?}");
+            }
+            assert_eq!(idx.next_key(None).unwrap(), distinct.first().copied());
+            assert!(idx.lookup(key(999, 0), Lsn(u64::MAX)).unwrap().is_empty());
+            assert!(idx.lookup(key(0, 0), Lsn(u64::MAX)).unwrap().is_empty());
+            let mut seen = Vec::new();
+            idx.for_each(&mut |e| seen.push(*e)).unwrap();
+            assert_eq!(seen, all);
+        }
+    }
+
+    #[test]
+    fn fences_carry_the_longest_record_run_per_block() {
+        let all = entries(2, 30);
+        let (_, _, fences) = encode(1 << 20, &all).unwrap();
+        assert_eq!(fences.len(), 1);
+        assert_eq!(fences[0].max_records, 29);
+    }
+
+    #[test]
+    fn encoded_len_is_what_encode_writes() {
+        for n in [1, BLOCK_ENTRIES - 1, BLOCK_ENTRIES, BLOCK_ENTRIES + 1, 5000] {
+            let all = entries(n as u32, 1);
+            let (bytes, _, _) = encode(1 << 30, &all).unwrap();
+            assert_eq!(bytes.len() as u64, encoded_len(n), "{n} entries");
+        }
+    }
+
+    #[test]
+    fn unsorted_or_duplicate_entries_are_refused() {
+        let mut all = entries(3, 2);
+        all.swap(0, 1);
+        assert!(encode(1 << 20, &all).is_err());
+        let mut all = entries(3, 2);
+        all[1] = all[0];
+        assert!(encode(1 << 20, &all).is_err());
+        assert!(encode(1 << 20, &[]).is_err());
+    }
+
+    #[test]
+    fn any_flipped_byte_of_the_index_is_an_error_never_a_panic_or_a_wrong_answer() {
+        let all = entries(30, 9);
+        let (file, len) = layer_of(&all);
+        let data_end = BlockIndex::open(Arc::clone(&file), len).unwrap().footer.index_offset;
+        for at in (data_end..len).step_by(13) {
+            let mut b = [0u8];
+            file.read_exact_at(&mut b, at).unwrap();
+            file.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
+            // A fresh open each time: nothing of the good file is cached.
+            if let Ok(idx) = BlockIndex::open(Arc::clone(&file), len) {
+                let mut all_ok = true;
+                for e in all.iter().step_by(11) {
+                    match idx.lookup(e.key, Lsn(u64::MAX)) {
+                        Ok(got) => {
+                            let want: Vec<_> = all.iter().filter(|x| x.key == e.key).copied().collect();
+                            assert_eq!(got, want, "flipped byte at {at}");
+                        }
+                        Err(_) => all_ok = false,
+                    }
+                }
+                assert!(!all_ok || idx.for_each(&mut |_| ()).is_err(), "flipped byte at {at} went unnoticed");
+            }
+            file.write_all_at(&b, at).unwrap();
+        }
+    }
+}
