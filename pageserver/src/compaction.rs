@@ -12,9 +12,14 @@
 //! Policy (the pure part is [`crate::compaction_controller`]):
 //! - **backlog**: every [`PERIOD`] the debt is measured, normalized so that 1.0 is "a pass is
 //!   due": records ingested since the last pass per key over `compaction_image_threshold`, the
-//!   most records of one key over [`HOT_CHAIN_FACTOR`] times that threshold, or sealed (not yet
-//!   compacted) layers over [`SEALED_LAYERS_DUE`]. A pass starts at debt 1; its
-//!   CPU share grows with the debt from `compaction_cpu_floor` to `compaction_cpu_cap`;
+//!   most records of one key over [`HOT_CHAIN_FACTOR`] times that threshold, sealed (not yet
+//!   compacted) layers over [`SEALED_LAYERS_DUE`], runs of compaction outputs above the
+//!   bottom one over [`RUNS_DUE`], or their bytes over the bottom run's ([`FULL_PASS_RATIO`]).
+//!   A pass starts at debt 1; its CPU share grows with the debt from `compaction_cpu_floor`
+//!   to `compaction_cpu_cap`;
+//! - **kind** ([`PassKind`]): full when the runs above the bottom one hold as many bytes as it
+//!   (or through the API), upper when [`RUNS_DUE`] runs stand above it, else level 0; so what
+//!   an automatic pass rewrites follows what was ingested, not the tenant's size;
 //! - **latency guard**: the lateness of the compactor's own timer (how long the executor took
 //!   to run it after it was due: a measure of scheduling delay) over the controller's target
 //!   halves the share; each healthy period adds back a tenth, never below the floor;
@@ -41,7 +46,7 @@ use bytes::Bytes;
 
 use crate::compaction_controller::{Controller, ControllerConf, Decision, Observation};
 use crate::redo_budget::{BudgetError, RedoBudget};
-use crate::storage::{CompactionConf, ImageRequest, Lsn, PassStats, Step, Timeline};
+use crate::storage::{CompactionConf, ImageRequest, Lsn, PassKind, PassStats, Step, Timeline};
 use crate::util::lock;
 use crate::walredo::WalRedoManager;
 
@@ -49,6 +54,13 @@ use crate::walredo::WalRedoManager;
 pub const PERIOD: Duration = Duration::from_millis(100);
 /// Sealed layers at which a pass is due whatever the chains (bounds the files a read touches).
 pub const SEALED_LAYERS_DUE: f64 = 8.0;
+/// Runs of compaction outputs above the bottom one at which a pass merging them is due (bounds
+/// the runs a lookup walks).
+pub const RUNS_DUE: f64 = 8.0;
+/// Bytes of the runs above the bottom one, as a share of the bottom run's, at which a full pass
+/// is due (it rewrites the bottom run and collects the garbage of all: a byte ingested is
+/// rewritten by full passes about `1 + 1 / FULL_PASS_RATIO` times, whatever the tenant's size).
+pub const FULL_PASS_RATIO: f64 = 1.0;
 /// A pass is due when one key has this many times `compaction_image_threshold` new records,
 /// whatever the average: a hot key's chain stays bounded, and under uniform writes (where the
 /// longest chain is about twice the average) the average decides.
@@ -163,6 +175,8 @@ pub struct CompactionStatus {
     pub guard: f64,
     pub running: bool,
     pub passes: u64,
+    /// Of `passes`, those over every layer (the others took level 0 only).
+    pub full_passes: u64,
     pub failed_passes: u64,
     pub gc_cutoff: u64,
     /// The pass running now, and how far it has got.
@@ -262,6 +276,7 @@ impl Compactor {
                 guard: 1.0,
                 running: false,
                 passes: 0,
+                full_passes: 0,
                 failed_passes: 0,
                 gc_cutoff: timeline.gc_cutoff().0,
                 current_pass: None,
@@ -378,7 +393,23 @@ impl Worker {
         let threshold = self.settings.image_threshold.max(1) as f64;
         let per_key = b.new_records as f64 / (b.keys.max(1) as f64 * threshold);
         let hot_key = b.longest_new_chain as f64 / (HOT_CHAIN_FACTOR * threshold);
-        per_key.max(hot_key).max(b.sealed_layers as f64 / SEALED_LAYERS_DUE)
+        let upper_runs = b.runs.saturating_sub(1) as f64 / RUNS_DUE;
+        let upper_bytes = b.upper_bytes as f64 / (b.bottom_bytes.max(1) as f64 * FULL_PASS_RATIO);
+        per_key.max(hot_key).max(b.sealed_layers as f64 / SEALED_LAYERS_DUE).max(upper_runs).max(upper_bytes)
+    }
+
+    /// Which pass a due debt calls for: a full one when the runs above the bottom one hold as
+    /// much as it (or an operator asked), one merging those runs when there are many, else one
+    /// of level 0.
+    fn pass_kind(&self, requested: bool) -> PassKind {
+        let b = self.timeline.backlog();
+        if requested || b.upper_bytes as f64 >= b.bottom_bytes as f64 * FULL_PASS_RATIO && b.runs > 1 {
+            PassKind::Full
+        } else if b.runs.saturating_sub(1) as f64 >= RUNS_DUE {
+            PassKind::Upper
+        } else {
+            PassKind::Level0
+        }
     }
 
     fn show(&self, debt: f64, controller: &Controller, decision: Decision, running: bool) {
@@ -404,8 +435,9 @@ impl Worker {
             gc_horizon: self.settings.gc_horizon,
             layer_size: self.layer_size,
         };
+        let kind = self.pass_kind(requested);
         let timeline = Arc::clone(&self.timeline);
-        let begun = tokio::task::spawn_blocking(move || timeline.begin_compaction(conf))
+        let begun = tokio::task::spawn_blocking(move || timeline.begin_pass(conf, kind))
             .await
             .context("compaction task")??;
         let Some(mut pass) = begun else {
@@ -566,6 +598,7 @@ impl Worker {
                 tracing::info!(
                     seconds = p.seconds,
                     slices = p.slices,
+                    kind = ?st.kind,
                     layers_in = st.input_layers,
                     layers_out = st.output_layers,
                     keys = st.keys,
@@ -582,6 +615,7 @@ impl Worker {
                 self.metrics.dropped_values.inc_by(st.values_dropped);
                 self.metrics.deleted_files.inc_by(st.files_deleted);
                 s.passes += 1;
+                s.full_passes += u64::from(st.kind == PassKind::Full);
                 s.bytes_rewritten += st.bytes_written;
                 s.images_created += st.images_created;
                 s.values_garbage_collected += st.values_dropped;

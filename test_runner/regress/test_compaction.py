@@ -96,6 +96,32 @@ def test_kill9_during_compaction_loses_nothing(pageserver_factory):
             verify(conn, b.rs, _retained(b.rs, keys, cutoff, limit=25))
 
 
+def test_kill9_during_automatic_passes_of_every_kind_loses_nothing(pageserver_factory):
+    # Automatic passes (level 0 above a bottom run, mostly) killed at random moments.
+    ps = pageserver_factory(compaction_image_threshold=4, gc_horizon=2000, layer_size="64 KiB")
+    ps.allowed_errors.extend(CRASH_WARNINGS)
+    tenant = ps.create_tenant()
+    keys = make_keys(10)
+    b = HistoryBuilder(seed=76)
+    rng = random.Random(6)
+    killed_in = []
+    for round_ in range(8):
+        _fill(ps, tenant, b, keys, 3)
+        try:
+            p = wait_until(lambda: ps.http.tenant_status(tenant)["compaction"]["current_pass"], timeout=10,
+                           desc="an automatic pass to start")
+            killed_in.append(p["kind"])
+        except AssertionError:  # the pass came and went between two looks
+            pass
+        time.sleep(rng.uniform(0.0, 0.03))
+        ps.kill()
+        ps.start()
+        cutoff = ps.http.tenant_status(tenant)["compaction"]["gc_cutoff"]
+        with ps.connect(tenant) as conn:
+            verify(conn, b.rs, _retained(b.rs, keys, cutoff, limit=25))
+    assert "level0" in killed_in, killed_in
+
+
 def test_compaction_runs_by_itself_when_chains_grow(pageserver_factory):
     ps = pageserver_factory(compaction_image_threshold=4, layer_size="64 KiB")
     tenant = ps.create_tenant()
@@ -113,6 +139,34 @@ def test_compaction_runs_by_itself_when_chains_grow(pageserver_factory):
     assert c["mode"] == "sliced" and c["images_created"] > 0 and c["last_pass"]["slices"] >= 1
     with ps.connect(tenant) as conn:
         verify(conn, b.rs, [(k, lsn) for k in keys for lsn in query_lsns(b.rs, k, limit=30)])
+
+
+def test_automatic_passes_take_level0_and_full_passes_come_as_the_runs_grow(pageserver_factory):
+    # Small layers and a low image threshold: every batch makes a pass due. Most take only the
+    # layers sealed since the last pass (level 0, or the runs stacked above the bottom one);
+    # a full pass rewrites everything once the runs above the bottom one hold as much as it.
+    ps = pageserver_factory(compaction_image_threshold=4, layer_size="64 KiB")
+    tenant = ps.create_tenant()
+    keys = make_keys(20)
+    b = HistoryBuilder(seed=75)
+
+    def partial_passes():
+        c = ps.http.tenant_status(tenant)["compaction"]
+        return c["passes"] - c["full_passes"]
+
+    for _ in range(40):
+        passes = ps.http.tenant_status(tenant)["compaction"]["passes"]
+        # Two batches: about 8 new records per key, twice the threshold: a pass is due.
+        _fill(ps, tenant, b, keys, 2)
+        wait_until(lambda: ps.http.tenant_status(tenant)["compaction"]["passes"] > passes, timeout=30,
+                   desc="an automatic pass")
+        if ps.http.tenant_status(tenant)["compaction"]["full_passes"] >= 2 and partial_passes() >= 8:
+            break
+    c = ps.http.tenant_status(tenant)["compaction"]
+    assert c["full_passes"] >= 2 and partial_passes() >= 8, c
+    assert c["failed_passes"] == 0, c
+    with ps.connect(tenant) as conn:
+        verify(conn, b.rs, [(k, lsn) for k in keys for lsn in query_lsns(b.rs, k, limit=25)])
 
 
 def test_one_hot_key_makes_a_pass_due_whatever_the_average(pageserver_factory):

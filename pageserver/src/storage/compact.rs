@@ -1,10 +1,13 @@
-//! Compaction of a timeline's layers: one **pass** rewrites every frozen layer into fewer,
-//! key-sorted layers, creating page images where record chains are long and dropping what no
-//! GetPage at or above the GC cutoff can need. A pass is resumable: it walks the keys in order
-//! with a cursor, in slices of bounded time ([`Pass::run_slice`]), so its caller decides when
-//! and how much of it runs (`crate::compaction`, the time-sliced driver).
+//! Compaction of a timeline's layers: one **pass** rewrites the frozen layers from a point of
+//! the list up ([`PassKind`]: all of them, level 0, or level 0 and the newest runs) into one run
+//! of key-sorted layers in their place, creating page images where record chains are long and
+//! dropping what no GetPage at or above the GC cutoff can need. A pass is resumable: it walks
+//! the keys in order with a cursor, in slices of bounded time ([`Pass::run_slice`]), so its
+//! caller decides when and how much of it runs (`crate::compaction`, the time-sliced driver).
 //!
-//! Per key (its values in the input layers, oldest first):
+//! Per key (its values in the input layers, oldest first, after its *context*: when the inputs
+//! hold no image of it, its values below them from its newest image there on, read to rebuild
+//! pages and never written):
 //! - **GC**: values older than the newest image at or below the cutoff are dropped;
 //! - **image creation**: if at least `image_threshold` records sit above the key's newest
 //!   image (or more than one redo request can take), the pass asks its caller for the page at
@@ -30,9 +33,11 @@
 //! install whose manifest was renamed into place but not made durable keeps both its inputs
 //! and its outputs.
 //!
-//! **Invariants:** the inputs are the oldest layers (a prefix of the layer list) at the start of
-//! the pass, and only compaction removes layers, so they still are at install; the outputs
-//! cover no LSN above the inputs', so the layer map's order holds; a key keeps every value a
+//! **Invariants:** the inputs are adjacent layers of the list, from a point up, at the start of
+//! the pass, and only compaction removes layers (one pass at a time), so they still are at
+//! install (seals add layers above them); the outputs cover no LSN outside the inputs' and no
+//! layer below the inputs holds a value above them, so the layer map's order holds; an image
+//! is placed only at an LSN of the inputs; a key keeps every value a
 //! read at or above the cutoff needs (the suffix from its newest image at or below the cutoff),
 //! so a read at a retained LSN sees the same page before and after; the GC cutoff only grows
 //! and is durable before anything below it is dropped; nothing here waits for another thread.
@@ -77,9 +82,30 @@ pub struct CompactionConf {
     pub layer_size: u64,
 }
 
+/// Which layers a pass takes: the frozen layers from a point of the list up (the newest). The
+/// layers below are not rewritten; a key's values there are read only as the context of an
+/// image the pass makes. The outputs, one run of layers disjoint in keys, take the inputs'
+/// place.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PassKind {
+    /// Every frozen layer: the whole timeline is rewritten and GC applies to all of it; the
+    /// outputs are the one bottom run.
+    #[default]
+    Full,
+    /// The sealed layers above the last run (level 0): the cost follows what was ingested
+    /// since the last pass.
+    Level0,
+    /// The newest runs above the bottom one (size-tiered, [`upper_split`]) and level 0:
+    /// merges the runs level 0 passes stacked up, so lookups walk few runs; the cost follows
+    /// what changed since the last full pass.
+    Upper,
+}
+
 /// What a pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct PassStats {
+    pub kind: PassKind,
     pub input_layers: u64,
     /// Values in the input layers: each is read once, so `values_read` over this is how far a
     /// pass has got.
@@ -161,16 +187,38 @@ pub enum Step {
     Done(PassStats),
 }
 
-/// A key's values in the inputs, oldest first: its run of entries in each input layer that
-/// holds it (the inputs are oldest first, and layers that share a key do not overlap in LSN),
-/// copied out of the inputs' indexes.
+/// Where a pass of kind [`PassKind::Upper`] starts, given the sizes of the runs (oldest first):
+/// the run from which the newest runs are merged, size-tiered: from the newest run down, a run
+/// joins while it is no larger than the runs above it together (at least two join), and the
+/// bottom run never does. So a byte is merged again only when the runs above it have grown as
+/// large as it: about log2(runs' bytes / a level 0 pass's bytes) times before a full pass.
+/// `None` with fewer than two runs above the bottom one.
+pub(crate) fn upper_split(sizes: &[u64]) -> Option<usize> {
+    let newest = sizes.len().checked_sub(1).filter(|&n| n >= 2)?;
+    let mut pile = sizes[newest];
+    let mut from = newest - 1;
+    pile += sizes[from];
+    while from > 1 && sizes[from - 1] <= pile {
+        from -= 1;
+        pile += sizes[from];
+    }
+    Some(from)
+}
+
+/// A key's values, oldest first: first its *context* (for a level 0 pass whose inputs hold no
+/// image of the key: the key's values in the layers below the inputs, from its newest image
+/// there on; they are read for images, never written), then its run of entries in each input
+/// layer that holds it (the inputs are oldest first, and layers that share a key do not
+/// overlap in LSN), copied out of the layers' indexes.
 struct KeyValues {
     runs: Vec<(Arc<File>, Vec<IndexEntry>)>,
     len: usize,
+    /// The first `context` values are the context.
+    context: usize,
 }
 
 impl KeyValues {
-    fn of(inputs: &[Arc<Frozen>], key: Key) -> anyhow::Result<KeyValues> {
+    fn of(inputs: &[Arc<Frozen>], below: &[Arc<Frozen>], key: Key) -> anyhow::Result<KeyValues> {
         let mut runs = Vec::new();
         for l in inputs {
             let entries = l.lookup(key, Lsn(u64::MAX))?;
@@ -178,8 +226,26 @@ impl KeyValues {
                 runs.push((Arc::clone(&l.file), entries));
             }
         }
+        let has_image = runs.iter().any(|(_, r)| r.iter().any(|e| e.kind == Kind::Image));
+        let mut context = Vec::new();
+        if !has_image {
+            // Newest layer first, down to the newest image.
+            for l in below.iter().rev() {
+                let mut entries = l.lookup(key, Lsn(u64::MAX))?;
+                if let Some(i) = entries.iter().rposition(|e| e.kind == Kind::Image) {
+                    entries.drain(..i);
+                    context.push((Arc::clone(&l.file), entries));
+                    break;
+                }
+                if !entries.is_empty() {
+                    context.push((Arc::clone(&l.file), entries));
+                }
+            }
+        }
+        let context_len = context.iter().map(|(_, r)| r.len()).sum();
+        let runs: Vec<_> = context.into_iter().rev().chain(runs).collect();
         let len = runs.iter().map(|(_, r)| r.len()).sum();
-        Ok(KeyValues { runs, len })
+        Ok(KeyValues { runs, len, context: context_len })
     }
 
     /// The values from the `from`th on, with their files (skipping whole runs, so that a key of
@@ -270,6 +336,8 @@ pub struct Pass {
     dir_file: File,
     conf: CompactionConf,
     inputs: Vec<Arc<Frozen>>,
+    /// The layers below the inputs (a level 0 pass): where a key's context comes from.
+    below: Vec<Arc<Frozen>>,
     cutoff: Lsn,
     /// The last key begun; `None` before the first.
     cursor: Option<Key>,
@@ -289,14 +357,32 @@ pub struct Pass {
 }
 
 impl Pass {
-    /// Starts a pass over every frozen layer, recording its intent and GC cutoff in the
-    /// manifest. `None` if there are no layers. Refused once the timeline has failed for good.
-    pub(super) fn begin(shared: &Arc<Shared>, conf: CompactionConf) -> anyhow::Result<Option<Pass>> {
+    /// Starts a pass of `kind`, recording its intent and GC cutoff in the manifest. `None` if
+    /// there are no layers to take. Refused once the timeline has failed for good.
+    pub(super) fn begin(
+        shared: &Arc<Shared>,
+        conf: CompactionConf,
+        kind: PassKind,
+    ) -> anyhow::Result<Option<Pass>> {
         if let Some(error) = shared.fatal_error() {
             anyhow::bail!("storage failed for good, no compaction until the timeline is reopened: {error}");
         }
-        let inputs: Vec<Arc<Frozen>> =
-            shared.index.read().unwrap_or_else(PoisonError::into_inner).layers().to_vec();
+        let (mut inputs, runs) = {
+            let index = shared.index.read().unwrap_or_else(PoisonError::into_inner);
+            (index.layers().to_vec(), index.runs())
+        };
+        let split = match kind {
+            PassKind::Full => 0,
+            // The sealed layers above the last compaction output.
+            PassKind::Level0 => inputs.iter().rposition(|l| l.compacted()).map_or(0, |i| i + 1),
+            PassKind::Upper => {
+                let size = |r: &std::ops::Range<usize>| inputs[r.clone()].iter().map(|l| l.size).sum::<u64>();
+                upper_split(&runs.iter().map(size).collect::<Vec<_>>())
+                    .map_or(inputs.len(), |run| runs[run].start)
+            }
+        };
+        let taken = inputs.split_off(split);
+        let below = std::mem::replace(&mut inputs, taken);
         let Some(top) = inputs.iter().map(|l| l.last_lsn).max() else {
             return Ok(None);
         };
@@ -320,6 +406,7 @@ impl Pass {
         // active segment since the caller sealed it, which this pass does not take).
         shared.index.write().unwrap_or_else(PoisonError::into_inner).reset_new_records();
         let stats = PassStats {
+            kind,
             input_layers: inputs.len() as u64,
             input_values: inputs.iter().map(|l| l.values()).sum(),
             bytes_before: inputs.iter().map(|l| l.size).sum(),
@@ -331,6 +418,7 @@ impl Pass {
             dir_file,
             conf,
             inputs,
+            below,
             cutoff,
             cursor: None,
             current: None,
@@ -407,9 +495,9 @@ impl Pass {
 
     /// Looks at `key`'s values: which it keeps, and whether it needs images.
     fn start_key(&mut self, key: Key) -> anyhow::Result<KeyWork> {
-        let values = KeyValues::of(&self.inputs, key)?;
+        let values = KeyValues::of(&self.inputs, &self.below, key)?;
         self.stats.keys += 1;
-        self.stats.values_read += values.len as u64;
+        self.stats.values_read += (values.len - values.context) as u64;
         let (mut keep_from, mut base) = (0, None);
         for (i, (_, e)) in values.iter_from(0).enumerate() {
             if e.kind == Kind::Image {
@@ -419,6 +507,8 @@ impl Pass {
                 }
             }
         }
+        // The context is never written (it stays in its layers).
+        let keep_from = keep_from.max(values.context);
         let start = base.map_or(0, |i| i + 1);
         let chain = values.len - start;
         let bytes: u64 = values.iter_from(base.unwrap_or(0)).map(|(_, e)| u64::from(e.len)).sum();
@@ -519,6 +609,12 @@ impl Pass {
             end = start + i;
             picked.push(file, e);
         }
+        if end < w.values.context {
+            // The first piece ends in the context (a long chain below the inputs): an image can
+            // take only an input's place, so this pass makes none for the key.
+            w.piece_start = None;
+            return Ok(None);
+        }
         w.asked = Some(end);
         let lsn = w.values.get(end)?.1.lsn;
         Ok(Some(ImageRequest { key: w.key, lsn, base: w.base.clone(), plan: ReadPlan::new(picked) }))
@@ -570,7 +666,7 @@ impl Pass {
 
     /// A key is written: counts what it dropped, and cuts the output if it is full.
     fn end_key(&mut self, w: KeyWork) -> anyhow::Result<()> {
-        self.stats.values_dropped += (w.values.len - w.written) as u64;
+        self.stats.values_dropped += (w.values.len - w.values.context - w.written) as u64;
         if self.writer.as_ref().is_some_and(|wr| wr.len + wr.buf.len() as u64 >= self.conf.layer_size) {
             self.finish_output()?;
         }
@@ -611,8 +707,10 @@ impl Pass {
         let metas: Vec<LayerMeta> = self.outputs.iter().map(|o| o.meta.clone()).collect();
         let next_id = self.next_id;
         let installed = sh.update_manifest(&self.dir_file, |m| {
+            // The outputs take the inputs' place (they are listed together, oldest first).
+            let at = m.layers.iter().position(|l| inputs.contains(&l.name)).unwrap_or(0);
             m.layers.retain(|l| !inputs.contains(&l.name));
-            m.layers.splice(0..0, metas);
+            m.layers.splice(at..at, metas);
             m.compacting = None;
             // Inputs of an earlier pass that could not be deleted stay listed with these.
             m.deleting.retain(|n| !inputs.contains(n));

@@ -390,20 +390,25 @@ impl Index {
         &self.layers
     }
 
-    /// The layer list with the layers `inputs` (the oldest ones, in order) replaced by
-    /// `outputs` (disjoint in keys, each below the remaining layers that share keys with it).
-    /// Fails if the inputs are not the oldest layers or an output breaks the order.
+    /// The layer list with the layers `inputs` (adjacent in the list, in order) replaced by
+    /// `outputs` (disjoint in keys), in their place. Fails if the inputs are not adjacent
+    /// layers of the list or an output breaks the order.
     pub(crate) fn replaced(
         &self,
         inputs: &[u32],
         outputs: &[Arc<Frozen>],
     ) -> anyhow::Result<Vec<Arc<Frozen>>> {
         let n = inputs.len();
-        ensure!(
-            self.layers.len() >= n && self.layers[..n].iter().map(|l| l.id).eq(inputs.iter().copied()),
-            "compaction inputs are no longer the oldest layers"
-        );
-        let next: Vec<Arc<Frozen>> = outputs.iter().chain(&self.layers[n..]).cloned().collect();
+        let at = inputs.first().and_then(|first| self.layers.iter().position(|l| l.id == *first));
+        let at = at.filter(|&at| {
+            self.layers.len() >= at + n
+                && self.layers[at..at + n].iter().map(|l| l.id).eq(inputs.iter().copied())
+        });
+        let Some(at) = at else {
+            anyhow::bail!("compaction inputs are no longer adjacent layers of the timeline");
+        };
+        let next: Vec<Arc<Frozen>> =
+            self.layers[..at].iter().chain(outputs).chain(&self.layers[at + n..]).cloned().collect();
         for (i, layer) in next.iter().enumerate() {
             check_fits(&next[..i], layer)?;
         }
@@ -416,14 +421,34 @@ impl Index {
         Ok(())
     }
 
+    /// The runs of compaction outputs, oldest first, as ranges of [`Index::layers`]: the
+    /// outputs of one pass are adjacent in the list and in increasing key order, so a layer
+    /// whose first key is not above the last key of the layer before it begins a new run.
+    /// (A run whose keys all lie above the one below it joins it: the two never share a key.)
+    pub(crate) fn runs(&self) -> Vec<std::ops::Range<usize>> {
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut last_key = None;
+        for (i, l) in self.layers.iter().enumerate() {
+            if !l.compacted() {
+                last_key = None;
+                continue;
+            }
+            match runs.last_mut() {
+                Some(r) if r.end == i && last_key.is_some() && l.min_key() > last_key => r.end = i + 1,
+                _ => runs.push(i..i + 1),
+            }
+            last_key = l.max_key();
+        }
+        runs
+    }
+
     /// Distinct keys, from the counts each file keeps: the most of the active segment's, any
-    /// one layer's, and the compaction outputs' together (the outputs of a pass are disjoint in
-    /// keys, and a pass takes every layer). Exact when one of them holds every key (after a
-    /// pass, or before the first seal); otherwise a lower bound.
+    /// sealed layer's, and any run's (its layers are disjoint in keys). Exact when one of them
+    /// holds every key (after a full pass, or before the first seal); otherwise a lower bound.
     pub(crate) fn keys(&self) -> u64 {
-        let compacted: u64 = self.layers.iter().filter(|l| l.compacted()).map(|l| l.key_count()).sum();
-        let largest = self.layers.iter().map(|l| l.key_count()).max().unwrap_or(0);
-        self.active_keys.max(largest).max(compacted)
+        let sealed = self.layers.iter().filter(|l| !l.compacted()).map(|l| l.key_count()).max().unwrap_or(0);
+        let runs = self.runs().into_iter().map(|r| self.layers[r].iter().map(|l| l.key_count()).sum());
+        runs.max().unwrap_or(0).max(sealed).max(self.active_keys)
     }
 
     /// Number of values.
@@ -974,14 +999,23 @@ mod tests {
     }
 
     #[test]
-    fn replace_layers_swaps_the_oldest_layers_and_checks_the_order() {
+    fn replace_layers_swaps_adjacent_layers_in_place_and_checks_the_order() {
         let mut idx = active_with(&[]);
         idx.push_layer(layer(1, &[(key(1), 10, Kind::Record, b"a")])).unwrap();
         idx.push_layer(layer(2, &[(key(1), 20, Kind::Record, b"b")])).unwrap();
         idx.push_layer(layer(3, &[(key(1), 30, Kind::Record, b"c")])).unwrap();
-        assert!(idx
-            .replace_layers(&[2], &[Arc::new(layer(9, &[(key(1), 20, Kind::Image, &[0; 8192])]))])
-            .is_err());
+        // Layers that are not adjacent, or not there, are refused.
+        let out = || Arc::new(layer(9, &[(key(1), 20, Kind::Image, &[0; 8192])]));
+        assert!(idx.replace_layers(&[1, 3], &[out()]).is_err());
+        assert!(idx.replace_layers(&[3, 2], &[out()]).is_err());
+        assert!(idx.replace_layers(&[7], &[out()]).is_err());
+        // A layer in the middle is replaced in its place (a level 0 pass's outputs).
+        let mut middle = active_with(&[]);
+        for l in [1, 2, 3] {
+            middle.push_layer(layer(l, &[(key(1), u64::from(l) * 10, Kind::Record, b"r")])).unwrap();
+        }
+        middle.replace_layers(&[2], &[out()]).unwrap();
+        assert_eq!(middle.layers().iter().map(|l| l.id).collect::<Vec<_>>(), vec![1, 9, 3]);
         // An output reaching into a newer layer's range is refused and nothing changes.
         let err = idx
             .replace_layers(&[1, 2], &[Arc::new(layer(8, &[(key(1), 30, Kind::Record, b"x")]))])

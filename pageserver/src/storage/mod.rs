@@ -59,7 +59,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-pub use compact::{CompactionConf, ImageRequest, Pass, PassStats, Step, IMAGE_PIECE_BYTES};
+pub use compact::{CompactionConf, ImageRequest, Pass, PassKind, PassStats, Step, IMAGE_PIECE_BYTES};
 pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
 pub use metrics::{FsyncFailed, StorageMetrics};
 pub use timeline::Timeline;
@@ -137,8 +137,14 @@ pub struct Backlog {
     pub new_records: u64,
     /// The most of them for one key.
     pub longest_new_chain: u64,
-    /// Frozen layers written by seals (not yet compacted).
+    /// Frozen layers written by seals (not yet compacted): level 0.
     pub sealed_layers: u64,
+    /// Runs of compaction outputs (each level 0 pass adds one above the others; a full pass
+    /// leaves one): what a lookup may walk below level 0.
+    pub runs: u64,
+    /// Bytes of the bottom run (the last full pass's outputs) and of the runs above it.
+    pub bottom_bytes: u64,
+    pub upper_bytes: u64,
 }
 
 /// Counters describing a timeline's storage.

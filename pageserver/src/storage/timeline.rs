@@ -317,18 +317,32 @@ impl Timeline {
     /// Starts a compaction pass over every frozen layer (see [`super::Pass`]); `None` if there
     /// are none. Writes the manifest (blocking): call it off the executor.
     pub fn begin_compaction(&self, conf: super::CompactionConf) -> anyhow::Result<Option<super::Pass>> {
-        super::Pass::begin(&self.shared, conf)
+        self.begin_pass(conf, super::PassKind::Full)
+    }
+
+    /// Starts a compaction pass of `kind` ([`super::PassKind`]); see [`Timeline::begin_compaction`].
+    pub fn begin_pass(
+        &self,
+        conf: super::CompactionConf,
+        kind: super::PassKind,
+    ) -> anyhow::Result<Option<super::Pass>> {
+        super::Pass::begin(&self.shared, conf, kind)
     }
 
     /// How much compaction work waits: records ingested since the last pass began, and the
     /// frozen layers that are not compaction outputs.
     pub fn backlog(&self) -> super::Backlog {
         let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
+        let runs = index.runs();
+        let size = |r: std::ops::Range<usize>| index.layers()[r].iter().map(|l| l.size).sum::<u64>();
         super::Backlog {
             keys: index.keys(),
             new_records: index.new_records(),
             longest_new_chain: u64::from(index.longest_new_chain()),
             sealed_layers: index.layers().iter().filter(|l| !l.compacted()).count() as u64,
+            runs: runs.len() as u64,
+            bottom_bytes: runs.first().map_or(0, |r| size(r.clone())),
+            upper_bytes: runs.get(1..).unwrap_or_default().iter().map(|r| size(r.clone())).sum(),
         }
     }
 

@@ -7,7 +7,8 @@ use bytes::Bytes;
 
 use crate::storage::test_support::*;
 use crate::storage::{
-    CompactionConf, GetError, Lsn, Pass, PassStats, ReadLimits, ReconstructData, Step, Timeline, PAGE_SIZE,
+    CompactionConf, GetError, Lsn, Pass, PassKind, PassStats, ReadLimits, ReconstructData, Step, Timeline,
+    PAGE_SIZE,
 };
 
 /// A toy redo: the base image (zeros without one) with each record's bytes added into it at a
@@ -399,4 +400,197 @@ async fn a_piece_that_cannot_be_rebuilt_leaves_its_records_and_keeps_the_images_
     assert_eq!(pages(&tl, 1, &lsns), expected);
     let d = tl.get_reconstruct_data(key(0), Lsn(RECORDS), NO_LIMITS).unwrap();
     assert!(d.image.is_some(), "the top is read from the second piece's image");
+}
+
+/// A full pass without images (so chains run through it), then `rounds` more rounds sealed
+/// above it: level 0 over one run. Returns the last LSN.
+async fn run_then_level0(tl: &Timeline, rounds: u64) -> u64 {
+    fill(tl, 0, 30).await;
+    tl.freeze().await.unwrap();
+    let stats = run(tl.begin_compaction(conf(1000, u64::MAX)).unwrap().unwrap(), Duration::from_millis(1));
+    assert_eq!((stats.kind, stats.images_created), (PassKind::Full, 0));
+    let last = fill(tl, 30, rounds).await;
+    tl.freeze().await.unwrap();
+    last
+}
+
+#[tokio::test]
+async fn a_level0_pass_takes_only_the_sealed_layers_and_every_page_stays_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let last = run_then_level0(&tl, 12).await;
+    let run1 =
+        layer_files(dir.path()).into_iter().filter(|n| n.matches('_').count() == 3).collect::<Vec<_>>();
+    assert!(!run1.is_empty());
+    let sealed = tl.backlog().sealed_layers;
+    assert!(sealed > 2, "{sealed}");
+    assert_eq!(tl.backlog().runs, 1);
+    let lsns: Vec<u64> = (0..=last + 1).step_by(7).chain([last]).collect();
+    let before = pages(&tl, KEYS, &lsns);
+
+    let mut pass = tl.begin_pass(conf(1000, u64::MAX), PassKind::Level0).unwrap().unwrap();
+    // Ingest (and seals) go on above the inputs while the pass runs.
+    let mut round = 42;
+    let stats = loop {
+        fill(&tl, round, 1).await;
+        round += 1;
+        match pass.run_slice(Duration::ZERO).unwrap() {
+            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.read().unwrap()))),
+            Step::Continue => {}
+            Step::Done(stats) => break stats,
+        }
+    };
+    assert_eq!(stats.kind, PassKind::Level0);
+    assert_eq!(stats.input_layers, sealed, "{stats:?}");
+    assert_eq!(stats.values_read, 12 * u64::from(KEYS), "only the new values are read: {stats:?}");
+    assert_eq!(stats.values_dropped, 0, "{stats:?}");
+    tl.freeze().await.unwrap();
+    assert!(tl.backlog().sealed_layers > 0, "the seals made during the pass");
+    assert_eq!(tl.backlog().runs, 2);
+    // The run below is not rewritten.
+    let files = layer_files(dir.path());
+    assert!(run1.iter().all(|n| files.contains(n)), "{run1:?} {files:?}");
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+
+    // Reopened (the manifest lists the new run above the old one), the same pages.
+    drop(tl);
+    let tl = open(dir.path(), 2000, &m);
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+    // The next level 0 pass takes the seals made during the last one.
+    let stats = run(
+        tl.begin_pass(conf(1000, u64::MAX), PassKind::Level0).unwrap().unwrap(),
+        Duration::from_millis(1),
+    );
+    assert_eq!(stats.values_read, (round - 42) * u64::from(KEYS), "{stats:?}");
+    assert_eq!(tl.backlog().runs, 3);
+    // A full pass makes one run of everything again.
+    let stats = run(tl.begin_compaction(conf(1000, u64::MAX)).unwrap().unwrap(), Duration::from_millis(1));
+    assert_eq!(stats.values_read, round * u64::from(KEYS), "{stats:?}");
+    assert_eq!(tl.backlog().runs, 1);
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+}
+
+#[tokio::test]
+async fn a_level0_pass_makes_images_of_chains_that_start_below_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let last = run_then_level0(&tl, 3).await;
+    let lsns: Vec<u64> = (0..=last + 1).step_by(5).chain([last]).collect();
+    let before = pages(&tl, KEYS, &lsns);
+
+    // Each key has 3 new records: an even key's chain starts at its image in the run below,
+    // an odd key's at its first record there (it has no image).
+    let stats =
+        run(tl.begin_pass(conf(3, u64::MAX), PassKind::Level0).unwrap().unwrap(), Duration::from_micros(50));
+    assert_eq!(stats.values_read, 3 * u64::from(KEYS), "{stats:?}");
+    assert_eq!(stats.images_created, u64::from(KEYS), "{stats:?}");
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+    // The newest version of every key is now one image, in the new run.
+    for k in 0..KEYS {
+        let d = tl.get_reconstruct_data(key(k), Lsn(last), NO_LIMITS).unwrap();
+        assert!(d.image.is_some() && d.records.is_empty(), "key {k}: {} records", d.records.len());
+    }
+}
+
+#[tokio::test]
+async fn a_level0_pass_collects_garbage_in_its_inputs_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let last = run_then_level0(&tl, 20).await;
+    let horizon = 300;
+    let cutoff = last - horizon;
+    let retained: Vec<u64> = (cutoff..=last).step_by(3).chain([last]).collect();
+    let before = pages(&tl, KEYS, &retained);
+    let run1 =
+        layer_files(dir.path()).into_iter().filter(|n| n.matches('_').count() == 3).collect::<Vec<_>>();
+
+    let stats =
+        run(tl.begin_pass(conf(4, horizon), PassKind::Level0).unwrap().unwrap(), Duration::from_micros(50));
+    assert_eq!(tl.gc_cutoff(), Lsn(cutoff));
+    assert!(stats.values_dropped > 0 && stats.images_created > 0, "{stats:?}");
+    assert_eq!(pages(&tl, KEYS, &retained), before);
+    let files = layer_files(dir.path());
+    assert!(run1.iter().all(|n| files.contains(n)), "{run1:?} {files:?}");
+}
+
+#[tokio::test]
+async fn a_crash_during_a_level0_pass_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let last = run_then_level0(&tl, 10).await;
+    let lsns: Vec<u64> = (1..=last).step_by(11).chain([last]).collect();
+    let before = pages(&tl, KEYS, &lsns);
+    let check = |snap: tempfile::TempDir, what: &str| {
+        let m = metrics();
+        let tl = open(snap.path(), 2000, &m);
+        assert_eq!(pages(&tl, KEYS, &lsns), before, "after a crash {what}");
+        assert_eq!(layer_files(snap.path()).len() as u64, tl.stats().layers, "{what}");
+    };
+    let mut pass = tl.begin_pass(conf(3, u64::MAX), PassKind::Level0).unwrap().unwrap();
+    for _ in 0..6 {
+        match pass.run_slice(Duration::ZERO).unwrap() {
+            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.read().unwrap()))),
+            Step::Continue => {}
+            Step::Done(_) => panic!("the pass ended before the crash"),
+        }
+    }
+    check(snapshot(dir.path()), "in the middle of a level 0 pass");
+    let stats = run(pass, Duration::from_millis(1));
+    assert_eq!(stats.kind, PassKind::Level0);
+    check(snapshot(dir.path()), "after a level 0 install");
+}
+
+#[test]
+fn upper_passes_merge_the_newest_runs_while_they_are_no_larger_than_those_above() {
+    use super::upper_split;
+    // The bottom run never joins; at least the two newest runs do.
+    assert_eq!(upper_split(&[100]), None);
+    assert_eq!(upper_split(&[100, 5]), None);
+    assert_eq!(upper_split(&[100, 5, 5]), Some(1));
+    assert_eq!(upper_split(&[100, 50, 1, 1]), Some(2));
+    assert_eq!(upper_split(&[100, 50, 2, 1, 1]), Some(2));
+    assert_eq!(upper_split(&[100, 4, 2, 1, 1]), Some(1));
+    assert_eq!(upper_split(&[1000, 8, 30, 1, 1, 1]), Some(3));
+}
+
+#[tokio::test]
+async fn an_upper_pass_merges_the_runs_above_the_bottom_one_and_leaves_it_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let mut last = run_then_level0(&tl, 2).await;
+    let bottom = layer_files(dir.path());
+    let bottom: Vec<_> = bottom.into_iter().filter(|n| n.matches('_').count() == 3).collect();
+    let mut round = 32;
+    for _ in 0..4 {
+        run(
+            tl.begin_pass(conf(1000, u64::MAX), PassKind::Level0).unwrap().unwrap(),
+            Duration::from_millis(1),
+        );
+        last = fill(&tl, round, 2).await;
+        round += 2;
+        tl.freeze().await.unwrap();
+    }
+    assert_eq!(tl.backlog().runs, 5);
+    assert!(tl.backlog().upper_bytes < tl.backlog().bottom_bytes, "{:?}", tl.backlog());
+    let lsns: Vec<u64> = (0..=last + 1).step_by(7).chain([last]).collect();
+    let before = pages(&tl, KEYS, &lsns);
+
+    let stats =
+        run(tl.begin_pass(conf(3, u64::MAX), PassKind::Upper).unwrap().unwrap(), Duration::from_micros(50));
+    assert_eq!(stats.kind, PassKind::Upper);
+    // Four runs of the same size above the bottom one, and level 0: all of them are merged.
+    assert_eq!(stats.values_read, 10 * u64::from(KEYS), "{stats:?}");
+    assert!(stats.images_created > 0, "{stats:?}");
+    assert_eq!(tl.backlog().runs, 2);
+    let files = layer_files(dir.path());
+    assert!(bottom.iter().all(|n| files.contains(n)), "{bottom:?} {files:?}");
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+    drop(tl);
+    let tl = open(dir.path(), 2000, &m);
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
 }
