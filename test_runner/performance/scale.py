@@ -19,8 +19,14 @@ then:
 - `pagebench get-page`, 8 connections at depth 1, random keys at the latest LSN, `--seconds`:
   requests/s and latency percentiles.
 
-Prints one JSON line per size, a table, and writes JSON with --out. The update load of the
-issue (a working set rewritten at a steady rate for minutes) is not run here yet.
+- with `--update-seconds S`: the update load, after the reads: the first `--update-relations`
+  relations (the working set) written again and again (`pagebench ingest --exists-ok`: each
+  page's image and records anew) at `--update-rate` values/s for S seconds, with the daemon's
+  automatic compaction; then, once the compactor has caught up, the bytes compaction wrote over
+  the bytes ingested in that window (its write amplification), the passes by kind, and the
+  disk used against all the data ingested.
+
+Prints one JSON line per size, a table, and writes JSON with --out.
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ def one_size(args, gb: float) -> dict:
         run = measure.run_point(args.bin_dir, daemon, {"shape": [], "lsn": "latest"}, 8, 1, None,
                                 args.seconds, 1, (40.0, 30.0))
         s = run["summary"]
+        update = update_load(args, daemon) if args.update_seconds else None
         return {
             "size_gb": gb, "relations": relations, "ingested_bytes": int(ingested),
             "ingest_seconds": round(ingest_s, 1), "compact_seconds": round(compact_s, 1),
@@ -115,9 +122,48 @@ def one_size(args, gb: float) -> dict:
             "rss_loaded_bytes": rss_loaded, "rss_restarted_bytes": rss_restarted,
             "restart_to_first_page_seconds": round(restart_s, 3),
             "get_page_rps": round(s["rps"]), "latency_us": s.get("latency_us"),
+            "update": update,
         }
     finally:
         daemon.stop(keep=args.keep)
+
+
+def update_load(args, daemon) -> dict:
+    """The update load (see the module doc): its ingest, what compaction wrote, the disk."""
+    shape = ["--relations", str(args.update_relations), "--blocks", str(BLOCKS),
+             "--chain-length", str(args.chain_length)]
+    http = HttpClient(addr(daemon.http), timeout=600)
+    before = http.tenant_status("bench")["compaction"]
+    m0 = measure.metrics(daemon.http)
+    began = time.monotonic()
+    rounds = 0
+    while (left := args.update_seconds - (time.monotonic() - began)) >= 1:
+        load = ["ingest", *measure.TENANT_ARGS, *shape, "--exists-ok", "--rate", str(args.update_rate),
+                "--duration", str(int(left))]
+        measure.finish(measure.pagebench(args.bin_dir, daemon, load), left + 600)
+        rounds += 1
+    load_s = time.monotonic() - began
+    # The compactor catches up with what the load left due.
+    while True:
+        c = http.tenant_status("bench")["compaction"]
+        if (not c["running"] and c["backlog"] < 1.0) or time.monotonic() - began > args.update_seconds + 600:
+            break
+        time.sleep(0.5)
+    m1 = measure.metrics(daemon.http)
+    after = http.tenant_status("bench")["compaction"]
+    ingested = measure.delta(m1, m0, "pageserver_storage_ingested_bytes_total")
+    written = measure.delta(m1, m0, "pageserver_compaction_written_bytes_total")
+    disk = du(daemon.workdir / "tenants")
+    return {
+        "seconds": round(load_s, 1), "rounds": rounds, "rate": args.update_rate,
+        "working_set_relations": args.update_relations, "ingested_bytes": int(ingested),
+        "compaction_written_bytes": int(written),
+        "write_amplification": round(written / max(ingested, 1), 2),
+        "passes": after["passes"] - before["passes"],
+        "full_passes": after.get("full_passes", after["passes"]) - before.get("full_passes", before["passes"]),
+        "disk_bytes": disk,
+        "disk_over_all_ingested": round(disk / max(m1.get("pageserver_storage_ingested_bytes_total", 1), 1), 2),
+    }
 
 
 def main() -> int:
@@ -127,6 +173,9 @@ def main() -> int:
     ap.add_argument("--chain-length", type=int, default=10)
     ap.add_argument("--seconds", type=float, default=10.0, help="of the GetPage run")
     ap.add_argument("--keep", action="store_true", help="keep the daemons' work dirs")
+    ap.add_argument("--update-seconds", type=float, default=0.0, help="of the update load (0: none)")
+    ap.add_argument("--update-relations", type=int, default=2, help="the update load's working set")
+    ap.add_argument("--update-rate", type=int, default=20000, help="values/s of the update load")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.bin_dir = args.bin_dir.resolve()
@@ -142,6 +191,15 @@ def main() -> int:
         print(f"| {r['size_gb']} GB | {r['ingested_bytes'] / 1e9:.2f} GB | {r['rss_loaded_bytes'] >> 20} / "
               f"{r['rss_restarted_bytes'] >> 20} MiB | {r['restart_to_first_page_seconds']} s | {r['get_page_rps']} | "
               f"{lat.get('p99')} | {r['compaction_write_amplification']}x | {r['disk_over_ingested']}x |")
+    updates = [r for r in rows if r["update"]]
+    if updates:
+        print("| size | update load | ingested | compaction wrote | WA | passes (full) | disk / all ingested |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for r in updates:
+            u = r["update"]
+            print(f"| {r['size_gb']} GB | {u['seconds']} s x {u['rate']}/s | {u['ingested_bytes'] / 1e9:.2f} GB | "
+                  f"{u['compaction_written_bytes'] / 1e9:.2f} GB | {u['write_amplification']}x | "
+                  f"{u['passes']} ({u['full_passes']}) | {u['disk_over_all_ingested']}x |")
     if args.out:
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1) + "\n")
     return 0
