@@ -19,12 +19,12 @@ then:
 - `pagebench get-page`, 8 connections at depth 1, random keys at the latest LSN, `--seconds`:
   requests/s and latency percentiles.
 
-- with `--update-seconds S`: the update load, after the reads: the first `--update-relations`
-  relations (the working set) written again and again (`pagebench ingest --exists-ok`: each
-  page's image and records anew) at `--update-rate` values/s for S seconds, with the daemon's
-  automatic compaction; then, once the compactor has caught up, the bytes compaction wrote over
-  the bytes ingested in that window (its write amplification), the passes by kind, and the
-  disk used against all the data ingested.
+- with `--update-seconds S`: the update load, after the reads: records (48 bytes written into
+  the page) on random pages of the first `--update-relations` relations (the working set), in
+  batches of 200, at `--update-rate` records/s for S seconds, with the daemon's automatic
+  compaction; then, once the compactor has caught up, the bytes compaction wrote over the bytes
+  ingested in that window (its write amplification), the passes by kind, and the disk used
+  against all the data ingested.
 
 Prints one JSON line per size, a table, and writes JSON with --out.
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measure  # noqa: E402
 from fixtures.http_client import HttpClient  # noqa: E402
+from fixtures import oracle as o  # noqa: E402
 from fixtures.oracle import Key  # noqa: E402
 from fixtures.page_client import connect  # noqa: E402
 
@@ -113,7 +115,7 @@ def one_size(args, gb: float) -> dict:
         run = measure.run_point(args.bin_dir, daemon, {"shape": [], "lsn": "latest"}, 8, 1, None,
                                 args.seconds, 1, (40.0, 30.0))
         s = run["summary"]
-        update = update_load(args, daemon) if args.update_seconds else None
+        update = update_load(args, daemon, ingested) if args.update_seconds else None
         return {
             "size_gb": gb, "relations": relations, "ingested_bytes": int(ingested),
             "ingest_seconds": round(ingest_s, 1), "compact_seconds": round(compact_s, 1),
@@ -128,20 +130,30 @@ def one_size(args, gb: float) -> dict:
         daemon.stop(keep=args.keep)
 
 
-def update_load(args, daemon) -> dict:
-    """The update load (see the module doc): its ingest, what compaction wrote, the disk."""
-    shape = ["--relations", str(args.update_relations), "--blocks", str(BLOCKS),
-             "--chain-length", str(args.chain_length)]
+def update_load(args, daemon, loaded: float) -> dict:
+    """The update load (see the module doc): its ingest, what compaction wrote, the disk
+    against `loaded` (the bytes ingested before it) and its own ingest."""
     http = HttpClient(addr(daemon.http), timeout=600)
     before = http.tenant_status("bench")["compaction"]
+    lsn = http.tenant_status("bench")["last_durable_lsn"]
     m0 = measure.metrics(daemon.http)
+    rng = random.Random(22)
+    batch = 200
     began = time.monotonic()
-    rounds = 0
-    while (left := args.update_seconds - (time.monotonic() - began)) >= 1:
-        load = ["ingest", *measure.TENANT_ARGS, *shape, "--exists-ok", "--rate", str(args.update_rate),
-                "--duration", str(int(left))]
-        measure.finish(measure.pagebench(args.bin_dir, daemon, load), left + 600)
-        rounds += 1
+    sent = 0
+    with connect(addr(daemon.pg), "bench", timeout=60) as conn:
+        while time.monotonic() - began < args.update_seconds:
+            values = []
+            for _ in range(batch):
+                lsn += 1
+                key = Key(1663, 1, 16384 + rng.randrange(args.update_relations), 0, rng.randrange(BLOCKS))
+                values.append((key, lsn, o.RECORD, o.put_bytes(4096 + rng.randrange(2048), rng.randbytes(48))))
+            conn.ingest(values)
+            sent += batch
+            # Steady rate: sleep off what is ahead of schedule.
+            ahead = sent / args.update_rate - (time.monotonic() - began)
+            if ahead > 0:
+                time.sleep(ahead)
     load_s = time.monotonic() - began
     # The compactor catches up with what the load left due.
     while True:
@@ -155,14 +167,14 @@ def update_load(args, daemon) -> dict:
     written = measure.delta(m1, m0, "pageserver_compaction_written_bytes_total")
     disk = du(daemon.workdir / "tenants")
     return {
-        "seconds": round(load_s, 1), "rounds": rounds, "rate": args.update_rate,
+        "seconds": round(load_s, 1), "records": sent, "rate": args.update_rate,
         "working_set_relations": args.update_relations, "ingested_bytes": int(ingested),
         "compaction_written_bytes": int(written),
         "write_amplification": round(written / max(ingested, 1), 2),
         "passes": after["passes"] - before["passes"],
         "full_passes": after.get("full_passes", after["passes"]) - before.get("full_passes", before["passes"]),
         "disk_bytes": disk,
-        "disk_over_all_ingested": round(disk / max(m1.get("pageserver_storage_ingested_bytes_total", 1), 1), 2),
+        "disk_over_all_ingested": round(disk / max(loaded + ingested, 1), 2),
     }
 
 
@@ -175,7 +187,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the daemons' work dirs")
     ap.add_argument("--update-seconds", type=float, default=0.0, help="of the update load (0: none)")
     ap.add_argument("--update-relations", type=int, default=2, help="the update load's working set")
-    ap.add_argument("--update-rate", type=int, default=20000, help="values/s of the update load")
+    ap.add_argument("--update-rate", type=int, default=20000, help="records/s of the update load")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.bin_dir = args.bin_dir.resolve()

@@ -205,7 +205,7 @@ pub(crate) fn upper_split(sizes: &[u64]) -> Option<usize> {
     Some(from)
 }
 
-/// A key's values, oldest first: first its *context* (for a level 0 pass whose inputs hold no
+/// A key's values, oldest first: first its *context* (for a pass whose inputs hold no
 /// image of the key: the key's values in the layers below the inputs, from its newest image
 /// there on; they are read for images, never written), then its run of entries in each input
 /// layer that holds it (the inputs are oldest first, and layers that share a key do not
@@ -336,7 +336,7 @@ pub struct Pass {
     dir_file: File,
     conf: CompactionConf,
     inputs: Vec<Arc<Frozen>>,
-    /// The layers below the inputs (a level 0 pass): where a key's context comes from.
+    /// The layers below the inputs (none for a full pass): where a key's context comes from.
     below: Vec<Arc<Frozen>>,
     cutoff: Lsn,
     /// The last key begun; `None` before the first.
