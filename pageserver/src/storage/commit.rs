@@ -37,6 +37,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::Context;
 
+use super::layer::BlockIndex;
 use super::manifest::SealIntent;
 use super::pool::{self, Pool};
 use super::segment::ActiveSegment;
@@ -157,9 +158,9 @@ pub(super) enum SealState {
     Idle,
     /// The intent is durable; `active.seg` is not renamed yet.
     Intent(SealIntent),
-    /// `active.seg` is a layer now; the next active segment, once created, waits for the
-    /// manifest that records both.
-    Renamed { intent: SealIntent, next: Option<ActiveSegment> },
+    /// `active.seg` is a layer now, with the block index written into it; the next active
+    /// segment, once created, waits for the manifest that records both.
+    Renamed { intent: SealIntent, index: BlockIndex, next: Option<ActiveSegment> },
 }
 
 impl Committer {

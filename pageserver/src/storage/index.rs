@@ -359,12 +359,12 @@ impl Index {
     }
 
     /// The active segment became the layer `name` (same file) with the block index `index`
-    /// (`None`: the index is made from the segment's entries in memory): it joins the layers,
-    /// and the file `next_id` is the new, empty active segment.
+    /// written from its entries: it joins the layers (above every one), and the file `next_id`
+    /// is the new, empty active segment.
     pub(crate) fn freeze_active(
         &mut self,
         name: String,
-        index: Option<BlockIndex>,
+        index: BlockIndex,
         size: u64,
         next_id: u32,
         next_file: Arc<File>,
@@ -374,15 +374,8 @@ impl Index {
             Active { id: next_id, file: next_file, map: BTreeMap::new() },
         );
         self.active_keys = 0;
-        let layer = match index {
-            Some(index) => Ok(Frozen::with_blocks(old.id, name, old.file, index, size)),
-            None => Frozen::new(old.id, name, old.file, old.map.into_values().collect(), size),
-        };
-        // Sorted by (key, lsn) and unique (the map's keys), and above every layer; only an empty
-        // segment fails, and one is never sealed.
-        if let Ok(layer) = layer {
-            self.layers = self.layers.iter().cloned().chain([Arc::new(layer)]).collect();
-        }
+        let layer = Frozen::with_blocks(old.id, name, old.file, index, size);
+        self.layers = self.layers.iter().cloned().chain([Arc::new(layer)]).collect();
     }
 
     /// The frozen layers, oldest first.

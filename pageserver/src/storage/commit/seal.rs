@@ -18,7 +18,7 @@
 //! files, active segment) changes only once step 6 is durable.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
+use std::sync::PoisonError;
 
 use anyhow::{ensure, Context};
 
@@ -40,10 +40,10 @@ impl Committer {
         }
         if let SealState::Intent(intent) = &self.seal {
             let intent = intent.clone();
-            self.write_layer(&intent)?;
-            self.seal = SealState::Renamed { intent, next: None };
+            let index = self.write_layer(&intent)?;
+            self.seal = SealState::Renamed { intent, index, next: None };
         }
-        if let SealState::Renamed { intent, next } = &mut self.seal {
+        if let SealState::Renamed { intent, next, .. } = &mut self.seal {
             let intent = intent.clone();
             if next.is_none() {
                 let id = self.shared.next_file_id.fetch_add(1, Ordering::Relaxed);
@@ -53,10 +53,10 @@ impl Committer {
             self.shared
                 .update_manifest(&self.dir_file, |m| *m = m.with_seal_done(&intent))
                 .context("record sealed layer")?;
-            if let SealState::Renamed { next: Some(next), .. } =
+            if let SealState::Renamed { index, next: Some(next), .. } =
                 std::mem::replace(&mut self.seal, SealState::Idle)
             {
-                self.install(&intent, next);
+                self.install(&intent, index, next);
             }
         }
         Ok(())
@@ -74,22 +74,23 @@ impl Committer {
         Ok(intent)
     }
 
-    /// Steps 1 to 4: index and footer, fdatasync, rename, fsync of the directory.
-    fn write_layer(&mut self, intent: &SealIntent) -> anyhow::Result<()> {
+    /// Steps 1 to 4: index and footer, fdatasync, rename, fsync of the directory. Returns the
+    /// index as written.
+    fn write_layer(&mut self, intent: &SealIntent) -> anyhow::Result<layer::BlockIndex> {
         let m = &self.shared.metrics;
         let file = &self.segment.file;
-        let (len, _) = layer::append_index_and_footer(file, intent.data_len, &self.segment.entries)?;
+        let (len, index) = layer::append_index_and_footer(file, intent.data_len, &self.segment.entries)?;
         ensure!(len == intent.layer.size, "sealed layer has {len} bytes, expected {}", intent.layer.size);
         m.fsync(|| file.sync_data()).context("fdatasync sealed layer")?;
         let dir = &self.shared.dir;
         std::fs::rename(dir.join(ACTIVE_NAME), dir.join(&intent.layer.name))
             .context("rename sealed layer")?;
         m.fsync(|| self.dir_file.sync_all()).context("fsync timeline directory")?;
-        Ok(())
+        Ok(index)
     }
 
     /// After step 6: the layer is counted and the new active segment takes over.
-    fn install(&mut self, intent: &SealIntent, next: ActiveSegment) {
+    fn install(&mut self, intent: &SealIntent, index: layer::BlockIndex, next: ActiveSegment) {
         let len = intent.layer.size;
         self.shared.layers.fetch_add(1, Ordering::Relaxed);
         self.shared.sealed_bytes.fetch_add(len, Ordering::Relaxed);
@@ -97,13 +98,6 @@ impl Committer {
         tracing::info!(
             layer = %intent.layer.name, values = self.segment.entries.len(), bytes = len, "sealed layer"
         );
-        // The index as written (read back: a retried seal wrote it in an earlier round). Should
-        // that fail, the layer's index is made from the segment's entries instead.
-        let index = layer::BlockIndex::open(Arc::clone(&self.segment.file), len)
-            .inspect_err(
-                |e| tracing::warn!(layer = %intent.layer.name, "read back a sealed layer's index: {e:#}"),
-            )
-            .ok();
         self.shared.index.write().unwrap_or_else(PoisonError::into_inner).freeze_active(
             intent.layer.name.clone(),
             index,
