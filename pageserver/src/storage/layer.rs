@@ -169,8 +169,14 @@ pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &IndexEntry) {
     buf.extend_from_slice(&e.crc.to_le_bytes());
 }
 
-/// Decodes one index entry and checks its kind and length.
-pub(crate) fn decode_entry(c: &mut Cursor<'_>) -> anyhow::Result<IndexEntry> {
+/// Decodes one index entry of a layer whose data region ends at `data_end` and whose values
+/// lie in `lsns`; checks its kind and length, that its value lies in the data region and its
+/// LSN in `lsns`.
+pub(crate) fn decode_entry(
+    c: &mut Cursor<'_>,
+    data_end: u64,
+    lsns: std::ops::RangeInclusive<Lsn>,
+) -> anyhow::Result<IndexEntry> {
     let e = IndexEntry {
         key: c.key()?,
         lsn: c.lsn()?,
@@ -180,6 +186,11 @@ pub(crate) fn decode_entry(c: &mut Cursor<'_>) -> anyhow::Result<IndexEntry> {
         crc: c.u32()?,
     };
     e.kind.check_len(&e.key, e.len as usize)?;
+    ensure!(
+        e.offset >= FILE_HEADER_LEN && e.offset + u64::from(e.len) <= data_end,
+        "entry outside the data region"
+    );
+    ensure!(lsns.contains(&e.lsn), "entry lsn {} outside the layer's range", e.lsn);
     Ok(e)
 }
 
@@ -240,17 +251,7 @@ pub(crate) fn read_index(file: &File, footer: &Footer) -> anyhow::Result<Vec<Ind
     ensure!(c.u32()? == INDEX_MAGIC, "bad index magic");
     let mut entries = Vec::with_capacity(footer.entry_count as usize);
     for _ in 0..footer.entry_count {
-        let e = decode_entry(&mut c)?;
-        ensure!(
-            e.offset >= FILE_HEADER_LEN && e.offset + u64::from(e.len) <= footer.index_offset,
-            "entry outside the data region"
-        );
-        ensure!(
-            (footer.first_lsn..=footer.last_lsn).contains(&e.lsn),
-            "entry lsn {} outside the layer's range",
-            e.lsn
-        );
-        entries.push(e);
+        entries.push(decode_entry(&mut c, footer.index_offset, footer.first_lsn..=footer.last_lsn)?);
     }
     Ok(entries)
 }
@@ -338,22 +339,34 @@ mod tests {
         }
     }
 
+    fn rec(b: &'static [u8]) -> Value {
+        Value::Record(Bytes::from_static(b))
+    }
+
+    /// An active segment in `dir` holding `batches`, with a flat or a block index and its footer
+    /// appended (not renamed); and the file's length.
+    fn sealed_segment(dir: &Path, batches: &[&[(Key, Lsn, Value)]], flat: bool) -> (ActiveSegment, u64) {
+        let dir_file = File::open(dir).unwrap();
+        let mut seg = ActiveSegment::create(dir, &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
+        let mut buf = Vec::new();
+        for batch in batches {
+            seg.append(batch, &mut buf).unwrap();
+        }
+        let end = if flat {
+            append_flat_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap()
+        } else {
+            append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap().0
+        };
+        (seg, end)
+    }
+
     #[test]
     fn sealed_segment_opens_as_layer_with_sorted_index_in_either_layout() {
         for flat in [false, true] {
             let dir = tempfile::tempdir().unwrap();
-            let dir_file = File::open(dir.path()).unwrap();
-            let mut seg =
-                ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
-            let mut buf = Vec::new();
-            let rec = |b: &'static [u8]| Value::Record(Bytes::from_static(b));
-            seg.append(&[(key(9), Lsn(5), rec(b"a")), (key(1), Lsn(5), rec(b"b"))], &mut buf).unwrap();
-            seg.append(&[(key(1), Lsn(7), rec(b"c"))], &mut buf).unwrap();
-            let end = if flat {
-                append_flat_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap()
-            } else {
-                append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap().0
-            };
+            let batches: [&[_]; 2] =
+                [&[(key(9), Lsn(5), rec(b"a")), (key(1), Lsn(5), rec(b"b"))], &[(key(1), Lsn(7), rec(b"c"))]];
+            let (seg, end) = sealed_segment(dir.path(), &batches, flat);
             let path = dir.path().join(file_name(Lsn(5), Lsn(7), None));
             std::fs::rename(dir.path().join("active.seg"), &path).unwrap();
 
@@ -374,16 +387,7 @@ mod tests {
     fn layer_with_corrupt_index_or_wrong_name_fails_to_open() {
         for flat in [false, true] {
             let dir = tempfile::tempdir().unwrap();
-            let dir_file = File::open(dir.path()).unwrap();
-            let mut seg =
-                ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
-            let mut buf = Vec::new();
-            seg.append(&[(key(1), Lsn(5), Value::Record(Bytes::from_static(b"a")))], &mut buf).unwrap();
-            if flat {
-                append_flat_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
-            } else {
-                append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap();
-            }
+            let (seg, _) = sealed_segment(dir.path(), &[&[(key(1), Lsn(5), rec(b"a"))]], flat);
             let wrong = dir.path().join(file_name(Lsn(5), Lsn(6), None));
             std::fs::rename(dir.path().join("active.seg"), &wrong).unwrap();
             assert!(open(&wrong).is_err());

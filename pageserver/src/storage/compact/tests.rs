@@ -91,6 +91,29 @@ fn layer_files(dir: &std::path::Path) -> Vec<String> {
     v
 }
 
+/// The layer files of `dir` written by compaction (their names carry an output id).
+fn compacted_files(dir: &std::path::Path) -> Vec<String> {
+    layer_files(dir)
+        .into_iter()
+        .filter(|n| crate::storage::layer::parse_file_name(n).is_some_and(|p| p.id.is_some()))
+        .collect()
+}
+
+/// Runs `pass` to its end one zero-budget slice at a time, ingesting one round (from `round`
+/// on) before each slice; returns its stats and the next round.
+async fn run_ingesting(tl: &Timeline, mut pass: Pass, mut round: u64) -> (PassStats, u64) {
+    loop {
+        // Between slices: more ingest (and seals) on the same keys.
+        fill(tl, round, 1).await;
+        round += 1;
+        match pass.run_slice(Duration::ZERO).unwrap() {
+            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.read().unwrap()))),
+            Step::Continue => {}
+            Step::Done(stats) => return (stats, round),
+        }
+    }
+}
+
 #[tokio::test]
 async fn compaction_keeps_every_page_merges_layers_and_creates_images() {
     let dir = tempfile::tempdir().unwrap();
@@ -216,18 +239,7 @@ async fn ingest_and_reads_go_on_during_a_pass_and_a_second_pass_compacts_the_out
     let tl = open(dir.path(), 2000, &m);
     fill(&tl, 0, 10).await;
     tl.freeze().await.unwrap();
-    let mut pass = tl.begin_compaction(conf(2, u64::MAX)).unwrap().unwrap();
-    let mut round = 10;
-    let stats = loop {
-        // Between slices: more ingest (and seals) on the same keys.
-        fill(&tl, round, 1).await;
-        round += 1;
-        match pass.run_slice(Duration::ZERO).unwrap() {
-            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.read().unwrap()))),
-            Step::Continue => {}
-            Step::Done(stats) => break stats,
-        }
-    };
+    let (stats, _) = run_ingesting(&tl, tl.begin_compaction(conf(2, u64::MAX)).unwrap().unwrap(), 10).await;
     assert_eq!(stats.keys, u64::from(KEYS));
     let last = tl.last_durable_lsn().0;
     let lsns: Vec<u64> = (1..=last).step_by(17).chain([last]).collect();
@@ -420,8 +432,7 @@ async fn a_level0_pass_takes_only_the_sealed_layers_and_every_page_stays_the_sam
     let m = metrics();
     let tl = open(dir.path(), 2000, &m);
     let last = run_then_level0(&tl, 12).await;
-    let run1 =
-        layer_files(dir.path()).into_iter().filter(|n| n.matches('_').count() == 3).collect::<Vec<_>>();
+    let run1 = compacted_files(dir.path());
     assert!(!run1.is_empty());
     let sealed = tl.backlog().sealed_layers;
     assert!(sealed > 2, "{sealed}");
@@ -429,18 +440,9 @@ async fn a_level0_pass_takes_only_the_sealed_layers_and_every_page_stays_the_sam
     let lsns: Vec<u64> = (0..=last + 1).step_by(7).chain([last]).collect();
     let before = pages(&tl, KEYS, &lsns);
 
-    let mut pass = tl.begin_pass(conf(1000, u64::MAX), PassKind::Level0).unwrap().unwrap();
     // Ingest (and seals) go on above the inputs while the pass runs.
-    let mut round = 42;
-    let stats = loop {
-        fill(&tl, round, 1).await;
-        round += 1;
-        match pass.run_slice(Duration::ZERO).unwrap() {
-            Step::NeedImage(req) => pass.provide_image(Some(toy_redo(&req.read().unwrap()))),
-            Step::Continue => {}
-            Step::Done(stats) => break stats,
-        }
-    };
+    let pass = tl.begin_pass(conf(1000, u64::MAX), PassKind::Level0).unwrap().unwrap();
+    let (stats, round) = run_ingesting(&tl, pass, 42).await;
     assert_eq!(stats.kind, PassKind::Level0);
     assert_eq!(stats.input_layers, sealed, "{stats:?}");
     assert_eq!(stats.values_read, 12 * u64::from(KEYS), "only the new values are read: {stats:?}");
@@ -504,8 +506,7 @@ async fn a_level0_pass_collects_garbage_in_its_inputs_only() {
     let cutoff = last - horizon;
     let retained: Vec<u64> = (cutoff..=last).step_by(3).chain([last]).collect();
     let before = pages(&tl, KEYS, &retained);
-    let run1 =
-        layer_files(dir.path()).into_iter().filter(|n| n.matches('_').count() == 3).collect::<Vec<_>>();
+    let run1 = compacted_files(dir.path());
 
     let stats =
         run(tl.begin_pass(conf(4, horizon), PassKind::Level0).unwrap().unwrap(), Duration::from_micros(50));
@@ -563,8 +564,7 @@ async fn an_upper_pass_merges_the_runs_above_the_bottom_one_and_leaves_it_alone(
     let m = metrics();
     let tl = open(dir.path(), 2000, &m);
     let mut last = run_then_level0(&tl, 2).await;
-    let bottom = layer_files(dir.path());
-    let bottom: Vec<_> = bottom.into_iter().filter(|n| n.matches('_').count() == 3).collect();
+    let bottom = compacted_files(dir.path());
     let mut round = 32;
     for _ in 0..4 {
         run(

@@ -302,16 +302,7 @@ impl BlockIndex {
         let mut c = Cursor::new(&raw);
         let mut out: Vec<IndexEntry> = Vec::with_capacity(count);
         for _ in 0..count {
-            let e = decode_entry(&mut c)?;
-            ensure!(
-                e.offset >= FILE_HEADER_LEN && e.offset + u64::from(e.len) <= f.index_offset,
-                "entry outside the data region"
-            );
-            ensure!(
-                (f.first_lsn..=f.last_lsn).contains(&e.lsn),
-                "entry lsn {} outside the layer's range",
-                e.lsn
-            );
+            let e = decode_entry(&mut c, f.index_offset, f.first_lsn..=f.last_lsn)?;
             ensure!(
                 (f.min_key..=f.max_key).contains(&e.key),
                 "entry key {:?} outside the layer's range",
