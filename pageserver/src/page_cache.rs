@@ -60,6 +60,11 @@ impl PageCache {
         })
     }
 
+    /// Whether the cache holds anything (`page_cache_size` is not 0).
+    pub fn enabled(&self) -> bool {
+        self.cache.is_some()
+    }
+
     pub fn get(&self, key: &CacheKey) -> Option<Bytes> {
         let found = self.cache.as_ref().and_then(|c| c.get(key));
         if found.is_some() {
@@ -112,5 +117,6 @@ mod tests {
         let cache = PageCache::new(0, &Registry::new()).unwrap();
         cache.insert(key(1, 1), Bytes::from(vec![0u8; 8192]));
         assert!(cache.get(&key(1, 1)).is_none());
+        assert!(!cache.enabled());
     }
 }

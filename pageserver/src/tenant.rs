@@ -126,6 +126,9 @@ pub struct StorageStatus {
     pub keys: u64,
     pub values: u64,
     pub layers: u64,
+    /// Groups of layers a lookup looks at (one layer in each): what a GetPage may read below
+    /// the active segment.
+    pub runs: u64,
     pub disk_bytes: u64,
     /// Set while the tenant's storage writes fail (ingest refused): see docs/storage-format.md.
     pub write_error: Option<StorageWriteErrorStatus>,
@@ -219,7 +222,7 @@ impl Tenant {
     /// For callers that would spawn a task per request: a cache hit needs none.
     pub fn get_page_now(&self, key: BufferTag, lsn: Lsn) -> Option<(Lsn, Bytes)> {
         let started = Instant::now();
-        if self.cancel.is_cancelled() {
+        if self.cancel.is_cancelled() || !self.deps.cache.enabled() {
             return None;
         }
         let durable = self.timeline.last_durable_lsn();
@@ -287,20 +290,17 @@ impl Tenant {
             GetError::TooLarge(why) => GetPageError::Redo(RedoError::InvalidRequest(why)),
             GetError::Io(e) => GetPageError::Internal(e),
         };
-        let version = self
-            .timeline
-            .version_at(key, lsn)
-            .map_err(read_error)?
-            .ok_or(GetPageError::NotFound { key, lsn })?;
-        let cache_key = (self.generation, key, version.0);
+        // One lookup of the index: the plan (the limits are checked there) names the page's
+        // version, its newest value, which is what the page cache knows it by.
+        let plan = self.timeline.plan_read(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
+        let cache_key = (self.generation, key, plan.newest_lsn().0);
         if let Some(page) = self.deps.cache.get(&cache_key) {
             return Ok((lsn, page));
         }
-        // Plan once (the limits are checked there) and reserve the memory before reading; held
-        // until the page is built. Everything the reconstruction holds counts: what it reads,
-        // its lists of values, the redo request's own bytes (its frames and short records; it
-        // sends the image and long records from where they were read) and the reply.
-        let plan = self.timeline.plan_read(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
+        // Reserve the memory before reading; held until the page is built. Everything the
+        // reconstruction holds counts: what it reads, its lists of values, the redo request's
+        // own bytes (its frames and short records; it sends the image and long records from
+        // where they were read) and the reply.
         let (values, bytes) = (plan.values(), plan.bytes());
         let holds = bytes
             + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
@@ -385,6 +385,7 @@ impl Tenant {
                 keys: stats.keys,
                 values: stats.values,
                 layers: stats.layers,
+                runs: stats.runs,
                 disk_bytes: stats.on_disk_bytes,
                 write_error: self.timeline.write_error().map(|e| StorageWriteErrorStatus {
                     error: e.error,

@@ -150,10 +150,13 @@ def metrics(http: str) -> dict[str, float]:
 
 
 class Daemon:
-    def __init__(self, bin_dir: Path, config: list[str], floor_shape: list[str] | None = None):
+    def __init__(self, bin_dir: Path, config: list[str], floor_shape: list[str] | None = None,
+                 workdir: Path | None = None):
         """The daemon with `config`; or, given `floor_shape` (pagebench's shape flags), the
-        loopback floor `page-floor` answering for that data set (benches/src/bin/page-floor.rs)."""
-        self.workdir = Path(tempfile.mkdtemp(prefix="pagebench-daemon-"))
+        loopback floor `page-floor` answering for that data set (benches/src/bin/page-floor.rs).
+        In `workdir` if given (a kept work dir: its tenants are loaded), else in a new one."""
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="pagebench-daemon-"))
+        (self.workdir / "ports.json").unlink(missing_ok=True)
         if floor_shape is not None:
             args = [str(bin_dir / "page-floor"), "--workdir", str(self.workdir), *floor_shape, *config]
         else:
@@ -162,7 +165,7 @@ class Daemon:
             for c in config:
                 args += ["-c", c]
         self.args = args
-        self.log = open(self.workdir / "pageserver.log", "wb")
+        self.log = open(self.workdir / "pageserver.log", "ab" if workdir else "wb")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         ports = self.workdir / "ports.json"

@@ -7,7 +7,7 @@ Not a test: the benchmark behind docs/performance.md, "Storage at size".
     python3 test_runner/performance/scale.py --bin-dir target/release --sizes 1,5,20 --out scale.json
 
 For each size (GB of ingested data) a fresh daemon (release build, default settings but
-`page_cache_size=0` for the reads) gets one tenant loaded with `pagebench ingest` (relations of
+`page_cache_size=0` for the reads, and any `--config`) gets one tenant loaded with `pagebench ingest` (relations of
 10,000 pages, an image and `--chain-length` records each, as many relations as the size asks),
 then:
 
@@ -15,9 +15,11 @@ then:
   ingested (the write amplification of a pass over a freshly loaded tenant), and the disk
   used against the data ingested;
 - the daemon's RSS, then a restart (SIGTERM, start): the time from the start to the first
-  GetPage served, and the RSS after it;
+  GetPage served, and the RSS after it (and again after the reads below: the block cache
+  filled);
 - `pagebench get-page`, 8 connections at depth 1, random keys at the latest LSN, `--seconds`:
-  requests/s and latency percentiles.
+  requests/s, latency percentiles, the daemon's CPU per request, and per request the reads that
+  waited for the disk and the index blocks read (block cache misses).
 
 - with `--update-seconds S`: the update load, after the reads: records (48 bytes written into
   the page) on random pages of the first `--update-relations` relations (the working set), in
@@ -71,7 +73,7 @@ def one_size(args, gb: float) -> dict:
     per_relation = BLOCKS * (8192 + args.chain_length * 100)
     relations = max(1, round(gb * 1e9 / per_relation))
     shape = ["--relations", str(relations), "--blocks", str(BLOCKS), "--chain-length", str(args.chain_length)]
-    daemon = measure.Daemon(args.bin_dir, ["page_cache_size=0"])
+    daemon = measure.Daemon(args.bin_dir, ["page_cache_size=0", *args.config])
     try:
         began = time.monotonic()
         measure.finish(measure.pagebench(args.bin_dir, daemon, ["ingest", *measure.TENANT_ARGS, *shape]), 7200)
@@ -112,9 +114,13 @@ def one_size(args, gb: float) -> dict:
         time.sleep(1)
         rss_restarted = rss_bytes(daemon.pid)
 
+        r0 = measure.metrics(daemon.http)
         run = measure.run_point(args.bin_dir, daemon, {"shape": [], "lsn": "latest"}, 8, 1, None,
                                 args.seconds, 1, (40.0, 30.0))
+        r1 = measure.metrics(daemon.http)
         s = run["summary"]
+        requests = max(s["requests"], 1)
+        rss_read = rss_bytes(daemon.pid)
         update = update_load(args, daemon, ingested) if args.update_seconds else None
         return {
             "size_gb": gb, "relations": relations, "ingested_bytes": int(ingested),
@@ -122,9 +128,18 @@ def one_size(args, gb: float) -> dict:
             "compaction_write_amplification": round(written / max(ingested, 1), 2),
             "disk_bytes": disk, "disk_over_ingested": round(disk / max(ingested, 1), 2),
             "rss_loaded_bytes": rss_loaded, "rss_restarted_bytes": rss_restarted,
+            "rss_after_reads_bytes": rss_read,
             "restart_to_first_page_seconds": round(restart_s, 3),
             "get_page_rps": round(s["rps"]), "latency_us": s.get("latency_us"),
+            "daemon_us_per_request": (run["cpu"] or {}).get("daemon_us_per_request"),
+            # Plans that had to wait for the disk (the data set beyond the kernel's page cache),
+            # and index blocks read (beyond the block cache), per GetPage.
+            "reads_offloaded_per_request": round(
+                measure.delta(r1, r0, "pageserver_storage_reads_offloaded_total") / requests, 3),
+            "index_blocks_read_per_request": round(
+                measure.delta(r1, r0, "pageserver_storage_index_block_cache_misses_total") / requests, 3),
             "update": update,
+            **({"workdir": str(daemon.workdir)} if args.keep else {}),
         }
     finally:
         daemon.stop(keep=args.keep)
@@ -184,10 +199,12 @@ def main() -> int:
     ap.add_argument("--sizes", default="1", help="GB, comma-separated")
     ap.add_argument("--chain-length", type=int, default=10)
     ap.add_argument("--seconds", type=float, default=10.0, help="of the GetPage run")
-    ap.add_argument("--keep", action="store_true", help="keep the daemons' work dirs")
+    ap.add_argument("--keep", action="store_true", help="keep the daemons' work dirs (for scale_reads.py)")
     ap.add_argument("--update-seconds", type=float, default=0.0, help="of the update load (0: none)")
     ap.add_argument("--update-relations", type=int, default=2, help="the update load's working set")
     ap.add_argument("--update-rate", type=int, default=20000, help="records/s of the update load")
+    ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a daemon setting besides page_cache_size=0 (repeatable)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.bin_dir = args.bin_dir.resolve()
@@ -196,12 +213,12 @@ def main() -> int:
         row = one_size(args, gb)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("| size | ingested | RSS loaded / restarted | restart to a page | GetPage rps (8x1) | p99 us | compaction WA | disk / ingested |")
+    print("| size | ingested | RSS loaded / restarted / after reads | restart to a page | GetPage rps (8x1) | p99 us | compaction WA | disk / ingested |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         lat = r["latency_us"] or {}
         print(f"| {r['size_gb']} GB | {r['ingested_bytes'] / 1e9:.2f} GB | {r['rss_loaded_bytes'] >> 20} / "
-              f"{r['rss_restarted_bytes'] >> 20} MiB | {r['restart_to_first_page_seconds']} s | {r['get_page_rps']} | "
+              f"{r['rss_restarted_bytes'] >> 20} / {r['rss_after_reads_bytes'] >> 20} MiB | {r['restart_to_first_page_seconds']} s | {r['get_page_rps']} | "
               f"{lat.get('p99')} | {r['compaction_write_amplification']}x | {r['disk_over_ingested']}x |")
     updates = [r for r in rows if r["update"]]
     if updates:

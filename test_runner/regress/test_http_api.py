@@ -43,7 +43,7 @@ def test_tenant_lifecycle(pageserver):
     assert st["effective_config"]["walredo_process_kind"] == "sync"
     for field in ("storage", "counters", "walredo"):
         assert isinstance(st[field], dict), st
-    assert set(st["storage"]) >= {"keys", "values", "layers", "disk_bytes"}
+    assert set(st["storage"]) >= {"keys", "values", "layers", "runs", "disk_bytes"}
     assert set(st["counters"]) >= {"get_page_requests", "ingest_batches", "ingested_values"}
 
     # status follows the data

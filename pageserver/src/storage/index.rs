@@ -6,13 +6,16 @@
 //! active segment, whose entries grow with every commit (an ordered map in memory). A layer of
 //! format version 3 keeps only its footer and fences in memory (its index blocks are read on
 //! demand through a daemon-wide cache, `layer::block_index`); one of versions 1 and 2 keeps its
-//! whole index (about 48 bytes per value) until compaction rewrites it. A lookup walks from
-//! the active segment to the oldest layer and stops at the first image.
+//! whole index (about 48 bytes per value) until compaction rewrites it. The layers are grouped
+//! into runs of key-disjoint layers ([`LayerMap`]); a lookup walks from the active segment down
+//! the runs, newest first, looking at the one layer of each run whose key range holds the key
+//! (a binary search), and stops at the first image.
 //!
 //! Order: layers may overlap in LSN range only if they are disjoint in keys (the outputs of one
 //! compaction cover the same LSN range, split by key). So for any one key, walking the layers
 //! newest first visits its values newest first; [`Index::push_layer`] refuses a layer that
-//! would break this.
+//! would break this. Within a run at most one layer holds a key, so walking the runs newest
+//! first visits the same layers in the same order.
 //!
 //! Reads: under the lock, a lookup only copies out the active segment's entries of its key and
 //! takes the layer list (one shared `Arc`) ([`Index::snapshot`]); without it, it reads the
@@ -206,10 +209,69 @@ struct Active {
     map: BTreeMap<(Key, Lsn), IndexEntry>,
 }
 
+/// The frozen layers, oldest first, grouped into *runs* for lookups: maximal ranges of
+/// adjacent layers in increasing key order whose keys are disjoint (each layer's first key is
+/// above the last key of the layer before it). A key is in at most one layer of a run, found by
+/// binary search, so a lookup looks at one candidate per run: O(runs x log(layers of a run)).
+/// Compaction bounds the runs (the outputs of one pass form one run, a sealed layer is one),
+/// whatever the number of layers.
+pub(crate) struct LayerMap {
+    layers: Vec<Arc<Frozen>>,
+    /// Ranges of `layers`, oldest first, covering it.
+    runs: Vec<std::ops::Range<usize>>,
+}
+
+impl LayerMap {
+    fn new(layers: Vec<Arc<Frozen>>) -> LayerMap {
+        let runs = key_runs(&layers, |_| true);
+        LayerMap { layers, runs }
+    }
+
+    /// The layers, oldest first.
+    pub(crate) fn layers(&self) -> &[Arc<Frozen>] {
+        &self.layers
+    }
+
+    /// Number of lookup runs.
+    pub(crate) fn lookup_runs(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// The layers that may hold values of `key` at or below `lsn`, newest first: the one layer
+    /// of each run whose key range holds `key`, if it begins at or below `lsn`.
+    fn candidates(&self, key: Key, lsn: Lsn) -> impl Iterator<Item = &Arc<Frozen>> {
+        self.runs.iter().rev().filter_map(move |r| {
+            let run = &self.layers[r.clone()];
+            let i = run.partition_point(|l| l.max_key().is_some_and(|k| k < key));
+            run.get(i).filter(|l| l.min_key().is_some_and(|k| k <= key) && l.first_lsn <= lsn)
+        })
+    }
+}
+
+/// Maximal ranges of adjacent layers of `layers` (oldest first) that `member` accepts, each in
+/// increasing key order with disjoint keys; a layer `member` refuses is in none and ends the
+/// range before it.
+fn key_runs(layers: &[Arc<Frozen>], member: impl Fn(&Frozen) -> bool) -> Vec<std::ops::Range<usize>> {
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut last_key = None;
+    for (i, l) in layers.iter().enumerate() {
+        if !member(l) {
+            last_key = None;
+            continue;
+        }
+        match runs.last_mut() {
+            Some(r) if r.end == i && last_key.is_some() && l.min_key() > last_key => r.end = i + 1,
+            _ => runs.push(i..i + 1),
+        }
+        last_key = l.max_key();
+    }
+    runs
+}
+
 /// The layer map. Lives behind the timeline's `RwLock`.
 pub(crate) struct Index {
-    /// Oldest first; shared with lookups in progress (replaced, never changed in place).
-    layers: Arc<[Arc<Frozen>]>,
+    /// Shared with lookups in progress (replaced, never changed in place).
+    layers: Arc<LayerMap>,
     active: Active,
     /// Distinct keys of the active segment.
     active_keys: u64,
@@ -295,13 +357,15 @@ impl Picked {
 /// What a lookup found, planned from [`Picked`] without the lock, and executed.
 pub(crate) struct ReadPlan {
     spans: Vec<Span>,
+    /// The LSN of the newest value: the version of the page the plan rebuilds.
+    newest: Lsn,
 }
 
 impl Index {
     /// An empty map whose active segment is the file `id`.
     pub(crate) fn new(active_id: u32, active_file: Arc<File>) -> Index {
         Index {
-            layers: Arc::new([]),
+            layers: Arc::new(LayerMap::new(Vec::new())),
             active: Active { id: active_id, file: active_file, map: BTreeMap::new() },
             active_keys: 0,
             new_records: 0,
@@ -314,8 +378,9 @@ impl Index {
     /// an earlier layer holding any of its keys, or starting at or below the active segment's
     /// values).
     pub(crate) fn push_layer(&mut self, layer: Frozen) -> anyhow::Result<()> {
-        check_fits(&self.layers, &layer)?;
-        self.layers = self.layers.iter().cloned().chain([Arc::new(layer)]).collect();
+        check_fits(self.layers(), &layer)?;
+        self.layers =
+            Arc::new(LayerMap::new(self.layers().iter().cloned().chain([Arc::new(layer)]).collect()));
         Ok(())
     }
 
@@ -375,11 +440,17 @@ impl Index {
         );
         self.active_keys = 0;
         let layer = Frozen::with_blocks(old.id, name, old.file, index, size);
-        self.layers = self.layers.iter().cloned().chain([Arc::new(layer)]).collect();
+        self.layers =
+            Arc::new(LayerMap::new(self.layers().iter().cloned().chain([Arc::new(layer)]).collect()));
     }
 
     /// The frozen layers, oldest first.
     pub(crate) fn layers(&self) -> &[Arc<Frozen>] {
+        self.layers.layers()
+    }
+
+    /// The layer map (shared).
+    pub(crate) fn layer_map(&self) -> &LayerMap {
         &self.layers
     }
 
@@ -392,16 +463,16 @@ impl Index {
         outputs: &[Arc<Frozen>],
     ) -> anyhow::Result<Vec<Arc<Frozen>>> {
         let n = inputs.len();
-        let at = inputs.first().and_then(|first| self.layers.iter().position(|l| l.id == *first));
+        let layers = self.layers();
+        let at = inputs.first().and_then(|first| layers.iter().position(|l| l.id == *first));
         let at = at.filter(|&at| {
-            self.layers.len() >= at + n
-                && self.layers[at..at + n].iter().map(|l| l.id).eq(inputs.iter().copied())
+            layers.len() >= at + n && layers[at..at + n].iter().map(|l| l.id).eq(inputs.iter().copied())
         });
         let Some(at) = at else {
             anyhow::bail!("compaction inputs are no longer adjacent layers of the timeline");
         };
         let next: Vec<Arc<Frozen>> =
-            self.layers[..at].iter().chain(outputs).chain(&self.layers[at + n..]).cloned().collect();
+            layers[..at].iter().chain(outputs).chain(&layers[at + n..]).cloned().collect();
         for (i, layer) in next.iter().enumerate() {
             check_fits(&next[..i], layer)?;
         }
@@ -410,7 +481,7 @@ impl Index {
 
     /// Replaces the layers, as [`Index::replaced`] does; changes nothing if that fails.
     pub(crate) fn replace_layers(&mut self, inputs: &[u32], outputs: &[Arc<Frozen>]) -> anyhow::Result<()> {
-        self.layers = self.replaced(inputs, outputs)?.into();
+        self.layers = Arc::new(LayerMap::new(self.replaced(inputs, outputs)?));
         Ok(())
     }
 
@@ -419,39 +490,27 @@ impl Index {
     /// whose first key is not above the last key of the layer before it begins a new run.
     /// (A run whose keys all lie above the one below it joins it: the two never share a key.)
     pub(crate) fn runs(&self) -> Vec<std::ops::Range<usize>> {
-        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
-        let mut last_key = None;
-        for (i, l) in self.layers.iter().enumerate() {
-            if !l.compacted() {
-                last_key = None;
-                continue;
-            }
-            match runs.last_mut() {
-                Some(r) if r.end == i && last_key.is_some() && l.min_key() > last_key => r.end = i + 1,
-                _ => runs.push(i..i + 1),
-            }
-            last_key = l.max_key();
-        }
-        runs
+        key_runs(self.layers(), Frozen::compacted)
     }
 
     /// Distinct keys, from the counts each file keeps: the most of the active segment's, any
     /// sealed layer's, and any run's (its layers are disjoint in keys). Exact when one of them
     /// holds every key (after a full pass, or before the first seal); otherwise a lower bound.
     pub(crate) fn keys(&self) -> u64 {
-        let sealed = self.layers.iter().filter(|l| !l.compacted()).map(|l| l.key_count()).max().unwrap_or(0);
-        let runs = self.runs().into_iter().map(|r| self.layers[r].iter().map(|l| l.key_count()).sum());
+        let layers = self.layers();
+        let sealed = layers.iter().filter(|l| !l.compacted()).map(|l| l.key_count()).max().unwrap_or(0);
+        let runs = self.runs().into_iter().map(|r| layers[r].iter().map(|l| l.key_count()).sum());
         runs.max().unwrap_or(0).max(sealed).max(self.active_keys)
     }
 
     /// Number of values.
     pub(crate) fn values(&self) -> u64 {
-        self.layers.iter().map(|l| l.values()).sum::<u64>() + self.active.map.len() as u64
+        self.layers().iter().map(|l| l.values()).sum::<u64>() + self.active.map.len() as u64
     }
 
     /// What [`first_lsns`] needs, copied out under the lock: the active segment's entries and
     /// the layers.
-    pub(crate) fn all(&self) -> (Vec<IndexEntry>, Arc<[Arc<Frozen>]>) {
+    pub(crate) fn all(&self) -> (Vec<IndexEntry>, Arc<LayerMap>) {
         (self.active.map.values().copied().collect(), Arc::clone(&self.layers))
     }
 
@@ -501,7 +560,7 @@ pub(crate) struct Snapshot {
     active_file: Arc<File>,
     /// Newest first.
     active: Vec<IndexEntry>,
-    layers: Arc<[Arc<Frozen>]>,
+    layers: Arc<LayerMap>,
 }
 
 impl Snapshot {
@@ -517,10 +576,7 @@ impl Snapshot {
                 return Ok(());
             }
         }
-        for l in self.layers.iter().rev() {
-            if l.first_lsn > lsn {
-                continue;
-            }
+        for l in self.layers.candidates(key, lsn) {
             for e in l.lookup(key, lsn).map_err(GetError::Io)?.iter().rev() {
                 if !f(&l.file, e)? {
                     return Ok(());
@@ -673,6 +729,7 @@ impl ReadPlan {
     /// layer's), in file order, so only the last span can take the next value.
     pub(crate) fn new(picked: Picked) -> ReadPlan {
         let mut spans: Vec<Span> = Vec::new();
+        let newest = picked.values.last().map_or(Lsn(0), |(_, e)| e.lsn);
         let mut last_file = usize::MAX;
         for (f, e) in &picked.values {
             let file = &picked.files[*f];
@@ -707,7 +764,13 @@ impl ReadPlan {
                 }),
             }
         }
-        ReadPlan { spans }
+        ReadPlan { spans, newest }
+    }
+
+    /// The LSN of the newest value read: which version of the page `lsn` sees (the answer of
+    /// [`Snapshot::newest_at`]).
+    pub(crate) fn newest_lsn(&self) -> Lsn {
+        self.newest
     }
 
     /// Bytes the plan reads (its values and the gaps between values read together).
@@ -911,7 +974,7 @@ mod tests {
         assert_eq!(idx.newest_at(key(1), Lsn(49)), Some(Lsn(30)));
         assert_eq!(idx.newest_at(key(2), Lsn(100)), Some(Lsn(12)));
         let (active, layers) = idx.all();
-        assert_eq!(first_lsns(&active, &layers).unwrap(), vec![(key(1), Lsn(10)), (key(2), Lsn(12))]);
+        assert_eq!(first_lsns(&active, layers.layers()).unwrap(), vec![(key(1), Lsn(10)), (key(2), Lsn(12))]);
         assert_eq!((idx.keys(), idx.values()), (2, 5));
     }
 
@@ -977,6 +1040,50 @@ mod tests {
         let d = plan.execute().unwrap();
         assert_eq!(d.records.len(), 300);
         assert!(d.records.iter().all(|(_, r)| r[..] == page[..]));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(32))]
+        /// Stacks of "passes" (each a few layers, disjoint and in increasing key order, over
+        /// one LSN range: a compaction's outputs; one layer: a seal): for every key and LSN the
+        /// layer map looks at exactly the layers a walk of every layer, newest first, would (key
+        /// range holds the key, first LSN at or below the LSN), and keeps at most one run per
+        /// pass.
+        #[test]
+        fn layer_map_candidates_equal_a_walk_of_every_layer(
+            passes in proptest::collection::vec((1u32..6, 0u32..150, 0u32..60), 1..25)
+        ) {
+            let mut idx = active_with(&[]);
+            let mut id = 0;
+            for (i, (pieces, start, width)) in passes.iter().enumerate() {
+                let lsn = 10 * i as u64 + 1;
+                for p in 0..*pieces {
+                    let lo = start + p * (width / pieces + 1);
+                    let hi = lo + width / pieces;
+                    id += 1;
+                    let vals = [(key(lo), lsn, Kind::Record, &b"a"[..]), (key(hi), lsn + 4, Kind::Record, &b"b"[..])];
+                    idx.push_layer(layer(id, &vals[..if lo == hi { 1 } else { 2 }])).unwrap();
+                }
+            }
+            let map = idx.layer_map();
+            proptest::prop_assert!(map.lookup_runs() <= passes.len(), "{} runs", map.lookup_runs());
+            // Every key; the LSNs on both sides of each pass's first one, and the last.
+            let lsns: Vec<Lsn> =
+                (0..passes.len() as u64).flat_map(|i| [Lsn(10 * i), Lsn(10 * i + 1)]).chain([Lsn(u64::MAX)]).collect();
+            for k in 0..220 {
+                for &lsn in &lsns {
+                    let walk: Vec<u32> = idx
+                        .layers()
+                        .iter()
+                        .rev()
+                        .filter(|l| l.first_lsn <= lsn && l.min_key() <= Some(key(k)) && Some(key(k)) <= l.max_key())
+                        .map(|l| l.id)
+                        .collect();
+                    let found: Vec<u32> = map.candidates(key(k), lsn).map(|l| l.id).collect();
+                    proptest::prop_assert_eq!(found, walk, "key {} lsn {}", k, lsn);
+                }
+            }
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ use anyhow::{ensure, Context};
 
 use super::format::{self, put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
 use super::segment::read_at;
-use super::Lsn;
+use super::{Key, Lsn};
 
 pub(crate) mod block_index;
 
@@ -169,21 +169,31 @@ pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &IndexEntry) {
     buf.extend_from_slice(&e.crc.to_le_bytes());
 }
 
-/// Decodes one index entry of a layer whose data region ends at `data_end` and whose values
-/// lie in `lsns`; checks its kind and length, that its value lies in the data region and its
-/// LSN in `lsns`.
+/// Decodes one index entry (the layout of [`encode_entry`]) of a layer whose data region ends
+/// at `data_end` and whose values lie in `lsns`; checks its kind and length, that its value
+/// lies in the data region and its LSN in `lsns`. Fixed offsets into a fixed-size entry: no
+/// bounds to check per field, so a block of entries decodes at memory speed.
 pub(crate) fn decode_entry(
-    c: &mut Cursor<'_>,
+    raw: &[u8; INDEX_ENTRY_LEN],
     data_end: u64,
     lsns: std::ops::RangeInclusive<Lsn>,
 ) -> anyhow::Result<IndexEntry> {
+    fn le<const N: usize>(raw: &[u8; INDEX_ENTRY_LEN], at: usize) -> [u8; N] {
+        std::array::from_fn(|i| raw[at + i])
+    }
     let e = IndexEntry {
-        key: c.key()?,
-        lsn: c.lsn()?,
-        kind: Kind::from_byte(c.u8()?)?,
-        offset: c.u64()?,
-        len: c.u32()?,
-        crc: c.u32()?,
+        key: Key {
+            spcnode: u32::from_le_bytes(le(raw, 0)),
+            dbnode: u32::from_le_bytes(le(raw, 4)),
+            relnode: u32::from_le_bytes(le(raw, 8)),
+            forknum: raw[12],
+            blknum: u32::from_le_bytes(le(raw, 13)),
+        },
+        lsn: Lsn(u64::from_le_bytes(le(raw, KEY_LEN))),
+        kind: Kind::from_byte(raw[KEY_LEN + 8])?,
+        offset: u64::from_le_bytes(le(raw, KEY_LEN + 9)),
+        len: u32::from_le_bytes(le(raw, KEY_LEN + 17)),
+        crc: u32::from_le_bytes(le(raw, KEY_LEN + 21)),
     };
     e.kind.check_len(&e.key, e.len as usize)?;
     ensure!(
@@ -249,11 +259,14 @@ pub(crate) fn read_index(file: &File, footer: &Footer) -> anyhow::Result<Vec<Ind
     ensure!(crc32c::crc32c(&raw) == footer.index_crc, "index checksum mismatch");
     let mut c = Cursor::new(&raw);
     ensure!(c.u32()? == INDEX_MAGIC, "bad index magic");
-    let mut entries = Vec::with_capacity(footer.entry_count as usize);
-    for _ in 0..footer.entry_count {
-        entries.push(decode_entry(&mut c, footer.index_offset, footer.first_lsn..=footer.last_lsn)?);
-    }
-    Ok(entries)
+    let raw_entries = raw[c.pos()..].chunks_exact(INDEX_ENTRY_LEN);
+    ensure!(
+        raw_entries.len() as u64 == footer.entry_count && raw_entries.remainder().is_empty(),
+        "index length mismatch"
+    );
+    raw_entries
+        .map(|r| decode_entry(r.try_into()?, footer.index_offset, footer.first_lsn..=footer.last_lsn))
+        .collect()
 }
 
 /// The index of an opened layer.

@@ -153,6 +153,8 @@ pub struct TimelineStats {
     pub keys: u64,
     pub values: u64,
     pub layers: u64,
+    /// Groups of layers a lookup looks at, one layer in each (see `index::LayerMap`).
+    pub runs: u64,
     pub on_disk_bytes: u64,
     pub last_durable_lsn: Lsn,
 }

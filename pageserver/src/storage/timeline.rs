@@ -382,19 +382,20 @@ impl Timeline {
     /// copy the active segment's entries): O(values), blocking; call it from a blocking thread.
     pub fn keyspace(&self) -> anyhow::Result<Vec<(Key, Lsn)>> {
         let (active, layers) = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).all();
-        super::index::first_lsns(&active, &layers)
+        super::index::first_lsns(&active, layers.layers())
     }
 
     /// Keys, values, layers, bytes on disk, last durable LSN.
     pub fn stats(&self) -> TimelineStats {
-        let (keys, values) = {
+        let (keys, values, runs) = {
             let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-            (index.keys(), index.values())
+            (index.keys(), index.values(), index.layer_map().lookup_runs() as u64)
         };
         TimelineStats {
             keys,
             values,
             layers: self.shared.layers.load(Ordering::Relaxed),
+            runs,
             on_disk_bytes: self.shared.sealed_bytes.load(Ordering::Relaxed)
                 + self.shared.active_len.load(Ordering::Relaxed),
             last_durable_lsn: self.last_durable_lsn(),
@@ -578,6 +579,7 @@ mod tests {
                 keys: 2,
                 values: 6,
                 layers: 0,
+                runs: 0,
                 on_disk_bytes: std::fs::metadata(dir.path().join("active.seg")).unwrap().len(),
                 last_durable_lsn: Lsn(50),
             }

@@ -299,10 +299,9 @@ impl BlockIndex {
         ensure!(crc32c::crc32c(&raw) == fence.crc, "index block {i} checksum mismatch");
         let f = &self.footer;
         let next = self.fences.get(i + 1).map(|n| (n.key, n.lsn));
-        let mut c = Cursor::new(&raw);
         let mut out: Vec<IndexEntry> = Vec::with_capacity(count);
-        for _ in 0..count {
-            let e = decode_entry(&mut c, f.index_offset, f.first_lsn..=f.last_lsn)?;
+        for r in raw.chunks_exact(INDEX_ENTRY_LEN) {
+            let e = decode_entry(r.try_into()?, f.index_offset, f.first_lsn..=f.last_lsn)?;
             ensure!(
                 (f.min_key..=f.max_key).contains(&e.key),
                 "entry key {:?} outside the layer's range",

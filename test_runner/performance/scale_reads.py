@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""GetPage on kept data sets of `scale.py`, builds side by side: how a read-path change does at
+each size, on the same bytes.
+
+Not a test: a benchmark behind docs/performance.md, "Storage at size".
+
+    python3 test_runner/performance/scale.py --bin-dir <old> --sizes 1,5 --keep  # rows name their `workdir`
+    python3 test_runner/performance/scale_reads.py --bin-dirs <old>,<new> --workdirs <dir1>,<dir5> --rounds 2
+
+Each round, for each work dir and each build in turn (alternated, so machine noise falls on
+all alike): the work dir's files are read once (so that the kernel's page cache holds them, as
+it does right after `scale.py` wrote them, if memory allows), a daemon of that build starts on
+it (`page_cache_size=0`), and `pagebench get-page` runs 8 connections at depth 1, random keys at
+the latest LSN, for `--seconds`: requests/s, latency percentiles, the daemon's CPU per request,
+and index blocks read (block cache misses) per request. Prints a table of the medians per work
+dir and build; `--out` writes every run as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import measure  # noqa: E402
+
+
+def warm(workdir: Path) -> None:
+    for f in sorted((workdir / "tenants").rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while fh.read(1 << 20):
+                    pass
+
+
+def one_run(bin_dir: Path, workdir: Path, seconds: float) -> dict:
+    warm(workdir)
+    daemon = measure.Daemon(bin_dir, ["page_cache_size=0"], workdir=workdir)
+    try:
+        time.sleep(1)
+        m0 = measure.metrics(daemon.http)
+        run = measure.run_point(bin_dir, daemon, {"shape": [], "lsn": "latest"}, 8, 1, None, seconds, 1,
+                                (40.0, 30.0))
+        m1 = measure.metrics(daemon.http)
+    finally:
+        daemon.stop(keep=True)
+    s = run["summary"]
+    requests = max(s["requests"], 1)
+    return {
+        "rps": round(s["rps"]), "latency_us": s.get("latency_us"),
+        "daemon_us_per_request": (run["cpu"] or {}).get("daemon_us_per_request"),
+        "index_blocks_read_per_request": round(
+            measure.delta(m1, m0, "pageserver_storage_index_block_cache_misses_total") / requests, 3),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bin-dirs", required=True, help="builds, comma-separated")
+    ap.add_argument("--workdirs", required=True, help="kept work dirs of scale.py, comma-separated")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    bins = [Path(b).resolve() for b in args.bin_dirs.split(",")]
+    dirs = [Path(d).resolve() for d in args.workdirs.split(",")]
+    runs = []
+    for r in range(args.rounds):
+        for d in dirs:
+            for b in bins:
+                row = {"round": r, "workdir": str(d), "bin_dir": str(b), **one_run(b, d, args.seconds)}
+                print(json.dumps(row), flush=True)
+                runs.append(row)
+    print("| data set | build | GetPage rps (8 x 1) | p50 us | p99 us | daemon CPU us/request | index blocks read/request |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for d in dirs:
+        for b in bins:
+            mine = [x for x in runs if x["workdir"] == str(d) and x["bin_dir"] == str(b)]
+
+            def med(f):
+                vals = [v for v in (f(x) for x in mine) if v is not None]
+                return statistics.median(vals) if vals else None
+
+            print(f"| {d.name} | {b.name} | {med(lambda x: x['rps']):.0f} | "
+                  f"{med(lambda x: (x['latency_us'] or {}).get('p50'))} | "
+                  f"{med(lambda x: (x['latency_us'] or {}).get('p99'))} | "
+                  f"{med(lambda x: x['daemon_us_per_request'])} | {med(lambda x: x['index_blocks_read_per_request'])} |")
+    if args.out:
+        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "runs": runs}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
