@@ -89,7 +89,7 @@ def main() -> int:
         primary.pgbench("-c", "4", "-j", "2", "-T", str(args.duration), "-n", timeout=900)
         end = primary.lsn("select pg_current_wal_flush_lsn()")
         wal_bytes = lsn_int(end) - lsn_int(start)
-        stats = primary.run("pg_waldump", "--stats", "-p", str(primary.wal_dir), "-s", start, "-e", end).stdout
+        stats = primary.waldump(start, end, "--stats")
         records = int(re.search(r"^Total\s+(\d+)", stats, re.M).group(1))
         print(f"WAL {start} .. {end}: {wal_bytes / 1e6:.1f} MB, {records} records", flush=True)
 

@@ -86,7 +86,7 @@ def test_streamed_wal_is_byte_identical_to_pg_wal_and_decodes_like_postgres(pg, 
     dump = subprocess.run([str(bin_dir / "pagectl"), "waldump", "--stats", "--start", start, "--end", end, str(dest)],
                           capture_output=True, text=True, timeout=120)
     assert dump.returncode == 0, dump.stderr
-    theirs = pg.run("pg_waldump", "--stats", "-p", str(pg.wal_dir), "-s", start, "-e", end).stdout
+    theirs = pg.waldump(start, end, "--stats")
     total = next(int(line.split()[1]) for line in theirs.splitlines() if line.startswith("Total"))
     assert json.loads(dump.stdout)["records"] == total
 

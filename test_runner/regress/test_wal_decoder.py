@@ -16,7 +16,7 @@ from fixtures.postgres import Postgres
 
 
 def pg_waldump_stats(pg: Postgres, start: str, end: str) -> dict[str, int]:
-    out = pg.run("pg_waldump", "--stats", "-p", str(pg.wal_dir), "-s", start, "-e", end).stdout
+    out = pg.waldump(start, end, "--stats")
     counts = {}
     for line in out.splitlines():
         m = re.match(r"^(\w+)\s+(\d+)\b", line)
