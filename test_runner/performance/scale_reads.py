@@ -4,7 +4,7 @@ each size, on the same bytes.
 
 Not a test: a benchmark behind docs/performance.md, "Storage at size".
 
-    python3 test_runner/performance/scale.py --bin-dir <old> --sizes 1,5 --keep  # rows name their `workdir`
+    python3 test_runner/performance/scale.py --bin-dir <old> --sizes 1,5 --keep  # names the kept dirs
     python3 test_runner/performance/scale_reads.py --bin-dirs <old>,<new> --workdirs <dir1>,<dir5> --rounds 2
 
 Each round, for each work dir and each build in turn (alternated, so machine noise falls on
@@ -55,6 +55,7 @@ def one_run(bin_dir: Path, workdir: Path, seconds: float) -> dict:
     return {
         "rps": round(s["rps"]), "latency_us": s.get("latency_us"),
         "daemon_us_per_request": (run["cpu"] or {}).get("daemon_us_per_request"),
+        "redos_per_request": run["per_request"]["redos"],
         "index_blocks_read_per_request": round(
             measure.delta(m1, m0, "pageserver_storage_index_block_cache_misses_total") / requests, 3),
     }
@@ -74,14 +75,15 @@ def main() -> int:
     for r in range(args.rounds):
         for d in dirs:
             for b in bins:
-                row = {"round": r, "workdir": str(d), "bin_dir": str(b), **one_run(b, d, args.seconds)}
+                # Names only: results get checked in, paths of this machine do not.
+                row = {"round": r, "workdir": d.name, "bin_dir": b.name, **one_run(b, d, args.seconds)}
                 print(json.dumps(row), flush=True)
                 runs.append(row)
     print("| data set | build | GetPage rps (8 x 1) | p50 us | p99 us | daemon CPU us/request | index blocks read/request |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for d in dirs:
         for b in bins:
-            mine = [x for x in runs if x["workdir"] == str(d) and x["bin_dir"] == str(b)]
+            mine = [x for x in runs if x["workdir"] == d.name and x["bin_dir"] == b.name]
 
             def med(f):
                 vals = [v for v in (f(x) for x in mine) if v is not None]

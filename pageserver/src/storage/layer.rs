@@ -169,6 +169,24 @@ pub(crate) fn encode_entry(buf: &mut Vec<u8>, e: &IndexEntry) {
     buf.extend_from_slice(&e.crc.to_le_bytes());
 }
 
+/// Bytes `at..at + N` of an index entry.
+fn le<const N: usize>(raw: &[u8; INDEX_ENTRY_LEN], at: usize) -> [u8; N] {
+    std::array::from_fn(|i| raw[at + i])
+}
+
+/// The key and LSN of an encoded index entry (nothing checked): what ordering and searching
+/// an index block need.
+pub(crate) fn decode_key_lsn(raw: &[u8; INDEX_ENTRY_LEN]) -> (Key, Lsn) {
+    let key = Key {
+        spcnode: u32::from_le_bytes(le(raw, 0)),
+        dbnode: u32::from_le_bytes(le(raw, 4)),
+        relnode: u32::from_le_bytes(le(raw, 8)),
+        forknum: raw[12],
+        blknum: u32::from_le_bytes(le(raw, 13)),
+    };
+    (key, Lsn(u64::from_le_bytes(le(raw, KEY_LEN))))
+}
+
 /// Decodes one index entry (the layout of [`encode_entry`]) of a layer whose data region ends
 /// at `data_end` and whose values lie in `lsns`; checks its kind and length, that its value
 /// lies in the data region and its LSN in `lsns`. Fixed offsets into a fixed-size entry: no
@@ -178,18 +196,10 @@ pub(crate) fn decode_entry(
     data_end: u64,
     lsns: std::ops::RangeInclusive<Lsn>,
 ) -> anyhow::Result<IndexEntry> {
-    fn le<const N: usize>(raw: &[u8; INDEX_ENTRY_LEN], at: usize) -> [u8; N] {
-        std::array::from_fn(|i| raw[at + i])
-    }
+    let (key, lsn) = decode_key_lsn(raw);
     let e = IndexEntry {
-        key: Key {
-            spcnode: u32::from_le_bytes(le(raw, 0)),
-            dbnode: u32::from_le_bytes(le(raw, 4)),
-            relnode: u32::from_le_bytes(le(raw, 8)),
-            forknum: raw[12],
-            blknum: u32::from_le_bytes(le(raw, 13)),
-        },
-        lsn: Lsn(u64::from_le_bytes(le(raw, KEY_LEN))),
+        key,
+        lsn,
         kind: Kind::from_byte(raw[KEY_LEN + 8])?,
         offset: u64::from_le_bytes(le(raw, KEY_LEN + 9)),
         len: u32::from_le_bytes(le(raw, KEY_LEN + 17)),

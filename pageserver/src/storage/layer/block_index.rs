@@ -6,13 +6,15 @@
 //! Opening a layer reads only the footer and the fences ([`BlockIndex::open`]): a layer costs
 //! memory in proportion to its blocks (about 36 bytes per 178 values), never to its values.
 //! A lookup finds the blocks that can hold a key from the fences (binary search) and reads
-//! them through [`BlockCache`], a daemon-wide cache of decoded blocks bounded in bytes.
+//! them through [`BlockCache`], a daemon-wide cache of checked blocks bounded in bytes; within
+//! a block it searches the encoded entries and decodes only those it returns.
 //!
-//! **Invariants:** a block's bytes are checked against the checksum in its fence before they
-//! are decoded; every decoded entry is checked (kind and length, inside the data region,
-//! inside the layer's LSN and key range, in strict `(key, lsn)` order, between its fence and
-//! the next) so a corrupt file is an error, never a wrong answer or a panic; the cache key
-//! includes a per-open number, so a deleted and recreated file never meets a stale block.
+//! **Invariants:** a block's bytes are checked against the checksum in its fence, and its
+//! entries' order (strict `(key, lsn)` order, from its fence to below the next, within the
+//! layer's keys), when it is read, before it is searched; every entry handed out is checked
+//! (kind and length, inside the data region, inside the layer's LSN range) when it is decoded;
+//! so a corrupt file is an error, never a wrong answer or a panic; the cache key includes a
+//! per-open number, so a deleted and recreated file never meets a stale block.
 
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +23,7 @@ use std::sync::{Arc, OnceLock};
 use anyhow::{bail, ensure, Context};
 use prometheus::{IntCounter, IntGauge};
 
-use super::{decode_entry, encode_entry, INDEX_ENTRY_LEN};
+use super::{decode_entry, decode_key_lsn, encode_entry, INDEX_ENTRY_LEN};
 use crate::storage::format::{put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
 use crate::storage::segment::read_at;
 use crate::storage::{Key, Lsn};
@@ -37,7 +39,7 @@ pub(crate) const FOOTER_MAGIC: [u8; 8] = *b"PSLAYER2";
 /// magic(8) entry_count u64 key_count u64 index_offset u64 first_lsn u64 last_lsn u64
 /// min_key max_key fence_crc u32 footer_crc u32.
 pub(crate) const FOOTER_LEN: u64 = 8 + 8 * 5 + 2 * KEY_LEN as u64 + 4 + 4;
-/// Bytes of decoded index blocks the daemon keeps (all layers of all tenants together).
+/// Bytes of index blocks the daemon keeps (all layers of all tenants together).
 pub(crate) const BLOCK_CACHE_BYTES: u64 = 64 << 20;
 
 /// What the footer of a block-indexed layer says.
@@ -195,10 +197,32 @@ fn read_footer_and_fences(file: &File, file_len: u64) -> anyhow::Result<(Footer,
     Ok((footer, fences))
 }
 
-/// The cache of decoded index blocks, shared by every layer of the process, and its counters
+/// An index block as read and checked ([`BlockIndex::read_block`]): its encoded entries, in
+/// order; decoded one by one as they are used ([`BlockIndex::decode`]).
+pub(crate) struct Block {
+    entries: Box<[[u8; INDEX_ENTRY_LEN]]>,
+}
+
+impl Block {
+    /// The key and LSN of entry `i` (`i < len`).
+    fn at(&self, i: usize) -> (Key, Lsn) {
+        decode_key_lsn(&self.entries[i])
+    }
+
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// The first entry at or above `(key, lsn)` (`len` if none).
+    fn find(&self, key: Key, lsn: Lsn) -> usize {
+        self.entries.partition_point(|r| decode_key_lsn(r) < (key, lsn))
+    }
+}
+
+/// The cache of checked index blocks, shared by every layer of the process, and its counters
 /// (registered by `StorageMetrics::new`).
 pub(crate) struct BlockCache {
-    cache: quick_cache::sync::Cache<(u64, u32), Arc<[IndexEntry]>, BlockWeight>,
+    cache: quick_cache::sync::Cache<(u64, u32), Arc<Block>, BlockWeight>,
     pub hits: IntCounter,
     pub misses: IntCounter,
     pub bytes: IntGauge,
@@ -207,15 +231,15 @@ pub(crate) struct BlockCache {
 #[derive(Clone)]
 struct BlockWeight;
 
-impl quick_cache::Weighter<(u64, u32), Arc<[IndexEntry]>> for BlockWeight {
-    fn weight(&self, _key: &(u64, u32), block: &Arc<[IndexEntry]>) -> u64 {
-        (block.len() * std::mem::size_of::<IndexEntry>()) as u64 + 64
+impl quick_cache::Weighter<(u64, u32), Arc<Block>> for BlockWeight {
+    fn weight(&self, _key: &(u64, u32), block: &Arc<Block>) -> u64 {
+        (block.len() * INDEX_ENTRY_LEN) as u64 + 64
     }
 }
 
 impl BlockCache {
     fn new(bytes: u64) -> anyhow::Result<BlockCache> {
-        let blocks = (bytes / (BLOCK_ENTRIES * std::mem::size_of::<IndexEntry>()) as u64).max(1) as usize;
+        let blocks = (bytes / BLOCK_BYTES).max(1) as usize;
         Ok(BlockCache {
             cache: quick_cache::sync::Cache::with_weighter(blocks, bytes, BlockWeight),
             hits: IntCounter::new(
@@ -228,7 +252,7 @@ impl BlockCache {
             )?,
             bytes: IntGauge::new(
                 "pageserver_storage_index_block_cache_bytes",
-                "Bytes of decoded index blocks in the block cache (all tenants)",
+                "Bytes of index blocks in the block cache (all tenants)",
             )?,
         })
     }
@@ -273,7 +297,7 @@ impl BlockIndex {
     }
 
     /// Block `i`, from the cache or read and checked.
-    fn block(&self, i: usize) -> anyhow::Result<Arc<[IndexEntry]>> {
+    fn block(&self, i: usize) -> anyhow::Result<Arc<Block>> {
         let global = BlockCache::global();
         let key = (self.uid, i as u32);
         if let Some(b) = global.cache.get(&key) {
@@ -281,41 +305,49 @@ impl BlockIndex {
             return Ok(b);
         }
         global.misses.inc();
-        let b: Arc<[IndexEntry]> = self.read_block(i)?.into();
+        let b = Arc::new(self.read_block(i)?);
         global.cache.insert(key, Arc::clone(&b));
         global.bytes.set(i64::try_from(global.cache.weight()).unwrap_or(i64::MAX));
         Ok(b)
     }
 
-    /// Reads block `i` from the file (not through the cache) and checks it.
-    fn read_block(&self, i: usize) -> anyhow::Result<Vec<IndexEntry>> {
+    /// Reads block `i` from the file (not through the cache) and checks its checksum and its
+    /// entries' order: strictly increasing `(key, lsn)`, the first at its fence, all below the
+    /// next fence (the last block's: at most the layer's last key).
+    fn read_block(&self, i: usize) -> anyhow::Result<Block> {
         let fence =
             self.fences.get(i).with_context(|| format!("index block {i} of {}", self.fences.len()))?;
         let entries = self.footer.entry_count as usize;
         let count = (entries - i * BLOCK_ENTRIES).min(BLOCK_ENTRIES);
-        let mut raw = vec![0u8; count * INDEX_ENTRY_LEN];
+        let mut raw = vec![[0u8; INDEX_ENTRY_LEN]; count].into_boxed_slice();
         let offset = self.footer.index_offset + i as u64 * BLOCK_BYTES;
-        read_at(&self.file, &mut raw, offset).with_context(|| format!("read index block {i}"))?;
-        ensure!(crc32c::crc32c(&raw) == fence.crc, "index block {i} checksum mismatch");
-        let f = &self.footer;
-        let next = self.fences.get(i + 1).map(|n| (n.key, n.lsn));
-        let mut out: Vec<IndexEntry> = Vec::with_capacity(count);
-        for r in raw.chunks_exact(INDEX_ENTRY_LEN) {
-            let e = decode_entry(r.try_into()?, f.index_offset, f.first_lsn..=f.last_lsn)?;
-            ensure!(
-                (f.min_key..=f.max_key).contains(&e.key),
-                "entry key {:?} outside the layer's range",
-                e.key
-            );
-            let at = (e.key, e.lsn);
-            match out.last() {
-                None => ensure!(at == (fence.key, fence.lsn), "index block {i} does not start at its fence"),
-                Some(p) => ensure!((p.key, p.lsn) < at, "index block {i} out of order"),
-            }
-            ensure!(next.is_none_or(|n| at < n), "index block {i} reaches into the next block");
-            out.push(e);
+        read_at(&self.file, raw.as_flattened_mut(), offset)
+            .with_context(|| format!("read index block {i}"))?;
+        ensure!(crc32c::crc32c(raw.as_flattened()) == fence.crc, "index block {i} checksum mismatch");
+        let block = Block { entries: raw };
+        ensure!(
+            block.len() > 0 && block.at(0) == (fence.key, fence.lsn),
+            "index block {i} does not start at its fence"
+        );
+        let mut last = block.at(0);
+        for j in 1..block.len() {
+            let at = block.at(j);
+            ensure!(last < at, "index block {i} out of order");
+            last = at;
         }
-        Ok(out)
+        match self.fences.get(i + 1) {
+            Some(n) => ensure!(last < (n.key, n.lsn), "index block {i} reaches into the next block"),
+            None => {
+                ensure!(last.0 <= self.footer.max_key, "entry key {:?} outside the layer's range", last.0)
+            }
+        }
+        Ok(block)
+    }
+
+    /// Entry `j` of `block`, decoded and checked (kind and length, data region, LSN range).
+    fn decode(&self, block: &Block, j: usize) -> anyhow::Result<IndexEntry> {
+        let f = &self.footer;
+        decode_entry(&block.entries[j], f.index_offset, f.first_lsn..=f.last_lsn)
     }
 
     /// The blocks that may hold entries of `key` at or below `lsn`.
@@ -334,8 +366,13 @@ impl BlockIndex {
         }
         for i in self.blocks_of(key, lsn) {
             let block = self.block(i)?;
-            let from = block.partition_point(|e| e.key < key);
-            out.extend(block[from..].iter().take_while(|e| e.key == key && e.lsn <= lsn));
+            for j in block.find(key, Lsn(0))..block.len() {
+                let (k, l) = block.at(j);
+                if k != key || l > lsn {
+                    break;
+                }
+                out.push(self.decode(&block, j)?);
+            }
         }
         Ok(out)
     }
@@ -353,8 +390,9 @@ impl BlockIndex {
         let i = self.fences.partition_point(|f| f.key <= after);
         if i > 0 {
             let block = self.block(i - 1)?;
-            if let Some(e) = block.iter().find(|e| e.key > after) {
-                return Ok(Some(e.key));
+            let j = block.find(after, Lsn(u64::MAX));
+            if j < block.len() {
+                return Ok(Some(self.decode(&block, j)?.key));
             }
         }
         Ok(self.fences.get(i).map(|f| f.key))
@@ -364,7 +402,10 @@ impl BlockIndex {
     /// does not push the lookups' blocks out of the cache).
     pub(crate) fn for_each(&self, f: &mut dyn FnMut(&IndexEntry)) -> anyhow::Result<()> {
         for i in 0..self.fences.len() {
-            self.read_block(i)?.iter().for_each(&mut *f);
+            let block = self.read_block(i)?;
+            for j in 0..block.len() {
+                f(&self.decode(&block, j)?);
+            }
         }
         Ok(())
     }
@@ -469,6 +510,29 @@ mod tests {
         all[1] = all[0];
         assert!(encode(1 << 20, &all).is_err());
         assert!(encode(1 << 20, &[]).is_err());
+    }
+
+    #[test]
+    fn a_block_out_of_order_under_a_good_checksum_is_an_error_for_lookups_and_scans() {
+        // What a writer's bug would leave: entries 1 and 2 of block 0 swapped, the block's
+        // checksum computed over the swapped bytes.
+        let all = entries(30, 9);
+        let data_end = all.iter().map(|e| e.offset + u64::from(e.len)).max().unwrap();
+        let (mut bytes, footer, mut fences) = encode(data_end, &all).unwrap();
+        let (a, b) = (INDEX_ENTRY_LEN, 2 * INDEX_ENTRY_LEN);
+        let second: Vec<u8> = bytes[a..b].to_vec();
+        bytes.copy_within(b..b + INDEX_ENTRY_LEN, a);
+        bytes[b..b + INDEX_ENTRY_LEN].copy_from_slice(&second);
+        fences[0].crc = crc32c::crc32c(&bytes[..BLOCK_BYTES as usize]);
+        let file = tempfile::tempfile().unwrap();
+        file.write_all_at(&bytes, data_end).unwrap();
+        let idx = BlockIndex::written(Arc::new(file), footer, fences);
+        let err = idx.lookup(all[1].key, Lsn(u64::MAX)).unwrap_err();
+        assert!(format!("{err:#}").contains("index block 0 out of order"), "{err:#}");
+        assert!(idx.for_each(&mut |_| ()).is_err());
+        // The other blocks are fine.
+        let last = all.last().unwrap();
+        assert_eq!(idx.lookup(last.key, Lsn(u64::MAX)).unwrap().last(), Some(last));
     }
 
     #[test]
