@@ -12,7 +12,8 @@ all alike): the work dir's files are read once (so that the kernel's page cache 
 it does right after `scale.py` wrote them, if memory allows), a daemon of that build starts on
 it (`page_cache_size=0`), and `pagebench get-page` runs 8 connections at depth 1, random keys at
 the latest LSN, for `--seconds`: requests/s, latency percentiles, the daemon's CPU per request,
-and index blocks read (block cache misses) per request. Prints a table of the medians per work
+and per request the index blocks read (block cache misses) and the pages rebuilt by redo
+(compare data sets only at equal redos). Prints a table of the medians per work
 dir and build; `--out` writes every run as JSON.
 """
 
@@ -79,8 +80,8 @@ def main() -> int:
                 row = {"round": r, "workdir": d.name, "bin_dir": b.name, **one_run(b, d, args.seconds)}
                 print(json.dumps(row), flush=True)
                 runs.append(row)
-    print("| data set | build | GetPage rps (8 x 1) | p50 us | p99 us | daemon CPU us/request | index blocks read/request |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| data set | build | GetPage rps (8 x 1) | p50 us | p99 us | daemon CPU us/request | index blocks read/request | redos/request |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for d in dirs:
         for b in bins:
             mine = [x for x in runs if x["workdir"] == d.name and x["bin_dir"] == b.name]
@@ -92,7 +93,8 @@ def main() -> int:
             print(f"| {d.name} | {b.name} | {med(lambda x: x['rps']):.0f} | "
                   f"{med(lambda x: (x['latency_us'] or {}).get('p50'))} | "
                   f"{med(lambda x: (x['latency_us'] or {}).get('p99'))} | "
-                  f"{med(lambda x: x['daemon_us_per_request'])} | {med(lambda x: x['index_blocks_read_per_request'])} |")
+                  f"{med(lambda x: x['daemon_us_per_request'])} | {med(lambda x: x['index_blocks_read_per_request'])} | "
+                  f"{med(lambda x: x.get('redos_per_request'))} |")
     if args.out:
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "runs": runs}, indent=1) + "\n")
     return 0
