@@ -232,6 +232,11 @@ impl LayerMap {
         &self.layers
     }
 
+    /// This map with `layer` above every layer.
+    fn with_newest(&self, layer: Frozen) -> LayerMap {
+        LayerMap::new(self.layers.iter().cloned().chain([Arc::new(layer)]).collect())
+    }
+
     /// Number of lookup runs.
     pub(crate) fn lookup_runs(&self) -> usize {
         self.runs.len()
@@ -379,8 +384,7 @@ impl Index {
     /// values).
     pub(crate) fn push_layer(&mut self, layer: Frozen) -> anyhow::Result<()> {
         check_fits(self.layers(), &layer)?;
-        self.layers =
-            Arc::new(LayerMap::new(self.layers().iter().cloned().chain([Arc::new(layer)]).collect()));
+        self.layers = Arc::new(self.layers.with_newest(layer));
         Ok(())
     }
 
@@ -440,8 +444,7 @@ impl Index {
         );
         self.active_keys = 0;
         let layer = Frozen::with_blocks(old.id, name, old.file, index, size);
-        self.layers =
-            Arc::new(LayerMap::new(self.layers().iter().cloned().chain([Arc::new(layer)]).collect()));
+        self.layers = Arc::new(self.layers.with_newest(layer));
     }
 
     /// The frozen layers, oldest first.
