@@ -19,11 +19,20 @@
 //! - the first probe comes [`FIRST_PROBE`] after the load began; every probe that does not win
 //!   stretches the wait before the next one [`BACKOFF`]-fold, up to [`LAST_PROBE`], so a losing
 //!   writer costs at most a few tenths of a second now and then (a probe that loses a fifth of
-//!   the rate in its first measured period ends there); a load that doubles or halves begins the
-//!   waits again, since the winner may differ;
+//!   the rate in its first measured period ends there); a load (the most connections that wrote
+//!   in one period of the last second) that doubles or halves, and stays so for
+//!   [`LOAD_SHIFT_PERIODS`], begins the waits again, since the winner may differ;
 //! - below [`PROBE_FROM`] writing connections it is `writev`, without probes: there a batch's
 //!   hop to the ring thread costs more than the `writev` it saves (0.6x of `writev`'s rps at 1
-//!   and 8 connections on both machines).
+//!   and 8 connections on both machines). After such a period the connections write with
+//!   `writev` until the load is back, then with the chosen writer again; the period is no
+//!   baseline and the waits stand still. During a probe it counts as the probe's: a writer so
+//!   slow that the clients stall waiting for its replies loses.
+//!
+//! Clients are bursty: a period may see half the connections of the one before it, or none
+//! while the clients pause. Neither says anything about the writers, so neither shortens the
+//! waits. (Before, one such period did, and a ring slow enough to stall the clients during its
+//! probe was probed again every second or two, never judged.)
 //!
 //! Each verdict is logged with both writers' figures, counted
 //! (`pageserver_page_service_io_probes_total{result}`), and its figures are kept as gauges
@@ -54,6 +63,10 @@ pub const PROBE_FROM: u64 = 32;
 pub const MARGIN: f64 = 0.05;
 /// Load on the probed writer's side this long before the first probe.
 pub const FIRST_PROBE: Duration = Duration::from_secs(1);
+/// The load is the most connections that wrote in one of this many periods (a second).
+pub const LOAD_PERIODS: usize = 10;
+/// Periods in a row with twice (or half) that load that make it a new load.
+pub const LOAD_SHIFT_PERIODS: u32 = 3;
 /// The wait before the next probe grows this many times after a probe that did not win...
 pub const BACKOFF: u32 = 4;
 /// ... up to this.
@@ -165,8 +178,15 @@ pub struct Chooser {
     waited: Duration,
     /// How long to wait before the next probe.
     wait: Duration,
-    /// Writing connections when the wait began; a load twice or half this begins it again.
+    /// Writing connections when the wait began; a load twice or half this (for
+    /// [`LOAD_SHIFT_PERIODS`]) begins it again. 0: no load yet.
     load: u64,
+    /// Periods in a row whose [`Chooser::busiest`] was twice or half `load`.
+    shifted: u32,
+    /// The writers of the last [`LOAD_PERIODS`] periods.
+    writers: VecDeque<u64>,
+    /// Fewer than [`PROBE_FROM`] connections wrote in the last period (outside a probe).
+    paused: bool,
 }
 
 #[derive(Debug)]
@@ -192,36 +212,68 @@ impl Default for Chooser {
             waited: Duration::ZERO,
             wait: FIRST_PROBE,
             load: 0,
+            shifted: 0,
+            writers: VecDeque::with_capacity(LOAD_PERIODS),
+            paused: false,
         }
     }
 }
 
 impl Chooser {
-    /// The writer chosen now.
+    /// The writer for the next period: the chosen one, or `writev` after a period in which
+    /// fewer than [`PROBE_FROM`] connections wrote.
     pub fn via(&self) -> Via {
-        self.via
+        if self.paused {
+            Via::Writev
+        } else {
+            self.via
+        }
+    }
+
+    /// Adds a period's writers; the most that wrote in one of the last [`LOAD_PERIODS`]
+    /// periods: the load, as bursty clients (and a probe that slows them) do not move it.
+    fn busiest(&mut self, writing: u64) -> u64 {
+        if self.writers.len() == LOAD_PERIODS {
+            self.writers.pop_front();
+        }
+        self.writers.push_back(writing);
+        self.writers.iter().copied().max().unwrap_or(0)
     }
 
     /// Ends a period: returns the verdict of a probe that ended with it. [`Chooser::via`] is
     /// the writer for the next period.
     pub fn period(&mut self, sample: Sample) -> Option<Verdict> {
-        if sample.writing < PROBE_FROM {
-            // Too few writers for the ring: writev, and the waits begin again with the load.
-            if self.via != Via::Writev {
-                self.via = Via::Writev;
-                self.phase = Phase::settling();
-            } else if let Phase::Settled { recent, .. } = &mut self.phase {
+        let busiest = self.busiest(sample.writing);
+        if let Phase::Settled { recent, .. } = &mut self.phase {
+            if sample.writing < PROBE_FROM {
+                // Too few writers for the ring, or the clients paused: writev until the load is
+                // back ([`Chooser::via`]); no baseline, and the waits stand still.
                 recent.clear();
+                self.paused = true;
+                return None;
             }
-            self.waited = Duration::ZERO;
-            self.wait = FIRST_PROBE;
-            self.load = 0;
-            return None;
         }
-        if self.load == 0 || sample.writing > 2 * self.load || 2 * sample.writing < self.load {
-            self.load = sample.writing;
+        if self.load != 0 && (busiest > 2 * self.load || 2 * busiest < self.load) {
+            self.shifted += 1;
+        } else {
+            self.shifted = 0;
+        }
+        if self.load == 0 || self.shifted >= LOAD_SHIFT_PERIODS {
+            tracing::debug!(
+                writing_connections = busiest,
+                was = self.load,
+                "page service replies: a new load"
+            );
+            self.load = busiest;
+            self.shifted = 0;
             self.waited = Duration::ZERO;
             self.wait = FIRST_PROBE;
+        }
+        if std::mem::take(&mut self.paused) && self.via != Via::Writev {
+            // This period was on writev; in the next the connections move to the chosen writer
+            // again.
+            self.phase = Phase::settling();
+            return None;
         }
         match &mut self.phase {
             Phase::Settled { settling, .. } if *settling > 0 => {

@@ -128,6 +128,74 @@ fn a_load_that_doubles_probes_again_soon_after_the_waits_grew() {
     assert_eq!(chooser.via(), Via::Ring);
 }
 
+/// Like [`run`], with the writers of period `i` given by `writing(i)`.
+fn run_varied(chooser: &mut Chooser, machine: Machine, writing: impl Fn(u32) -> u64, seconds: u32) -> Run {
+    let mut run = Run::default();
+    for i in 0..seconds * 10 {
+        let via = chooser.via();
+        run.periods += 1;
+        run.ring_periods += u32::from(via == Via::Ring);
+        run.verdicts.extend(chooser.period(machine.sample(via, writing(i))));
+    }
+    run
+}
+
+#[test]
+fn clients_that_pause_now_and_then_do_not_shorten_the_waits() {
+    // 300 connections that stop for a period in every six (a client reading metrics between
+    // rounds): the probes of a losing ring are as rare as under a steady load, 1, 5 and 21 s
+    // (in periods with writers). The daemon before this began the waits again at every pause,
+    // so its probes followed the clients' pauses, not its verdicts (here it never probed).
+    let mut chooser = Chooser::default();
+    let run = run_varied(&mut chooser, MANY_CORES, |i| if i % 6 == 5 { 0 } else { 300 }, 30);
+    assert_eq!(run.verdicts.len(), 3, "{:?}", run.verdicts);
+    assert!(run.ring_periods <= 2 * 3 + 1, "{run:?}");
+}
+
+#[test]
+fn writers_that_vary_between_periods_are_one_load() {
+    // Bursty clients: 300 writers in one period, 120 in the next. The daemon before this took
+    // each change for a new load and began the waits again (here it never probed).
+    let mut chooser = Chooser::default();
+    let run = run_varied(&mut chooser, MANY_CORES, |i| if i % 2 == 0 { 300 } else { 120 }, 30);
+    assert_eq!(run.verdicts.len(), 3, "{:?}", run.verdicts);
+}
+
+#[test]
+fn a_ring_that_won_is_back_after_a_pause() {
+    let ring_wins = Machine { writev: (95_000.0, 10e-6), ring: (120_000.0, 9e-6) };
+    let mut chooser = Chooser::default();
+    run(&mut chooser, ring_wins, 300, 3);
+    assert_eq!(chooser.via(), Via::Ring);
+    // A pause of 5 s: writev during it; the same load after it is on the ring again once its
+    // connections moved, without a probe.
+    assert!(run(&mut chooser, ring_wins, 0, 5).verdicts.is_empty());
+    assert_eq!(chooser.via(), Via::Writev);
+    assert_eq!(chooser.period(ring_wins.sample(Via::Writev, 300)), None);
+    assert_eq!(chooser.via(), Via::Ring);
+    let after = run(&mut chooser, ring_wins, 300, 3);
+    assert!(after.verdicts.is_empty(), "{:?}", after.verdicts);
+    assert_eq!(after.ring_periods, after.periods);
+}
+
+#[test]
+fn a_probe_that_stalls_the_clients_loses() {
+    // The ring is so slow that the clients wait for its replies and hardly write: the probe
+    // loses (the daemon before this took the stall for a pause, dropped the probe without a
+    // verdict and began the waits again: it probed again a second later, and again).
+    let stalls = Machine { writev: (100_000.0, 10e-6), ring: (3_000.0, 10e-6) };
+    let mut chooser = Chooser::default();
+    let mut verdicts = Vec::new();
+    for _ in 0..300 {
+        let via = chooser.via();
+        let writing = if via == Via::Ring { 4 } else { 300 };
+        verdicts.extend(chooser.period(stalls.sample(via, writing)));
+    }
+    // 30 s: probes at 1, 5 and 21 s, each a clear loss.
+    assert_eq!(verdicts.len(), 3, "{verdicts:?}");
+    assert!(verdicts.iter().all(|v| v.probed == Via::Ring && !v.won));
+}
+
 #[test]
 fn few_writers_leave_the_ring_at_once() {
     let ring_wins = Machine { writev: (95_000.0, 10e-6), ring: (120_000.0, 9e-6) };
