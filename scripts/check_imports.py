@@ -29,12 +29,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The characters a comment or a literal can begin with.
+SPECIAL_CHARS = "/\"'br"
+SPECIAL = re.compile(r"[/\"'br]")
+RAW_STRING = re.compile(r'b?r(#*)"')
+# A char literal ('a', '\n', '\u{1F}'), not a lifetime ('a).
+CHAR_LITERAL = re.compile(r"'(\\u\{[0-9a-fA-F]+\}|\\.|[^\\'])'")
+
+
 def strip_comments_and_strings(text: str) -> str:
     """Blanks out comments, string and char literals, keeping newlines (so lines stay put)."""
     out = []
     i, n = 0, len(text)
     while i < n:
         c = text[i]
+        if c not in SPECIAL_CHARS:
+            # A run of characters that begin nothing below: kept as they are.
+            m = SPECIAL.search(text, i)
+            j = n if m is None else m.start()
+            out.append(text[i:j])
+            i = j
+            continue
         if text.startswith("//", i):
             j = text.find("\n", i)
             j = n if j < 0 else j
@@ -52,10 +67,10 @@ def strip_comments_and_strings(text: str) -> str:
             out.append("\n" * text.count("\n", i, j))
             i = j
             continue
-        m = re.match(r'b?r(#*)"', text[i:])
+        m = RAW_STRING.match(text, i)
         if m and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
             end = '"' + m.group(1)
-            j = text.find(end, i + m.end())
+            j = text.find(end, m.end())
             j = n if j < 0 else j + len(end)
             out.append('""' + "\n" * text.count("\n", i, j))
             i = j
@@ -69,10 +84,10 @@ def strip_comments_and_strings(text: str) -> str:
             continue
         if c == "'":
             # A char literal ('a', '\n', '\u{1F}'), not a lifetime ('a).
-            m = re.match(r"'(\\u\{[0-9a-fA-F]+\}|\\.|[^\\'])'", text[i:])
+            m = CHAR_LITERAL.match(text, i)
             if m:
                 out.append("' '")
-                i += m.end()
+                i = m.end()
                 continue
         out.append(c)
         i += 1

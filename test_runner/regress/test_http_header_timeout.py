@@ -7,9 +7,18 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 # pageserver::http::HTTP_HEADER_READ_TIMEOUT is 10 s; the listener's idle timeout (60 s) alone
 # never fires while a byte arrives every second.
 HEADER_READ_TIMEOUT = 10.0
+
+
+@pytest.fixture
+def page_service_io():
+    """One run, with the default writer: the management API does not use the page service's
+    writers (the run per writer only doubled this test's 10 s)."""
+    return "auto"
 
 
 def test_client_trickling_its_headers_is_cut_off_and_others_are_served(pageserver):
