@@ -31,7 +31,9 @@ use crate::compaction::{
 use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{BudgetError, RedoBudget};
-use crate::storage::{self, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError};
+use crate::storage::{
+    self, DiskWait, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError,
+};
 use crate::util::lock;
 use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
@@ -231,7 +233,9 @@ impl Tenant {
             lsn if lsn <= durable => lsn,
             _ => return None,
         };
-        let version = self.timeline.version_at(key, lsn).ok()??;
+        // Without waiting for the disk: an index block missing from the kernel's page cache
+        // sends the request the other way, which reads it off the executor.
+        let version = self.timeline.version_at(key, lsn, DiskWait::Refused).ok()??;
         let page = self.deps.cache.get(&(self.generation, key, version.0))?;
         self.counters.get_page_requests.fetch_add(1, Ordering::Relaxed);
         self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
@@ -292,7 +296,7 @@ impl Tenant {
         };
         // One lookup of the index: the plan (the limits are checked there) names the page's
         // version, its newest value, which is what the page cache knows it by.
-        let plan = self.timeline.plan_read(key, lsn, RECONSTRUCT_LIMITS).map_err(read_error)?;
+        let plan = self.timeline.plan_read_async(key, lsn, RECONSTRUCT_LIMITS).await.map_err(read_error)?;
         let cache_key = (self.generation, key, plan.newest_lsn().0);
         if let Some(page) = self.deps.cache.get(&cache_key) {
             return Ok((lsn, page));

@@ -140,6 +140,10 @@ def one_size(args, gb: float) -> dict:
             # and index blocks read (beyond the block cache), per GetPage.
             "reads_offloaded_per_request": round(
                 measure.delta(r1, r0, "pageserver_storage_reads_offloaded_total") / requests, 3),
+            # Plans made on the blocking pool: an index block they needed was not in the
+            # kernel's page cache.
+            "plans_offloaded_per_request": round(
+                measure.delta(r1, r0, "pageserver_storage_plans_offloaded_total") / requests, 3),
             "index_blocks_read_per_request": round(
                 measure.delta(r1, r0, "pageserver_storage_index_block_cache_misses_total") / requests, 3),
             "update": update,

@@ -9,11 +9,14 @@ Not a test: a benchmark behind docs/performance.md, "Storage at size".
 
 Each round, for each work dir and each build in turn (alternated, so machine noise falls on
 all alike): the work dir's files are read once (so that the kernel's page cache holds them, as
-it does right after `scale.py` wrote them, if memory allows), a daemon of that build starts on
+it does right after `scale.py` wrote them, if memory allows; with `--cold` they are dropped
+from it instead, every 0.5 s of the run, so that reads go to the disk as on a tenant larger
+than the machine's memory), a daemon of that build starts on
 it (`page_cache_size=0`), and `pagebench get-page` runs 8 connections at depth 1, random keys at
 the latest LSN, for `--seconds`: requests/s, latency percentiles, the daemon's CPU per request,
-and per request the index blocks read (block cache misses) and the pages rebuilt by redo
-(compare data sets only at equal redos). Prints a table of the medians per work
+and per request the index blocks read (block cache misses), the plans and the reads that
+waited for the disk on the blocking pool, and the pages rebuilt by redo (compare data sets only
+at equal redos). Prints a table of the medians per work
 dir and build; `--out` writes every run as JSON.
 """
 
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,16 +45,42 @@ def warm(workdir: Path) -> None:
                     pass
 
 
-def one_run(bin_dir: Path, workdir: Path, seconds: float) -> dict:
-    warm(workdir)
+def evict(workdir: Path) -> None:
+    """Drops the work dir's files from the kernel's page cache (they are clean: fsync'd)."""
+    for f in sorted((workdir / "tenants").rglob("*")):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def evict_until(workdir: Path, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        evict(workdir)
+
+
+def one_run(bin_dir: Path, workdir: Path, seconds: float, cold: bool, shape: list[str]) -> dict:
+    if not cold:
+        warm(workdir)
     daemon = measure.Daemon(bin_dir, ["page_cache_size=0"], workdir=workdir)
+    stop = threading.Event()
     try:
         time.sleep(1)
+        if cold:
+            # Every 0.5 s for the whole run, as memory pressure would on a tenant larger than
+            # the machine's memory (once would not do: pagebench's start reads every
+            # relation's size and the kernel reads ahead, so that the index blocks were all in
+            # the page cache again when the load began).
+            threading.Thread(target=evict_until, args=(workdir, stop), daemon=True).start()
+            evict(workdir)
         m0 = measure.metrics(daemon.http)
-        run = measure.run_point(bin_dir, daemon, {"shape": [], "lsn": "latest"}, 8, 1, None, seconds, 1,
+        run = measure.run_point(bin_dir, daemon, {"shape": shape, "lsn": "latest"}, 8, 1, None, seconds, 1,
                                 (40.0, 30.0))
         m1 = measure.metrics(daemon.http)
     finally:
+        stop.set()
         daemon.stop(keep=True)
     s = run["summary"]
     requests = max(s["requests"], 1)
@@ -59,6 +90,10 @@ def one_run(bin_dir: Path, workdir: Path, seconds: float) -> dict:
         "redos_per_request": run["per_request"]["redos"],
         "index_blocks_read_per_request": round(
             measure.delta(m1, m0, "pageserver_storage_index_block_cache_misses_total") / requests, 3),
+        "plans_offloaded_per_request": round(
+            measure.delta(m1, m0, "pageserver_storage_plans_offloaded_total") / requests, 3),
+        "reads_offloaded_per_request": round(
+            measure.delta(m1, m0, "pageserver_storage_reads_offloaded_total") / requests, 3),
     }
 
 
@@ -68,6 +103,9 @@ def main() -> int:
     ap.add_argument("--workdirs", required=True, help="kept work dirs of scale.py, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--cold", action="store_true", help="drop the data from the kernel's page cache before each run")
+    ap.add_argument("--shape", default="", help="pagebench's shape flags (e.g. '--relations 54 --blocks 10000'); without "
+                    "them it asks the daemon for the key space, which reads every index block (warming them up again)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     bins = [Path(b).resolve() for b in args.bin_dirs.split(",")]
@@ -77,11 +115,12 @@ def main() -> int:
         for d in dirs:
             for b in bins:
                 # Names only: results get checked in, paths of this machine do not.
-                row = {"round": r, "workdir": d.name, "bin_dir": b.name, **one_run(b, d, args.seconds)}
+                row = {"round": r, "workdir": d.name, "bin_dir": b.name, "cold": args.cold,
+                       **one_run(b, d, args.seconds, args.cold, args.shape.split())}
                 print(json.dumps(row), flush=True)
                 runs.append(row)
-    print("| data set | build | GetPage rps (8 x 1) | p50 us | p99 us | daemon CPU us/request | index blocks read/request | redos/request |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| data set | build | GetPage rps (8 x 1) | p50 us | p99 us | daemon CPU us/request | index blocks read/request | plans offloaded/request | reads offloaded/request | redos/request |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for d in dirs:
         for b in bins:
             mine = [x for x in runs if x["workdir"] == d.name and x["bin_dir"] == b.name]
@@ -94,6 +133,8 @@ def main() -> int:
                   f"{med(lambda x: (x['latency_us'] or {}).get('p50'))} | "
                   f"{med(lambda x: (x['latency_us'] or {}).get('p99'))} | "
                   f"{med(lambda x: x['daemon_us_per_request'])} | {med(lambda x: x['index_blocks_read_per_request'])} | "
+                  f"{med(lambda x: x.get('plans_offloaded_per_request'))} | "
+                  f"{med(lambda x: x.get('reads_offloaded_per_request'))} | "
                   f"{med(lambda x: x.get('redos_per_request'))} |")
     if args.out:
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "runs": runs}, indent=1) + "\n")

@@ -55,7 +55,7 @@ use serde::Serialize;
 
 use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
 use super::index::{read_run, Frozen, Picked, ReadPlan, ReadSize};
-use super::layer;
+use super::layer::{self, DiskWait};
 use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
 use super::shared::Shared;
 use super::{Key, Lsn, ReconstructData};
@@ -221,7 +221,7 @@ impl KeyValues {
     fn of(inputs: &[Arc<Frozen>], below: &[Arc<Frozen>], key: Key) -> anyhow::Result<KeyValues> {
         let mut runs = Vec::new();
         for l in inputs {
-            let entries = l.lookup(key, Lsn(u64::MAX))?;
+            let entries = l.lookup(key, Lsn(u64::MAX), DiskWait::Allowed)?;
             if !entries.is_empty() {
                 runs.push((Arc::clone(&l.file), entries));
             }
@@ -231,7 +231,7 @@ impl KeyValues {
         if !has_image {
             // Newest layer first, down to the newest image.
             for l in below.iter().rev() {
-                let mut entries = l.lookup(key, Lsn(u64::MAX))?;
+                let mut entries = l.lookup(key, Lsn(u64::MAX), DiskWait::Allowed)?;
                 if let Some(i) = entries.iter().rposition(|e| e.kind == Kind::Image) {
                     entries.drain(..i);
                     context.push((Arc::clone(&l.file), entries));

@@ -44,7 +44,8 @@ use anyhow::{ensure, Context};
 use bytes::Bytes;
 
 use super::format::{IndexEntry, Kind};
-use super::layer::{BlockIndex, LayerIndex, OpenLayer};
+use super::layer::{BlockIndex, DiskWait, LayerIndex, OpenLayer, WouldWait};
+use super::segment::read_cached_at;
 use super::{GetError, Key, Lsn, ReadLimits, ReconstructData};
 
 /// Values of one file closer than this are read together: reading a few KiB more from the page
@@ -155,8 +156,8 @@ impl Frozen {
     }
 
     /// The entries of `key` at or below `lsn`, oldest first. Reads index blocks (through the
-    /// block cache) for a block index.
-    pub(crate) fn lookup(&self, key: Key, lsn: Lsn) -> anyhow::Result<Vec<IndexEntry>> {
+    /// block cache) for a block index, waiting for the disk only where `wait` allows.
+    pub(crate) fn lookup(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
         match &self.index {
             FrozenIndex::Flat { entries, .. } => {
                 let start = entries.partition_point(|e| e.key < key);
@@ -164,7 +165,7 @@ impl Frozen {
                 Ok(entries[start..end.max(start)].to_vec())
             }
             FrozenIndex::Blocks(b) => {
-                b.lookup(key, lsn).with_context(|| format!("index of layer {}", self.name))
+                b.lookup(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
             }
         }
     }
@@ -534,13 +535,13 @@ impl Index {
     /// [`Index::snapshot`] and [`Snapshot::pick`] and its plan, for tests.
     #[cfg(test)]
     pub(crate) fn plan(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<ReadPlan>, GetError> {
-        Ok(self.snapshot(key, lsn).pick(key, lsn, limits)?.map(ReadPlan::new))
+        Ok(self.snapshot(key, lsn).pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new))
     }
 
     /// [`Snapshot::newest_at`], for tests.
     #[cfg(test)]
     pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
-        self.snapshot(key, lsn).newest_at(key, lsn).unwrap()
+        self.snapshot(key, lsn).newest_at(key, lsn, DiskWait::Allowed).unwrap()
     }
 }
 
@@ -569,8 +570,8 @@ pub(crate) struct Snapshot {
 impl Snapshot {
     /// Calls `f` with the entries of `key` at or below `lsn`, newest first, with the file each
     /// is in (the active segment's, then each layer's from the newest layer down), until it
-    /// returns `false`.
-    fn newest_first<'a, F>(&'a self, key: Key, lsn: Lsn, mut f: F) -> Result<(), GetError>
+    /// returns `false`. Index blocks are read waiting for the disk only where `wait` allows.
+    fn newest_first<'a, F>(&'a self, key: Key, lsn: Lsn, wait: DiskWait, mut f: F) -> Result<(), GetError>
     where
         F: FnMut(&'a Arc<File>, &IndexEntry) -> Result<bool, GetError>,
     {
@@ -580,7 +581,7 @@ impl Snapshot {
             }
         }
         for l in self.layers.candidates(key, lsn) {
-            for e in l.lookup(key, lsn).map_err(GetError::Io)?.iter().rev() {
+            for e in l.lookup(key, lsn, wait).map_err(GetError::Io)?.iter().rev() {
                 if !f(&l.file, e)? {
                     return Ok(());
                 }
@@ -589,10 +590,11 @@ impl Snapshot {
         Ok(())
     }
 
-    /// The LSN of the newest value of `key` at or below `lsn`.
-    pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Result<Option<Lsn>, GetError> {
+    /// The LSN of the newest value of `key` at or below `lsn` (index blocks read as `wait`
+    /// allows).
+    pub(crate) fn newest_at(&self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
         let mut found = None;
-        self.newest_first(key, lsn, |_, e| {
+        self.newest_first(key, lsn, wait, |_, e| {
             found = Some(e.lsn);
             Ok(false)
         })?;
@@ -602,12 +604,19 @@ impl Snapshot {
     /// The values to read for `key` as of `lsn`: the newest image at or below `lsn` and the
     /// records above it, or all records at or below `lsn` if there is no image. `None` if
     /// nothing. Fails with `TooLarge`, before any value is read, when more than `limits` would
-    /// be read. Reads only index blocks; plan the values with [`ReadPlan::new`].
-    pub(crate) fn pick(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<Picked>, GetError> {
+    /// be read. Reads only index blocks, waiting for the disk only where `wait` allows (else
+    /// failing with an error that [`would_wait`] tells); plan the values with [`ReadPlan::new`].
+    pub(crate) fn pick(
+        &self,
+        key: Key,
+        lsn: Lsn,
+        limits: ReadLimits,
+        wait: DiskWait,
+    ) -> Result<Option<Picked>, GetError> {
         let mut picked: Vec<(&Arc<File>, IndexEntry)> = Vec::new();
         let mut bytes = 0u64;
         let mut records = 0usize;
-        self.newest_first(key, lsn, |file, e| {
+        self.newest_first(key, lsn, wait, |file, e| {
             bytes += u64::from(e.len);
             if bytes > limits.max_bytes {
                 return Err(GetError::TooLarge(format!(
@@ -848,17 +857,17 @@ impl ReadPlan {
     }
 }
 
+/// Whether `e` is a [`Snapshot::pick`] with [`DiskWait::Refused`] that needed an index block the
+/// kernel's page cache does not hold (it is to be made again where blocking is allowed).
+pub(crate) fn would_wait(e: &GetError) -> bool {
+    matches!(e, GetError::Io(e) if e.is::<WouldWait>())
+}
+
 /// One span from the page cache, or `None` if reading it would wait for the disk (or the read
 /// fails or comes back short: the blocking read then reports why).
 fn read_span_nowait(s: &Span) -> Option<Bytes> {
     let mut buf = vec![0u8; s.len];
-    let read = rustix::io::preadv2(
-        &*s.file,
-        &mut [std::io::IoSliceMut::new(&mut buf)],
-        s.offset,
-        rustix::io::ReadWriteFlags::NOWAIT,
-    );
-    (read.ok()? == buf.len()).then(|| Bytes::from(buf))
+    read_cached_at(&s.file, &mut buf, s.offset).then(|| Bytes::from(buf))
 }
 
 fn read_span(s: &Span) -> anyhow::Result<Bytes> {

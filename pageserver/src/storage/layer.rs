@@ -30,7 +30,8 @@ use super::{Key, Lsn};
 
 pub(crate) mod block_index;
 
-pub(crate) use block_index::BlockIndex;
+pub use block_index::DiskWait;
+pub(crate) use block_index::{BlockIndex, WouldWait};
 
 /// First 4 bytes of an index block ("INDX"); never equal to a batch frame's magic.
 pub(crate) const INDEX_MAGIC: u32 = u32::from_le_bytes(*b"INDX");

@@ -28,6 +28,9 @@ pub struct StorageMetrics {
     pub reads_inline: IntCounter,
     /// GetPage reads that would have waited for the disk, run on the blocking pool instead.
     pub reads_offloaded: IntCounter,
+    /// GetPage plans that needed an index block the kernel's page cache did not hold, made on
+    /// the blocking pool instead.
+    pub plans_offloaded: IntCounter,
 }
 
 /// An fsync-like call failed. Marks the error as one that is not retried: after a failed
@@ -118,6 +121,10 @@ impl StorageMetrics {
                 "pageserver_storage_reads_offloaded_total",
                 "GetPage reads that would have waited for the disk, run on the blocking pool instead",
             )?,
+            plans_offloaded: counter(
+                "pageserver_storage_plans_offloaded_total",
+                "GetPage plans that needed an index block not in the kernel's page cache, made on the blocking pool instead",
+            )?,
         })
     }
 
@@ -149,7 +156,7 @@ mod tests {
         m.fsync(|| Ok(())).unwrap();
         assert!(StorageMetrics::new(&registry).is_err());
         let families = registry.gather();
-        assert_eq!(families.len(), 15);
+        assert_eq!(families.len(), 16);
         assert!(families.iter().all(|f| f.name().starts_with("pageserver_storage_")));
         assert_eq!(m.fsyncs.get(), 1);
     }

@@ -61,6 +61,7 @@ use bytes::Bytes;
 
 pub use compact::{CompactionConf, ImageRequest, Pass, PassKind, PassStats, Step, IMAGE_PIECE_BYTES};
 pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
+pub use layer::DiskWait;
 pub use metrics::{FsyncFailed, StorageMetrics};
 pub use timeline::Timeline;
 

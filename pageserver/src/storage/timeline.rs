@@ -22,7 +22,8 @@ use tokio::sync::{oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::format::LOCK_NAME;
-use super::index::ReadPlan;
+use super::index::{would_wait, Picked, ReadPlan};
+use super::layer::DiskWait;
 use super::shared::{Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
     commit, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits, ReconstructData,
@@ -231,11 +232,12 @@ impl Timeline {
     }
 
     /// The LSN of the newest value of `key` at or below `lsn`: which version of the page `lsn`
-    /// sees. In-memory only, no I/O. `Ok(None)` if the key has nothing at or below `lsn`;
-    /// `BelowGcCutoff` if `lsn` is below the GC cutoff.
-    pub fn version_at(&self, key: Key, lsn: Lsn) -> Result<Option<Lsn>, GetError> {
+    /// sees. Reads only the index: the layers' index blocks (through the block cache), waiting
+    /// for the disk only where `wait` allows (else an error, with nothing read). `Ok(None)` if
+    /// the key has nothing at or below `lsn`; `BelowGcCutoff` if `lsn` is below the GC cutoff.
+    pub fn version_at(&self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
-        let found = snapshot.newest_at(key, lsn)?;
+        let found = snapshot.newest_at(key, lsn, wait)?;
         self.check_retained(lsn)?;
         Ok(found)
     }
@@ -282,7 +284,36 @@ impl Timeline {
     /// plan keeps its files open.
     pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
-        let picked = snapshot.pick(key, lsn, limits)?;
+        let picked = snapshot.pick(key, lsn, limits, DiskWait::Allowed)?;
+        self.planned(key, lsn, picked)
+    }
+
+    /// [`Timeline::plan_read`] for async callers: when the kernel's page cache holds every
+    /// index block the plan needs, it is made here, on the calling thread; if one would wait
+    /// for the disk, the plan is made on the blocking pool, so an index block missing from the
+    /// page cache never stalls an executor thread (as [`Timeline::read_planned`] does for the
+    /// values).
+    pub(crate) async fn plan_read_async(
+        &self,
+        key: Key,
+        lsn: Lsn,
+        limits: ReadLimits,
+    ) -> Result<ReadPlan, GetError> {
+        let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
+        let picked = match snapshot.pick(key, lsn, limits, DiskWait::Refused) {
+            Err(e) if would_wait(&e) => {
+                self.shared.metrics.plans_offloaded.inc();
+                tokio::task::spawn_blocking(move || snapshot.pick(key, lsn, limits, DiskWait::Allowed))
+                    .await
+                    .map_err(|e| GetError::Io(anyhow::anyhow!("storage plan task failed: {e}")))??
+            }
+            picked => picked?,
+        };
+        self.planned(key, lsn, picked)
+    }
+
+    /// The plan of what the index snapshot picked for `key` at `lsn`.
+    fn planned(&self, key: Key, lsn: Lsn, picked: Option<Picked>) -> Result<ReadPlan, GetError> {
         self.check_retained(lsn)?;
         picked.map(ReadPlan::new).ok_or(GetError::NotFound { key, lsn })
     }
@@ -517,6 +548,38 @@ mod tests {
         let warm = tl.read_planned(tl.plan_read(key(1), Lsn(12), NO_LIMITS).unwrap()).await.unwrap();
         assert_eq!(warm, expected);
         assert_eq!((m.reads_inline.get(), m.reads_offloaded.get()), (1, 1), "the cached read ran inline");
+    }
+
+    #[tokio::test]
+    async fn an_index_block_that_would_wait_for_the_disk_is_read_on_the_blocking_pool() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = metrics();
+        let expected = {
+            let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
+            tl.ingest(batch(vec![(key(1), 10, image(7)), (key(1), 11, record("a"))])).await.unwrap();
+            tl.freeze().await.unwrap();
+            let expected = tl.get_reconstruct_data(key(1), Lsn(11), NO_LIMITS).unwrap();
+            tl.shutdown().await;
+            expected
+        };
+        // Opened again: the layer's index block is in no cache of this process, nor the kernel's.
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
+        evict_from_page_cache(dir.path());
+        let plan = tl.plan_read_async(key(1), Lsn(11), NO_LIMITS).await.unwrap();
+        assert_eq!(m.plans_offloaded.get(), 1, "the plan was made on the blocking pool");
+        assert_eq!(tl.read_planned(plan).await.unwrap(), expected);
+        // The block is in the block cache now: planned here, and found without waiting.
+        tl.plan_read_async(key(1), Lsn(11), NO_LIMITS).await.unwrap();
+        assert_eq!(m.plans_offloaded.get(), 1, "the second plan was made inline");
+        assert_eq!(tl.version_at(key(1), Lsn(11), DiskWait::Refused).unwrap(), Some(Lsn(11)));
+        // Cold again (opened again, nothing read in flight): a lookup that may not wait fails.
+        tl.shutdown().await;
+        drop(tl);
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &m);
+        evict_from_page_cache(dir.path());
+        let refused = tl.version_at(key(1), Lsn(11), DiskWait::Refused).unwrap_err();
+        assert!(would_wait(&refused), "{refused:?}");
+        assert_eq!(tl.version_at(key(1), Lsn(11), DiskWait::Allowed).unwrap(), Some(Lsn(11)));
     }
 
     #[tokio::test]

@@ -37,15 +37,8 @@ struct Run {
     periods: u32,
 }
 
-fn run(chooser: &mut Chooser, machine: Machine, writing: u64, seconds: u64) -> Run {
-    let mut run = Run::default();
-    for _ in 0..seconds * 10 {
-        let via = chooser.via();
-        run.periods += 1;
-        run.ring_periods += u32::from(via == Via::Ring);
-        run.verdicts.extend(chooser.period(machine.sample(via, writing)));
-    }
-    run
+fn run(chooser: &mut Chooser, machine: Machine, writing: u64, seconds: u32) -> Run {
+    run_varied(chooser, machine, |_| writing, seconds)
 }
 
 /// The 16-core machine of issue 18: the ring's one thread caps it at half of writev's rate.

@@ -7,8 +7,8 @@ use bytes::Bytes;
 
 use crate::storage::test_support::*;
 use crate::storage::{
-    CompactionConf, GetError, Lsn, Pass, PassKind, PassStats, ReadLimits, ReconstructData, Step, Timeline,
-    PAGE_SIZE,
+    CompactionConf, DiskWait, GetError, Lsn, Pass, PassKind, PassStats, ReadLimits, ReconstructData, Step,
+    Timeline, PAGE_SIZE,
 };
 
 /// A toy redo: the base image (zeros without one) with each record's bytes added into it at a
@@ -180,7 +180,7 @@ async fn gc_drops_versions_below_the_horizon_and_refuses_reads_there() {
     assert!(tl.stats().on_disk_bytes < disk_before / 2, "{} vs {disk_before}", tl.stats().on_disk_bytes);
     let err = tl.get_reconstruct_data(key(1), Lsn(cutoff - 1), NO_LIMITS).unwrap_err();
     assert!(matches!(err, GetError::BelowGcCutoff { .. }), "{err}");
-    assert!(matches!(tl.version_at(key(1), Lsn(10)), Err(GetError::BelowGcCutoff { .. })));
+    assert!(matches!(tl.version_at(key(1), Lsn(10), DiskWait::Allowed), Err(GetError::BelowGcCutoff { .. })));
 
     // The cutoff is durable.
     drop(tl);

@@ -25,7 +25,7 @@ use prometheus::{IntCounter, IntGauge};
 
 use super::{decode_entry, decode_key_lsn, encode_entry, INDEX_ENTRY_LEN};
 use crate::storage::format::{put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
-use crate::storage::segment::read_at;
+use crate::storage::segment::{read_at, read_cached_at};
 use crate::storage::{Key, Lsn};
 
 /// Entries per index block: the most that fit in 8 KiB.
@@ -219,6 +219,22 @@ impl Block {
     }
 }
 
+/// Whether a read of an index block may wait for the disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiskWait {
+    /// A positional read, which waits for the disk if it must: where blocking is allowed.
+    Allowed,
+    /// Only what the kernel's page cache holds (`RWF_NOWAIT`); anything else fails with
+    /// [`WouldWait`]: on an executor thread.
+    Refused,
+}
+
+/// An index block was needed that the kernel's page cache does not hold, by a read that was not
+/// to wait for the disk ([`DiskWait::Refused`]).
+#[derive(Debug, thiserror::Error)]
+#[error("an index block is not in the page cache, and the read was not to wait for the disk")]
+pub(crate) struct WouldWait;
+
 /// The cache of checked index blocks, shared by every layer of the process, and its counters
 /// (registered by `StorageMetrics::new`).
 pub(crate) struct BlockCache {
@@ -296,16 +312,17 @@ impl BlockIndex {
         &self.fences
     }
 
-    /// Block `i`, from the cache or read and checked.
-    fn block(&self, i: usize) -> anyhow::Result<Arc<Block>> {
+    /// Block `i`, from the cache or read and checked (waiting for the disk only where `wait`
+    /// allows).
+    fn block(&self, i: usize, wait: DiskWait) -> anyhow::Result<Arc<Block>> {
         let global = BlockCache::global();
         let key = (self.uid, i as u32);
         if let Some(b) = global.cache.get(&key) {
             global.hits.inc();
             return Ok(b);
         }
+        let b = Arc::new(self.read_block(i, wait)?);
         global.misses.inc();
-        let b = Arc::new(self.read_block(i)?);
         global.cache.insert(key, Arc::clone(&b));
         global.bytes.set(i64::try_from(global.cache.weight()).unwrap_or(i64::MAX));
         Ok(b)
@@ -314,15 +331,20 @@ impl BlockIndex {
     /// Reads block `i` from the file (not through the cache) and checks its checksum and its
     /// entries' order: strictly increasing `(key, lsn)`, the first at its fence, all below the
     /// next fence (the last block's: at most the layer's last key).
-    fn read_block(&self, i: usize) -> anyhow::Result<Block> {
+    fn read_block(&self, i: usize, wait: DiskWait) -> anyhow::Result<Block> {
         let fence =
             self.fences.get(i).with_context(|| format!("index block {i} of {}", self.fences.len()))?;
         let entries = self.footer.entry_count as usize;
         let count = (entries - i * BLOCK_ENTRIES).min(BLOCK_ENTRIES);
         let mut raw = vec![[0u8; INDEX_ENTRY_LEN]; count].into_boxed_slice();
         let offset = self.footer.index_offset + i as u64 * BLOCK_BYTES;
-        read_at(&self.file, raw.as_flattened_mut(), offset)
-            .with_context(|| format!("read index block {i}"))?;
+        match wait {
+            DiskWait::Allowed => read_at(&self.file, raw.as_flattened_mut(), offset)
+                .with_context(|| format!("read index block {i}"))?,
+            DiskWait::Refused => {
+                ensure!(read_cached_at(&self.file, raw.as_flattened_mut(), offset), WouldWait)
+            }
+        }
         ensure!(crc32c::crc32c(raw.as_flattened()) == fence.crc, "index block {i} checksum mismatch");
         let block = Block { entries: raw };
         ensure!(
@@ -358,14 +380,15 @@ impl BlockIndex {
         start..end.max(start)
     }
 
-    /// The entries of `key` at or below `lsn`, oldest first.
-    pub(crate) fn lookup(&self, key: Key, lsn: Lsn) -> anyhow::Result<Vec<IndexEntry>> {
+    /// The entries of `key` at or below `lsn`, oldest first; index blocks are read waiting for
+    /// the disk only where `wait` allows.
+    pub(crate) fn lookup(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
         let mut out = Vec::new();
         if key < self.footer.min_key || key > self.footer.max_key || lsn < self.footer.first_lsn {
             return Ok(out);
         }
         for i in self.blocks_of(key, lsn) {
-            let block = self.block(i)?;
+            let block = self.block(i, wait)?;
             for j in block.find(key, Lsn(0))..block.len() {
                 let (k, l) = block.at(j);
                 if k != key || l > lsn {
@@ -389,7 +412,7 @@ impl BlockIndex {
         // block i - 1 or is block i's first.
         let i = self.fences.partition_point(|f| f.key <= after);
         if i > 0 {
-            let block = self.block(i - 1)?;
+            let block = self.block(i - 1, DiskWait::Allowed)?;
             let j = block.find(after, Lsn(u64::MAX));
             if j < block.len() {
                 return Ok(Some(self.decode(&block, j)?.key));
@@ -402,7 +425,7 @@ impl BlockIndex {
     /// does not push the lookups' blocks out of the cache).
     pub(crate) fn for_each(&self, f: &mut dyn FnMut(&IndexEntry)) -> anyhow::Result<()> {
         for i in 0..self.fences.len() {
-            let block = self.read_block(i)?;
+            let block = self.read_block(i, DiskWait::Allowed)?;
             for j in 0..block.len() {
                 f(&self.decode(&block, j)?);
             }
@@ -470,14 +493,18 @@ mod tests {
                 for lsn in [0, 9, 10, 11, 13, 40, 200, u64::MAX] {
                     let want: Vec<_> =
                         all.iter().filter(|e| e.key == *k && e.lsn <= Lsn(lsn)).copied().collect();
-                    assert_eq!(idx.lookup(*k, Lsn(lsn)).unwrap(), want, "{k:?}@{lsn} ({keys}x{per_key})");
+                    assert_eq!(
+                        idx.lookup(*k, Lsn(lsn), DiskWait::Allowed).unwrap(),
+                        want,
+                        "{k:?}@{lsn} ({keys}x{per_key})"
+                    );
                 }
                 let next = distinct.get(n + 1).copied();
                 assert_eq!(idx.next_key(Some(*k)).unwrap(), next, "next after {k:?}");
             }
             assert_eq!(idx.next_key(None).unwrap(), distinct.first().copied());
-            assert!(idx.lookup(key(999, 0), Lsn(u64::MAX)).unwrap().is_empty());
-            assert!(idx.lookup(key(0, 0), Lsn(u64::MAX)).unwrap().is_empty());
+            assert!(idx.lookup(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap().is_empty());
+            assert!(idx.lookup(key(0, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap().is_empty());
             let mut seen = Vec::new();
             idx.for_each(&mut |e| seen.push(*e)).unwrap();
             assert_eq!(seen, all);
@@ -527,12 +554,12 @@ mod tests {
         let file = tempfile::tempfile().unwrap();
         file.write_all_at(&bytes, data_end).unwrap();
         let idx = BlockIndex::written(Arc::new(file), footer, fences);
-        let err = idx.lookup(all[1].key, Lsn(u64::MAX)).unwrap_err();
+        let err = idx.lookup(all[1].key, Lsn(u64::MAX), DiskWait::Allowed).unwrap_err();
         assert!(format!("{err:#}").contains("index block 0 out of order"), "{err:#}");
         assert!(idx.for_each(&mut |_| ()).is_err());
         // The other blocks are fine.
         let last = all.last().unwrap();
-        assert_eq!(idx.lookup(last.key, Lsn(u64::MAX)).unwrap().last(), Some(last));
+        assert_eq!(idx.lookup(last.key, Lsn(u64::MAX), DiskWait::Allowed).unwrap().last(), Some(last));
     }
 
     #[test]
@@ -548,7 +575,7 @@ mod tests {
             if let Ok(idx) = BlockIndex::open(Arc::clone(&file), len) {
                 let mut all_ok = true;
                 for e in all.iter().step_by(11) {
-                    match idx.lookup(e.key, Lsn(u64::MAX)) {
+                    match idx.lookup(e.key, Lsn(u64::MAX), DiskWait::Allowed) {
                         Ok(got) => {
                             let want: Vec<_> = all.iter().filter(|x| x.key == e.key).copied().collect();
                             assert_eq!(got, want, "flipped byte at {at}");

@@ -41,7 +41,7 @@ use walredo_proc::pg15::{
     FLAG_WILL_INIT, HEAPBLOCKS_PER_VM_PAGE, VM_ALL_FROZEN, VM_ALL_VISIBLE,
 };
 
-use crate::storage::{GetError, ReadLimits, Timeline, Value};
+use crate::storage::{DiskWait, GetError, ReadLimits, Timeline, Value};
 
 /// Why a record could not become values.
 #[derive(Debug, thiserror::Error)]
@@ -134,12 +134,12 @@ pub async fn rel_size_at(
     lsn: Lsn,
 ) -> Result<Option<u32>, GetError> {
     let limits = ReadLimits { max_records: 0, max_bytes: page_types::PAGE_SIZE as u64 };
-    let data = match timeline.plan_read(rel.size_key(fork), lsn, limits) {
+    let data = match timeline.plan_read_async(rel.size_key(fork), lsn, limits).await {
         Ok(plan) => timeline.read_planned(plan).await?,
         Err(GetError::NotFound { .. }) => return Ok(None),
         Err(e) => return Err(e),
     };
-    let dropped = timeline.version_at(keys::db_drop_key(rel.spcnode, rel.dbnode), lsn)?;
+    let dropped = timeline.version_at(keys::db_drop_key(rel.spcnode, rel.dbnode), lsn, DiskWait::Allowed)?;
     let bad = |what: String| GetError::Io(anyhow::anyhow!("the size of {rel} fork {fork}: {what}"));
     let Some((at, bytes)) = &data.image else {
         return Err(bad("the size key holds records, not a value".into()));
