@@ -61,7 +61,7 @@ def evict_until(workdir: Path, stop: threading.Event) -> None:
         evict(workdir)
 
 
-def one_run(bin_dir: Path, workdir: Path, seconds: float, cold: bool, shape: list[str]) -> dict:
+def one_run(bin_dir: Path, workdir: Path, seconds: float, cold: bool) -> dict:
     if not cold:
         warm(workdir)
     daemon = measure.Daemon(bin_dir, ["page_cache_size=0"], workdir=workdir)
@@ -70,13 +70,14 @@ def one_run(bin_dir: Path, workdir: Path, seconds: float, cold: bool, shape: lis
         time.sleep(1)
         if cold:
             # Every 0.5 s for the whole run, as memory pressure would on a tenant larger than
-            # the machine's memory (once would not do: pagebench's start reads every
-            # relation's size and the kernel reads ahead, so that the index blocks were all in
-            # the page cache again when the load began).
+            # the machine's memory (once would not do: after pagebench's start, which asks the
+            # daemon for the key space or checks the data set, every index block was in the
+            # page cache again when the load began; GetPages sent without pagebench found
+            # them all cold).
             threading.Thread(target=evict_until, args=(workdir, stop), daemon=True).start()
             evict(workdir)
         m0 = measure.metrics(daemon.http)
-        run = measure.run_point(bin_dir, daemon, {"shape": shape, "lsn": "latest"}, 8, 1, None, seconds, 1,
+        run = measure.run_point(bin_dir, daemon, {"shape": [], "lsn": "latest"}, 8, 1, None, seconds, 1,
                                 (40.0, 30.0))
         m1 = measure.metrics(daemon.http)
     finally:
@@ -103,9 +104,8 @@ def main() -> int:
     ap.add_argument("--workdirs", required=True, help="kept work dirs of scale.py, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=12.0)
-    ap.add_argument("--cold", action="store_true", help="drop the data from the kernel's page cache before each run")
-    ap.add_argument("--shape", default="", help="pagebench's shape flags (e.g. '--relations 54 --blocks 10000'); without "
-                    "them it asks the daemon for the key space, which reads every index block (warming them up again)")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the data from the kernel's page cache every 0.5 s of each run")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     bins = [Path(b).resolve() for b in args.bin_dirs.split(",")]
@@ -116,7 +116,7 @@ def main() -> int:
             for b in bins:
                 # Names only: results get checked in, paths of this machine do not.
                 row = {"round": r, "workdir": d.name, "bin_dir": b.name, "cold": args.cold,
-                       **one_run(b, d, args.seconds, args.cold, args.shape.split())}
+                       **one_run(b, d, args.seconds, args.cold)}
                 print(json.dumps(row), flush=True)
                 runs.append(row)
     print("| data set | build | GetPage rps (8 x 1) | p50 us | p99 us | daemon CPU us/request | index blocks read/request | plans offloaded/request | reads offloaded/request | redos/request |")

@@ -210,7 +210,6 @@ fn parse_body(body: &[u8], count: u32, body_start: u64, entries: &mut Vec<IndexE
     Ok(())
 }
 
-/// `read_exact_at` that reports a short file as `UnexpectedEof` context rather than a bare error.
 /// Fills `buf` from `offset` of `file` only if the kernel's page cache holds those bytes
 /// (`preadv2` with `RWF_NOWAIT`): `false` if the read would wait for the disk, fails or comes
 /// back short (a blocking read then says why).
@@ -225,6 +224,7 @@ pub(crate) fn read_cached_at(file: &File, buf: &mut [u8], offset: u64) -> bool {
     read.ok() == Some(len)
 }
 
+/// `read_exact_at` that reports a short file as `UnexpectedEof` context rather than a bare error.
 pub(crate) fn read_at(file: &File, buf: &mut [u8], offset: u64) -> anyhow::Result<()> {
     file.read_exact_at(buf, offset).map_err(|e| {
         if e.kind() == ErrorKind::UnexpectedEof {

@@ -38,7 +38,7 @@ struct Run {
 }
 
 fn run(chooser: &mut Chooser, machine: Machine, writing: u64, seconds: u32) -> Run {
-    run_varied(chooser, machine, |_| writing, seconds)
+    run_varied(chooser, machine, |_, _| writing, seconds)
 }
 
 /// The 16-core machine of issue 18: the ring's one thread caps it at half of writev's rate.
@@ -121,14 +121,19 @@ fn a_load_that_doubles_probes_again_soon_after_the_waits_grew() {
     assert_eq!(chooser.via(), Via::Ring);
 }
 
-/// Like [`run`], with the writers of period `i` given by `writing(i)`.
-fn run_varied(chooser: &mut Chooser, machine: Machine, writing: impl Fn(u32) -> u64, seconds: u32) -> Run {
+/// Like [`run`], with the writers of period `i` on writer `via` given by `writing(i, via)`.
+fn run_varied(
+    chooser: &mut Chooser,
+    machine: Machine,
+    writing: impl Fn(u32, Via) -> u64,
+    seconds: u32,
+) -> Run {
     let mut run = Run::default();
     for i in 0..seconds * 10 {
         let via = chooser.via();
         run.periods += 1;
         run.ring_periods += u32::from(via == Via::Ring);
-        run.verdicts.extend(chooser.period(machine.sample(via, writing(i))));
+        run.verdicts.extend(chooser.period(machine.sample(via, writing(i, via))));
     }
     run
 }
@@ -140,7 +145,7 @@ fn clients_that_pause_now_and_then_do_not_shorten_the_waits() {
     // (in periods with writers). The daemon before this began the waits again at every pause,
     // so its probes followed the clients' pauses, not its verdicts (here it never probed).
     let mut chooser = Chooser::default();
-    let run = run_varied(&mut chooser, MANY_CORES, |i| if i % 6 == 5 { 0 } else { 300 }, 30);
+    let run = run_varied(&mut chooser, MANY_CORES, |i, _| if i % 6 == 5 { 0 } else { 300 }, 30);
     assert_eq!(run.verdicts.len(), 3, "{:?}", run.verdicts);
     assert!(run.ring_periods <= 2 * 3 + 1, "{run:?}");
 }
@@ -150,7 +155,7 @@ fn writers_that_vary_between_periods_are_one_load() {
     // Bursty clients: 300 writers in one period, 120 in the next. The daemon before this took
     // each change for a new load and began the waits again (here it never probed).
     let mut chooser = Chooser::default();
-    let run = run_varied(&mut chooser, MANY_CORES, |i| if i % 2 == 0 { 300 } else { 120 }, 30);
+    let run = run_varied(&mut chooser, MANY_CORES, |i, _| if i % 2 == 0 { 300 } else { 120 }, 30);
     assert_eq!(run.verdicts.len(), 3, "{:?}", run.verdicts);
 }
 
@@ -178,15 +183,10 @@ fn a_probe_that_stalls_the_clients_loses() {
     // verdict and began the waits again: it probed again a second later, and again).
     let stalls = Machine { writev: (100_000.0, 10e-6), ring: (3_000.0, 10e-6) };
     let mut chooser = Chooser::default();
-    let mut verdicts = Vec::new();
-    for _ in 0..300 {
-        let via = chooser.via();
-        let writing = if via == Via::Ring { 4 } else { 300 };
-        verdicts.extend(chooser.period(stalls.sample(via, writing)));
-    }
+    let run = run_varied(&mut chooser, stalls, |_, via| if via == Via::Ring { 4 } else { 300 }, 30);
     // 30 s: probes at 1, 5 and 21 s, each a clear loss.
-    assert_eq!(verdicts.len(), 3, "{verdicts:?}");
-    assert!(verdicts.iter().all(|v| v.probed == Via::Ring && !v.won));
+    assert_eq!(run.verdicts.len(), 3, "{:?}", run.verdicts);
+    assert!(run.verdicts.iter().all(|v| v.probed == Via::Ring && !v.won));
 }
 
 #[test]
