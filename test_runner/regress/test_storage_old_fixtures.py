@@ -1,16 +1,20 @@
 """Tenant directories written by older daemons, checked in as fixtures with the SHA-256 of every
 page those daemons served (test_runner/fixtures/data/make_timeline_fixture.py): `v1_timeline`,
-storage format version 1 (before the timeline manifest), and `v2_timeline`, version 2 (a
+storage format version 1 (before the timeline manifest), `v2_timeline`, version 2 (a
 manifest, layers made by seals and by compaction, a GC cutoff, relation sizes; see
-docs/storage-format.md). Today's daemon must open each, serve the same bytes at every recorded
-LSN, write its manifest, and go on ingesting, also across a restart; then a compaction pass
-rewrites the old layers, and every recorded page is still served the same, before and after one
-more restart."""
+docs/storage-format.md), and `v3_timeline`, the same data in version 3 (block indexes) with the
+layer names and the manifest of the build before names carried key ranges and generations.
+Today's daemon must open each, serve the same bytes at every recorded LSN, write its manifest,
+and go on ingesting, also across a restart; then a compaction pass rewrites the old layers into
+files named and checksummed as today's are, and every recorded page is still served the same,
+before and after one more restart."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +25,41 @@ from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 
 DATA = Path(__file__).resolve().parent.parent / "fixtures" / "data"
+# What today's daemon names a layer: level, key range, LSN range, generation.
+LAYER_NAME = re.compile(r"^layer_L[01]_([0-9A-F]{34})-([0-9A-F]{34})_([0-9A-F]{16})-([0-9A-F]{16})_g([0-9A-F]{16})\.layer$")
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), a byte at a time: slow, enough for the fixtures' few hundred KiB."""
+    table = _crc_table()
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+@functools.cache
+def _crc_table() -> tuple[int, ...]:
+    def entry(c: int) -> int:
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        return c
+    return tuple(entry(i) for i in range(256))
+
+
+def _check_listed_layers(timeline: Path) -> list[str]:
+    """Every layer the manifest lists has today's name and the file's size and crc32c; returns
+    the names."""
+    manifest = json.loads((timeline / "manifest.json").read_text().rsplit("crc32c=", 1)[0])
+    assert manifest["version"] == 3, manifest
+    for layer in manifest["layers"]:
+        m = LAYER_NAME.match(layer["name"])
+        assert m, layer
+        assert (int(m.group(3), 16), int(m.group(4), 16)) == (layer["first_lsn"], layer["last_lsn"]), layer
+        assert int(m.group(5), 16) <= manifest["generation"], (layer, manifest["generation"])
+        data = (timeline / layer["name"]).read_bytes()
+        assert (len(data), crc32c(data)) == (layer["size"], layer["crc32c"]), layer
+    return [layer["name"] for layer in manifest["layers"]]
 
 
 def _page(expected: dict, spec: str) -> tuple[Key, int]:
@@ -62,7 +101,11 @@ def _check(conn, expected: dict) -> None:
         assert e.value.name == "below_gc_cutoff"
 
 
-@pytest.mark.parametrize("name", ["v1_timeline", "v2_timeline"], ids=["v1", "v2"])
+def test_crc32c_matches_the_castagnoli_check_value():
+    assert crc32c(b"123456789") == 0xE3069283
+
+
+@pytest.mark.parametrize("name", ["v1_timeline", "v2_timeline", "v3_timeline"], ids=["v1", "v2", "v3"])
 def test_tenant_written_by_an_old_daemon_serves_the_same_pages(pageserver_factory, name):
     fixture = DATA / name
     expected = json.loads((fixture / "expected.json").read_text())
@@ -104,6 +147,7 @@ def test_tenant_written_by_an_old_daemon_serves_the_same_pages(pageserver_factor
     assert p["files_deleted"] == p["input_layers"], p
     left = sorted(f.name for f in timeline.iterdir())
     assert not set(old_layers) & set(left), left
+    assert sorted(_check_listed_layers(timeline)) == [f for f in left if f.endswith(".layer")], left
     assert ps.http.tenant_status(tenant)["compaction"]["gc_cutoff"] == expected.get("gc_cutoff", 0)
     with ps.connect(tenant) as conn:
         _check(conn, expected)

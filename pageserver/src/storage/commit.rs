@@ -158,9 +158,10 @@ pub(super) enum SealState {
     Idle,
     /// The intent is durable; `active.seg` is not renamed yet.
     Intent(SealIntent),
-    /// `active.seg` is a layer now, with the block index written into it; the next active
-    /// segment, once created, waits for the manifest that records both.
-    Renamed { intent: SealIntent, index: BlockIndex, next: Option<ActiveSegment> },
+    /// `active.seg` is a layer now, with the block index written into it (the file's crc32c
+    /// is `crc`); the next active segment, once created, waits for the manifest that records
+    /// both.
+    Renamed { intent: SealIntent, index: BlockIndex, crc: u32, next: Option<ActiveSegment> },
 }
 
 impl Committer {
@@ -261,7 +262,7 @@ impl Committer {
     /// segment is cut back to where the group started (and synced), so that nothing of a group
     /// answered with an error survives, not even the frames written before the failure.
     fn write_group(&mut self, group: &[Pending], fail_fsync: bool) -> anyhow::Result<()> {
-        let start = self.segment.len;
+        let start = (self.segment.len, self.segment.crc);
         let first_entry = self.segment.entries.len();
         if let Err(e) = self.append_and_sync(group, fail_fsync) {
             return Err(match self.roll_back(start, first_entry) {
@@ -306,11 +307,12 @@ impl Committer {
         Ok(())
     }
 
-    /// Cuts the active segment back to `len` bytes and `entries` entries and makes the cut
-    /// durable: what a failed group wrote (whole frames or part of one) is gone from the file.
-    fn roll_back(&mut self, len: u64, entries: usize) -> anyhow::Result<()> {
+    /// Cuts the active segment back to `len` bytes (whose crc32c is `crc`) and `entries`
+    /// entries and makes the cut durable: what a failed group wrote (whole frames or part of
+    /// one) is gone from the file.
+    fn roll_back(&mut self, (len, crc): (u64, u32), entries: usize) -> anyhow::Result<()> {
         self.segment.entries.truncate(entries);
-        self.segment.len = len;
+        (self.segment.len, self.segment.crc) = (len, crc);
         let file = &self.segment.file;
         let fail = std::mem::take(&mut self.shared.queue().fail_next_cut);
         match fail {

@@ -55,12 +55,12 @@ use serde::Serialize;
 
 use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
 use super::index::{read_run, Frozen, Picked, ReadPlan, ReadSize};
-use super::layer::{self, DiskWait};
+use super::layer::{self, DiskWait, LayerName, Level};
 use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
 use super::shared::Shared;
 use super::{Key, Lsn, ReconstructData};
 
-/// Prefix of an output's temporary name (`.compact_<id>.tmp`); recovery removes such files.
+/// Prefix of an output's temporary name (`.compact_<generation>_<n>.tmp`); recovery removes such files.
 pub(crate) const TMP_PREFIX: &str = ".compact_";
 /// Bytes of values buffered before an output write.
 const WRITE_BUFFER: usize = 256 << 10;
@@ -315,11 +315,12 @@ enum KeyStep {
 
 /// The output being written.
 struct Writer {
-    id: u64,
     tmp: PathBuf,
     file: Arc<File>,
     /// Bytes on disk (header and flushed values).
     len: u64,
+    /// The crc32c of the first `len` bytes.
+    crc: u32,
     buf: Vec<u8>,
     entries: Vec<IndexEntry>,
 }
@@ -347,7 +348,10 @@ pub struct Pass {
     copy_buf: Vec<u8>,
     writer: Option<Writer>,
     outputs: Vec<Output>,
-    next_id: u64,
+    /// The generation of the manifest that recorded this pass: its outputs' names carry it.
+    generation: u64,
+    /// The number of the next output of this pass (its temporary file's name).
+    next_output: u64,
     stats: PassStats,
     installed: bool,
     /// The install's manifest was renamed into place without being made durable: the inputs
@@ -390,13 +394,14 @@ impl Pass {
         let horizon = Lsn(durable.0.saturating_sub(conf.gc_horizon));
         let cutoff = Lsn(shared.gc_cutoff.load(Ordering::Relaxed)).max(horizon.min(top));
         let dir_file = File::open(&shared.dir).context("open timeline directory")?;
-        let mut next_id = 0;
+        let mut generation = 0;
         shared
             .update_manifest(&dir_file, |m| {
-                next_id = m.next_layer_id;
-                // A pass that did not finish may have left outputs from its first id on.
-                let first = m.compacting.as_ref().map_or(next_id, |c| c.first_layer_id);
-                m.compacting = Some(CompactIntent { first_layer_id: first });
+                generation = m.generation + 1;
+                // A pass that did not finish may have left outputs from its first generation on.
+                let before = m.compacting.take().unwrap_or_default();
+                let first = before.first_generation.unwrap_or(generation);
+                m.compacting = Some(CompactIntent { first_generation: Some(first), ..before });
                 m.gc_cutoff = m.gc_cutoff.max(cutoff.0);
             })
             .context("record compaction intent")
@@ -425,7 +430,8 @@ impl Pass {
             copy_buf: Vec::new(),
             writer: None,
             outputs: Vec::new(),
-            next_id,
+            generation,
+            next_output: 0,
             stats,
             installed: false,
             outcome_unknown: false,
@@ -655,9 +661,9 @@ impl Pass {
         let writer = match self.writer.as_mut() {
             Some(w) => w,
             None => {
-                let id = self.next_id;
-                self.next_id += 1;
-                self.writer.insert(Writer::create(&self.shared.dir, id)?)
+                let tmp = format!("{TMP_PREFIX}{:016X}_{:016X}.tmp", self.generation, self.next_output);
+                self.next_output += 1;
+                self.writer.insert(Writer::create(self.shared.dir.join(tmp))?)
             }
         };
         self.stats.values_written += 1;
@@ -680,12 +686,20 @@ impl Pass {
         };
         w.flush()?;
         let file_id = self.shared.next_file_id.fetch_add(1, Ordering::Relaxed);
-        let (size, index) = layer::append_index_and_footer(&w.file, w.len, &w.entries)?;
+        let written = layer::append_index_and_footer(&w.file, w.len, w.crc, &w.entries)?;
+        let (size, index) = (written.len, written.index);
         self.shared.metrics.fsync(|| w.file.sync_data()).context("fdatasync compaction output")?;
-        let (first_lsn, last_lsn) = (index.footer.first_lsn, index.footer.last_lsn);
-        let name = layer::file_name(first_lsn, last_lsn, Some(w.id));
+        let f = index.footer;
+        let name = LayerName::new(
+            Level::Compacted,
+            (f.min_key, f.max_key),
+            f.first_lsn,
+            f.last_lsn,
+            self.generation,
+        );
+        let meta = LayerMeta::new(&name, size, Some(written.crc));
+        let name = meta.name.clone();
         std::fs::rename(&w.tmp, self.shared.dir.join(&name)).context("rename compaction output")?;
-        let meta = LayerMeta { name: name.clone(), first_lsn: first_lsn.0, last_lsn: last_lsn.0, size };
         self.stats.bytes_written += size;
         self.stats.output_layers += 1;
         let layer = Frozen::with_blocks(file_id, name, w.file, index, size);
@@ -705,7 +719,6 @@ impl Pass {
         sh.index.read().unwrap_or_else(PoisonError::into_inner).replaced(&input_ids, &outputs)?;
         let inputs: Vec<String> = self.inputs.iter().map(|l| l.name.clone()).collect();
         let metas: Vec<LayerMeta> = self.outputs.iter().map(|o| o.meta.clone()).collect();
-        let next_id = self.next_id;
         let installed = sh.update_manifest(&self.dir_file, |m| {
             // The outputs take the inputs' place (they are listed together, oldest first).
             let at = m.layers.iter().position(|l| inputs.contains(&l.name)).unwrap_or(0);
@@ -715,7 +728,6 @@ impl Pass {
             // Inputs of an earlier pass that could not be deleted stay listed with these.
             m.deleting.retain(|n| !inputs.contains(n));
             m.deleting.extend(inputs.iter().cloned());
-            m.next_layer_id = m.next_layer_id.max(next_id);
         });
         if let Err(e) = installed {
             if RenamedNotSynced::is_in(&e) {
@@ -790,8 +802,7 @@ fn delete_files(sh: &Shared, dir_file: &File) -> u64 {
 }
 
 impl Writer {
-    fn create(dir: &std::path::Path, id: u64) -> anyhow::Result<Writer> {
-        let tmp = dir.join(format!("{TMP_PREFIX}{id:016X}.tmp"));
+    fn create(tmp: PathBuf) -> anyhow::Result<Writer> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -799,12 +810,13 @@ impl Writer {
             .truncate(true)
             .open(&tmp)
             .with_context(|| format!("create {}", tmp.display()))?;
-        file.write_all_at(&format::file_header(), 0).context("write compaction output header")?;
+        let header = format::file_header();
+        file.write_all_at(&header, 0).context("write compaction output header")?;
         Ok(Writer {
-            id,
             tmp,
             file: Arc::new(file),
             len: FILE_HEADER_LEN,
+            crc: crc32c::crc32c(&header),
             buf: Vec::new(),
             entries: Vec::new(),
         })
@@ -824,6 +836,7 @@ impl Writer {
     fn flush(&mut self) -> anyhow::Result<()> {
         self.file.write_all_at(&self.buf, self.len).context("write compaction output")?;
         self.len += self.buf.len() as u64;
+        self.crc = crc32c::crc32c_append(self.crc, &self.buf);
         self.buf.clear();
         Ok(())
     }

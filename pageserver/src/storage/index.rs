@@ -199,7 +199,7 @@ impl Frozen {
 
     /// Whether this layer was written by compaction (its values are sorted by key).
     pub(crate) fn compacted(&self) -> bool {
-        super::layer::parse_file_name(&self.name).is_some_and(|n| n.id.is_some())
+        super::layer::parse_file_name(&self.name).is_some_and(|n| n.level == super::layer::Level::Compacted)
     }
 }
 

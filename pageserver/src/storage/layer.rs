@@ -1,5 +1,5 @@
-//! Sealed layer files: immutable files holding values, their index and a footer, named by the
-//! LSN range they cover (`layer_<first>_<last>.layer`, 16 hex digits each).
+//! Sealed layer files: immutable files holding values, their index and a footer, named by what
+//! they hold ([`LayerName`]: level, key range, LSN range, generation).
 //!
 //! A layer is what a full active segment becomes: the committer appends the index and the
 //! footer after the last frame, fsyncs, and renames the file, so sealing copies no value bytes
@@ -56,42 +56,134 @@ pub(crate) struct Footer {
     pub index_crc: u32,
 }
 
-/// File name of a layer covering `first..=last`: made by a seal (`id` None) or the output
-/// `id` of a compaction (several outputs may cover the same LSN range).
-pub(crate) fn file_name(first: Lsn, last: Lsn, id: Option<u64>) -> String {
-    match id {
-        None => format!("layer_{:016X}_{:016X}.layer", first.0, last.0),
-        Some(id) => format!("layer_{:016X}_{:016X}_{id:016X}.layer", first.0, last.0),
-    }
+/// What a layer file holds, as its name says: a seal of the active segment (level 0: whatever
+/// keys arrived, in arrival order) or an output of a compaction pass (level 1: sorted by key;
+/// the outputs of one pass are key-disjoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Level {
+    Sealed,
+    Compacted,
 }
 
-/// What a layer's file name says.
+/// Everything a layer's file name says. Names this build writes are
+/// `layer_L<level>_<min key>-<max key>_<first lsn>-<last lsn>_g<generation>.layer`
+/// ([`file_name`]); names of builds before it (`layer_<first>_<last>[_<id>].layer`, no key
+/// range, no generation) are still read ([`parse_file_name`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LayerName {
+    pub level: Level,
     pub first: Lsn,
     pub last: Lsn,
-    /// Set for compaction outputs.
+    /// The smallest and the largest key in the file (names of this build).
+    pub keys: Option<(Key, Key)>,
+    /// The generation of the manifest that recorded the seal or the compaction pass the file
+    /// was written for (names of this build): with the key and LSN ranges it makes the name
+    /// unique within the timeline for good, also across an interrupted pass and its retry.
+    pub generation: Option<u64>,
+    /// The output number of a compaction pass (older names of compaction outputs).
     pub id: Option<u64>,
 }
 
-/// Parses a name made by [`file_name`]; `None` for anything else.
+impl LayerName {
+    /// The name of a file written by this build.
+    pub(crate) fn new(level: Level, keys: (Key, Key), first: Lsn, last: Lsn, generation: u64) -> LayerName {
+        LayerName { level, first, last, keys: Some(keys), generation: Some(generation), id: None }
+    }
+
+    /// The name a seal got before names carried key ranges (what version 1 recovery gives an
+    /// interrupted seal of such a directory).
+    pub(crate) fn older_seal(first: Lsn, last: Lsn) -> LayerName {
+        LayerName { level: Level::Sealed, first, last, keys: None, generation: None, id: None }
+    }
+}
+
+/// The file name of `n`: the names this build writes when `n` has keys and a generation, else
+/// the older form (tests of old directories, and version 1 recovery).
+pub(crate) fn file_name(n: &LayerName) -> String {
+    match (n.keys, n.generation) {
+        (Some((min, max)), Some(generation)) => format!(
+            "layer_L{}_{}-{}_{:016X}-{:016X}_g{generation:016X}.layer",
+            match n.level {
+                Level::Sealed => 0,
+                Level::Compacted => 1,
+            },
+            key_hex(&min),
+            key_hex(&max),
+            n.first.0,
+            n.last.0
+        ),
+        _ => match n.id {
+            None => format!("layer_{:016X}_{:016X}.layer", n.first.0, n.last.0),
+            Some(id) => format!("layer_{:016X}_{:016X}_{id:016X}.layer", n.first.0, n.last.0),
+        },
+    }
+}
+
+/// A key as 34 upper-case hex digits: spcnode, dbnode, relnode (8 each), forknum (2), blknum
+/// (8), so that names sort by key as keys do.
+fn key_hex(k: &Key) -> String {
+    format!("{:08X}{:08X}{:08X}{:02X}{:08X}", k.spcnode, k.dbnode, k.relnode, k.forknum, k.blknum)
+}
+
+/// Parses a name of either form [`file_name`] makes; `None` for anything else.
 pub(crate) fn parse_file_name(name: &str) -> Option<LayerName> {
     let rest = name.strip_prefix("layer_")?.strip_suffix(".layer")?;
-    let hex = |s: &str| {
-        (s.len() == 16 && s.bytes().all(|c| c.is_ascii_hexdigit()))
+    let hex = |s: &str, digits: usize| {
+        (s.len() == digits && s.bytes().all(|c| c.is_ascii_hexdigit()))
             .then(|| u64::from_str_radix(s, 16).ok())
             .flatten()
     };
-    let mut parts = rest.split('_');
-    let first = Lsn(hex(parts.next()?)?);
-    let last = Lsn(hex(parts.next()?)?);
-    let id = match parts.next() {
-        Some(p) => Some(hex(p)?),
-        None => None,
+    let pair = |s: &str, digits: usize| {
+        let (a, b) = s.split_once('-')?;
+        Some((hex(a, digits)?, hex(b, digits)?))
     };
-    match parts.next() {
-        Some(_) => None,
-        None => Some(LayerName { first, last, id }),
+    let key = |k: &str| {
+        let field = |from: usize, to: usize| hex(k.get(from..to)?, to - from);
+        (k.len() == 34).then_some(())?;
+        Some(Key {
+            spcnode: field(0, 8)? as u32,
+            dbnode: field(8, 16)? as u32,
+            relnode: field(16, 24)? as u32,
+            forknum: field(24, 26)? as u8,
+            blknum: field(26, 34)? as u32,
+        })
+    };
+    let parts: Vec<&str> = rest.split('_').collect();
+    match parts[..] {
+        [level, keys, lsns, generation] => {
+            let level = match level {
+                "L0" => Level::Sealed,
+                "L1" => Level::Compacted,
+                _ => return None,
+            };
+            let (min, max) = keys.split_once('-')?;
+            let (first, last) = pair(lsns, 16)?;
+            Some(LayerName {
+                level,
+                first: Lsn(first),
+                last: Lsn(last),
+                keys: Some((key(min)?, key(max)?)),
+                generation: Some(hex(generation.strip_prefix('g')?, 16)?),
+                id: None,
+            })
+        }
+        [first, last] => Some(LayerName {
+            level: Level::Sealed,
+            first: Lsn(hex(first, 16)?),
+            last: Lsn(hex(last, 16)?),
+            keys: None,
+            generation: None,
+            id: None,
+        }),
+        [first, last, id] => Some(LayerName {
+            level: Level::Compacted,
+            first: Lsn(hex(first, 16)?),
+            last: Lsn(hex(last, 16)?),
+            keys: None,
+            generation: None,
+            id: Some(hex(id, 16)?),
+        }),
+        _ => None,
     }
 }
 
@@ -100,15 +192,23 @@ pub(crate) fn index_and_footer_len(entries: usize) -> u64 {
     block_index::encoded_len(entries)
 }
 
+/// A layer file as written: its length, its index (as [`BlockIndex::open`] would read it
+/// back) and the crc32c of all its bytes (what the manifest lists).
+pub(crate) struct Written {
+    pub len: u64,
+    pub index: BlockIndex,
+    pub crc: u32,
+}
+
 /// Appends the block index of `entries` (sorted here by key, then LSN), its fences and its
-/// footer at `data_end` of `file`, without fsync. Returns the new file length and the index
-/// (as [`BlockIndex::open`] would read it back). `entries` must be non-empty, unique and lie
-/// below `data_end`.
+/// footer at `data_end` of `file`, without fsync. `data_crc` is the crc32c of the file's bytes
+/// before `data_end`. `entries` must be non-empty, unique and lie below `data_end`.
 pub(crate) fn append_index_and_footer(
     file: &Arc<File>,
     data_end: u64,
+    data_crc: u32,
     entries: &[IndexEntry],
-) -> anyhow::Result<(u64, BlockIndex)> {
+) -> anyhow::Result<Written> {
     let mut sorted;
     let entries = if entries.windows(2).all(|w| (w[0].key, w[0].lsn) < (w[1].key, w[1].lsn)) {
         entries
@@ -119,7 +219,24 @@ pub(crate) fn append_index_and_footer(
     };
     let (buf, footer, fences) = block_index::encode(data_end, entries)?;
     file.write_all_at(&buf, data_end).context("write layer index and footer")?;
-    Ok((data_end + buf.len() as u64, BlockIndex::written(Arc::clone(file), footer, fences)))
+    Ok(Written {
+        len: data_end + buf.len() as u64,
+        index: BlockIndex::written(Arc::clone(file), footer, fences),
+        crc: crc32c::crc32c_append(data_crc, &buf),
+    })
+}
+
+/// The crc32c of the first `len` bytes of `file`, read 1 MiB at a time.
+pub(crate) fn file_crc(file: &File, len: u64) -> anyhow::Result<u32> {
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut crc, mut at) = (0u32, 0u64);
+    while at < len {
+        let n = (len - at).min(buf.len() as u64) as usize;
+        read_at(file, &mut buf[..n], at).context("read layer file")?;
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        at += n as u64;
+    }
+    Ok(crc)
 }
 
 /// Bytes that [`append_flat_index_and_footer`] adds for `entries` index entries.
@@ -305,18 +422,23 @@ pub(crate) fn open(path: &Path) -> anyhow::Result<OpenLayer> {
     let mut header = [0u8; FILE_HEADER_LEN as usize];
     read_at(&file, &mut header, 0).context("read layer header")?;
     format::check_file_header(&header)?;
-    let (first_lsn, last_lsn, index) = if block_index::has_block_footer(&file, len) {
+    let (first_lsn, last_lsn, keys, index) = if block_index::has_block_footer(&file, len) {
         let index = BlockIndex::open(Arc::clone(&file), len)?;
-        (index.footer.first_lsn, index.footer.last_lsn, LayerIndex::Blocks(index))
+        let f = index.footer;
+        (f.first_lsn, f.last_lsn, Some((f.min_key, f.max_key)), LayerIndex::Blocks(index))
     } else {
         let footer = read_footer(&file, len)?;
-        (footer.first_lsn, footer.last_lsn, LayerIndex::Flat(read_index(&file, &footer)?))
+        (footer.first_lsn, footer.last_lsn, None, LayerIndex::Flat(read_index(&file, &footer)?))
     };
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let parsed = parse_file_name(name).context("not a layer file name")?;
     ensure!(
-        parse_file_name(name).map(|n| (n.first, n.last)) == Some((first_lsn, last_lsn)),
+        (parsed.first, parsed.last) == (first_lsn, last_lsn),
         "name does not match the footer's lsn range {first_lsn}..={last_lsn}"
     );
+    if let Some((min, max)) = parsed.keys {
+        ensure!(keys == Some((min, max)), "name does not match the footer's key range {keys:?}");
+    }
     Ok(OpenLayer { file, last_lsn, index, len })
 }
 
@@ -334,20 +456,44 @@ mod tests {
 
     #[test]
     fn file_name_roundtrip_and_foreign_names_rejected() {
-        let name = file_name(Lsn(0x1_0000_002A), Lsn(u64::MAX), None);
+        let min = Key { spcnode: 1663, dbnode: 5, relnode: 0xABCD_EF01, forknum: 2, blknum: 7 };
+        let max = Key { spcnode: u32::MAX, dbnode: 0, relnode: 1, forknum: 0x80, blknum: u32::MAX };
+        let n = LayerName::new(Level::Compacted, (min, max), Lsn(0x1_0000_002A), Lsn(u64::MAX), 0x2b);
+        let name = file_name(&n);
+        let want = concat!(
+            "layer_L1_0000067F00000005ABCDEF010200000007-FFFFFFFF000000000000000180FFFFFFFF_",
+            "000000010000002A-FFFFFFFFFFFFFFFF_g000000000000002B.layer"
+        );
+        assert_eq!(name, want);
+        assert_eq!(parse_file_name(&name), Some(n));
+        let sealed = LayerName::new(Level::Sealed, (min, min), Lsn(1), Lsn(2), 3);
+        assert_eq!(parse_file_name(&file_name(&sealed)), Some(sealed));
+        // names of builds before key ranges
+        let name = file_name(&LayerName::older_seal(Lsn(0x1_0000_002A), Lsn(u64::MAX)));
         assert_eq!(name, "layer_000000010000002A_FFFFFFFFFFFFFFFF.layer");
         let parsed = parse_file_name(&name).unwrap();
-        assert_eq!((parsed.first, parsed.last, parsed.id), (Lsn(0x1_0000_002A), Lsn(u64::MAX), None));
-        let name = file_name(Lsn(1), Lsn(2), Some(0x2b));
-        assert_eq!(name, "layer_0000000000000001_0000000000000002_000000000000002B.layer");
-        assert_eq!(parse_file_name(&name).unwrap().id, Some(0x2b));
+        assert_eq!(
+            (parsed.level, parsed.first, parsed.last),
+            (Level::Sealed, Lsn(0x1_0000_002A), Lsn(u64::MAX))
+        );
+        assert_eq!((parsed.keys, parsed.generation, parsed.id), (None, None, None));
+        let parsed =
+            parse_file_name("layer_0000000000000001_0000000000000002_000000000000002B.layer").unwrap();
+        assert_eq!((parsed.level, parsed.id, parsed.keys), (Level::Compacted, Some(0x2b), None));
+        let new = file_name(&n);
         for bad in [
-            "layer_1_2.layer",
-            "active.seg",
-            "layer_000000010000002A_FFFFFFFFFFFFFFFF",
-            "layer_0000000000000001_0000000000000002_000000000000002B_0000000000000001.layer",
+            "layer_1_2.layer".to_string(),
+            "active.seg".to_string(),
+            "layer_000000010000002A_FFFFFFFFFFFFFFFF".to_string(),
+            "layer_0000000000000001_0000000000000002_000000000000002B_0000000000000001.layer".to_string(),
+            new.replace("layer_L1", "layer_L2"),
+            new.replace("_g0", "_0"),
+            new.replace("_g000000000000002B", "_g2B"),
+            new.replace("0000067F", "000067F"),
+            new.replace("-FFFFFFFF0000", "FFFFFFFF0000"),
+            new.replace("_000000010000002A-", "_000000010000002A_"),
         ] {
-            assert_eq!(parse_file_name(bad), None, "{bad}");
+            assert_eq!(parse_file_name(&bad), None, "{bad}");
         }
     }
 
@@ -379,7 +525,11 @@ mod tests {
         let end = if flat {
             append_flat_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap()
         } else {
-            append_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap().0
+            let written = append_index_and_footer(&seg.file, seg.len, seg.crc, &seg.entries).unwrap();
+            // The crc kept while appending, and the index's, make the whole file's.
+            assert_eq!(written.crc, file_crc(&seg.file, written.len).unwrap());
+            assert_ne!(written.crc, file_crc(&seg.file, written.len - 1).unwrap());
+            written.len
         };
         (seg, end)
     }
@@ -391,7 +541,7 @@ mod tests {
             let batches: [&[_]; 2] =
                 [&[(key(9), Lsn(5), rec(b"a")), (key(1), Lsn(5), rec(b"b"))], &[(key(1), Lsn(7), rec(b"c"))]];
             let (seg, end) = sealed_segment(dir.path(), &batches, flat);
-            let path = dir.path().join(file_name(Lsn(5), Lsn(7), None));
+            let path = dir.path().join(file_name(&LayerName::older_seal(Lsn(5), Lsn(7))));
             std::fs::rename(dir.path().join("active.seg"), &path).unwrap();
 
             let layer = open(&path).unwrap();
@@ -412,11 +562,19 @@ mod tests {
         for flat in [false, true] {
             let dir = tempfile::tempdir().unwrap();
             let (seg, _) = sealed_segment(dir.path(), &[&[(key(1), Lsn(5), rec(b"a"))]], flat);
-            let wrong = dir.path().join(file_name(Lsn(5), Lsn(6), None));
+            let wrong = dir.path().join(file_name(&LayerName::older_seal(Lsn(5), Lsn(6))));
             std::fs::rename(dir.path().join("active.seg"), &wrong).unwrap();
             assert!(open(&wrong).is_err());
+            // A name with a key range must give the footer's: a flat index has none.
+            let named = |keys| file_name(&LayerName::new(Level::Sealed, keys, Lsn(5), Lsn(5), 1));
+            for (keys, opens) in [((key(1), key(2)), false), ((key(1), key(1)), !flat)] {
+                let path = dir.path().join(named(keys));
+                std::fs::rename(&wrong, &path).unwrap();
+                assert_eq!(open(&path).is_ok(), opens, "{path:?}");
+                std::fs::rename(&path, &wrong).unwrap();
+            }
 
-            let right = dir.path().join(file_name(Lsn(5), Lsn(5), None));
+            let right = dir.path().join(file_name(&LayerName::older_seal(Lsn(5), Lsn(5))));
             std::fs::rename(&wrong, &right).unwrap();
             open(&right).unwrap();
             // In the flat index, an entry; in a block index, the fence array (one block of one

@@ -25,15 +25,18 @@ use std::path::Path;
 use anyhow::{bail, ensure, Context};
 use serde::{Deserialize, Serialize};
 
-use super::{layer, FsyncFailed, Lsn, StorageMetrics};
+use super::layer::{self, LayerName};
+use super::{FsyncFailed, StorageMetrics};
 
 /// File name of the manifest in a timeline directory.
 pub(crate) const MANIFEST_NAME: &str = "manifest.json";
 /// Temporary name a new manifest is written under before it is renamed over the old one.
 pub(crate) const MANIFEST_TMP_NAME: &str = ".manifest.json.tmp";
 /// Version of the manifest's JSON schema written: 2 adds the compaction fields (`gc_cutoff`,
-/// `next_layer_id`, `compacting`, `deleting`); version 1 manifests (without them) still decode.
-pub(crate) const MANIFEST_VERSION: u32 = 2;
+/// `next_layer_id`, `compacting`, `deleting`); 3 adds each layer's `crc32c` and
+/// `compacting.first_generation`, and no longer writes `next_layer_id` (layer names carry a
+/// generation instead of an output number). Versions 1 and 2 still decode.
+pub(crate) const MANIFEST_VERSION: u32 = 3;
 const CRC_PREFIX: &str = "crc32c=";
 
 /// The files of a timeline, as last made durable.
@@ -52,11 +55,11 @@ pub(crate) struct Manifest {
     /// GetPage below this LSN is refused: compaction may have dropped what it needs.
     #[serde(default)]
     pub gc_cutoff: u64,
-    /// The id the next compaction output gets (its file name's third field).
-    #[serde(default)]
-    pub next_layer_id: u64,
-    /// A compaction that may have written output files: unlisted outputs with an id from
-    /// `first_layer_id` on are its leftovers.
+    /// Version 2: the output number the next compaction output would have got. Read and
+    /// dropped: outputs are named by generation now.
+    #[serde(default, rename = "next_layer_id", skip_serializing)]
+    pub _next_layer_id: u64,
+    /// A compaction that may have written output files (see [`CompactIntent`]).
     #[serde(default)]
     pub compacting: Option<CompactIntent>,
     /// Files no longer part of the timeline (compaction inputs), to be deleted.
@@ -64,11 +67,16 @@ pub(crate) struct Manifest {
     pub deleting: Vec<String>,
 }
 
-/// A compaction in progress.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A compaction in progress: unlisted compaction outputs it may have left are those with a
+/// generation from `first_generation` on, or (a pass recorded by a build before version 3) an
+/// output number from `first_layer_id` on.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct CompactIntent {
-    pub first_layer_id: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_layer_id: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_generation: Option<u64>,
 }
 
 /// One layer file.
@@ -80,6 +88,10 @@ pub(crate) struct LayerMeta {
     pub last_lsn: u64,
     /// File length in bytes.
     pub size: u64,
+    /// The crc32c of the whole file; absent for layers written before version 3 of the
+    /// manifest (and for a seal's layer until the seal is done).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32c: Option<u32>,
 }
 
 /// The identity of the active segment: which one in the timeline's sequence of active segments
@@ -100,9 +112,15 @@ pub(crate) struct SealIntent {
 }
 
 impl LayerMeta {
-    /// A layer made by sealing an active segment.
-    pub(crate) fn new(first: Lsn, last: Lsn, size: u64) -> LayerMeta {
-        LayerMeta { name: layer::file_name(first, last, None), first_lsn: first.0, last_lsn: last.0, size }
+    /// The entry of the layer file named `name`.
+    pub(crate) fn new(name: &LayerName, size: u64, crc32c: Option<u32>) -> LayerMeta {
+        LayerMeta {
+            name: layer::file_name(name),
+            first_lsn: name.first.0,
+            last_lsn: name.last.0,
+            size,
+            crc32c,
+        }
     }
 }
 
@@ -116,7 +134,7 @@ impl Manifest {
             active: ActiveMeta { seq: 0, base_lsn: 0 },
             sealing: None,
             gc_cutoff: 0,
-            next_layer_id: 0,
+            _next_layer_id: 0,
             compacting: None,
             deleting: Vec::new(),
         }
@@ -124,15 +142,16 @@ impl Manifest {
 
     /// The last LSN of the last layer (0/0 without layers).
     #[cfg(test)]
-    pub(crate) fn layers_last_lsn(&self) -> Lsn {
-        Lsn(self.layers.last().map_or(0, |l| l.last_lsn))
+    pub(crate) fn layers_last_lsn(&self) -> super::Lsn {
+        super::Lsn(self.layers.last().map_or(0, |l| l.last_lsn))
     }
 
-    /// The manifest after `intent`'s seal finished: its layer appended, a new active segment
-    /// above it, no seal in progress. `generation` is left for [`write`] to advance.
-    pub(crate) fn with_seal_done(&self, intent: &SealIntent) -> Manifest {
+    /// The manifest after `intent`'s seal finished, its layer's bytes having the crc32c `crc`:
+    /// its layer appended, a new active segment above it, no seal in progress. `generation` is
+    /// left for [`write`] to advance.
+    pub(crate) fn with_seal_done(&self, intent: &SealIntent, crc: u32) -> Manifest {
         let mut next = self.clone();
-        next.layers.push(intent.layer.clone());
+        next.layers.push(LayerMeta { crc32c: Some(crc), ..intent.layer.clone() });
         next.active = ActiveMeta { seq: self.active.seq + 1, base_lsn: intent.layer.last_lsn };
         next.sealing = None;
         next
@@ -240,12 +259,19 @@ impl RenamedNotSynced {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::storage::layer::Level;
+    use crate::storage::test_support::key;
+    use crate::storage::Lsn;
 
     fn sample() -> Manifest {
+        let name = |first, last, generation| {
+            LayerName::new(Level::Sealed, (key(0), key(7)), first, last, generation)
+        };
         let mut m = Manifest::empty();
-        m.layers.push(LayerMeta::new(Lsn(1), Lsn(0x20), 4096));
+        m.layers.push(LayerMeta::new(&name(Lsn(1), Lsn(0x20), 1), 4096, Some(0xdead_beef)));
         m.active = ActiveMeta { seq: 1, base_lsn: 0x20 };
-        m.sealing = Some(SealIntent { layer: LayerMeta::new(Lsn(0x21), Lsn(0x40), 9000), data_len: 8000 });
+        let layer = LayerMeta::new(&name(Lsn(0x21), Lsn(0x40), 3), 9000, None);
+        m.sealing = Some(SealIntent { layer, data_len: 8000 });
         m
     }
 
@@ -273,11 +299,46 @@ mod tests {
         write(dir.path(), &dir_file, &mut m, &metrics).unwrap();
         assert_eq!(m.generation, 1);
         let intent = sample().sealing.unwrap();
-        let mut done = m.with_seal_done(&intent);
+        let mut done = m.with_seal_done(&intent, 0x1234_5678);
         write(dir.path(), &dir_file, &mut done, &metrics).unwrap();
         let back = read(dir.path()).unwrap().unwrap();
         assert_eq!(back, done);
         assert_eq!((back.generation, back.active.seq, back.active.base_lsn), (2, 1, 0x40));
+        assert_eq!(back.layers[0].crc32c, Some(0x1234_5678));
         assert!(!dir.path().join(MANIFEST_TMP_NAME).exists());
+    }
+
+    /// A version 2 manifest, as the build before version 3 wrote it with a pass in progress.
+    #[test]
+    fn version_2_decodes_and_is_written_as_version_3() {
+        let body = r#"{
+  "version": 2,
+  "generation": 12,
+  "layers": [
+    { "name": "layer_0000000000000117_0000000000000162_0000000000000000.layer",
+      "first_lsn": 279, "last_lsn": 354, "size": 68715 }
+  ],
+  "active": { "seq": 3, "base_lsn": 354 },
+  "sealing": null,
+  "gc_cutoff": 300,
+  "next_layer_id": 3,
+  "compacting": { "first_layer_id": 3 },
+  "deleting": []
+}
+"#;
+        let raw = format!("{body}{CRC_PREFIX}{:08x}\n", crc32c::crc32c(body.as_bytes()));
+        let m = Manifest::decode(raw.as_bytes()).unwrap();
+        assert_eq!((m.version, m.layers[0].crc32c, m._next_layer_id), (2, None, 3));
+        assert_eq!(m.compacting, Some(CompactIntent { first_layer_id: Some(3), first_generation: None }));
+        let text = String::from_utf8(m.encode().unwrap()).unwrap();
+        assert!(
+            !text.contains("next_layer_id") && !text.contains("crc32c\"") && text.contains("first_layer_id"),
+            "{text}"
+        );
+        let again = Manifest::decode(text.as_bytes()).unwrap();
+        assert_eq!(
+            (again.layers.clone(), again.compacting.clone()),
+            (m.layers.clone(), m.compacting.clone())
+        );
     }
 }

@@ -33,6 +33,7 @@ use anyhow::{bail, ensure, Context};
 
 use super::format::{self, FILE_HEADER_LEN, LOCK_NAME};
 use super::index::{Frozen, Index};
+use super::layer::{LayerName, Level};
 use super::manifest::{self, LayerMeta, Manifest, MANIFEST_NAME, MANIFEST_TMP_NAME};
 use super::segment::{self, read_at, ActiveSegment, ACTIVE_NAME};
 use super::{compact, layer, Lsn, StorageMetrics};
@@ -112,7 +113,9 @@ fn resolve_seal(
         // holds no data and is replaced.
         ActiveSegment::create(dir, dir_file, 0, metrics)?;
         listing.active = true;
-        let mut done = m.with_seal_done(&intent);
+        let file = File::open(dir.join(name)).with_context(|| format!("open {name}"))?;
+        let crc = layer::file_crc(&file, intent.layer.size).with_context(|| format!("checksum {name}"))?;
+        let mut done = m.with_seal_done(&intent, crc);
         manifest::write(dir, dir_file, &mut done, metrics).context("record the finished seal")?;
         *m = done;
         tracing::info!(layer = %name, "finished a seal interrupted by a crash");
@@ -136,9 +139,10 @@ fn resolve_seal(
     Ok(())
 }
 
-/// Removes what compaction left: the outputs of a pass that did not install (unlisted layers
-/// with an id from the intent's first on), and the inputs of one that did (`deleting`), but
-/// those only while every layer the manifest lists is there.
+/// Removes what compaction left: the outputs of a pass that did not install (unlisted level 1
+/// layers with a generation, or an older build's output number, from the intent's first on),
+/// and the inputs of one that did (`deleting`), but those only while every layer the manifest
+/// lists is there.
 fn resolve_compaction(
     dir: &Path,
     dir_file: &File,
@@ -161,12 +165,15 @@ fn resolve_compaction(
             m.deleting.join(", ")
         );
     }
-    let first = m.compacting.as_ref().map(|c| c.first_layer_id);
+    let intent = m.compacting.clone().unwrap_or_default();
     let leftover = |name: &String| {
-        let id = layer::parse_file_name(name).and_then(|n| n.id);
         let unlisted = !m.layers.iter().any(|l| &l.name == name);
-        unlisted
-            && (m.deleting.contains(name) || matches!((id, first), (Some(id), Some(first)) if id >= first))
+        let output = layer::parse_file_name(name).is_some_and(|n| {
+            n.level == Level::Compacted
+                && (matches!((n.generation, intent.first_generation), (Some(g), Some(first)) if g >= first)
+                    || matches!((n.id, intent.first_layer_id), (Some(id), Some(first)) if id >= first))
+        });
+        unlisted && (m.deleting.contains(name) || output)
     };
     let (gone, kept): (Vec<String>, Vec<String>) = listing.layers.drain(..).partition(leftover);
     listing.layers = kept;
@@ -284,9 +291,8 @@ fn recover_v1(
     let mut metas = Vec::new();
     for name in &listing.layers {
         let parsed = layer::parse_file_name(name).context("parse layer name")?;
-        let (first, last) = (parsed.first, parsed.last);
         let size = std::fs::metadata(dir.join(name)).with_context(|| format!("stat {name}"))?.len();
-        metas.push(LayerMeta::new(first, last, size));
+        metas.push(LayerMeta { name: name.clone(), ..LayerMeta::new(&parsed, size, None) });
     }
     metas.sort_by_key(|l| l.first_lsn);
     let opened = open_layers(dir, &metas)?;
@@ -362,7 +368,7 @@ fn finish_interrupted_seal(
         tracing::info!("active.seg ends in bytes that parse as a layer footer inside a frame: not a seal");
         return Ok(None);
     }
-    let name = layer::file_name(footer.first_lsn, footer.last_lsn, None);
+    let name = layer::file_name(&LayerName::older_seal(footer.first_lsn, footer.last_lsn));
     let target: PathBuf = dir.join(&name);
     ensure!(!target.exists(), "interrupted seal of {name}, but that layer already exists");
     metrics.fsync(|| file.sync_all()).context("fsync interrupted layer")?;
@@ -421,7 +427,13 @@ fn open_active(
         metrics.fsync(|| file.sync_all()).context("fsync truncated active.seg")?;
         metrics.torn_tail_truncations.inc();
     }
-    Ok(ActiveSegment { file: Arc::new(file), file_id, len: scan.valid_len, entries: scan.entries })
+    Ok(ActiveSegment {
+        file: Arc::new(file),
+        file_id,
+        len: scan.valid_len,
+        entries: scan.entries,
+        crc: scan.crc,
+    })
 }
 
 #[cfg(test)]

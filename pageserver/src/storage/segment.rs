@@ -81,6 +81,8 @@ pub(crate) struct ActiveSegment {
     pub len: u64,
     /// Entries of every value in this segment, in append order (becomes the layer index).
     pub entries: Vec<IndexEntry>,
+    /// The crc32c of the file's first `len` bytes (a seal appends its index to it).
+    pub crc: u32,
 }
 
 impl ActiveSegment {
@@ -101,10 +103,12 @@ impl ActiveSegment {
             .truncate(true)
             .open(&path)
             .context("create active segment")?;
-        file.write_all_at(&format::file_header(), 0).context("write active segment header")?;
+        let header = format::file_header();
+        file.write_all_at(&header, 0).context("write active segment header")?;
         metrics.fsync(|| file.sync_all()).context("fsync new active segment")?;
         metrics.fsync(|| dir_file.sync_all()).context("fsync timeline directory")?;
-        Ok(ActiveSegment { file: Arc::new(file), file_id, len: FILE_HEADER_LEN, entries: Vec::new() })
+        let crc = crc32c::crc32c(&header);
+        Ok(ActiveSegment { file: Arc::new(file), file_id, len: FILE_HEADER_LEN, entries: Vec::new(), crc })
     }
 
     /// First and last LSN stored in this segment, if it holds anything.
@@ -127,6 +131,7 @@ impl ActiveSegment {
             return Err(e).context("write batch frame");
         }
         self.len += buf.len() as u64;
+        self.crc = crc32c::crc32c_append(self.crc, buf);
         Ok(first_entry)
     }
 }
@@ -140,6 +145,8 @@ pub(crate) struct Scan {
     pub valid_len: u64,
     /// Why the scan stopped before the end of the file, if it did.
     pub torn: Option<String>,
+    /// The crc32c of the file's first `valid_len` bytes.
+    pub crc: u32,
 }
 
 /// Scans the frames of a segment whose header has been checked, from [`FILE_HEADER_LEN`] to
@@ -149,6 +156,9 @@ pub(crate) struct Scan {
 pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn) -> anyhow::Result<Scan> {
     let mut entries = Vec::new();
     let mut pos = FILE_HEADER_LEN;
+    let mut file_header = [0u8; FILE_HEADER_LEN as usize];
+    read_at(file, &mut file_header, 0).context("read file header")?;
+    let mut file_crc = crc32c::crc32c(&file_header);
     let mut header = [0u8; FRAME_HEADER_LEN];
     let mut body = Vec::new();
     let torn = loop {
@@ -186,8 +196,9 @@ pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn) -> anyhow::Res
         ensure!(batch.windows(2).all(|w| w[0].lsn <= w[1].lsn), "frame at offset {pos} has decreasing lsns");
         last_lsn = batch[batch.len() - 1].lsn;
         pos = body_start + body_len as u64;
+        file_crc = crc32c::crc32c_append(crc32c::crc32c_append(file_crc, &header), &body);
     };
-    Ok(Scan { entries, valid_len: pos, torn })
+    Ok(Scan { entries, valid_len: pos, torn, crc: file_crc })
 }
 
 /// Decodes `count` values of a checksummed frame body that starts at file offset `body_start`.

@@ -138,3 +138,18 @@ impl Drop for BindMount {
 /// Read limits that never refuse.
 pub(crate) const NO_LIMITS: super::ReadLimits =
     super::ReadLimits { max_records: usize::MAX, max_bytes: u64::MAX };
+
+/// Checks every layer the manifest of `dir` lists: its file's crc32c is the listed one, and
+/// its name's key and LSN ranges are its footer's (it opens). Returns how many it checked.
+pub(crate) fn check_listed_layers(dir: &Path) -> usize {
+    let m = super::manifest::read(dir).unwrap().unwrap();
+    for l in &m.layers {
+        let path = dir.join(&l.name);
+        let opened = super::layer::open(&path).unwrap();
+        let name = super::layer::parse_file_name(&l.name).unwrap();
+        assert!(name.keys.is_some() && name.generation.is_some_and(|g| g <= m.generation), "{}", l.name);
+        let crc = super::layer::file_crc(&opened.file, opened.len).unwrap();
+        assert_eq!(l.crc32c, Some(crc), "{}", l.name);
+    }
+    m.layers.len()
+}

@@ -23,7 +23,7 @@ use std::sync::PoisonError;
 use anyhow::{ensure, Context};
 
 use super::{Committer, SealState};
-use crate::storage::layer;
+use crate::storage::layer::{self, LayerName, Level};
 use crate::storage::manifest::{LayerMeta, SealIntent};
 use crate::storage::segment::{ActiveSegment, ACTIVE_NAME};
 
@@ -40,18 +40,18 @@ impl Committer {
         }
         if let SealState::Intent(intent) = &self.seal {
             let intent = intent.clone();
-            let index = self.write_layer(&intent)?;
-            self.seal = SealState::Renamed { intent, index, next: None };
+            let written = self.write_layer(&intent)?;
+            self.seal = SealState::Renamed { intent, index: written.index, crc: written.crc, next: None };
         }
-        if let SealState::Renamed { intent, next, .. } = &mut self.seal {
-            let intent = intent.clone();
+        if let SealState::Renamed { intent, crc, next, .. } = &mut self.seal {
+            let (intent, crc) = (intent.clone(), *crc);
             if next.is_none() {
                 let id = self.shared.next_file_id.fetch_add(1, Ordering::Relaxed);
                 *next =
                     Some(ActiveSegment::create(&self.shared.dir, &self.dir_file, id, &self.shared.metrics)?);
             }
             self.shared
-                .update_manifest(&self.dir_file, |m| *m = m.with_seal_done(&intent))
+                .update_manifest(&self.dir_file, |m| *m = m.with_seal_done(&intent, crc))
                 .context("record sealed layer")?;
             if let SealState::Renamed { index, next: Some(next), .. } =
                 std::mem::replace(&mut self.seal, SealState::Idle)
@@ -62,31 +62,47 @@ impl Committer {
         Ok(())
     }
 
-    /// Step 0: the intent, with the layer's final size (known in advance), made durable.
+    /// Step 0: the intent, with the layer's name (its generation is that of the manifest that
+    /// records the intent) and final size (known in advance), made durable.
     fn record_intent(&mut self) -> anyhow::Result<SealIntent> {
+        let entries = &self.segment.entries;
         let (first, last) = self.segment.lsn_range().context("seal an empty segment")?;
+        let min = entries.iter().map(|e| e.key).min().context("seal an empty segment")?;
+        let max = entries.iter().map(|e| e.key).max().context("seal an empty segment")?;
         let data_len = self.segment.len;
-        let size = data_len + layer::index_and_footer_len(self.segment.entries.len());
-        let intent = SealIntent { layer: LayerMeta::new(first, last, size), data_len };
+        let size = data_len + layer::index_and_footer_len(entries.len());
+        let mut intent = None;
         self.shared
-            .update_manifest(&self.dir_file, |m| m.sealing = Some(intent.clone()))
+            .update_manifest(&self.dir_file, |m| {
+                let name = LayerName::new(Level::Sealed, (min, max), first, last, m.generation + 1);
+                let recorded = SealIntent { layer: LayerMeta::new(&name, size, None), data_len };
+                m.sealing = Some(recorded.clone());
+                intent = Some(recorded);
+            })
             .context("record seal intent")?;
-        Ok(intent)
+        intent.context("seal intent not recorded")
     }
 
     /// Steps 1 to 4: index and footer, fdatasync, rename, fsync of the directory. Returns the
-    /// index as written.
-    fn write_layer(&mut self, intent: &SealIntent) -> anyhow::Result<layer::BlockIndex> {
+    /// layer as written.
+    fn write_layer(&mut self, intent: &SealIntent) -> anyhow::Result<layer::Written> {
         let m = &self.shared.metrics;
-        let file = &self.segment.file;
-        let (len, index) = layer::append_index_and_footer(file, intent.data_len, &self.segment.entries)?;
+        let seg = &self.segment;
+        ensure!(
+            seg.len == intent.data_len,
+            "active.seg has {} bytes, its seal intent {}",
+            seg.len,
+            intent.data_len
+        );
+        let written = layer::append_index_and_footer(&seg.file, intent.data_len, seg.crc, &seg.entries)?;
+        let (len, file) = (written.len, &seg.file);
         ensure!(len == intent.layer.size, "sealed layer has {len} bytes, expected {}", intent.layer.size);
         m.fsync(|| file.sync_data()).context("fdatasync sealed layer")?;
         let dir = &self.shared.dir;
         std::fs::rename(dir.join(ACTIVE_NAME), dir.join(&intent.layer.name))
             .context("rename sealed layer")?;
         m.fsync(|| self.dir_file.sync_all()).context("fsync timeline directory")?;
-        Ok(index)
+        Ok(written)
     }
 
     /// After step 6: the layer is counted and the new active segment takes over.

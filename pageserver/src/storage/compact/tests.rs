@@ -95,11 +95,12 @@ fn layer_files(dir: &std::path::Path) -> Vec<String> {
     v
 }
 
-/// The layer files of `dir` written by compaction (their names carry an output id).
+/// The layer files of `dir` written by compaction (level 1 names).
 fn compacted_files(dir: &std::path::Path) -> Vec<String> {
+    use crate::storage::layer::{parse_file_name, Level};
     layer_files(dir)
         .into_iter()
-        .filter(|n| crate::storage::layer::parse_file_name(n).is_some_and(|p| p.id.is_some()))
+        .filter(|n| parse_file_name(n).is_some_and(|p| p.level == Level::Compacted))
         .collect()
 }
 
@@ -129,6 +130,7 @@ async fn compaction_keeps_every_page_merges_layers_and_creates_images() {
     let before = pages(&tl, KEYS, &lsns);
     let layers_before = tl.stats().layers;
     assert!(layers_before > 5, "{layers_before}");
+    assert_eq!(check_listed_layers(dir.path()) as u64, layers_before);
     // Seals write block indexes (format version 3): no layer holds its entries in memory.
     let n = layers_before as usize;
     assert_eq!(tl.block_indexed_layers(), (n, n));
@@ -151,6 +153,7 @@ async fn compaction_keeps_every_page_merges_layers_and_creates_images() {
     let d = tl.get_reconstruct_data(key(3), Lsn(last), NO_LIMITS).unwrap();
     assert!(d.image.is_some() && d.records.is_empty());
     assert_eq!(layer_files(dir.path()).len() as u64, stats.output_layers);
+    assert_eq!(check_listed_layers(dir.path()) as u64, stats.output_layers);
 
     // Reopened, the same pages, and ingest goes on above.
     drop(tl);
@@ -204,6 +207,7 @@ async fn a_crash_at_any_point_of_a_pass_loses_nothing() {
         assert_eq!(pages(&tl, KEYS, &lsns), before, "after a crash {what}");
         let files = layer_files(snap.path());
         assert_eq!(files.len() as u64, tl.stats().layers, "{what}: {files:?}");
+        assert_eq!(check_listed_layers(snap.path()), files.len(), "{what}");
         assert!(!std::fs::read_dir(snap.path()).unwrap().any(|e| e
             .unwrap()
             .file_name()

@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
 use super::*;
-use crate::storage::manifest::{ActiveMeta, SealIntent};
+use crate::storage::manifest::{ActiveMeta, CompactIntent, SealIntent};
 use crate::storage::test_support::*;
 use crate::storage::{GetError, Key, Timeline, Value};
 
@@ -137,7 +137,8 @@ fn append_seal_index(dir: &Path, keep: Option<u64>, v1: bool) {
     let (first, last) = (scan.entries[0].lsn, scan.entries.last().unwrap().lsn);
     let size = len + layer::flat_index_and_footer_len(scan.entries.len());
     let mut m = manifest::read(dir).unwrap().unwrap();
-    m.sealing = Some(SealIntent { layer: LayerMeta::new(first, last, size), data_len: len });
+    let name = LayerName::older_seal(first, last);
+    m.sealing = Some(SealIntent { layer: LayerMeta::new(&name, size, None), data_len: len });
     write_manifest(dir, &mut m);
     let end = layer::append_flat_index_and_footer(&file, len, &scan.entries).unwrap();
     assert_eq!(end, size);
@@ -186,7 +187,7 @@ async fn version_1_crash_after_seal_wrote_index_but_before_rename_finishes_the_s
 
     let tl = open(dir.path(), BIG, &m);
     assert_eq!(layer_count(dir.path()), 1);
-    assert!(dir.path().join(layer::file_name(Lsn(10), Lsn(30), None)).exists());
+    assert!(dir.path().join(layer::file_name(&LayerName::older_seal(Lsn(10), Lsn(30)))).exists());
     assert_eq!(tl.stats().layers, 1);
     assert_eq!(m.torn_tail_truncations.get(), 0);
     assert_eq!(records_of(&tl, 30), [10, 20, 30]);
@@ -232,6 +233,8 @@ async fn crash_after_rename_before_new_active_segment_recreates_it() {
         let mut man = manifest::read(dir.path()).unwrap().unwrap();
         let layer = man.layers.pop().unwrap();
         man.active = ActiveMeta { seq: man.active.seq - 1, base_lsn: man.layers_last_lsn().0 };
+        // The intent has no checksum: the seal computes it after writing the index.
+        let layer = LayerMeta { crc32c: None, ..layer };
         man.sealing = Some(SealIntent { data_len: layer.size - 200, layer });
         write_manifest(dir.path(), &mut man);
         match leftover {
@@ -243,6 +246,8 @@ async fn crash_after_rename_before_new_active_segment_recreates_it() {
         assert_eq!(tl.last_durable_lsn(), Lsn(20));
         let man = manifest::read(dir.path()).unwrap().unwrap();
         assert_eq!((man.layers.len(), man.sealing.is_none(), man.active.base_lsn), (2, true, 20));
+        // ... recovery reads the renamed layer for it.
+        assert_eq!(check_listed_layers(dir.path()), 2);
         let d = tl.get_reconstruct_data(key(1), Lsn(15), NO_LIMITS).unwrap();
         assert_eq!(d.image, Some((Lsn(10), bytes_of(&image(1)))));
         tl.ingest(batch(vec![(key(1), 30, record("r30"))])).await.unwrap();
@@ -259,7 +264,7 @@ async fn corrupt_layer_index_is_an_error_instead_of_dropped_data() {
     let dir = tempfile::tempdir().unwrap();
     let m = metrics();
     two_layers(dir.path(), &m).await;
-    let path = dir.path().join(layer::file_name(Lsn(10), Lsn(10), None));
+    let path = dir.path().join(layer_named(dir.path(), 10, 10));
     let f = OpenOptions::new().read(true).write(true).open(&path).unwrap();
     let len = f.metadata().unwrap().len();
     // One value, so one index block (its entry) and one fence before the footer.
@@ -288,17 +293,29 @@ async fn corrupt_layer_index_is_an_error_instead_of_dropped_data() {
 /// Bytes of one index entry and one fence.
 const FENCE_AND_ENTRY: u64 = layer::INDEX_ENTRY_LEN as u64 + 33;
 
+/// The name of the layer file in `dir` that covers LSNs `first..=last`.
+fn layer_named(dir: &Path, first: u64, last: u64) -> String {
+    let names =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned());
+    let mut found: Vec<String> = names
+        .filter(|n| layer::parse_file_name(n).is_some_and(|p| (p.first, p.last) == (Lsn(first), Lsn(last))))
+        .collect();
+    assert_eq!(found.len(), 1, "layers of {first}..={last}: {found:?}");
+    found.remove(0)
+}
+
 fn open_err(dir: &Path) -> String {
     format!("{:#}", Timeline::open(dir, Default::default(), metrics()).err().unwrap())
 }
 
 #[tokio::test]
 async fn missing_layer_or_active_segment_is_refused_naming_the_file() {
-    let first = layer::file_name(Lsn(10), Lsn(10), None);
-    let second = layer::file_name(Lsn(20), Lsn(20), None);
-    for victim in [first.as_str(), second.as_str(), ACTIVE_NAME] {
+    for victim in [Some((10, 10)), Some((20, 20)), None] {
         let dir = tempfile::tempdir().unwrap();
         two_layers(dir.path(), &metrics()).await;
+        let victim =
+            victim.map_or(ACTIVE_NAME.to_string(), |(first, last)| layer_named(dir.path(), first, last));
+        let victim = victim.as_str();
         std::fs::remove_file(dir.path().join(victim)).unwrap();
         let err = open_err(dir.path());
         assert!(err.contains(victim) && err.contains("missing"), "{victim}: {err}");
@@ -306,7 +323,7 @@ async fn missing_layer_or_active_segment_is_refused_naming_the_file() {
     // Deleting the newest layer and active.seg together cannot move the durable LSN back.
     let dir = tempfile::tempdir().unwrap();
     two_layers(dir.path(), &metrics()).await;
-    std::fs::remove_file(dir.path().join(&second)).unwrap();
+    std::fs::remove_file(dir.path().join(layer_named(dir.path(), 20, 20))).unwrap();
     std::fs::remove_file(active_path(dir.path())).unwrap();
     assert!(open_err(dir.path()).contains("missing"));
 }
@@ -315,18 +332,66 @@ async fn missing_layer_or_active_segment_is_refused_naming_the_file() {
 async fn unexpected_or_resized_layer_file_is_refused_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     two_layers(dir.path(), &metrics()).await;
-    let stray = layer::file_name(Lsn(30), Lsn(40), None);
-    std::fs::copy(dir.path().join(layer::file_name(Lsn(20), Lsn(20), None)), dir.path().join(&stray))
-        .unwrap();
+    let stray = layer::file_name(&LayerName::older_seal(Lsn(30), Lsn(40)));
+    std::fs::copy(dir.path().join(layer_named(dir.path(), 20, 20)), dir.path().join(&stray)).unwrap();
     let err = open_err(dir.path());
     assert!(err.contains(&stray) && err.contains("not listed"), "{err}");
     std::fs::remove_file(dir.path().join(&stray)).unwrap();
 
-    let first = dir.path().join(layer::file_name(Lsn(10), Lsn(10), None));
+    let first = dir.path().join(layer_named(dir.path(), 10, 10));
     let f = OpenOptions::new().append(true).open(&first).unwrap();
     std::io::Write::write_all(&mut &f, b"x").unwrap();
     let err = open_err(dir.path());
     assert!(err.contains("bytes") && err.contains("layer_"), "{err}");
+}
+
+/// An unlisted compaction output is a leftover of the pass the manifest records (and removed at
+/// open) if its generation is at least the pass's first, or, for a pass recorded by a build
+/// whose outputs carried a number instead, if its number is at least the pass's first; any
+/// other unlisted layer stops the open.
+#[tokio::test]
+async fn compaction_leftovers_are_told_by_generation_or_by_an_older_builds_output_number() {
+    let older = |id| LayerName {
+        level: Level::Compacted,
+        first: Lsn(10),
+        last: Lsn(20),
+        keys: None,
+        generation: None,
+        id,
+    };
+    let newer = |level, generation| LayerName::new(level, (key(1), key(1)), Lsn(10), Lsn(20), generation);
+    let cases = [
+        (CompactIntent { first_layer_id: Some(5), first_generation: None }, older(Some(5)), true),
+        (CompactIntent { first_layer_id: Some(5), first_generation: None }, older(Some(4)), false),
+        (CompactIntent { first_layer_id: None, first_generation: Some(9) }, newer(Level::Compacted, 9), true),
+        (
+            CompactIntent { first_layer_id: None, first_generation: Some(9) },
+            newer(Level::Compacted, 8),
+            false,
+        ),
+        (CompactIntent { first_layer_id: None, first_generation: Some(9) }, newer(Level::Sealed, 9), false),
+    ];
+    for (intent, name, leftover) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        two_layers(dir.path(), &metrics()).await;
+        let mut man = manifest::read(dir.path()).unwrap().unwrap();
+        man.compacting = Some(intent.clone());
+        write_manifest(dir.path(), &mut man);
+        let name = layer::file_name(&name);
+        std::fs::copy(dir.path().join(layer_named(dir.path(), 10, 10)), dir.path().join(&name)).unwrap();
+        match Timeline::open(dir.path(), Default::default(), metrics()) {
+            Ok(tl) => {
+                assert!(leftover, "{intent:?} {name}: kept");
+                assert!(!dir.path().join(&name).exists(), "{intent:?} {name}");
+                assert_eq!(tl.stats().layers, 2);
+                assert_eq!(manifest::read(dir.path()).unwrap().unwrap().compacting, None);
+            }
+            Err(e) => {
+                assert!(!leftover, "{intent:?} {name}: {e:#}");
+                assert!(format!("{e:#}").contains("not listed"), "{e:#}");
+            }
+        }
+    }
 }
 
 /// Turns `dir` into what a version 1 pageserver would have left: no manifest, and version 1
@@ -349,7 +414,7 @@ async fn lost_manifest_is_refused_when_the_files_were_written_with_one() {
     two_layers(dir.path(), &metrics()).await;
     std::fs::remove_file(dir.path().join(MANIFEST_NAME)).unwrap();
     // Without the manifest, deleting the newest layer would go unnoticed: refuse instead.
-    std::fs::remove_file(dir.path().join(layer::file_name(Lsn(20), Lsn(20), None))).unwrap();
+    std::fs::remove_file(dir.path().join(layer_named(dir.path(), 20, 20))).unwrap();
     let err = open_err(dir.path());
     assert!(err.contains("manifest.json is missing"), "{err}");
 
@@ -375,7 +440,9 @@ async fn version_1_directory_without_manifest_opens_and_gets_one() {
     let tl = open(dir.path(), BIG, &m);
     assert_eq!((tl.stats().layers, tl.last_durable_lsn()), (2, Lsn(30)));
     let after = manifest::read(dir.path()).unwrap().unwrap();
-    assert_eq!((after.layers.clone(), after.active.base_lsn), (before.layers, 20));
+    // The same files; a directory without a manifest has no checksums to carry over.
+    let unchecked = before.layers.iter().map(|l| LayerMeta { crc32c: None, ..l.clone() }).collect::<Vec<_>>();
+    assert_eq!((after.layers.clone(), after.active.base_lsn), (unchecked, 20));
     assert_eq!(after.sealing, None);
     drop(tl);
     // From now on the manifest guards the directory.
