@@ -14,12 +14,15 @@ then:
 - one compaction pass (`POST .../compact`, waited for): its bytes written over the bytes
   ingested (the write amplification of a pass over a freshly loaded tenant), and the disk
   used against the data ingested;
-- the daemon's RSS, then a restart (SIGTERM, start): the time from the start to the first
-  GetPage served, and the RSS after it (and again after the reads below: the block cache
-  filled);
+- the daemon's RSS, right after the pass and 12 s later (settled: the compactor hands freed
+  memory back at most every 10 s), then a restart (SIGTERM, start): the time from the start
+  to the first GetPage served, and the RSS after it (and again after the reads below: the
+  block cache filled);
 - `pagebench get-page`, 8 connections at depth 1, random keys at the latest LSN, `--seconds`:
   requests/s, latency percentiles, the daemon's CPU per request, and per request the reads that
-  waited for the disk and the index blocks read (block cache misses).
+  waited for the disk and the index blocks read (block cache misses); then a restart with the
+  default page cache and the same reads again: their rate and the RSS after them (issue 22's
+  memory target is for the default settings).
 
 - with `--update-seconds S`: the update load, after the reads: records (48 bytes written into
   the page) on random pages of the first `--update-relations` relations (the working set), in
@@ -51,6 +54,7 @@ from fixtures.oracle import Key  # noqa: E402
 from fixtures.page_client import connect  # noqa: E402
 
 BLOCKS = 10_000
+SETTLE_S = 12  # seconds after the pass before the RSS is sampled again (rss_settled_bytes)
 
 
 def rss_bytes(pid: int) -> int:
@@ -89,46 +93,36 @@ def one_size(args, gb: float) -> dict:
         written = measure.delta(m1, m0, "pageserver_compaction_written_bytes_total")
         disk = du(daemon.workdir / "tenants")
         rss_loaded = rss_bytes(daemon.pid)
+        # What the allocator keeps right after the pass is handed back within seconds (the
+        # compactor's malloc_trim runs at most every 10 s).
+        time.sleep(SETTLE_S)
+        rss_settled = rss_bytes(daemon.pid)
 
-        # Restart: from the start to the first page served.
-        daemon.proc.terminate()
-        daemon.proc.wait(timeout=120)
-        daemon.log.close()
-        began = time.monotonic()
-        (daemon.workdir / "ports.json").unlink(missing_ok=True)
-        daemon.log = open(daemon.workdir / "pageserver.log", "ab")
-        daemon.proc = subprocess.Popen(daemon.args, stdout=daemon.log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
-        while True:
-            try:
-                p = json.loads((daemon.workdir / "ports.json").read_text())
-                daemon.pg, daemon.http = p["pg"], p["http"]
-                with connect(addr(daemon.pg), "bench", timeout=60) as conn:
-                    conn.get_page(Key(1663, 1, 16384, 0, 0))  # the data set's first page
-                break
-            except Exception:  # not up yet
-                if time.monotonic() - began > 600:
-                    raise
-                time.sleep(0.01)
-        restart_s = time.monotonic() - began
+        restart_s = restart(daemon)
         time.sleep(1)
         rss_restarted = rss_bytes(daemon.pid)
 
         r0 = measure.metrics(daemon.http)
-        run = measure.run_point(args.bin_dir, daemon, {"shape": [], "lsn": "latest"}, 8, 1, None,
-                                args.seconds, 1, (40.0, 30.0))
+        run = reads(args, daemon)
         r1 = measure.metrics(daemon.http)
         s = run["summary"]
         requests = max(s["requests"], 1)
         rss_read = rss_bytes(daemon.pid)
+        # The same reads with the default page cache: the RSS the target is about.
+        at = daemon.args.index("page_cache_size=0")
+        restart(daemon, daemon.args[:at - 1] + daemon.args[at + 1:])  # without its "-c" too
+        cached = reads(args, daemon)
+        rss_cached = rss_bytes(daemon.pid)
         update = update_load(args, daemon, ingested) if args.update_seconds else None
         return {
             "size_gb": gb, "relations": relations, "ingested_bytes": int(ingested),
             "ingest_seconds": round(ingest_s, 1), "compact_seconds": round(compact_s, 1),
             "compaction_write_amplification": round(written / max(ingested, 1), 2),
             "disk_bytes": disk, "disk_over_ingested": round(disk / max(ingested, 1), 2),
-            "rss_loaded_bytes": rss_loaded, "rss_restarted_bytes": rss_restarted,
-            "rss_after_reads_bytes": rss_read,
+            "rss_loaded_bytes": rss_loaded, "rss_settled_bytes": rss_settled,
+            "rss_restarted_bytes": rss_restarted, "rss_after_reads_bytes": rss_read,
+            "rss_after_reads_default_page_cache_bytes": rss_cached,
+            "get_page_rps_default_page_cache": round(cached["summary"]["rps"]),
             "restart_to_first_page_seconds": round(restart_s, 3),
             "get_page_rps": round(s["rps"]), "latency_us": s.get("latency_us"),
             "daemon_us_per_request": (run["cpu"] or {}).get("daemon_us_per_request"),
@@ -152,6 +146,40 @@ def one_size(args, gb: float) -> dict:
         daemon.stop(keep=args.keep)
         if args.keep:
             print(f"kept the {gb} GB work dir: {daemon.workdir}", file=sys.stderr, flush=True)
+
+
+def restart(daemon, args: list[str] | None = None) -> float:
+    """Stops the daemon (SIGTERM) and starts it again (with `args` if given): seconds from the
+    start to the first page served."""
+    daemon.proc.terminate()
+    daemon.proc.wait(timeout=120)
+    daemon.log.close()
+    daemon.args = args or daemon.args
+    began = time.monotonic()
+    (daemon.workdir / "ports.json").unlink(missing_ok=True)
+    daemon.log = open(daemon.workdir / "pageserver.log", "ab")
+    daemon.proc = subprocess.Popen(daemon.args, stdout=daemon.log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+    while True:
+        try:
+            p = json.loads((daemon.workdir / "ports.json").read_text())
+            daemon.pg, daemon.http = p["pg"], p["http"]
+            with connect(addr(daemon.pg), "bench", timeout=60) as conn:
+                conn.get_page(Key(1663, 1, 16384, 0, 0))  # the data set's first page
+            break
+        except Exception:  # not up yet
+            if daemon.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited at restart, see {daemon.workdir}/pageserver.log")
+            if time.monotonic() - began > 600:
+                raise
+            time.sleep(0.01)
+    return time.monotonic() - began
+
+
+def reads(args, daemon) -> dict:
+    """`pagebench get-page` at 8 x 1 on random keys at the latest LSN for `--seconds`."""
+    return measure.run_point(args.bin_dir, daemon, {"shape": [], "lsn": "latest"}, 8, 1, None,
+                             args.seconds, 1, (40.0, 30.0))
 
 
 def update_load(args, daemon, loaded: float) -> dict:
@@ -222,12 +250,13 @@ def main() -> int:
         row = one_size(args, gb)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("| size | ingested | RSS loaded / restarted / after reads | restart to a page | GetPage rps (8x1) | p99 us | redos/GetPage | compaction WA | disk / ingested |")
+    print("| size | ingested | RSS loaded / settled / restarted / after reads / with the page cache | restart to a page | GetPage rps (8x1) | p99 us | redos/GetPage | compaction WA | disk / ingested |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         lat = r["latency_us"] or {}
         print(f"| {r['size_gb']} GB | {r['ingested_bytes'] / 1e9:.2f} GB | {r['rss_loaded_bytes'] >> 20} / "
-              f"{r['rss_restarted_bytes'] >> 20} / {r['rss_after_reads_bytes'] >> 20} MiB | {r['restart_to_first_page_seconds']} s | {r['get_page_rps']} | "
+              f"{r['rss_settled_bytes'] >> 20} / {r['rss_restarted_bytes'] >> 20} / {r['rss_after_reads_bytes'] >> 20} / "
+              f"{r['rss_after_reads_default_page_cache_bytes'] >> 20} MiB | {r['restart_to_first_page_seconds']} s | {r['get_page_rps']} | "
               f"{lat.get('p99')} | {r['redos_per_request']} | {r['compaction_write_amplification']}x | {r['disk_over_ingested']}x |")
     updates = [r for r in rows if r["update"]]
     if updates:
