@@ -381,7 +381,6 @@ impl Worker {
             };
             retry_at = result.is_err().then(|| Instant::now() + RETRY_INTERVAL);
             self.record(result);
-            release_freed_memory();
             if let Some(reply) = request {
                 let _ = reply.send(answer);
             }
@@ -661,30 +660,6 @@ fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
         }
     }
     Guard(Some(f))
-}
-
-/// Least time between two [`release_freed_memory`] calls that trim (all tenants together).
-const TRIM_INTERVAL: Duration = Duration::from_secs(10);
-
-/// Hands the heap memory freed by a pass back to the kernel, on the blocking pool, at most once
-/// per [`TRIM_INTERVAL`]. glibc keeps freed memory in its arenas for reuse, so without this the
-/// daemon's RSS after a pass (and the ingest before it: the active segment's index, the pass's
-/// buffers, spread over the threads' arenas) stays at its high-water mark.
-fn release_freed_memory() {
-    static LAST: Mutex<Option<Instant>> = Mutex::new(None);
-    {
-        let mut last = lock(&LAST);
-        if last.is_some_and(|t| t.elapsed() < TRIM_INTERVAL) {
-            return;
-        }
-        *last = Some(Instant::now());
-    }
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    drop(tokio::task::spawn_blocking(|| {
-        // SAFETY: malloc_trim takes no pointers; it only walks glibc's own arenas, under their
-        // locks, and returns free pages to the kernel.
-        unsafe { libc::malloc_trim(0) };
-    }));
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ pub mod compaction;
 pub mod compaction_controller;
 pub mod config;
 pub mod fds;
+pub mod heap;
 pub mod http;
 pub mod logging;
 pub mod metrics;

@@ -1,6 +1,8 @@
 //! The standard `process_*` metrics every Prometheus exporter has (CPU time, memory, file
-//! descriptors, threads, start time), read from `/proc/self` and `getrusage` at each scrape, and
-//! `pageserver_build_info`.
+//! descriptors, threads, start time), read from `/proc/self` and `getrusage` at each scrape,
+//! `pageserver_build_info`, and the heap as glibc's allocator sees it
+//! (`pageserver_heap_in_use_bytes`, `pageserver_heap_free_bytes`, [`crate::heap::figures`]):
+//! of the resident memory, what the daemon holds and what the allocator keeps for reuse.
 //!
 //! Written here rather than through the prometheus crate's `process` feature, which pulls in
 //! `procfs` and its dependency tree for seven numbers. Linux only, like the daemon. A value that
@@ -38,6 +40,8 @@ struct Metrics {
     resident_memory: Gauge,
     start_time: Gauge,
     threads: Gauge,
+    heap_in_use: Gauge,
+    heap_free: Gauge,
 }
 
 /// Reads the process's numbers when collected.
@@ -63,6 +67,14 @@ impl ProcessCollector {
                 "Start time of the process since unix epoch in seconds.",
             )?,
             threads: Gauge::new("process_threads", "Number of OS threads in the process.")?,
+            heap_in_use: Gauge::new(
+                "pageserver_heap_in_use_bytes",
+                "Bytes of heap the daemon holds (allocator chunks in use, mapped ones included).",
+            )?,
+            heap_free: Gauge::new(
+                "pageserver_heap_free_bytes",
+                "Bytes of free heap the allocator keeps in its arenas for reuse (resident where touched).",
+            )?,
         };
         let start = start_time().unwrap_or_else(|| {
             // The collector is made at start-up: close enough when /proc cannot say.
@@ -77,6 +89,8 @@ impl ProcessCollector {
             metrics.resident_memory.desc(),
             metrics.start_time.desc(),
             metrics.threads.desc(),
+            metrics.heap_in_use.desc(),
+            metrics.heap_free.desc(),
         ]
         .into_iter()
         .flatten()
@@ -121,6 +135,10 @@ impl Collector for ProcessCollector {
                 m.threads.set(threads);
             }
         }
+        if let Some(heap) = crate::heap::figures() {
+            m.heap_in_use.set(heap.in_use as f64);
+            m.heap_free.set(heap.free as f64);
+        }
         [
             m.cpu_seconds.collect(),
             m.open_fds.collect(),
@@ -129,6 +147,8 @@ impl Collector for ProcessCollector {
             m.resident_memory.collect(),
             m.start_time.collect(),
             m.threads.collect(),
+            m.heap_in_use.collect(),
+            m.heap_free.collect(),
         ]
         .into_iter()
         .flatten()
@@ -175,5 +195,6 @@ mod tests {
         let start = value("process_start_time_seconds");
         assert!(start <= now + 1.0 && start > now - 24.0 * 3600.0, "{start} vs {now}");
         assert_eq!(value("pageserver_build_info"), 1.0);
+        assert!(value("pageserver_heap_in_use_bytes") > 0.0);
     }
 }

@@ -120,6 +120,8 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let http_listener = HttpListener::new(http_listener);
     let http =
         tokio::spawn(crate::http::serve(http_listener, Arc::clone(&tenants), registry, http_cancel.clone()));
+    let heap_cancel = CancellationToken::new();
+    let heap = tokio::spawn(crate::heap::return_freed_memory(heap_cancel.clone()));
 
     shutdown.cancelled().await;
     tracing::info!("shutting down: no new connections, finishing requests in flight");
@@ -142,6 +144,8 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         Ok(Err(e)) => tracing::warn!("management API stopped with an error: {e:#}"),
         Err(e) => tracing::warn!("management API task failed: {e}"),
     }
+    heap_cancel.cancel();
+    let _ = heap.await;
     tracing::info!("stopping tenants: making ingest durable, stopping redo processes");
     tenants.shutdown().await;
     tracing::info!("pageserver stopped");

@@ -21,8 +21,9 @@ then:
 - `pagebench get-page`, 8 connections at depth 1, random keys at the latest LSN, `--seconds`:
   requests/s, latency percentiles, the daemon's CPU per request, and per request the reads that
   waited for the disk and the index blocks read (block cache misses); then a restart with the
-  default page cache and the same reads again: their rate and the RSS after them (issue 22's
-  memory target is for the default settings).
+  default page cache and the same reads again: their rate and the RSS after them, and 12 s
+  later (issue 22's memory target is for the default settings); the heap in use and free
+  after the first reads.
 
 - with `--update-seconds S`: the update load, after the reads: records (48 bytes written into
   the page) on random pages of the first `--update-relations` relations (the working set), in
@@ -108,11 +109,15 @@ def one_size(args, gb: float) -> dict:
         s = run["summary"]
         requests = max(s["requests"], 1)
         rss_read = rss_bytes(daemon.pid)
+        heap_read = heap(daemon)
         # The same reads with the default page cache: the RSS the target is about.
         at = daemon.args.index("page_cache_size=0")
         restart(daemon, daemon.args[:at - 1] + daemon.args[at + 1:])  # without its "-c" too
         cached = reads(args, daemon)
         rss_cached = rss_bytes(daemon.pid)
+        # ... and once the server had its chance to hand the freed heap back (every 10 s).
+        time.sleep(SETTLE_S)
+        rss_cached_settled = rss_bytes(daemon.pid)
         update = update_load(args, daemon, ingested) if args.update_seconds else None
         return {
             "size_gb": gb, "relations": relations, "ingested_bytes": int(ingested),
@@ -121,7 +126,9 @@ def one_size(args, gb: float) -> dict:
             "disk_bytes": disk, "disk_over_ingested": round(disk / max(ingested, 1), 2),
             "rss_loaded_bytes": rss_loaded, "rss_settled_bytes": rss_settled,
             "rss_restarted_bytes": rss_restarted, "rss_after_reads_bytes": rss_read,
+            "heap_after_reads": heap_read,
             "rss_after_reads_default_page_cache_bytes": rss_cached,
+            "rss_settled_after_reads_default_page_cache_bytes": rss_cached_settled,
             "get_page_rps_default_page_cache": round(cached["summary"]["rps"]),
             "restart_to_first_page_seconds": round(restart_s, 3),
             "get_page_rps": round(s["rps"]), "latency_us": s.get("latency_us"),
@@ -174,6 +181,13 @@ def restart(daemon, args: list[str] | None = None) -> float:
                 raise
             time.sleep(0.01)
     return time.monotonic() - began
+
+
+def heap(daemon) -> dict:
+    """The daemon's heap in use and free in the allocator's arenas (bytes; absent before the
+    build that exports them)."""
+    m = measure.metrics(daemon.http)
+    return {"in_use": m.get("pageserver_heap_in_use_bytes"), "free": m.get("pageserver_heap_free_bytes")}
 
 
 def reads(args, daemon) -> dict:

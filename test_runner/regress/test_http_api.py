@@ -243,6 +243,9 @@ def test_standard_process_metrics_are_exported(pageserver):
     assert m.value("process_open_fds") >= 3
     assert m.value("process_max_fds") >= m.value("process_open_fds")
     assert m.value("process_resident_memory_bytes") > 1 << 20
+    # the heap in use is part of the resident memory; what is free is kept for reuse
+    assert 0 < m.value("pageserver_heap_in_use_bytes") < m.value("process_virtual_memory_bytes")
+    assert m.value("pageserver_heap_free_bytes") >= 0
     assert 1 <= m.value("process_threads") < 1000
     started = m.value("process_start_time_seconds")
     assert time.time() - 3600 < started <= time.time() + 1, started
