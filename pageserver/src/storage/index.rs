@@ -813,6 +813,30 @@ impl ReadPlan {
         Some(self.assemble(bufs))
     }
 
+    /// Brings the plan's value bytes into the kernel's page cache where they are not there yet
+    /// (blocking reads through one buffer of at most [`WARM_CHUNK`] bytes; nothing is kept), so
+    /// that [`ReadPlan::try_execute_cached`] then reads them without waiting for the disk. For
+    /// the blocking pool: a plan made there because an index block was not in memory most
+    /// likely needs its values from the disk too, and this spares the read a trip of its own
+    /// (wasted where the page cache then holds the page: rare, as a page read often keeps its
+    /// index block in the block cache). A read that fails is left for the read itself to report.
+    pub(crate) fn warm_values(&self) {
+        let mut buf = vec![0u8; self.spans.iter().map(|s| s.len).max().unwrap_or(0).min(WARM_CHUNK)];
+        for s in &self.spans {
+            let mut at = 0;
+            while at < s.len {
+                let n = (s.len - at).min(buf.len());
+                let offset = s.offset + at as u64;
+                if !read_cached_at(&s.file, &mut buf[..n], offset)
+                    && s.file.read_exact_at(&mut buf[..n], offset).is_err()
+                {
+                    break;
+                }
+                at += n;
+            }
+        }
+    }
+
     /// Reads every planned value with positional reads and checks its checksum.
     pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
         let bufs = self.spans.iter().map(read_span).collect::<anyhow::Result<Vec<_>>>()?;
@@ -865,6 +889,9 @@ pub(crate) fn would_wait(e: &GetError) -> bool {
 
 /// One span from the page cache, or `None` if reading it would wait for the disk (or the read
 /// fails or comes back short: the blocking read then reports why).
+/// Bytes [`ReadPlan::warm_values`] reads at a time.
+const WARM_CHUNK: usize = 64 << 10;
+
 fn read_span_nowait(s: &Span) -> Option<Bytes> {
     let mut buf = vec![0u8; s.len];
     read_cached_at(&s.file, &mut buf, s.offset).then(|| Bytes::from(buf))

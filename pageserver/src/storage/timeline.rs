@@ -22,7 +22,7 @@ use tokio::sync::{oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::format::LOCK_NAME;
-use super::index::{would_wait, Picked, ReadPlan};
+use super::index::{would_wait, ReadPlan};
 use super::layer::DiskWait;
 use super::shared::{Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
@@ -284,15 +284,16 @@ impl Timeline {
     /// plan keeps its files open.
     pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
-        let picked = snapshot.pick(key, lsn, limits, DiskWait::Allowed)?;
-        self.planned(key, lsn, picked)
+        let plan = snapshot.pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new);
+        self.planned(key, lsn, plan)
     }
 
     /// [`Timeline::plan_read`] for async callers: when the kernel's page cache holds every
     /// index block the plan needs, it is made here, on the calling thread; if one would wait
     /// for the disk, the plan is made on the blocking pool, so an index block missing from the
     /// page cache never stalls an executor thread (as [`Timeline::read_planned`] does for the
-    /// values).
+    /// values), and there the values are brought into the page cache too
+    /// ([`ReadPlan::warm_values`]): the read then runs inline, one trip to the pool for both.
     pub(crate) async fn plan_read_async(
         &self,
         key: Key,
@@ -300,22 +301,28 @@ impl Timeline {
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
-        let picked = match snapshot.pick(key, lsn, limits, DiskWait::Refused) {
+        let plan = match snapshot.pick(key, lsn, limits, DiskWait::Refused) {
             Err(e) if would_wait(&e) => {
                 self.shared.metrics.plans_offloaded.inc();
-                tokio::task::spawn_blocking(move || snapshot.pick(key, lsn, limits, DiskWait::Allowed))
-                    .await
-                    .map_err(|e| GetError::Io(anyhow::anyhow!("storage plan task failed: {e}")))??
+                tokio::task::spawn_blocking(move || {
+                    let plan = snapshot.pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new);
+                    if let Some(plan) = &plan {
+                        plan.warm_values();
+                    }
+                    Ok::<_, GetError>(plan)
+                })
+                .await
+                .map_err(|e| GetError::Io(anyhow::anyhow!("storage plan task failed: {e}")))??
             }
-            picked => picked?,
+            picked => picked?.map(ReadPlan::new),
         };
-        self.planned(key, lsn, picked)
+        self.planned(key, lsn, plan)
     }
 
-    /// The plan of what the index snapshot picked for `key` at `lsn`.
-    fn planned(&self, key: Key, lsn: Lsn, picked: Option<Picked>) -> Result<ReadPlan, GetError> {
+    /// The plan for `key` at `lsn`, if the index snapshot picked any values.
+    fn planned(&self, key: Key, lsn: Lsn, plan: Option<ReadPlan>) -> Result<ReadPlan, GetError> {
         self.check_retained(lsn)?;
-        picked.map(ReadPlan::new).ok_or(GetError::NotFound { key, lsn })
+        plan.ok_or(GetError::NotFound { key, lsn })
     }
 
     /// Seals the active segment now if it holds anything (so that compaction can take its
@@ -567,7 +574,14 @@ mod tests {
         evict_from_page_cache(dir.path());
         let plan = tl.plan_read_async(key(1), Lsn(11), NO_LIMITS).await.unwrap();
         assert_eq!(m.plans_offloaded.get(), 1, "the plan was made on the blocking pool");
+        // ... which brought the values into the page cache too: the read runs inline.
+        let reads = (m.reads_inline.get(), m.reads_offloaded.get());
         assert_eq!(tl.read_planned(plan).await.unwrap(), expected);
+        assert_eq!(
+            (m.reads_inline.get(), m.reads_offloaded.get()),
+            (reads.0 + 1, reads.1),
+            "the read ran inline"
+        );
         // The block is in the block cache now: planned here, and found without waiting.
         tl.plan_read_async(key(1), Lsn(11), NO_LIMITS).await.unwrap();
         assert_eq!(m.plans_offloaded.get(), 1, "the second plan was made inline");
