@@ -14,12 +14,15 @@
 //!   due": records ingested since the last pass per key over `compaction_image_threshold`, the
 //!   most records of one key over [`HOT_CHAIN_FACTOR`] times that threshold, sealed (not yet
 //!   compacted) layers over [`SEALED_LAYERS_DUE`], runs of compaction outputs above the
-//!   bottom one over [`RUNS_DUE`], or their bytes over the bottom run's ([`FULL_PASS_RATIO`]).
+//!   bottom one over [`RUNS_DUE`], their bytes over the bottom run's ([`FULL_PASS_RATIO`]), or
+//!   the bytes written over one compaction output's key range since the compactor saw it (or
+//!   last collected it) over its size ([`GC_LAYER_DUE`]).
 //!   A pass starts at debt 1; its CPU share grows with the debt from `compaction_cpu_floor`
 //!   to `compaction_cpu_cap`;
 //! - **kind** ([`PassKind`]): full when the runs above the bottom one hold as many bytes as it
-//!   (or through the API), upper when [`RUNS_DUE`] runs stand above it, else level 0; so what
-//!   an automatic pass rewrites follows what was ingested, not the tenant's size;
+//!   (or through the API), upper when [`RUNS_DUE`] runs stand above it, level 0 when its part
+//!   of the debt is due, else GC of the most overwritten layer; so what an automatic pass
+//!   rewrites follows what was ingested, not the tenant's size;
 //! - **latency guard**: the lateness of the compactor's own timer (how long the executor took
 //!   to run it after it was due: a measure of scheduling delay) over the controller's target
 //!   halves the share; each healthy period adds back a tenth, never below the floor;
@@ -33,6 +36,7 @@
 //! file work never runs on an executor thread except in `monolithic` mode; the loop stops when
 //! the tenant is cancelled, abandoning a pass between slices (which removes its outputs).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -65,6 +69,11 @@ pub const FULL_PASS_RATIO: f64 = 1.0;
 /// whatever the average: a hot key's chain stays bounded, and under uniform writes (where the
 /// longest chain is about twice the average) the average decides.
 pub const HOT_CHAIN_FACTOR: f64 = 4.0;
+/// GC of one compaction output is due once the layers above it took this many times its size of
+/// its key range since it was written or last collected: by then many of its keys likely have
+/// a newer image, and what a GC pass costs (reading the layer, writing what stays of it)
+/// follows what was ingested over it, not the tenant's size.
+pub const GC_LAYER_DUE: f64 = 1.0;
 /// After a failed pass, no automatic pass for this long (a full disk is not retried every
 /// period, nor logged every period).
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(10);
@@ -175,8 +184,12 @@ pub struct CompactionStatus {
     pub guard: f64,
     pub running: bool,
     pub passes: u64,
-    /// Of `passes`, those over every layer (the others took level 0 only).
+    /// Of `passes`, those over every layer.
     pub full_passes: u64,
+    /// Of `passes`, GC of one layer ([`PassKind::Gc`]), and of those, the ones that found too
+    /// little to collect and wrote nothing.
+    pub gc_passes: u64,
+    pub gc_passes_skipped: u64,
     pub failed_passes: u64,
     pub gc_cutoff: u64,
     /// The pass running now, and how far it has got.
@@ -248,6 +261,10 @@ struct Worker {
     metrics: Arc<CompactionMetrics>,
     compactor: Arc<Compactor>,
     cancel: CancellationToken,
+    /// Per compaction output (by id), what the layers above it held of its key range when the
+    /// compactor first saw it, or when a GC pass last took it: GC of it is due once that grew
+    /// by its own size ([`GC_LAYER_DUE`]).
+    gc_base: Mutex<HashMap<u32, u64>>,
 }
 
 impl Compactor {
@@ -277,6 +294,8 @@ impl Compactor {
                 running: false,
                 passes: 0,
                 full_passes: 0,
+                gc_passes: 0,
+                gc_passes_skipped: 0,
                 failed_passes: 0,
                 gc_cutoff: timeline.gc_cutoff().0,
                 current_pass: None,
@@ -299,6 +318,7 @@ impl Compactor {
             metrics,
             compactor: Arc::clone(&compactor),
             cancel,
+            gc_base: Mutex::new(HashMap::new()),
         };
         if let Ok(controller) = controller {
             *lock(&compactor.task) = Some(tokio::spawn(worker.run(controller, rx)));
@@ -390,25 +410,68 @@ impl Worker {
     /// The normalized debt (see the module doc).
     fn debt(&self) -> f64 {
         let b = self.timeline.backlog();
+        let upper_runs = b.runs.saturating_sub(1) as f64 / RUNS_DUE;
+        let upper_bytes = b.upper_bytes as f64 / (b.bottom_bytes.max(1) as f64 * FULL_PASS_RATIO);
+        let gc = self.gc_due().map_or(0.0, |(_, due)| due);
+        self.level0_debt(&b).max(upper_runs).max(upper_bytes).max(gc)
+    }
+
+    /// The part of the debt a level 0 pass pays: records per key, the hottest key's chain, the
+    /// sealed layers.
+    fn level0_debt(&self, b: &crate::storage::Backlog) -> f64 {
         let threshold = self.settings.image_threshold.max(1) as f64;
         let per_key = b.new_records as f64 / (b.keys.max(1) as f64 * threshold);
         let hot_key = b.longest_new_chain as f64 / (HOT_CHAIN_FACTOR * threshold);
-        let upper_runs = b.runs.saturating_sub(1) as f64 / RUNS_DUE;
-        let upper_bytes = b.upper_bytes as f64 / (b.bottom_bytes.max(1) as f64 * FULL_PASS_RATIO);
-        per_key.max(hot_key).max(b.sealed_layers as f64 / SEALED_LAYERS_DUE).max(upper_runs).max(upper_bytes)
+        per_key.max(hot_key).max(b.sealed_layers as f64 / SEALED_LAYERS_DUE)
+    }
+
+    /// The compaction output most overwritten since it was written (or last collected): its
+    /// id and how many times its size the layers above it took of its key range since then
+    /// (over [`GC_LAYER_DUE`]). Forgets the layers that are gone.
+    fn gc_due(&self) -> Option<(u32, f64)> {
+        let layers = self.timeline.overwritten();
+        let mut base = lock(&self.gc_base);
+        base.retain(|id, _| layers.iter().any(|l| l.layer == *id));
+        let mut best: Option<(u32, f64)> = None;
+        for l in layers.iter() {
+            let seen = *base.entry(l.layer).or_insert(l.above);
+            let due = l.above.saturating_sub(seen) as f64 / (l.size.max(1) as f64 * GC_LAYER_DUE);
+            if best.is_none_or(|(_, d)| due > d) {
+                best = Some((l.layer, due));
+            }
+        }
+        best
+    }
+
+    /// A GC pass takes `layer`: what is above it now is its new base (a pass that finds too
+    /// little to collect leaves it, and it is not due again until as much more is written
+    /// over it).
+    fn gc_taken(&self, layer: u32) {
+        if let Some(l) = self.timeline.overwritten().iter().find(|l| l.layer == layer) {
+            lock(&self.gc_base).insert(layer, l.above);
+        }
     }
 
     /// Which pass a due debt calls for: a full one when the runs above the bottom one hold as
-    /// much as it (or an operator asked), one merging those runs when there are many, else one
-    /// of level 0.
-    fn pass_kind(&self, requested: bool) -> PassKind {
+    /// much as it (or an operator asked), one merging those runs when there are many, else GC
+    /// of the most overwritten layer when it is due and its part of the debt is larger than
+    /// level 0's (so that neither starves the other while ingest keeps level 0 due: a GC pass
+    /// makes no images and is cheap), else one of level 0.
+    fn pass_kind(&self, requested: bool) -> (PassKind, Option<u32>) {
         let b = self.timeline.backlog();
         if requested || b.upper_bytes as f64 >= b.bottom_bytes as f64 * FULL_PASS_RATIO && b.runs > 1 {
-            PassKind::Full
-        } else if b.runs.saturating_sub(1) as f64 >= RUNS_DUE {
-            PassKind::Upper
-        } else {
-            PassKind::Level0
+            return (PassKind::Full, None);
+        }
+        if b.runs.saturating_sub(1) as f64 >= RUNS_DUE {
+            return (PassKind::Upper, None);
+        }
+        let level0 = self.level0_debt(&b);
+        match self.gc_due() {
+            Some((layer, due)) if due >= 1.0 && due > level0 => {
+                tracing::debug!(layer, due, level0, "GC of one layer");
+                (PassKind::Gc, Some(layer))
+            }
+            _ => (PassKind::Level0, None),
         }
     }
 
@@ -429,17 +492,25 @@ impl Worker {
         start_debt: f64,
         requested: bool,
     ) -> anyhow::Result<Option<PassSummary>> {
-        self.timeline.freeze().await.context("seal the active segment")?;
+        let (kind, gc_layer) = self.pass_kind(requested);
+        if kind != PassKind::Gc {
+            self.timeline.freeze().await.context("seal the active segment")?;
+        }
         let conf = CompactionConf {
             image_threshold: self.settings.image_threshold,
             gc_horizon: self.settings.gc_horizon,
             layer_size: self.layer_size,
         };
-        let kind = self.pass_kind(requested);
         let timeline = Arc::clone(&self.timeline);
-        let begun = tokio::task::spawn_blocking(move || timeline.begin_pass(conf, kind))
-            .await
-            .context("compaction task")??;
+        let begun = tokio::task::spawn_blocking(move || match gc_layer {
+            Some(layer) => timeline.begin_gc(conf, layer),
+            None => timeline.begin_pass(conf, kind),
+        })
+        .await
+        .context("compaction task")??;
+        if let Some(layer) = gc_layer {
+            self.gc_taken(layer);
+        }
         let Some(mut pass) = begun else {
             return Ok(None);
         };
@@ -616,6 +687,8 @@ impl Worker {
                 self.metrics.deleted_files.inc_by(st.files_deleted);
                 s.passes += 1;
                 s.full_passes += u64::from(st.kind == PassKind::Full);
+                s.gc_passes += u64::from(st.kind == PassKind::Gc);
+                s.gc_passes_skipped += u64::from(st.skipped);
                 s.bytes_rewritten += st.bytes_written;
                 s.images_created += st.images_created;
                 s.values_garbage_collected += st.values_dropped;

@@ -118,7 +118,7 @@ def one_size(args, gb: float) -> dict:
         # ... and once the server had its chance to hand the freed heap back (every 10 s).
         time.sleep(SETTLE_S)
         rss_cached_settled = rss_bytes(daemon.pid)
-        update = update_load(args, daemon, ingested) if args.update_seconds else None
+        update = update_load(args, daemon, ingested, disk) if args.update_seconds else None
         return {
             "size_gb": gb, "relations": relations, "ingested_bytes": int(ingested),
             "ingest_seconds": round(ingest_s, 1), "compact_seconds": round(compact_s, 1),
@@ -196,9 +196,18 @@ def reads(args, daemon) -> dict:
                              args.seconds, 1, (40.0, 30.0))
 
 
-def update_load(args, daemon, loaded: float) -> dict:
+def median_over(values: list[int], reference: int) -> float | None:
+    """The median of `values` over `reference` (None without values)."""
+    if not values:
+        return None
+    return round(sorted(values)[len(values) // 2] / max(reference, 1), 2)
+
+
+def update_load(args, daemon, loaded: float, compacted: int) -> dict:
     """The update load (see the module doc): its ingest, what compaction wrote, the disk
-    against `loaded` (the bytes ingested before it) and its own ingest."""
+    against `loaded` (the bytes ingested before it) and its own ingest, and against
+    `compacted` (the disk right after the operator's pass: about the live data and the GC
+    window, when the window is short), sampled every 5 s."""
     http = HttpClient(addr(daemon.http), timeout=600)
     before = http.tenant_status("bench")["compaction"]
     lsn = http.tenant_status("bench")["last_durable_lsn"]
@@ -207,6 +216,7 @@ def update_load(args, daemon, loaded: float) -> dict:
     batch = 200
     began = time.monotonic()
     sent = 0
+    samples = []  # (seconds since the load began, disk bytes)
     with connect(addr(daemon.pg), "bench", timeout=60) as conn:
         while time.monotonic() - began < args.update_seconds:
             values = []
@@ -216,6 +226,8 @@ def update_load(args, daemon, loaded: float) -> dict:
                 values.append((key, lsn, o.RECORD, o.put_bytes(4096 + rng.randrange(2048), rng.randbytes(48))))
             conn.ingest(values)
             sent += batch
+            if not samples or time.monotonic() - began - samples[-1][0] >= 5:
+                samples.append((round(time.monotonic() - began, 1), du(daemon.workdir / "tenants")))
             # Steady rate: sleep off what is ahead of schedule.
             ahead = sent / args.update_rate - (time.monotonic() - began)
             if ahead > 0:
@@ -226,6 +238,8 @@ def update_load(args, daemon, loaded: float) -> dict:
         c = http.tenant_status("bench")["compaction"]
         if (not c["running"] and c["backlog"] < 1.0) or time.monotonic() - began > args.update_seconds + 600:
             break
+        if time.monotonic() - began - samples[-1][0] >= 5:
+            samples.append((round(time.monotonic() - began, 1), du(daemon.workdir / "tenants")))
         time.sleep(0.5)
     m1 = measure.metrics(daemon.http)
     after = http.tenant_status("bench")["compaction"]
@@ -238,9 +252,20 @@ def update_load(args, daemon, loaded: float) -> dict:
         "compaction_written_bytes": int(written),
         "write_amplification": round(written / max(ingested, 1), 2),
         "passes": after["passes"] - before["passes"],
+        # GC passes of one layer (absent before the build that has them), and of those the ones
+        # that found too little to collect.
+        "gc_passes": after.get("gc_passes", 0) - before.get("gc_passes", 0),
+        "gc_passes_skipped": after.get("gc_passes_skipped", 0) - before.get("gc_passes_skipped", 0),
         "full_passes": after.get("full_passes", after["passes"]) - before.get("full_passes", before["passes"]),
         "disk_bytes": disk,
         "disk_over_all_ingested": round(disk / max(loaded + ingested, 1), 2),
+        "disk_after_operator_pass_bytes": compacted,
+        "disk_over_compacted": round(disk / max(compacted, 1), 2),
+        "disk_max_over_compacted": round(max([disk, *(b for _, b in samples)]) / max(compacted, 1), 2),
+        # The second half of the load and the catch-up: the steady part.
+        "disk_median_second_half_over_compacted": median_over(
+            [b for t, b in samples if t >= load_s / 2], compacted),
+        "disk_samples": samples,
     }
 
 
@@ -274,13 +299,16 @@ def main() -> int:
               f"{lat.get('p99')} | {r['redos_per_request']} | {r['compaction_write_amplification']}x | {r['disk_over_ingested']}x |")
     updates = [r for r in rows if r["update"]]
     if updates:
-        print("| size | update load | ingested | compaction wrote | WA | passes (full) | disk / all ingested |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("| size | update load | ingested | compaction wrote | WA | passes (full, GC skipped/GC) | "
+              "disk / all ingested | disk / after the pass: end, max, steady median |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in updates:
             u = r["update"]
             print(f"| {r['size_gb']} GB | {u['seconds']} s x {u['rate']}/s | {u['ingested_bytes'] / 1e9:.2f} GB | "
                   f"{u['compaction_written_bytes'] / 1e9:.2f} GB | {u['write_amplification']}x | "
-                  f"{u['passes']} ({u['full_passes']}) | {u['disk_over_all_ingested']}x |")
+                  f"{u['passes']} ({u['full_passes']}, {u['gc_passes_skipped']}/{u['gc_passes']}) | "
+                  f"{u['disk_over_all_ingested']}x | {u['disk_over_compacted']}x, {u['disk_max_over_compacted']}x, "
+                  f"{u['disk_median_second_half_over_compacted']}x |")
     if args.out:
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1) + "\n")
     return 0

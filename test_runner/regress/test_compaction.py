@@ -171,6 +171,48 @@ def test_automatic_passes_take_level0_and_full_passes_come_as_the_runs_grow(page
         verify(conn, b.rs, [(k, lsn) for k in keys for lsn in query_lsns(b.rs, k, limit=25)])
 
 
+def test_automatic_gc_passes_collect_the_layers_that_newer_images_shadow(pageserver_factory):
+    # A bottom run of 60 keys (one full pass), then updates of its 12 lowest keys only: level 0
+    # passes give them newer images, which shadow their values in the bottom run's first
+    # layers. GC passes of those layers collect them without a full pass, and every retained
+    # page stays as the oracle has it.
+    ps = pageserver_factory(compaction_image_threshold=4, gc_horizon=2000, layer_size="64 KiB")
+    tenant = ps.create_tenant()
+    keys = make_keys(60)
+    b = HistoryBuilder(seed=77)
+    _fill(ps, tenant, b, keys, 12)
+    assert ps.http.request("POST", f"/v1/tenant/{tenant}/compact").status == 200
+    bottom = ps.http.tenant_status(tenant)["storage"]
+    assert bottom["runs"] == 1 and bottom["layers"] > 3, bottom
+    hot = sorted(keys)[:12]
+
+    def collected():
+        c = ps.http.tenant_status(tenant)["compaction"]
+        return c["gc_passes"] - c["gc_passes_skipped"]
+
+    for _ in range(60):
+        _fill(ps, tenant, b, hot, 2)
+        time.sleep(0.2)
+        if collected() >= 1:
+            break
+
+    def settled():
+        c = ps.http.tenant_status(tenant)["compaction"]
+        return c if not c["running"] and c["backlog"] < 1.0 else None
+
+    # Passes run until nothing is due (so the cutoff stays where it is while pages are read).
+    c = wait_until(settled, timeout=60, desc="the compactor to catch up")
+    assert collected() >= 1, c
+    assert c["full_passes"] == 1 and c["failed_passes"] == 0, c
+    assert c["gc_cutoff"] > 0
+    with ps.connect(tenant) as conn:
+        verify(conn, b.rs, _retained(b.rs, keys, c["gc_cutoff"], limit=25))
+    ps.restart()
+    c = wait_until(settled, timeout=60, desc="the compactor to catch up")
+    with ps.connect(tenant) as conn:
+        verify(conn, b.rs, _retained(b.rs, keys, c["gc_cutoff"], limit=25))
+
+
 def test_one_hot_key_makes_a_pass_due_whatever_the_average(pageserver_factory):
     # 100 keys with an image each, then 40 records on one of them: on average 0.4 records per
     # key (a twentieth of the image threshold 8), but one chain of 40, over 4 x 8.

@@ -1,7 +1,8 @@
 //! Compaction of a timeline's layers: one **pass** rewrites the frozen layers from a point of
 //! the list up ([`PassKind`]: all of them, level 0, or level 0 and the newest runs) into one run
 //! of key-sorted layers in their place, creating page images where record chains are long and
-//! dropping what no GetPage at or above the GC cutoff can need. A pass is resumable: it walks
+//! dropping what no GetPage at or above the GC cutoff can need; or (a GC pass) rewrites one
+//! compaction output anywhere in the list without what newer images above it shadow. A pass is resumable: it walks
 //! the keys in order with a cursor, in slices of bounded time ([`Pass::run_slice`]), so its
 //! caller decides when and how much of it runs (`crate::compaction`, the time-sliced driver).
 //!
@@ -33,11 +34,13 @@
 //! install whose manifest was renamed into place but not made durable keeps both its inputs
 //! and its outputs.
 //!
-//! **Invariants:** the inputs are adjacent layers of the list, from a point up, at the start of
-//! the pass, and only compaction removes layers (one pass at a time), so they still are at
-//! install (seals add layers above them); the outputs cover no LSN outside the inputs' and no
-//! layer below the inputs holds a value above them, so the layer map's order holds; an image
-//! is placed only at an LSN of the inputs; a key keeps every value a
+//! **Invariants:** the inputs are a contiguous range of the list at the start of the pass (from a
+//! point up, or one layer), and only compaction removes layers (one pass at a time), so they
+//! still are at install (seals add layers above them); the outputs cover no key or LSN outside
+//! the inputs' ranges, so every layer that shares a key with them is still wholly above or
+//! below them and the layer map's order holds; an image is placed only at an LSN of the
+//! inputs; a GC pass drops a key's values only below an image at or below the cutoff (its
+//! own, or one in a layer above it, which the layer map's order makes newer); a key keeps every value a
 //! read at or above the cutoff needs (the suffix from its newest image at or below the cutoff),
 //! so a read at a retained LSN sees the same page before and after; the GC cutoff only grows
 //! and is durable before anything below it is dropped; nothing here waits for another thread.
@@ -54,7 +57,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
-use super::index::{read_run, Frozen, Picked, ReadPlan, ReadSize};
+use super::index::{read_run, Frozen, LayerMap, Picked, ReadPlan, ReadSize};
 use super::layer::{self, DiskWait, LayerName, Level};
 use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
 use super::shared::Shared;
@@ -100,7 +103,18 @@ pub enum PassKind {
     /// merges the runs level 0 passes stacked up, so lookups walk few runs; the cost follows
     /// what changed since the last full pass.
     Upper,
+    /// GC of one compaction output ([`super::Timeline::begin_gc`]), wherever it is in the list:
+    /// a key's values there are dropped when a layer above holds an image of the key at or
+    /// below the cutoff (or the layer itself a newer one), so garbage below the newest runs
+    /// does not wait for a full pass. No images are made. The pass first *surveys* its layer
+    /// (index blocks only, nothing written) and writes it again only if at least
+    /// [`GC_MIN_GARBAGE`] of its bytes would go; else it ends with nothing changed.
+    Gc,
 }
+
+/// The share of a layer's bytes a GC pass must find droppable to rewrite it: rewriting costs
+/// the layer's size in writes, so this bounds that cost to 4 bytes per byte collected.
+pub const GC_MIN_GARBAGE: f64 = 0.25;
 
 /// What a pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -125,6 +139,11 @@ pub struct PassStats {
     pub files_deleted: u64,
     /// The GC cutoff the pass applied.
     pub gc_cutoff: u64,
+    /// A GC pass: bytes of values its survey found droppable.
+    pub garbage_bytes: u64,
+    /// A GC pass that found too little to drop ([`GC_MIN_GARBAGE`]): it wrote nothing and its
+    /// layer stays as it was.
+    pub skipped: bool,
 }
 
 /// A page the pass needs reconstructed: `key` as of `lsn`, from an image and the records above
@@ -339,6 +358,11 @@ pub struct Pass {
     inputs: Vec<Arc<Frozen>>,
     /// The layers below the inputs (none for a full pass): where a key's context comes from.
     below: Vec<Arc<Frozen>>,
+    /// A GC pass: the layers above its input, where a newer image makes the input's values of
+    /// a key garbage.
+    above: Option<LayerMap>,
+    /// A GC pass, first walk: decisions only, nothing read beyond index blocks or written.
+    survey: bool,
     cutoff: Lsn,
     /// The last key begun; `None` before the first.
     cursor: Option<Key>,
@@ -363,10 +387,12 @@ pub struct Pass {
 impl Pass {
     /// Starts a pass of `kind`, recording its intent and GC cutoff in the manifest. `None` if
     /// there are no layers to take. Refused once the timeline has failed for good.
+    /// `gc_layer` is the input of a [`PassKind::Gc`] (ignored for other kinds).
     pub(super) fn begin(
         shared: &Arc<Shared>,
         conf: CompactionConf,
         kind: PassKind,
+        gc_layer: Option<u32>,
     ) -> anyhow::Result<Option<Pass>> {
         if let Some(error) = shared.fatal_error() {
             anyhow::bail!("storage failed for good, no compaction until the timeline is reopened: {error}");
@@ -375,19 +401,32 @@ impl Pass {
             let index = shared.index.read().unwrap_or_else(PoisonError::into_inner);
             (index.layers().to_vec(), index.runs())
         };
-        let split = match kind {
-            PassKind::Full => 0,
-            // The sealed layers above the last compaction output.
-            PassKind::Level0 => inputs.iter().rposition(|l| l.compacted()).map_or(0, |i| i + 1),
-            PassKind::Upper => {
-                let size = |r: &std::ops::Range<usize>| inputs[r.clone()].iter().map(|l| l.size).sum::<u64>();
-                upper_split(&runs.iter().map(size).collect::<Vec<_>>())
-                    .map_or(inputs.len(), |run| runs[run].start)
-            }
+        let (below, above) = if kind == PassKind::Gc {
+            let at = gc_layer.and_then(|id| inputs.iter().position(|l| l.id == id && l.compacted()));
+            let Some(at) = at else {
+                return Ok(None);
+            };
+            let above = inputs.split_off(at + 1);
+            inputs.drain(..at);
+            // No context: a GC pass makes no images.
+            (Vec::new(), Some(LayerMap::new(above)))
+        } else {
+            let split = match kind {
+                PassKind::Full | PassKind::Gc => 0,
+                // The sealed layers above the last compaction output.
+                PassKind::Level0 => inputs.iter().rposition(|l| l.compacted()).map_or(0, |i| i + 1),
+                PassKind::Upper => {
+                    let size =
+                        |r: &std::ops::Range<usize>| inputs[r.clone()].iter().map(|l| l.size).sum::<u64>();
+                    upper_split(&runs.iter().map(size).collect::<Vec<_>>())
+                        .map_or(inputs.len(), |run| runs[run].start)
+                }
+            };
+            let taken = inputs.split_off(split);
+            (std::mem::replace(&mut inputs, taken), None)
         };
-        let taken = inputs.split_off(split);
-        let below = std::mem::replace(&mut inputs, taken);
-        let Some(top) = inputs.iter().map(|l| l.last_lsn).max() else {
+        let above_layers = above.iter().flat_map(|m| m.layers());
+        let Some(top) = inputs.iter().chain(above_layers).map(|l| l.last_lsn).max() else {
             return Ok(None);
         };
         let durable = *shared.durable.borrow();
@@ -407,9 +446,11 @@ impl Pass {
             .context("record compaction intent")
             .inspect_err(|e| shared.record_if_fatal(e))?;
         shared.gc_cutoff.fetch_max(cutoff.0, Ordering::Relaxed);
-        // Records ingested from here on are the next pass's debt (also the few that reached the
-        // active segment since the caller sealed it, which this pass does not take).
-        shared.index.write().unwrap_or_else(PoisonError::into_inner).reset_new_records();
+        if kind != PassKind::Gc {
+            // Records ingested from here on are the next pass's debt (also the few that reached
+            // the active segment since the caller sealed it, which this pass does not take).
+            shared.index.write().unwrap_or_else(PoisonError::into_inner).reset_new_records();
+        }
         let stats = PassStats {
             kind,
             input_layers: inputs.len() as u64,
@@ -424,6 +465,8 @@ impl Pass {
             conf,
             inputs,
             below,
+            survey: above.is_some(),
+            above,
             cutoff,
             cursor: None,
             current: None,
@@ -462,11 +505,32 @@ impl Pass {
                         }
                     }
                     let Some(key) = next else {
+                        if self.survey {
+                            self.survey = false;
+                            self.cursor = None;
+                            let worth = self.stats.bytes_before as f64 * GC_MIN_GARBAGE;
+                            if (self.stats.garbage_bytes as f64) < worth || self.stats.garbage_bytes == 0 {
+                                self.stats.skipped = true;
+                                return Ok(Step::Done(self.stats.clone()));
+                            }
+                            continue;
+                        }
                         let stats = self.install()?;
                         return Ok(Step::Done(stats));
                     };
                     self.cursor = Some(key);
-                    self.start_key(key)?
+                    let w = self.start_key(key)?;
+                    if self.survey {
+                        let dropped = w.values.iter_from(0).take(w.next).map(|(_, e)| u64::from(e.len));
+                        self.stats.garbage_bytes += dropped.sum::<u64>();
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            return Ok(Step::Continue);
+                        }
+                        continue;
+                    }
+                    self.stats.keys += 1;
+                    self.stats.values_read += (w.values.len - w.values.context) as u64;
+                    w
                 }
             };
             match self.work_on(&mut w, deadline)? {
@@ -502,8 +566,6 @@ impl Pass {
     /// Looks at `key`'s values: which it keeps, and whether it needs images.
     fn start_key(&mut self, key: Key) -> anyhow::Result<KeyWork> {
         let values = KeyValues::of(&self.inputs, &self.below, key)?;
-        self.stats.keys += 1;
-        self.stats.values_read += (values.len - values.context) as u64;
         let (mut keep_from, mut base) = (0, None);
         for (i, (_, e)) in values.iter_from(0).enumerate() {
             if e.kind == Kind::Image {
@@ -514,12 +576,19 @@ impl Pass {
             }
         }
         // The context is never written (it stays in its layers).
-        let keep_from = keep_from.max(values.context);
+        let mut keep_from = keep_from.max(values.context);
+        if let Some(above) = &self.above {
+            if above.has_image(key, self.cutoff)? {
+                // A read at or above the cutoff stops at that image, above this layer.
+                keep_from = values.len;
+            }
+        }
         let start = base.map_or(0, |i| i + 1);
         let chain = values.len - start;
         let bytes: u64 = values.iter_from(base.unwrap_or(0)).map(|(_, e)| u64::from(e.len)).sum();
         let fits = chain <= page_types::MAX_RECORDS_PER_REQUEST && bytes <= page_types::MAX_RECONSTRUCT_BYTES;
-        let imaging = chain > 0 && (chain >= self.conf.image_threshold.max(1) || !fits);
+        let imaging =
+            self.above.is_none() && chain > 0 && (chain >= self.conf.image_threshold.max(1) || !fits);
         Ok(KeyWork {
             key,
             values,

@@ -38,7 +38,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{ensure, Context};
 use bytes::Bytes;
@@ -46,7 +46,7 @@ use bytes::Bytes;
 use super::format::{IndexEntry, Kind};
 use super::layer::{BlockIndex, DiskWait, LayerIndex, OpenLayer, WouldWait};
 use super::segment::read_cached_at;
-use super::{GetError, Key, Lsn, ReadLimits, ReconstructData};
+use super::{GetError, Key, Lsn, Overwritten, ReadLimits, ReconstructData};
 
 /// Values of one file closer than this are read together: reading a few KiB more from the page
 /// cache costs less than another system call.
@@ -197,6 +197,33 @@ impl Frozen {
         }
     }
 
+    /// About how many of this layer's bytes hold keys of `lo..=hi`: its size times the share of
+    /// its index blocks whose keys meet that range (of a flat index: of its entries). An
+    /// estimate from what is in memory (at most one block too many at each end), for the
+    /// compactor's choice of a layer to collect ([`LayerMap::overwritten`]).
+    pub(crate) fn bytes_in(&self, lo: Key, hi: Key) -> u64 {
+        if self.max_key().is_none_or(|k| k < lo) || self.min_key().is_none_or(|k| k > hi) {
+            return 0;
+        }
+        let (part, whole) = match &self.index {
+            FrozenIndex::Flat { entries, .. } => {
+                let (a, b) =
+                    (entries.partition_point(|e| e.key < lo), entries.partition_point(|e| e.key <= hi));
+                (b.saturating_sub(a), entries.len())
+            }
+            FrozenIndex::Blocks(b) => {
+                let f = b.fences();
+                // The block before the first that starts at or above `lo` may hold `lo`.
+                let first = f.partition_point(|x| x.key < lo).saturating_sub(1);
+                (f.partition_point(|x| x.key <= hi).saturating_sub(first), f.len())
+            }
+        };
+        if whole == 0 {
+            return 0;
+        }
+        (u128::from(self.size) * part as u128 / whole as u128) as u64
+    }
+
     /// Whether this layer was written by compaction (its values are sorted by key).
     pub(crate) fn compacted(&self) -> bool {
         super::layer::parse_file_name(&self.name).is_some_and(|n| n.level == super::layer::Level::Compacted)
@@ -220,12 +247,45 @@ pub(crate) struct LayerMap {
     layers: Vec<Arc<Frozen>>,
     /// Ranges of `layers`, oldest first, covering it.
     runs: Vec<std::ops::Range<usize>>,
+    /// [`LayerMap::overwritten`], computed on first use.
+    overwritten: OnceLock<Arc<[Overwritten]>>,
 }
 
 impl LayerMap {
-    fn new(layers: Vec<Arc<Frozen>>) -> LayerMap {
+    pub(crate) fn new(layers: Vec<Arc<Frozen>>) -> LayerMap {
         let runs = key_runs(&layers, |_| true);
-        LayerMap { layers, runs }
+        LayerMap { layers, runs, overwritten: OnceLock::new() }
+    }
+
+    /// For each compaction output, oldest first, about how many bytes the layers above it hold
+    /// of its key range ([`Frozen::bytes_in`]): what was written over its keys since it was
+    /// (the layers of its own run share none). Where that grew by its own size, its values are
+    /// likely shadowed by newer images: GC of that one layer is due. O(layers x layers above)
+    /// binary searches in memory, once per map (the map is replaced at each seal and pass).
+    pub(crate) fn overwritten(&self) -> Arc<[Overwritten]> {
+        let compute = || {
+            let mut out = Vec::new();
+            for r in &self.runs {
+                for l in self.layers[r.clone()].iter().filter(|l| l.compacted()) {
+                    let (Some(lo), Some(hi)) = (l.min_key(), l.max_key()) else { continue };
+                    let above = self.layers[r.end..].iter().map(|u| u.bytes_in(lo, hi)).sum();
+                    out.push(Overwritten { layer: l.id, size: l.size, above });
+                }
+            }
+            out.into()
+        };
+        Arc::clone(self.overwritten.get_or_init(compute))
+    }
+
+    /// Whether a layer of this map holds an image of `key` at or below `lsn` (reads index
+    /// blocks, waiting for the disk).
+    pub(crate) fn has_image(&self, key: Key, lsn: Lsn) -> anyhow::Result<bool> {
+        for l in self.candidates(key, lsn) {
+            if l.lookup(key, lsn, DiskWait::Allowed)?.iter().any(|e| e.kind == Kind::Image) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// The layers, oldest first.
@@ -453,8 +513,8 @@ impl Index {
         self.layers.layers()
     }
 
-    /// The layer map (shared).
-    pub(crate) fn layer_map(&self) -> &LayerMap {
+    /// The layer map (shared: clone it to keep it once the lock is released).
+    pub(crate) fn layer_map(&self) -> &Arc<LayerMap> {
         &self.layers
     }
 

@@ -148,6 +148,18 @@ pub struct Backlog {
     pub upper_bytes: u64,
 }
 
+/// A compaction output and what the layers above it hold of its key range
+/// ([`Timeline::overwritten`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Overwritten {
+    /// The layer's id (for [`Timeline::begin_gc`]; not stable across opens).
+    pub layer: u32,
+    /// Its size in bytes.
+    pub size: u64,
+    /// About how many bytes of the layers above it hold keys of its range.
+    pub above: u64,
+}
+
 /// Counters describing a timeline's storage.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TimelineStats {

@@ -364,7 +364,22 @@ impl Timeline {
         conf: super::CompactionConf,
         kind: super::PassKind,
     ) -> anyhow::Result<Option<super::Pass>> {
-        super::Pass::begin(&self.shared, conf, kind)
+        super::Pass::begin(&self.shared, conf, kind, None)
+    }
+
+    /// Starts a GC pass of the one compaction output `layer` ([`super::PassKind::Gc`], an id of
+    /// [`Timeline::overwritten`]); `None` if it is no longer a layer of the timeline.
+    pub fn begin_gc(&self, conf: super::CompactionConf, layer: u32) -> anyhow::Result<Option<super::Pass>> {
+        super::Pass::begin(&self.shared, conf, super::PassKind::Gc, Some(layer))
+    }
+
+    /// For each compaction output, what the layers above it hold of its key range (see
+    /// [`super::Overwritten`]): where GC of one layer may pay.
+    pub fn overwritten(&self) -> std::sync::Arc<[super::Overwritten]> {
+        let map = std::sync::Arc::clone(
+            self.shared.index.read().unwrap_or_else(PoisonError::into_inner).layer_map(),
+        );
+        map.overwritten()
     }
 
     /// How much compaction work waits: records ingested since the last pass began, and the

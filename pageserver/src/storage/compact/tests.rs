@@ -602,3 +602,163 @@ async fn an_upper_pass_merges_the_runs_above_the_bottom_one_and_leaves_it_alone(
     let tl = open(dir.path(), 2000, &m);
     assert_eq!(pages(&tl, KEYS, &lsns), before);
 }
+
+/// A bottom run of 30 rounds, then a level 0 pass without new images over 20 more (even keys'
+/// images of rounds 34 to 49 from `fill`, odd keys' records only), then 3 rounds sealed above:
+/// the bottom run's values of even keys are shadowed by newer images, odd keys' are not.
+/// Returns the last LSN and the bottom run's layers.
+async fn two_runs_with_images_above(
+    tl: &Timeline,
+    dir: &std::path::Path,
+) -> (u64, Vec<crate::storage::Overwritten>) {
+    run_then_level0(tl, 20).await;
+    let bottom = compacted_files(dir).len();
+    run(tl.begin_pass(conf(1000, u64::MAX), PassKind::Level0).unwrap().unwrap(), Duration::from_millis(1));
+    let last = fill(tl, 50, 3).await;
+    tl.freeze().await.unwrap();
+    assert_eq!(tl.backlog().runs, 2);
+    // Oldest first: the bottom run's layers come first, each with layers above it sharing its
+    // keys.
+    let bottom: Vec<_> = tl.overwritten()[..bottom].to_vec();
+    assert!(!bottom.is_empty() && bottom.iter().all(|l| l.above > 0), "{bottom:?}");
+    (last, bottom)
+}
+
+#[tokio::test]
+async fn a_gc_pass_drops_a_layers_values_that_newer_images_shadow_and_every_retained_lsn_reads_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let (last, bottom) = two_runs_with_images_above(&tl, dir.path()).await;
+    let newest_run_above = tl.overwritten().iter().rev().map(|l| l.above).next().unwrap();
+    assert!(newest_run_above > 0, "the seals above the newest run share its keys");
+
+    // First a cutoff below every image above the bottom run (those of round 34 and up): a
+    // layer keeps each key's values from its own newest image at or below the cutoff on.
+    let cutoff = 33 * 100 + 50;
+    let retained: Vec<u64> = (cutoff..=last).step_by(3).chain([last]).collect();
+    let before = pages(&tl, KEYS, &retained);
+    let files_before = layer_files(dir.path());
+    let stats = run(
+        tl.begin_gc(conf(4, last - cutoff), bottom[0].layer).unwrap().unwrap(),
+        Duration::from_micros(50),
+    );
+    assert_eq!(stats.kind, PassKind::Gc);
+    assert_eq!(tl.gc_cutoff(), Lsn(cutoff));
+    assert!(!stats.skipped, "{stats:?}");
+    assert_eq!((stats.input_layers, stats.output_layers, stats.images_created), (1, 1, 0), "{stats:?}");
+    assert!(stats.values_dropped > 0 && stats.values_written > 0, "{stats:?}");
+    assert_eq!(stats.values_dropped + stats.values_written, stats.input_values, "{stats:?}");
+    assert!(stats.garbage_bytes * 4 >= stats.bytes_before, "{stats:?}");
+    assert_eq!(stats.files_deleted, 1, "{stats:?}");
+    assert_eq!(pages(&tl, KEYS, &retained), before);
+    assert!(matches!(
+        tl.get_reconstruct_data(key(0), Lsn(cutoff - 1), NO_LIMITS),
+        Err(GetError::BelowGcCutoff { .. })
+    ));
+    // Only that layer was replaced, in its place: the runs are as they were.
+    let files = layer_files(dir.path());
+    let gone: Vec<&String> = files_before.iter().filter(|n| !files.contains(n)).collect();
+    assert_eq!(gone.len(), 1, "{gone:?}");
+    assert_eq!(tl.backlog().runs, 2);
+    assert_eq!(check_listed_layers(dir.path()), files.len());
+    for l in &bottom[1..] {
+        run(tl.begin_gc(conf(4, last - cutoff), l.layer).unwrap().unwrap(), Duration::from_micros(50));
+    }
+    assert_eq!(pages(&tl, KEYS, &retained), before);
+
+    // Then a cutoff above the even keys' images of round 44: every value of an even key in
+    // the bottom run goes, every value of an odd key stays (no image anywhere: the whole
+    // chain is needed).
+    let cutoff = 45 * 100;
+    let retained: Vec<u64> = (cutoff..=last).step_by(3).chain([last]).collect();
+    let before = pages(&tl, KEYS, &retained);
+    let bottom: Vec<_> = tl.overwritten()[..bottom.len()].to_vec();
+    let mut dropped = 0;
+    for l in &bottom {
+        let stats =
+            run(tl.begin_gc(conf(4, last - cutoff), l.layer).unwrap().unwrap(), Duration::from_micros(50));
+        // A layer of odd keys only has nothing to drop.
+        assert!(stats.skipped || stats.values_dropped > 0, "{stats:?}");
+        dropped += stats.values_dropped;
+    }
+    assert!(dropped > 0);
+    assert_eq!(pages(&tl, KEYS, &retained), before);
+    for k in 0..KEYS {
+        let mut lsns = Vec::new();
+        let all = tl.get_reconstruct_data(key(k), Lsn(last), NO_LIMITS).unwrap();
+        lsns.extend(all.image.iter().map(|(l, _)| l.0));
+        lsns.extend(all.records.iter().map(|(l, _)| l.0));
+        if k % 2 == 0 {
+            assert!(lsns[0] >= 4900, "key {k} reads from its image of round 49: {lsns:?}");
+        } else {
+            assert_eq!(lsns[0], u64::from(k) + 1, "key {k} keeps its whole chain: {lsns:?}");
+        }
+    }
+    drop(tl);
+    let tl = open(dir.path(), 2000, &m);
+    assert_eq!(pages(&tl, KEYS, &retained), before);
+    // A layer that is gone starts nothing.
+    assert!(tl.begin_gc(conf(4, last - cutoff), u32::MAX).unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_gc_pass_that_finds_too_little_garbage_writes_nothing_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let (last, bottom) = two_runs_with_images_above(&tl, dir.path()).await;
+    let lsns: Vec<u64> = (0..=last + 1).step_by(7).chain([last]).collect();
+    let before = pages(&tl, KEYS, &lsns);
+    let files = std::fs::read_dir(dir.path()).unwrap().count();
+    let layers = layer_files(dir.path());
+    // No GC horizon: nothing is below the cutoff, so nothing is garbage.
+    let stats = run(tl.begin_gc(conf(4, u64::MAX), bottom[0].layer).unwrap().unwrap(), Duration::ZERO);
+    assert!(stats.skipped, "{stats:?}");
+    assert_eq!((stats.garbage_bytes, stats.bytes_written, stats.values_read), (0, 0, 0), "{stats:?}");
+    assert_eq!(layer_files(dir.path()), layers);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), files, "no file left behind");
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+    // The pass's intent stays recorded; the next pass and a reopen go on as usual.
+    let stats = run(tl.begin_compaction(conf(4, u64::MAX)).unwrap().unwrap(), Duration::from_millis(1));
+    assert_eq!(stats.kind, PassKind::Full);
+    drop(tl);
+    let tl = open(dir.path(), 2000, &m);
+    assert_eq!(pages(&tl, KEYS, &lsns), before);
+}
+
+#[tokio::test]
+async fn a_crash_during_a_gc_pass_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 2000, &m);
+    let (last, bottom) = two_runs_with_images_above(&tl, dir.path()).await;
+    let cutoff = 45 * 100;
+    let retained: Vec<u64> = (cutoff..=last).step_by(3).chain([last]).collect();
+    let before = pages(&tl, KEYS, &retained);
+    let check = |snap: tempfile::TempDir, what: &str| {
+        let m = metrics();
+        let tl = open(snap.path(), 2000, &m);
+        assert_eq!(pages(&tl, KEYS, &retained), before, "after a crash {what}");
+        assert_eq!(layer_files(snap.path()).len() as u64, tl.stats().layers, "{what}");
+        assert_eq!(check_listed_layers(snap.path()), layer_files(snap.path()).len(), "{what}");
+    };
+    let mut pass = tl.begin_gc(conf(4, last - cutoff), bottom[0].layer).unwrap().unwrap();
+    let mut snapshots = 0;
+    loop {
+        // A crash after every slice: in the survey, while writing, after the install.
+        match pass.run_slice(Duration::ZERO).unwrap() {
+            Step::Continue => {
+                check(snapshot(dir.path()), "during a GC pass");
+                snapshots += 1;
+            }
+            Step::NeedImage(_) => panic!("a GC pass makes no images"),
+            Step::Done(stats) => {
+                assert!(!stats.skipped && stats.values_dropped > 0, "{stats:?}");
+                break;
+            }
+        }
+    }
+    assert!(snapshots > 4, "{snapshots}");
+    check(snapshot(dir.path()), "after a GC install");
+}

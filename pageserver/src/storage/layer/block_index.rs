@@ -307,7 +307,7 @@ impl BlockIndex {
         BlockIndex { uid: next_uid(), file, footer, fences: fences.into() }
     }
 
-    #[cfg(test)]
+    /// The first `(key, lsn)` of each index block, in order.
     pub(crate) fn fences(&self) -> &[Fence] {
         &self.fences
     }
