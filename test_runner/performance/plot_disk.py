@@ -17,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+from plot_scale import labelled
+
 
 def updates(path: Path) -> list[tuple[float, dict]]:
     """(size in GB, update result) of each row of `path` that ran the update load."""
@@ -31,13 +33,7 @@ def main() -> int:
     ap.add_argument("--plot", type=Path, required=True)
     ap.add_argument("--title", default="Disk under the update load, over the disk after the operator's pass")
     args = ap.parse_args()
-    runs = []
-    for spec in args.runs:
-        label, _, file = spec.partition("=")
-        if not file:
-            ap.error(f"{spec}: want LABEL=FILE")
-        for gb, u in updates(Path(file)):
-            runs.append((f"{label} ({gb:g} GB)", u))
+    runs = [(f"{label} ({gb:g} GB)", u) for label, file in labelled(ap, args.runs) for gb, u in updates(file)]
     if not runs:
         ap.error("no update load with disk samples in these files")
 

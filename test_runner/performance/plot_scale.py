@@ -26,18 +26,24 @@ def rows(path: Path) -> list[dict]:
     return sorted(data["rows"] if isinstance(data, dict) else data, key=lambda r: r["ingested_bytes"])
 
 
+def labelled(ap: argparse.ArgumentParser, specs: list[str]) -> list[tuple[str, Path]]:
+    """The `LABEL=FILE` arguments as (label, path); a malformed one is a usage error."""
+    out = []
+    for spec in specs:
+        label, _, file = spec.partition("=")
+        if not file:
+            ap.error(f"{spec}: want LABEL=FILE")
+        out.append((label, Path(file)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="+", metavar="LABEL=FILE")
     ap.add_argument("--plot", type=Path, required=True)
     ap.add_argument("--title", default="GetPage and memory against the tenant's size")
     args = ap.parse_args()
-    runs = []
-    for spec in args.runs:
-        label, _, file = spec.partition("=")
-        if not file:
-            ap.error(f"{spec}: want LABEL=FILE")
-        runs.append((label, rows(Path(file))))
+    runs = [(label, rows(file)) for label, file in labelled(ap, args.runs)]
 
     import matplotlib
     matplotlib.use("Agg")
