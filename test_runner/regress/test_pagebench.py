@@ -113,6 +113,25 @@ def test_ingest_exists_ok_with_the_same_shape_loads_nothing_and_a_longer_chain_c
     assert summary(run)["errors"] == 0, run.stderr
 
 
+def test_ingest_exists_ok_resumes_a_data_set_whose_first_images_are_below_the_gc_cutoff(pageserver_factory):
+    # A compaction pass with a short GC window drops the data set's first versions: the check
+    # of its seed (page 0 at its first LSN) cannot read them any more, and resuming the load
+    # must still work (the key space's shape is checked; the seed cannot be).
+    ps = pageserver_factory(compaction="off", gc_horizon=4)
+    first = summary(pagebench(ps, "ingest", "--tenant", "pb", *SHAPE))
+    r = ps.http.request("POST", "/v1/tenant/pb/compact")
+    assert r.status == 200 and r.body["pass"]["gc_cutoff"] > FIRST_LSN, r.body
+    longer = [*SHAPE[:4], "--chain-length", "3", *SHAPE[6:]]
+    run = pagebench(ps, "ingest", "--tenant", "pb", *longer, "--exists-ok")
+    assert summary(run)["values"] == 16, run.stderr
+    assert "below the GC cutoff" in run.stderr, run.stderr
+    assert ps.http.tenant_status("pb")["last_durable_lsn"] > first["end_lsn"]
+    # Another data set is still refused by the shape.
+    wrong = [*SHAPE[:2], "--blocks", "9", *SHAPE[4:]]
+    refused = pagebench(ps, "ingest", "--tenant", "pb", *wrong, "--exists-ok", check=False)
+    assert refused.returncode != 0 and "another data set" in refused.stderr, refused.stderr
+
+
 def test_ingest_with_rate_and_duration_paces_the_load_and_stops_at_an_acknowledged_lsn(pageserver):
     summary(pagebench(pageserver, "ingest", "--tenant", "pb", *SHAPE))
     # A long chain that 1.5 s at 200 values/s cannot finish: the duration ends the load.
