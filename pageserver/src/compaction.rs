@@ -431,10 +431,13 @@ impl Worker {
     fn gc_due(&self) -> Option<(u32, f64)> {
         let layers = self.timeline.overwritten();
         let mut base = lock(&self.gc_base);
-        base.retain(|id, _| layers.iter().any(|l| l.layer == *id));
+        // Rebuilt from the layers there are (O(layers), every period under ingest).
+        let seen: HashMap<u32, u64> =
+            layers.iter().map(|l| (l.layer, base.get(&l.layer).copied().unwrap_or(l.above))).collect();
+        *base = seen;
         let mut best: Option<(u32, f64)> = None;
         for l in layers.iter() {
-            let seen = *base.entry(l.layer).or_insert(l.above);
+            let seen = base[&l.layer];
             let due = l.above.saturating_sub(seen) as f64 / (l.size.max(1) as f64 * GC_LAYER_DUE);
             if best.is_none_or(|(_, d)| due > d) {
                 best = Some((l.layer, due));

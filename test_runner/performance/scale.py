@@ -14,8 +14,8 @@ then:
 - one compaction pass (`POST .../compact`, waited for): its bytes written over the bytes
   ingested (the write amplification of a pass over a freshly loaded tenant), and the disk
   used against the data ingested;
-- the daemon's RSS, right after the pass and 12 s later (settled: the compactor hands freed
-  memory back at most every 10 s), then a restart (SIGTERM, start): the time from the start
+- the daemon's RSS, right after the pass and 12 s later (settled: the daemon hands freed
+  heap back at most every 10 s), then a restart (SIGTERM, start): the time from the start
   to the first GetPage served, and the RSS after it (and again after the reads below: the
   block cache filled);
 - `pagebench get-page`, 8 connections at depth 1, random keys at the latest LSN, `--seconds`:
@@ -95,7 +95,7 @@ def one_size(args, gb: float) -> dict:
         disk = du(daemon.workdir / "tenants")
         rss_loaded = rss_bytes(daemon.pid)
         # What the allocator keeps right after the pass is handed back within seconds (the
-        # compactor's malloc_trim runs at most every 10 s).
+        # daemon's malloc_trim runs at most every 10 s, heap.rs).
         time.sleep(SETTLE_S)
         rss_settled = rss_bytes(daemon.pid)
 
@@ -217,6 +217,12 @@ def update_load(args, daemon, loaded: float, compacted: int) -> dict:
     began = time.monotonic()
     sent = 0
     samples = []  # (seconds since the load began, disk bytes)
+
+    def sample():
+        """Samples the disk if the last sample is 5 s old (or there is none)."""
+        if not samples or time.monotonic() - began - samples[-1][0] >= 5:
+            samples.append((round(time.monotonic() - began, 1), du(daemon.workdir / "tenants")))
+
     with connect(addr(daemon.pg), "bench", timeout=60) as conn:
         while time.monotonic() - began < args.update_seconds:
             values = []
@@ -226,8 +232,7 @@ def update_load(args, daemon, loaded: float, compacted: int) -> dict:
                 values.append((key, lsn, o.RECORD, o.put_bytes(4096 + rng.randrange(2048), rng.randbytes(48))))
             conn.ingest(values)
             sent += batch
-            if not samples or time.monotonic() - began - samples[-1][0] >= 5:
-                samples.append((round(time.monotonic() - began, 1), du(daemon.workdir / "tenants")))
+            sample()
             # Steady rate: sleep off what is ahead of schedule.
             ahead = sent / args.update_rate - (time.monotonic() - began)
             if ahead > 0:
@@ -238,8 +243,7 @@ def update_load(args, daemon, loaded: float, compacted: int) -> dict:
         c = http.tenant_status("bench")["compaction"]
         if (not c["running"] and c["backlog"] < 1.0) or time.monotonic() - began > args.update_seconds + 600:
             break
-        if time.monotonic() - began - samples[-1][0] >= 5:
-            samples.append((round(time.monotonic() - began, 1), du(daemon.workdir / "tenants")))
+        sample()
         time.sleep(0.5)
     m1 = measure.metrics(daemon.http)
     after = http.tenant_status("bench")["compaction"]

@@ -401,30 +401,32 @@ impl Pass {
             let index = shared.index.read().unwrap_or_else(PoisonError::into_inner);
             (index.layers().to_vec(), index.runs())
         };
-        let (below, above) = if kind == PassKind::Gc {
-            let at = gc_layer.and_then(|id| inputs.iter().position(|l| l.id == id && l.compacted()));
-            let Some(at) = at else {
-                return Ok(None);
-            };
-            let above = inputs.split_off(at + 1);
-            inputs.drain(..at);
-            // No context: a GC pass makes no images.
-            (Vec::new(), Some(LayerMap::new(above)))
-        } else {
-            let split = match kind {
-                PassKind::Full | PassKind::Gc => 0,
-                // The sealed layers above the last compaction output.
-                PassKind::Level0 => inputs.iter().rposition(|l| l.compacted()).map_or(0, |i| i + 1),
-                PassKind::Upper => {
-                    let size =
-                        |r: &std::ops::Range<usize>| inputs[r.clone()].iter().map(|l| l.size).sum::<u64>();
-                    upper_split(&runs.iter().map(size).collect::<Vec<_>>())
-                        .map_or(inputs.len(), |run| runs[run].start)
-                }
-            };
-            let taken = inputs.split_off(split);
-            (std::mem::replace(&mut inputs, taken), None)
+        // The first input, and (a GC pass) the end of the inputs: the layers above are read.
+        let (split, end) = match kind {
+            PassKind::Full => (0, inputs.len()),
+            // The sealed layers above the last compaction output.
+            PassKind::Level0 => {
+                (inputs.iter().rposition(|l| l.compacted()).map_or(0, |i| i + 1), inputs.len())
+            }
+            PassKind::Upper => {
+                let size = |r: &std::ops::Range<usize>| inputs[r.clone()].iter().map(|l| l.size).sum::<u64>();
+                let split = upper_split(&runs.iter().map(size).collect::<Vec<_>>())
+                    .map_or(inputs.len(), |run| runs[run].start);
+                (split, inputs.len())
+            }
+            PassKind::Gc => {
+                let at = gc_layer.and_then(|id| inputs.iter().position(|l| l.id == id && l.compacted()));
+                let Some(at) = at else {
+                    return Ok(None);
+                };
+                (at, at + 1)
+            }
         };
+        let above = (kind == PassKind::Gc).then(|| LayerMap::new(inputs.split_off(end)));
+        let taken = inputs.split_off(split);
+        let below = std::mem::replace(&mut inputs, taken);
+        // No context for a GC pass: it makes no images.
+        let below = if kind == PassKind::Gc { Vec::new() } else { below };
         let above_layers = above.iter().flat_map(|m| m.layers());
         let Some(top) = inputs.iter().chain(above_layers).map(|l| l.last_lsn).max() else {
             return Ok(None);

@@ -947,11 +947,11 @@ pub(crate) fn would_wait(e: &GetError) -> bool {
     matches!(e, GetError::Io(e) if e.is::<WouldWait>())
 }
 
-/// One span from the page cache, or `None` if reading it would wait for the disk (or the read
-/// fails or comes back short: the blocking read then reports why).
 /// Bytes [`ReadPlan::warm_values`] reads at a time.
 const WARM_CHUNK: usize = 64 << 10;
 
+/// One span from the page cache, or `None` if reading it would wait for the disk (or the read
+/// fails or comes back short: the blocking read then reports why).
 fn read_span_nowait(s: &Span) -> Option<Bytes> {
     let mut buf = vec![0u8; s.len];
     read_cached_at(&s.file, &mut buf, s.offset).then(|| Bytes::from(buf))
