@@ -34,7 +34,7 @@ use crate::redo_budget::{BudgetError, RedoBudget};
 use crate::storage::{
     self, DiskWait, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError,
 };
-use crate::util::lock;
+use crate::util::{lock, Signal};
 use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
 pub mod wal_receiver;
@@ -174,8 +174,11 @@ pub struct Tenant {
     pub(crate) compactor: Arc<Compactor>,
     pub(crate) overrides: Mutex<TenantConfOverrides>,
     pub(crate) deps: Arc<TenantDeps>,
-    /// Cancelled when the tenant stops; connections watch it.
+    /// Cancelled when the tenant stops.
     pub cancel: CancellationToken,
+    /// Raised with `cancel` ([`Tenant::stop_serving`]): what its connections watch (without
+    /// the token's lock).
+    pub(crate) stopping: Arc<Signal>,
     pub(crate) counters: Counters,
     /// Its GetPage series, exported while it is among the busiest tenants (`tenant_series`).
     pub(crate) get_page_series: RequestSeries,
@@ -224,7 +227,7 @@ impl Tenant {
     /// For callers that would spawn a task per request: a cache hit needs none.
     pub fn get_page_now(&self, key: BufferTag, lsn: Lsn) -> Option<(Lsn, Bytes)> {
         let started = Instant::now();
-        if self.cancel.is_cancelled() || !self.deps.cache.enabled() {
+        if !self.deps.cache.enabled() || self.stopping.is_raised() {
             return None;
         }
         let durable = self.timeline.last_durable_lsn();
@@ -242,10 +245,17 @@ impl Tenant {
         Some((lsn, page))
     }
 
+    /// Whether [`Tenant::get_page`] may block the thread that polls it while it waits for a
+    /// redo child (see [`WalRedoManager::may_block`]), rather than only yield: a caller that
+    /// polls other requests' futures alongside gives such a request a task of its own.
+    pub fn get_page_may_block(&self) -> bool {
+        self.walredo.may_block()
+    }
+
     /// `lsn` once it is durable here ([`Lsn::LATEST`]: the last durable LSN), waiting up to
     /// `wait_lsn_timeout` for it.
     async fn wait_for(&self, lsn: Lsn) -> Result<Lsn, GetPageError> {
-        if self.cancel.is_cancelled() {
+        if self.stopping.is_raised() {
             return Err(GetPageError::ShuttingDown);
         }
         if lsn == Lsn::LATEST {
@@ -406,13 +416,19 @@ impl Tenant {
         }
     }
 
+    /// Cancels the tenant: its connections stop reading and its waits end.
+    pub(crate) fn stop_serving(&self) {
+        self.stopping.raise();
+        self.cancel.cancel();
+    }
+
     /// Stops the tenant: connections are told, queued ingests become durable, the redo child
     /// is stopped and reaped. Idempotent.
     ///
     /// Cancel-safe in the sense that calling it again finishes the job: the tenant is
     /// cancelled at the first poll, and each step is idempotent.
     pub async fn shutdown(&self) {
-        self.cancel.cancel();
+        self.stop_serving();
         // Before storage stops: the receiver makes its position durable as it stops.
         let receiver = lock(&self.wal_receiver).take();
         if let Some(receiver) = receiver {

@@ -320,6 +320,7 @@ impl Tenants {
             overrides: Mutex::new(overrides),
             deps: Arc::clone(&self.deps),
             cancel,
+            stopping: Arc::default(),
             counters: Default::default(),
             get_page_series: RequestSeries::get_page(id),
             wal_receiver: Mutex::new(None),
@@ -475,7 +476,7 @@ impl Tenants {
         let _changing = self.change_lock.lock().await;
         let tenants = self.active();
         for tenant in &tenants {
-            tenant.cancel.cancel();
+            tenant.stop_serving();
         }
         for tenant in tenants {
             tenant.shutdown().await;

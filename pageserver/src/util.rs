@@ -2,11 +2,126 @@
 //!
 //! Invariant: depends on nothing in this crate (the bottom layer of ARCHITECTURE.md's table).
 
-use std::sync::{Mutex, MutexGuard};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 
 /// Locks a std mutex, taking the guard even if a panicking thread poisoned it: the data behind
 /// every mutex of this crate stays consistent between statements (no invariant is broken across
 /// a call that can panic), so a panic elsewhere must not turn into panics here.
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A one-way signal that many tasks watch (shutdown, a tenant stopping): raised once, never
+/// lowered. Checking it is one atomic load, and a waiting task registers its waker once, not
+/// at every poll. (A `CancellationToken` locks a mutex shared by all its clones at every check
+/// and every poll of `cancelled()`, and its `Notify` another: with every connection of a busy
+/// daemon polling it per request, two locks that every core takes.)
+#[derive(Default)]
+pub(crate) struct Signal {
+    raised: AtomicBool,
+    /// The wakers of the watches waiting, by watch number; taken when raised.
+    waiters: Mutex<HashMap<u64, Waker>>,
+    next: AtomicU64,
+}
+
+impl Signal {
+    pub(crate) fn raise(&self) {
+        self.raised.store(true, Ordering::Release);
+        let waiters = std::mem::take(&mut *lock(&self.waiters));
+        for waker in waiters.into_values() {
+            waker.wake();
+        }
+    }
+
+    pub(crate) fn is_raised(&self) -> bool {
+        self.raised.load(Ordering::Acquire)
+    }
+
+    /// A watch for one task to wait with.
+    pub(crate) fn watch(self: &Arc<Self>) -> Watch {
+        Watch { signal: Arc::clone(self), id: self.next.fetch_add(1, Ordering::Relaxed), waker: None }
+    }
+}
+
+/// One task's wait for a [`Signal`] (see [`Watch::raised`]).
+pub(crate) struct Watch {
+    signal: Arc<Signal>,
+    id: u64,
+    /// The waker registered with the signal, if any.
+    waker: Option<Waker>,
+}
+
+impl Watch {
+    /// Ready once the signal is raised. Cancel-safe; the waker stays registered until the
+    /// watch is dropped, and is registered again only when the task's waker changes.
+    pub(crate) async fn raised(&mut self) {
+        std::future::poll_fn(|cx| self.poll_raised(cx)).await
+    }
+
+    fn poll_raised(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.signal.is_raised() {
+            return Poll::Ready(());
+        }
+        if !self.waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
+            lock(&self.signal.waiters).insert(self.id, cx.waker().clone());
+            self.waker = Some(cx.waker().clone());
+        }
+        // Raised between the first look and the registration: `raise` may have taken the
+        // waiters before this one was in.
+        if self.signal.is_raised() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if self.waker.is_some() {
+            lock(&self.signal.waiters).remove(&self.id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_signal_wakes_every_watch_waiting_and_stays_raised() {
+        let signal = Arc::new(Signal::default());
+        let waiting: Vec<_> = (0..3)
+            .map(|_| {
+                let mut watch = signal.watch();
+                tokio::spawn(async move { watch.raised().await })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        let mut late = signal.watch();
+        // Not raised: a poll registers and waits.
+        assert!(futures_util::FutureExt::now_or_never(late.raised()).is_none());
+        assert!(!signal.is_raised());
+        signal.raise();
+        for task in waiting {
+            tokio::time::timeout(std::time::Duration::from_secs(5), task).await.unwrap().unwrap();
+        }
+        late.raised().await;
+        signal.watch().raised().await;
+        assert!(signal.is_raised());
+        assert!(lock(&signal.waiters).is_empty(), "raising takes the waiters");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_watch_leaves_no_waker_behind() {
+        let signal = Arc::new(Signal::default());
+        let mut watch = signal.watch();
+        assert!(futures_util::FutureExt::now_or_never(watch.raised()).is_none());
+        assert_eq!(lock(&signal.waiters).len(), 1);
+        drop(watch);
+        assert!(lock(&signal.waiters).is_empty());
+    }
 }

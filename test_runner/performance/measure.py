@@ -72,9 +72,18 @@ SCENARIOS = {
         "lsn": "latest",
         "warmup": 0.0,
     },
-    # Every request rebuilds the page from its image and 10 records in the redo child.
+    # Every request rebuilds the page from its image and 10 records in the redo child, for as
+    # long as compaction leaves the data set alone: at the latest LSN its image policy soon
+    # makes an image of every page, and then `chain10` measures reads of images.
     "chain10": {
         "config": ["page_cache_size=0"],
+        "shape": ["--relations", "10", "--blocks", "1000", "--chain-length", "10"],
+        "lsn": "latest",
+        "warmup": 0.0,
+    },
+    # `chain10` with compaction off: every request stays a redo, however long the runs go.
+    "chain10-redo": {
+        "config": ["page_cache_size=0", "compaction=off"],
         "shape": ["--relations", "10", "--blocks", "1000", "--chain-length", "10"],
         "lsn": "latest",
         "warmup": 0.0,
@@ -149,12 +158,23 @@ def metrics(http: str) -> dict[str, float]:
     return out
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """CPUs of a `taskset -c` style list: `0-3,8`."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 class Daemon:
     def __init__(self, bin_dir: Path, config: list[str], floor_shape: list[str] | None = None,
-                 workdir: Path | None = None):
+                 workdir: Path | None = None, cpus: str | None = None, env: dict[str, str] | None = None):
         """The daemon with `config`; or, given `floor_shape` (pagebench's shape flags), the
         loopback floor `page-floor` answering for that data set (benches/src/bin/page-floor.rs).
-        In `workdir` if given (a kept work dir: its tenants are loaded), else in a new one."""
+        In `workdir` if given (a kept work dir: its tenants are loaded), else in a new one.
+        With `cpus` (a `taskset -c` style list), it and its redo children run on those CPUs only
+        (its runtime sizes itself to them). `env`: variables added to its environment."""
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="pagebench-daemon-"))
         (self.workdir / "ports.json").unlink(missing_ok=True)
         if floor_shape is not None:
@@ -166,7 +186,9 @@ class Daemon:
                 args += ["-c", c]
         self.args = args
         self.log = open(self.workdir / "pageserver.log", "ab" if workdir else "wb")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        pin = (lambda: os.sched_setaffinity(0, parse_cpus(cpus))) if cpus else None
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     preexec_fn=pin, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 30
         ports = self.workdir / "ports.json"
         while True:
@@ -428,7 +450,9 @@ def main() -> int:
                              "RATE requests/s in total)")
     parser.add_argument("--kinds", default="sync,async,auto",
                         help="daemon variants, comma separated: a walredo process kind, optionally with more "
-                             "settings after colons, e.g. async:walredo_pool_max=1 (bin=DIR: that variant's daemon from DIR); "
+                             "settings after colons, e.g. async:walredo_pool_max=1 (bin=DIR: that variant's daemon from DIR; "
+                             "cpus=LIST: the daemon and its children pinned to those CPUs, e.g. cpus=0-1; env=NAME=VALUE: "
+                             "a variable of the daemon's environment); "
                              "or `floor` (page-floor, the "
                              "loopback floor, with its flags after colons, e.g. floor:--threads=2)")
     parser.add_argument("--scenarios", default="cached,chain10")
@@ -468,9 +492,13 @@ def main() -> int:
                 # `bin=DIR`: this variant's daemon (and redo child) from DIR, e.g. a build of another
                 # commit to compare with side by side; pagebench is always --bin-dir's.
                 daemon_dir = next((Path(x[4:]) for x in settings if x.startswith("bin=")), opts.bin_dir)
-                settings = [x for x in settings if not x.startswith("bin=")]
+                # `cpus=LIST`: the daemon and its children pinned to those CPUs (core scaling).
+                cpus = next((x[5:] for x in settings if x.startswith("cpus=")), None)
+                # `env=NAME=VALUE`: a variable of the daemon's environment (e.g. TOKIO_WORKER_THREADS).
+                env = dict(x[4:].split("=", 1) for x in settings if x.startswith("env="))
+                settings = [x for x in settings if not x.startswith(("bin=", "cpus=", "env="))]
                 daemons[kind] = daemon = Daemon(daemon_dir, [f"walredo_process_kind={process_kind}", *settings,
-                                                             *scenario["config"]])
+                                                             *scenario["config"]], cpus=cpus, env=env)
                 print(f"== {scenario_name} {kind}: daemon pid {daemon.pid} in {daemon.workdir}", file=sys.stderr)
                 ingest = finish(pagebench(opts.bin_dir, daemon, ["ingest", *TENANT_ARGS, *scenario["shape"]]),
                                 600)

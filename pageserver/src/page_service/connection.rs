@@ -13,17 +13,18 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use tokio::io::Interest;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::io_choice::IoChoice;
 use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
-use super::writer::{write_replies, Pending, Queued, Reply, Writer};
+use super::writer::{Pending, Queued, Replies, Reply, Writer};
 use super::{PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
 use crate::storage::{IngestError, Lsn, WaitLsnError};
 use crate::tenant::{GetPageError, Tenant};
 use crate::tenants::{TenantError, Tenants};
+use crate::util::Signal;
 use crate::walredo::RedoError;
 
 /// Sends an Error without waiting (it fits in an empty socket buffer; if not, it is lost);
@@ -46,6 +47,12 @@ pub(crate) struct ConnectionConf {
 
 /// Serves one connection until the client leaves, a bad frame, a timeout, or shutdown.
 ///
+/// One task per connection, and one loop in it ([`Connection::serve`]): it reads requests,
+/// runs them (a GetPage that may block its thread while others of the connection are in
+/// flight gets a task of its own), and writes the replies in request order. Nothing in it
+/// wakes its own task: a wake-up is a socket, a redo child, a timer or another task (a
+/// self-wake makes tokio hand the task to another worker thread: a thread hop per request).
+///
 /// `connection_slot` (of `max_connections`) is freed once nothing holds the socket any more:
 /// when this returns, or later, once an io_uring writer is done with the batches it was handed
 /// (a client that does not read keeps them there up to the write timeout), so that the
@@ -54,63 +61,52 @@ pub(crate) struct ConnectionConf {
 /// `stop` (shutdown begins): the reader stops and the requests in flight are answered. `abort`
 /// (shutdown's grace is over): the connection is dropped at once, whatever it was writing.
 ///
-/// Cancel-safe in that sense: dropping it closes the connection; requests already started
-/// finish on their own tasks and their replies are dropped.
+/// Cancel-safe in that sense: dropping it closes the connection; requests that run in its own
+/// task are dropped with it (cancel-safe themselves), those on tasks of their own finish there
+/// and their replies are dropped.
 pub(crate) async fn handle_connection(
     stream: TcpStream,
     connection_slot: OwnedSemaphorePermit,
     tenants: &Tenants,
     metrics: &Arc<PageServiceMetrics>,
     conf: ConnectionConf,
-    stop: CancellationToken,
+    stop: Arc<Signal>,
     abort: CancellationToken,
 ) -> anyhow::Result<()> {
-    // Shared by the reader and the writer (and, while a batch is with it, an io_uring writer
-    // thread, which so keeps the descriptor open until its operations on it are over).
+    // Shared by the connection and, while a batch is with it, an io_uring writer thread, which
+    // so keeps the descriptor open until its operations on it are over.
     let stream = Arc::new(stream);
-    let writer =
+    let mut writer =
         Writer::new(Arc::clone(&stream), Arc::new(connection_slot), Arc::clone(&conf.io), conf.idle_timeout);
-    // Every request holds a slot from the frame's read until its reply is written: the reader
-    // waits for a free slot before it reads on, so a connection never has more in flight.
-    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
-    let (replies, queue) = mpsc::channel::<Queued>(MAX_IN_FLIGHT);
-    let writer_gone = CancellationToken::new();
-    let write = async {
-        let written = write_replies(writer, queue, metrics, conf.idle_timeout).await;
-        writer_gone.cancel();
-        written
-    };
-    let read = async {
-        // Owned here, so that the writer sees the end of the queue when the reader is done.
-        let replies = replies;
+    let served = async {
         // Small until Hello: a connection that never says it costs little.
         let mut buf = BytesMut::with_capacity(proto::MAX_HELLO_FRAME_LEN as usize + 4);
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { return };
-        let tenant = match hello(&stream, &mut buf, tenants, metrics, &stop).await {
+        let mut replies = Replies::new();
+        match hello(&stream, &mut buf, tenants, metrics, &stop).await {
             Ok(tenant) => {
                 let ok = ServerMessage::HelloOk {
                     version: PROTOCOL_VERSION,
                     last_durable_lsn: tenant.last_durable_lsn(),
                 };
-                let _ = replies.send(Queued { pending: Pending::Ready(Reply::message(&ok)), slot }).await;
-                tenant
+                replies.push(Queued { pending: Pending::Ready(Reply::message(&ok)), slot: None });
+                let span = tracing::info_span!("tenant", tenant_id = tenant.id);
+                let connection = Connection { tenant: &tenant, metrics, stop: &stop, conf: &conf };
+                connection.serve(&stream, &mut buf, &mut writer, replies).instrument(span).await
             }
             Err(reply) => {
-                let _ = replies.send(Queued { pending: Pending::Ready(reply), slot }).await;
-                return;
+                replies.push(Queued { pending: Pending::Ready(reply), slot: None });
+                while replies.front_done() {
+                    if replies.write_next(&mut writer, metrics, conf.idle_timeout).await? {
+                        return Ok(());
+                    }
+                }
+                writer.finish(metrics).await?;
+                Ok(())
             }
-        };
-        let span = tracing::info_span!("tenant", tenant_id = tenant.id);
-        let connection =
-            Connection { tenant: &tenant, metrics, stop: &stop, writer_gone: &writer_gone, conf: &conf };
-        connection.read_requests(&stream, &mut buf, &slots, &replies).instrument(span).await;
-    };
-    let both = async {
-        let ((), written) = tokio::join!(read, write);
-        written
+        }
     };
     tokio::select! {
-        written = both => written,
+        served = served => served,
         () = abort.cancelled() => Err(anyhow::anyhow!("closed at shutdown before its replies were written")),
     }
 }
@@ -121,11 +117,12 @@ async fn hello(
     buf: &mut BytesMut,
     tenants: &Tenants,
     metrics: &PageServiceMetrics,
-    cancel: &CancellationToken,
+    stop: &Arc<Signal>,
 ) -> Result<Arc<Tenant>, Reply> {
     let refuse = |code, message: String| Reply::error(metrics, 0, code, message);
+    let mut stop = stop.watch();
     let frame = tokio::select! {
-        () = cancel.cancelled() => return Err(refuse(ErrorCode::ShuttingDown, "the daemon is shutting down".into())),
+        () = stop.raised() => return Err(refuse(ErrorCode::ShuttingDown, "the daemon is shutting down".into())),
         frame = tokio::time::timeout(HELLO_TIMEOUT, read_frame(reader, buf, proto::MAX_HELLO_FRAME_LEN)) => frame,
     };
     let frame = match frame {
@@ -159,67 +156,107 @@ async fn hello(
 struct Connection<'a> {
     tenant: &'a Arc<Tenant>,
     metrics: &'a Arc<PageServiceMetrics>,
-    stop: &'a CancellationToken,
-    writer_gone: &'a CancellationToken,
+    stop: &'a Arc<Signal>,
     conf: &'a ConnectionConf,
 }
 
 impl Connection<'_> {
-    /// Reads requests until EOF, a bad frame, idleness, shutdown, or the writer's end; starts
-    /// each and queues its reply. Waits for a free in-flight slot before reading each frame.
-    async fn read_requests(
+    /// The connection's loop: takes the requests whose frames are whole in `buf` while an
+    /// in-flight slot is free, takes the outcomes of the requests done, writes the replies that
+    /// can go, and only when none of that is left to do, waits for the socket, a request, a
+    /// free slot, shutdown or the idle timer. Reading ends at EOF, a bad frame, idleness or
+    /// shutdown (the last three with an error reply, which closes the connection); the loop
+    /// ends once every reply is written.
+    async fn serve(
         &self,
-        reader: &TcpStream,
+        stream: &TcpStream,
         buf: &mut BytesMut,
-        slots: &Arc<Semaphore>,
-        replies: &mpsc::Sender<Queued>,
-    ) {
-        let (tenant, metrics) = (self.tenant, self.metrics);
+        writer: &mut Writer,
+        mut replies: Replies,
+    ) -> anyhow::Result<()> {
+        let (tenant, metrics, idle_timeout) = (self.tenant, self.metrics, self.conf.idle_timeout);
+        // Every request holds a slot from the frame's read until its reply is written: no frame
+        // is taken without one, so a connection never has more in flight.
+        let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+        let mut reading = true;
+        let mut last_read = Instant::now();
+        let idle = tokio::time::sleep(idle_timeout);
+        tokio::pin!(idle);
+        let (mut stop, mut tenant_stop) = (self.stop.watch(), tenant.stopping.watch());
         loop {
-            // A whole frame already read and a slot free: taken without waiting (a pipelining
-            // client sends several per read), so without the selects below.
-            if let Some((slot, frame)) = self.buffered_frame(buf, slots) {
-                let pending = self.dispatch(Ok(frame)).await;
-                if !queue(replies, pending, slot).await {
-                    return;
+            while reading {
+                let frame = match proto::frame_len_max(buf, proto::MAX_FRAME_LEN) {
+                    Ok(Some(len)) => len,
+                    Ok(None) => break,
+                    Err(e) => {
+                        reading = replies.push(closing(Reply::error(metrics, 0, e.code(), e.to_string())));
+                        break;
+                    }
+                };
+                let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { break };
+                let pending = self.dispatch(Ok(buf.split_to(frame).freeze()), alone(&slots)).await;
+                reading = replies.push(Queued { pending, slot: Some(slot) });
+            }
+            replies.collect_done()?;
+            if replies.front_done() {
+                if replies.write_next(writer, metrics, idle_timeout).await? {
+                    return Ok(());
                 }
                 continue;
             }
-            // Biased: once the writer is gone or shutdown began, no further frame is read.
-            let slot = tokio::select! {
+            if !reading && replies.is_empty() {
+                writer.finish(metrics).await?;
+                return Ok(());
+            }
+            // Room for the whole next frame once its length is known (bounded by the frame limit).
+            if reading {
+                reserve_frame(buf, proto::MAX_FRAME_LEN);
+            }
+            let slot_free = slots.available_permits() > 0;
+            let refuse = |code, why: &str| closing(Reply::error(metrics, 0, code, why.into()));
+            tokio::select! {
                 biased;
-                () = self.writer_gone.cancelled() => return,
-                slot = Arc::clone(slots).acquire_owned() => match slot {
-                    Ok(slot) => slot,
-                    Err(_) => return,
+                done = replies.next_done(), if replies.running() => done?,
+                () = stop.raised(), if reading => {
+                    reading = replies.push(refuse(ErrorCode::ShuttingDown, "the daemon is shutting down"));
+                }
+                () = tenant_stop.raised(), if reading => {
+                    reading = replies.push(refuse(ErrorCode::ShuttingDown, "the tenant is shutting down"));
+                }
+                read = read_some(stream, buf), if reading && slot_free => match read {
+                    Ok(0) if buf.is_empty() => reading = false,
+                    Ok(0) => {
+                        let why = format!("connection closed inside a frame ({} bytes of it)", buf.len());
+                        reading = replies.push(refuse(ErrorCode::BadFrame, &why));
+                    }
+                    Ok(_) => last_read = Instant::now(),
+                    Err(e) => {
+                        tracing::debug!("read failed: {e}");
+                        reading = false;
+                    }
                 },
-                () = self.stop.cancelled() => return,
-            };
-            let frame = tokio::select! {
-                biased;
-                () = self.writer_gone.cancelled() => return,
-                () = self.stop.cancelled() => Err(Reply::error(metrics, 0, ErrorCode::ShuttingDown, "the daemon is shutting down".into())),
-                () = tenant.cancel.cancelled() => Err(Reply::error(metrics, 0, ErrorCode::ShuttingDown, "the tenant is shutting down".into())),
-                frame = self.read_request_frame(reader, buf, slots) => match frame {
-                    FrameRead::Frame(frame) => Ok(frame),
-                    FrameRead::Eof => return,
-                    FrameRead::Idle => Err(Reply::error(metrics, 0, ErrorCode::IdleTimeout, format!(
-                        "no request for {:?} with none in flight (page_service_idle_timeout)",
-                        self.conf.idle_timeout
-                    ))),
-                    FrameRead::Bad(e) => Err(Reply::error(metrics, 0, e.code(), e.to_string())),
-                },
-            };
-            let pending = self.dispatch(frame).await;
-            if !queue(replies, pending, slot).await {
-                return;
+                // A slot freed by the io_uring writer (the connection's own writes free theirs
+                // in this loop).
+                slot = slots.acquire(), if reading && !slot_free => drop(slot),
+                () = &mut idle, if reading => {
+                    let quiet_until = last_read + idle_timeout;
+                    if slots.available_permits() == MAX_IN_FLIGHT && Instant::now() >= quiet_until {
+                        let why = format!(
+                            "no request for {idle_timeout:?} with none in flight (page_service_idle_timeout)"
+                        );
+                        reading = replies.push(refuse(ErrorCode::IdleTimeout, &why));
+                    } else {
+                        idle.as_mut().reset(quiet_until.max(Instant::now() + idle_timeout / 4).into());
+                    }
+                }
+                else => anyhow::bail!("the oldest reply is neither done nor running, and nothing is read"),
             }
         }
     }
 
     /// Starts a request (or takes the reply for a frame that was no request) and returns its
-    /// reply on its way.
-    async fn dispatch(&self, frame: Result<Bytes, Reply>) -> Pending {
+    /// reply on its way; `alone`: no other request of the connection holds a slot.
+    async fn dispatch(&self, frame: Result<Bytes, Reply>, alone: bool) -> Pending {
         let (tenant, metrics) = (self.tenant, self.metrics);
         match frame.map(proto::decode_client) {
             Err(reply) => Pending::Ready(reply),
@@ -239,21 +276,28 @@ impl Connection<'_> {
                     metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
                     Pending::Ready(reply)
                 } else {
+                    // In the connection's own task (no task to spawn, no wake-up from another
+                    // thread), unless it may block its thread while other requests of the
+                    // connection are in flight: those would wait behind it.
+                    let inline = alone || !tenant.get_page_may_block();
                     let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
-                    Pending::Task(tokio::spawn(
-                        async move {
-                            let reply = match tenant.get_page(key, Lsn(lsn)).await {
-                                Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
-                                Err(e) => {
-                                    let code = get_page_error_code(&e);
-                                    Reply::error(&metrics, request_id, code, format!("{e:#}"))
-                                }
-                            };
-                            metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
-                            reply
-                        }
-                        .in_current_span(),
-                    ))
+                    let request = async move {
+                        let reply = match tenant.get_page(key, Lsn(lsn)).await {
+                            Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
+                            Err(e) => {
+                                let code = get_page_error_code(&e);
+                                Reply::error(&metrics, request_id, code, format!("{e:#}"))
+                            }
+                        };
+                        metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
+                        reply
+                    }
+                    .in_current_span();
+                    if inline {
+                        Pending::Inline(Box::pin(request))
+                    } else {
+                        Pending::Task(tokio::spawn(request))
+                    }
                 }
             }
             Ok(Ok(ClientMessage::GetRelSize { request_id, rel, fork, lsn })) => {
@@ -281,58 +325,17 @@ impl Connection<'_> {
             }
         }
     }
-
-    /// A whole frame already in `buf`, with a free slot for it, when nothing asks the reader to
-    /// stop; `None` sends the reader the slow way (waiting, and every stop condition looked at).
-    fn buffered_frame(
-        &self,
-        buf: &mut BytesMut,
-        slots: &Arc<Semaphore>,
-    ) -> Option<(OwnedSemaphorePermit, Bytes)> {
-        if self.writer_gone.is_cancelled() || self.stop.is_cancelled() || self.tenant.cancel.is_cancelled() {
-            return None;
-        }
-        let len = proto::frame_len_max(buf, proto::MAX_FRAME_LEN).ok()??;
-        let slot = Arc::clone(slots).try_acquire_owned().ok()?;
-        Some((slot, buf.split_to(len).freeze()))
-    }
-
-    /// Reads the next request frame; idle when the client sent nothing for the idle timeout
-    /// while none of its requests is in flight (the caller holds one slot for this frame).
-    /// Cancel-safe, as [`read_frame`].
-    async fn read_request_frame(
-        &self,
-        reader: &TcpStream,
-        buf: &mut BytesMut,
-        slots: &Semaphore,
-    ) -> FrameRead {
-        loop {
-            match tokio::time::timeout(self.conf.idle_timeout, read_frame(reader, buf, proto::MAX_FRAME_LEN))
-                .await
-            {
-                Ok(Ok(Some(frame))) => return FrameRead::Frame(frame),
-                Ok(Ok(None)) => return FrameRead::Eof,
-                Ok(Err(e)) => return FrameRead::Bad(e),
-                Err(_) if slots.available_permits() + 1 >= MAX_IN_FLIGHT => return FrameRead::Idle,
-                Err(_) => {}
-            }
-        }
-    }
 }
 
-/// Queues a reply for the writer; whether the reader goes on (not after a closing reply, nor
-/// once the writer is gone).
-async fn queue(replies: &mpsc::Sender<Queued>, pending: Pending, slot: OwnedSemaphorePermit) -> bool {
-    let closes = matches!(&pending, Pending::Ready(reply) if reply.close);
-    replies.send(Queued { pending, slot }).await.is_ok() && !closes
+/// Whether the request holding one of `slots` is the only one of its connection that holds one
+/// (in flight, or with its reply not yet written).
+fn alone(slots: &Semaphore) -> bool {
+    slots.available_permits() + 1 >= MAX_IN_FLIGHT
 }
 
-/// The outcome of reading a request frame.
-enum FrameRead {
-    Frame(Bytes),
-    Eof,
-    Idle,
-    Bad(DecodeError),
+/// A reply that ends the connection, not for a request of its own: it holds no slot.
+fn closing(reply: Reply) -> Queued {
+    Queued { pending: Pending::Ready(reply), slot: None }
 }
 
 /// Queues an Ingest batch; the reply comes once it is durable (or failed).
@@ -454,13 +457,7 @@ async fn read_frame(
         if let Some(len) = proto::frame_len_max(buf, max_len)? {
             return Ok(Some(buf.split_to(len).freeze()));
         }
-        // Room for the whole frame once its length is known (bounded by `max_len`).
-        if buf.len() >= 4 {
-            let want = 4 + u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-            buf.reserve(want.saturating_sub(buf.len()));
-        } else {
-            buf.reserve((4 + max_len as usize).min(64 * 1024));
-        }
+        reserve_frame(buf, max_len);
         match read_some(reader, buf).await {
             Ok(0) if buf.is_empty() => return Ok(None),
             Ok(0) => {
@@ -475,6 +472,17 @@ async fn read_frame(
                 return Ok(None);
             }
         }
+    }
+}
+
+/// Makes room in `buf` for the whole frame at its start once its length is known (a length
+/// above `max_len` is refused before this), else for a first read.
+fn reserve_frame(buf: &mut BytesMut, max_len: u32) {
+    if buf.len() >= 4 {
+        let want = 4 + u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        buf.reserve(want.saturating_sub(buf.len()));
+    } else {
+        buf.reserve((4 + max_len as usize).min(64 * 1024));
     }
 }
 

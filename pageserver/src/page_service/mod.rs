@@ -41,6 +41,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::tenants::Tenants;
+use crate::util::Signal;
 use connection::{handle_connection, refuse_now, ConnectionConf};
 use proto::ErrorCode;
 
@@ -312,6 +313,15 @@ pub async fn serve(
     // `auto`'s controller, for as long as connections are accepted.
     tokio::spawn(Arc::clone(&io).run(cancel.clone()));
     let connection_conf = ConnectionConf { idle_timeout, io };
+    // What the connections watch for `cancel` (without its lock: see `Signal`).
+    let stop = Arc::new(Signal::default());
+    tokio::spawn({
+        let (cancel, stop) = (cancel.clone(), Arc::clone(&stop));
+        async move {
+            cancel.cancelled().await;
+            stop.raise();
+        }
+    });
     let slots = Arc::new(Semaphore::new(max_connections));
     let mut next_id: u64 = 0;
     let (mut refusals, mut accept_failures) = (LogEvery::new(), LogEvery::new());
@@ -339,7 +349,7 @@ pub async fn serve(
         match Arc::clone(&slots).try_acquire_owned() {
             Ok(slot) => {
                 let (tenants, metrics) = (Arc::clone(&tenants), Arc::clone(&metrics));
-                let (stop, abort) = (cancel.clone(), abort.clone());
+                let (stop, abort) = (Arc::clone(&stop), abort.clone());
                 let connection_conf = connection_conf.clone();
                 tracker.spawn(
                     async move {

@@ -20,18 +20,23 @@ pub(super) trait Queued {
     fn closes(&self) -> bool;
 }
 
-/// A connection's replies not yet written, in request order.
+/// A connection's replies not yet written, in request order, numbered from 0 in the order
+/// pushed (the number finds a reply whose request finishes out of order).
 pub(super) struct ReplyOrder<T> {
     queue: VecDeque<T>,
+    /// The number of the front entry.
+    front: u64,
 }
 
 impl<T: Queued> ReplyOrder<T> {
     pub(super) fn new() -> ReplyOrder<T> {
-        ReplyOrder { queue: VecDeque::new() }
+        ReplyOrder { queue: VecDeque::new(), front: 0 }
     }
 
-    pub(super) fn push(&mut self, reply: T) {
+    /// Queues `reply` and returns its number.
+    pub(super) fn push(&mut self, reply: T) -> u64 {
         self.queue.push_back(reply);
+        self.front + self.queue.len() as u64 - 1
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -40,13 +45,14 @@ impl<T: Queued> ReplyOrder<T> {
 
     /// The oldest reply, which the next write must start with (the writer waits until it is
     /// done).
-    pub(super) fn front_mut(&mut self) -> Option<&mut T> {
-        self.queue.front_mut()
+    pub(super) fn front(&self) -> Option<&T> {
+        self.queue.front()
     }
 
-    /// The queued replies, oldest first (for the writer to learn which are done).
-    pub(super) fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
-        self.queue.iter_mut()
+    /// The reply numbered `number`, if it is still queued.
+    pub(super) fn get_mut(&mut self, number: u64) -> Option<&mut T> {
+        let at = usize::try_from(number.checked_sub(self.front)?).ok()?;
+        self.queue.get_mut(at)
     }
 
     /// Takes the next write's replies: the front if it is done, then those done behind it, at
@@ -62,6 +68,7 @@ impl<T: Queued> ReplyOrder<T> {
                 break;
             }
         }
+        self.front += take as u64;
         self.queue.drain(..take).collect()
     }
 }
@@ -101,9 +108,24 @@ mod tests {
         assert_eq!(ids(&o.next_batch(64)), vec![1, 2]);
         // Reply 4 is done but waits behind 3: order before readiness.
         assert!(o.next_batch(64).is_empty());
-        o.front_mut().unwrap().1 = true;
+        o.get_mut(2).unwrap().1 = true;
         assert_eq!(ids(&o.next_batch(64)), vec![3, 4]);
         assert!(o.is_empty());
+    }
+
+    #[test]
+    fn a_number_finds_its_reply_until_it_is_taken() {
+        let mut o: ReplyOrder<R> = ReplyOrder::new();
+        assert_eq!(o.push(R(10, true, false)), 0);
+        assert_eq!(o.push(R(11, false, false)), 1);
+        assert_eq!(ids(&o.next_batch(64)), vec![10]);
+        assert!(o.get_mut(0).is_none(), "taken");
+        assert_eq!(o.push(R(12, false, false)), 2);
+        o.get_mut(2).unwrap().1 = true;
+        assert!(o.next_batch(64).is_empty(), "12 waits behind 11");
+        o.get_mut(1).unwrap().1 = true;
+        assert_eq!(ids(&o.next_batch(64)), vec![11, 12]);
+        assert!(o.get_mut(3).is_none(), "not pushed yet");
     }
 
     #[test]
@@ -126,7 +148,7 @@ mod tests {
     fn an_empty_queue_or_a_pending_front_gives_no_batch() {
         let mut o: ReplyOrder<R> = ReplyOrder::new();
         assert!(o.next_batch(64).is_empty());
-        assert!(o.front_mut().is_none());
+        assert!(o.front().is_none());
         o.push(R(1, false, false));
         o.push(R(2, true, false));
         assert!(o.next_batch(64).is_empty());

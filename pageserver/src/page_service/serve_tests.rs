@@ -17,10 +17,11 @@ use tokio_util::task::TaskTracker;
 
 use super::client::Client;
 use super::io_choice::IoChoice;
-use super::proto::{IngestValue, ValueKind, LSN_LATEST};
+use super::proto::{ClientMessage, IngestValue, ServerMessage, ValueKind, LSN_LATEST};
 use super::{serve, uring, PageServiceConf, PageServiceIo, PageServiceMetrics};
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
+use crate::storage::Lsn;
 use crate::storage::StorageMetrics;
 use crate::tenants::{Tenants, TenantsMetrics};
 use crate::walredo::WalRedoMetrics;
@@ -154,5 +155,49 @@ async fn a_failed_ring_leaves_connections_to_writev() {
         }
     }
     assert!(served.metrics.epoll_io.sends.get() >= 3 * (u64::from(KEYS) + 1));
+    served.stop().await;
+}
+
+/// The requests of one connection run together in its task: a GetPage waiting for an LSN not
+/// yet ingested does not hold up the one pipelined behind it, which reads its page (and so
+/// puts it in the page cache) meanwhile; their replies still leave in request order once the
+/// LSN comes. (Requests run one after another would leave the second page unread until the
+/// first one's LSN arrived.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_does_not_hold_up_the_next_one_of_its_connection() {
+    let served = Served::start(PageServiceIo::Epoll).await;
+    let mut client = served.client().await.unwrap();
+    let (fresh, ahead) = (key(KEYS), 1000);
+    // A page nobody read yet, so not in the page cache.
+    client
+        .ingest(vec![IngestValue { key: fresh, lsn: 100, kind: ValueKind::Image, data: image(KEYS) }])
+        .await
+        .unwrap();
+    let tenant = served.tenants.get(TENANT).unwrap();
+    assert!(tenant.get_page_now(fresh, Lsn(LSN_LATEST)).is_none(), "not read yet");
+    let (waiting, next) = (client.next_request_id(), client.next_request_id());
+    client.send(&ClientMessage::GetPage { request_id: waiting, key: key(0), lsn: ahead });
+    client.send(&ClientMessage::GetPage { request_id: next, key: fresh, lsn: LSN_LATEST });
+    client.flush().await.unwrap();
+    let started = Instant::now();
+    while tenant.get_page_now(fresh, Lsn(LSN_LATEST)).is_none() {
+        assert!(started.elapsed() < DEADLINE, "the second request did not run while the first waited");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The LSN comes (on another connection): both replies, in request order.
+    let mut other = served.client().await.unwrap();
+    other
+        .ingest(vec![IngestValue { key: key(KEYS + 1), lsn: ahead, kind: ValueKind::Image, data: image(1) }])
+        .await
+        .unwrap();
+    for (id, want) in [(waiting, image(0)), (next, image(KEYS))] {
+        match tokio::time::timeout(DEADLINE, client.recv()).await.unwrap().unwrap() {
+            ServerMessage::Page { request_id, page, .. } => {
+                assert_eq!(request_id, id);
+                assert_eq!(page, want);
+            }
+            other => panic!("expected the page of request {id}, got {}", super::client::describe(&other)),
+        }
+    }
     served.stop().await;
 }

@@ -17,15 +17,19 @@
 //! Invariant: a reply's in-flight slot is freed only once its bytes are written, so a client
 //! that does not read holds at most [`super::MAX_IN_FLIGHT`] replies of its own.
 
+use std::future::Future;
 use std::io::IoSlice;
 use std::os::fd::AsRawFd;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 use nix::sys::socket::Shutdown;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::JoinHandle;
 
 use super::chunks::consume;
@@ -72,22 +76,30 @@ impl Reply {
     }
 }
 
+/// A request that runs in the connection's own task: the writer polls it (it starts there),
+/// alongside the connection's other requests, while it waits for the oldest reply.
+pub(super) type InlineRequest = Pin<Box<dyn Future<Output = Reply> + Send>>;
+
 /// A reply on its way to the writer.
 pub(super) enum Pending {
     Ready(Reply),
+    /// A request on a task of its own.
     Task(JoinHandle<Reply>),
+    /// A request not yet started, which the writer runs ([`InlineRequest`]).
+    Inline(InlineRequest),
+    /// A task or an inline request that the writer follows among its running requests.
+    Running,
 }
 
-/// A reply in the writer's queue, with the in-flight slot it holds until it is written.
+/// A queued reply, with the in-flight slot it holds until it is written (a request's; the
+/// reply that ends a connection for a reason of its own, such as shutdown, holds none).
 pub(super) struct Queued {
     pub(super) pending: Pending,
-    pub(super) slot: OwnedSemaphorePermit,
+    pub(super) slot: Option<OwnedSemaphorePermit>,
 }
 
 impl reply_order::Queued for Queued {
-    /// Its bytes are here. A finished task's are not until [`Queued::resolve`] took them: the
-    /// writer resolves before it asks for a batch, and a task finishing in between waits for
-    /// the next write.
+    /// Its bytes are here: a running request's are once the writer took its outcome.
     fn is_done(&self) -> bool {
         matches!(self.pending, Pending::Ready(_))
     }
@@ -97,14 +109,30 @@ impl reply_order::Queued for Queued {
     }
 }
 
-impl Queued {
-    /// Waits for the reply if its task still runs (at once if it finished).
-    async fn resolve(&mut self) -> anyhow::Result<()> {
-        if let Pending::Task(task) = &mut self.pending {
-            let reply = task.await.map_err(|e| anyhow::anyhow!("request task failed: {e}"))?;
-            self.pending = Pending::Ready(reply);
+/// A running request's outcome, with its number in the [`ReplyOrder`]: its reply, or why its
+/// task gave none (it panicked or was cancelled).
+type Outcome = (u64, Result<Reply, String>);
+
+/// The requests a connection's writer follows until their replies are there.
+type Running = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send>>>;
+
+/// Queues `queued` in `order`; a request not yet done joins `running` (an inline one starts
+/// when `running` is next polled).
+fn enqueue(order: &mut ReplyOrder<Queued>, running: &mut Running, mut queued: Queued) {
+    let start = match std::mem::replace(&mut queued.pending, Pending::Running) {
+        ready @ Pending::Ready(_) => {
+            queued.pending = ready;
+            None
         }
-        Ok(())
+        other => Some(other),
+    };
+    let number = order.push(queued);
+    match start {
+        Some(Pending::Inline(request)) => running.push(Box::pin(async move { (number, Ok(request.await)) })),
+        Some(Pending::Task(task)) => running.push(Box::pin(async move {
+            (number, task.await.map_err(|e| format!("request task failed: {e}")))
+        })),
+        None | Some(Pending::Ready(_) | Pending::Running) => {}
     }
 }
 
@@ -183,7 +211,7 @@ impl Writer {
     }
 
     /// No more replies (the reader is done): FIN once everything is sent.
-    async fn finish(&mut self, metrics: &PageServiceMetrics) -> std::io::Result<()> {
+    pub(super) async fn finish(&mut self, metrics: &PageServiceMetrics) -> std::io::Result<()> {
         self.send(&mut Vec::new(), Vec::new(), true, metrics).await
     }
 }
@@ -219,60 +247,104 @@ impl Drop for UringWriter {
     }
 }
 
-/// Writes replies in request order, gathering those already done into one write; a reply's
-/// in-flight slot is freed once it is written. Fails when the client accepts no bytes of a
-/// write for `write_timeout`.
-pub(super) async fn write_replies(
-    mut writer: Writer,
-    mut queue: mpsc::Receiver<Queued>,
-    metrics: &PageServiceMetrics,
-    write_timeout: Duration,
-) -> anyhow::Result<()> {
-    // Holds at most MAX_IN_FLIGHT: every entry holds a slot.
-    let mut order: ReplyOrder<Queued> = ReplyOrder::new();
-    let mut chunks: Vec<Bytes> = Vec::new();
-    loop {
-        if order.is_empty() {
-            match queue.recv().await {
-                Some(queued) => order.push(queued),
-                None => break,
-            }
+/// A connection's replies from queued to written: the order they leave in, the requests still
+/// running (polled here, in the connection's own task, by whoever awaits
+/// [`Replies::next_done`]), and the chunks of the next write.
+///
+/// Replies leave in request order: the oldest goes first, whenever it is done, with those done
+/// right behind it ([`ReplyOrder`]). A reply's in-flight slot is freed once it is written.
+pub(super) struct Replies {
+    // Holds at most MAX_IN_FLIGHT requests: every one holds a slot.
+    order: ReplyOrder<Queued>,
+    running: Running,
+    chunks: Vec<Bytes>,
+}
+
+impl Replies {
+    pub(super) fn new() -> Replies {
+        Replies { order: ReplyOrder::new(), running: Running::new(), chunks: Vec::new() }
+    }
+
+    /// Queues a reply; a request not yet done starts running (an inline one at the next poll
+    /// of [`Replies::next_done`] or [`Replies::collect_done`]). Whether more may follow (not
+    /// after a reply that closes the connection).
+    pub(super) fn push(&mut self, queued: Queued) -> bool {
+        let closes = reply_order::Queued::closes(&queued);
+        enqueue(&mut self.order, &mut self.running, queued);
+        !closes
+    }
+
+    /// No reply is queued.
+    pub(super) fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// A request is still running.
+    pub(super) fn running(&self) -> bool {
+        !self.running.is_empty()
+    }
+
+    /// The oldest reply is done: the next write can go.
+    pub(super) fn front_done(&self) -> bool {
+        self.order.front().is_some_and(reply_order::Queued::is_done)
+    }
+
+    /// Runs the running requests without waiting, and takes the outcomes of those done.
+    pub(super) fn collect_done(&mut self) -> anyhow::Result<()> {
+        while let Some(Some(outcome)) = self.running.next().now_or_never() {
+            done(&mut self.order, outcome)?;
         }
-        while let Ok(queued) = queue.try_recv() {
-            order.push(queued);
+        Ok(())
+    }
+
+    /// Runs the running requests until one is done, and takes its outcome; never ready while
+    /// none runs. Cancel-safe: an outcome is taken only when the call completes.
+    pub(super) async fn next_done(&mut self) -> anyhow::Result<()> {
+        match self.running.next().await {
+            Some(outcome) => done(&mut self.order, outcome),
+            None => std::future::pending().await,
         }
-        // The oldest reply goes first, whenever it is done; then whatever is done behind it.
-        if let Some(front) = order.front_mut() {
-            front.resolve().await?;
+    }
+
+    /// Writes the next batch (nothing if the oldest reply is not done); whether it closed the
+    /// connection. Fails when the client accepts no bytes of it for `write_timeout`.
+    pub(super) async fn write_next(
+        &mut self,
+        writer: &mut Writer,
+        metrics: &PageServiceMetrics,
+        write_timeout: Duration,
+    ) -> anyhow::Result<bool> {
+        let batch = self.order.next_batch(MAX_REPLIES_PER_WRITE);
+        if batch.is_empty() {
+            return Ok(false);
         }
-        for queued in order.iter_mut().take(MAX_REPLIES_PER_WRITE) {
-            match &queued.pending {
-                Pending::Ready(_) => {}
-                Pending::Task(task) if task.is_finished() => queued.resolve().await?,
-                Pending::Task(_) => break,
-            }
-        }
-        let batch = order.next_batch(MAX_REPLIES_PER_WRITE);
-        let mut close = false;
-        let mut slots = Vec::with_capacity(batch.len());
+        let (replies, mut close) = (batch.len(), false);
+        let mut slots = Vec::with_capacity(replies);
         for Queued { pending, slot } in batch {
             let Pending::Ready(reply) = pending else {
                 anyhow::bail!("a reply was taken for writing before it was ready");
             };
-            chunks.extend(reply.chunks);
+            self.chunks.extend(reply.chunks);
             close |= reply.close;
-            slots.push(slot);
+            slots.extend(slot);
         }
-        metrics.replies_per_write.observe(slots.len() as f64);
-        match tokio::time::timeout(write_timeout, writer.send(&mut chunks, slots, close, metrics)).await {
+        metrics.replies_per_write.observe(replies as f64);
+        match tokio::time::timeout(write_timeout, writer.send(&mut self.chunks, slots, close, metrics)).await
+        {
             Ok(sent) => sent?,
             Err(_) => anyhow::bail!("the client accepted no reply for {write_timeout:?}"),
         }
-        if close {
-            return Ok(());
-        }
+        Ok(close)
     }
-    writer.finish(metrics).await?;
+}
+
+/// Takes a running request's outcome into its queued reply.
+fn done(order: &mut ReplyOrder<Queued>, (number, reply): Outcome) -> anyhow::Result<()> {
+    let reply = reply.map_err(anyhow::Error::msg)?;
+    match order.get_mut(number) {
+        Some(queued) => queued.pending = Pending::Ready(reply),
+        None => anyhow::bail!("reply {number} finished but is not queued"),
+    }
     Ok(())
 }
 

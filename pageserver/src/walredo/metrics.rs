@@ -90,6 +90,9 @@ pub struct WalRedoMetrics {
     /// Requests by outcome: ok, rejected (error frame), timeout, queue_timeout, process_failed,
     /// invalid, shutting_down.
     pub requests: IntCounterVec,
+    /// `requests` with the result `ok`, resolved once (a label lookup per request takes the
+    /// vector's lock, which every thread serving GetPage would share).
+    pub requests_ok: IntCounter,
     /// Background requests (`request_redo_background`) that need a child (not answered from
     /// the base image alone); their outcomes are counted in `requests` with the others.
     pub background_requests: IntCounter,
@@ -124,7 +127,11 @@ impl WalRedoMetrics {
             registry.register(Box::new(c.clone()))?;
             Ok(c)
         };
+        let requests =
+            counter_vec("pageserver_wal_redo_requests_total", "WAL redo requests by outcome", "result")?;
         let metrics = WalRedoMetrics {
+            requests_ok: requests.with_label_values(&["ok"]),
+            requests,
             redo_seconds: histogram(
                 "pageserver_wal_redo_seconds",
                 "Time spent on WAL redo requests",
@@ -139,11 +146,6 @@ impl WalRedoMetrics {
                 "pageserver_wal_redo_request_bytes",
                 "Bytes of records (and base image) per WAL redo request",
                 exponential_buckets(64.0, 2.0, 16)?,
-            )?,
-            requests: counter_vec(
-                "pageserver_wal_redo_requests_total",
-                "WAL redo requests by outcome",
-                "result",
             )?,
             background_requests: {
                 let c = IntCounter::new(

@@ -299,6 +299,15 @@ pub struct PoolStatus {
     pub controller: Option<ControllerStatus>,
 }
 
+/// Whether round trips of `kind` on `path` block their thread (see [`WalRedoManager::may_block`]).
+fn blocks(kind: ProcessKind, path: Path) -> bool {
+    match kind {
+        ProcessKind::Sync => true,
+        ProcessKind::Async => false,
+        ProcessKind::Auto => path == Path::Sync,
+    }
+}
+
 /// One tenant's access to WAL redo. See the module doc.
 pub struct WalRedoManager {
     tenant_id: String,
@@ -314,6 +323,9 @@ pub struct WalRedoManager {
     controller: Mutex<Option<ControllerStatus>>,
     /// The controller's last path, which `auto` children take (set on each one spawned).
     path: Mutex<Path>,
+    /// Whether a round trip may block its thread: the kind is `sync`, or `auto` on the
+    /// blocking path. Kept with `kind` and `path` (under their locks), read without a lock.
+    blocks: AtomicBool,
     /// A background spawn for the pool is under way.
     growing: AtomicBool,
     me: Weak<WalRedoManager>,
@@ -329,6 +341,8 @@ pub struct WalRedoManager {
     priority: Priority,
     reaping: Arc<Reaping>,
     cancel: CancellationToken,
+    /// Set with `cancel` (by `shutdown`), read per request without the token's lock.
+    stopping: AtomicBool,
     in_flight: TaskTracker,
 }
 
@@ -345,6 +359,7 @@ impl WalRedoManager {
             // Yielding until the controller's first period: blocking takes a slot of the
             // spin budget, which only the controller asks for.
             path: Mutex::new(conf.auto_path.unwrap_or(Path::Async)),
+            blocks: AtomicBool::new(blocks(conf.process_kind, conf.auto_path.unwrap_or(Path::Async))),
             conf,
             load: Arc::new(Load::default()),
             controller: Mutex::new(None),
@@ -358,6 +373,7 @@ impl WalRedoManager {
             priority: Priority::new(),
             reaping: Reaping::new(),
             cancel: CancellationToken::new(),
+            stopping: AtomicBool::new(false),
             in_flight: TaskTracker::new(),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -494,7 +510,7 @@ impl WalRedoManager {
         class: Class,
         waited: &mut Duration,
     ) -> Result<Reply, RedoError> {
-        if self.cancel.is_cancelled() {
+        if self.shutting_down() {
             return Err(self.count(RedoError::ShuttingDown));
         }
         let _background_slot = match class {
@@ -541,7 +557,7 @@ impl WalRedoManager {
                 // The child is working, only busy: it stays in service.
                 Err(ProcessError::QueueTimeout(t)) => return Err(self.count(RedoError::QueueTimeout(t))),
                 // Not this request's fault: it goes to another child, this one leaves service.
-                Err(e @ ProcessError::Stalled { .. }) if moves_left > 0 && !self.cancel.is_cancelled() => {
+                Err(e @ ProcessError::Stalled { .. }) if moves_left > 0 && !self.shutting_down() => {
                     moves_left -= 1;
                     attempts_left += 1;
                     self.metrics.requests_moved.inc();
@@ -553,15 +569,14 @@ impl WalRedoManager {
                     let took = started.elapsed().as_secs_f64();
                     self.metrics.redo_seconds.observe(took);
                     self.series.seconds.observe(took);
-                    let label = if matches!(reply, Reply::Page(_)) { "ok" } else { "rejected" };
-                    if label == "ok" {
-                        self.metrics.requests.with_label_values(&[label]).inc();
+                    if matches!(reply, Reply::Page(_)) {
+                        self.metrics.requests_ok.inc();
                     }
                     return Ok(reply);
                 }
                 Err(e) => {
                     self.retire(&process, e.stop_cause());
-                    let retryable = !matches!(e, ProcessError::Timeout(_)) && !self.cancel.is_cancelled();
+                    let retryable = !matches!(e, ProcessError::Timeout(_)) && !self.shutting_down();
                     if retryable && attempts_left > 0 {
                         tracing::warn!(
                             tenant_id = self.tenant_id,
@@ -589,7 +604,7 @@ impl WalRedoManager {
             () = self.cancel.cancelled() => Err(()),
         };
         match result {
-            Ok(output) if !self.cancel.is_cancelled() => Ok(output),
+            Ok(output) if !self.shutting_down() => Ok(output),
             _ => Err(self.count(RedoError::ShuttingDown)),
         }
     }
@@ -618,7 +633,7 @@ impl WalRedoManager {
         if let Some(process) = self.take_current() {
             return Ok(process);
         }
-        if self.cancel.is_cancelled() {
+        if self.shutting_down() {
             return Err(RedoError::ShuttingDown);
         }
         if let Some((attempt, failure)) = spawning.as_ref() {
@@ -641,7 +656,7 @@ impl WalRedoManager {
             }
         };
         let mut pool = lock(&self.pool);
-        if self.cancel.is_cancelled() {
+        if self.shutting_down() {
             drop(pool);
             process.retire(StopCause::Shutdown);
             return Err(RedoError::ShuttingDown);
@@ -690,6 +705,8 @@ impl WalRedoManager {
         for child in lock(&self.pool).children() {
             child.set_path(path);
         }
+        drop(current);
+        self.refresh_blocks();
     }
 
     /// Spawns one more child in the background if the pool is below `target` and may grow;
@@ -705,22 +722,19 @@ impl WalRedoManager {
                 let mut pool = lock(&me.pool);
                 pool.len() < target && pool.reserve(me.conf.max_pool_size)
             };
-            if reserved && !me.cancel.is_cancelled() {
+            if reserved && !me.shutting_down() {
                 let (kind, spawned) = me.spawn_child().await;
                 let mut pool = lock(&me.pool);
                 match spawned {
-                    Ok(process) if *lock(&me.kind) == kind && !me.cancel.is_cancelled() => {
+                    Ok(process) if *lock(&me.kind) == kind && !me.shutting_down() => {
                         pool.add(process);
                         me.metrics.pool_resizes.with_label_values(&["grow"]).inc();
                     }
                     Ok(process) => {
                         pool.cancel_growth();
                         drop(pool);
-                        let cause = if me.cancel.is_cancelled() {
-                            StopCause::Shutdown
-                        } else {
-                            StopCause::KindChange
-                        };
+                        let cause =
+                            if me.shutting_down() { StopCause::Shutdown } else { StopCause::KindChange };
                         process.retire(cause);
                     }
                     Err(e) => {
@@ -786,6 +800,7 @@ impl WalRedoManager {
     /// kind) is taken out of service at once: requests already on it finish, then it exits.
     pub fn set_process_kind(&self, kind: ProcessKind) {
         *lock(&self.kind) = kind;
+        self.refresh_blocks();
         let old = lock(&self.pool).remove_where(|p| p.kind != kind);
         for old in old {
             tracing::info!(
@@ -800,6 +815,26 @@ impl WalRedoManager {
 
     pub fn process_kind(&self) -> ProcessKind {
         *lock(&self.kind)
+    }
+
+    /// Shutdown began: no new request starts, none retries.
+    fn shutting_down(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+
+    /// Recomputes [`WalRedoManager::may_block`] after a change of the kind or the path (under
+    /// both locks, taken in that order, so that the last change's value stays).
+    fn refresh_blocks(&self) {
+        let kind = lock(&self.kind);
+        let path = lock(&self.path);
+        self.blocks.store(blocks(*kind, *path), Ordering::Relaxed);
+    }
+
+    /// Whether a request's round trip may block the thread that awaits it (the `sync` kind, or
+    /// `auto` on its blocking path), rather than only yield. A hint, read without a lock: the
+    /// path can change while a request runs.
+    pub fn may_block(&self) -> bool {
+        self.blocks.load(Ordering::Relaxed)
     }
 
     pub fn status(&self) -> WalRedoStatus {
@@ -846,6 +881,7 @@ impl WalRedoManager {
     /// Idempotent. Cancel-safe: if dropped, the child is still killed and reaped, in the
     /// background, once the last request lets go of it.
     pub async fn shutdown(&self) {
+        self.stopping.store(true, Ordering::Release);
         self.cancel.cancel();
         self.in_flight.close();
         self.in_flight.wait().await;
@@ -867,7 +903,7 @@ impl WalRedoManager {
     /// nothing; windows of one child are serialized by the child's own lock.
     fn apply_spin(&self, spinning: usize, spin: Duration) {
         let Some(me) = self.me.upgrade() else { return };
-        if self.cancel.is_cancelled() {
+        if self.shutting_down() {
             return;
         }
         let children = lock(&self.pool).children().to_vec();

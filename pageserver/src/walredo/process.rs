@@ -37,7 +37,7 @@ use sync_pipes::Wait;
 
 use std::os::fd::AsFd;
 use std::process::{ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -137,6 +137,9 @@ struct Lifecycle {
     kill: CancellationToken,
     /// Cancelled by the watcher once the child is reaped.
     exited: CancellationToken,
+    /// Set just before `exited` is cancelled: read by every pick of a pool's child, which
+    /// must not take the token's lock (shared by every thread serving the tenant).
+    reaped: AtomicBool,
     metrics: Arc<WalRedoMetrics>,
 }
 
@@ -248,6 +251,7 @@ impl Process {
             stop_cause: OnceLock::new(),
             kill: CancellationToken::new(),
             exited: CancellationToken::new(),
+            reaped: AtomicBool::new(false),
             metrics,
         });
         tokio::spawn(watch(child, stderr, Arc::clone(&life), reaping, tenant_id.to_string()));
@@ -459,7 +463,7 @@ impl Process {
 
     /// Whether the child has exited and been reaped (it can serve nothing any more).
     pub(crate) fn has_exited(&self) -> bool {
-        self.life.exited.is_cancelled()
+        self.life.reaped.load(Ordering::Acquire)
     }
 
     /// Takes the process out of service for `cause`; the first cause given wins.
@@ -591,6 +595,7 @@ async fn watch(
         tracing::warn!(pid, tenant_id, "walredo process exited on its own");
     }
     reaping.reaped(pid, status);
+    life.reaped.store(true, Ordering::Release);
     life.exited.cancel();
 }
 
