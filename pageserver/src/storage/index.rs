@@ -866,11 +866,9 @@ impl ReadPlan {
     /// read would wait (or fails, or comes back short): then run [`ReadPlan::execute`] where
     /// blocking is allowed, which also reports any error.
     pub(crate) fn try_execute_cached(&self) -> Option<anyhow::Result<ReconstructData>> {
-        let mut bufs = Vec::with_capacity(self.spans.len());
-        for s in &self.spans {
-            bufs.push(read_span_nowait(s)?);
-        }
-        Some(self.assemble(bufs))
+        let bufs = self
+            .read_spans(|s, buf| Ok::<_, std::convert::Infallible>(read_cached_at(&s.file, buf, s.offset)));
+        Some(self.assemble(bufs.ok()??))
     }
 
     /// Brings the plan's value bytes into the kernel's page cache where they are not there yet
@@ -899,8 +897,40 @@ impl ReadPlan {
 
     /// Reads every planned value with positional reads and checks its checksum.
     pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
-        let bufs = self.spans.iter().map(read_span).collect::<anyhow::Result<Vec<_>>>()?;
-        self.assemble(bufs)
+        let bufs = self.read_spans(|s, buf| read_span(s, buf).map(|()| true))?;
+        self.assemble(bufs.context("a blocking read gave up")?)
+    }
+
+    /// Reads every span with `read` (which fills the buffer given for a span, or says to give
+    /// up: then `None`): a span holding an image into a buffer of its own (an image may stay in
+    /// the page cache, which must not keep the records' bytes alive with it), the others into
+    /// one buffer they share, so that a read of many records makes two allocations, not one
+    /// per record.
+    fn read_spans<E>(
+        &self,
+        mut read: impl FnMut(&Span, &mut [u8]) -> Result<bool, E>,
+    ) -> Result<Option<Vec<Bytes>>, E> {
+        let own = |s: &Span| s.values.iter().any(|v| v.kind == Kind::Image);
+        let mut shared = vec![0u8; self.spans.iter().filter(|s| !own(s)).map(|s| s.len).sum()];
+        let mut placed = Vec::with_capacity(self.spans.len());
+        let mut at = 0;
+        for s in &self.spans {
+            if own(s) {
+                let mut buf = vec![0u8; s.len];
+                if !read(s, &mut buf)? {
+                    return Ok(None);
+                }
+                placed.push(Ok(Bytes::from(buf)));
+            } else {
+                if !read(s, &mut shared[at..at + s.len])? {
+                    return Ok(None);
+                }
+                placed.push(Err(at..at + s.len));
+                at += s.len;
+            }
+        }
+        let shared = Bytes::from(shared);
+        Ok(Some(placed.into_iter().map(|p| p.unwrap_or_else(|range| shared.slice(range))).collect()))
     }
 
     fn assemble(&self, bufs: Vec<Bytes>) -> anyhow::Result<ReconstructData> {
@@ -952,18 +982,11 @@ const WARM_CHUNK: usize = 64 << 10;
 
 /// One span from the page cache, or `None` if reading it would wait for the disk (or the read
 /// fails or comes back short: the blocking read then reports why).
-fn read_span_nowait(s: &Span) -> Option<Bytes> {
-    let mut buf = vec![0u8; s.len];
-    read_cached_at(&s.file, &mut buf, s.offset).then(|| Bytes::from(buf))
-}
-
-fn read_span(s: &Span) -> anyhow::Result<Bytes> {
-    let mut buf = vec![0u8; s.len];
+fn read_span(s: &Span, buf: &mut [u8]) -> anyhow::Result<()> {
     let lsn = s.values.first().map_or(Lsn(0), |v| v.lsn);
     s.file
-        .read_exact_at(&mut buf, s.offset)
-        .with_context(|| format!("read {} bytes at offset {} (value at lsn {lsn})", s.len, s.offset))?;
-    Ok(Bytes::from(buf))
+        .read_exact_at(buf, s.offset)
+        .with_context(|| format!("read {} bytes at offset {} (value at lsn {lsn})", s.len, s.offset))
 }
 
 #[cfg(test)]
