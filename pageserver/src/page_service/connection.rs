@@ -194,7 +194,7 @@ impl Connection<'_> {
                     }
                 };
                 let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { break };
-                let pending = self.dispatch(Ok(buf.split_to(frame).freeze()), alone(&slots)).await;
+                let pending = self.dispatch(buf.split_to(frame).freeze(), alone(&slots)).await;
                 reading = replies.push(Queued { pending, slot: Some(slot) });
             }
             replies.collect_done()?;
@@ -256,18 +256,17 @@ impl Connection<'_> {
 
     /// Starts a request (or takes the reply for a frame that was no request) and returns its
     /// reply on its way; `alone`: no other request of the connection holds a slot.
-    async fn dispatch(&self, frame: Result<Bytes, Reply>, alone: bool) -> Pending {
+    async fn dispatch(&self, frame: Bytes, alone: bool) -> Pending {
         let (tenant, metrics) = (self.tenant, self.metrics);
-        match frame.map(proto::decode_client) {
-            Err(reply) => Pending::Ready(reply),
-            Ok(Err(e)) => Pending::Ready(Reply::error(metrics, 0, e.code(), e.to_string())),
-            Ok(Ok(ClientMessage::Hello { .. })) => Pending::Ready(Reply::error(
+        match proto::decode_client(frame) {
+            Err(e) => Pending::Ready(Reply::error(metrics, 0, e.code(), e.to_string())),
+            Ok(ClientMessage::Hello { .. }) => Pending::Ready(Reply::error(
                 metrics,
                 0,
                 ErrorCode::BadFrame,
                 "Hello may come only once".into(),
             )),
-            Ok(Ok(ClientMessage::GetPage { request_id, key, lsn })) => {
+            Ok(ClientMessage::GetPage { request_id, key, lsn }) => {
                 metrics.get_page_requests.inc();
                 let started = Instant::now();
                 // A page cache hit is answered here, without a task of its own.
@@ -300,17 +299,17 @@ impl Connection<'_> {
                     }
                 }
             }
-            Ok(Ok(ClientMessage::GetRelSize { request_id, rel, fork, lsn })) => {
+            Ok(ClientMessage::GetRelSize { request_id, rel, fork, lsn }) => {
                 rel_request(tenant, metrics, request_id, true, move |tenant| async move {
                     tenant.get_rel_size(rel, fork, Lsn(lsn)).await
                 })
             }
-            Ok(Ok(ClientMessage::GetRelExists { request_id, rel, fork, lsn })) => {
+            Ok(ClientMessage::GetRelExists { request_id, rel, fork, lsn }) => {
                 rel_request(tenant, metrics, request_id, false, move |tenant| async move {
                     tenant.get_rel_size(rel, fork, Lsn(lsn)).await
                 })
             }
-            Ok(Ok(ClientMessage::Ingest { request_id, values })) => {
+            Ok(ClientMessage::Ingest { request_id, values }) => {
                 metrics.ingest_requests.inc();
                 match proto::reserved_lsn(&values) {
                     Some((i, why)) => Pending::Ready(Reply::error(

@@ -5,7 +5,8 @@
 //! - [`connection`]: one connection: reading, dispatch to the tenant, wire <-> domain
 //!   conversions and error codes;
 //! - [`reply_order`]: which replies go out in the next write (a pure policy);
-//! - [`writer`]: the reply path: replies as shared bytes, the ordered write loop, the writers;
+//! - [`writer`]: the reply path: replies as shared bytes, their queue in request order (with
+//!   the requests still running), the writers;
 //! - `chunks`: a batch's chunks and how a partial send consumes them (under both writers);
 //! - [`uring`]: the io_uring writer threads;
 //! - [`io_choice`]: which writer sends a batch (`page_service_io`; `auto` by load);

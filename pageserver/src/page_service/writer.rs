@@ -1,6 +1,7 @@
-//! The reply path of a connection: replies as frames of shared bytes, the loop that writes them
-//! in request order ([`write_replies`], with the policy of [`super::reply_order`]), and the
-//! writers that put bytes on the socket ([`Writer`]).
+//! The reply path of a connection: replies as frames of shared bytes, the queue that writes
+//! them in request order and runs the requests not yet done ([`Replies`], with the policy of
+//! [`super::reply_order`]; the connection's loop drives it), and the writers that put bytes on
+//! the socket ([`Writer`]).
 //!
 //! A reply is a list of `Bytes` chunks: a header encoded for it, and for a page the page's own
 //! bytes, shared with the page cache or the redo reply (never copied into a send buffer). A
@@ -76,18 +77,18 @@ impl Reply {
     }
 }
 
-/// A request that runs in the connection's own task: the writer polls it (it starts there),
-/// alongside the connection's other requests, while it waits for the oldest reply.
+/// A request that runs in the connection's own task: [`Replies`] polls it (it starts there),
+/// alongside the connection's other requests.
 pub(super) type InlineRequest = Pin<Box<dyn Future<Output = Reply> + Send>>;
 
-/// A reply on its way to the writer.
+/// A reply on its way.
 pub(super) enum Pending {
     Ready(Reply),
     /// A request on a task of its own.
     Task(JoinHandle<Reply>),
-    /// A request not yet started, which the writer runs ([`InlineRequest`]).
+    /// A request not yet started ([`InlineRequest`]).
     Inline(InlineRequest),
-    /// A task or an inline request that the writer follows among its running requests.
+    /// A task or an inline request among the ones [`Replies`] runs, its reply not there yet.
     Running,
 }
 
@@ -113,28 +114,8 @@ impl reply_order::Queued for Queued {
 /// task gave none (it panicked or was cancelled).
 type Outcome = (u64, Result<Reply, String>);
 
-/// The requests a connection's writer follows until their replies are there.
+/// The requests of a connection not yet done, each yielding its outcome.
 type Running = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send>>>;
-
-/// Queues `queued` in `order`; a request not yet done joins `running` (an inline one starts
-/// when `running` is next polled).
-fn enqueue(order: &mut ReplyOrder<Queued>, running: &mut Running, mut queued: Queued) {
-    let start = match std::mem::replace(&mut queued.pending, Pending::Running) {
-        ready @ Pending::Ready(_) => {
-            queued.pending = ready;
-            None
-        }
-        other => Some(other),
-    };
-    let number = order.push(queued);
-    match start {
-        Some(Pending::Inline(request)) => running.push(Box::pin(async move { (number, Ok(request.await)) })),
-        Some(Pending::Task(task)) => running.push(Box::pin(async move {
-            (number, task.await.map_err(|e| format!("request task failed: {e}")))
-        })),
-        None | Some(Pending::Ready(_) | Pending::Running) => {}
-    }
-}
 
 /// Puts reply bytes on a connection's socket (shared with the connection's reader): with a
 /// vectored `write` of its own when tokio's epoll says the socket has room, or through an
@@ -268,10 +249,24 @@ impl Replies {
     /// Queues a reply; a request not yet done starts running (an inline one at the next poll
     /// of [`Replies::next_done`] or [`Replies::collect_done`]). Whether more may follow (not
     /// after a reply that closes the connection).
-    pub(super) fn push(&mut self, queued: Queued) -> bool {
-        let closes = reply_order::Queued::closes(&queued);
-        enqueue(&mut self.order, &mut self.running, queued);
-        !closes
+    pub(super) fn push(&mut self, mut queued: Queued) -> bool {
+        if reply_order::Queued::is_done(&queued) {
+            let closes = reply_order::Queued::closes(&queued);
+            self.order.push(queued);
+            return !closes;
+        }
+        let pending = std::mem::replace(&mut queued.pending, Pending::Running);
+        let number = self.order.push(queued);
+        match pending {
+            Pending::Inline(request) => {
+                self.running.push(Box::pin(async move { (number, Ok(request.await)) }))
+            }
+            Pending::Task(task) => self.running.push(Box::pin(async move {
+                (number, task.await.map_err(|e| format!("request task failed: {e}")))
+            })),
+            Pending::Ready(_) | Pending::Running => {}
+        }
+        true
     }
 
     /// No reply is queued.
