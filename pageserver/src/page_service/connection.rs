@@ -1,11 +1,13 @@
-//! One page service connection: a reader that decodes requests, starts each as a task of its
-//! own and queues its reply, and a writer ([`super::writer`]) that sends the replies in
-//! request order. Here: the wire <-> domain conversions (frames to tenant calls, errors to
-//! codes).
+//! One page service connection: one task and one loop ([`Connection::serve`]) that reads and
+//! decodes requests, runs them (in the connection's task, or a task of their own for a
+//! GetPage that may block its thread), and sends the replies in request order
+//! ([`super::writer::Replies`]). Here: the wire <-> domain conversions (frames to tenant calls,
+//! errors to codes).
 //!
 //! Invariants: replies leave in request order; the ingest batches of a connection reach
-//! storage in the order sent (the reader queues each before reading the next frame); a bad
-//! frame gets an error reply and closes its own connection only.
+//! storage in the order sent (the loop queues each before taking the next frame); a bad frame
+//! gets an error reply and closes its own connection only; nothing in the loop wakes its own
+//! task.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -2,7 +2,7 @@
 //! connections when the io_uring writer fails.
 //!
 //! Each test serves one tenant holding a few cached pages (so every GetPage is a cache hit
-//! answered by the connection's reader) with [`serve`] on a loopback port, and drives it with
+//! answered by the connection's loop) with [`serve`] on a loopback port, and drives it with
 //! the async [`Client`] on the same runtime.
 #![allow(clippy::unwrap_used)]
 

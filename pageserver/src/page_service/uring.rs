@@ -8,7 +8,7 @@
 //! the page bytes are sent from where they are, never copied), submit them all and wait for
 //! completions in one `io_uring_enter`, then handle what completed: a short send resumes where
 //! it stopped; a full socket (`MSG_DONTWAIT`: the kernel answers at once) waits for room with a
-//! `POLL_ADD`; a finished batch frees its slots (the connection's reader may read on), sends
+//! `POLL_ADD`; a finished batch frees its slots (the connection may read on), sends
 //! FIN if it closes the connection, and starts that connection's next batch; a failed one
 //! records the error, shuts the socket down and drops the connection's queued batches. A
 //! queued job wakes the thread through an eventfd whose read is always pending on the ring.

@@ -117,7 +117,7 @@ type Outcome = (u64, Result<Reply, String>);
 /// The requests of a connection not yet done, each yielding its outcome.
 type Running = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send>>>;
 
-/// Puts reply bytes on a connection's socket (shared with the connection's reader): with a
+/// Puts reply bytes on a connection's socket (shared with the connection's reads): with a
 /// vectored `write` of its own when tokio's epoll says the socket has room, or through an
 /// io_uring writer thread ([`super::uring`]), as [`IoChoice`] says batch by batch.
 pub(super) struct Writer {

@@ -912,25 +912,28 @@ impl ReadPlan {
     ) -> Result<Option<Vec<Bytes>>, E> {
         let own = |s: &Span| s.values.iter().any(|v| v.kind == Kind::Image);
         let mut shared = vec![0u8; self.spans.iter().filter(|s| !own(s)).map(|s| s.len).sum()];
-        let mut placed = Vec::with_capacity(self.spans.len());
         let mut at = 0;
+        for s in self.spans.iter().filter(|s| !own(s)) {
+            if !read(s, &mut shared[at..at + s.len])? {
+                return Ok(None);
+            }
+            at += s.len;
+        }
+        let shared = Bytes::from(shared);
+        let (mut bufs, mut at) = (Vec::with_capacity(self.spans.len()), 0);
         for s in &self.spans {
             if own(s) {
                 let mut buf = vec![0u8; s.len];
                 if !read(s, &mut buf)? {
                     return Ok(None);
                 }
-                placed.push(Ok(Bytes::from(buf)));
+                bufs.push(Bytes::from(buf));
             } else {
-                if !read(s, &mut shared[at..at + s.len])? {
-                    return Ok(None);
-                }
-                placed.push(Err(at..at + s.len));
+                bufs.push(shared.slice(at..at + s.len));
                 at += s.len;
             }
         }
-        let shared = Bytes::from(shared);
-        Ok(Some(placed.into_iter().map(|p| p.unwrap_or_else(|range| shared.slice(range))).collect()))
+        Ok(Some(bufs))
     }
 
     fn assemble(&self, bufs: Vec<Bytes>) -> anyhow::Result<ReconstructData> {
