@@ -37,6 +37,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, OnceLock};
 
@@ -394,7 +395,8 @@ struct Span {
     file: Arc<File>,
     offset: u64,
     len: usize,
-    values: Vec<SpanValue>,
+    /// Its values: a range of [`ReadPlan`]'s list (a span's values come one after another).
+    values: Range<usize>,
 }
 
 /// The values a lookup needs, oldest first, copied out of the map under its lock (a copy of
@@ -418,11 +420,28 @@ impl Picked {
         }
         self.values.push((self.files.len() - 1, *e));
     }
+
+    /// Turns a list pushed newest first into one oldest first, in place.
+    fn reverse(&mut self) {
+        let last = self.files.len() - 1;
+        self.files.reverse();
+        self.values.reverse();
+        for (f, _) in &mut self.values {
+            *f = last - *f;
+        }
+    }
 }
+
+/// Values [`Snapshot::pick`] makes room for at first: a chain of an image and a few records
+/// fits without growing the list.
+const PICKED_CAPACITY: usize = 16;
 
 /// What a lookup found, planned from [`Picked`] without the lock, and executed.
 pub(crate) struct ReadPlan {
     spans: Vec<Span>,
+    /// Every value, oldest first; each span names its range (one list, not one per span: a
+    /// plan makes two allocations however many spans it has).
+    values: Vec<SpanValue>,
     /// The LSN of the newest value: the version of the page the plan rebuilds.
     newest: Lsn,
 }
@@ -673,7 +692,7 @@ impl Snapshot {
         limits: ReadLimits,
         wait: DiskWait,
     ) -> Result<Option<Picked>, GetError> {
-        let mut picked: Vec<(&Arc<File>, IndexEntry)> = Vec::new();
+        let mut picked = Picked::with_capacity(PICKED_CAPACITY);
         let mut bytes = 0u64;
         let mut records = 0usize;
         self.newest_first(key, lsn, wait, |file, e| {
@@ -693,17 +712,14 @@ impl Snapshot {
                 }
                 records += 1;
             }
-            picked.push((file, *e));
+            picked.push(file, e);
             Ok(e.kind != Kind::Image)
         })?;
-        if picked.is_empty() {
+        if picked.values.is_empty() {
             return Ok(None);
         }
-        let mut out = Picked::with_capacity(picked.len());
-        for (file, e) in picked.iter().rev() {
-            out.push(file, e);
-        }
-        Ok(Some(out))
+        picked.reverse();
+        Ok(Some(picked))
     }
 }
 
@@ -800,43 +816,35 @@ impl ReadPlan {
     /// Linear: a file's values come in one run (a key's values in a layer, then the next
     /// layer's), in file order, so only the last span can take the next value.
     pub(crate) fn new(picked: Picked) -> ReadPlan {
-        let mut spans: Vec<Span> = Vec::new();
+        let mut spans: Vec<Span> = Vec::with_capacity(picked.values.len());
+        let mut values: Vec<SpanValue> = Vec::with_capacity(picked.values.len());
         let newest = picked.values.last().map_or(Lsn(0), |(_, e)| e.lsn);
         let mut last_file = usize::MAX;
         for (f, e) in &picked.values {
-            let file = &picked.files[*f];
             let end = e.offset + u64::from(e.len);
             let joins = spans
                 .last_mut()
                 .filter(|s| *f == last_file && joins(s.offset, s.len as u64, s.values.len(), e));
             last_file = *f;
-            match joins {
+            let at = match joins {
                 Some(s) => {
-                    let at = (e.offset - s.offset) as usize;
                     s.len = (end - s.offset) as usize;
-                    s.values.push(SpanValue {
-                        lsn: e.lsn,
-                        kind: e.kind,
-                        at,
-                        len: e.len as usize,
-                        crc: e.crc,
-                    });
+                    s.values.end += 1;
+                    (e.offset - s.offset) as usize
                 }
-                None => spans.push(Span {
-                    file: Arc::clone(file),
-                    offset: e.offset,
-                    len: e.len as usize,
-                    values: vec![SpanValue {
-                        lsn: e.lsn,
-                        kind: e.kind,
-                        at: 0,
+                None => {
+                    spans.push(Span {
+                        file: Arc::clone(&picked.files[*f]),
+                        offset: e.offset,
                         len: e.len as usize,
-                        crc: e.crc,
-                    }],
-                }),
-            }
+                        values: values.len()..values.len() + 1,
+                    });
+                    0
+                }
+            };
+            values.push(SpanValue { lsn: e.lsn, kind: e.kind, at, len: e.len as usize, crc: e.crc });
         }
-        ReadPlan { spans, newest }
+        ReadPlan { spans, values, newest }
     }
 
     /// The LSN of the newest value read: which version of the page `lsn` sees (the answer of
@@ -852,7 +860,7 @@ impl ReadPlan {
 
     /// Number of values the plan reads.
     pub(crate) fn values(&self) -> usize {
-        self.spans.iter().map(|s| s.values.len()).sum()
+        self.values.len()
     }
 
     /// Number of `pread` calls the plan makes.
@@ -897,7 +905,8 @@ impl ReadPlan {
 
     /// Reads every planned value with positional reads and checks its checksum.
     pub(crate) fn execute(self) -> anyhow::Result<ReconstructData> {
-        let bufs = self.read_spans(|s, buf| read_span(s, buf).map(|()| true))?;
+        let bufs =
+            self.read_spans(|s, buf| read_span(s, self.values[s.values.start].lsn, buf).map(|()| true))?;
         self.assemble(bufs.context("a blocking read gave up")?)
     }
 
@@ -910,7 +919,7 @@ impl ReadPlan {
         &self,
         mut read: impl FnMut(&Span, &mut [u8]) -> Result<bool, E>,
     ) -> Result<Option<Vec<Bytes>>, E> {
-        let own = |s: &Span| s.values.iter().any(|v| v.kind == Kind::Image);
+        let own = |s: &Span| self.values[s.values.clone()].iter().any(|v| v.kind == Kind::Image);
         let mut shared = vec![0u8; self.spans.iter().filter(|s| !own(s)).map(|s| s.len).sum()];
         let mut at = 0;
         for s in self.spans.iter().filter(|s| !own(s)) {
@@ -936,25 +945,14 @@ impl ReadPlan {
         Ok(Some(bufs))
     }
 
+    /// Cuts the values out of the spans' bytes (records share the span's memory; an image is
+    /// copied out of a larger span, since it may be kept in the page cache), checking each
+    /// one's checksum: the newest image and the records, oldest first.
     fn assemble(&self, bufs: Vec<Bytes>) -> anyhow::Result<ReconstructData> {
-        let mut image = None;
-        let mut records = Vec::new();
-        for (lsn, kind, bytes) in self.cut(bufs)? {
-            match kind {
-                Kind::Image => image = Some((lsn, bytes)),
-                Kind::Record => records.push((lsn, bytes)),
-            }
-        }
-        Ok(ReconstructData { image, records })
-    }
-
-    /// Cuts the values out of the spans' bytes, oldest first (records share the span's memory;
-    /// an image is copied out of a larger span, since it may be kept in the page cache),
-    /// checking each one's checksum.
-    fn cut(&self, bufs: Vec<Bytes>) -> anyhow::Result<Vec<(Lsn, Kind, Bytes)>> {
-        let mut values: Vec<(Lsn, Kind, Bytes)> = Vec::new();
+        let mut image: Option<(Lsn, Bytes)> = None;
+        let mut records = Vec::with_capacity(self.values.len());
         for (s, buf) in self.spans.iter().zip(bufs) {
-            for v in &s.values {
+            for v in &self.values[s.values.clone()] {
                 let bytes = buf.slice(v.at..v.at + v.len);
                 ensure!(
                     crc32c::crc32c(&bytes) == v.crc,
@@ -962,15 +960,20 @@ impl ReadPlan {
                     v.lsn,
                     s.offset + v.at as u64
                 );
-                let bytes = match v.kind {
-                    Kind::Image if bytes.len() < buf.len() => Bytes::copy_from_slice(&bytes),
-                    _ => bytes,
-                };
-                values.push((v.lsn, v.kind, bytes));
+                match v.kind {
+                    Kind::Image if image.as_ref().is_some_and(|(newest, _)| *newest > v.lsn) => {}
+                    Kind::Image if bytes.len() < buf.len() => {
+                        image = Some((v.lsn, Bytes::copy_from_slice(&bytes)))
+                    }
+                    Kind::Image => image = Some((v.lsn, bytes)),
+                    Kind::Record => records.push((v.lsn, bytes)),
+                }
             }
         }
-        values.sort_by_key(|(lsn, _, _)| *lsn);
-        Ok(values)
+        // Oldest first already (a plan's values are), unless layers overlap: a stable sort of a
+        // sorted list is one pass.
+        records.sort_by_key(|(lsn, _)| *lsn);
+        Ok(ReconstructData { image, records })
     }
 }
 
@@ -983,10 +986,8 @@ pub(crate) fn would_wait(e: &GetError) -> bool {
 /// Bytes [`ReadPlan::warm_values`] reads at a time.
 const WARM_CHUNK: usize = 64 << 10;
 
-/// One span from the page cache, or `None` if reading it would wait for the disk (or the read
-/// fails or comes back short: the blocking read then reports why).
-fn read_span(s: &Span, buf: &mut [u8]) -> anyhow::Result<()> {
-    let lsn = s.values.first().map_or(Lsn(0), |v| v.lsn);
+/// One span, read where blocking is allowed (`lsn`: its oldest value's, for the error).
+fn read_span(s: &Span, lsn: Lsn, buf: &mut [u8]) -> anyhow::Result<()> {
     s.file
         .read_exact_at(buf, s.offset)
         .with_context(|| format!("read {} bytes at offset {} (value at lsn {lsn})", s.len, s.offset))
