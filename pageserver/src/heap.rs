@@ -1,101 +1,56 @@
-//! The heap as glibc's allocator keeps it: what the daemon holds and what the allocator keeps
-//! free for reuse ([`figures`], for `/metrics`), and handing free memory back to the kernel
-//! ([`return_freed_memory`]).
+//! The daemon's allocator, jemalloc ([`Allocator`], which the binary makes its global
+//! allocator): its figures for `/metrics` ([`figures`]) and the background thread that hands
+//! freed memory back to the kernel ([`start_purging`]). Tests and benchmarks that link this
+//! crate keep the system's allocator (or their own: `tests/zero_copy.rs` counts allocations),
+//! and the figures then count nothing.
 //!
-//! Why: glibc keeps freed chunks in its arenas (one per thread that contended, up to 8 per
-//! core) for reuse and gives their pages back only at the top of a heap. A burst of
-//! allocations (an ingest, a compaction pass, the reads filling the block cache, spread over
-//! every executor thread) leaves the resident memory at its high-water mark: at 20 GB on 16
-//! cores about 130 MiB beyond the caches (docs/performance.md). `malloc_trim` hands the free
-//! chunks' whole pages back.
+//! Why not glibc's: every request allocates and frees (a read's buffers, the redo request, the
+//! 8 KiB reply, the reply frame), and a buffer is often freed on another executor thread than
+//! the one that allocated it. glibc takes the lock of the arena a chunk came from to free it,
+//! consolidates its fastbins at each allocation of 1 KiB or more, and keeps freed memory until
+//! a `malloc_trim`. On 16 cores its arena locks left the machine 6-21% idle under a load that
+//! wanted more CPU, and GetPage throughput swung between runs (130k-165k rps at 64 x 8);
+//! jemalloc, side by side, served 166-168k rps at 7-8% idle for 0.91-0.95x glibc's daemon CPU
+//! per request (docs/performance.md, "The allocator"). mimalloc was as fast, but kept freed
+//! large blocks longer: the peak RSS of pipelined 12 MiB reconstructions (test_redo_memory.py)
+//! went past the redo memory budget's bound, where jemalloc's, like glibc's, stays within it.
 //!
-//! **Invariant:** a trim runs only after the free heap grew by [`TRIM_GROWTH`] since the last
-//! one (freed and not reused): memory the daemon keeps reusing is left alone, and an idle
-//! daemon does not trim (a trim walks every free chunk under its arena's lock).
+//! jemalloc keeps a cache per thread, arenas spread over the threads, and returns freed pages
+//! to the kernel as they age (10 s for dirty pages by default) from one background thread, so
+//! an idle daemon gives back what a burst freed without a trim task of its own.
 
-use std::time::{Duration, Instant};
+use tikv_jemalloc_ctl::{background_thread, epoch, max_background_threads, stats};
 
-use tokio_util::sync::CancellationToken;
+/// The daemon's allocator, for the binary's `#[global_allocator]`. The redo child is another
+/// program and keeps the system's.
+pub type Allocator = tikv_jemallocator::Jemalloc;
 
-/// What the allocator holds, over all arenas.
+/// What jemalloc holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Figures {
-    /// Bytes in chunks the daemon holds (mapped chunks included).
+    /// Bytes in allocations the daemon holds (`stats.allocated`).
     pub in_use: u64,
-    /// Bytes in free chunks the allocator keeps for reuse (resident where they were touched
-    /// and not trimmed since).
+    /// Resident bytes the allocator holds beyond them (`stats.resident` less the above): freed
+    /// pages not yet handed back, partly used pages, the allocator's own metadata.
     pub free: u64,
 }
 
-/// The allocator's figures (glibc's `mallinfo2`, which takes each arena's lock in turn: cheap
-/// at a scrape, not for a hot path). `None` where the allocator is not glibc's.
+/// The allocator's figures (refreshing jemalloc's statistics takes its control lock and
+/// merges every arena's: cheap at a scrape, not for a hot path). `None` if jemalloc refuses.
 pub fn figures() -> Option<Figures> {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: mallinfo2 takes no arguments and returns a struct by value.
-        let info = unsafe { libc::mallinfo2() };
-        Some(Figures { in_use: (info.uordblks + info.hblkhd) as u64, free: info.fordblks as u64 })
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        None
-    }
+    epoch::advance().ok()?;
+    let in_use = stats::allocated::read().ok()? as u64;
+    let resident = stats::resident::read().ok()? as u64;
+    Some(Figures { in_use, free: resident.saturating_sub(in_use) })
 }
 
-/// How often [`return_freed_memory`] looks at the free heap.
-pub const CHECK_INTERVAL: Duration = Duration::from_secs(10);
-/// Growth of the free heap since the last trim (or its low point since) that makes a trim.
-pub const TRIM_GROWTH: u64 = 16 << 20;
-
-/// Whether to trim now, given the free heap now and the baseline (the free heap after the last
-/// trim, lowered to any smaller figure seen since: what was freed and then reused again no
-/// longer counts). Updates the baseline.
-fn due(free: u64, baseline: &mut u64) -> bool {
-    if free < *baseline {
-        *baseline = free;
-    }
-    free >= *baseline + TRIM_GROWTH
-}
-
-/// Every [`CHECK_INTERVAL`] until `cancel`: hands the pages of free heap chunks back to the
-/// kernel (`malloc_trim`, on the blocking pool) when the free heap grew by [`TRIM_GROWTH`].
-pub async fn return_freed_memory(cancel: CancellationToken) {
-    let Some(start) = figures() else {
-        return;
-    };
-    let mut baseline = start.free;
-    loop {
-        tokio::select! {
-            () = tokio::time::sleep(CHECK_INTERVAL) => {}
-            () = cancel.cancelled() => return,
-        }
-        let Some(now) = figures() else {
-            return;
-        };
-        if !due(now.free, &mut baseline) {
-            continue;
-        }
-        let trimmed = tokio::task::spawn_blocking(move || {
-            let began = Instant::now();
-            trim();
-            began.elapsed()
-        })
-        .await;
-        match trimmed {
-            Ok(took) => tracing::debug!(free = now.free, in_use = now.in_use, ?took, "handed free heap back"),
-            Err(e) => tracing::warn!("heap trim task failed: {e}"),
-        }
-        baseline = figures().map_or(now.free, |f| f.free);
-    }
-}
-
-/// Hands the whole pages of free heap chunks, in every arena, back to the kernel.
-fn trim() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim takes no pointers; it only walks glibc's own arenas, under their
-    // locks, and returns free pages to the kernel.
-    unsafe {
-        libc::malloc_trim(0);
+/// Starts jemalloc's background thread (one for all arenas): it hands pages freed some seconds
+/// ago back to the kernel even while no thread allocates. Idempotent; a failure leaves the
+/// purging to the allocating threads and is logged.
+pub fn start_purging() {
+    let started = max_background_threads::write(1).and_then(|()| background_thread::write(true));
+    if let Err(e) = started {
+        tracing::warn!("jemalloc's background purge thread did not start ({e}): freed memory goes back only as threads allocate");
     }
 }
 
@@ -104,54 +59,47 @@ fn trim() {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_trim_is_due_only_when_the_free_heap_grew_past_its_low_point() {
-        const MIB: u64 = 1 << 20;
-        let mut baseline = 100 * MIB;
-        assert!(!due(110 * MIB, &mut baseline));
-        // Reused down to 60 MiB: growth counts from there.
-        assert!(!due(60 * MIB, &mut baseline));
-        assert_eq!(baseline, 60 * MIB);
-        assert!(!due(75 * MIB, &mut baseline));
-        assert!(due(76 * MIB, &mut baseline));
-    }
+    use std::alloc::{GlobalAlloc, Layout};
 
-    /// The figures follow allocations: 80 MiB of 8 KiB chunks are in use; freeing every other
-    /// one leaves about 40 MiB free in the arena (the chunks between them keep it from being
-    /// given back). Margins allow for the other tests' threads.
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    /// The figures follow allocations (made through [`Allocator`] directly: the test binary
+    /// keeps the system's allocator): 80 MiB of 8 KiB chunks, written, are in use while held;
+    /// freeing every other one takes about 40 MiB off what is in use, and what stays resident
+    /// of it counts as free until it is handed back.
     #[test]
     fn figures_follow_allocations() {
         const MIB: u64 = 1 << 20;
+        let layout = Layout::from_size_align(8192, 8).unwrap();
         let before = figures().unwrap();
-        let mut chunks: Vec<Option<Box<[u8]>>> =
-            (0..10_240).map(|i| Some(vec![i as u8; 8192].into_boxed_slice())).collect();
+        let chunks: Vec<*mut u8> = (0..10_240)
+            .map(|i| {
+                // SAFETY: a valid layout of non-zero size; the chunk is written within it.
+                unsafe {
+                    let p = Allocator {}.alloc(layout);
+                    assert!(!p.is_null());
+                    p.write_bytes(i as u8 | 1, layout.size());
+                    p
+                }
+            })
+            .collect();
         let held = figures().unwrap();
         assert!(held.in_use >= before.in_use + 70 * MIB, "{before:?} -> {held:?}");
-        for chunk in chunks.iter_mut().step_by(2) {
-            *chunk = None;
+        for &p in chunks.iter().step_by(2) {
+            // SAFETY: allocated above with the same allocator and layout, freed once.
+            unsafe { Allocator {}.dealloc(p, layout) };
         }
         let freed = figures().unwrap();
         assert!(freed.in_use + 30 * MIB <= held.in_use, "{held:?} -> {freed:?}");
-        assert!(freed.free >= before.free + 30 * MIB, "{before:?} -> {freed:?}");
-        // A trim hands the free chunks' whole pages back: of each free 8 KiB chunk between two
-        // held ones, the one page that lies inside it (about 20 of the 40 MiB here).
-        let resident = rss();
-        trim();
-        assert!(rss() + 12 * MIB <= resident, "{resident} -> {}", rss());
-        drop(chunks);
+        assert!(freed.free >= held.free + 30 * MIB, "{held:?} -> {freed:?}");
+        for &p in chunks.iter().skip(1).step_by(2) {
+            // SAFETY: as above; these are the ones not freed yet.
+            unsafe { Allocator {}.dealloc(p, layout) };
+        }
     }
 
-    fn rss() -> u64 {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .unwrap()
-            .trim()
-            .trim_end_matches(" kB")
-            .parse()
-            .unwrap();
-        kib * 1024
+    #[test]
+    fn the_background_thread_starts() {
+        start_purging();
+        assert!(background_thread::read().unwrap());
+        assert_eq!(max_background_threads::read().unwrap(), 1);
     }
 }

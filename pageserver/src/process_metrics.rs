@@ -1,6 +1,6 @@
 //! The standard `process_*` metrics every Prometheus exporter has (CPU time, memory, file
 //! descriptors, threads, start time), read from `/proc/self` and `getrusage` at each scrape,
-//! `pageserver_build_info`, and the heap as glibc's allocator sees it
+//! `pageserver_build_info`, and the heap as the allocator sees it
 //! (`pageserver_heap_in_use_bytes`, `pageserver_heap_free_bytes`, [`crate::heap::figures`]):
 //! of the resident memory, what the daemon holds and what the allocator keeps for reuse.
 //!

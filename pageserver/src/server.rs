@@ -49,6 +49,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         .with_context(|| format!("create workdir {}", conf.workdir.display()))?;
     let _lock = lock_workdir(&conf)?;
     let fd_limit = fds::raise_limit();
+    crate::heap::start_purging();
     anyhow::ensure!(
         conf.tenants.walredo.binary.is_file(),
         "the walredo child {} does not exist (setting walredo_proc_path)",
@@ -120,8 +121,6 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let http_listener = HttpListener::new(http_listener);
     let http =
         tokio::spawn(crate::http::serve(http_listener, Arc::clone(&tenants), registry, http_cancel.clone()));
-    let heap_cancel = CancellationToken::new();
-    let heap = tokio::spawn(crate::heap::return_freed_memory(heap_cancel.clone()));
 
     shutdown.cancelled().await;
     tracing::info!("shutting down: no new connections, finishing requests in flight");
@@ -144,8 +143,6 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         Ok(Err(e)) => tracing::warn!("management API stopped with an error: {e:#}"),
         Err(e) => tracing::warn!("management API task failed: {e}"),
     }
-    heap_cancel.cancel();
-    let _ = heap.await;
     tracing::info!("stopping tenants: making ingest durable, stopping redo processes");
     tenants.shutdown().await;
     tracing::info!("pageserver stopped");

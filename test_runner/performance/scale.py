@@ -14,8 +14,8 @@ then:
 - one compaction pass (`POST .../compact`, waited for): its bytes written over the bytes
   ingested (the write amplification of a pass over a freshly loaded tenant), and the disk
   used against the data ingested;
-- the daemon's RSS, right after the pass and 12 s later (settled: the daemon hands freed
-  heap back at most every 10 s), then a restart (SIGTERM, start): the time from the start
+- the daemon's RSS, right after the pass and 12 s later (settled: the allocator hands
+  freed pages back 10 s after they were freed), then a restart (SIGTERM, start): the time from the start
   to the first GetPage served, and the RSS after it (and again after the reads below: the
   block cache filled);
 - `pagebench get-page`, 8 connections at depth 1, random keys at the latest LSN, `--seconds`:
@@ -94,8 +94,8 @@ def one_size(args, gb: float) -> dict:
         written = measure.delta(m1, m0, "pageserver_compaction_written_bytes_total")
         disk = du(daemon.workdir / "tenants")
         rss_loaded = rss_bytes(daemon.pid)
-        # What the allocator keeps right after the pass is handed back within seconds (the
-        # daemon's malloc_trim runs at most every 10 s, heap.rs).
+        # What the allocator keeps right after the pass is handed back within seconds (jemalloc's
+        # background thread purges pages 10 s after they were freed, heap.rs).
         time.sleep(SETTLE_S)
         rss_settled = rss_bytes(daemon.pid)
 

@@ -27,6 +27,10 @@ const BAD_CONFIG_STATUS: u8 = 2;
 const IMMEDIATE_EXIT_STATUS: i32 = 1;
 
 /// The pageserver daemon: stores pages and WAL records per tenant, serves pages at any LSN.
+/// jemalloc (`heap.rs` says why).
+#[global_allocator]
+static ALLOCATOR: pageserver::heap::Allocator = pageserver::heap::Allocator {};
+
 #[derive(Parser)]
 #[command(version = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("GIT_COMMIT"), ")"))]
 struct Args {
@@ -36,27 +40,6 @@ struct Args {
     /// Override one setting, KEY=VALUE (see docs/settings.md); may be repeated.
     #[arg(short = 'c', long = "config-override", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
-}
-
-/// Makes glibc's allocator give large blocks back to the system when they are freed.
-///
-/// By default glibc raises its mmap threshold to the size of each large block freed (up to
-/// 32 MiB), so that later blocks of that size come from its heaps, which keep freed memory: the
-/// redo memory budget then bounds what reconstructions hold at once, but not the daemon's
-/// memory (12 MiB reads from many executor threads grew the peak RSS to 2.6-4.5 times the
-/// budget, test_redo_memory.py). A fixed threshold turns that off: 256 KiB, below the storage
-/// read spans (at most 1 MiB each, so a long chain is read in spans just under 1 MiB) and large
-/// redo requests, which are rare and large enough that a `mmap` each is cheap beside them.
-fn bound_allocator_retention() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        const MMAP_THRESHOLD: libc::c_int = 256 << 10;
-        // SAFETY: mallopt only changes allocator parameters; it is called before the other
-        // threads start, and any value is valid input (it returns 0 when refused).
-        if unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) } == 0 {
-            tracing::warn!("glibc refused a fixed mmap threshold: freed large blocks may stay in its heaps");
-        }
-    }
 }
 
 fn main() -> ExitCode {
@@ -69,7 +52,6 @@ fn main() -> ExitCode {
         }
     };
     logging::init(conf.log_format);
-    bound_allocator_retention();
     // Before any other thread exists, so that every thread inherits the mask (redo children do
     // not: spawning a process resets its signal mask).
     let signals = stop_signals();
