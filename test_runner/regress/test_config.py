@@ -1,5 +1,8 @@
 """Settings (docs/settings.md): bad keys and values stop the daemon at start-up with a message
-naming the key; the config file and `-c` overrides are applied."""
+naming the key; the config file and `-c` overrides are applied; `--help` says what the daemon is
+and how to set it."""
+
+import subprocess
 
 import pytest
 
@@ -102,3 +105,11 @@ def test_json_log_format_writes_only_json_lines(pageserver_factory):
         event = json.loads(line)  # fails on any plain-text line
         assert {"timestamp", "level", "fields"} <= set(event), line
     assert any(json.loads(line)["fields"].get("message") == "loaded tenant" for line in lines)
+
+
+def test_help_says_what_the_daemon_is_and_how_to_set_it(bin_dir):
+    out = subprocess.run([str(bin_dir / "pageserver"), "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    # The first line is the binary's description (the doc of its argument struct).
+    assert out.stdout.startswith("The pageserver daemon: stores pages"), out.stdout
+    assert "--workdir" in out.stdout and "--config-override" in out.stdout, out.stdout

@@ -26,11 +26,11 @@ const BAD_CONFIG_STATUS: u8 = 2;
 /// Exit status after a second SIGTERM/SIGINT or a SIGQUIT: not a clean stop.
 const IMMEDIATE_EXIT_STATUS: i32 = 1;
 
-/// The pageserver daemon: stores pages and WAL records per tenant, serves pages at any LSN.
 /// jemalloc (`heap.rs` says why).
 #[global_allocator]
 static ALLOCATOR: pageserver::heap::Allocator = pageserver::heap::Allocator {};
 
+/// The pageserver daemon: stores pages and WAL records per tenant, serves pages at any LSN.
 #[derive(Parser)]
 #[command(version = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("GIT_COMMIT"), ")"))]
 struct Args {
