@@ -1,8 +1,8 @@
-//! The daemon's allocator, jemalloc ([`Allocator`], which the binary makes its global
-//! allocator): its figures for `/metrics` ([`figures`]) and the background thread that hands
-//! freed memory back to the kernel ([`start_purging`]). Tests and benchmarks that link this
-//! crate keep the system's allocator (or their own: `tests/zero_copy.rs` counts allocations),
-//! and the figures then count nothing.
+//! The daemon's allocator, jemalloc ([`Allocator`]): its figures for `/metrics` ([`figures`])
+//! and the background thread that hands freed memory back to the kernel ([`start_purging`]).
+//! The binary makes it the global allocator and starts the thread. Tests and benchmarks that
+//! link this crate keep the system's allocator (or their own: `tests/zero_copy.rs` counts
+//! allocations), and the figures then count nothing.
 //!
 //! Why not glibc's: every request allocates and frees (a read's buffers, the redo request, the
 //! 8 KiB reply, the reply frame), and a buffer is often freed on another executor thread than
@@ -10,7 +10,7 @@
 //! consolidates its fastbins at each allocation of 1 KiB or more, and keeps freed memory until
 //! a `malloc_trim`. On 16 cores its arena locks left the machine 6-21% idle under a load that
 //! wanted more CPU, and GetPage throughput swung between runs (130k-165k rps at 64 x 8);
-//! jemalloc, side by side, served 166-168k rps at 7-8% idle for 0.91-0.95x glibc's daemon CPU
+//! jemalloc, side by side, served 166-168k rps at 7-8% idle for 0.92-0.95x glibc's daemon CPU
 //! per request (docs/performance.md, "The allocator"). mimalloc was as fast, but kept freed
 //! large blocks longer: the peak RSS of pipelined 12 MiB reconstructions (test_redo_memory.py)
 //! went past the redo memory budget's bound, where jemalloc's, like glibc's, stays within it.

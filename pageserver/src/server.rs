@@ -49,7 +49,6 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         .with_context(|| format!("create workdir {}", conf.workdir.display()))?;
     let _lock = lock_workdir(&conf)?;
     let fd_limit = fds::raise_limit();
-    crate::heap::start_purging();
     anyhow::ensure!(
         conf.tenants.walredo.binary.is_file(),
         "the walredo child {} does not exist (setting walredo_proc_path)",

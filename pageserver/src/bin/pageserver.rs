@@ -52,6 +52,7 @@ fn main() -> ExitCode {
         }
     };
     logging::init(conf.log_format);
+    pageserver::heap::start_purging();
     // Before any other thread exists, so that every thread inherits the mask (redo children do
     // not: spawning a process resets its signal mask).
     let signals = stop_signals();
