@@ -46,7 +46,7 @@ use bytes::Bytes;
 
 use super::format::{IndexEntry, Kind};
 use super::layer::{BlockIndex, DiskWait, LayerIndex, OpenLayer, WouldWait};
-use super::segment::read_cached_at;
+use super::segment::{read_cached_at, read_cached_into};
 use super::{GetError, Key, Lsn, Overwritten, ReadLimits, ReconstructData};
 
 /// Values of one file closer than this are read together: reading a few KiB more from the page
@@ -874,8 +874,9 @@ impl ReadPlan {
     /// read would wait (or fails, or comes back short): then run [`ReadPlan::execute`] where
     /// blocking is allowed, which also reports any error.
     pub(crate) fn try_execute_cached(&self) -> Option<anyhow::Result<ReconstructData>> {
-        let bufs = self
-            .read_spans(|s, buf| Ok::<_, std::convert::Infallible>(read_cached_at(&s.file, buf, s.offset)));
+        let bufs = self.read_spans(|s, buf| {
+            Ok::<_, std::convert::Infallible>(read_cached_into(&s.file, buf, s.len, s.offset))
+        });
         Some(self.assemble(bufs.ok()??))
     }
 
@@ -910,29 +911,27 @@ impl ReadPlan {
         self.assemble(bufs.context("a blocking read gave up")?)
     }
 
-    /// Reads every span with `read` (which fills the buffer given for a span, or says to give
-    /// up: then `None`): a span holding an image into a buffer of its own (an image may stay in
-    /// the page cache, which must not keep the records' bytes alive with it), the others into
-    /// one buffer they share, so that a read of many records makes two allocations, not one
-    /// per record.
+    /// Reads every span with `read` (which appends the span's bytes to the buffer given, or
+    /// says to give up: then `None`): a span holding an image into a buffer of its own (an
+    /// image may stay in the page cache, which must not keep the records' bytes alive with it),
+    /// the others into one buffer they share, so that a read of many records makes two
+    /// allocations, not one per record.
     fn read_spans<E>(
         &self,
-        mut read: impl FnMut(&Span, &mut [u8]) -> Result<bool, E>,
+        mut read: impl FnMut(&Span, &mut Vec<u8>) -> Result<bool, E>,
     ) -> Result<Option<Vec<Bytes>>, E> {
         let own = |s: &Span| self.values[s.values.clone()].iter().any(|v| v.kind == Kind::Image);
-        let mut shared = vec![0u8; self.spans.iter().filter(|s| !own(s)).map(|s| s.len).sum()];
-        let mut at = 0;
+        let mut shared = Vec::with_capacity(self.spans.iter().filter(|s| !own(s)).map(|s| s.len).sum());
         for s in self.spans.iter().filter(|s| !own(s)) {
-            if !read(s, &mut shared[at..at + s.len])? {
+            if !read(s, &mut shared)? {
                 return Ok(None);
             }
-            at += s.len;
         }
         let shared = Bytes::from(shared);
         let (mut bufs, mut at) = (Vec::with_capacity(self.spans.len()), 0);
         for s in &self.spans {
             if own(s) {
-                let mut buf = vec![0u8; s.len];
+                let mut buf = Vec::with_capacity(s.len);
                 if !read(s, &mut buf)? {
                     return Ok(None);
                 }
@@ -986,10 +985,13 @@ pub(crate) fn would_wait(e: &GetError) -> bool {
 /// Bytes [`ReadPlan::warm_values`] reads at a time.
 const WARM_CHUNK: usize = 64 << 10;
 
-/// One span, read where blocking is allowed (`lsn`: its oldest value's, for the error).
-fn read_span(s: &Span, lsn: Lsn, buf: &mut [u8]) -> anyhow::Result<()> {
+/// One span appended to `buf`, read where blocking is allowed (`lsn`: its oldest value's, for
+/// the error).
+fn read_span(s: &Span, lsn: Lsn, buf: &mut Vec<u8>) -> anyhow::Result<()> {
+    let at = buf.len();
+    buf.resize(at + s.len, 0);
     s.file
-        .read_exact_at(buf, s.offset)
+        .read_exact_at(&mut buf[at..], s.offset)
         .with_context(|| format!("read {} bytes at offset {} (value at lsn {lsn})", s.len, s.offset))
 }
 

@@ -10,6 +10,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -235,6 +236,24 @@ pub(crate) fn read_cached_at(file: &File, buf: &mut [u8], offset: u64) -> bool {
     read.ok() == Some(len)
 }
 
+/// [`read_cached_at`] of `len` bytes appended to `buf`, into its spare capacity (not zeroed
+/// first, as a read buffer need not be): `buf` is unchanged when it returns `false`.
+pub(crate) fn read_cached_into(file: &File, buf: &mut Vec<u8>, len: usize, offset: u64) -> bool {
+    let Ok(offset) = libc::off_t::try_from(offset) else { return false };
+    buf.reserve(len);
+    let spare = &mut buf.spare_capacity_mut()[..len];
+    let iov = libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: len };
+    // SAFETY: `iov` describes `len` bytes of `buf`'s spare capacity, valid for writes, which
+    // nothing else refers to during the call; the kernel writes at most `len` bytes there.
+    let read = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, offset, libc::RWF_NOWAIT) };
+    if usize::try_from(read).ok() != Some(len) {
+        return false;
+    }
+    // SAFETY: the read initialized those `len` bytes, right after the vector's length.
+    unsafe { buf.set_len(buf.len() + len) };
+    true
+}
+
 /// `read_exact_at` that reports a short file as `UnexpectedEof` context rather than a bare error.
 pub(crate) fn read_at(file: &File, buf: &mut [u8], offset: u64) -> anyhow::Result<()> {
     file.read_exact_at(buf, offset).map_err(|e| {
@@ -254,6 +273,20 @@ mod tests {
 
     fn key(blk: u32) -> Key {
         Key { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: blk }
+    }
+
+    #[test]
+    fn a_cached_read_appends_exactly_its_bytes_or_leaves_the_buffer_as_it_was() {
+        let mut file = tempfile::tempfile().unwrap();
+        std::io::Write::write_all(&mut file, b"0123456789").unwrap();
+        let mut buf = b"ab".to_vec();
+        assert!(read_cached_into(&file, &mut buf, 4, 3));
+        assert_eq!(buf, b"ab3456");
+        // Past the end: the read comes back short, and the buffer keeps its length.
+        assert!(!read_cached_into(&file, &mut buf, 4, 8));
+        assert_eq!(buf, b"ab3456");
+        assert!(read_cached_into(&file, &mut buf, 0, 20));
+        assert_eq!(buf, b"ab3456");
     }
 
     fn segment_with(batches: &[Vec<(Key, Lsn, Value)>]) -> (tempfile::TempDir, ActiveSegment) {

@@ -31,7 +31,8 @@ use std::sync::Mutex;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::buf::Limit;
+use bytes::{BufMut, Bytes, BytesMut};
 use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
 
@@ -85,46 +86,43 @@ pub(crate) enum Reply {
 
 /// Assembles replies from the bytes read off the child's stdout.
 ///
-/// Usage: read into [`ReplyReader::spare`], report with [`ReplyReader::advance`], then call
-/// [`ReplyReader::take`] until it returns `None`.
+/// Usage: read into [`ReplyReader::spare`] (a `BufMut`: the pipe's read fills it and advances
+/// it), then call [`ReplyReader::take`] until it returns `None`.
 pub(crate) struct ReplyReader {
-    /// Sized for the largest reply; `buf[..filled]` holds bytes read but not yet taken.
+    /// Bytes read but not yet taken; its capacity holds the largest reply, and the bytes past
+    /// its length are not initialized (the next read writes them).
     buf: BytesMut,
-    filled: usize,
 }
 
 const LARGEST_REPLY: usize = HEADER_LEN + BLCKSZ;
 
 impl ReplyReader {
     pub(crate) fn new() -> ReplyReader {
-        ReplyReader { buf: BytesMut::zeroed(LARGEST_REPLY), filled: 0 }
+        ReplyReader { buf: BytesMut::with_capacity(LARGEST_REPLY) }
     }
 
-    /// Where the next read goes: up to the end of the reply being read, assuming a page until
-    /// the header says otherwise (pages are the common case and this makes one read suffice).
-    pub(crate) fn spare(&mut self) -> &mut [u8] {
+    /// Where the next read goes: room up to the end of the reply being read, assuming a page
+    /// until the header says otherwise (pages are the common case and this makes one read
+    /// suffice). Not zeroed first: the read writes the bytes it reports and no others count.
+    pub(crate) fn spare(&mut self) -> Limit<&mut BytesMut> {
         let end = match self.header() {
             Some(Ok(kind)) => HEADER_LEN + kind.payload_len(),
             _ => LARGEST_REPLY,
         };
-        let end = end.max(self.filled);
-        &mut self.buf[self.filled..end]
-    }
-
-    pub(crate) fn advance(&mut self, n: usize) {
-        self.filled += n;
-        debug_assert!(self.filled <= self.buf.len());
+        let want = end.saturating_sub(self.buf.len());
+        self.buf.reserve(want);
+        (&mut self.buf).limit(want)
     }
 
     /// Whether some bytes of an unfinished reply have been read.
     #[cfg(test)]
     pub(crate) fn has_partial(&self) -> bool {
-        self.filled > 0
+        !self.buf.is_empty()
     }
 
     fn header(&self) -> Option<Result<ReplyKind, FrameError>> {
         let header: &[u8; HEADER_LEN] = self.buf.get(..HEADER_LEN)?.try_into().ok()?;
-        (self.filled >= HEADER_LEN).then(|| protocol::decode_reply_header(header))
+        Some(protocol::decode_reply_header(header))
     }
 
     /// Takes the next complete reply, if all of it has been read.
@@ -133,15 +131,13 @@ impl ReplyReader {
             return Ok(None);
         };
         let total = HEADER_LEN + kind.payload_len();
-        if self.filled < total {
+        if self.buf.len() < total {
             return Ok(None);
         }
         // Move the bytes of this reply out; the buffer for the next one starts with the excess.
-        let mut next = BytesMut::zeroed(LARGEST_REPLY);
-        let excess = self.filled - total;
-        next[..excess].copy_from_slice(&self.buf[total..self.filled]);
+        let mut next = BytesMut::with_capacity(LARGEST_REPLY);
+        next.extend_from_slice(&self.buf[total..]);
         let mut this = std::mem::replace(&mut self.buf, next);
-        self.filled = excess;
         this.truncate(total);
         let payload = this.freeze().slice(HEADER_LEN..);
         Ok(Some(match kind {
@@ -678,11 +674,10 @@ mod tests {
         let mut replies = Vec::new();
         let mut pos = 0;
         while pos < stream.len() {
-            let spare = reader.spare();
-            let n = spare.len().min(chunk).min(stream.len() - pos);
+            let mut spare = reader.spare();
+            let n = spare.remaining_mut().min(chunk).min(stream.len() - pos);
             assert!(n > 0, "reader must always want more bytes before a reply is complete");
-            spare[..n].copy_from_slice(&stream[pos..pos + n]);
-            reader.advance(n);
+            spare.put_slice(&stream[pos..pos + n]);
             pos += n;
             while let Some(reply) = reader.take().unwrap() {
                 replies.push(reply);
@@ -712,11 +707,10 @@ mod tests {
     fn reader_reads_a_page_reply_in_one_read_without_copying() {
         let stream = page_reply(7);
         let mut reader = ReplyReader::new();
-        let spare = reader.spare();
-        assert_eq!(spare.len(), stream.len());
-        let spare_ptr = spare.as_ptr();
-        spare.copy_from_slice(&stream);
-        reader.advance(stream.len());
+        let mut spare = reader.spare();
+        assert_eq!(spare.remaining_mut(), stream.len());
+        let spare_ptr = spare.chunk_mut().as_mut_ptr().cast_const();
+        spare.put_slice(&stream);
         let Some(Reply::Page(page)) = reader.take().unwrap() else { panic!("expected a page") };
         // The page is the very buffer the read went into, past the header.
         assert_eq!(page.as_ptr(), spare_ptr.wrapping_add(HEADER_LEN));
@@ -725,8 +719,7 @@ mod tests {
     #[test]
     fn reader_rejects_a_bad_header() {
         let mut reader = ReplyReader::new();
-        reader.spare()[..5].copy_from_slice(b"p\0\0\0\x09");
-        reader.advance(5);
+        reader.spare().put_slice(b"p\0\0\0\x09");
         assert!(reader.take().is_err());
     }
 

@@ -157,13 +157,12 @@ async fn read_reply(stdout: &mut Reader) -> Result<Reply, ProcessError> {
         }
         let n = stdout
             .pipe
-            .read(stdout.replies.spare())
+            .read_buf(&mut stdout.replies.spare())
             .await
             .context("read walredo stdout")
             .map_err(ProcessError::Io)?;
         if n == 0 {
             return Err(ProcessError::Io(anyhow::anyhow!("walredo stdout closed (EOF)")));
         }
-        stdout.replies.advance(n);
     }
 }

@@ -52,6 +52,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use bytes::BufMut;
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use tokio::net::unix::pipe;
@@ -113,12 +114,21 @@ impl PipeFd {
         }
     }
 
-    /// A non-blocking read (`WouldBlock` when the pipe is empty). On the reactor, a
-    /// `WouldBlock` also clears the readiness that the next [`PipeFd::ready`] waits for.
-    fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+    /// A non-blocking read into `buf`'s spare room, not zeroed first (`WouldBlock` when the pipe
+    /// is empty). On the reactor, a `WouldBlock` also clears the readiness that the next
+    /// [`PipeFd::ready`] waits for.
+    fn read(&self, buf: &mut impl BufMut) -> io::Result<usize> {
         match &self.state {
-            PipeState::Receiver(receiver) => receiver.try_read(buf),
-            _ => Ok(nix::unistd::read(self.fd()?, buf)?),
+            PipeState::Receiver(receiver) => receiver.try_read_buf(buf),
+            _ => {
+                let fd = self.fd()?;
+                // SAFETY: the slice is only written, by the kernel; nothing is de-initialized.
+                let spare = unsafe { buf.chunk_mut().as_uninit_slice_mut() };
+                let n = rustix::io::read(fd, spare)?.0.len();
+                // SAFETY: the read initialized the first `n` bytes of the chunk.
+                unsafe { buf.advance_mut(n) };
+                Ok(n)
+            }
         }
     }
 
@@ -510,11 +520,8 @@ fn write_some<F: FnOnce()>(fence: &mut Fence<'_, PipeFd, F>) -> Result<(), Proce
 /// One non-blocking read into the reply buffer: `None` when nothing is there yet.
 fn read_some(stdout: &mut Reader) -> Result<Option<usize>, ProcessError> {
     loop {
-        match stdout.pipe.read(stdout.replies.spare()) {
-            Ok(n) => {
-                stdout.replies.advance(n);
-                return Ok(Some(n));
-            }
+        match stdout.pipe.read(&mut stdout.replies.spare()) {
+            Ok(n) => return Ok(Some(n)),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("read walredo stdout"))),
