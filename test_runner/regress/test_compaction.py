@@ -118,7 +118,10 @@ def test_kill9_during_automatic_passes_of_every_kind_loses_nothing(pageserver_fa
         time.sleep(rng.uniform(0.0, 0.03))
         ps.kill()
         ps.start()
-        cutoff = ps.http.tenant_status(tenant)["compaction"]["gc_cutoff"]
+        # A pass after the restart may raise the cutoff at any moment, up to the horizon below
+        # the last LSN (the cutoff the killed pass had not made durable yet): check what stays
+        # readable whatever it does.
+        cutoff = max(ps.http.tenant_status(tenant)["compaction"]["gc_cutoff"], b.rs.last_lsn - 2000)
         with ps.connect(tenant) as conn:
             verify(conn, b.rs, _retained(b.rs, keys, cutoff, limit=25))
     assert "level0" in killed_in, killed_in
