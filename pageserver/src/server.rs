@@ -201,16 +201,14 @@ async fn write_ports_file(conf: &PageServerConf, pg: SocketAddr, http: SocketAdd
     }
 }
 
-/// The io_uring writers of the page service, if `io` may use them and the kernel allows a
+/// The io_uring writer of the page service, if `io` may use them and the kernel allows a
 /// ring; logs which way replies are written.
 fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<uring::Rings> {
     if io == PageServiceIo::Epoll {
         tracing::info!(page_service_io = io.as_str(), "page service replies: writev per connection");
         return None;
     }
-    let started = uring::probe().map_err(|why| anyhow::anyhow!(why)).and_then(|support| {
-        uring::Rings::start(1, support, Arc::clone(metrics)).map(|rings| (rings, support))
-    });
+    let started = uring::probe().map(|support| (uring::Rings::new(support, Arc::clone(metrics)), support));
     let (rings, support) = match started {
         Ok(started) => started,
         Err(e) => {
@@ -232,14 +230,14 @@ fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<u
     if io == PageServiceIo::Auto {
         tracing::info!(
             page_service_io = io.as_str(),
-            "page service replies: writev per connection, and io_uring (1 writer thread) while it \
-             measures better when {} or more connections write; {zero_copy}",
+            "page service replies: writev per connection, and io_uring (a ring per executor \
+             thread) while it measures better when {} or more connections write; {zero_copy}",
             io_choice::PROBE_FROM,
         );
     } else {
         tracing::info!(
             page_service_io = io.as_str(),
-            "page service replies: io_uring, 1 writer thread; {zero_copy}"
+            "page service replies: io_uring, a ring per executor thread; {zero_copy}"
         );
     }
     Some(rings)

@@ -87,6 +87,69 @@ impl Drop for Watch {
     }
 }
 
+/// Work an executor thread puts off until it runs out of tasks: the page service's io_uring
+/// writer queues the reply batches of the connections that ran on a thread and submits them all
+/// at once when the thread is about to sleep (what Valkey does before it sleeps), instead of a
+/// syscall per batch.
+///
+/// Putting work off is sound only on a thread that is sure to run [`before_park`] before it
+/// sleeps: an executor thread of a runtime built with it as `on_thread_park`, from its first
+/// park on ([`defers`]), and not after [`block_in_place`] (whose thread may give its worker up
+/// and never park as one again) until its next park. Elsewhere (a runtime without the hook,
+/// `block_on`'s thread, the blocking pool) the work is done at once.
+pub mod park {
+    use std::cell::{Cell, RefCell};
+    use std::sync::Arc;
+
+    /// What a thread runs before it sleeps.
+    pub trait Flush: Send + Sync {
+        fn flush(&self);
+    }
+
+    thread_local! {
+        /// This thread runs [`before_park`] before it sleeps, until it blocks.
+        static DEFERS: Cell<bool> = const { Cell::new(false) };
+        static FLUSHES: RefCell<Vec<Arc<dyn Flush>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// The runtime's `on_thread_park` hook: runs this thread's flushes; from now on, work may
+    /// be put off on this thread.
+    pub fn before_park() {
+        DEFERS.set(true);
+        run_flushes();
+    }
+
+    /// Whether work put off on this thread is sure to be done before the thread sleeps.
+    pub fn defers() -> bool {
+        DEFERS.get()
+    }
+
+    /// Has this thread run `flush` before it sleeps (and before it blocks), for as long as the
+    /// thread lives.
+    pub fn register(flush: Arc<dyn Flush>) {
+        // Not while the thread's storage is torn down (the thread then never parks again).
+        let _ = FLUSHES.try_with(|flushes| flushes.borrow_mut().push(flush));
+    }
+
+    fn run_flushes() {
+        let _ = FLUSHES.try_with(|flushes| flushes.borrow().iter().for_each(|flush| flush.flush()));
+    }
+
+    /// Runs `f`, which blocks its thread, without stalling the other tasks of a multi-thread
+    /// runtime (`tokio::task::block_in_place`); what this thread put off is done first, and
+    /// nothing is put off on it again until it parks as an executor thread.
+    pub fn block_in_place<R>(f: impl FnOnce() -> R) -> R {
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                run_flushes();
+                DEFERS.set(false);
+                tokio::task::block_in_place(f)
+            }
+            _ => f(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

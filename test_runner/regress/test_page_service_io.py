@@ -29,6 +29,7 @@ from fixtures.page_client import (
     frame,
 )
 from fixtures.seccomp import deny_io_uring_setup
+from fixtures.slow_syscall import slow_io_uring_enter
 from fixtures.util import wait_until
 
 KEY = Key.rel_block(7300, 1)
@@ -228,39 +229,15 @@ def test_a_client_that_accepts_no_reply_bytes_for_the_timeout_is_disconnected(
         assert conn.get_page(KEY)
 
 
-@pytest.fixture
-def slow_ring_thread():
-    """Makes the daemon's io_uring writer thread slow, as a busy neighbour on its CPU would: the
-    thread is pinned to one CPU at SCHED_IDLE beside a busy loop pinned there, so it runs only
-    in the crumbs the loop leaves. Call the yielded function with the daemon's pid."""
-    hogs = []
-
-    def slow(pid: int) -> None:
-        tids = [t for t in os.listdir(f"/proc/{pid}/task")
-                if Path(f"/proc/{pid}/task/{t}/comm").read_text().strip().startswith("ps-uring")]
-        assert tids, "no io_uring writer thread"
-        cpu = max(os.sched_getaffinity(0))
-        for tid in tids:
-            os.sched_setaffinity(int(tid), {cpu})
-            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-        hogs.append(subprocess.Popen(
-            [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass" % cpu]))
-
-    yield slow
-    for hog in hogs:
-        hog.kill()
-        hog.wait()
-
-
 @pytest.mark.parametrize("page_service_io", ["auto"])
 def test_auto_keeps_writev_where_a_probe_shows_the_ring_slower_and_probes_only_while_many_write(
-        pageserver_factory, page_service_io, slow_ring_thread):
-    """`auto` chooses by what it measures on this machine, not by a connection count: with the
-    ring thread starved (a 16-core machine's one ring thread is the same story: it caps at half
-    of writev's rate), 300 writing connections stay on writev after a probe of the ring. The
-    daemon before this (a fixed switch at 192 writing connections) moved them all to the ring
-    and kept them there."""
-    ps = pageserver_factory()
+        pageserver_factory, page_service_io, tmp_path):
+    """`auto` chooses by what it measures on this machine, not by a connection count: with every
+    `io_uring_enter` slowed down (20 ms, as a kernel busy elsewhere would; the one ring thread of
+    an earlier build capped at half of writev's rate on 16 cores), 300 writing connections stay
+    on writev after a probe of the ring. The daemon before that (a fixed switch at 192 writing
+    connections) moved them all to the ring and kept them there."""
+    ps = pageserver_factory(env=slow_io_uring_enter(tmp_path, 0.02))
     tenant = ps.create_tenant()
     with ps.connect(tenant) as conn:
         page = _load(conn)
@@ -296,7 +273,6 @@ def test_auto_keeps_writev_where_a_probe_shows_the_ring_slower_and_probes_only_w
     assert sends("io_uring") == 0
 
     # Many write, and the ring is slow: after its probe, auto stays on writev.
-    slow_ring_thread(ps.pid)
     many = few + [connect(ps.pg_addr, tenant) for _ in range(296)]
     try:
         rounds(many, lambda: probes("lost") + probes("won") >= 1 or chosen() == 1 and sends("io_uring") > 3000,
@@ -306,7 +282,7 @@ def test_auto_keeps_writev_where_a_probe_shows_the_ring_slower_and_probes_only_w
 
         def window():
             """Sends through the ring and writev over 2 s of load between probes: after auto is
-            back on writev and the ring has sent what the starved thread still held from the last
+            back on writev and the rings have sent what they still held from the last
             probe (no ring send between two looks); None if a probe came meanwhile (its sends
             are the ring's by design: a load that looks halved or doubled, as a slow client's
             may, begins the waits between probes again)."""

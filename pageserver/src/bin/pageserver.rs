@@ -69,7 +69,14 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let runtime =
-        match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("pageserver").build() {
+        // The page service's io_uring rings submit what their threads' connections handed over
+        // when the thread runs out of work (page_service/uring.rs).
+        match tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("pageserver")
+            .on_thread_park(pageserver::util::park::before_park)
+            .build()
+        {
             Ok(runtime) => runtime,
             Err(e) => {
                 tracing::error!("failed to start the async runtime: {e}");

@@ -75,8 +75,8 @@ pub(crate) async fn handle_connection(
     stop: Arc<Signal>,
     abort: CancellationToken,
 ) -> anyhow::Result<()> {
-    // Shared by the connection and, while a batch is with it, an io_uring writer thread, which
-    // so keeps the descriptor open until its operations on it are over.
+    // Shared by the connection and, while a batch is with it, an io_uring ring, which so keeps
+    // the descriptor open until its operations on it are over.
     let stream = Arc::new(stream);
     let mut writer =
         Writer::new(Arc::clone(&stream), Arc::new(connection_slot), Arc::clone(&conf.io), conf.idle_timeout);

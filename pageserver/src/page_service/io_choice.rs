@@ -84,7 +84,7 @@ const CLEAR_LOSS: f64 = 0.8;
 pub enum Via {
     /// Each connection's own vectored `write` (`epoll`).
     Writev,
-    /// The io_uring writer thread.
+    /// The io_uring writer (the ring of the connection's executor thread).
     Ring,
 }
 

@@ -8,7 +8,7 @@
 //! - [`writer`]: the reply path: replies as shared bytes, their queue in request order (with
 //!   the requests still running), the writers;
 //! - `chunks`: a batch's chunks and how a partial send consumes them (under both writers);
-//! - [`uring`]: the io_uring writer threads;
+//! - [`uring`]: the io_uring writer (a ring per executor thread);
 //! - [`io_choice`]: which writer sends a batch (`page_service_io`; `auto` by load);
 //! - this file: accepting connections, the bounds, the metrics.
 //!
@@ -94,8 +94,9 @@ pub enum PageServiceIo {
     /// Each connection writes its own replies with a vectored `write` when tokio's epoll says
     /// the socket has room.
     Epoll,
-    /// Connections hand their reply batches to io_uring writer threads, which send the batches
-    /// of many connections with one submit ([`uring`]); `epoll` when the kernel refuses a ring.
+    /// Connections hand their reply batches to the io_uring ring of their executor thread, which
+    /// sends the batches of that thread's connections with one submit when the thread runs out
+    /// of work ([`uring`]); `epoll` when the kernel refuses a ring.
     IoUring,
 }
 

@@ -75,7 +75,7 @@ impl Served {
         tenants.create(TENANT, Default::default()).await.unwrap();
         let rings = match mode {
             PageServiceIo::Epoll => None,
-            _ => Some(uring::Rings::start(1, uring::probe().unwrap(), Arc::clone(&metrics)).unwrap()),
+            _ => Some(uring::Rings::new(uring::probe().unwrap(), Arc::clone(&metrics))),
         };
         let choice = Arc::new(IoChoice::new(mode, rings, metrics.choice.clone()));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -1,17 +1,32 @@
-//! The io_uring writer: threads that own a ring each and send the reply batches of many
-//! connections with one `io_uring_enter` per round (`page_service_io = "io_uring"`).
+//! The io_uring writer (`page_service_io = "io_uring"`): a ring per executor thread, through
+//! which the connections that run on that thread send their reply batches, all of them with one
+//! `io_uring_enter` when the thread runs out of work (what Valkey does before it sleeps).
 //!
 //! A connection hands each batch ([`Job`]: the batch's chunks of shared `Bytes`, the in-flight
-//! slots of its replies, whether the connection closes after it) to its ring's queue and goes
-//! on at once: it does not wait for the send. The ring's thread loops: take every job queued
-//! meanwhile, start one `SENDMSG` per connection that has none in flight (an iovec per chunk:
-//! the page bytes are sent from where they are, never copied), submit them all and wait for
-//! completions in one `io_uring_enter`, then handle what completed: a short send resumes where
-//! it stopped; a full socket (`MSG_DONTWAIT`: the kernel answers at once) waits for room with a
-//! `POLL_ADD`; a finished batch frees its slots (the connection may read on), sends
-//! FIN if it closes the connection, and starts that connection's next batch; a failed one
-//! records the error, shuts the socket down and drops the connection's queued batches. A
-//! queued job wakes the thread through an eventfd whose read is always pending on the ring.
+//! slots of its replies, whether the connection closes after it) to the ring of the thread it
+//! runs on and goes on at once: it does not wait for the send. The ring makes the batch's
+//! `SENDMSG` (an iovec per chunk: the page bytes are sent from where they are, never copied) and
+//! keeps it; the thread's park hook ([`crate::util::park`]) submits everything kept since the
+//! last park in one `io_uring_enter` and handles what completed in it, at once (`MSG_DONTWAIT`:
+//! a send completes within the submit): a finished batch frees its slots (the connection may
+//! read on), sends FIN if it closes the connection and starts that connection's next batch; a
+//! short send resumes where it stopped; a full socket waits for room with a `POLL_ADD`; a failed
+//! send records the error, shuts the socket down and drops the connection's queued batches. No
+//! batch crosses to another thread, and no thread is woken for it.
+//!
+//! What completes later (a `POLL_ADD` when the socket has room, a zero-copy notification) is
+//! signalled on the ring's eventfd (kept quiet while the ring is submitted, with
+//! `IORING_CQ_EVENTFD_DISABLED`: what completes within a submit is handled right after it),
+//! which the ring's reaper task waits for on tokio's reactor; the reaper also shuts
+//! down the socket of a batch that made no progress for its connection's write timeout (it looks
+//! every [`STALL_CHECK`] while a batch waits for room).
+//!
+//! Entries wait for the park only where the park is sure to come ([`crate::util::park::defers`]:
+//! an executor thread of a runtime with the hook, not right after a `block_in_place`), and only
+//! up to [`DEFER_MAX`] of them; elsewhere they are submitted at once, by the connection's task.
+//! A connection's batches keep their order: while the connection has a batch in a ring, its next
+//! batches go to that same ring (which sends them one after another), wherever the connection
+//! runs now; with none, its next batch goes to the ring of its current thread.
 //!
 //! Zero-copy: a batch of at least [`ZERO_COPY_MIN`] bytes may go as `SENDMSG_ZC` (see
 //! [`ZeroCopy`] for which): its first completion says what was sent, and a notification later
@@ -19,57 +34,61 @@
 //! over at the first completion: its reply slots are freed and its connection's next batch
 //! starts; the job lingers in its ring slot, holding its chunks, until the last notification.
 //!
-//! A ring error (an `io_uring_enter` failing other than `EINTR`/`ETIME`) ends the thread: the
+//! A ring error (an `io_uring_enter` failing other than `EINTR`) ends that ring: the
 //! connections with batches in it are closed (their bytes would be lost mid-stream), the ring
-//! is marked dead and refuses jobs, [`super::io_choice::IoChoice`] never chooses it again, and
-//! every other connection writes its next batches itself (`writev`); a WARN and the gauge
+//! refuses jobs, [`super::io_choice::IoChoice`] never chooses the writer again, and every
+//! connection writes its next batches itself (`writev`); a WARN and the gauge
 //! `pageserver_page_service_io_uring_failed` say so.
 //!
 //! So the batches of one connection leave in order, one at a time; a connection whose client
 //! stops reading holds only its own batches (parked on its poll), every other connection's
-//! sends go on, and a batch that makes no progress for the connection's write timeout gets
-//! its socket shut down (the thread looks at parked batches every [`STALL_CHECK`]).
+//! sends go on.
 //!
 //! **Invariants** (what makes the `unsafe` pushes sound):
-//! - a job's chunks, iovecs and `msghdr` stay where they are, owned by the thread, from the
-//!   push of an operation that points at them until its completion is reaped, and the chunks of
-//!   a zero-copy send until its notification is reaped;
+//! - a job's chunks, iovecs and `msghdr` stay where they are, owned by the ring, from the push
+//!   of an operation that points at them until its completion is reaped, and the chunks of a
+//!   zero-copy send until its notification is reaped;
 //! - a job holds the connection's socket (an `Arc` of it, in its [`Link`]) until its last
 //!   operation completed, so the descriptor the kernel uses is never closed and its number
 //!   reused underneath;
 //! - a connection that ends abruptly (abort, a failure) shuts its socket down, which makes
 //!   the ring's operations on it complete at once (with an error);
-//! - at teardown, the ring's operations are cancelled synchronously before any buffer is freed,
-//!   and the chunks of a zero-copy send whose notification has not come are never freed (the
-//!   kernel may still read them: a retransmission must not send reused memory).
+//! - at teardown (a failure, or the ring's thread and runtime gone), the ring's operations are
+//!   cancelled synchronously before any buffer is freed, and the chunks of a zero-copy send
+//!   whose notification has not come are never freed (the kernel may still read them: a
+//!   retransmission must not send reused memory).
 
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::socket::Shutdown;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 use tokio::net::TcpStream;
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{Notify, OwnedSemaphorePermit};
+use tokio::task::AbortHandle;
 
 use super::chunks::consume;
 use super::PageServiceMetrics;
-use crate::util::lock;
+use crate::util::{lock, park};
 
 /// Submission queue entries per ring (the completion queue has twice as many; the kernel keeps
 /// what overflows).
 const ENTRIES: u32 = 512;
 /// Most iovecs in one `SENDMSG` (the kernel's `UIO_MAXIOV`); a longer batch goes in parts.
 const MAX_IOVECS: usize = 1024;
-/// `user_data` of the eventfd read.
-const WAKE: u64 = u64::MAX;
-/// `user_data` of the stall check's `TIMEOUT` (kernels without `IORING_FEAT_EXT_ARG`).
-const STALL_TIMER: u64 = u64::MAX - 1;
+/// Most entries a ring keeps for its thread's park; with more, they are submitted at once: a
+/// thread that serves many connections without running out of work sends every 32 batches (one
+/// `io_uring_enter` for 32 or more; 8, 32 and 128 measured alike on 2 vCPUs, docs/performance.md).
+const DEFER_MAX: usize = 32;
 /// `user_data` bit of a job's `POLL_ADD` (the rest is the job's slot).
 const POLL: u64 = 1 << 62;
 /// `IORING_SEND_ZC_REPORT_USAGE` (in a zero-copy send's `ioprio`): its notification says
@@ -82,8 +101,8 @@ const ZC_COPIED: u32 = 1 << 31;
 /// the copy they save (the kernel's MSG_ZEROCOPY documentation puts the break-even at about
 /// 10 KB): a lone page reply is sent plain, a batch of two or more goes zero-copy.
 pub const ZERO_COPY_MIN: usize = 10 * 1024;
-/// How often the thread looks for batches that wait for room longer than their connection's
-/// write timeout.
+/// How often a ring's reaper looks for batches that wait for room longer than their
+/// connection's write timeout (while one waits).
 const STALL_CHECK: Duration = Duration::from_millis(250);
 
 /// Faults a test can make a ring inject: the answers of kernels older than the test machine's,
@@ -91,13 +110,11 @@ const STALL_CHECK: Duration = Duration::from_millis(250);
 #[cfg(test)]
 #[derive(Debug, Default)]
 pub(super) struct Hooks {
-    /// The next `io_uring_enter` that waits fails (as on an unexpected kernel error).
+    /// The next `io_uring_enter` that submits fails (as on an unexpected kernel error).
     pub(super) fail_next_submit: AtomicBool,
     /// Zero-copy sends carry a flag this kernel does not know, so that it answers `EINVAL` as
     /// Linux 6.1 does to `IORING_SEND_ZC_REPORT_USAGE`.
     pub(super) zc_unknown_flag: AtomicBool,
-    /// `io_uring_enter` with `IORING_ENTER_EXT_ARG` fails with `EINVAL`, as on Linux 5.6-5.10.
-    pub(super) no_ext_arg: AtomicBool,
 }
 
 /// A flag of a zero-copy send that no kernel knows (the test machine's answers `EINVAL`).
@@ -109,10 +126,6 @@ const ZC_UNKNOWN_FLAG: u16 = 1 << 15;
 pub struct Support {
     /// `SENDMSG_ZC` (Linux 6.1) with `IORING_SEND_ZC_REPORT_USAGE` (Linux 6.2): zero-copy sends.
     pub zero_copy: bool,
-    /// `IORING_FEAT_EXT_ARG` (Linux 5.11): a wait for completions can carry its own timeout.
-    /// Without it, a wait that must end in time for the stall check goes with a `TIMEOUT`
-    /// operation.
-    pub ext_arg: bool,
 }
 
 /// Whether io_uring can send here: a ring can be set up (not refused by the kernel, a seccomp
@@ -131,11 +144,7 @@ fn probe_with(zc_ioprio: u16) -> Result<Support, String> {
     let mut ring = IoUring::new(8).map_err(|e| format!("io_uring_setup failed: {e}"))?;
     let mut probe = Probe::new();
     ring.submitter().register_probe(&mut probe).map_err(|e| format!("the io_uring probe failed: {e}"))?;
-    for (code, name) in [
-        (opcode::SendMsg::CODE, "SENDMSG"),
-        (opcode::PollAdd::CODE, "POLL_ADD"),
-        (opcode::Read::CODE, "READ"),
-    ] {
+    for (code, name) in [(opcode::SendMsg::CODE, "SENDMSG"), (opcode::PollAdd::CODE, "POLL_ADD")] {
         if !probe.is_supported(code) {
             return Err(format!("the kernel's io_uring lacks {name}"));
         }
@@ -151,7 +160,7 @@ fn probe_with(zc_ioprio: u16) -> Result<Support, String> {
         None => return Err("a no-op did not complete".to_string()),
     }
     let zero_copy = probe.is_supported(opcode::SendMsgZc::CODE) && zero_copy_send_works(&mut ring, zc_ioprio);
-    Ok(Support { zero_copy, ext_arg: ring.params().is_feature_ext_arg() })
+    Ok(Support { zero_copy })
 }
 
 /// Whether a `SENDMSG_ZC` with `ioprio` completes: one byte to a UDP socket on loopback that
@@ -309,120 +318,382 @@ pub(super) struct Job {
     pub(super) close: bool,
 }
 
-/// What a connection and its ring's thread share.
-struct Shared {
-    queue: Mutex<Vec<Job>>,
-    wake: EventFd,
-    stop: AtomicBool,
-    /// The thread is gone (a ring error): jobs are refused, connections write themselves.
-    dead: AtomicBool,
-    /// Counts the wake-ups' `write`s among the send syscalls.
+/// What the rings of one page service share.
+struct Hub {
+    support: Support,
     metrics: Arc<PageServiceMetrics>,
+    /// A ring failed (or could not be set up): rings take no more jobs, and connections write
+    /// with `writev`.
+    dead: AtomicBool,
     #[cfg(test)]
     hooks: Arc<Hooks>,
 }
 
-/// The daemon's rings, one thread each; connections are spread over them round-robin.
-pub struct Rings {
-    rings: Vec<Ring>,
-    next: AtomicUsize,
+impl Hub {
+    /// No ring is to be chosen again; a WARN says why.
+    fn give_up(&self, why: &str) {
+        tracing::warn!(
+            "the io_uring writer failed ({why}): the connections with batches in its ring are closed, \
+             replies go through writev per connection from now on"
+        );
+        self.dead.store(true, Ordering::Release);
+        self.metrics.uring_failed.set(1);
+        self.metrics.choice.ring_chosen.set(0);
+    }
 }
+
+/// The page service's io_uring writer: a ring per executor thread, set up when a connection
+/// first sends through it on that thread.
+pub struct Rings(Arc<Hub>);
 
 impl std::fmt::Debug for Rings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Rings").field("threads", &self.rings.len()).finish()
+        f.debug_struct("Rings").field("dead", &self.dead()).finish()
     }
 }
 
-/// A handle on one ring, for a connection.
-#[derive(Clone)]
-pub(super) struct Ring(Arc<Shared>);
+thread_local! {
+    /// This thread's rings: one per page service (a test process runs several).
+    static THREAD_RINGS: RefCell<Vec<Arc<Local>>> = const { RefCell::new(Vec::new()) };
+}
 
 impl Rings {
-    /// Starts `threads` writer threads with a ring each, using what the kernel offers
-    /// ([`probe`]).
-    pub fn start(
-        threads: usize,
-        support: Support,
-        metrics: Arc<PageServiceMetrics>,
-    ) -> anyhow::Result<Rings> {
-        let mut rings = Vec::with_capacity(threads);
-        for i in 0..threads.max(1) {
-            let ring =
-                IoUring::new(ENTRIES).map_err(|e| anyhow::anyhow!("failed to set up an io_uring: {e}"))?;
-            let shared = Arc::new(Shared {
-                queue: Mutex::new(Vec::new()),
-                wake: EventFd::from_flags(EfdFlags::EFD_CLOEXEC)
-                    .map_err(|e| anyhow::anyhow!("failed to create an eventfd: {e}"))?,
-                stop: AtomicBool::new(false),
-                dead: AtomicBool::new(false),
-                metrics: Arc::clone(&metrics),
-                #[cfg(test)]
-                hooks: Arc::new(Hooks::default()),
-            });
-            let (thread_shared, metrics) = (Arc::clone(&shared), Arc::clone(&metrics));
-            std::thread::Builder::new()
-                .name(format!("ps-uring-{i}"))
-                .spawn(move || run(ring, &thread_shared, support, &metrics))
-                .map_err(|e| anyhow::anyhow!("failed to start an io_uring writer thread: {e}"))?;
-            rings.push(Ring(shared));
-        }
-        Ok(Rings { rings, next: AtomicUsize::new(0) })
+    /// The writer, with what the kernel offers ([`probe`]); its rings come with their threads'
+    /// first batches.
+    pub fn new(support: Support, metrics: Arc<PageServiceMetrics>) -> Rings {
+        Rings(Arc::new(Hub {
+            support,
+            metrics,
+            dead: AtomicBool::new(false),
+            #[cfg(test)]
+            hooks: Arc::new(Hooks::default()),
+        }))
     }
 
-    /// Every ring's thread is gone (a ring error).
+    /// A ring failed: none is chosen again.
     pub(super) fn dead(&self) -> bool {
-        self.rings.iter().all(|ring| ring.0.dead.load(Ordering::Acquire))
+        self.0.dead.load(Ordering::Acquire)
     }
 
-    /// The faults the first ring injects, for a test to set.
+    /// The faults the rings inject, for a test to set.
     #[cfg(test)]
     pub(super) fn hooks(&self) -> Arc<Hooks> {
-        Arc::clone(&self.rings[0].0.hooks)
+        Arc::clone(&self.0.hooks)
     }
 
-    /// The ring for a new connection: the next one whose thread is alive, if any is.
-    pub(super) fn pick(&self) -> Ring {
-        let first = self.next.fetch_add(1, Ordering::Relaxed);
-        let ring = |i: usize| &self.rings[i % self.rings.len()];
-        let alive = (first..first + self.rings.len()).map(ring).find(|r| !r.0.dead.load(Ordering::Acquire));
-        alive.unwrap_or_else(|| ring(first)).clone()
+    /// The ring of the calling thread, set up at its first use (in a tokio runtime, which runs
+    /// its reaper); `None` once the writer is dead, or if no ring can be set up here (the
+    /// writer is then dead: a WARN says why).
+    pub(super) fn local(&self) -> Option<Ring> {
+        if self.dead() {
+            return None;
+        }
+        // None while the thread's storage is torn down: nothing is sent from there.
+        let found = THREAD_RINGS.try_with(|rings| {
+            let rings = rings.borrow();
+            rings.iter().find(|local| Arc::ptr_eq(&local.hub, &self.0)).map(|local| Ring(Arc::clone(local)))
+        });
+        match found {
+            Ok(Some(ring)) => return Some(ring),
+            Ok(None) => {}
+            Err(_) => return None,
+        }
+        match Local::start(Arc::clone(&self.0)) {
+            Ok(local) => {
+                let _ = THREAD_RINGS.try_with(|rings| rings.borrow_mut().push(Arc::clone(&local)));
+                park::register(Arc::clone(&local) as Arc<dyn park::Flush>);
+                Some(Ring(local))
+            }
+            Err(e) => {
+                self.0.give_up(&format!("could not set up a ring: {e}"));
+                None
+            }
+        }
     }
 }
 
-impl Drop for Rings {
+/// A handle on one thread's ring, for a connection.
+#[derive(Clone)]
+pub(super) struct Ring(Arc<Local>);
+
+/// One executor thread's ring: its connections' batches are pushed by their tasks, submitted
+/// when the thread runs out of work ([`park::Flush`]), or at once where nothing may wait
+/// ([`Ring::submit`]); what completes in that `io_uring_enter` is handled right after it, and
+/// what completes later (room in a full socket, a zero-copy notification) wakes the ring's
+/// reaper task through an eventfd.
+///
+/// A ring lives as long as its thread, or as a connection still has a batch in it; its reaper
+/// holds it only while it handles something.
+struct Local {
+    hub: Arc<Hub>,
+    state: Mutex<State>,
+    /// `State::ready` holds entries put off until the owning thread parks.
+    dirty: AtomicBool,
+    /// A job was parked on a full socket: the reaper starts timing stalls.
+    parked: Arc<Notify>,
+    reaper: OnceLock<AbortHandle>,
+}
+
+/// What a ring's lock guards.
+struct State {
+    ring: IoUring,
+    jobs: Jobs,
+    /// Entries for the next submit.
+    ready: Vec<squeue::Entry>,
+    /// Replies handed over since the last submit.
+    replies: usize,
+    /// Completions being handled (kept for its capacity).
+    completed: Vec<cqueue::Entry>,
+    /// The ring failed and was torn down: it takes no more jobs.
+    failed: bool,
+}
+
+impl Local {
+    fn start(hub: Arc<Hub>) -> io::Result<Arc<Local>> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(io::Error::other)?;
+        let ring = IoUring::new(ENTRIES)?;
+        let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
+        // Signalled for completions while the ring is not being submitted: those within a
+        // submit are handled by whoever submitted (`Local::submit_ready`).
+        ring.submitter().register_eventfd(wake.as_fd().as_raw_fd())?;
+        // SAFETY: the eventfd owns its descriptor, open (the same file) for as long as the
+        // AsyncFd holds it.
+        let wake = unsafe { AsyncFd::register_with_interest(wake, Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)?;
+        let jobs = Jobs::new(
+            hub.support.zero_copy,
+            #[cfg(test)]
+            Arc::clone(&hub.hooks),
+        );
+        let state = State { ring, jobs, ready: Vec::new(), replies: 0, completed: Vec::new(), failed: false };
+        let local = Arc::new(Local {
+            hub,
+            state: Mutex::new(state),
+            dirty: AtomicBool::new(false),
+            parked: Arc::new(Notify::new()),
+            reaper: OnceLock::new(),
+        });
+        let reaper = runtime.spawn(reap(Arc::downgrade(&local), wake, Arc::clone(&local.parked)));
+        let _ = local.reaper.set(reaper.abort_handle());
+        Ok(local)
+    }
+
+    /// This is the calling thread's ring.
+    fn is_this_threads(self: &Arc<Local>) -> bool {
+        THREAD_RINGS
+            .try_with(|rings| rings.borrow().iter().any(|local| Arc::ptr_eq(local, self)))
+            .unwrap_or(false)
+    }
+
+    /// Submits the ready entries and handles what completed meanwhile, until nothing is left to
+    /// submit (a short send is resumed, a full socket gets its `POLL_ADD`).
+    ///
+    /// The eventfd stays quiet meanwhile (`IORING_CQ_EVENTFD_DISABLED`): what completes within
+    /// these submits is handled here, and would only wake the reaper for nothing. A completion
+    /// that came between the last look and the eventfd's return is looked for once it is back.
+    fn submit_ready(&self, state: &mut State) {
+        self.dirty.store(false, Ordering::Relaxed);
+        if state.ready.is_empty() {
+            return;
+        }
+        let metrics = &self.hub.metrics;
+        let mut parked = false;
+        state.ring.completion().disable_eventfd();
+        loop {
+            while !state.ready.is_empty() {
+                let submitted = push_all(&mut state.ring, &mut state.ready, metrics).and_then(|()| {
+                    #[cfg(test)]
+                    if self.hub.hooks.fail_next_submit.swap(false, Ordering::Relaxed) {
+                        return Err(io::Error::from_raw_os_error(libc::EFAULT));
+                    }
+                    metrics.uring_io.send_syscalls.inc();
+                    state.ring.submit()
+                });
+                if state.replies > 0 {
+                    metrics.replies_per_submit.observe(state.replies as f64);
+                    state.replies = 0;
+                }
+                match submitted {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        self.hub.give_up(&e.to_string());
+                        teardown(state, "the io_uring writer failed");
+                        return;
+                    }
+                }
+                parked |= self.handle_completions(state);
+            }
+            state.ring.completion().enable_eventfd();
+            if state.ring.completion().is_empty() {
+                break;
+            }
+            state.ring.completion().disable_eventfd();
+            parked |= self.handle_completions(state);
+        }
+        if parked {
+            self.parked.notify_one();
+        }
+    }
+
+    /// Handles the completions there are; whether a job was parked on a full socket.
+    fn handle_completions(&self, state: &mut State) -> bool {
+        let mut completed = std::mem::take(&mut state.completed);
+        completed.extend(state.ring.completion());
+        let mut parked = false;
+        for cqe in completed.drain(..) {
+            parked |= complete(&cqe, &mut state.jobs, &mut state.ready, &self.hub.metrics);
+        }
+        state.completed = completed;
+        parked
+    }
+}
+
+impl park::Flush for Local {
+    /// The owning thread runs out of work: what its connections handed over goes now.
+    fn flush(&self) {
+        if self.dirty.load(Ordering::Relaxed) {
+            let mut state = lock(&self.state);
+            self.submit_ready(&mut state);
+        }
+    }
+}
+
+impl Drop for Local {
+    /// The thread and the runtime are gone: what waits is sent if it can go at once, the rest
+    /// is given up ([`teardown`]).
     fn drop(&mut self) {
-        for ring in &self.rings {
-            ring.0.stop.store(true, Ordering::Release);
-            let _ = ring.0.wake.write(1);
+        if let Some(reaper) = self.reaper.get() {
+            reaper.abort();
+        }
+        let state = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !state.failed {
+            let ready = !state.ready.is_empty();
+            if ready && push_all(&mut state.ring, &mut state.ready, &self.hub.metrics).is_ok() {
+                let _ = state.ring.submit();
+                let completed: Vec<cqueue::Entry> = state.ring.completion().collect();
+                for cqe in completed {
+                    complete(&cqe, &mut state.jobs, &mut state.ready, &self.hub.metrics);
+                }
+            }
+            teardown(state, "the io_uring writer stopped");
+        }
+    }
+}
+
+/// A ring's reaper: handles the completions posted after their submit (its eventfd says when),
+/// and, while a job is parked on a full socket, shuts down the sockets of those that make no
+/// progress for their write timeout (every [`STALL_CHECK`]). Ends when its ring fails or goes.
+async fn reap(local: Weak<Local>, wake: AsyncFd<EventFd>, parked_job: Arc<Notify>) {
+    loop {
+        let parked = {
+            let Some(local) = local.upgrade() else { return };
+            let mut state = lock(&local.state);
+            if state.failed {
+                return;
+            }
+            state.jobs.check_stalls()
+        };
+        tokio::select! {
+            ready = wake.readable() => match ready {
+                Ok(mut guard) => {
+                    let _ = guard.get_inner().read();
+                    guard.clear_ready();
+                    if let Some(local) = local.upgrade() {
+                        local.hub.metrics.uring_io.send_syscalls.inc();
+                    }
+                }
+                Err(e) => {
+                    let Some(local) = local.upgrade() else { return };
+                    let mut state = lock(&local.state);
+                    local.hub.give_up(&format!("its eventfd failed: {e}"));
+                    teardown(&mut state, "the io_uring writer failed");
+                    return;
+                }
+            },
+            () = tokio::time::sleep(STALL_CHECK), if parked => {}
+            () = parked_job.notified(), if !parked => {}
+        }
+        let Some(local) = local.upgrade() else { return };
+        let mut state = lock(&local.state);
+        if state.failed {
+            return;
+        }
+        // A job parked here is timed from the next round on.
+        local.handle_completions(&mut state);
+        local.submit_ready(&mut state);
+    }
+}
+
+/// Ends a ring: its operations are cancelled (and waited for) before any buffer goes, then
+/// every job is given up (its connection closed); it takes no more jobs.
+fn teardown(state: &mut State, why: &str) {
+    state.failed = true;
+    state.ready.clear();
+    // Nothing may be freed while the kernel could still write to it or read from it: cancel
+    // every pending operation (and wait for that) before the buffers go.
+    let cancel = state
+        .ring
+        .submitter()
+        .register_sync_cancel(Some(types::Timespec::new().sec(5)), types::CancelBuilder::any());
+    match cancel {
+        Err(e) if e.raw_os_error() != Some(libc::ENOENT) => {
+            tracing::error!("could not cancel the io_uring writer's operations, leaking their buffers: {e}");
+            state.jobs.fail_all_keeping_buffers(why);
+        }
+        _ => {
+            // Notifications that came meanwhile free their chunks; the others' are kept.
+            let notified: Vec<usize> = state
+                .ring
+                .completion()
+                .filter(|cqe| cqueue::notif(cqe.flags()) && cqe.user_data() & POLL == 0)
+                .map(|cqe| cqe.user_data() as usize)
+                .collect();
+            for slot in notified {
+                state.jobs.notified(slot);
+            }
+            let kept = state.jobs.fail_all(why);
+            if kept > 0 {
+                tracing::warn!(
+                    "keeping {kept} reply chunks of zero-copy sends whose notification did not come \
+                     before the io_uring writer stopped (the kernel may still read them)"
+                );
+            }
         }
     }
 }
 
 impl Ring {
-    /// Queues `job`; gives it back if the ring's thread is gone.
+    /// Hands `job` to the ring; gives it back if the ring failed. The job's entries wait for
+    /// the thread's park if this is the calling thread's ring and the thread is sure to park
+    /// ([`park::defers`]), up to [`DEFER_MAX`] of them; else they are submitted now.
     pub(super) fn submit(&self, job: Job) -> Result<(), Job> {
-        let shared = &self.0;
+        let local = &self.0;
         job.link.unsent.fetch_add(1, Ordering::AcqRel);
-        let was_empty = {
-            let mut queue = lock(&shared.queue);
-            // Under the queue's lock, as the thread's last look at the queue: a job is either
-            // refused here or taken (and given up) there, never stranded.
-            if shared.dead.load(Ordering::Acquire) {
-                job.link.unsent.fetch_sub(1, Ordering::AcqRel);
-                return Err(job);
-            }
-            let was_empty = queue.is_empty();
-            queue.push(job);
-            was_empty
-        };
-        // The thread takes the whole queue when it wakes: one wake per non-empty queue. The
-        // wake's `write` is a syscall spent on sending, and counted so.
-        if was_empty {
-            shared.metrics.uring_io.send_syscalls.inc();
-            let _ = shared.wake.write(1);
+        let mut state = lock(&local.state);
+        if state.failed {
+            job.link.unsent.fetch_sub(1, Ordering::AcqRel);
+            return Err(job);
+        }
+        state.replies += job.slots.len();
+        let State { jobs, ready, .. } = &mut *state;
+        jobs.arrive(job, ready);
+        if state.ready.is_empty() {
+            // Queued behind a batch of its connection being sent.
+            return Ok(());
+        }
+        if state.ready.len() < DEFER_MAX && park::defers() && local.is_this_threads() {
+            local.dirty.store(true, Ordering::Relaxed);
+        } else {
+            local.submit_ready(&mut state);
         }
         Ok(())
+    }
+
+    /// The ring failed.
+    #[cfg(test)]
+    fn failed(&self) -> bool {
+        lock(&self.0.state).failed
     }
 }
 
@@ -450,6 +721,11 @@ struct InFlight {
     /// awaited.
     lingering: bool,
 }
+
+// SAFETY: the raw pointers of its `msghdr` and iovecs point into the job's own chunks and
+// iovecs, which move with it; a ring's jobs are reached only under its lock, by one thread at a
+// time.
+unsafe impl Send for InFlight {}
 
 impl InFlight {
     fn new(job: Job, zero_copy: bool) -> InFlight {
@@ -586,11 +862,6 @@ impl Jobs {
         self.sending[slot] = Some(in_flight);
     }
 
-    /// No job is being sent or lingers (so none waits behind one either).
-    fn sending_none(&self) -> bool {
-        self.sending.len() == self.free.len()
-    }
-
     fn get(&mut self, slot: usize) -> Option<&mut InFlight> {
         self.sending.get_mut(slot).and_then(Option::as_mut)
     }
@@ -696,138 +967,16 @@ impl Jobs {
 
     /// Gives every job up but keeps (leaks) what their operations point at: for a ring whose
     /// pending operations could not be cancelled.
-    fn fail_all_keeping_buffers(self, why: &str) {
+    fn fail_all_keeping_buffers(&mut self, why: &str) {
         let links = self.sending.iter().flatten().map(|job| &job.job.link);
         for link in links.chain(self.behind.values().flatten().map(|job| &job.link)) {
             *lock(&link.failed) = Some(why.to_string());
             link.shut_down(Shutdown::Both);
         }
-        std::mem::forget(self);
+        std::mem::forget(std::mem::take(&mut self.sending));
+        std::mem::forget(std::mem::take(&mut self.behind));
+        self.free.clear();
     }
-}
-
-/// The thread of one ring.
-fn run(mut ring: IoUring, shared: &Shared, support: Support, metrics: &PageServiceMetrics) {
-    let mut jobs = Jobs::new(
-        support.zero_copy,
-        #[cfg(test)]
-        Arc::clone(&shared.hooks),
-    );
-    let mut wake_buf = Box::new([0u8; 8]);
-    let mut ready: Vec<squeue::Entry> = vec![wake_read(shared, &mut wake_buf)];
-    // Read by the kernel when an operation or a wait that points at it is submitted.
-    let stall_check = types::Timespec::from(STALL_CHECK);
-    // Without EXT_ARG: a stall check `TIMEOUT` is pending on the ring.
-    let mut timer_armed = false;
-    let failure = loop {
-        let arrived = std::mem::take(&mut *lock(&shared.queue));
-        let replies: usize = arrived.iter().map(|job| job.slots.len()).sum();
-        for job in arrived {
-            jobs.arrive(job, &mut ready);
-        }
-        if shared.stop.load(Ordering::Acquire) && jobs.sending_none() {
-            break None;
-        }
-        // With a job parked on a full socket, wake up now and then to time it out: the wait
-        // carries a timeout (EXT_ARG), or a `TIMEOUT` operation completes.
-        let parked = jobs.check_stalls();
-        if parked && !support.ext_arg && !timer_armed {
-            ready.push(opcode::Timeout::new(&stall_check).build().user_data(STALL_TIMER));
-            timer_armed = true;
-        }
-        if let Err(e) = push_all(&mut ring, &mut ready, metrics) {
-            break Some(e);
-        }
-        if replies > 0 {
-            metrics.replies_per_submit.observe(replies as f64);
-        }
-        metrics.uring_io.send_syscalls.inc();
-        #[cfg(test)]
-        if shared.hooks.fail_next_submit.swap(false, Ordering::Relaxed) {
-            break Some(io::Error::from_raw_os_error(libc::EFAULT));
-        }
-        let waited = if parked && support.ext_arg {
-            let args = types::SubmitArgs::new().timespec(&stall_check);
-            #[cfg(test)]
-            if shared.hooks.no_ext_arg.load(Ordering::Relaxed) {
-                break Some(io::Error::from_raw_os_error(libc::EINVAL));
-            }
-            ring.submitter().submit_with_args(1, &args)
-        } else {
-            ring.submit_and_wait(1)
-        };
-        match waited {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::ETIME) => {}
-            Err(e) => break Some(e),
-        }
-        let completed: Vec<cqueue::Entry> = ring.completion().collect();
-        for cqe in completed {
-            if cqe.user_data() == STALL_TIMER {
-                timer_armed = false;
-                continue;
-            }
-            complete(&cqe, &mut jobs, &mut ready, shared, &mut wake_buf, metrics);
-        }
-    };
-    if let Some(e) = &failure {
-        tracing::warn!(
-            "the io_uring writer failed ({e}): the connections with batches in it are closed, \
-             replies go through writev per connection from now on"
-        );
-    }
-    const STOPPED: &str = "the io_uring writer stopped";
-    // Nothing may be freed while the kernel could still write to it or read from it: cancel
-    // every pending operation (and wait for that) before the buffers go.
-    let cancel = ring
-        .submitter()
-        .register_sync_cancel(Some(types::Timespec::new().sec(5)), types::CancelBuilder::any());
-    match cancel {
-        Err(e) if e.raw_os_error() != Some(libc::ENOENT) => {
-            tracing::error!("could not cancel the io_uring writer's operations, leaking their buffers: {e}");
-            jobs.fail_all_keeping_buffers(STOPPED);
-            std::mem::forget(wake_buf);
-        }
-        _ => {
-            // Notifications that came meanwhile free their chunks; the others' are kept.
-            let notified: Vec<usize> = ring
-                .completion()
-                .filter(|cqe| cqueue::notif(cqe.flags()) && cqe.user_data() & POLL == 0)
-                .map(|cqe| cqe.user_data() as usize)
-                .collect();
-            for slot in notified {
-                jobs.notified(slot);
-            }
-            drop(ring);
-            let kept = jobs.fail_all(STOPPED);
-            if kept > 0 {
-                tracing::warn!(
-                    "keeping {kept} reply chunks of zero-copy sends whose notification did not come \
-                     before the io_uring writer stopped (the kernel may still read them)"
-                );
-            }
-        }
-    }
-    // Jobs queued meanwhile are given up too (their connections close); from now on jobs are
-    // refused (`Ring::submit`).
-    let queued = {
-        let mut queue = lock(&shared.queue);
-        shared.dead.store(true, Ordering::Release);
-        std::mem::take(&mut *queue)
-    };
-    if failure.is_some() {
-        metrics.uring_failed.set(1);
-        metrics.choice.ring_chosen.set(0);
-    }
-    for job in queued {
-        *lock(&job.link.failed) = Some(STOPPED.to_string());
-        job.link.shut_down(Shutdown::Both);
-    }
-}
-
-/// The read of the wake eventfd, always pending on the ring.
-fn wake_read(shared: &Shared, buf: &mut [u8; 8]) -> squeue::Entry {
-    opcode::Read::new(types::Fd(shared.wake.as_fd().as_raw_fd()), buf.as_mut_ptr(), 8).build().user_data(WAKE)
 }
 
 /// Pushes every ready entry, submitting when the queue is full.
@@ -857,22 +1006,16 @@ fn push_all(
     Ok(())
 }
 
-/// Handles one completion.
+/// Handles one completion; whether it parked its job on a full socket.
 fn complete(
     cqe: &cqueue::Entry,
     jobs: &mut Jobs,
     ready: &mut Vec<squeue::Entry>,
-    shared: &Shared,
-    wake_buf: &mut [u8; 8],
     metrics: &PageServiceMetrics,
-) {
+) -> bool {
     let (data, res) = (cqe.user_data(), cqe.result());
-    if data == WAKE {
-        ready.push(wake_read(shared, wake_buf));
-        return;
-    }
     let slot = (data & !POLL) as usize;
-    let Some(job) = jobs.get(slot) else { return };
+    let Some(job) = jobs.get(slot) else { return false };
     if cqueue::notif(cqe.flags()) {
         // The kernel is done with a zero-copy send's bytes; it says whether it copied them.
         let link = &job.job.link;
@@ -883,7 +1026,7 @@ fn complete(
             link.set_zero_copy(ZeroCopy::Works);
         }
         jobs.notified(slot);
-        return;
+        return false;
     }
     if cqueue::more(cqe.flags()) {
         // A zero-copy send: its notification follows.
@@ -896,7 +1039,7 @@ fn complete(
         } else {
             ready.push(job.send(slot));
         }
-        return;
+        return false;
     }
     match res {
         0 if !job.advance(0) => jobs.finish(slot, Err(io::ErrorKind::WriteZero.into()), ready),
@@ -911,6 +1054,7 @@ fn complete(
         e if e == -libc::EAGAIN => {
             metrics.send_waits.inc();
             ready.push(job.poll(slot));
+            return true;
         }
         e if e == -libc::EINTR => ready.push(job.send(slot)),
         e if job.zero_copy && (e == -libc::EINVAL || e == -libc::EOPNOTSUPP) => {
@@ -927,6 +1071,7 @@ fn complete(
         }
         e => jobs.finish(slot, Err(io::Error::from_raw_os_error(-e)), ready),
     }
+    false
 }
 
 #[cfg(test)]
@@ -945,12 +1090,12 @@ mod tests {
             .collect()
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_zero_copy_probe_that_comes_back_copied_turns_the_connection_plain() {
         let support = probe().expect("io_uring works on this machine");
         assert!(support.zero_copy, "the kernel has SENDMSG_ZC");
         let metrics = Arc::new(PageServiceMetrics::new(&prometheus::Registry::new()).expect("metrics"));
-        let rings = Rings::start(1, support, Arc::clone(&metrics)).expect("start a ring");
+        let rings = Rings::new(support, Arc::clone(&metrics));
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let mut client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
         let (server, _) = listener.accept().expect("accept");
@@ -966,7 +1111,7 @@ mod tests {
 
         // Three batches of four pages at once: the first is the probe, the next go plain while
         // it is out (its notification comes only once the bytes are delivered).
-        let ring = rings.pick();
+        let ring = rings.local().expect("a ring");
         let mut expected = Vec::new();
         for n in 0..3 {
             let chunks = batch(n, 4);
@@ -1002,7 +1147,8 @@ mod tests {
 #[cfg(test)]
 mod fault_tests {
     //! The ring against the kernel answers it does not get on this machine (older kernels,
-    //! injected through [`Hooks`]) and against a failing ring.
+    //! injected through [`Hooks`]), against a failing ring, and when a ring submits (the park
+    //! of its thread, a thread that blocks).
     use std::io::Read;
 
     use nix::sys::socket::{self as sock, sockopt};
@@ -1013,12 +1159,8 @@ mod fault_tests {
     const DEADLINE: Duration = Duration::from_secs(20);
 
     fn start() -> (Rings, Arc<Hooks>, Arc<PageServiceMetrics>) {
-        start_with(probe().expect("io_uring works on this machine"))
-    }
-
-    fn start_with(support: Support) -> (Rings, Arc<Hooks>, Arc<PageServiceMetrics>) {
         let metrics = Arc::new(PageServiceMetrics::new(&prometheus::Registry::new()).expect("metrics"));
-        let rings = Rings::start(1, support, Arc::clone(&metrics)).expect("start a ring");
+        let rings = Rings::new(probe().expect("io_uring works on this machine"), Arc::clone(&metrics));
         let hooks = rings.hooks();
         (rings, hooks, metrics)
     }
@@ -1070,13 +1212,13 @@ mod fault_tests {
         assert!(!old.zero_copy, "zero-copy offered though the kernel refuses its flags");
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_zero_copy_send_the_kernel_refuses_is_resent_plain_and_its_connection_turns_plain() {
         let (rings, hooks, metrics) = start();
         hooks.zc_unknown_flag.store(true, Ordering::Relaxed);
         let (mut client, link) = connection(false, false, Duration::from_secs(10));
         link.set_zero_copy(ZeroCopy::Untried);
-        let ring = rings.pick();
+        let ring = rings.local().expect("a ring");
         let mut expected = Vec::new();
         for n in 0..3 {
             let chunks = batch(n, 4);
@@ -1093,13 +1235,10 @@ mod fault_tests {
         assert_eq!(metrics.zero_copy_sends.get(), 1, "one zero-copy send tried, none after it");
     }
 
-    #[tokio::test]
-    async fn a_kernel_without_ext_arg_times_out_a_parked_send_and_serves_the_others() {
-        // What the probe says on such a kernel, which answers EXT_ARG waits with EINVAL.
-        let support = Support { ext_arg: false, ..probe().expect("io_uring works on this machine") };
-        let (rings, hooks, metrics) = start_with(support);
-        hooks.no_ext_arg.store(true, Ordering::Relaxed);
-        let ring = rings.pick();
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_parked_send_without_progress_is_given_up_and_the_others_are_served_meanwhile() {
+        let (rings, _hooks, metrics) = start();
+        let ring = rings.local().expect("a ring");
         let (_stalled_client, stalled) = connection(true, true, Duration::from_secs(1));
         let job = Job { link: Arc::clone(&stalled), chunks: batch(0, 64), slots: Vec::new(), close: false };
         assert!(ring.submit(job).is_ok());
@@ -1116,7 +1255,8 @@ mod fault_tests {
         assert!(received == expected, "the other connection got its batch and FIN");
         assert_eq!(link.failure(), None);
 
-        // The parked send is given up after its write timeout, without progress.
+        // The parked send is given up after its write timeout, without progress (the reaper
+        // times it).
         wait_for("the stalled connection to be shut down", || stalled.failure().is_some());
         assert!(!stalled.sending());
     }
@@ -1139,7 +1279,7 @@ mod fault_tests {
         }
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_ring_that_fails_keeps_the_chunks_of_zero_copy_sends_not_yet_notified() {
         let (rings, hooks, metrics) = start();
         let (_client, link) = connection(true, false, Duration::from_secs(60));
@@ -1148,7 +1288,7 @@ mod fault_tests {
         let chunks: Vec<Bytes> = (0..64u8)
             .map(|p| Bytes::from_owner(Tracked { bytes: vec![p; 8192], dropped: Arc::clone(&dropped) }))
             .collect();
-        let ring = rings.pick();
+        let ring = rings.local().expect("a ring");
         assert!(ring
             .submit(Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: false })
             .is_ok());
@@ -1163,11 +1303,86 @@ mod fault_tests {
         hooks.fail_next_submit.store(true, Ordering::Relaxed);
         let (_other_client, other) = connection(false, false, Duration::from_secs(60));
         let _ = ring.submit(Job { link: other, chunks: batch(1, 1), slots: Vec::new(), close: false });
-        wait_for("the ring to fail", || ring.0.dead.load(Ordering::Acquire));
+        wait_for("the ring to fail", || ring.failed());
+        assert!(rings.dead(), "the writer is not chosen again");
         assert_eq!(
             dropped.load(Ordering::SeqCst),
             0,
             "pages of a zero-copy send freed before its notification"
         );
+    }
+
+    /// A runtime whose threads run the park hook, as the daemon's do, once they parked (so
+    /// that they put work off).
+    fn runtime_with_park_hook() -> tokio::runtime::Runtime {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .on_thread_park(park::before_park)
+            .build()
+            .expect("a runtime");
+        std::thread::sleep(Duration::from_millis(100));
+        runtime
+    }
+
+    #[test]
+    fn the_batches_of_a_threads_connections_go_in_one_submit_when_it_runs_out_of_work() {
+        let runtime = runtime_with_park_hook();
+        let _entered = runtime.enter();
+        let (rings, _hooks, metrics) = start();
+        let (clients, links): (Vec<_>, Vec<_>) =
+            (0..8).map(|_| connection(false, false, Duration::from_secs(10))).unzip();
+        let syscalls = metrics.uring_io.send_syscalls.get();
+        let task_metrics = Arc::clone(&metrics);
+        let sent_before_park = runtime.block_on(async move {
+            let task = tokio::spawn(async move {
+                let ring = rings.local().expect("a ring");
+                for (n, link) in links.into_iter().enumerate() {
+                    let job = Job { link, chunks: batch(n as u8, 1), slots: Vec::new(), close: true };
+                    assert!(ring.submit(job).is_ok());
+                }
+                task_metrics.uring_io.sends.get()
+            });
+            task.await.expect("the task ran")
+        });
+        assert_eq!(sent_before_park, 0, "the batches were kept while the thread had work");
+        for (n, mut client) in clients.into_iter().enumerate() {
+            let mut received = Vec::new();
+            client.read_to_end(&mut received).expect("read to FIN");
+            assert!(received == bytes_of(&batch(n as u8, 1)), "connection {n} got its batch, then FIN");
+        }
+        assert_eq!(metrics.uring_io.sends.get(), 8);
+        assert_eq!(
+            metrics.uring_io.send_syscalls.get() - syscalls,
+            1,
+            "the thread's park submitted the eight batches in one io_uring_enter"
+        );
+    }
+
+    #[test]
+    fn a_thread_about_to_block_submits_what_it_kept_first() {
+        let runtime = runtime_with_park_hook();
+        let _entered = runtime.enter();
+        let (rings, _hooks, _metrics) = start();
+        let (mut client, link) = connection(false, false, Duration::from_secs(10));
+        client.set_read_timeout(Some(Duration::from_secs(5))).expect("read timeout");
+        let chunks = batch(7, 1);
+        let expected = bytes_of(&chunks);
+        let len = expected.len();
+        let received = runtime.block_on(async move {
+            let task = tokio::spawn(async move {
+                let ring = rings.local().expect("a ring");
+                assert!(ring.submit(Job { link, chunks, slots: Vec::new(), close: false }).is_ok());
+                // The thread blocks (and may hand its worker over for good) before it runs out
+                // of work: what it kept goes first, or the client would wait in vain.
+                park::block_in_place(|| {
+                    let mut buf = vec![0u8; len];
+                    client.read_exact(&mut buf).map(|()| buf)
+                })
+            });
+            task.await.expect("the task ran")
+        });
+        let received = received.expect("the batch arrived while its thread blocked");
+        assert!(received == expected, "the batch arrived whole");
     }
 }

@@ -10,10 +10,10 @@
 //! A [`Writer`] sends each batch one of two ways, as [`IoChoice`] says at that batch:
 //! - one vectored `write` on the connection's own socket (tokio), resuming mid-chunk after a
 //!   short write;
-//! - through an io_uring writer thread ([`super::uring`]), which sends the batches of many
-//!   connections with one submit; the connection does not wait for the send (the batch's
-//!   slots are freed when it is sent, which is what holds the reader back from a client that
-//!   does not read).
+//! - through the io_uring ring of the executor thread it runs on ([`super::uring`]), which sends
+//!   the batches of that thread's connections with one submit when the thread runs out of
+//!   work; the connection does not wait for the send (the batch's slots are freed when it is
+//!   sent, which is what holds the reader back from a client that does not read).
 //!
 //! Invariant: a reply's in-flight slot is freed only once its bytes are written, so a client
 //! that does not read holds at most [`super::MAX_IN_FLIGHT`] replies of its own.
@@ -37,7 +37,7 @@ use super::chunks::consume;
 use super::io_choice::IoChoice;
 use super::proto::{self, ErrorCode, ServerMessage};
 use super::reply_order::{self, ReplyOrder};
-use super::uring::{Job, Link, Ring};
+use super::uring::{Job, Link, Ring, Rings};
 use super::{PageServiceMetrics, MAX_REPLIES_PER_WRITE};
 
 /// The bytes of one reply frame, and whether the connection closes after it.
@@ -119,7 +119,7 @@ type Running = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send>>>;
 
 /// Puts reply bytes on a connection's socket (shared with the connection's reads): with a
 /// vectored `write` of its own when tokio's epoll says the socket has room, or through an
-/// io_uring writer thread ([`super::uring`]), as [`IoChoice`] says batch by batch.
+/// io_uring ring ([`super::uring`]), as [`IoChoice`] says batch by batch.
 pub(super) struct Writer {
     socket: Arc<TcpStream>,
     /// The connection's slot of `max_connections`, held with the socket (by the ring too).
@@ -135,7 +135,8 @@ pub(super) struct Writer {
 /// A connection's side of the io_uring writer.
 struct UringWriter {
     link: Arc<Link>,
-    ring: Ring,
+    /// The ring its last batch went to: the next goes there too while that one is unsent.
+    ring: Option<Ring>,
     /// The last batch (with the FIN) is handed over or sent: nothing is left to end.
     closed: bool,
 }
@@ -162,21 +163,21 @@ impl Writer {
         metrics: &PageServiceMetrics,
     ) -> std::io::Result<()> {
         let want_ring = self.choice.use_ring(&mut self.counted);
-        if want_ring && self.uring.is_none() {
-            if let Some(rings) = self.choice.rings() {
-                let link = Link::new(
-                    Arc::clone(&self.socket),
-                    Some(Arc::clone(&self.connection_slot)),
-                    self.write_timeout,
-                );
-                self.uring = Some(UringWriter { link, ring: rings.pick(), closed: false });
-            }
+        if want_ring && self.uring.is_none() && self.choice.rings().is_some() {
+            let link = Link::new(
+                Arc::clone(&self.socket),
+                Some(Arc::clone(&self.connection_slot)),
+                self.write_timeout,
+            );
+            self.uring = Some(UringWriter { link, ring: None, closed: false });
         }
-        match &mut self.uring {
-            // Through the ring while chosen, and while it still has batches of ours.
-            Some(uring) if want_ring || uring.link.sending() => {
-                uring.send(std::mem::take(chunks), slots, close)
-            }
+        // Through a ring while chosen, and while one still has batches of ours.
+        let ring = match (&mut self.uring, self.choice.rings()) {
+            (Some(uring), Some(rings)) if want_ring || uring.link.sending() => uring.ring(rings),
+            _ => None,
+        };
+        match (ring, &mut self.uring) {
+            (Some(ring), Some(uring)) => uring.send(&ring, std::mem::take(chunks), slots, close),
             _ => {
                 write_all_vectored(&self.socket, chunks, metrics).await?;
                 drop(slots);
@@ -198,8 +199,22 @@ impl Writer {
 }
 
 impl UringWriter {
+    /// The ring for the next batch: the one with this connection's unsent batches if there
+    /// are any (so that the batches keep their order), else the current thread's; none if the
+    /// writer is dead (and nothing of ours is in a ring).
+    fn ring(&mut self, rings: &Rings) -> Option<Ring> {
+        if self.link.sending() {
+            if let Some(ring) = &self.ring {
+                return Some(ring.clone());
+            }
+        }
+        self.ring = rings.local();
+        self.ring.clone()
+    }
+
     fn send(
         &mut self,
+        ring: &Ring,
         chunks: Vec<Bytes>,
         slots: Vec<OwnedSemaphorePermit>,
         close: bool,
@@ -208,7 +223,7 @@ impl UringWriter {
             return Err(std::io::Error::other(why));
         }
         let job = Job { link: Arc::clone(&self.link), chunks, slots, close };
-        match self.ring.submit(job) {
+        match ring.submit(job) {
             Ok(()) => {
                 self.closed = close;
                 Ok(())

@@ -457,12 +457,7 @@ impl SyncPipes {
 
 /// Runs blocking pipe I/O without stalling the other tasks of this executor thread.
 fn blocking<R>(f: impl FnOnce() -> R) -> R {
-    match tokio::runtime::Handle::try_current() {
-        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
-        }
-        _ => f(),
-    }
+    crate::util::park::block_in_place(f)
 }
 
 async fn lock_until<T>(
