@@ -6,9 +6,12 @@ auto:page_service_io=io_uring,auto:page_service_io=auto" --points ...` wrote. Ou
 replies per second (top) and daemon CPU per reply (bottom) against connections, one column per
 pipeline depth, one line per writer; and on stdout a Markdown table per depth with the ratios
 docs/performance.md quotes (each writer against `epoll` and against the floor) and the send
-syscalls per reply from the daemon's metrics.
+syscalls per reply from the daemon's metrics. A daemon variant run from another build
+(`...:bin=DIR`, e.g. a baseline commit's writer) is drawn as a line of its own, named after DIR
+or as `--label DIR=NAME` says, and listed in a table of its own (rps and CPU per reply against
+`epoll` of the same run).
 
-Usage: plot_page_service_io.py RESULTS.json --plot OUT.png [--title TEXT]
+Usage: plot_page_service_io.py RESULTS.json --plot OUT.png [--title TEXT] [--label DIR=NAME ...]
 """
 
 from __future__ import annotations
@@ -22,22 +25,53 @@ STYLE = {"floor": ("black", ":"), "epoll": ("tab:blue", "-"), "io_uring": ("tab:
          "auto": ("tab:green", "--")}
 
 
-def writer_of(kind: str) -> str:
-    """`floor`, or the `page_service_io` value of a daemon kind like `auto:page_service_io=epoll`."""
+def writer_of(kind: str, labels: dict[str, str]) -> str:
+    """`floor`, or the `page_service_io` value of a daemon kind like `auto:page_service_io=epoll`,
+    followed by ` (NAME)` for a variant from another build (`bin=DIR`)."""
+    writer, build = kind, None
     for part in kind.split(":"):
         if part.startswith("page_service_io="):
-            return part.split("=", 1)[1]
-    return kind
+            writer = part.split("=", 1)[1]
+        elif part.startswith("bin="):
+            build = part.split("=", 1)[1]
+    if build is not None:
+        writer += f" ({labels.get(build, Path(build).name)})"
+    return writer
 
 
-def load(path: Path) -> dict[tuple[str, int, int], dict]:
+def load(path: Path, labels: dict[str, str]) -> dict[tuple[str, int, int], dict]:
     """(writer, depth, connections) -> the point's result (closed-loop points only)."""
     out = {}
     for r in json.loads(path.read_text()):
         if r.get("rate") or "summary" not in r:
             continue
-        out[(writer_of(r["kind"]), r["depth"], r["connections"])] = r
+        out[(writer_of(r["kind"], labels), r["depth"], r["connections"])] = r
     return out
+
+
+def others(points: dict) -> list[str]:
+    """The writers from other builds."""
+    return sorted({w for (w, _, _) in points if w not in WRITERS})
+
+
+def others_table(points: dict, depth: int) -> str:
+    """rps and CPU per reply of the other builds' writers, against `epoll` of the same run."""
+    rows = [f"**depth {depth}, other builds**", "",
+            "| conns | writer | rps | / epoll | CPU us/reply | / epoll | send syscalls/reply |",
+            "|---:|---|---:|---:|---:|---:|---:|"]
+    for c in sorted({c for (_, d, c) in points if d == depth}):
+        epoll = points.get(("epoll", depth, c))
+        for w in others(points):
+            r = points.get((w, depth, c))
+            if not r:
+                continue
+            rps, cpu = r["summary"]["rps"], cpu_per_reply(r)
+            e_rps = epoll["summary"]["rps"] if epoll else None
+            e_cpu = cpu_per_reply(epoll) if epoll else None
+            rows.append(f"| {c} | {w} | {rps:.0f} | {f'{rps / e_rps:.2f}' if e_rps else '-'} | {cpu} | "
+                        f"{f'{cpu / e_cpu:.2f}' if cpu and e_cpu else '-'} | "
+                        f"{r['per_request'].get('send_syscalls', '-')} |")
+    return "\n".join(rows)
 
 
 def cpu_per_reply(r: dict) -> float | None:
@@ -81,12 +115,12 @@ def plot(points: dict, out: Path, title: str) -> None:
     depths = sorted({d for (_, d, _) in points})
     fig, axes = plt.subplots(2, len(depths), figsize=(6 * len(depths), 8), squeeze=False)
     for col, depth in enumerate(depths):
-        for w in WRITERS:
+        for w in WRITERS + others(points):
             series = sorted((c, r) for (ww, d, c), r in points.items() if ww == w and d == depth)
             if not series:
                 continue
             xs = [c for c, _ in series]
-            color, line = STYLE[w]
+            color, line = STYLE.get(w, ("tab:gray", "-."))
             axes[0][col].plot(xs, [r["summary"]["rps"] / 1000 for _, r in series], line, color=color,
                               marker="o", label=w)
             cpu = [(c, cpu_per_reply(r)) for c, r in series if cpu_per_reply(r)]
@@ -110,13 +144,19 @@ def main() -> int:
     parser.add_argument("results", type=Path)
     parser.add_argument("--plot", type=Path, required=True)
     parser.add_argument("--title", default="page service writers against the loopback floor")
+    parser.add_argument("--label", action="append", default=[], metavar="DIR=NAME",
+                        help="the name of the variant run from DIR (bin=DIR)")
     opts = parser.parse_args()
-    points = load(opts.results)
+    labels = dict(label.split("=", 1) for label in opts.label)
+    points = load(opts.results, labels)
     if not points:
         raise SystemExit(f"no closed-loop points in {opts.results}")
     for depth in sorted({d for (_, d, _) in points}):
         print(table(points, depth))
         print()
+        if others(points):
+            print(others_table(points, depth))
+            print()
     plot(points, opts.plot, opts.title)
     return 0
 

@@ -2,10 +2,13 @@
 //! io_uring writer, or (`auto`) whichever measures better on this machine under this load.
 //!
 //! Why `auto` measures instead of counting connections: which writer wins depends on the
-//! machine. On 2 vCPUs the ring breaks even with `writev` from about 256 writing connections
-//! (0.90-1.03x its rps); on a 16-core machine its one thread caps at about 125k replies/s and
-//! it loses at every load (0.50-0.52x of `writev` at 64-512 connections). A threshold fitted on
-//! one machine loses on the other (issue 18, docs/performance.md "Page service writers").
+//! machine and the load. With one ring thread (before the rings per executor thread), on 2
+//! vCPUs the ring broke even with `writev` from about 256 writing connections (0.90-1.03x its
+//! rps); on a 16-core machine that thread capped at about 125k replies/s and lost at every load
+//! (0.50-0.52x of `writev` at 64-512 connections). A threshold fitted on one machine loses on the
+//! other (issue 18, docs/performance.md "Page service writers"). The rings per executor thread
+//! are even with `writev` on 2 vCPUs from 64 connections on (0.97-1.04x its rps;
+//! docs/performance.md "A ring per executor thread").
 //!
 //! So `auto` writes with `writev` and, while enough connections write that the ring could win
 //! ([`PROBE_FROM`] per [`PERIOD`]), now and then moves every connection to the other writer for a
@@ -22,9 +25,10 @@
 //!   the rate in its first measured period ends there); a load (the most connections that wrote
 //!   in one period of the last second) that doubles or halves, and stays so for
 //!   [`LOAD_SHIFT_PERIODS`], begins the waits again, since the winner may differ;
-//! - below [`PROBE_FROM`] writing connections it is `writev`, without probes: there a batch's
-//!   hop to the ring thread costs more than the `writev` it saves (0.6x of `writev`'s rps at 1
-//!   and 8 connections on both machines). After such a period the connections write with
+//! - below [`PROBE_FROM`] writing connections it is `writev`, without probes: with a few
+//!   connections per executor thread, a reply that waits for its thread's park costs the thread
+//!   a sleep and a wake-up per request, where `writev` sends while the next request is on its way
+//!   (the rings: 0.73x of `writev`'s rps at 1 and 8 connections on 2 vCPUs). After such a period the connections write with
 //!   `writev` until the load is back, then with the chosen writer again; the period is no
 //!   baseline and the waits stand still. During a probe it counts as the probe's: a writer so
 //!   slow that the clients stall waiting for its replies loses.
