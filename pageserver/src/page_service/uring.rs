@@ -1385,4 +1385,33 @@ mod fault_tests {
         let received = received.expect("the batch arrived while its thread blocked");
         assert!(received == expected, "the batch arrived whole");
     }
+
+    #[test]
+    fn a_ring_whose_thread_ends_gives_up_its_parked_sends_and_frees_their_chunks() {
+        let runtime = runtime_with_park_hook();
+        let entered = runtime.enter();
+        let (rings, _hooks, metrics) = start();
+        let (_client, link) = connection(true, true, Duration::from_secs(60));
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let chunks: Vec<Bytes> = (0..64u8)
+            .map(|p| Bytes::from_owner(Tracked { bytes: vec![p; 8192], dropped: Arc::clone(&dropped) }))
+            .collect();
+        let job = Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: false };
+        runtime.block_on(async move {
+            let task = tokio::spawn(async move {
+                assert!(rings.local().expect("a ring").submit(job).is_ok());
+            });
+            task.await.expect("the task ran");
+        });
+        wait_for("the send to park on a full socket", || metrics.send_waits.get() > 0);
+        assert!(link.sending());
+        assert_eq!(dropped.load(Ordering::SeqCst), 0);
+
+        // The runtime and its threads go: their rings are torn down, not kept by their reapers.
+        drop(entered);
+        drop(runtime);
+        assert_eq!(link.failure().as_deref(), Some("the io_uring writer stopped"));
+        assert!(!link.sending());
+        assert_eq!(dropped.load(Ordering::SeqCst), 64, "the parked batch's chunks were freed");
+    }
 }
