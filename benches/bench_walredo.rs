@@ -91,7 +91,7 @@
 //!
 //! (No figures of the `pg15-*` ids and `apply/*` yet: they come from a run on an idle machine.)
 //!
-//! ## 2026-11-27, `auto/short/1` against the floor (commit 1b217b3)
+//! ## 2026-11-27, `auto/short/1` against the floor (commit 18c69fd)
 //!
 //! Issue 23's target `auto/short/1 <= 0.5x floor/echo/1`, the 2-vCPU machine (not idle: the
 //! session's own work stopped, others' not), two runs of
