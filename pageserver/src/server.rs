@@ -201,7 +201,7 @@ async fn write_ports_file(conf: &PageServerConf, pg: SocketAddr, http: SocketAdd
     }
 }
 
-/// The io_uring writer of the page service, if `io` may use them and the kernel allows a
+/// The io_uring writer of the page service, if `io` may use it and the kernel allows a
 /// ring; logs which way replies are written.
 fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<uring::Rings> {
     if io == PageServiceIo::Epoll {
