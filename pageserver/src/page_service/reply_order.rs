@@ -57,7 +57,7 @@ impl<T: Queued> ReplyOrder<T> {
 
     /// Takes the next write's replies: the front if it is done, then those done behind it, at
     /// most `max`, ending at a closing one. Empty if the front is not done.
-    pub(super) fn next_batch(&mut self, max: usize) -> Vec<T> {
+    pub(super) fn next_batch(&mut self, max: usize) -> std::collections::vec_deque::Drain<'_, T> {
         let mut take = 0;
         for reply in self.queue.iter().take(max) {
             if !reply.is_done() {
@@ -69,7 +69,7 @@ impl<T: Queued> ReplyOrder<T> {
             }
         }
         self.front += take as u64;
-        self.queue.drain(..take).collect()
+        self.queue.drain(..take)
     }
 }
 
@@ -98,18 +98,18 @@ mod tests {
         order
     }
 
-    fn ids(batch: &[R]) -> Vec<u32> {
-        batch.iter().map(|r| r.0).collect()
+    fn ids(batch: impl Iterator<Item = R>) -> Vec<u32> {
+        batch.map(|r| r.0).collect()
     }
 
     #[test]
     fn a_batch_is_the_done_prefix_in_request_order() {
         let mut o = order(&[R(1, true, false), R(2, true, false), R(3, false, false), R(4, true, false)]);
-        assert_eq!(ids(&o.next_batch(64)), vec![1, 2]);
+        assert_eq!(ids(o.next_batch(64)), vec![1, 2]);
         // Reply 4 is done but waits behind 3: order before readiness.
-        assert!(o.next_batch(64).is_empty());
+        assert!(o.next_batch(64).next().is_none());
         o.get_mut(2).unwrap().1 = true;
-        assert_eq!(ids(&o.next_batch(64)), vec![3, 4]);
+        assert_eq!(ids(o.next_batch(64)), vec![3, 4]);
         assert!(o.is_empty());
     }
 
@@ -118,40 +118,40 @@ mod tests {
         let mut o: ReplyOrder<R> = ReplyOrder::new();
         assert_eq!(o.push(R(10, true, false)), 0);
         assert_eq!(o.push(R(11, false, false)), 1);
-        assert_eq!(ids(&o.next_batch(64)), vec![10]);
+        assert_eq!(ids(o.next_batch(64)), vec![10]);
         assert!(o.get_mut(0).is_none(), "taken");
         assert_eq!(o.push(R(12, false, false)), 2);
         o.get_mut(2).unwrap().1 = true;
-        assert!(o.next_batch(64).is_empty(), "12 waits behind 11");
+        assert!(o.next_batch(64).next().is_none(), "12 waits behind 11");
         o.get_mut(1).unwrap().1 = true;
-        assert_eq!(ids(&o.next_batch(64)), vec![11, 12]);
+        assert_eq!(ids(o.next_batch(64)), vec![11, 12]);
         assert!(o.get_mut(3).is_none(), "not pushed yet");
     }
 
     #[test]
     fn a_batch_holds_at_most_max_replies() {
         let mut o = order(&(0..10).map(|i| R(i, true, false)).collect::<Vec<_>>());
-        assert_eq!(ids(&o.next_batch(4)), vec![0, 1, 2, 3]);
-        assert_eq!(ids(&o.next_batch(4)), vec![4, 5, 6, 7]);
-        assert_eq!(ids(&o.next_batch(4)), vec![8, 9]);
-        assert!(o.next_batch(4).is_empty());
+        assert_eq!(ids(o.next_batch(4)), vec![0, 1, 2, 3]);
+        assert_eq!(ids(o.next_batch(4)), vec![4, 5, 6, 7]);
+        assert_eq!(ids(o.next_batch(4)), vec![8, 9]);
+        assert!(o.next_batch(4).next().is_none());
     }
 
     #[test]
     fn nothing_goes_after_a_closing_reply_in_its_batch() {
         let mut o = order(&[R(1, true, false), R(2, true, true), R(3, true, false)]);
-        assert_eq!(ids(&o.next_batch(64)), vec![1, 2]);
-        assert_eq!(ids(&o.next_batch(64)), vec![3]);
+        assert_eq!(ids(o.next_batch(64)), vec![1, 2]);
+        assert_eq!(ids(o.next_batch(64)), vec![3]);
     }
 
     #[test]
     fn an_empty_queue_or_a_pending_front_gives_no_batch() {
         let mut o: ReplyOrder<R> = ReplyOrder::new();
-        assert!(o.next_batch(64).is_empty());
+        assert!(o.next_batch(64).next().is_none());
         assert!(o.front().is_none());
         o.push(R(1, false, false));
         o.push(R(2, true, false));
-        assert!(o.next_batch(64).is_empty());
+        assert!(o.next_batch(64).next().is_none());
         assert!(!o.is_empty());
     }
 }

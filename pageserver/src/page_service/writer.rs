@@ -40,17 +40,28 @@ use super::reply_order::{self, ReplyOrder};
 use super::uring::{Job, Link, Ring, Rings};
 use super::{PageServiceMetrics, MAX_REPLIES_PER_WRITE};
 
-/// The bytes of one reply frame, and whether the connection closes after it.
+/// One reply frame, and whether the connection closes after it.
 pub(super) struct Reply {
-    pub(super) chunks: Vec<Bytes>,
+    body: Body,
     pub(super) close: bool,
+}
+
+/// A reply's bytes.
+enum Body {
+    /// A whole frame.
+    Frame(Bytes),
+    /// A page: its header is encoded when the reply is written, into the connection's header
+    /// buffer ([`Replies`]), and the page's bytes follow as they are.
+    Page { request_id: u64, lsn: u64, page: Bytes },
+    /// Nothing.
+    Nothing,
 }
 
 impl Reply {
     pub(super) fn message(message: &ServerMessage) -> Reply {
         let mut out = BytesMut::new();
         message.encode(&mut out);
-        Reply { chunks: vec![out.freeze()], close: false }
+        Reply { body: Body::Frame(out.freeze()), close: false }
     }
 
     pub(super) fn error(
@@ -66,16 +77,18 @@ impl Reply {
     }
 
     pub(super) fn page(request_id: u64, lsn: u64, page: Bytes) -> Reply {
-        let mut header = BytesMut::with_capacity(proto::PAGE_REPLY_HEADER_LEN);
-        proto::encode_page_header(&mut header, request_id, lsn, page.len());
-        Reply { chunks: vec![header.freeze(), page], close: false }
+        Reply { body: Body::Page { request_id, lsn, page }, close: false }
     }
 
     /// Nothing to send; the connection closes.
     pub(super) fn close() -> Reply {
-        Reply { chunks: Vec::new(), close: true }
+        Reply { body: Body::Nothing, close: true }
     }
 }
+
+/// Page headers encoded into one buffer of this size at a time: the headers of a connection's
+/// replies share an allocation (each header a slice of it), which is reused once they are sent.
+const HEADER_BUFFER: usize = 64 * proto::PAGE_REPLY_HEADER_LEN;
 
 /// A request that runs in the connection's own task: [`Replies`] polls it (it starts there),
 /// alongside the connection's other requests.
@@ -151,14 +164,14 @@ impl Writer {
         Writer { socket, connection_slot, choice, write_timeout, uring: None, counted: 0 }
     }
 
-    /// Sends a batch: every chunk, then frees the replies' `slots`; with `close`, FIN after
-    /// it. Through the ring, it returns once the batch is handed over (the slots are freed
+    /// Sends a batch: every chunk, then frees the replies' `slots` (taking them, or leaving
+    /// the list empty); with `close`, FIN after it. Through the ring, it returns once the batch is handed over (the slots are freed
     /// when it is sent), with an error if the ring gave up on the connection. A connection
     /// leaves the ring only once the ring has sent all its batches, so bytes keep their order.
     async fn send(
         &mut self,
         chunks: &mut Vec<Bytes>,
-        slots: Vec<OwnedSemaphorePermit>,
+        slots: &mut Vec<OwnedSemaphorePermit>,
         close: bool,
         metrics: &PageServiceMetrics,
     ) -> std::io::Result<()> {
@@ -177,10 +190,12 @@ impl Writer {
             _ => None,
         };
         match (ring, &mut self.uring) {
-            (Some(ring), Some(uring)) => uring.send(&ring, std::mem::take(chunks), slots, close),
+            (Some(ring), Some(uring)) => {
+                uring.send(&ring, std::mem::take(chunks), std::mem::take(slots), close)
+            }
             _ => {
                 write_all_vectored(&self.socket, chunks, metrics).await?;
-                drop(slots);
+                slots.clear();
                 if close {
                     let _ = nix::sys::socket::shutdown(self.socket.as_raw_fd(), Shutdown::Write);
                     if let Some(uring) = &mut self.uring {
@@ -194,7 +209,7 @@ impl Writer {
 
     /// No more replies (the reader is done): FIN once everything is sent.
     pub(super) async fn finish(&mut self, metrics: &PageServiceMetrics) -> std::io::Result<()> {
-        self.send(&mut Vec::new(), Vec::new(), true, metrics).await
+        self.send(&mut Vec::new(), &mut Vec::new(), true, metrics).await
     }
 }
 
@@ -245,7 +260,8 @@ impl Drop for UringWriter {
 
 /// A connection's replies from queued to written: the order they leave in, the requests still
 /// running (polled here, in the connection's own task, by whoever awaits
-/// [`Replies::next_done`]), and the chunks of the next write.
+/// [`Replies::next_done`]), and what the next write is made of (its chunks, its replies' slots,
+/// the buffer its page headers are encoded into), kept from write to write.
 ///
 /// Replies leave in request order: the oldest goes first, whenever it is done, with those done
 /// right behind it ([`ReplyOrder`]). A reply's in-flight slot is freed once it is written.
@@ -254,11 +270,19 @@ pub(super) struct Replies {
     order: ReplyOrder<Queued>,
     running: Running,
     chunks: Vec<Bytes>,
+    slots: Vec<OwnedSemaphorePermit>,
+    headers: BytesMut,
 }
 
 impl Replies {
     pub(super) fn new() -> Replies {
-        Replies { order: ReplyOrder::new(), running: Running::new(), chunks: Vec::new() }
+        Replies {
+            order: ReplyOrder::new(),
+            running: Running::new(),
+            chunks: Vec::new(),
+            slots: Vec::new(),
+            headers: BytesMut::new(),
+        }
     }
 
     /// Queues a reply; a request not yet done starts running (an inline one at the next poll
@@ -324,23 +348,34 @@ impl Replies {
         metrics: &PageServiceMetrics,
         write_timeout: Duration,
     ) -> anyhow::Result<bool> {
-        let batch = self.order.next_batch(MAX_REPLIES_PER_WRITE);
-        if batch.is_empty() {
-            return Ok(false);
-        }
-        let (replies, mut close) = (batch.len(), false);
-        let mut slots = Vec::with_capacity(replies);
-        for Queued { pending, slot } in batch {
+        let (mut replies, mut close) = (0, false);
+        for Queued { pending, slot } in self.order.next_batch(MAX_REPLIES_PER_WRITE) {
             let Pending::Ready(reply) = pending else {
                 anyhow::bail!("a reply was taken for writing before it was ready");
             };
-            self.chunks.extend(reply.chunks);
+            match reply.body {
+                Body::Frame(frame) => self.chunks.push(frame),
+                Body::Page { request_id, lsn, page } => {
+                    if self.headers.capacity() - self.headers.len() < proto::PAGE_REPLY_HEADER_LEN {
+                        // Takes back the buffer if every header in it is gone, else a new one.
+                        self.headers.reserve(HEADER_BUFFER);
+                    }
+                    proto::encode_page_header(&mut self.headers, request_id, lsn, page.len());
+                    self.chunks.push(self.headers.split().freeze());
+                    self.chunks.push(page);
+                }
+                Body::Nothing => {}
+            }
+            replies += 1;
             close |= reply.close;
-            slots.extend(slot);
+            self.slots.extend(slot);
+        }
+        if replies == 0 {
+            return Ok(false);
         }
         metrics.replies_per_write.observe(replies as f64);
-        match tokio::time::timeout(write_timeout, writer.send(&mut self.chunks, slots, close, metrics)).await
-        {
+        let send = writer.send(&mut self.chunks, &mut self.slots, close, metrics);
+        match tokio::time::timeout(write_timeout, send).await {
             Ok(sent) => sent?,
             Err(_) => anyhow::bail!("the client accepted no reply for {write_timeout:?}"),
         }
@@ -358,6 +393,9 @@ fn done(order: &mut ReplyOrder<Queued>, (number, reply): Outcome) -> anyhow::Res
     Ok(())
 }
 
+/// Most chunks in one vectored `write`: a whole batch (a header and a page per reply).
+const MAX_SLICES: usize = 2 * MAX_REPLIES_PER_WRITE;
+
 /// Writes every chunk, resuming mid-chunk after a partial write.
 async fn write_all_vectored(
     socket: &TcpStream,
@@ -366,11 +404,18 @@ async fn write_all_vectored(
 ) -> std::io::Result<()> {
     let mut start = 0;
     while start < chunks.len() {
-        let slices: Vec<IoSlice<'_>> = chunks[start..].iter().map(|c| IoSlice::new(c)).collect();
-        let written = match socket.try_write_vectored(&slices) {
+        let written = {
+            // On the stack: no allocation per write.
+            let mut slices = [IoSlice::new(&[]); MAX_SLICES];
+            let n = (chunks.len() - start).min(MAX_SLICES);
+            for (slice, chunk) in slices.iter_mut().zip(&chunks[start..start + n]) {
+                *slice = IoSlice::new(chunk);
+            }
+            socket.try_write_vectored(&slices[..n])
+        };
+        let written = match written {
             Ok(written) => written,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                drop(slices);
                 socket.writable().await?;
                 continue;
             }
