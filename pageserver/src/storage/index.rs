@@ -171,6 +171,20 @@ impl Frozen {
         }
     }
 
+    /// The LSN of the newest entry of `key` at or below `lsn`, if any ([`Frozen::lookup`]'s
+    /// last, without the list).
+    pub(crate) fn newest_lsn(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => {
+                let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
+                Ok(end.checked_sub(1).map(|i| &entries[i]).filter(|e| e.key == key).map(|e| e.lsn))
+            }
+            FrozenIndex::Blocks(b) => {
+                b.newest_lsn(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
+            }
+        }
+    }
+
     /// The first key above `after` (from the first key if `None`), if any.
     pub(crate) fn next_key(&self, after: Option<Key>) -> anyhow::Result<Option<Key>> {
         match &self.index {
@@ -617,10 +631,43 @@ impl Index {
         Ok(self.snapshot(key, lsn).pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new))
     }
 
-    /// [`Snapshot::newest_at`], for tests.
+    /// [`Index::version`] and its [`Version::newest`], for tests.
     #[cfg(test)]
     pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
-        self.snapshot(key, lsn).newest_at(key, lsn, DiskWait::Allowed).unwrap()
+        self.version(key, lsn).newest(key, lsn, DiskWait::Allowed).unwrap()
+    }
+
+    /// The LSN of the newest value of `key` at or below `lsn` if the active segment holds one;
+    /// else the layer map to look in, outside the index's lock ([`Version::newest`]). What a
+    /// page cache lookup needs, without [`Index::snapshot`]'s list of entries.
+    pub(crate) fn version(&self, key: Key, lsn: Lsn) -> Version {
+        match self.active.map.range((key, Lsn(0))..=(key, lsn)).next_back() {
+            Some((_, e)) => Version::Found(e.lsn),
+            None => Version::InLayers(Arc::clone(&self.layers)),
+        }
+    }
+}
+
+/// The newest version of a key, found or still to look for in the layers ([`Index::version`]).
+pub(crate) enum Version {
+    Found(Lsn),
+    InLayers(Arc<LayerMap>),
+}
+
+impl Version {
+    /// The LSN of the newest value of `key` at or below `lsn`: the newest layer that holds one
+    /// has it (index blocks read as `wait` allows).
+    pub(crate) fn newest(self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
+        let layers = match self {
+            Version::Found(found) => return Ok(Some(found)),
+            Version::InLayers(layers) => layers,
+        };
+        for l in layers.candidates(key, lsn) {
+            if let Some(found) = l.newest_lsn(key, lsn, wait).map_err(GetError::Io)? {
+                return Ok(Some(found));
+            }
+        }
+        Ok(None)
     }
 }
 
@@ -667,17 +714,6 @@ impl Snapshot {
             }
         }
         Ok(())
-    }
-
-    /// The LSN of the newest value of `key` at or below `lsn` (index blocks read as `wait`
-    /// allows).
-    pub(crate) fn newest_at(&self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
-        let mut found = None;
-        self.newest_first(key, lsn, wait, |_, e| {
-            found = Some(e.lsn);
-            Ok(false)
-        })?;
-        Ok(found)
     }
 
     /// The values to read for `key` as of `lsn`: the newest image at or below `lsn` and the
@@ -848,7 +884,7 @@ impl ReadPlan {
     }
 
     /// The LSN of the newest value read: which version of the page `lsn` sees (the answer of
-    /// [`Snapshot::newest_at`]).
+    /// [`Version::newest`]).
     pub(crate) fn newest_lsn(&self) -> Lsn {
         self.newest
     }
@@ -1101,6 +1137,12 @@ mod tests {
         assert_eq!(lsns, vec![20, 30, 50]);
         assert_eq!(idx.newest_at(key(1), Lsn(49)), Some(Lsn(30)));
         assert_eq!(idx.newest_at(key(2), Lsn(100)), Some(Lsn(12)));
+        assert_eq!(idx.newest_at(key(1), Lsn(60)), Some(Lsn(50)), "the active segment's first");
+        assert_eq!(idx.newest_at(key(1), Lsn(25)), Some(Lsn(20)));
+        assert_eq!(idx.newest_at(key(1), Lsn(15)), Some(Lsn(10)), "below layer 2's, in layer 1");
+        assert_eq!(idx.newest_at(key(1), Lsn(9)), None);
+        assert_eq!(idx.newest_at(key(2), Lsn(11)), None, "not key 1's entry before key 2's");
+        assert_eq!(idx.newest_at(key(3), Lsn(100)), None);
         let (active, layers) = idx.all();
         assert_eq!(first_lsns(&active, layers.layers()).unwrap(), vec![(key(1), Lsn(10)), (key(2), Lsn(12))]);
         assert_eq!((idx.keys(), idx.values()), (2, 5));

@@ -236,8 +236,8 @@ impl Timeline {
     /// for the disk only where `wait` allows (else an error, with nothing read). `Ok(None)` if
     /// the key has nothing at or below `lsn`; `BelowGcCutoff` if `lsn` is below the GC cutoff.
     pub fn version_at(&self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
-        let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
-        let found = snapshot.newest_at(key, lsn, wait)?;
+        let version = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).version(key, lsn);
+        let found = version.newest(key, lsn, wait)?;
         self.check_retained(lsn)?;
         Ok(found)
     }

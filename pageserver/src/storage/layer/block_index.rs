@@ -400,6 +400,30 @@ impl BlockIndex {
         Ok(out)
     }
 
+    /// The LSN of the newest entry of `key` at or below `lsn`, if any: [`BlockIndex::lookup`]'s
+    /// last, without collecting the others or decoding any (the page cache's version lookup).
+    /// Reads the blocks from the last one that may hold it down, until one does.
+    pub(crate) fn newest_lsn(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
+        if key < self.footer.min_key || key > self.footer.max_key || lsn < self.footer.first_lsn {
+            return Ok(None);
+        }
+        for i in self.blocks_of(key, lsn).rev() {
+            let block = self.block(i, wait)?;
+            let mut newest = None;
+            for j in block.find(key, Lsn(0))..block.len() {
+                let (k, l) = block.at(j);
+                if k != key || l > lsn {
+                    break;
+                }
+                newest = Some(l);
+            }
+            if newest.is_some() {
+                return Ok(newest);
+            }
+        }
+        Ok(None)
+    }
+
     /// The first key above `after` (the layer's first key if `None`), if any.
     pub(crate) fn next_key(&self, after: Option<Key>) -> anyhow::Result<Option<Key>> {
         let Some(after) = after else {
@@ -498,6 +522,11 @@ mod tests {
                         want,
                         "{k:?}@{lsn} ({keys}x{per_key})"
                     );
+                    assert_eq!(
+                        idx.newest_lsn(*k, Lsn(lsn), DiskWait::Allowed).unwrap(),
+                        want.last().map(|e| e.lsn),
+                        "newest of {k:?}@{lsn} ({keys}x{per_key})"
+                    );
                 }
                 let next = distinct.get(n + 1).copied();
                 assert_eq!(idx.next_key(Some(*k)).unwrap(), next, "next after {k:?}");
@@ -505,6 +534,8 @@ mod tests {
             assert_eq!(idx.next_key(None).unwrap(), distinct.first().copied());
             assert!(idx.lookup(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap().is_empty());
             assert!(idx.lookup(key(0, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap().is_empty());
+            assert_eq!(idx.newest_lsn(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap(), None);
+            assert_eq!(idx.newest_lsn(key(0, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap(), None);
             let mut seen = Vec::new();
             idx.for_each(&mut |e| seen.push(*e)).unwrap();
             assert_eq!(seen, all);
