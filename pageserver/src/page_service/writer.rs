@@ -164,10 +164,11 @@ impl Writer {
         Writer { socket, connection_slot, choice, write_timeout, uring: None, counted: 0 }
     }
 
-    /// Sends a batch: every chunk, then frees the replies' `slots` (taking them, or leaving
-    /// the list empty); with `close`, FIN after it. Through the ring, it returns once the batch is handed over (the slots are freed
-    /// when it is sent), with an error if the ring gave up on the connection. A connection
-    /// leaves the ring only once the ring has sent all its batches, so bytes keep their order.
+    /// Sends a batch: every chunk, then frees the replies' `slots` (the list is left empty;
+    /// after an error the connection ends, and its slots with it); with `close`, FIN after it.
+    /// Through the ring, it returns once the batch is handed over (the slots are freed when it
+    /// is sent), with an error if the ring gave up on the connection. A connection leaves the
+    /// ring only once the ring has sent all its batches, so bytes keep their order.
     async fn send(
         &mut self,
         chunks: &mut Vec<Bytes>,
