@@ -517,8 +517,7 @@ impl Local {
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => {
-                        self.hub.give_up(&e.to_string());
-                        teardown(state, "the io_uring writer failed");
+                        self.fail(state, &e.to_string());
                         return;
                     }
                 }
@@ -534,6 +533,12 @@ impl Local {
         if parked {
             self.parked.notify_one();
         }
+    }
+
+    /// The ring failed: it is torn down, and the writer is not chosen again.
+    fn fail(&self, state: &mut State, why: &str) {
+        self.hub.give_up(why);
+        teardown(state, "the io_uring writer failed");
     }
 
     /// Handles the completions there are; whether a job was parked on a full socket.
@@ -560,23 +565,16 @@ impl park::Flush for Local {
 }
 
 impl Drop for Local {
-    /// The thread and the runtime are gone: what waits is sent if it can go at once, the rest
-    /// is given up ([`teardown`]).
+    /// The thread and the runtime are gone: what waits is sent if it can go at once
+    /// ([`Local::submit_ready`]), the rest is given up ([`teardown`]).
     fn drop(&mut self) {
         if let Some(reaper) = self.reaper.get() {
             reaper.abort();
         }
-        let state = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut state = lock(&self.state);
+        self.submit_ready(&mut state);
         if !state.failed {
-            let ready = !state.ready.is_empty();
-            if ready && push_all(&mut state.ring, &mut state.ready, &self.hub.metrics).is_ok() {
-                let _ = state.ring.submit();
-                let completed: Vec<cqueue::Entry> = state.ring.completion().collect();
-                for cqe in completed {
-                    complete(&cqe, &mut state.jobs, &mut state.ready, &self.hub.metrics);
-                }
-            }
-            teardown(state, "the io_uring writer stopped");
+            teardown(&mut state, "the io_uring writer stopped");
         }
     }
 }
@@ -606,8 +604,7 @@ async fn reap(local: Weak<Local>, wake: AsyncFd<EventFd>, parked_job: Arc<Notify
                 Err(e) => {
                     let Some(local) = local.upgrade() else { return };
                     let mut state = lock(&local.state);
-                    local.hub.give_up(&format!("its eventfd failed: {e}"));
-                    teardown(&mut state, "the io_uring writer failed");
+                    local.fail(&mut state, &format!("its eventfd failed: {e}"));
                     return;
                 }
             },

@@ -217,6 +217,14 @@ impl Block {
     fn find(&self, key: Key, lsn: Lsn) -> usize {
         self.entries.partition_point(|r| decode_key_lsn(r) < (key, lsn))
     }
+
+    /// The entries of `key` at or below `lsn`, oldest first (the block is in order: checked
+    /// when read).
+    fn entries_of(&self, key: Key, lsn: Lsn) -> std::ops::Range<usize> {
+        let start = self.find(key, Lsn(0));
+        let end = self.entries.partition_point(|r| decode_key_lsn(r) <= (key, lsn));
+        start..end.max(start)
+    }
 }
 
 /// Whether a read of an index block may wait for the disk.
@@ -372,8 +380,12 @@ impl BlockIndex {
         decode_entry(&block.entries[j], f.index_offset, f.first_lsn..=f.last_lsn)
     }
 
-    /// The blocks that may hold entries of `key` at or below `lsn`.
+    /// The blocks that may hold entries of `key` at or below `lsn` (none outside the layer's
+    /// keys and LSNs, as its footer says: no block is read for them).
     fn blocks_of(&self, key: Key, lsn: Lsn) -> std::ops::Range<usize> {
+        if key < self.footer.min_key || key > self.footer.max_key || lsn < self.footer.first_lsn {
+            return 0..0;
+        }
         // The block before the first one starting at or after (key, 0) may end with key's values.
         let start = self.fences.partition_point(|f| (f.key, f.lsn) < (key, Lsn(0))).saturating_sub(1);
         let end = self.fences.partition_point(|f| (f.key, f.lsn) <= (key, lsn));
@@ -384,16 +396,9 @@ impl BlockIndex {
     /// the disk only where `wait` allows.
     pub(crate) fn lookup(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
         let mut out = Vec::new();
-        if key < self.footer.min_key || key > self.footer.max_key || lsn < self.footer.first_lsn {
-            return Ok(out);
-        }
         for i in self.blocks_of(key, lsn) {
             let block = self.block(i, wait)?;
-            for j in block.find(key, Lsn(0))..block.len() {
-                let (k, l) = block.at(j);
-                if k != key || l > lsn {
-                    break;
-                }
+            for j in block.entries_of(key, lsn) {
                 out.push(self.decode(&block, j)?);
             }
         }
@@ -404,21 +409,10 @@ impl BlockIndex {
     /// last, without collecting the others or decoding any (the page cache's version lookup).
     /// Reads the blocks from the last one that may hold it down, until one does.
     pub(crate) fn newest_lsn(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
-        if key < self.footer.min_key || key > self.footer.max_key || lsn < self.footer.first_lsn {
-            return Ok(None);
-        }
         for i in self.blocks_of(key, lsn).rev() {
             let block = self.block(i, wait)?;
-            let mut newest = None;
-            for j in block.find(key, Lsn(0))..block.len() {
-                let (k, l) = block.at(j);
-                if k != key || l > lsn {
-                    break;
-                }
-                newest = Some(l);
-            }
-            if newest.is_some() {
-                return Ok(newest);
+            if let Some(j) = block.entries_of(key, lsn).next_back() {
+                return Ok(Some(block.at(j).1));
             }
         }
         Ok(None)
