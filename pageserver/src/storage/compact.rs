@@ -60,6 +60,7 @@ use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
 use super::index::{read_run, Frozen, LayerMap, Picked, ReadPlan, ReadSize};
 use super::layer::{self, DiskWait, LayerName, Level};
 use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
+use super::segment::open_data_file;
 use super::shared::Shared;
 use super::{Key, Lsn, ReconstructData};
 
@@ -874,13 +875,9 @@ fn delete_files(sh: &Shared, dir_file: &File) -> u64 {
 
 impl Writer {
     fn create(tmp: PathBuf) -> anyhow::Result<Writer> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)
-            .with_context(|| format!("create {}", tmp.display()))?;
+        let file =
+            open_data_file(OpenOptions::new().read(true).write(true).create(true).truncate(true), &tmp)
+                .with_context(|| format!("create {}", tmp.display()))?;
         let header = format::file_header();
         file.write_all_at(&header, 0).context("write compaction output header")?;
         Ok(Writer {

@@ -17,7 +17,7 @@
 //! checksum are valid and its index and footer end exactly at the end of the file; a layer file
 //! is never written again once renamed; every entry lies inside the data region.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -25,7 +25,7 @@ use std::sync::Arc;
 use anyhow::{ensure, Context};
 
 use super::format::{self, put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
-use super::segment::read_at;
+use super::segment::{open_data_file, read_at};
 use super::{Key, Lsn};
 
 pub(crate) mod block_index;
@@ -417,7 +417,7 @@ pub(crate) struct OpenLayer {
 /// or a flat index whole); checks its header, footer, fences or index, and that its name
 /// matches its LSN range.
 pub(crate) fn open(path: &Path) -> anyhow::Result<OpenLayer> {
-    let file = Arc::new(File::open(path).context("open layer file")?);
+    let file = Arc::new(open_data_file(OpenOptions::new().read(true), path).context("open layer file")?);
     let len = file.metadata().context("stat layer file")?.len();
     let mut header = [0u8; FILE_HEADER_LEN as usize];
     read_at(&file, &mut header, 0).context("read layer header")?;
@@ -532,6 +532,29 @@ mod tests {
             written.len
         };
         (seg, end)
+    }
+
+    /// Reads of an active segment and of a layer leave the file's access time alone
+    /// (`O_NOATIME`): under `relatime`, the usual mount option, the kernel would set an atime
+    /// older than the file's mtime to now at the next read.
+    #[test]
+    fn reads_of_segments_and_layers_leave_the_atime_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let batches: [&[_]; 2] = [&[(key(1), Lsn(5), rec(b"a"))], &[(key(1), Lsn(7), rec(b"b"))]];
+        let (seg, _) = sealed_segment(dir.path(), &batches, false);
+        let read_keeps_atime = |file: &File, path: &Path| {
+            let old = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1);
+            let times = std::fs::FileTimes::new().set_accessed(old);
+            File::options().write(true).open(path).unwrap().set_times(times).unwrap();
+            read_at(file, &mut [0u8; 8], 0).unwrap();
+            let atime = std::fs::metadata(path).unwrap().accessed().unwrap();
+            assert_eq!(atime, old, "{} read through the daemon's descriptor", path.display());
+        };
+        let active = dir.path().join("active.seg");
+        read_keeps_atime(&seg.file, &active);
+        let path = dir.path().join(file_name(&LayerName::older_seal(Lsn(5), Lsn(7))));
+        std::fs::rename(&active, &path).unwrap();
+        read_keeps_atime(&open(&path).unwrap().file, &path);
     }
 
     #[test]

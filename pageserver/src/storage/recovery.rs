@@ -35,7 +35,7 @@ use super::format::{self, FILE_HEADER_LEN, LOCK_NAME};
 use super::index::{Frozen, Index};
 use super::layer::{LayerName, Level};
 use super::manifest::{self, LayerMeta, Manifest, MANIFEST_NAME, MANIFEST_TMP_NAME};
-use super::segment::{self, read_at, ActiveSegment, ACTIVE_NAME};
+use super::segment::{self, open_data_file, read_at, ActiveSegment, ACTIVE_NAME};
 use super::{compact, layer, Lsn, StorageMetrics};
 
 /// What recovery hands to the timeline.
@@ -349,7 +349,7 @@ fn finish_interrupted_seal(
     dir_file: &File,
     metrics: &StorageMetrics,
 ) -> anyhow::Result<Option<String>> {
-    let file = OpenOptions::new().read(true).write(true).open(path).context("open active.seg")?;
+    let file = open_data_file(OpenOptions::new().read(true).write(true), path).context("open active.seg")?;
     let len = file.metadata().context("stat active.seg")?.len();
     let mut header = [0u8; FILE_HEADER_LEN as usize];
     if len < FILE_HEADER_LEN || read_at(&file, &mut header, 0).is_err() {
@@ -402,7 +402,7 @@ fn open_active(
     metrics: &StorageMetrics,
 ) -> anyhow::Result<ActiveSegment> {
     let path = dir.join(ACTIVE_NAME);
-    let file = OpenOptions::new().read(true).write(true).open(&path).context("open active.seg")?;
+    let file = open_data_file(OpenOptions::new().read(true).write(true), &path).context("open active.seg")?;
     let len = file.metadata().context("stat active.seg")?.len();
     let mut header = [0u8; FILE_HEADER_LEN as usize];
     let header_ok = len >= FILE_HEADER_LEN
