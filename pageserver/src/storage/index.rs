@@ -249,7 +249,40 @@ impl Frozen {
 struct Active {
     id: u32,
     file: Arc<File>,
-    map: BTreeMap<(Key, Lsn), IndexEntry>,
+    /// Each key's values, oldest first. A lookup is one hash probe and a binary search among
+    /// the key's own values, where an ordered map of every value took two searches down a tree
+    /// of the whole segment (docs/performance.md, "The active segment's entries by key").
+    keys: HashMap<Key, Vec<IndexEntry>>,
+    /// Number of values in `keys`.
+    values: u64,
+}
+
+impl Active {
+    fn new(id: u32, file: Arc<File>) -> Active {
+        Active { id, file, keys: HashMap::new(), values: 0 }
+    }
+
+    /// The values of `key` at or below `lsn`, oldest first.
+    fn at_or_below(&self, key: Key, lsn: Lsn) -> &[IndexEntry] {
+        self.keys.get(&key).map_or(&[], |v| &v[..v.partition_point(|e| e.lsn <= lsn)])
+    }
+
+    fn contains(&self, key: Key, lsn: Lsn) -> bool {
+        self.keys.get(&key).is_some_and(|v| v.binary_search_by_key(&lsn, |e| e.lsn).is_ok())
+    }
+
+    /// Adds `e` in its key's LSN order (replacing a value of the same key and LSN).
+    fn insert(&mut self, e: IndexEntry) {
+        // Most keys get one value or a few: room for one at first, not the four a push makes.
+        let values = self.keys.entry(e.key).or_insert_with(|| Vec::with_capacity(1));
+        match values.binary_search_by_key(&e.lsn, |v| v.lsn) {
+            Ok(at) => values[at] = e,
+            Err(at) => {
+                values.insert(at, e);
+                self.values += 1;
+            }
+        }
+    }
 }
 
 /// The frozen layers, oldest first, grouped into *runs* for lookups: maximal ranges of
@@ -354,8 +387,6 @@ pub(crate) struct Index {
     /// Shared with lookups in progress (replaced, never changed in place).
     layers: Arc<LayerMap>,
     active: Active,
-    /// Distinct keys of the active segment.
-    active_keys: u64,
     /// Records committed since the last compaction pass began (or, after an open, those of
     /// the active segment): the backlog of compaction.
     new_records: u64,
@@ -465,8 +496,7 @@ impl Index {
     pub(crate) fn new(active_id: u32, active_file: Arc<File>) -> Index {
         Index {
             layers: Arc::new(LayerMap::new(Vec::new())),
-            active: Active { id: active_id, file: active_file, map: BTreeMap::new() },
-            active_keys: 0,
+            active: Active::new(active_id, active_file),
             new_records: 0,
             new_chains: HashMap::new(),
             longest_new_chain: 0,
@@ -485,15 +515,11 @@ impl Index {
     /// Adds committed values of the active segment. Fails, without adding any, if a
     /// `(key, lsn)` is already present.
     pub(crate) fn insert_active(&mut self, entries: &[IndexEntry]) -> anyhow::Result<()> {
-        if let Some(e) = entries.iter().find(|e| self.active.map.contains_key(&(e.key, e.lsn))) {
+        if let Some(e) = entries.iter().find(|e| self.active.contains(e.key, e.lsn)) {
             anyhow::bail!("duplicate value for {:?} at lsn {}", e.key, e.lsn);
         }
         for e in entries {
-            let range = (e.key, Lsn(0))..=(e.key, Lsn(u64::MAX));
-            if self.active.map.range(range).next().is_none() {
-                self.active_keys += 1;
-            }
-            self.active.map.insert((e.key, e.lsn), *e);
+            self.active.insert(*e);
             if e.kind == Kind::Record {
                 self.new_records += 1;
                 let chain = self.new_chains.entry(e.key).or_default();
@@ -532,11 +558,7 @@ impl Index {
         next_id: u32,
         next_file: Arc<File>,
     ) {
-        let old = std::mem::replace(
-            &mut self.active,
-            Active { id: next_id, file: next_file, map: BTreeMap::new() },
-        );
-        self.active_keys = 0;
+        let old = std::mem::replace(&mut self.active, Active::new(next_id, next_file));
         let layer = Frozen::with_blocks(old.id, name, old.file, index, size);
         self.layers = Arc::new(self.layers.with_newest(layer));
     }
@@ -597,31 +619,27 @@ impl Index {
         let layers = self.layers();
         let sealed = layers.iter().filter(|l| !l.compacted()).map(|l| l.key_count()).max().unwrap_or(0);
         let runs = self.runs().into_iter().map(|r| layers[r].iter().map(|l| l.key_count()).sum());
-        runs.max().unwrap_or(0).max(sealed).max(self.active_keys)
+        runs.max().unwrap_or(0).max(sealed).max(self.active.keys.len() as u64)
     }
 
     /// Number of values.
     pub(crate) fn values(&self) -> u64 {
-        self.layers().iter().map(|l| l.values()).sum::<u64>() + self.active.map.len() as u64
+        self.layers().iter().map(|l| l.values()).sum::<u64>() + self.active.values
     }
 
     /// What [`first_lsns`] needs, copied out under the lock: the active segment's entries and
     /// the layers.
     pub(crate) fn all(&self) -> (Vec<IndexEntry>, Arc<LayerMap>) {
-        (self.active.map.values().copied().collect(), Arc::clone(&self.layers))
+        (self.active.keys.values().flatten().copied().collect(), Arc::clone(&self.layers))
     }
 
     /// What a lookup of `key` at `lsn` reads, copied out under the lock: the active segment's
     /// entries of `key` down to its newest image at or below `lsn`, and the layers (one shared
     /// list). The layers' indexes are read without the lock.
     pub(crate) fn snapshot(&self, key: Key, lsn: Lsn) -> Snapshot {
-        let mut active = Vec::new();
-        for e in self.active.map.range((key, Lsn(0))..=(key, lsn)).rev().map(|(_, e)| e) {
-            active.push(*e);
-            if e.kind == Kind::Image {
-                break;
-            }
-        }
+        let values = self.active.at_or_below(key, lsn);
+        let from = values.iter().rposition(|e| e.kind == Kind::Image).unwrap_or(0);
+        let active = values[from..].iter().rev().copied().collect();
         Snapshot { active_file: Arc::clone(&self.active.file), active, layers: Arc::clone(&self.layers) }
     }
 
@@ -641,8 +659,8 @@ impl Index {
     /// else the layer map to look in, outside the index's lock ([`Version::newest`]). What a
     /// page cache lookup needs, without [`Index::snapshot`]'s list of entries.
     pub(crate) fn version(&self, key: Key, lsn: Lsn) -> Version {
-        match self.active.map.range((key, Lsn(0))..=(key, lsn)).next_back() {
-            Some((_, e)) => Version::Found(e.lsn),
+        match self.active.at_or_below(key, lsn).last() {
+            Some(e) => Version::Found(e.lsn),
             None => Version::InLayers(Arc::clone(&self.layers)),
         }
     }
@@ -1039,6 +1057,26 @@ mod tests {
 
     fn key(blk: u32) -> Key {
         Key { spcnode: 1, dbnode: 1, relnode: 1, forknum: 0, blknum: blk }
+    }
+
+    /// The active segment keeps each key's values in LSN order whatever order they come in, so
+    /// that a lookup's binary search and its walk down to the newest image are right.
+    #[test]
+    fn active_values_that_come_out_of_lsn_order_are_looked_up_in_order() {
+        let mut idx = Index::new(0, tempfile::tempfile().map(Arc::new).unwrap());
+        let e = |lsn: u64, kind| IndexEntry { key: key(1), lsn: Lsn(lsn), kind, offset: lsn, len: 1, crc: 0 };
+        idx.insert_active(&[e(30, Kind::Record), e(10, Kind::Image)]).unwrap();
+        idx.insert_active(&[e(20, Kind::Record), e(50, Kind::Record), e(40, Kind::Image)]).unwrap();
+        assert!(idx.insert_active(&[e(60, Kind::Record), e(20, Kind::Record)]).is_err(), "a duplicate");
+        let newest_first =
+            |lsn| idx.snapshot(key(1), Lsn(lsn)).active.iter().map(|e| e.lsn.0).collect::<Vec<_>>();
+        assert_eq!(newest_first(35), vec![30, 20, 10]);
+        assert_eq!(newest_first(40), vec![40]);
+        assert_eq!(newest_first(99), vec![50, 40]);
+        assert_eq!(newest_first(5), Vec::<u64>::new());
+        assert_eq!(idx.newest_at(key(1), Lsn(25)), Some(Lsn(20)));
+        assert_eq!(idx.newest_at(key(2), Lsn(25)), None);
+        assert_eq!((idx.values(), idx.keys()), (5, 1), "the failed batch added nothing");
     }
 
     /// A file holding `vals` back to back (each after a gap of `gap` bytes), and their entries.
