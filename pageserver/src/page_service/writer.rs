@@ -186,26 +186,22 @@ impl Writer {
             self.uring = Some(UringWriter { link, ring: None, closed: false });
         }
         // Through a ring while chosen, and while one still has batches of ours.
-        let ring = match (&mut self.uring, self.choice.rings()) {
-            (Some(uring), Some(rings)) if want_ring || uring.link.sending() => uring.ring(rings),
-            _ => None,
-        };
-        match (ring, &mut self.uring) {
-            (Some(ring), Some(uring)) => {
-                uring.send(&ring, std::mem::take(chunks), std::mem::take(slots), close)
-            }
-            _ => {
-                write_all_vectored(&self.socket, chunks, metrics).await?;
-                slots.clear();
-                if close {
-                    let _ = nix::sys::socket::shutdown(self.socket.as_raw_fd(), Shutdown::Write);
-                    if let Some(uring) = &mut self.uring {
-                        uring.closed = true;
-                    }
+        if let (Some(uring), Some(rings)) = (&mut self.uring, self.choice.rings()) {
+            if want_ring || uring.link.sending() {
+                if let Some(ring) = uring.ring(rings) {
+                    return uring.send(&ring, std::mem::take(chunks), std::mem::take(slots), close);
                 }
-                Ok(())
             }
         }
+        write_all_vectored(&self.socket, chunks, metrics).await?;
+        slots.clear();
+        if close {
+            let _ = nix::sys::socket::shutdown(self.socket.as_raw_fd(), Shutdown::Write);
+            if let Some(uring) = &mut self.uring {
+                uring.closed = true;
+            }
+        }
+        Ok(())
     }
 
     /// No more replies (the reader is done): FIN once everything is sent.
