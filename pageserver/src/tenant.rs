@@ -132,6 +132,9 @@ pub struct StorageStatus {
     /// the active segment.
     pub runs: u64,
     pub disk_bytes: u64,
+    /// Bytes of the active segment's small records kept in memory for reads (at most 16 MiB):
+    /// see docs/storage-format.md, "Reading".
+    pub record_copy_bytes: u64,
     /// Set while the tenant's storage writes fail (ingest refused): see docs/storage-format.md.
     pub write_error: Option<StorageWriteErrorStatus>,
 }
@@ -401,6 +404,7 @@ impl Tenant {
                 layers: stats.layers,
                 runs: stats.runs,
                 disk_bytes: stats.on_disk_bytes,
+                record_copy_bytes: stats.record_copy_bytes,
                 write_error: self.timeline.write_error().map(|e| StorageWriteErrorStatus {
                     error: e.error,
                     since: humantime::format_rfc3339_seconds(e.since).to_string(),

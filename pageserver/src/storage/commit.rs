@@ -36,13 +36,15 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::Context;
+use bytes::Bytes;
 
+use super::format;
 use super::layer::BlockIndex;
 use super::manifest::SealIntent;
 use super::pool::{self, Pool};
 use super::segment::ActiveSegment;
 use super::shared::{fail_all, Pending, Shared, Unrecoverable};
-use super::IngestError;
+use super::{IngestError, Key, Lsn, Value};
 
 /// A timeline's committer as the commit pool sees it: the committer state, and whether the
 /// timeline is in the pool's run queue (or being run).
@@ -280,11 +282,12 @@ impl Committer {
         m.ingested_values.inc_by(values);
         m.ingested_bytes.inc_by(bytes);
 
+        let copies = record_copies(group.iter().flat_map(|p| &p.values));
         self.shared
             .index
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert_active(&self.segment.entries[first_entry..])
+            .insert_active(&self.segment.entries[first_entry..], copies)
             .context("index committed values")?;
         self.shared.active_len.store(self.segment.len, Ordering::Relaxed);
         if let Some(last) = group.last() {
@@ -323,6 +326,30 @@ impl Committer {
         self.shared.metrics.fsync(|| file.sync_data()).context("fdatasync truncated active segment")?;
         Ok(())
     }
+}
+
+/// The bytes of the records of `values` that the active segment keeps copies of
+/// ([`format::is_copied`]), back to back in order, as `Index::insert_active` takes them with
+/// the values' entries; none if they are more than it keeps.
+fn record_copies<'a, I>(values: I) -> Bytes
+where
+    I: Iterator<Item = &'a (Key, Lsn, Value)> + Clone,
+{
+    fn copied(value: &(Key, Lsn, Value)) -> Option<&Bytes> {
+        match &value.2 {
+            Value::Record(b) if b.len() <= format::COPIED_RECORD_MAX => Some(b),
+            _ => None,
+        }
+    }
+    let len: usize = values.clone().filter_map(copied).map(|b| b.len()).sum();
+    if len == 0 || len as u64 > format::COPIES_MAX {
+        return Bytes::new();
+    }
+    let mut out = Vec::with_capacity(len);
+    for b in values.filter_map(copied) {
+        out.extend_from_slice(b);
+    }
+    Bytes::from(out)
 }
 
 #[cfg(test)]

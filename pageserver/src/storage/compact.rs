@@ -673,7 +673,7 @@ impl Pass {
             // The first piece: from the key's newest image, the value before it.
             let (file, e) = w.values.get(start - 1)?;
             size.add(file, e);
-            picked.push(file, e);
+            picked.push(file, e, None);
         }
         let (mut records, mut end) = (0, start);
         for (i, (file, e)) in w.values.iter_from(start).enumerate() {
@@ -685,7 +685,7 @@ impl Pass {
             size.add(file, e);
             records += 1;
             end = start + i;
-            picked.push(file, e);
+            picked.push(file, e, None);
         }
         if end < w.values.context {
             // The first piece ends in the context (a long chain below the inputs): an image can

@@ -86,6 +86,22 @@ pub(crate) struct IndexEntry {
     pub crc: u32,
 }
 
+/// Records of at most this many bytes are kept in memory while their segment is active
+/// (`index::Index::insert_active`): a GetPage of a page whose records came in many batches reads each
+/// of them from its own place in the segment, a `pread` for a few dozen bytes (10 of a redo
+/// GetPage's 11 reads at chain length 10), where a copy in memory costs a slice.
+pub(crate) const COPIED_RECORD_MAX: usize = 1024;
+
+/// Most bytes of record copies one active segment keeps (the first ones; later records are
+/// read from the file): a tenant's memory for them stays bounded whatever `layer_size` is,
+/// about a quarter of the default segment.
+pub(crate) const COPIES_MAX: u64 = 16 << 20;
+
+/// Whether `e` is a value the active segment keeps a copy of (bytes allowing).
+pub(crate) fn is_copied(e: &IndexEntry) -> bool {
+    e.kind == Kind::Record && e.len as usize <= COPIED_RECORD_MAX
+}
+
 pub(crate) fn file_header() -> [u8; FILE_HEADER_LEN as usize] {
     file_header_of_version(FORMAT_VERSION)
 }

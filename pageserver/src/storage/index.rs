@@ -3,7 +3,8 @@
 //! [`ReconstructData`] with positional reads.
 //!
 //! Structure: the frozen layers (sealed or compacted files, immutable), oldest first, and the
-//! active segment, whose entries grow with every commit (an ordered map in memory). A layer of
+//! active segment, whose entries grow with every commit (a hash of each key to its entries in
+//! memory, with copies of its small records: [`is_copied`]). A layer of
 //! format version 3 keeps only its footer and fences in memory (its index blocks are read on
 //! demand through a daemon-wide cache, `layer::block_index`); one of versions 1 and 2 keeps its
 //! whole index (about 48 bytes per value) until compaction rewrites it. The layers are grouped
@@ -32,8 +33,8 @@
 //! any value is read; a `(key, lsn)` is in at most one file; the lock is held only to copy the
 //! active entries out, never across I/O; the layer list is replaced, never changed in place, so
 //! a lookup's snapshot stays valid (its files stay open); every read checks each value's
-//! crc32c before returning it; a span is at most [`MAX_SPAN`] bytes (or one value) and
-//! [`MAX_SPAN_VALUES`] values.
+//! crc32c before returning it (a record's copy, checked when it was taken, is not checked
+//! again); a span is at most [`MAX_SPAN`] bytes (or one value) and [`MAX_SPAN_VALUES`] values.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -44,7 +45,7 @@ use std::sync::{Arc, OnceLock};
 use anyhow::{ensure, Context};
 use bytes::Bytes;
 
-use super::format::{IndexEntry, Kind};
+use super::format::{is_copied, IndexEntry, Kind, COPIES_MAX};
 use super::layer::{BlockIndex, DiskWait, LayerIndex, OpenLayer, WouldWait};
 use super::segment::{read_cached_at, read_cached_into};
 use super::{GetError, Key, Lsn, Overwritten, ReadLimits, ReconstructData};
@@ -245,6 +246,16 @@ impl Frozen {
     }
 }
 
+/// One value of the active segment: its entry, and where its copy is if it has one.
+#[derive(Clone, Copy)]
+struct ActiveValue {
+    e: IndexEntry,
+    /// `(chunk << 32) | offset` in [`Active::chunks`], or [`NO_COPY`].
+    copy: u64,
+}
+
+const NO_COPY: u64 = u64::MAX;
+
 /// The active segment's file and values.
 struct Active {
     id: u32,
@@ -252,33 +263,54 @@ struct Active {
     /// Each key's values, oldest first. A lookup is one hash probe and a binary search among
     /// the key's own values, where an ordered map of every value took two searches down a tree
     /// of the whole segment (docs/performance.md, "The active segment's entries by key").
-    keys: HashMap<Key, Vec<IndexEntry>>,
+    keys: HashMap<Key, Vec<ActiveValue>>,
     /// Number of values in `keys`.
     values: u64,
+    /// Copies of the small records ([`is_copied`]), one chunk per batch of inserted values.
+    chunks: Vec<Bytes>,
+    /// Bytes in `chunks`, at most [`COPIES_MAX`].
+    copied: u64,
 }
 
 impl Active {
     fn new(id: u32, file: Arc<File>) -> Active {
-        Active { id, file, keys: HashMap::new(), values: 0 }
+        Active { id, file, keys: HashMap::new(), values: 0, chunks: Vec::new(), copied: 0 }
     }
 
     /// The values of `key` at or below `lsn`, oldest first.
-    fn at_or_below(&self, key: Key, lsn: Lsn) -> &[IndexEntry] {
-        self.keys.get(&key).map_or(&[], |v| &v[..v.partition_point(|e| e.lsn <= lsn)])
+    fn at_or_below(&self, key: Key, lsn: Lsn) -> &[ActiveValue] {
+        self.keys.get(&key).map_or(&[], |v| &v[..v.partition_point(|v| v.e.lsn <= lsn)])
     }
 
     fn contains(&self, key: Key, lsn: Lsn) -> bool {
-        self.keys.get(&key).is_some_and(|v| v.binary_search_by_key(&lsn, |e| e.lsn).is_ok())
+        // Values mostly come in LSN order: above the key's newest, the LSN is new (one cache
+        // line, where a binary search among thousands of a hot key's values misses on each step).
+        self.keys.get(&key).is_some_and(|v| {
+            v.last().is_some_and(|newest| newest.e.lsn >= lsn)
+                && v.binary_search_by_key(&lsn, |v| v.e.lsn).is_ok()
+        })
     }
 
-    /// Adds `e` in its key's LSN order (replacing a value of the same key and LSN).
-    fn insert(&mut self, e: IndexEntry) {
+    /// The copy of `v`'s bytes, if kept.
+    fn copy_of(&self, v: &ActiveValue) -> Option<Bytes> {
+        let chunk = self.chunks.get((v.copy >> 32) as usize)?;
+        let at = (v.copy & u64::from(u32::MAX)) as usize;
+        Some(chunk.slice(at..at + v.e.len as usize))
+    }
+
+    /// Adds `v` in its key's LSN order (replacing a value of the same key and LSN).
+    fn insert(&mut self, v: ActiveValue) {
         // Most keys get one value or a few: room for one at first, not the four a push makes.
-        let values = self.keys.entry(e.key).or_insert_with(|| Vec::with_capacity(1));
-        match values.binary_search_by_key(&e.lsn, |v| v.lsn) {
-            Ok(at) => values[at] = e,
+        let values = self.keys.entry(v.e.key).or_insert_with(|| Vec::with_capacity(1));
+        if values.last().is_none_or(|newest| newest.e.lsn < v.e.lsn) {
+            values.push(v);
+            self.values += 1;
+            return;
+        }
+        match values.binary_search_by_key(&v.e.lsn, |x| x.e.lsn) {
+            Ok(at) => values[at] = v,
             Err(at) => {
-                values.insert(at, e);
+                values.insert(at, v);
                 self.values += 1;
             }
         }
@@ -448,8 +480,8 @@ struct Span {
 /// each entry, one handle per file): everything else is done without the lock.
 pub(crate) struct Picked {
     files: Vec<Arc<File>>,
-    /// Index into `files`, and the entry.
-    values: Vec<(usize, IndexEntry)>,
+    /// Index into `files`, the entry, and the copy of its bytes if the active segment keeps one.
+    values: Vec<(usize, IndexEntry, Option<Bytes>)>,
 }
 
 impl Picked {
@@ -458,12 +490,13 @@ impl Picked {
         Picked { files: Vec::new(), values: Vec::with_capacity(values) }
     }
 
-    /// Adds a value after the others (they must come oldest first for a plan).
-    pub(crate) fn push(&mut self, file: &Arc<File>, e: &IndexEntry) {
+    /// Adds a value after the others (they must come oldest first for a plan), with the copy
+    /// of its bytes if there is one (then it is not read from `file`).
+    pub(crate) fn push(&mut self, file: &Arc<File>, e: &IndexEntry, copy: Option<&Bytes>) {
         if !self.files.last().is_some_and(|f| Arc::ptr_eq(f, file)) {
             self.files.push(Arc::clone(file));
         }
-        self.values.push((self.files.len() - 1, *e));
+        self.values.push((self.files.len() - 1, *e, copy.cloned()));
     }
 
     /// Turns a list pushed newest first into one oldest first, in place.
@@ -471,7 +504,7 @@ impl Picked {
         let last = self.files.len() - 1;
         self.files.reverse();
         self.values.reverse();
-        for (f, _) in &mut self.values {
+        for (f, _, _) in &mut self.values {
             *f = last - *f;
         }
     }
@@ -484,9 +517,11 @@ const PICKED_CAPACITY: usize = 16;
 /// What a lookup found, planned from [`Picked`] without the lock, and executed.
 pub(crate) struct ReadPlan {
     spans: Vec<Span>,
-    /// Every value, oldest first; each span names its range (one list, not one per span: a
-    /// plan makes two allocations however many spans it has).
+    /// Every value read from a file, oldest first; each span names its range (one list, not
+    /// one per span: a plan makes two allocations however many spans it has).
     values: Vec<SpanValue>,
+    /// The records taken from the active segment's copies, oldest first: nothing to read.
+    copies: Vec<(Lsn, Bytes)>,
     /// The LSN of the newest value: the version of the page the plan rebuilds.
     newest: Lsn,
 }
@@ -512,17 +547,42 @@ impl Index {
         Ok(())
     }
 
-    /// Adds committed values of the active segment. Fails, without adding any, if a
-    /// `(key, lsn)` is already present.
-    pub(crate) fn insert_active(&mut self, entries: &[IndexEntry]) -> anyhow::Result<()> {
+    /// Adds committed values of the active segment, with `copies`: the bytes of the first
+    /// [`is_copied`] records among `entries`, back to back in entry order (all of them, fewer,
+    /// or none), kept for reads while the segment is active unless the segment's copies would
+    /// pass [`COPIES_MAX`]. Fails, without adding any, if a `(key, lsn)` is already present or
+    /// a copy's checksum is not its entry's.
+    pub(crate) fn insert_active(&mut self, entries: &[IndexEntry], copies: Bytes) -> anyhow::Result<()> {
         if let Some(e) = entries.iter().find(|e| self.active.contains(e.key, e.lsn)) {
             anyhow::bail!("duplicate value for {:?} at lsn {}", e.key, e.lsn);
         }
+        let keep = !copies.is_empty() && self.active.copied + copies.len() as u64 <= COPIES_MAX;
+        let chunk = self.active.chunks.len() as u64;
+        let mut values = Vec::with_capacity(entries.len());
+        let mut at = 0;
         for e in entries {
-            self.active.insert(*e);
-            if e.kind == Kind::Record {
+            let mut copy = NO_COPY;
+            if keep && is_copied(e) && at + e.len as usize <= copies.len() {
+                let bytes = &copies[at..at + e.len as usize];
+                ensure!(
+                    crc32c::crc32c(bytes) == e.crc,
+                    "copy of the value at lsn {} is not its bytes",
+                    e.lsn
+                );
+                copy = (chunk << 32) | at as u64;
+                at += e.len as usize;
+            }
+            values.push(ActiveValue { e: *e, copy });
+        }
+        if keep {
+            self.active.copied += copies.len() as u64;
+            self.active.chunks.push(copies);
+        }
+        for v in values {
+            self.active.insert(v);
+            if v.e.kind == Kind::Record {
                 self.new_records += 1;
-                let chain = self.new_chains.entry(e.key).or_default();
+                let chain = self.new_chains.entry(v.e.key).or_default();
                 *chain = chain.saturating_add(1);
                 self.longest_new_chain = self.longest_new_chain.max(*chain);
             }
@@ -622,6 +682,11 @@ impl Index {
         runs.max().unwrap_or(0).max(sealed).max(self.active.keys.len() as u64)
     }
 
+    /// Bytes of the active segment's record copies.
+    pub(crate) fn copied_bytes(&self) -> u64 {
+        self.active.copied
+    }
+
     /// Number of values.
     pub(crate) fn values(&self) -> u64 {
         self.layers().iter().map(|l| l.values()).sum::<u64>() + self.active.values
@@ -630,7 +695,7 @@ impl Index {
     /// What [`first_lsns`] needs, copied out under the lock: the active segment's entries and
     /// the layers.
     pub(crate) fn all(&self) -> (Vec<IndexEntry>, Arc<LayerMap>) {
-        (self.active.keys.values().flatten().copied().collect(), Arc::clone(&self.layers))
+        (self.active.keys.values().flatten().map(|v| v.e).collect(), Arc::clone(&self.layers))
     }
 
     /// What a lookup of `key` at `lsn` reads, copied out under the lock: the active segment's
@@ -638,8 +703,8 @@ impl Index {
     /// list). The layers' indexes are read without the lock.
     pub(crate) fn snapshot(&self, key: Key, lsn: Lsn) -> Snapshot {
         let values = self.active.at_or_below(key, lsn);
-        let from = values.iter().rposition(|e| e.kind == Kind::Image).unwrap_or(0);
-        let active = values[from..].iter().rev().copied().collect();
+        let from = values.iter().rposition(|v| v.e.kind == Kind::Image).unwrap_or(0);
+        let active = values[from..].iter().rev().map(|v| (v.e, self.active.copy_of(v))).collect();
         Snapshot { active_file: Arc::clone(&self.active.file), active, layers: Arc::clone(&self.layers) }
     }
 
@@ -660,7 +725,7 @@ impl Index {
     /// page cache lookup needs, without [`Index::snapshot`]'s list of entries.
     pub(crate) fn version(&self, key: Key, lsn: Lsn) -> Version {
         match self.active.at_or_below(key, lsn).last() {
-            Some(e) => Version::Found(e.lsn),
+            Some(v) => Version::Found(v.e.lsn),
             None => Version::InLayers(Arc::clone(&self.layers)),
         }
     }
@@ -706,27 +771,28 @@ pub(crate) fn first_lsns(active: &[IndexEntry], layers: &[Arc<Frozen>]) -> anyho
 /// One lookup's view of the map (see [`Index::snapshot`]).
 pub(crate) struct Snapshot {
     active_file: Arc<File>,
-    /// Newest first.
-    active: Vec<IndexEntry>,
+    /// Newest first, with the copies of their bytes the segment keeps.
+    active: Vec<(IndexEntry, Option<Bytes>)>,
     layers: Arc<LayerMap>,
 }
 
 impl Snapshot {
     /// Calls `f` with the entries of `key` at or below `lsn`, newest first, with the file each
     /// is in (the active segment's, then each layer's from the newest layer down), until it
-    /// returns `false`. Index blocks are read waiting for the disk only where `wait` allows.
+    /// returns `false`; with the copy of the value's bytes where the active segment keeps one.
+    /// Index blocks are read waiting for the disk only where `wait` allows.
     fn newest_first<'a, F>(&'a self, key: Key, lsn: Lsn, wait: DiskWait, mut f: F) -> Result<(), GetError>
     where
-        F: FnMut(&'a Arc<File>, &IndexEntry) -> Result<bool, GetError>,
+        F: FnMut(&'a Arc<File>, &IndexEntry, Option<&Bytes>) -> Result<bool, GetError>,
     {
-        for e in &self.active {
-            if !f(&self.active_file, e)? {
+        for (e, copy) in &self.active {
+            if !f(&self.active_file, e, copy.as_ref())? {
                 return Ok(());
             }
         }
         for l in self.layers.candidates(key, lsn) {
             for e in l.lookup(key, lsn, wait).map_err(GetError::Io)?.iter().rev() {
-                if !f(&l.file, e)? {
+                if !f(&l.file, e, None)? {
                     return Ok(());
                 }
             }
@@ -749,7 +815,7 @@ impl Snapshot {
         let mut picked = Picked::with_capacity(PICKED_CAPACITY);
         let mut bytes = 0u64;
         let mut records = 0usize;
-        self.newest_first(key, lsn, wait, |file, e| {
+        self.newest_first(key, lsn, wait, |file, e, copy| {
             bytes += u64::from(e.len);
             if bytes > limits.max_bytes {
                 return Err(GetError::TooLarge(format!(
@@ -766,7 +832,7 @@ impl Snapshot {
                 }
                 records += 1;
             }
-            picked.push(file, e);
+            picked.push(file, e, copy);
             Ok(e.kind != Kind::Image)
         })?;
         if picked.values.is_empty() {
@@ -872,14 +938,19 @@ impl ReadPlan {
     pub(crate) fn new(picked: Picked) -> ReadPlan {
         let mut spans: Vec<Span> = Vec::with_capacity(picked.values.len());
         let mut values: Vec<SpanValue> = Vec::with_capacity(picked.values.len());
-        let newest = picked.values.last().map_or(Lsn(0), |(_, e)| e.lsn);
+        let mut copies = Vec::new();
+        let newest = picked.values.last().map_or(Lsn(0), |(_, e, _)| e.lsn);
         let mut last_file = usize::MAX;
-        for (f, e) in &picked.values {
+        for (f, e, copy) in picked.values {
+            if let Some(copy) = copy {
+                copies.push((e.lsn, copy));
+                continue;
+            }
             let end = e.offset + u64::from(e.len);
             let joins = spans
                 .last_mut()
-                .filter(|s| *f == last_file && joins(s.offset, s.len as u64, s.values.len(), e));
-            last_file = *f;
+                .filter(|s| f == last_file && joins(s.offset, s.len as u64, s.values.len(), &e));
+            last_file = f;
             let at = match joins {
                 Some(s) => {
                     s.len = (end - s.offset) as usize;
@@ -888,7 +959,7 @@ impl ReadPlan {
                 }
                 None => {
                     spans.push(Span {
-                        file: Arc::clone(&picked.files[*f]),
+                        file: Arc::clone(&picked.files[f]),
                         offset: e.offset,
                         len: e.len as usize,
                         values: values.len()..values.len() + 1,
@@ -898,7 +969,7 @@ impl ReadPlan {
             };
             values.push(SpanValue { lsn: e.lsn, kind: e.kind, at, len: e.len as usize, crc: e.crc });
         }
-        ReadPlan { spans, values, newest }
+        ReadPlan { spans, values, copies, newest }
     }
 
     /// The LSN of the newest value read: which version of the page `lsn` sees (the answer of
@@ -907,14 +978,16 @@ impl ReadPlan {
         self.newest
     }
 
-    /// Bytes the plan reads (its values and the gaps between values read together).
+    /// Bytes the plan holds: what it reads (its values and the gaps between values read
+    /// together) and its records' copies.
     pub(crate) fn bytes(&self) -> u64 {
-        self.spans.iter().map(|s| s.len as u64).sum()
+        self.spans.iter().map(|s| s.len as u64).sum::<u64>()
+            + self.copies.iter().map(|(_, c)| c.len() as u64).sum::<u64>()
     }
 
-    /// Number of values the plan reads.
+    /// Number of values the plan gives, read or copied.
     pub(crate) fn values(&self) -> usize {
-        self.values.len()
+        self.values.len() + self.copies.len()
     }
 
     /// Number of `pread` calls the plan makes.
@@ -1000,10 +1073,11 @@ impl ReadPlan {
 
     /// Cuts the values out of the spans' bytes (records share the span's memory; an image is
     /// copied out of a larger span, since it may be kept in the page cache), checking each
-    /// one's checksum: the newest image and the records, oldest first.
+    /// one's checksum, and adds the records' copies: the newest image and the records, oldest
+    /// first.
     fn assemble(&self, bufs: Vec<Bytes>) -> anyhow::Result<ReconstructData> {
         let mut image: Option<(Lsn, Bytes)> = None;
-        let mut records = Vec::with_capacity(self.values.len());
+        let mut records = Vec::with_capacity(self.values());
         for (s, buf) in self.spans.iter().zip(bufs) {
             for v in &self.values[s.values.clone()] {
                 let bytes = buf.slice(v.at..v.at + v.len);
@@ -1023,8 +1097,9 @@ impl ReadPlan {
                 }
             }
         }
-        // Oldest first already (a plan's values are), unless layers overlap: a stable sort of a
-        // sorted list is one pass.
+        records.extend(self.copies.iter().cloned());
+        // Two lists oldest first (those read, those copied; one of them mostly empty), or more
+        // where layers overlap: a stable sort merges such runs in a pass or two.
         records.sort_by_key(|(lsn, _)| *lsn);
         Ok(ReconstructData { image, records })
     }
@@ -1065,11 +1140,15 @@ mod tests {
     fn active_values_that_come_out_of_lsn_order_are_looked_up_in_order() {
         let mut idx = Index::new(0, tempfile::tempfile().map(Arc::new).unwrap());
         let e = |lsn: u64, kind| IndexEntry { key: key(1), lsn: Lsn(lsn), kind, offset: lsn, len: 1, crc: 0 };
-        idx.insert_active(&[e(30, Kind::Record), e(10, Kind::Image)]).unwrap();
-        idx.insert_active(&[e(20, Kind::Record), e(50, Kind::Record), e(40, Kind::Image)]).unwrap();
-        assert!(idx.insert_active(&[e(60, Kind::Record), e(20, Kind::Record)]).is_err(), "a duplicate");
+        idx.insert_active(&[e(30, Kind::Record), e(10, Kind::Image)], Bytes::new()).unwrap();
+        idx.insert_active(&[e(20, Kind::Record), e(50, Kind::Record), e(40, Kind::Image)], Bytes::new())
+            .unwrap();
+        assert!(
+            idx.insert_active(&[e(60, Kind::Record), e(20, Kind::Record)], Bytes::new()).is_err(),
+            "a duplicate"
+        );
         let newest_first =
-            |lsn| idx.snapshot(key(1), Lsn(lsn)).active.iter().map(|e| e.lsn.0).collect::<Vec<_>>();
+            |lsn| idx.snapshot(key(1), Lsn(lsn)).active.iter().map(|(e, _)| e.lsn.0).collect::<Vec<_>>();
         assert_eq!(newest_first(35), vec![30, 20, 10]);
         assert_eq!(newest_first(40), vec![40]);
         assert_eq!(newest_first(99), vec![50, 40]);
@@ -1110,7 +1189,7 @@ mod tests {
     fn active_with(vals: &[(Key, u64, Kind, &[u8])]) -> Index {
         let (f, entries) = file_with(vals);
         let mut idx = Index::new(0, f);
-        idx.insert_active(&entries).unwrap();
+        idx.insert_active(&entries, Bytes::new()).unwrap();
         idx
     }
 
@@ -1131,7 +1210,7 @@ mod tests {
         idx.reset_new_records();
         assert_eq!((idx.new_records(), idx.longest_new_chain()), (0, 0));
         let (_, entries) = file_with(&[(key(2), 40, Kind::Record, b"k2")]);
-        idx.insert_active(&entries).unwrap();
+        idx.insert_active(&entries, Bytes::new()).unwrap();
         assert_eq!((idx.new_records(), idx.longest_new_chain()), (1, 1));
     }
 
@@ -1338,12 +1417,63 @@ mod tests {
         assert_eq!(d.records, vec![(Lsn(30), Bytes::from_static(b"c"))]);
     }
 
+    /// Records kept in memory are not read from the file: the plan reads only what has no
+    /// copy, and the file's bytes of a copied record no longer matter (here overwritten).
+    #[test]
+    fn records_with_copies_are_taken_from_memory_and_the_others_read() {
+        let vals = [
+            (key(1), 10, Kind::Image, &[3u8; 8192][..]),
+            (key(1), 20, Kind::Record, b"r20"),
+            (key(1), 30, Kind::Record, b"r30"),
+            (key(1), 40, Kind::Record, b"r40"),
+        ];
+        let (f, entries) = file_with_gap(&vals, 5000);
+        let mut idx = Index::new(0, Arc::clone(&f));
+        // Copies of the first two records of the first batch only.
+        idx.insert_active(&entries[..3], Bytes::from_static(b"r20r30")).unwrap();
+        idx.insert_active(&entries[3..], Bytes::new()).unwrap();
+        for e in &entries[1..3] {
+            f.write_all_at(b"xxx", e.offset).unwrap();
+        }
+        let plan = idx.plan(key(1), Lsn(40), NO_LIMITS).unwrap().unwrap();
+        assert_eq!((plan.reads(), plan.values(), plan.bytes()), (2, 4, 8192 + 9));
+        let d = plan.try_execute_cached().unwrap().unwrap();
+        assert_eq!(d.image.unwrap().1.len(), 8192);
+        let want = [(20, &b"r20"[..]), (30, b"r30"), (40, b"r40")].map(|(l, b)| (Lsn(l), Bytes::from(b)));
+        assert_eq!(d.records, want);
+    }
+
+    /// A copy must be the bytes of its record (checked by the entry's checksum): a batch whose
+    /// copies are not is refused whole. A batch whose copies would take the segment's past the
+    /// limit is indexed without them (its records read from the file).
+    #[test]
+    fn copies_that_are_not_the_records_or_over_the_limit_are_not_kept() {
+        let (f, entries) =
+            file_with(&[(key(1), 10, Kind::Record, b"abc"), (key(2), 10, Kind::Record, b"de")]);
+        let mut idx = Index::new(0, f);
+        assert!(idx.insert_active(&entries, Bytes::from_static(b"abcxy")).is_err());
+        assert_eq!(idx.values(), 0);
+        idx.insert_active(&entries, Bytes::from_static(b"abcde")).unwrap();
+        assert_eq!(idx.plan(key(2), Lsn(10), NO_LIMITS).unwrap().unwrap().reads(), 0);
+
+        let rec = vec![5u8; super::super::format::COPIED_RECORD_MAX];
+        let n = (COPIES_MAX as usize / rec.len()) + 1;
+        let vals: Vec<(Key, u64, Kind, &[u8])> =
+            (0..n).map(|i| (key(10 + i as u32), 20, Kind::Record, &rec[..])).collect();
+        let (f, entries) = file_with(&vals);
+        let mut idx = Index::new(0, f);
+        idx.insert_active(&entries, Bytes::from(rec.repeat(n))).unwrap();
+        let plan = idx.plan(key(10), Lsn(20), NO_LIMITS).unwrap().unwrap();
+        assert_eq!(plan.reads(), 1, "over the limit: read from the file");
+        assert_eq!(plan.execute().unwrap().records[0].1, Bytes::from(rec));
+    }
+
     #[test]
     fn insert_of_duplicate_key_lsn_fails_and_adds_nothing() {
         let (f, entries) = file_with(&[(key(1), 10, Kind::Record, b"a"), (key(2), 10, Kind::Record, b"b")]);
         let mut idx = Index::new(0, f);
-        idx.insert_active(&entries[..1]).unwrap();
-        assert!(idx.insert_active(&entries).is_err());
+        idx.insert_active(&entries[..1], Bytes::new()).unwrap();
+        assert!(idx.insert_active(&entries, Bytes::new()).is_err());
         assert_eq!(idx.values(), 1);
         let (f, mut entries) =
             file_with(&[(key(1), 10, Kind::Record, b"a"), (key(2), 10, Kind::Record, b"b")]);
@@ -1356,7 +1486,7 @@ mod tests {
         let (f, mut entries) = file_with(&[(key(1), 10, Kind::Record, b"abc")]);
         entries[0].crc ^= 1;
         let mut idx = Index::new(0, f);
-        idx.insert_active(&entries).unwrap();
+        idx.insert_active(&entries, Bytes::new()).unwrap();
         let err = idx.plan(key(1), Lsn(10), NO_LIMITS).unwrap().unwrap().execute().err().unwrap();
         assert!(format!("{err:#}").contains("checksum mismatch"), "{err:#}");
     }
@@ -1370,7 +1500,7 @@ mod tests {
         let (f, mut entries) = file_with(&vals);
         entries.iter_mut().for_each(|e| e.crc ^= 1);
         let mut idx = Index::new(0, f);
-        idx.insert_active(&entries).unwrap();
+        idx.insert_active(&entries, Bytes::new()).unwrap();
 
         let limits = |max_records, max_bytes| ReadLimits { max_records, max_bytes };
         let err = idx.plan(key(1), Lsn(11), limits(9, u64::MAX)).err().unwrap();

@@ -169,6 +169,8 @@ pub struct TimelineStats {
     /// Groups of layers a lookup looks at, one layer in each (see `index::LayerMap`).
     pub runs: u64,
     pub on_disk_bytes: u64,
+    /// Bytes of the active segment's record copies (`format::COPIES_MAX` at most).
+    pub record_copy_bytes: u64,
     pub last_durable_lsn: Lsn,
 }
 

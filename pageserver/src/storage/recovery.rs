@@ -30,6 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context};
+use bytes::Bytes;
 
 use super::format::{self, FILE_HEADER_LEN, LOCK_NAME};
 use super::index::{Frozen, Index};
@@ -65,8 +66,8 @@ pub(crate) fn recover(dir: &Path, dir_file: &File, metrics: &StorageMetrics) -> 
             check_files(&m, &listing)?;
             let opened = open_layers(dir, &m.layers)?;
             let floor = opened.last_lsn.max(Lsn(m.active.base_lsn));
-            let segment = open_active(dir, dir_file, opened.next_file_id, floor, metrics)?;
-            opened.finish(segment, floor, m)
+            let (segment, copies) = open_active(dir, dir_file, opened.next_file_id, floor, metrics)?;
+            opened.finish(segment, copies, floor, m)
         }
         None => recover_v1(dir, dir_file, listing, metrics),
     }
@@ -253,13 +254,21 @@ fn open_layers(dir: &Path, metas: &[LayerMeta]) -> anyhow::Result<OpenedLayers> 
 }
 
 impl OpenedLayers {
-    fn finish(self, segment: ActiveSegment, floor: Lsn, manifest: Manifest) -> anyhow::Result<Recovered> {
+    /// The recovered timeline, with the active segment's record copies (`copies`, as
+    /// [`Index::insert_active`] takes them).
+    fn finish(
+        self,
+        segment: ActiveSegment,
+        copies: Bytes,
+        floor: Lsn,
+        manifest: Manifest,
+    ) -> anyhow::Result<Recovered> {
         let mut index = Index::new(segment.file_id, segment.file.clone());
         for layer in self.layers {
             let name = layer.name.clone();
             index.push_layer(layer).with_context(|| format!("index layer {name}"))?;
         }
-        index.insert_active(&segment.entries).context("index active segment")?;
+        index.insert_active(&segment.entries, copies).context("index active segment")?;
         let last_lsn = segment.lsn_range().map_or(floor, |(_, last)| last);
         Ok(Recovered {
             index,
@@ -296,9 +305,9 @@ fn recover_v1(
     }
     metas.sort_by_key(|l| l.first_lsn);
     let opened = open_layers(dir, &metas)?;
-    let segment = match listing.active {
+    let (segment, copies) = match listing.active {
         true => open_active(dir, dir_file, opened.next_file_id, opened.last_lsn, metrics)?,
-        false => ActiveSegment::create(dir, dir_file, opened.next_file_id, metrics)?,
+        false => (ActiveSegment::create(dir, dir_file, opened.next_file_id, metrics)?, Bytes::new()),
     };
     let mut m = Manifest::empty();
     m.layers = metas;
@@ -309,7 +318,7 @@ fn recover_v1(
         tracing::info!(layers = m.layers.len(), "wrote a manifest for a version 1 timeline directory");
     }
     let floor = opened.last_lsn;
-    opened.finish(segment, floor, m)
+    opened.finish(segment, copies, floor, m)
 }
 
 /// Fails if a file of the directory was written next to a manifest (format version 2 or 3): then the
@@ -383,7 +392,7 @@ fn finish_interrupted_seal(
 /// inside a frame (a client's value) can parse as a footer, but then the index offset they
 /// claim lies inside that frame, so the frames do not end there.
 fn is_sealed_segment(file: &File, footer: &layer::Footer, mut index: Vec<format::IndexEntry>) -> bool {
-    let Ok(scan) = segment::scan(file, footer.index_offset, Lsn(0)) else {
+    let Ok(scan) = segment::scan(file, footer.index_offset, Lsn(0), false) else {
         return false;
     };
     let mut frames = scan.entries;
@@ -393,14 +402,14 @@ fn is_sealed_segment(file: &File, footer: &layer::Footer, mut index: Vec<format:
 }
 
 /// Opens and scans the existing `active.seg` of `dir`, cutting a torn tail; every value in it
-/// must be above `last_lsn`.
+/// must be above `last_lsn`. With the segment, the copies of its small records to index.
 fn open_active(
     dir: &Path,
     dir_file: &File,
     file_id: u32,
     last_lsn: Lsn,
     metrics: &StorageMetrics,
-) -> anyhow::Result<ActiveSegment> {
+) -> anyhow::Result<(ActiveSegment, Bytes)> {
     let path = dir.join(ACTIVE_NAME);
     let file = open_data_file(OpenOptions::new().read(true).write(true), &path).context("open active.seg")?;
     let len = file.metadata().context("stat active.seg")?.len();
@@ -414,9 +423,9 @@ fn open_active(
         }
         tracing::warn!(len, "recreating active.seg with a torn header");
         drop(file);
-        return ActiveSegment::create(dir, dir_file, file_id, metrics);
+        return Ok((ActiveSegment::create(dir, dir_file, file_id, metrics)?, Bytes::new()));
     }
-    let scan = segment::scan(&file, len, last_lsn).context("scan active.seg")?;
+    let scan = segment::scan(&file, len, last_lsn, true).context("scan active.seg")?;
     if let Some(why) = &scan.torn {
         let cut = len - scan.valid_len;
         tracing::warn!(
@@ -427,13 +436,14 @@ fn open_active(
         metrics.fsync(|| file.sync_all()).context("fsync truncated active.seg")?;
         metrics.torn_tail_truncations.inc();
     }
-    Ok(ActiveSegment {
+    let segment = ActiveSegment {
         file: Arc::new(file),
         file_id,
         len: scan.valid_len,
         entries: scan.entries,
         crc: scan.crc,
-    })
+    };
+    Ok((segment, Bytes::from(scan.copies)))
 }
 
 #[cfg(test)]

@@ -144,14 +144,20 @@ pub(crate) struct Scan {
     pub torn: Option<String>,
     /// The crc32c of the file's first `valid_len` bytes.
     pub crc: u32,
+    /// With `copies` asked: the bytes of the first records the active segment keeps copies of
+    /// ([`format::is_copied`]), back to back in entry order, at most [`format::COPIES_MAX`] bytes
+    /// (what [`super::Index::insert_active`] takes with the entries).
+    pub copies: Vec<u8>,
 }
 
 /// Scans the frames of a segment whose header has been checked, from [`FILE_HEADER_LEN`] to
 /// `file_len`. A frame that is incomplete or fails its checksum ends the scan (a torn tail). A
 /// frame that passes its checksum but makes no sense (LSNs going backwards, bad kind or length)
-/// is an error: it is not a torn write, and cutting it could lose acknowledged data.
-pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn) -> anyhow::Result<Scan> {
+/// is an error: it is not a torn write, and cutting it could lose acknowledged data. With
+/// `copies`, it keeps the bytes of the small records ([`Scan::copies`]).
+pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn, copies: bool) -> anyhow::Result<Scan> {
     let mut entries = Vec::new();
+    let mut copied = Vec::new();
     let mut pos = FILE_HEADER_LEN;
     let mut file_header = [0u8; FILE_HEADER_LEN as usize];
     read_at(file, &mut file_header, 0).context("read file header")?;
@@ -185,6 +191,15 @@ pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn) -> anyhow::Res
         parse_body(&body, count, body_start, &mut entries)
             .with_context(|| format!("checksummed frame at offset {pos} is invalid"))?;
         let batch = &entries[first..];
+        if copies {
+            for e in batch.iter().filter(|e| format::is_copied(e)) {
+                if (copied.len() + e.len as usize) as u64 > format::COPIES_MAX {
+                    break;
+                }
+                let at = (e.offset - body_start) as usize;
+                copied.extend_from_slice(&body[at..at + e.len as usize]);
+            }
+        }
         ensure!(
             batch[0].lsn > last_lsn,
             "frame at offset {pos} starts at lsn {} after lsn {last_lsn}",
@@ -195,7 +210,7 @@ pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn) -> anyhow::Res
         pos = body_start + body_len as u64;
         file_crc = crc32c::crc32c_append(crc32c::crc32c_append(file_crc, &header), &body);
     };
-    Ok(Scan { entries, valid_len: pos, torn, crc: file_crc })
+    Ok(Scan { entries, valid_len: pos, torn, crc: file_crc, copies: copied })
 }
 
 /// Decodes `count` values of a checksummed frame body that starts at file offset `body_start`.
@@ -326,7 +341,7 @@ mod tests {
     #[test]
     fn scan_of_appended_frames_returns_every_entry_with_exact_offsets() {
         let (_dir, seg) = segment_with(&two_batches());
-        let scan = scan(&seg.file, seg.len, Lsn(0)).unwrap();
+        let scan = scan(&seg.file, seg.len, Lsn(0), false).unwrap();
         assert!(scan.torn.is_none());
         assert_eq!(scan.valid_len, seg.len);
         assert_eq!(scan.entries, seg.entries);
@@ -342,7 +357,7 @@ mod tests {
         let (_dir, seg) = segment_with(&two_batches());
         let end_of_first = seg.entries[1].offset + 3;
         for cut in [seg.len - 1, end_of_first + 5, end_of_first + 20] {
-            let scan = scan(&seg.file, cut, Lsn(0)).unwrap();
+            let scan = scan(&seg.file, cut, Lsn(0), false).unwrap();
             assert!(scan.torn.is_some(), "cut at {cut}");
             assert_eq!(scan.valid_len, end_of_first);
             assert_eq!(scan.entries.len(), 2);
@@ -353,7 +368,7 @@ mod tests {
     fn scan_with_flipped_bit_in_last_frame_stops_at_previous_frame() {
         let (_dir, seg) = segment_with(&two_batches());
         seg.file.write_all_at(&[0xff], seg.len - 1).unwrap();
-        let scan = scan(&seg.file, seg.len, Lsn(0)).unwrap();
+        let scan = scan(&seg.file, seg.len, Lsn(0), false).unwrap();
         assert_eq!(scan.torn.as_deref(), Some("frame checksum mismatch"));
         assert_eq!(scan.entries.len(), 2);
     }
@@ -361,6 +376,6 @@ mod tests {
     #[test]
     fn scan_of_valid_frame_at_or_below_previous_lsn_is_an_error() {
         let (_dir, seg) = segment_with(&two_batches());
-        assert!(scan(&seg.file, seg.len, Lsn(10)).is_err());
+        assert!(scan(&seg.file, seg.len, Lsn(10), false).is_err());
     }
 }

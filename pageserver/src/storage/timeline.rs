@@ -440,9 +440,9 @@ impl Timeline {
 
     /// Keys, values, layers, bytes on disk, last durable LSN.
     pub fn stats(&self) -> TimelineStats {
-        let (keys, values, runs) = {
+        let (keys, values, runs, record_copy_bytes) = {
             let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-            (index.keys(), index.values(), index.layer_map().lookup_runs() as u64)
+            (index.keys(), index.values(), index.layer_map().lookup_runs() as u64, index.copied_bytes())
         };
         TimelineStats {
             keys,
@@ -451,6 +451,7 @@ impl Timeline {
             runs,
             on_disk_bytes: self.shared.sealed_bytes.load(Ordering::Relaxed)
                 + self.shared.active_len.load(Ordering::Relaxed),
+            record_copy_bytes,
             last_durable_lsn: self.last_durable_lsn(),
         }
     }
@@ -673,6 +674,7 @@ mod tests {
                 layers: 0,
                 runs: 0,
                 on_disk_bytes: std::fs::metadata(dir.path().join("active.seg")).unwrap().len(),
+                record_copy_bytes: 13,
                 last_durable_lsn: Lsn(50),
             }
         );

@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::*;
 use crate::storage::manifest::{ActiveMeta, CompactIntent, SealIntent};
 use crate::storage::test_support::*;
-use crate::storage::{GetError, Key, Timeline, Value};
+use crate::storage::{format, GetError, Key, Timeline, Value};
 
 const BIG: u64 = 1 << 30;
 
@@ -133,7 +133,7 @@ async fn crash_during_concurrent_ingest_keeps_every_batch_acknowledged_before_it
 fn append_seal_index(dir: &Path, keep: Option<u64>, v1: bool) {
     let file = OpenOptions::new().read(true).write(true).open(active_path(dir)).unwrap();
     let len = file.metadata().unwrap().len();
-    let scan = segment::scan(&file, len, Lsn(0)).unwrap();
+    let scan = segment::scan(&file, len, Lsn(0), false).unwrap();
     let (first, last) = (scan.entries[0].lsn, scan.entries.last().unwrap().lsn);
     let size = len + layer::flat_index_and_footer_len(scan.entries.len());
     let mut m = manifest::read(dir).unwrap().unwrap();
@@ -630,4 +630,37 @@ fn kill_9_during_ingest_and_seals_loses_no_acknowledged_batch() {
         }
     }
     assert!(layer_count(dir.path()) > 10);
+}
+
+/// The active segment keeps copies of its small records, made at ingest and again by the scan
+/// of a reopen: a page whose image and records came in separate batches, far apart in the file,
+/// is read with one `pread` (its image) instead of one per record, and its records are the
+/// bytes ingested. A record over the size limit is read from the file.
+#[tokio::test]
+async fn small_records_of_the_active_segment_are_read_from_memory_before_and_after_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let long = Value::Record(Bytes::from(vec![7u8; format::COPIED_RECORD_MAX + 1]));
+    let ingested: Vec<Bytes> = vec![bytes_of(&record("r20")), bytes_of(&record("r30")), bytes_of(&long)];
+    let tl = open(dir.path(), BIG, &m);
+    tl.ingest(batch(vec![(key(1), 10, image(1))])).await.unwrap();
+    for (lsn, value) in [(20, record("r20")), (30, record("r30")), (40, long)] {
+        // Another page's image between them: no two values of key 1 are read together.
+        tl.ingest(batch(vec![(key(2), lsn - 1, image(2)), (key(1), lsn, value)])).await.unwrap();
+    }
+    let check = |tl: &Timeline, when: &str| {
+        let plan = tl.plan_read(key(1), Lsn(40), NO_LIMITS).unwrap();
+        assert_eq!((plan.reads(), plan.values()), (2, 4), "{when}: the image and the long record are read");
+        let d = plan.execute().unwrap();
+        assert_eq!(d.image.unwrap().1, bytes_of(&image(1)), "{when}");
+        let records: Vec<(Lsn, Bytes)> = [20, 30, 40].map(Lsn).into_iter().zip(ingested.clone()).collect();
+        assert_eq!(d.records, records, "{when}");
+        let plan = tl.plan_read(key(1), Lsn(30), NO_LIMITS).unwrap();
+        assert_eq!((plan.reads(), plan.values()), (1, 3), "{when}: only the image is read");
+    };
+    check(&tl, "after ingest");
+    tl.shutdown().await;
+    drop(tl);
+    let tl = open(dir.path(), BIG, &m);
+    check(&tl, "after reopen");
 }
