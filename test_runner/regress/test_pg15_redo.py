@@ -180,6 +180,13 @@ def test_every_page_at_the_end_matches_the_data_files_also_after_kill_9(tmp_path
                         page = conn.get_page(key, end)
                         break
                     except PageServiceError as e:
+                        if e.name == "not_found" and want == bytes(8192):
+                            # Under extension lock contention PostgreSQL 15 extends a heap by
+                            # extra blocks without WAL (RelationAddExtraBlocks); such a page stays
+                            # all zeros in the data files until a record initializes it, and no
+                            # WAL names it: nothing for the daemon to know.
+                            page = None
+                            break
                         if attempt == 2 or e.name not in ("internal", "redo_failed"):
                             failures.append((str(key), str(e)))
                             page = None

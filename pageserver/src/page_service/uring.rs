@@ -501,6 +501,12 @@ impl Local {
         state.ring.completion().disable_eventfd();
         loop {
             while !state.ready.is_empty() {
+                // Counted before the submit: once it is made, a client may have its reply (and
+                // read the metrics) before this thread gets to count it.
+                if state.replies > 0 {
+                    metrics.replies_per_submit.observe(state.replies as f64);
+                    state.replies = 0;
+                }
                 let submitted = push_all(&mut state.ring, &mut state.ready, metrics).and_then(|()| {
                     #[cfg(test)]
                     if self.hub.hooks.fail_next_submit.swap(false, Ordering::Relaxed) {
@@ -509,10 +515,6 @@ impl Local {
                     metrics.uring_io.send_syscalls.inc();
                     state.ring.submit()
                 });
-                if state.replies > 0 {
-                    metrics.replies_per_submit.observe(state.replies as f64);
-                    state.replies = 0;
-                }
                 match submitted {
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

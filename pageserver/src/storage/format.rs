@@ -92,9 +92,9 @@ pub(crate) struct IndexEntry {
 /// GetPage's 11 reads at chain length 10), where a copy in memory costs a slice.
 pub(crate) const COPIED_RECORD_MAX: usize = 1024;
 
-/// Most bytes of record copies one active segment keeps (the first ones; later records are
-/// read from the file): a tenant's memory for them stays bounded whatever `layer_size` is,
-/// about a quarter of the default segment.
+/// Most bytes of record copies one active segment keeps (copies are taken while they fit; a
+/// record that would go past it is read from the file): a tenant's memory for them stays
+/// bounded whatever `layer_size` is, about a quarter of the default segment.
 pub(crate) const COPIES_MAX: u64 = 16 << 20;
 
 /// Whether `e` is a value the active segment keeps a copy of (bytes allowing).

@@ -552,11 +552,13 @@ impl Index {
         Ok(())
     }
 
-    /// Adds committed values of the active segment, with `copies`: the bytes of the first
-    /// [`is_copied`] records among `entries`, back to back in entry order (all of them, fewer,
-    /// or none), kept for reads while the segment is active unless the segment's copies would
-    /// pass [`COPIES_MAX`]. Fails, without adding any, if a `(key, lsn)` is already present or
-    /// a copy's checksum is not its entry's.
+    /// Adds committed values of the active segment, with `copies`: the bytes of [`is_copied`]
+    /// records among `entries`, back to back in entry order: all of them, none, or those taken
+    /// in order while they fit in a size (a record whose bytes would go past the end of
+    /// `copies` has none, and the next one's are at the same place). They are kept for reads
+    /// while the segment is active, unless the segment's copies would pass [`COPIES_MAX`].
+    /// Fails, without adding any, if a `(key, lsn)` is already present or a copy's checksum is
+    /// not its entry's.
     pub(crate) fn insert_active(&mut self, entries: &[IndexEntry], copies: Bytes) -> anyhow::Result<()> {
         if let Some(e) = entries.iter().find(|e| self.active.contains(e.key, e.lsn)) {
             anyhow::bail!("duplicate value for {:?} at lsn {}", e.key, e.lsn);

@@ -144,9 +144,10 @@ pub(crate) struct Scan {
     pub torn: Option<String>,
     /// The crc32c of the file's first `valid_len` bytes.
     pub crc: u32,
-    /// With `copies` asked: the bytes of the first records the active segment keeps copies of
-    /// ([`format::is_copied`]), back to back in entry order, at most [`format::COPIES_MAX`] bytes
-    /// (what [`super::Index::insert_active`] takes with the entries).
+    /// With `copies` asked: the bytes of the records the active segment keeps copies of
+    /// ([`format::is_copied`]) that fit in [`format::COPIES_MAX`] bytes, taken in entry order
+    /// while they fit, back to back (what [`super::Index::insert_active`] takes with the
+    /// entries).
     pub copies: Vec<u8>,
 }
 

@@ -664,3 +664,40 @@ async fn small_records_of_the_active_segment_are_read_from_memory_before_and_aft
     let tl = open(dir.path(), BIG, &m);
     check(&tl, "after reopen");
 }
+
+/// A reopen keeps copies of small records while they fit in the limit: a record that does not
+/// fit is read from the file, and a smaller one after it still gets its copy (its own bytes,
+/// not the skipped record's place).
+#[tokio::test]
+async fn a_reopen_copies_records_while_they_fit_and_reads_the_others_from_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), BIG, &m);
+    let fill = format::COPIES_MAX as usize / 1000;
+    let rec = |n: usize, b: u8| Value::Record(Bytes::from(vec![b; n]));
+    let mut lsn = 0;
+    for chunk in (0..fill).collect::<Vec<_>>().chunks(2000) {
+        let values = chunk
+            .iter()
+            .map(|&i| {
+                lsn += 1;
+                (key(10 + i as u32), lsn, rec(1000, 1))
+            })
+            .collect();
+        tl.ingest(batch(values)).await.unwrap();
+    }
+    // Does not fit in what is left; the next, smaller, would.
+    tl.ingest(batch(vec![(key(1), lsn + 1, rec(1024, 2))])).await.unwrap();
+    tl.ingest(batch(vec![(key(2), lsn + 2, rec(100, 3))])).await.unwrap();
+    tl.shutdown().await;
+    drop(tl);
+    let tl = open(dir.path(), BIG, &m);
+    assert_eq!(tl.stats().record_copy_bytes, fill as u64 * 1000 + 100);
+    let reads = |k| tl.plan_read(k, Lsn(u64::MAX >> 1), NO_LIMITS).unwrap().reads();
+    assert_eq!((reads(key(1)), reads(key(2)), reads(key(10))), (1, 0, 0));
+    for (k, want) in [(key(1), rec(1024, 2)), (key(2), rec(100, 3)), (key(10), rec(1000, 1))] {
+        let d = tl.get_reconstruct_data(k, Lsn(u64::MAX >> 1), NO_LIMITS).unwrap();
+        assert_eq!(d.records.len(), 1);
+        assert_eq!(d.records[0].1, bytes_of(&want));
+    }
+}
