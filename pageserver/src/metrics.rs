@@ -3,9 +3,14 @@
 //! tenants at each scrape).
 //!
 //! A module of the bottom layer, so that the redo manager, the tenant and the collector above
-//! them all reach it without importing each other.
+//! them all reach it without importing each other. Its child [`sharded`] holds the counters
+//! and histograms that the threads serving GetPage update per request.
 
-use prometheus::{exponential_buckets, Histogram, HistogramOpts, IntCounter, IntGauge, Opts};
+pub mod sharded;
+
+use prometheus::{exponential_buckets, HistogramOpts, IntCounter, IntGauge, Opts};
+
+use sharded::ShardedHistogram;
 
 /// What a tenant's GetPage requests and redo requests cost; coarser buckets than the
 /// daemon-wide histograms (14 against 22), since these are per tenant.
@@ -14,9 +19,10 @@ fn buckets() -> Vec<f64> {
     exponential_buckets(25e-6, 2.0, 14).expect("constant buckets are valid")
 }
 
-/// A histogram of one tenant, labelled `tenant_id`, registered nowhere.
-fn histogram(name: &str, help: &str, tenant_id: &str) -> Histogram {
-    Histogram::with_opts(
+/// A histogram of one tenant, labelled `tenant_id`, registered nowhere; in shards, since one
+/// busy tenant's requests are served by every executor thread.
+fn histogram(name: &str, help: &str, tenant_id: &str) -> ShardedHistogram {
+    ShardedHistogram::new(
         HistogramOpts::new(name, help).const_label("tenant_id", tenant_id).buckets(buckets()),
     )
     .expect("a constant name and any label value are valid")
@@ -60,7 +66,7 @@ pub mod names {
 /// has one for GetPage; its redo manager has one for redo (whose time is of successful requests
 /// only, as the daemon-wide `pageserver_wal_redo_seconds`).
 pub struct RequestSeries {
-    pub seconds: Histogram,
+    pub seconds: ShardedHistogram,
     pub errors: IntCounter,
 }
 

@@ -28,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use crate::compaction::{
     CompactError, CompactionMetrics, CompactionSettings, CompactionStatus, Compactor, PassSummary,
 };
+use crate::metrics::sharded::ShardedCounter;
 use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{BudgetError, RedoBudget};
@@ -191,12 +192,22 @@ pub struct Tenant {
     pub(crate) wal_source_change: tokio::sync::Mutex<()>,
 }
 
-/// Request counters of a tenant.
-#[derive(Default)]
+/// Request counters of a tenant (GetPage's in shards: every executor thread counts it).
 pub(crate) struct Counters {
-    get_page_requests: AtomicU64,
+    get_page_requests: ShardedCounter,
     ingest_batches: AtomicU64,
     ingested_values: AtomicU64,
+}
+
+impl Default for Counters {
+    fn default() -> Counters {
+        let opts = prometheus::Opts::new("tenant_get_page_requests", "GetPage requests of a tenant");
+        Counters {
+            get_page_requests: ShardedCounter::new(opts).expect("a constant name is valid"),
+            ingest_batches: AtomicU64::new(0),
+            ingested_values: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Tenant {
@@ -213,7 +224,7 @@ impl Tenant {
     /// Cancel-safe: dropping it abandons the wait or the redo (see
     /// [`WalRedoManager::request_redo`]); nothing is left half done.
     pub async fn get_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
-        self.counters.get_page_requests.fetch_add(1, Ordering::Relaxed);
+        self.counters.get_page_requests.inc();
         let started = Instant::now();
         let result = self.read_page(key, lsn).await;
         self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
@@ -243,7 +254,7 @@ impl Tenant {
         // sends the request the other way, which reads it off the executor.
         let version = self.timeline.version_at(key, lsn, DiskWait::Refused).ok()??;
         let page = self.deps.cache.get(&(self.generation, key, version.0))?;
-        self.counters.get_page_requests.fetch_add(1, Ordering::Relaxed);
+        self.counters.get_page_requests.inc();
         self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
         Some((lsn, page))
     }
@@ -413,7 +424,7 @@ impl Tenant {
             },
             wal_source: lock(&self.wal_receiver).as_ref().map(|r| r.status()),
             counters: TenantCounters {
-                get_page_requests: self.counters.get_page_requests.load(Ordering::Relaxed),
+                get_page_requests: self.counters.get_page_requests.get(),
                 ingest_batches: self.counters.ingest_batches.load(Ordering::Relaxed),
                 ingested_values: self.counters.ingested_values.load(Ordering::Relaxed),
             },

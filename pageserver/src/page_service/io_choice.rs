@@ -52,11 +52,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use prometheus::{GaugeVec, Histogram, IntCounterVec, IntGauge};
+use prometheus::{GaugeVec, IntCounterVec, IntGauge};
 use tokio_util::sync::CancellationToken;
 
 use super::uring::Rings;
 use super::PageServiceIo;
+use crate::metrics::sharded::ShardedHistogram;
 use crate::util::lock;
 
 /// How often `auto` measures.
@@ -360,7 +361,7 @@ pub struct ChoiceMetrics {
     /// 1 while batches go through the io_uring writer.
     pub ring_chosen: IntGauge,
     /// Replies per batch handed to a writer: its sum counts the replies.
-    pub replies: Histogram,
+    pub replies: ShardedHistogram,
     /// Probes, by `result` (`won`, `lost`).
     pub probes: IntCounterVec,
     /// Each writer's figures as last measured (by `io`).

@@ -34,13 +34,14 @@ mod writer;
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::{GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{GaugeVec, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::metrics::sharded::{ShardedCounter, ShardedHistogram};
 use crate::tenants::Tenants;
 use crate::util::Signal;
 use connection::{handle_connection, refuse_now, ConnectionConf};
@@ -128,11 +129,11 @@ pub struct PageServiceConf {
 pub struct PageServiceMetrics {
     connections: IntGauge,
     errors: IntCounterVec,
-    get_page_seconds: Histogram,
-    replies_per_write: Histogram,
-    /// `requests{type="get_page"}` and `{type="ingest"}`, resolved once (a label lookup per
-    /// request costs a hash).
-    get_page_requests: IntCounter,
+    get_page_seconds: ShardedHistogram,
+    replies_per_write: ShardedHistogram,
+    /// `requests{type="get_page"}`, in shards (every thread serving GetPage counts it), and
+    /// `{type="ingest"}`, resolved once (a label lookup per request costs a hash).
+    get_page_requests: ShardedCounter,
     ingest_requests: IntCounter,
     /// `{type="rel"}`: GetRelSize and GetRelExists.
     rel_requests: IntCounter,
@@ -140,7 +141,7 @@ pub struct PageServiceMetrics {
     epoll_io: IoCounters,
     uring_io: IoCounters,
     /// Replies of the batches handed to a ring between two of its submits.
-    replies_per_submit: Histogram,
+    replies_per_submit: ShardedHistogram,
     /// io_uring sends that found the socket full and waited for room.
     send_waits: IntCounter,
     /// `SENDMSG_ZC` operations, and those whose bytes the kernel copied after all.
@@ -156,41 +157,58 @@ impl PageServiceMetrics {
     pub fn new(registry: &Registry) -> anyhow::Result<PageServiceMetrics> {
         let connections =
             IntGauge::new("pageserver_page_service_connections", "Open page service connections")?;
-        let requests = IntCounterVec::new(
-            Opts::new("pageserver_page_service_requests_total", "Page service requests by type"),
-            &["type"],
-        )?;
+        // One counter per type (GetPage's in shards), each with a constant `type` label: one
+        // family cannot mix constant and variable labels.
+        let requests = Opts::new("pageserver_page_service_requests_total", "Page service requests by type");
+        let request_counter = |kind: &str| -> anyhow::Result<IntCounter> {
+            let c = IntCounter::with_opts(requests.clone().const_label("type", kind))?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
         let errors = IntCounterVec::new(
             Opts::new("pageserver_page_service_errors_total", "Page service error replies by code"),
             &["code"],
         )?;
-        let get_page_seconds = Histogram::with_opts(
+        let get_page_seconds = ShardedHistogram::new(
             HistogramOpts::new(
                 "pageserver_page_service_get_page_seconds",
                 "GetPage time, request read to reply ready",
             )
             .buckets(prometheus::exponential_buckets(5e-6, 2.0, 22)?),
         )?;
-        let replies_per_write = Histogram::with_opts(
+        let replies_per_write = ShardedHistogram::new(
             HistogramOpts::new(
                 "pageserver_page_service_replies_per_write",
                 "Replies gathered into one socket write",
             )
             .buckets(prometheus::exponential_buckets(1.0, 2.0, 7)?),
         )?;
-        let by_io = |name: &str, help: &str| -> anyhow::Result<IntCounterVec> {
-            Ok(IntCounterVec::new(Opts::new(name, help), &["io"])?)
+        // One counter per writer and name, in shards (each family is one in a scrape).
+        let by_io = |(name, help): (&str, &str), io: PageServiceIo| -> anyhow::Result<ShardedCounter> {
+            let counter = ShardedCounter::new(Opts::new(name, help).const_label("io", io.as_str()))?;
+            registry.register(Box::new(counter.clone()))?;
+            Ok(counter)
         };
-        let send_syscalls = by_io(
+        let send_syscalls = (
             "pageserver_page_service_send_syscalls_total",
             "Syscalls that sent replies: writev (io=epoll); io_uring_enter, and the eventfd writes that wake the ring (io=io_uring)",
-        )?;
-        let sends = by_io(
+        );
+        let sends = (
             "pageserver_page_service_sends_total",
             "Reply send operations: writev calls (io=epoll), SENDMSG operations (io=io_uring)",
-        )?;
-        let sent_bytes = by_io("pageserver_page_service_sent_bytes_total", "Reply bytes sent")?;
-        let replies_per_submit = Histogram::with_opts(
+        );
+        let sent_bytes = ("pageserver_page_service_sent_bytes_total", "Reply bytes sent");
+        let io = |io: PageServiceIo| -> anyhow::Result<IoCounters> {
+            Ok(IoCounters {
+                send_syscalls: by_io(send_syscalls, io)?,
+                sends: by_io(sends, io)?,
+                sent_bytes: by_io(sent_bytes, io)?,
+            })
+        };
+        let (epoll_io, uring_io) = (io(PageServiceIo::Epoll)?, io(PageServiceIo::IoUring)?);
+        let get_page_requests = ShardedCounter::new(requests.clone().const_label("type", "get_page"))?;
+        registry.register(Box::new(get_page_requests.clone()))?;
+        let replies_per_submit = ShardedHistogram::new(
             HistogramOpts::new(
                 "pageserver_page_service_replies_per_submit",
                 "Replies handed to an io_uring writer between two of its submits",
@@ -256,30 +274,21 @@ impl PageServiceMetrics {
         registry.register(Box::new(zero_copy_copied.clone()))?;
         registry.register(Box::new(uring_failed.clone()))?;
         registry.register(Box::new(connections.clone()))?;
-        registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(get_page_seconds.clone()))?;
         registry.register(Box::new(replies_per_write.clone()))?;
-        registry.register(Box::new(send_syscalls.clone()))?;
-        registry.register(Box::new(sends.clone()))?;
-        registry.register(Box::new(sent_bytes.clone()))?;
         registry.register(Box::new(replies_per_submit.clone()))?;
         registry.register(Box::new(send_waits.clone()))?;
-        let io = |io: PageServiceIo| IoCounters {
-            send_syscalls: send_syscalls.with_label_values(&[io.as_str()]),
-            sends: sends.with_label_values(&[io.as_str()]),
-            sent_bytes: sent_bytes.with_label_values(&[io.as_str()]),
-        };
         Ok(PageServiceMetrics {
             connections,
-            get_page_requests: requests.with_label_values(&["get_page"]),
-            ingest_requests: requests.with_label_values(&["ingest"]),
-            rel_requests: requests.with_label_values(&["rel"]),
+            get_page_requests,
+            ingest_requests: request_counter("ingest")?,
+            rel_requests: request_counter("rel")?,
             errors,
             get_page_seconds,
             replies_per_write,
-            epoll_io: io(PageServiceIo::Epoll),
-            uring_io: io(PageServiceIo::IoUring),
+            epoll_io,
+            uring_io,
             replies_per_submit,
             send_waits,
             zero_copy_sends,
@@ -294,9 +303,9 @@ impl PageServiceMetrics {
 /// calls for `epoll`, `io_uring_enter` calls for `io_uring`), `_sends_total{io}` (`writev` calls,
 /// `SENDMSG` operations) and `_sent_bytes_total{io}`.
 pub(crate) struct IoCounters {
-    pub(crate) send_syscalls: IntCounter,
-    pub(crate) sends: IntCounter,
-    pub(crate) sent_bytes: IntCounter,
+    pub(crate) send_syscalls: ShardedCounter,
+    pub(crate) sends: ShardedCounter,
+    pub(crate) sent_bytes: ShardedCounter,
 }
 
 /// Accepts connections until `cancel`; each runs on `tracker`. Connections stop reading when

@@ -9,6 +9,8 @@ use std::time::Instant;
 use anyhow::Context;
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
 
+use crate::metrics::sharded::ShardedCounter;
+
 /// The storage metrics, registered in the caller's registry.
 #[derive(Debug, Clone)]
 pub struct StorageMetrics {
@@ -25,7 +27,8 @@ pub struct StorageMetrics {
     /// Timelines whose storage writes are currently failing (transiently or for good).
     pub failed_timelines: IntGauge,
     /// GetPage reads served from the kernel's page cache on the calling (executor) thread.
-    pub reads_inline: IntCounter,
+    /// In shards (`metrics::sharded`): every GetPage that is not a cache hit counts it.
+    pub reads_inline: ShardedCounter,
     /// GetPage reads that would have waited for the disk, run on the blocking pool instead.
     pub reads_offloaded: IntCounter,
     /// GetPage plans that needed an index block the kernel's page cache did not hold, made on
@@ -113,10 +116,14 @@ impl StorageMetrics {
                 "pageserver_storage_failed_timelines",
                 "Timelines whose storage writes are failing now (ingest refused)",
             )?,
-            reads_inline: counter(
-                "pageserver_storage_reads_inline_total",
-                "GetPage reads served from the kernel's page cache on the executor thread",
-            )?,
+            reads_inline: {
+                let c = ShardedCounter::new(prometheus::Opts::new(
+                    "pageserver_storage_reads_inline_total",
+                    "GetPage reads served from the kernel's page cache on the executor thread",
+                ))?;
+                registry.register(Box::new(c.clone()))?;
+                c
+            },
             reads_offloaded: counter(
                 "pageserver_storage_reads_offloaded_total",
                 "GetPage reads that would have waited for the disk, run on the blocking pool instead",

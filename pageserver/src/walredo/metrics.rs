@@ -9,6 +9,7 @@ use prometheus::{
 };
 
 use super::ProcessKind;
+use crate::metrics::sharded::{ShardedCounter, ShardedHistogram};
 
 /// Why a child process stopped; the `cause` label of `pageserver_wal_redo_process_stopped_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,16 +84,19 @@ impl StopCause {
 }
 
 pub struct WalRedoMetrics {
-    /// Wall time of a redo request, spawn and retry included.
-    pub redo_seconds: Histogram,
-    pub records_per_request: Histogram,
-    pub bytes_per_request: Histogram,
-    /// Requests by outcome: ok, rejected (error frame), timeout, queue_timeout, process_failed,
-    /// invalid, shutting_down.
-    pub requests: IntCounterVec,
-    /// `requests` with the result `ok`, resolved once (a label lookup per request takes the
-    /// vector's lock, which every thread serving GetPage would share).
-    pub requests_ok: IntCounter,
+    /// Wall time of a redo request, spawn and retry included. The per-request series are in
+    /// shards (`metrics::sharded`): every thread serving GetPage updates them.
+    pub redo_seconds: ShardedHistogram,
+    pub records_per_request: ShardedHistogram,
+    pub bytes_per_request: ShardedHistogram,
+    /// Requests that failed, by outcome ([`FAILED_RESULTS`]; one counter with a constant
+    /// `result` label each, as `requests_ok`, since one family cannot mix constant and variable
+    /// labels).
+    requests_failed: Vec<(&'static str, IntCounter)>,
+    /// `requests` with the result `ok`: a counter of its own, in shards (a label lookup per
+    /// request takes the vector's lock, and one counter's line would bounce between the
+    /// threads serving GetPage); the vector has the other results.
+    pub requests_ok: ShardedCounter,
     /// Background requests (`request_redo_background`) that need a child (not answered from
     /// the base image alone); their outcomes are counted in `requests` with the others.
     pub background_requests: IntCounter,
@@ -115,7 +119,17 @@ pub struct WalRedoMetrics {
     pub pool_extra_children: IntGaugeVec,
 }
 
+/// The outcomes of a failed request (`RedoError`'s `result_label`), the `result` label of
+/// `pageserver_wal_redo_requests_total` besides `ok`.
+pub const FAILED_RESULTS: [&str; 7] =
+    ["unsupported", "rejected", "timeout", "queue_timeout", "process_failed", "invalid", "shutting_down"];
+
 impl WalRedoMetrics {
+    /// The counter of failed requests with the outcome `result` (one of [`FAILED_RESULTS`]).
+    pub fn requests_failed(&self, result: &str) -> Option<&IntCounter> {
+        self.requests_failed.iter().find(|(r, _)| *r == result).map(|(_, c)| c)
+    }
+
     pub fn new(registry: &Registry) -> anyhow::Result<WalRedoMetrics> {
         let histogram = |name: &str, help: &str, buckets: Vec<f64>| -> anyhow::Result<Histogram> {
             let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))?;
@@ -127,22 +141,34 @@ impl WalRedoMetrics {
             registry.register(Box::new(c.clone()))?;
             Ok(c)
         };
-        let requests =
-            counter_vec("pageserver_wal_redo_requests_total", "WAL redo requests by outcome", "result")?;
+        let sharded = |name: &str, help: &str, buckets: Vec<f64>| -> anyhow::Result<ShardedHistogram> {
+            let h = ShardedHistogram::new(HistogramOpts::new(name, help).buckets(buckets))?;
+            registry.register(Box::new(h.clone()))?;
+            Ok(h)
+        };
+        let requests = Opts::new("pageserver_wal_redo_requests_total", "WAL redo requests by outcome");
+        let requests_ok = ShardedCounter::new(requests.clone().const_label("result", "ok"))?;
+        registry.register(Box::new(requests_ok.clone()))?;
+        let mut requests_failed = Vec::with_capacity(FAILED_RESULTS.len());
+        for result in FAILED_RESULTS {
+            let c = IntCounter::with_opts(requests.clone().const_label("result", result))?;
+            registry.register(Box::new(c.clone()))?;
+            requests_failed.push((result, c));
+        }
         let metrics = WalRedoMetrics {
-            requests_ok: requests.with_label_values(&["ok"]),
-            requests,
-            redo_seconds: histogram(
+            requests_ok,
+            requests_failed,
+            redo_seconds: sharded(
                 "pageserver_wal_redo_seconds",
                 "Time spent on WAL redo requests",
                 exponential_buckets(5e-6, 2.0, 22)?,
             )?,
-            records_per_request: histogram(
+            records_per_request: sharded(
                 "pageserver_wal_redo_request_records",
                 "Number of records per WAL redo request",
                 exponential_buckets(1.0, 2.0, 14)?,
             )?,
-            bytes_per_request: histogram(
+            bytes_per_request: sharded(
                 "pageserver_wal_redo_request_bytes",
                 "Bytes of records (and base image) per WAL redo request",
                 exponential_buckets(64.0, 2.0, 16)?,

@@ -611,7 +611,9 @@ impl WalRedoManager {
 
     /// Counts a failed request by outcome and hands the error back.
     fn count(&self, e: RedoError) -> RedoError {
-        self.metrics.requests.with_label_values(&[e.result_label()]).inc();
+        if let Some(failed) = self.metrics.requests_failed(e.result_label()) {
+            failed.inc();
+        }
         self.series.errors.inc();
         e
     }

@@ -677,3 +677,25 @@ async fn tenants_spin_and_block_only_within_the_daemon_wide_budget() {
         manager.shutdown().await;
     }
 }
+
+/// Every outcome a failed request is counted by has its counter in
+/// `pageserver_wal_redo_requests_total` (one per outcome, made at start).
+#[test]
+fn every_failure_outcome_has_its_counter() {
+    let metrics = WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics");
+    let rejected = |code| RedoError::Rejected { code, message: String::new() };
+    let errors = [
+        rejected(ErrorCode::UnsupportedRecord),
+        rejected(ErrorCode::ApplyFailed),
+        RedoError::Timeout(Duration::ZERO),
+        RedoError::QueueTimeout(Duration::ZERO),
+        RedoError::ProcessFailed(anyhow::anyhow!("gone")),
+        RedoError::InvalidRequest(String::new()),
+        RedoError::ShuttingDown,
+    ];
+    let labels: std::collections::BTreeSet<&str> = errors.iter().map(|e| e.result_label()).collect();
+    assert_eq!(labels.len(), metrics::FAILED_RESULTS.len(), "one outcome per counter");
+    for label in labels {
+        assert!(metrics.requests_failed(label).is_some(), "{label}");
+    }
+}

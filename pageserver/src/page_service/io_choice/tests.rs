@@ -1,7 +1,7 @@
 //! `auto`'s chooser on synthetic machines (no clock, no I/O), and the connection counting of
 //! [`IoChoice`].
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts};
+use prometheus::{HistogramOpts, IntCounterVec, Opts};
 
 use super::*;
 
@@ -223,7 +223,7 @@ fn choice() -> IoChoice {
     let metrics = ChoiceMetrics {
         writing_connections: IntGauge::new("w", "w").expect("gauge"),
         ring_chosen: IntGauge::new("r", "r").expect("gauge"),
-        replies: Histogram::with_opts(HistogramOpts::new("h", "h")).expect("histogram"),
+        replies: ShardedHistogram::new(HistogramOpts::new("h", "h").buckets(vec![1.0])).expect("histogram"),
         probes: IntCounterVec::new(Opts::new("p", "p"), &["result"]).expect("counter"),
         replies_per_second: GaugeVec::new(Opts::new("s", "s"), &["io"]).expect("gauge"),
         cpu_per_reply: GaugeVec::new(Opts::new("c", "c"), &["io"]).expect("gauge"),

@@ -1,0 +1,80 @@
+//! What a per-request metric update costs when the threads serving GetPage make it at once:
+//! a prometheus `Histogram` observation and `IntCounter` increment, shared by all threads,
+//! against the same on `pageserver::metrics::sharded`'s types (a shard per thread), with 1 and 2
+//! threads (this machine has 2 vCPUs; a 16-core machine runs it with more).
+//!
+//! `cargo bench -p benches --bench bench_metrics`; each figure is the time of one observation
+//! and one increment on every thread at once (so with 2 threads, two pairs).
+//!
+//! ## Results (2026-11-27, 2-vCPU VM, the commit after `1005169`)
+//!
+//! Criterion's estimate (median of its interval), two runs (`--warm-up-time 1
+//! --measurement-time 3`, then `5`):
+//!
+//! | threads | prometheus, shared | sharded |
+//! |---|---:|---:|
+//! | 1 | 11.7, 12.8 ns | 12.1, 12.6 ns |
+//! | 2 | 59.2, 104.4 ns | 13.7, 9.7 ns |
+//!
+//! With two threads on two vCPUs the shared types cost 4-11x as much per update (their lines
+//! move between the cores at every update); the shards cost what one thread alone pays. Not
+//! yet run on 16 cores (docs/performance.md, "Metrics in shards").
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use pageserver::metrics::sharded::{ShardedCounter, ShardedHistogram};
+use prometheus::{Histogram, HistogramOpts, IntCounter, Opts};
+
+fn opts() -> HistogramOpts {
+    HistogramOpts::new("h_seconds", "h")
+        .buckets(prometheus::exponential_buckets(5e-6, 2.0, 22).expect("constant buckets"))
+}
+
+/// `iters` pairs of updates on each of `threads` threads at once; the time of the slowest.
+fn run(threads: usize, iters: u64, update: Arc<dyn Fn(u64) + Send + Sync>) -> Duration {
+    let start = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (start, update) = (Arc::clone(&start), Arc::clone(&update));
+            std::thread::spawn(move || {
+                start.wait();
+                let began = Instant::now();
+                for i in 0..iters {
+                    update(i * 7 + t as u64);
+                }
+                began.elapsed()
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("a bench thread panicked")).max().unwrap_or_default()
+}
+
+fn bench(c: &mut Criterion) {
+    let mut group = c.benchmark_group("metrics");
+    for threads in [1, 2] {
+        group.bench_function(format!("prometheus/{threads}"), |b| {
+            let h = Histogram::with_opts(opts()).expect("histogram");
+            let n = IntCounter::new("n", "n").expect("counter");
+            let update: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(move |i| {
+                h.observe((i % 1000) as f64 * 1e-6);
+                n.inc();
+            });
+            b.iter_custom(|iters| run(threads, iters, Arc::clone(&update)));
+        });
+        group.bench_function(format!("sharded/{threads}"), |b| {
+            let h = ShardedHistogram::new(opts()).expect("histogram");
+            let n = ShardedCounter::new(Opts::new("n", "n")).expect("counter");
+            let update: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(move |i| {
+                h.observe((i % 1000) as f64 * 1e-6);
+                n.inc();
+            });
+            b.iter_custom(|iters| run(threads, iters, Arc::clone(&update)));
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
