@@ -19,11 +19,13 @@ fn buckets() -> Vec<f64> {
     exponential_buckets(25e-6, 2.0, 14).expect("constant buckets are valid")
 }
 
-/// A histogram of one tenant, labelled `tenant_id`, registered nowhere; in shards, since one
-/// busy tenant's requests are served by every executor thread.
+/// A histogram of one tenant, labelled `tenant_id`, registered nowhere; in shards (at most
+/// [`sharded::TENANT_SHARDS`]), since one busy tenant's requests are served by every executor
+/// thread.
 fn histogram(name: &str, help: &str, tenant_id: &str) -> ShardedHistogram {
-    ShardedHistogram::new(
+    ShardedHistogram::with_shards(
         HistogramOpts::new(name, help).const_label("tenant_id", tenant_id).buckets(buckets()),
+        sharded::TENANT_SHARDS,
     )
     .expect("a constant name and any label value are valid")
 }

@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use crate::compaction::{
     CompactError, CompactionMetrics, CompactionSettings, CompactionStatus, Compactor, PassSummary,
 };
-use crate::metrics::sharded::ShardedCounter;
+use crate::metrics::sharded::{ShardedCounter, TENANT_SHARDS};
 use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{BudgetError, RedoBudget};
@@ -203,7 +203,8 @@ impl Default for Counters {
     fn default() -> Counters {
         let opts = prometheus::Opts::new("tenant_get_page_requests", "GetPage requests of a tenant");
         Counters {
-            get_page_requests: ShardedCounter::new(opts).expect("a constant name is valid"),
+            get_page_requests: ShardedCounter::with_shards(opts, TENANT_SHARDS)
+                .expect("a constant name is valid"),
             ingest_batches: AtomicU64::new(0),
             ingested_values: AtomicU64::new(0),
         }

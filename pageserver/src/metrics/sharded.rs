@@ -1,5 +1,8 @@
 //! Counters and histograms that many threads update at once without sharing a cache line: one
 //! shard of counts per thread (threads beyond the shard count share), summed at each scrape.
+//! A daemon-wide series has a shard per CPU (at most 64); a tenant's, at most
+//! [`TENANT_SHARDS`], so that a daemon of many tenants on many cores does not spend megabytes
+//! on them (a tenant's three sharded series take 3 KiB).
 //!
 //! A prometheus `Histogram` is one set of atomics that every observing thread writes (its count,
 //! its sum by compare-and-swap, a bucket), and an `IntCounter` one atomic: where the threads
@@ -56,19 +59,33 @@ fn shard() -> usize {
     })
 }
 
+/// Shards of a series kept per tenant: at most this many, so that a tenant's few series take
+/// a few KiB however many CPUs the machine has (threads then share a shard two or more to one).
+pub const TENANT_SHARDS: usize = 8;
+
 /// `slots` counts per shard, each shard on lines of its own.
 struct Slots {
     lines: Box<[Line]>,
     lines_per_shard: usize,
+    /// A power of two, at most [`shard_count`].
+    shards: usize,
 }
 
 impl Slots {
-    fn new(slots: usize) -> Slots {
+    /// At most `max_shards` shards (rounded down to a power of two).
+    fn new(slots: usize, max_shards: usize) -> Slots {
+        // The largest power of two at most `max_shards` (and at least 1).
+        let floor_pow2 = 1 << (usize::BITS - 1 - max_shards.max(1).leading_zeros());
+        let shards = shard_count().min(floor_pow2);
         let lines_per_shard = slots.div_ceil(SLOTS_PER_LINE).max(1);
-        let lines = (0..lines_per_shard * shard_count())
-            .map(|_| Line(std::array::from_fn(|_| AtomicU64::new(0))))
-            .collect();
-        Slots { lines, lines_per_shard }
+        let lines =
+            (0..lines_per_shard * shards).map(|_| Line(std::array::from_fn(|_| AtomicU64::new(0)))).collect();
+        Slots { lines, lines_per_shard, shards }
+    }
+
+    /// Slot `slot` of this thread's shard.
+    fn mine(&self, slot: usize) -> &AtomicU64 {
+        self.at(shard() & (self.shards - 1), slot)
     }
 
     fn at(&self, shard: usize, slot: usize) -> &AtomicU64 {
@@ -77,7 +94,7 @@ impl Slots {
 
     /// Slot `slot` summed over the shards.
     fn sum(&self, slot: usize) -> u64 {
-        (0..shard_count()).map(|s| self.at(s, slot).load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
+        (0..self.shards).map(|s| self.at(s, slot).load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
     }
 }
 
@@ -92,7 +109,13 @@ struct CounterCore {
 
 impl ShardedCounter {
     pub fn new(opts: Opts) -> prometheus::Result<ShardedCounter> {
-        Ok(ShardedCounter(Arc::new(CounterCore { desc: opts.describe()?, slots: Slots::new(1) })))
+        ShardedCounter::with_shards(opts, usize::MAX)
+    }
+
+    /// With at most `max_shards` shards (e.g. [`TENANT_SHARDS`]).
+    pub fn with_shards(opts: Opts, max_shards: usize) -> prometheus::Result<ShardedCounter> {
+        let slots = Slots::new(1, max_shards);
+        Ok(ShardedCounter(Arc::new(CounterCore { desc: opts.describe()?, slots })))
     }
 
     pub fn inc(&self) {
@@ -100,7 +123,7 @@ impl ShardedCounter {
     }
 
     pub fn inc_by(&self, v: u64) {
-        self.0.slots.at(shard(), 0).fetch_add(v, Ordering::Relaxed);
+        self.0.slots.mine(0).fetch_add(v, Ordering::Relaxed);
     }
 
     pub fn get(&self) -> u64 {
@@ -138,6 +161,11 @@ impl ShardedHistogram {
     /// Refuses what `Histogram::with_opts` refuses (no buckets, or buckets not increasing); a
     /// last bucket of `+Inf` is implied and dropped.
     pub fn new(opts: HistogramOpts) -> prometheus::Result<ShardedHistogram> {
+        ShardedHistogram::with_shards(opts, usize::MAX)
+    }
+
+    /// With at most `max_shards` shards (e.g. [`TENANT_SHARDS`]).
+    pub fn with_shards(opts: HistogramOpts, max_shards: usize) -> prometheus::Result<ShardedHistogram> {
         let desc = opts.describe()?;
         let mut upper = opts.buckets;
         if upper.last().is_some_and(|b| b.is_infinite() && b.is_sign_positive()) {
@@ -149,19 +177,18 @@ impl ShardedHistogram {
                 desc.fq_name
             )));
         }
-        let slots = Slots::new(upper.len() + 2);
+        let slots = Slots::new(upper.len() + 2, max_shards);
         Ok(ShardedHistogram(Arc::new(HistogramCore { desc, upper, slots })))
     }
 
     pub fn observe(&self, v: f64) {
         let core = &*self.0;
-        let shard = shard();
         // The first bucket whose bound is at or above `v` (`+Inf` past the last, and for NaN),
         // found as prometheus does, from the smallest: a run of requests lands in the same few
         // buckets, where a scan's branches are predicted and a binary search's are not.
         let bucket = core.upper.iter().position(|&b| v <= b).unwrap_or(core.upper.len());
-        core.slots.at(shard, 1 + bucket).fetch_add(1, Ordering::Relaxed);
-        let sum = core.slots.at(shard, 0);
+        core.slots.mine(1 + bucket).fetch_add(1, Ordering::Relaxed);
+        let sum = core.slots.mine(0);
         // This shard's own line: the exchange succeeds at once unless threads share the shard.
         let _ = sum.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
             Some((f64::from_bits(bits) + v).to_bits())
@@ -175,7 +202,8 @@ impl ShardedHistogram {
 
     /// Sum of the observations so far.
     pub fn get_sample_sum(&self) -> f64 {
-        (0..shard_count()).map(|s| f64::from_bits(self.0.slots.at(s, 0).load(Ordering::Relaxed))).sum()
+        let slots = &self.0.slots;
+        (0..slots.shards).map(|s| f64::from_bits(slots.at(s, 0).load(Ordering::Relaxed))).sum()
     }
 }
 
@@ -292,6 +320,29 @@ mod tests {
         assert!(
             text.contains("sends_total{io=\"epoll\"} 1") && text.contains("sends_total{io=\"io_uring\"} 1")
         );
+    }
+
+    /// A series with fewer shards than threads still counts every update (threads share).
+    #[test]
+    fn fewer_shards_than_threads_lose_nothing() {
+        for max in [1, 3, TENANT_SHARDS] {
+            let slots = Slots::new(1, max);
+            assert!(slots.shards.is_power_of_two() && slots.shards <= max && slots.shards <= shard_count());
+            let c = ShardedCounter::with_shards(Opts::new("c", "c"), max).unwrap();
+            let h =
+                ShardedHistogram::with_shards(HistogramOpts::new("h", "h").buckets(vec![1.0]), max).unwrap();
+            std::thread::scope(|s| {
+                for _ in 0..4 {
+                    s.spawn(|| {
+                        for _ in 0..1000 {
+                            c.inc();
+                            h.observe(0.5);
+                        }
+                    });
+                }
+            });
+            assert_eq!((c.get(), h.get_sample_count(), h.get_sample_sum()), (4000, 4000, 2000.0), "{max}");
+        }
     }
 
     #[test]
