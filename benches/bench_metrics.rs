@@ -1,7 +1,7 @@
 //! What a per-request metric update costs when the threads serving GetPage make it at once:
 //! a prometheus `Histogram` observation and `IntCounter` increment, shared by all threads,
 //! against the same on `pageserver::metrics::sharded`'s types (a shard per thread), with 1 and 2
-//! threads (this machine has 2 vCPUs; a 16-core machine runs it with more).
+//! threads (the 2-vCPU machine's cores).
 //!
 //! `cargo bench -p benches --bench bench_metrics`; each figure is the time of one observation
 //! and one increment on every thread at once (so with 2 threads, two pairs).
