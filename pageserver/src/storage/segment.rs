@@ -192,11 +192,10 @@ pub(crate) fn scan(file: &File, file_len: u64, mut last_lsn: Lsn, copies: bool) 
         parse_body(&body, count, body_start, &mut entries)
             .with_context(|| format!("checksummed frame at offset {pos} is invalid"))?;
         let batch = &entries[first..];
-        if copies {
-            for e in batch.iter().filter(|e| format::is_copied(e)) {
-                if (copied.len() + e.len as usize) as u64 > format::COPIES_MAX {
-                    break;
-                }
+        // Each record while it fits, as `Index::insert_active` assigns them: one that does not
+        // fit is skipped, and the next smaller one is still taken.
+        for e in batch.iter().filter(|e| copies && format::is_copied(e)) {
+            if (copied.len() + e.len as usize) as u64 <= format::COPIES_MAX {
                 let at = (e.offset - body_start) as usize;
                 copied.extend_from_slice(&body[at..at + e.len as usize]);
             }

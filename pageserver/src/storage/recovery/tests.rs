@@ -666,8 +666,8 @@ async fn small_records_of_the_active_segment_are_read_from_memory_before_and_aft
 }
 
 /// A reopen keeps copies of small records while they fit in the limit: a record that does not
-/// fit is read from the file, and a smaller one after it still gets its copy (its own bytes,
-/// not the skipped record's place).
+/// fit is read from the file, and a smaller one after it, in the same frame or a later one,
+/// still gets its copy (its own bytes, not the skipped record's place nor the next one's).
 #[tokio::test]
 async fn a_reopen_copies_records_while_they_fit_and_reads_the_others_from_the_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -686,16 +686,19 @@ async fn a_reopen_copies_records_while_they_fit_and_reads_the_others_from_the_fi
             .collect();
         tl.ingest(batch(values)).await.unwrap();
     }
-    // Does not fit in what is left; the next, smaller, would.
-    tl.ingest(batch(vec![(key(1), lsn + 1, rec(1024, 2))])).await.unwrap();
-    tl.ingest(batch(vec![(key(2), lsn + 2, rec(100, 3))])).await.unwrap();
+    // The first does not fit in what is left; the next two, smaller, do: one in the same frame,
+    // one in the next.
+    tl.ingest(batch(vec![(key(1), lsn + 1, rec(1024, 2)), (key(2), lsn + 2, rec(100, 3))])).await.unwrap();
+    tl.ingest(batch(vec![(key(3), lsn + 3, rec(100, 4))])).await.unwrap();
     tl.shutdown().await;
     drop(tl);
     let tl = open(dir.path(), BIG, &m);
-    assert_eq!(tl.stats().record_copy_bytes, fill as u64 * 1000 + 100);
+    assert_eq!(tl.stats().record_copy_bytes, fill as u64 * 1000 + 200);
     let reads = |k| tl.plan_read(k, Lsn(u64::MAX >> 1), NO_LIMITS).unwrap().reads();
-    assert_eq!((reads(key(1)), reads(key(2)), reads(key(10))), (1, 0, 0));
-    for (k, want) in [(key(1), rec(1024, 2)), (key(2), rec(100, 3)), (key(10), rec(1000, 1))] {
+    assert_eq!((reads(key(1)), reads(key(2)), reads(key(3)), reads(key(10))), (1, 0, 0, 0));
+    let values =
+        [(key(1), rec(1024, 2)), (key(2), rec(100, 3)), (key(3), rec(100, 4)), (key(10), rec(1000, 1))];
+    for (k, want) in values {
         let d = tl.get_reconstruct_data(k, Lsn(u64::MAX >> 1), NO_LIMITS).unwrap();
         assert_eq!(d.records.len(), 1);
         assert_eq!(d.records[0].1, bytes_of(&want));
