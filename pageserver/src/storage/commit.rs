@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use anyhow::Context;
 use bytes::Bytes;
 
-use super::format;
+use super::format::{self, IndexEntry};
 use super::layer::BlockIndex;
 use super::manifest::SealIntent;
 use super::pool::{self, Pool};
@@ -282,12 +282,13 @@ impl Committer {
         m.ingested_values.inc_by(values);
         m.ingested_bytes.inc_by(bytes);
 
-        let copies = record_copies(group.iter().flat_map(|p| &p.values));
+        let entries = &self.segment.entries[first_entry..];
+        let copies = record_copies(entries, group.iter().flat_map(|p| &p.values));
         self.shared
             .index
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert_active(&self.segment.entries[first_entry..], copies)
+            .insert_active(entries, copies)
             .context("index committed values")?;
         self.shared.active_len.store(self.segment.len, Ordering::Relaxed);
         if let Some(last) = group.last() {
@@ -328,26 +329,17 @@ impl Committer {
     }
 }
 
-/// The bytes of the records of `values` that the active segment keeps copies of
-/// ([`format::is_copied`]), back to back in order, as `Index::insert_active` takes them with
-/// the values' entries; none if they are more than it keeps.
-fn record_copies<'a, I>(values: I) -> Bytes
-where
-    I: Iterator<Item = &'a (Key, Lsn, Value)> + Clone,
-{
-    fn copied(value: &(Key, Lsn, Value)) -> Option<&Bytes> {
-        match &value.2 {
-            Value::Record(b) if b.len() <= format::COPIED_RECORD_MAX => Some(b),
-            _ => None,
-        }
-    }
-    let len: usize = values.clone().filter_map(copied).map(|b| b.len()).sum();
-    if len == 0 || len as u64 > format::COPIES_MAX {
+/// The bytes of the values (`values`, in the order of their `entries`) that the active segment
+/// keeps copies of ([`format::is_copied`]), back to back, as `Index::insert_active` takes them
+/// with the entries; none if they are more than it keeps.
+fn record_copies<'a>(entries: &[IndexEntry], values: impl Iterator<Item = &'a (Key, Lsn, Value)>) -> Bytes {
+    let len: u64 = entries.iter().filter(|e| format::is_copied(e)).map(|e| u64::from(e.len)).sum();
+    if len == 0 || len > format::COPIES_MAX {
         return Bytes::new();
     }
-    let mut out = Vec::with_capacity(len);
-    for b in values.filter_map(copied) {
-        out.extend_from_slice(b);
+    let mut out = Vec::with_capacity(len as usize);
+    for (_, (_, _, v)) in entries.iter().zip(values).filter(|(e, _)| format::is_copied(e)) {
+        out.extend_from_slice(v.bytes());
     }
     Bytes::from(out)
 }
