@@ -31,7 +31,7 @@ use crate::compaction::{
 use crate::metrics::sharded::{ShardedCounter, TENANT_SHARDS};
 use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
-use crate::redo_budget::{BudgetError, RedoBudget};
+use crate::redo_budget::{Overloaded, RedoBudget};
 use crate::storage::{
     self, DiskWait, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError,
 };
@@ -92,12 +92,9 @@ pub enum GetPageError {
     Internal(anyhow::Error),
 }
 
-impl From<BudgetError> for GetPageError {
-    fn from(e: BudgetError) -> GetPageError {
-        match e {
-            BudgetError::ShuttingDown => GetPageError::ShuttingDown,
-            BudgetError::Overloaded { bytes, waited } => GetPageError::Overloaded { bytes, waited },
-        }
+impl From<Overloaded> for GetPageError {
+    fn from(Overloaded { bytes, waited }: Overloaded) -> GetPageError {
+        GetPageError::Overloaded { bytes, waited }
     }
 }
 
@@ -334,7 +331,10 @@ impl Tenant {
         let holds = bytes
             + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
             + crate::walredo::redo_overhead(values, bytes);
+        // Biased: a budget with room answers at once, and then the cancellation is not
+        // polled (which would register with the tenant's token, a lock every request takes).
         let _reserved = tokio::select! {
+            biased;
             reserved = self.deps.redo_budget.reserve(holds) => reserved?,
             () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
         };

@@ -22,12 +22,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use prometheus::{IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{IntGaugeVec, Opts, Registry};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::compaction::{CompactionMetrics, CompactionSettings, Compactor};
+use crate::metrics::sharded::ReadGauge;
 use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{RedoBudget, DEFAULT_REDO_MEMORY_BUDGET};
@@ -119,7 +120,8 @@ impl TenantSlot {
 /// `pageserver_tenants{state}`: tenants by state.
 pub struct TenantsMetrics {
     tenants: IntGaugeVec,
-    redo_budget_used: IntGauge,
+    /// The redo memory budget's bytes in use, read at each scrape.
+    redo_budget_used: Arc<AtomicU64>,
     pub(crate) compaction: Arc<CompactionMetrics>,
     pub(crate) wal_receiver: Arc<wal_receiver::WalReceiverMetrics>,
 }
@@ -134,11 +136,14 @@ impl TenantsMetrics {
         for state in ["active", "broken"] {
             tenants.with_label_values(&[state]).set(0);
         }
-        let redo_budget_used = IntGauge::new(
-            "pageserver_walredo_memory_budget_used_bytes",
-            "Bytes of page reconstruction data reserved in walredo_memory_budget",
-        )?;
-        registry.register(Box::new(redo_budget_used.clone()))?;
+        let redo_budget_used = Arc::new(AtomicU64::new(0));
+        registry.register(Box::new(ReadGauge::new(
+            Opts::new(
+                "pageserver_walredo_memory_budget_used_bytes",
+                "Bytes of page reconstruction data reserved in walredo_memory_budget",
+            ),
+            Arc::clone(&redo_budget_used),
+        )?))?;
         let compaction = Arc::new(CompactionMetrics::new(registry)?);
         let wal_receiver = Arc::new(wal_receiver::WalReceiverMetrics::new(registry)?);
         Ok(TenantsMetrics { tenants, redo_budget_used, compaction, wal_receiver })
@@ -223,7 +228,7 @@ impl Tenants {
                 redo_budget: Arc::new(RedoBudget::new(
                     conf.walredo_memory_budget,
                     conf.walredo.timeout,
-                    metrics.redo_budget_used.clone(),
+                    Arc::clone(&metrics.redo_budget_used),
                 )),
                 wait_lsn_timeout: conf.wait_lsn_timeout,
                 default_process_kind: conf.walredo.process_kind,
