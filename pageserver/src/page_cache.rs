@@ -10,7 +10,9 @@
 
 use bytes::Bytes;
 use page_types::BufferTag;
-use prometheus::{IntCounter, IntGauge, Registry};
+use prometheus::{IntGauge, Opts, Registry};
+
+use crate::metrics::sharded::ShardedCounter;
 
 /// Default of `page_cache_size`.
 pub const DEFAULT_PAGE_CACHE_SIZE: u64 = 128 << 20;
@@ -33,15 +35,16 @@ impl quick_cache::Weighter<CacheKey, Bytes> for PageWeight {
 
 pub struct PageCache {
     cache: Option<quick_cache::sync::Cache<CacheKey, Bytes, PageWeight>>,
-    hits: IntCounter,
-    misses: IntCounter,
+    /// In shards: every GetPage counts one or the other, on any core.
+    hits: ShardedCounter,
+    misses: ShardedCounter,
     bytes: IntGauge,
 }
 
 impl PageCache {
     pub fn new(size_bytes: u64, registry: &Registry) -> anyhow::Result<PageCache> {
-        let counter = |name: &str, help: &str| -> anyhow::Result<IntCounter> {
-            let c = IntCounter::new(name, help)?;
+        let counter = |name: &str, help: &str| -> anyhow::Result<ShardedCounter> {
+            let c = ShardedCounter::new(Opts::new(name, help))?;
             registry.register(Box::new(c.clone()))?;
             Ok(c)
         };

@@ -17,7 +17,8 @@
 //! A scrape taken while observations land may count one in a bucket and not yet in the sum;
 //! the count is always the sum of the buckets, so the `+Inf` bucket equals it.
 //!
-//! [`ReadGauge`] is the degenerate case: a gauge whose value is an atomic its owner keeps
+//! [`ShardedSums`] are the same shards without a series, for counts that the daemon reads
+//! itself. [`ReadGauge`] is the degenerate case: a gauge whose value is an atomic its owner keeps
 //! anyway (the redo memory budget's bytes in use), read at each scrape, so that an update is
 //! not a second write of a shared line.
 //!
@@ -249,6 +250,33 @@ impl std::fmt::Debug for ShardedHistogram {
     }
 }
 
+/// Sums updated in shards and exported nowhere: counts a request path bumps and a periodic
+/// reader sums (e.g. a tenant's redo load, which its pool's controller reads every 100 ms).
+pub struct ShardedSums(Slots);
+
+impl ShardedSums {
+    /// `sums` sums, in at most `max_shards` shards.
+    pub fn new(sums: usize, max_shards: usize) -> ShardedSums {
+        ShardedSums(Slots::new(sums, max_shards))
+    }
+
+    /// Adds `v` to sum `i` (wrapping).
+    pub fn add(&self, i: usize, v: u64) {
+        self.0.mine(i).fetch_add(v, Ordering::Relaxed);
+    }
+
+    /// Sum `i` over the shards: never less than a sum read before it.
+    pub fn sum(&self, i: usize) -> u64 {
+        self.0.sum(i)
+    }
+}
+
+impl std::fmt::Debug for ShardedSums {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedSums").field("shards", &self.0.shards).finish()
+    }
+}
+
 /// A gauge (`IntGauge`'s series) whose value is an atomic kept by its owner, read at each scrape.
 #[derive(Clone)]
 pub struct ReadGauge {
@@ -336,6 +364,24 @@ mod tests {
         assert_eq!(text(&sharded), text(&plain));
         assert_eq!((h.get_sample_count(), c.get()), (8000, 16000));
         assert_eq!(h.get_sample_sum(), ph.get_sample_sum());
+    }
+
+    /// Sums added to from more threads than shards lose nothing, and each sum is its own.
+    #[test]
+    fn sums_from_many_threads_lose_nothing() {
+        let sums = ShardedSums::new(3, 2);
+        std::thread::scope(|s| {
+            for t in 0..8u64 {
+                let sums = &sums;
+                s.spawn(move || {
+                    for _ in 0..1000 {
+                        sums.add(0, 1);
+                        sums.add(2, t);
+                    }
+                });
+            }
+        });
+        assert_eq!((sums.sum(0), sums.sum(1), sums.sum(2)), (8000, 0, 28_000));
     }
 
     /// A read gauge exports what an `IntGauge` set to its atomic's value exports, as of the

@@ -336,7 +336,6 @@ pub struct WalRedoManager {
     spawn_attempts: AtomicU64,
     metrics: Arc<WalRedoMetrics>,
     series: RequestSeries,
-    served: AtomicU64,
     /// Foreground requests before background ones.
     priority: Priority,
     reaping: Arc<Reaping>,
@@ -369,7 +368,6 @@ impl WalRedoManager {
             spawn_attempts: AtomicU64::new(0),
             metrics,
             series: RequestSeries::redo(tenant_id),
-            served: AtomicU64::new(0),
             priority: Priority::new(),
             reaping: Reaping::new(),
             cancel: CancellationToken::new(),
@@ -565,7 +563,7 @@ impl WalRedoManager {
                     continue;
                 }
                 Ok(reply) => {
-                    self.served.fetch_add(1, Ordering::Relaxed);
+                    self.load.served();
                     let took = started.elapsed().as_secs_f64();
                     self.metrics.redo_seconds.observe(took);
                     self.series.seconds.observe(took);
@@ -862,7 +860,7 @@ impl WalRedoManager {
                 max_children: self.conf.max_pool_size,
                 controller: lock(&self.controller).clone(),
             },
-            requests_served: self.served.load(Ordering::Relaxed),
+            requests_served: self.load.requests_served(),
             last_exit: self.reaping.last_exit(),
         }
     }

@@ -20,7 +20,7 @@
 //! pool never grows past `max_pool_size`, nor past the budget.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,7 @@ use serde::Serialize;
 
 use super::pipeline::Patience;
 use super::process::{InUse, Process};
+use crate::metrics::sharded::{ShardedSums, TENANT_SHARDS};
 use crate::worker_controller::{Decision, Observation};
 
 /// How often the controller looks at a pool.
@@ -224,22 +225,41 @@ impl Drop for Pool {
     }
 }
 
-/// Counters the request path bumps and the controller reads once per period.
-#[derive(Debug, Default)]
+/// Counters the request path bumps and the controller reads once per period: in shards (at
+/// most [`TENANT_SHARDS`], 1 KiB), since one busy tenant's requests are served by every
+/// executor thread and each bumps them twice.
+#[derive(Debug)]
 pub(crate) struct Load {
-    pub(crate) arrivals: AtomicU64,
-    pub(crate) completions: AtomicU64,
-    /// Nanoseconds of finished requests (from taking a child to the reply).
-    pub(crate) request_nanos: AtomicU64,
+    /// [`ARRIVALS`], [`COMPLETIONS`], [`REQUEST_NANOS`], [`SERVED`].
+    sums: ShardedSums,
     /// The controller sleeps until the next request: nothing to measure or decide meanwhile.
     parked: AtomicBool,
     wake: tokio::sync::Notify,
 }
 
+/// Requests started, of [`Load`]'s sums.
+const ARRIVALS: usize = 0;
+/// Requests finished.
+const COMPLETIONS: usize = 1;
+/// Nanoseconds of finished requests (from taking a child to the reply).
+const REQUEST_NANOS: usize = 2;
+/// Requests answered (the manager's `requests_served`).
+const SERVED: usize = 3;
+
+impl Default for Load {
+    fn default() -> Load {
+        Load {
+            sums: ShardedSums::new(4, TENANT_SHARDS),
+            parked: AtomicBool::new(false),
+            wake: Default::default(),
+        }
+    }
+}
+
 impl Load {
     /// A request starts: counted, and the controller woken if it sleeps.
     pub(crate) fn arrive(&self) {
-        self.arrivals.fetch_add(1, Ordering::Relaxed);
+        self.sums.add(ARRIVALS, 1);
         if self.parked.load(Ordering::Relaxed) && self.parked.swap(false, Ordering::AcqRel) {
             self.wake.notify_one();
         }
@@ -247,8 +267,18 @@ impl Load {
 
     /// A request's round trip is over, after `took` on its child.
     pub(crate) fn finish(&self, took: Duration) {
-        self.request_nanos.fetch_add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
-        self.completions.fetch_add(1, Ordering::Relaxed);
+        self.sums.add(REQUEST_NANOS, u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
+        self.sums.add(COMPLETIONS, 1);
+    }
+
+    /// A request was answered.
+    pub(crate) fn served(&self) {
+        self.sums.add(SERVED, 1);
+    }
+
+    /// Requests answered so far.
+    pub(crate) fn requests_served(&self) -> u64 {
+        self.sums.sum(SERVED)
     }
 
     /// Waits for the next request (the controller of an idle pool). Cancel-safe.
@@ -286,9 +316,9 @@ impl Sampler {
     pub(crate) fn observe(&mut self, load: &Load, children: &[Arc<Process>], stuck: bool) -> Observation {
         let now = Instant::now();
         let period = now.saturating_duration_since(self.at);
-        let arrivals = load.arrivals.load(Ordering::Relaxed);
-        let completions = load.completions.load(Ordering::Relaxed);
-        let request_nanos = load.request_nanos.load(Ordering::Relaxed);
+        let arrivals = load.sums.sum(ARRIVALS);
+        let completions = load.sums.sum(COMPLETIONS);
+        let request_nanos = load.sums.sum(REQUEST_NANOS);
         let mut busy = Duration::ZERO;
         let mut seen = HashMap::with_capacity(children.len());
         for child in children {

@@ -6,7 +6,7 @@
 //! work can wait; a client cannot.
 //!
 //! The mechanism is one count and one wake-up, in front of the child's writer, shared by both
-//! process kinds:
+//! process kinds (the count one atomic word, so that the GetPage path takes no lock here):
 //! - every foreground attempt holds a [`WriteTicket`] from before it looks for a child (so a
 //!   request waiting for a spawn counts) until it has written its request whole, or failed: the
 //!   ticket is released with the writer lock (`pipeline::Writer::lock`). The count of tickets is
@@ -30,46 +30,53 @@
 //! - nothing here touches a child: a waiting background request neither spawns a child nor
 //!   keeps an idle one alive.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::util::lock;
+/// The foreground count's bits of [`Priority::queue`]; the bits above count its emptyings.
+const COUNT: u64 = u32::MAX as u64;
+/// One emptying of the foreground writer queue, in [`Priority::queue`].
+const EMPTIED: u64 = COUNT + 1;
 
 /// One manager's foreground writer queue and background slot.
+///
+/// Every foreground attempt enters and leaves the queue, on whichever thread serves it: both
+/// are one atomic operation on one word (no lock), and the leaving notifies only while a
+/// request waits for the queue to empty ([`Priority::yield_to_foreground`]).
 pub(crate) struct Priority {
-    state: Mutex<State>,
-    /// Notified (all waiters) each time the foreground writer queue becomes empty.
+    /// Foreground attempts queued for (or holding) the writer, or waiting for a child to write
+    /// to (the low 32 bits), and how many times that count went down to zero (the high 32
+    /// bits, wrapping): one word, so that a leaving that empties the queue counts the emptying
+    /// in the same step.
+    queue: AtomicU64,
+    /// Requests in [`Priority::yield_to_foreground`], waiting on `emptied`.
+    yielding: AtomicUsize,
+    /// Notified (all waiters) each time the foreground writer queue becomes empty while a
+    /// request yields.
     emptied: Notify,
+    /// Background requests waiting for the slot or for their turn.
+    background_waiting: AtomicUsize,
     /// The one background request in flight. A tokio mutex: held across the whole request, and
     /// fair, so background requests take their turns in arrival order.
     background: tokio::sync::Mutex<()>,
 }
 
-/// A std mutex: held for a few instructions, never across an await, and taken in `Drop`.
-#[derive(Default)]
-struct State {
-    /// Foreground attempts queued for (or holding) the writer, or waiting for a child to write to.
-    foreground: usize,
-    /// How many times `foreground` went down to zero.
-    emptied: u64,
-    /// Background requests waiting for the slot or for their turn.
-    background_waiting: usize,
-}
-
 impl Priority {
     pub(crate) fn new() -> Priority {
         Priority {
-            state: Mutex::new(State::default()),
+            queue: AtomicU64::new(0),
+            yielding: AtomicUsize::new(0),
             emptied: Notify::new(),
+            background_waiting: AtomicUsize::new(0),
             background: tokio::sync::Mutex::new(()),
         }
     }
 
     /// A foreground attempt enters the writer queue; it leaves it when the ticket drops.
     pub(crate) fn foreground(&self) -> WriteTicket<'_> {
-        lock(&self.state).foreground += 1;
+        self.queue.fetch_add(1, Ordering::SeqCst);
         WriteTicket(Some(self))
     }
 
@@ -78,7 +85,7 @@ impl Priority {
     ///
     /// Cancel-safe: dropped while it waits, it holds nothing.
     pub(crate) async fn background_turn(&self, max_defer: Duration) -> BackgroundTurn<'_> {
-        let _waiting = Waiting::new(self);
+        let _waiting = Counted::new(&self.background_waiting);
         let slot = self.background.lock().await;
         self.yield_to_foreground(max_defer).await;
         BackgroundTurn { _slot: slot }
@@ -90,17 +97,18 @@ impl Priority {
     /// Cancel-safe: it only waits.
     pub(crate) async fn yield_to_foreground(&self, max_defer: Duration) {
         let deadline = tokio::time::Instant::now() + max_defer;
-        let seen = lock(&self.state).emptied;
+        // Counted before the first look at the queue (SeqCst on both sides): a ticket that
+        // empties the queue after that look sees this request and notifies it.
+        let _yielding = Counted::new(&self.yielding);
+        let seen = self.queue.load(Ordering::SeqCst) & !COUNT;
         loop {
             let notified = self.emptied.notified();
             tokio::pin!(notified);
             // Registered before the check, so that an emptying right after it is not missed.
             notified.as_mut().enable();
-            {
-                let state = lock(&self.state);
-                if state.foreground == 0 || state.emptied != seen {
-                    return;
-                }
+            let queue = self.queue.load(Ordering::SeqCst);
+            if queue & COUNT == 0 || queue & !COUNT != seen {
+                return;
             }
             tokio::select! {
                 () = notified => {}
@@ -112,13 +120,13 @@ impl Priority {
     /// Background requests waiting for the slot or their turn.
     #[cfg(test)]
     pub(crate) fn background_waiting(&self) -> usize {
-        lock(&self.state).background_waiting
+        self.background_waiting.load(Ordering::SeqCst)
     }
 
     /// Foreground attempts in the writer queue.
     #[cfg(test)]
     pub(crate) fn foreground_queued(&self) -> usize {
-        lock(&self.state).foreground
+        (self.queue.load(Ordering::SeqCst) & COUNT) as usize
     }
 }
 
@@ -136,11 +144,15 @@ impl WriteTicket<'_> {
 impl Drop for WriteTicket<'_> {
     fn drop(&mut self) {
         let Some(priority) = self.0 else { return };
-        let mut state = lock(&priority.state);
-        state.foreground = state.foreground.saturating_sub(1);
-        if state.foreground == 0 {
-            state.emptied = state.emptied.wrapping_add(1);
-            drop(state);
+        // The last one out counts the emptying in the same step.
+        let left =
+            priority.queue.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |queue| match queue & COUNT {
+                0 => None,
+                1 => Some((queue & !COUNT).wrapping_add(EMPTIED)),
+                _ => Some(queue - 1),
+            });
+        let emptied = matches!(left, Ok(queue) if queue & COUNT == 1);
+        if emptied && priority.yielding.load(Ordering::SeqCst) > 0 {
             priority.emptied.notify_waiters();
         }
     }
@@ -151,20 +163,19 @@ pub(crate) struct BackgroundTurn<'a> {
     _slot: tokio::sync::MutexGuard<'a, ()>,
 }
 
-/// Counts a background request as waiting while it is alive.
-struct Waiting<'a>(&'a Priority);
+/// One request counted in a count of [`Priority`] while it lives.
+struct Counted<'a>(&'a AtomicUsize);
 
-impl<'a> Waiting<'a> {
-    fn new(priority: &'a Priority) -> Waiting<'a> {
-        lock(&priority.state).background_waiting += 1;
-        Waiting(priority)
+impl<'a> Counted<'a> {
+    fn new(count: &'a AtomicUsize) -> Counted<'a> {
+        count.fetch_add(1, Ordering::SeqCst);
+        Counted(count)
     }
 }
 
-impl Drop for Waiting<'_> {
+impl Drop for Counted<'_> {
     fn drop(&mut self) {
-        let mut state = lock(&self.0.state);
-        state.background_waiting = state.background_waiting.saturating_sub(1);
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -181,6 +192,45 @@ mod tests {
     /// Polls `future` once; whether it finished.
     async fn poll_once<F: Future + Unpin>(future: &mut F) -> bool {
         std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *future).poll(cx).is_ready())).await
+    }
+
+    /// Foreground tickets taken and dropped on several threads at once, the queue emptying
+    /// now and then: every yield returns within a few seconds (none misses the emptying it
+    /// waits for, which would hold it for `LONG`), and the count ends at zero.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn yields_see_every_emptying_while_tickets_come_and_go_on_many_threads() {
+        let priority = std::sync::Arc::new(Priority::new());
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let foreground: Vec<_> = (0..3)
+            .map(|t| {
+                let (priority, stop) = (std::sync::Arc::clone(&priority), std::sync::Arc::clone(&stop));
+                tokio::spawn(async move {
+                    let mut i = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let ticket = priority.foreground();
+                        if (i + t) % 4 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                        drop(ticket);
+                        i += 1;
+                        if i % 64 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..500 {
+            let yielded =
+                tokio::time::timeout(Duration::from_secs(5), priority.yield_to_foreground(LONG)).await;
+            assert!(yielded.is_ok(), "a yield missed the queue's emptying");
+        }
+        stop.store(true, Ordering::Relaxed);
+        for task in foreground {
+            task.await.unwrap();
+        }
+        assert_eq!(priority.foreground_queued(), 0);
+        assert_eq!(priority.yielding.load(Ordering::SeqCst), 0);
     }
 
     #[tokio::test]
