@@ -10,7 +10,7 @@
 //! which is fair), the first of them on a notification that room was given back. While any
 //! waits, new reservations queue behind it instead of taking room first, so a large request is
 //! not overtaken for ever by small ones. Two threads reserving and releasing at once took 607 ns
-//! a pair through the tokio semaphore and gauge this replaces (`benches/bench_redo_budget.rs`).
+//! a pair through the tokio semaphore and gauge this replaces (`benches/bench_shared_lines.rs`).
 //!
 //! Invariant: bytes reserved <= the budget, except that one request larger than the whole
 //! budget takes all of it (it runs alone rather than never).

@@ -18,8 +18,9 @@
 //! would break this. Within a run at most one layer holds a key, so walking the runs newest
 //! first visits the same layers in the same order.
 //!
-//! Reads: under the lock, a lookup only copies out the active segment's entries of its key and
-//! takes the layer list (one shared `Arc`) ([`Index::snapshot`]); without it, it reads the
+//! Reads: under the lock, a lookup only copies out the active segment's entries of its key (and
+//! the bytes of those it keeps copies of, into one buffer of its own) and takes the layer list
+//! (one shared `Arc`) ([`Index::snapshot`]); without it, it reads the
 //! layers' index blocks ([`Snapshot::pick`]) and a plan ([`ReadPlan::new`], linear in the
 //! values) merges values of one file that lie close together into one span, read with one
 //! `pread`, of at most [`MAX_SPAN`] bytes. In a compacted layer a key's values are adjacent, so
@@ -297,10 +298,10 @@ impl Active {
     }
 
     /// The copy of `v`'s bytes, if kept.
-    fn copy_of(&self, v: &ActiveValue) -> Option<Bytes> {
+    fn copy_of(&self, v: &ActiveValue) -> Option<&[u8]> {
         let chunk = self.chunks.get((v.copy >> 32) as usize)?;
         let at = (v.copy & u64::from(u32::MAX)) as usize;
-        Some(chunk.slice(at..at + v.e.len as usize))
+        chunk.get(at..at + v.e.len as usize)
     }
 
     /// Adds `v` in its key's LSN order (replacing a value of the same key and LSN).
@@ -708,10 +709,34 @@ impl Index {
     /// What a lookup of `key` at `lsn` reads, copied out under the lock: the active segment's
     /// entries of `key` down to its newest image at or below `lsn`, and the layers (one shared
     /// list). The layers' indexes are read without the lock.
+    ///
+    /// The records the segment keeps copies of are copied once more, into one buffer of this
+    /// lookup's own: a slice of the segment's chunk would take a reference on it, and every
+    /// lookup of every core would count on the few chunks' shared counts (several times per
+    /// record, as the bytes pass from the snapshot to the plan to the redo request).
     pub(crate) fn snapshot(&self, key: Key, lsn: Lsn) -> Snapshot {
         let values = self.active.at_or_below(key, lsn);
         let from = values.iter().rposition(|v| v.e.kind == Kind::Image).unwrap_or(0);
-        let active = values[from..].iter().rev().map(|v| (v.e, self.active.copy_of(v))).collect();
+        let values = &values[from..];
+        let copied: usize = values.iter().filter_map(|v| self.active.copy_of(v)).map(<[u8]>::len).sum();
+        let mut bytes = Vec::with_capacity(copied);
+        for copy in values.iter().filter_map(|v| self.active.copy_of(v)) {
+            bytes.extend_from_slice(copy);
+        }
+        let bytes = Bytes::from(bytes);
+        // Newest first: each copy ends where the next newer one begins.
+        let mut end = bytes.len();
+        let active = values
+            .iter()
+            .rev()
+            .map(|v| {
+                let copy = self.active.copy_of(v).map(|c| {
+                    end -= c.len();
+                    bytes.slice(end..end + c.len())
+                });
+                (v.e, copy)
+            })
+            .collect();
         Snapshot { active_file: Arc::clone(&self.active.file), active, layers: Arc::clone(&self.layers) }
     }
 
