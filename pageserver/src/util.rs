@@ -87,6 +87,22 @@ impl Drop for Watch {
     }
 }
 
+/// `tokio::time::timeout_at(deadline(), future)`, but with no timer for a future that is done
+/// at its first poll (the common case where the request paths use it: a reply batch the socket
+/// takes at once, a pipe ready at once). Making a tokio timer reads the clock and clones the
+/// runtime's handle (a reference count that every executor thread writes), and registering one
+/// takes the runtime's one timer lock. `None` if `deadline` passed first.
+pub(crate) async fn timeout_if_pending<F: std::future::Future>(
+    deadline: impl FnOnce() -> tokio::time::Instant,
+    future: F,
+) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    if let Poll::Ready(output) = std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await {
+        return Some(output);
+    }
+    tokio::time::timeout_at(deadline(), future).await.ok()
+}
+
 /// Work an executor thread puts off until it runs out of tasks: the page service's io_uring
 /// writer queues the reply batches of the connections that ran on a thread and submits them all
 /// at once when the thread is about to sleep (what Valkey does before it sleeps), instead of a
@@ -153,6 +169,24 @@ pub mod park {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A future done at its first poll needs no timer: it passes on a runtime without one
+    /// (where making a timer panics); the others time out, or finish, as with `timeout_at`.
+    #[test]
+    fn timeout_if_pending_makes_no_timer_for_a_future_done_at_once() {
+        let no_timers = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let done =
+            no_timers.block_on(timeout_if_pending(|| unreachable!("no deadline is needed"), async { 7 }));
+        assert_eq!(done, Some(7));
+        let timers = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let soon = || tokio::time::Instant::now() + std::time::Duration::from_millis(20);
+        assert_eq!(timers.block_on(timeout_if_pending(soon, std::future::pending::<()>())), None);
+        let later = async {
+            tokio::task::yield_now().await;
+            8
+        };
+        assert_eq!(timers.block_on(timeout_if_pending(soon, later)), Some(8));
+    }
 
     #[tokio::test]
     async fn a_signal_wakes_every_watch_waiting_and_stays_raised() {

@@ -372,9 +372,9 @@ impl Replies {
         }
         metrics.replies_per_write.observe(replies as f64);
         let send = writer.send(&mut self.chunks, &mut self.slots, close, metrics);
-        match tokio::time::timeout(write_timeout, send).await {
-            Ok(sent) => sent?,
-            Err(_) => anyhow::bail!("the client accepted no reply for {write_timeout:?}"),
+        match crate::util::timeout_if_pending(|| tokio::time::Instant::now() + write_timeout, send).await {
+            Some(sent) => sent?,
+            None => anyhow::bail!("the client accepted no reply for {write_timeout:?}"),
         }
         Ok(close)
     }

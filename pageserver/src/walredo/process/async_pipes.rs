@@ -94,19 +94,19 @@ impl AsyncPipes {
                     waited |= poll.is_pending();
                     poll
                 });
-                match tokio::time::timeout_at(deadline.into(), write).await {
-                    Ok(Ok(0)) => return Err(fence.fail(io_error("walredo stdin accepts no bytes"))),
-                    Ok(Ok(n)) => {
+                match crate::util::timeout_if_pending(|| deadline.into(), write).await {
+                    Some(Ok(0)) => return Err(fence.fail(io_error("walredo stdin accepts no bytes"))),
+                    Some(Ok(n)) => {
                         fence.advance(n);
                         if waited {
                             self.shared.progress.mark();
                         }
                     }
-                    Ok(Err(e)) => {
+                    Some(Err(e)) => {
                         let e = anyhow::Error::new(e).context("write to walredo stdin");
                         return Err(fence.fail(ProcessError::Io(e)));
                     }
-                    Err(_) => {
+                    None => {
                         let written = fence.at.written();
                         if let Some(e) = self.shared.write_expired(seq, written, Instant::now(), patience) {
                             return Err(fence.fail(e));

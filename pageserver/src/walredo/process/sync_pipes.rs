@@ -164,10 +164,10 @@ impl PipeFd {
                 PipeState::Plain(_) | PipeState::Lost => Err(lost()),
             }
         };
-        match tokio::time::timeout_at(deadline.into(), ready).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(ProcessError::Io(anyhow::Error::new(e).context("wait for walredo pipe"))),
-            Err(_) => Err(ProcessError::Timeout(timeout)),
+        match crate::util::timeout_if_pending(|| deadline.into(), ready).await {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(ProcessError::Io(anyhow::Error::new(e).context("wait for walredo pipe"))),
+            None => Err(ProcessError::Timeout(timeout)),
         }
     }
 
