@@ -1,7 +1,8 @@
 //! What a per-request metric update costs when the threads serving GetPage make it at once:
 //! a prometheus `Histogram` observation and `IntCounter` increment, shared by all threads,
 //! against the same on `pageserver::metrics::sharded`'s types (a shard per thread), with 1 and 2
-//! threads (the 2-vCPU machine's cores).
+//! threads (the 2-vCPU machine's cores) and as many as the machine has CPUs where it has more
+//! (`benches::contending_threads`).
 //!
 //! `cargo bench -p benches --bench bench_metrics`; each figure is the time of one observation
 //! and one increment on every thread at once (so with 2 threads, two pairs).
@@ -53,7 +54,7 @@ fn run(threads: usize, iters: u64, update: Arc<dyn Fn(u64) + Send + Sync>) -> Du
 
 fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("metrics");
-    for threads in [1, 2] {
+    for threads in benches::contending_threads() {
         group.bench_function(format!("prometheus/{threads}"), |b| {
             let h = Histogram::with_opts(opts()).expect("histogram");
             let n = IntCounter::new("n", "n").expect("counter");

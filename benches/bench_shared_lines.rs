@@ -1,5 +1,6 @@
 //! What per-GetPage work on state that every core shares costs when the threads serving GetPage
-//! do it at once, on 1 and 2 threads (the 2-vCPU machine's cores):
+//! do it at once, on 1 and 2 threads (the 2-vCPU machine's cores) and as many as the machine has
+//! CPUs where it has more (`benches::contending_threads`):
 //! - `redo_budget/*`: the daemon-wide redo memory budget (`pageserver::redo_budget`): one
 //!   reservation of a chain10 read (about 12 KiB) and its release, with room to spare (the
 //!   common case), inside a runtime as the daemon's are;
@@ -132,7 +133,7 @@ fn bench(c: &mut Criterion) {
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
     let mut group = c.benchmark_group("redo_budget");
-    for threads in [1, 2] {
+    for threads in benches::contending_threads() {
         group.bench_function(format!("reserve/{threads}"), |b| {
             let budget =
                 Arc::new(RedoBudget::new(256 << 20, Duration::from_secs(60), Arc::new(AtomicU64::new(0))));
@@ -145,7 +146,7 @@ fn bench(c: &mut Criterion) {
     }
     group.finish();
     let mut group = c.benchmark_group("timer");
-    for threads in [1, 2] {
+    for threads in benches::contending_threads() {
         group.bench_function(format!("register/{threads}"), |b| {
             let op: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(|_| {
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -161,7 +162,7 @@ fn bench(c: &mut Criterion) {
     group.finish();
     let groups: Arc<Vec<Bytes>> = Arc::new((0..16u8).map(|g| Bytes::from(vec![g; 64 << 10])).collect());
     let mut group = c.benchmark_group("record_copies");
-    for threads in [1, 2] {
+    for threads in benches::contending_threads() {
         for (name, take) in [("shared", shared_copies as fn(&[Bytes], u64) -> usize), ("own", own_copies)] {
             group.bench_function(format!("{name}/{threads}"), |b| {
                 let groups = Arc::clone(&groups);

@@ -21,6 +21,9 @@
 //! redo (`walredo_proc::pg15::redo::apply`), which is exactly what the child returns; loading
 //! checks that it equals PostgreSQL's page of the fixture once both are masked as PostgreSQL
 //! masks them (`walredo_proc::pg15::mask`), and fails otherwise.
+//!
+//! [`contending_threads`] is shared by the benches of work that threads do at once on shared
+//! state (`bench_metrics`, `bench_shared_lines`).
 
 use std::path::PathBuf;
 
@@ -362,6 +365,17 @@ fn medium_records() -> Vec<Vec<u8>> {
 /// `len` bytes that differ from one seed to the next and are not all zero.
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1).collect()
+}
+
+/// The thread counts of the benches of work on shared state: 1 and 2, and the machine's CPUs
+/// where it has more (16 on the lent 16-core machine, where `many_cores.sh` runs them).
+pub fn contending_threads() -> Vec<usize> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut threads = vec![1, 2];
+    if cpus > 2 {
+        threads.push(cpus);
+    }
+    threads
 }
 
 #[cfg(test)]

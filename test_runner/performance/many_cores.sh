@@ -21,11 +21,14 @@
 # 2. Redo GetPage (chain10-redo): BASE against NEW, kinds auto and async (--threads REDO_THREADS).
 # 3. 64 x 8 redo with the daemons pinned to 2 cores, and NEW with 8 executor threads.
 # 4. bench_walredo: auto/short/1 against the floors (if BENCH is given).
+# 5. bench_shared_lines and bench_metrics, if their binaries lie next to BENCH (named so): work
+#    on shared state by 1, 2 and as many threads as the machine has CPUs.
 #
 # Settings (environment): SECONDS_PER_RUN (3), REPEAT (2), CACHED_THREADS (8), REDO_THREADS
 # (4), CACHED_POINTS (64x1,256x1,512x1,64x16,256x16), REDO_POINTS (1x1,8x1,64x8), and each
 # step's limit in seconds: LIMIT_CACHED (200), LIMIT_REDO (115), LIMIT_CORES (45), LIMIT_BENCH
-# (40). The defaults fit one call of about 6 minutes. On a machine used by nobody else the
+# (40), LIMIT_LINES (105: two thirds for bench_shared_lines, a third for bench_metrics). The
+# defaults fit one call of at most 8.5 minutes. On a machine used by nobody else the
 # quiet checks of measure.py are loosened (QUIET=loose, the default); QUIET=strict keeps them.
 #
 # Staging for the device (here, from the repository's root; `.bench/` listed in
@@ -37,6 +40,8 @@
 #   cp target/release/{pageserver,walredo-proc,pagebench,page-floor,echo-child} .bench/new/
 #   cp <baseline build>/{pageserver,walredo-proc} .bench/base/
 #   cp <bench binary> .bench/t/release/deps/bench_walredo
+#   cargo bench -p benches --bench bench_shared_lines --bench bench_metrics --no-run
+#   cp <their binaries> .bench/t/release/deps/bench_shared_lines, .../bench_metrics
 #   cp target/walredo-testing/release/walredo-proc .bench/t/walredo-testing/release/
 #   strip .bench/new/* .bench/base/* .bench/t/release/deps/* .bench/t/walredo-testing/release/*
 #
@@ -107,6 +112,19 @@ if [ -n "$BENCH" ]; then
     else
         log "bench skipped: cannot place the echo child at $echo_child"
     fi
+fi
+if [ -n "$BENCH" ]; then
+    lines=${LIMIT_LINES:-105}
+    for b in bench_shared_lines:$(( lines * 2 / 3 )) bench_metrics:$(( lines / 3 )); do
+        limit=${b#*:} b=${b%%:*} bin="$(dirname "$BENCH")/$b"
+        if [ -x "$bin" ]; then
+            log "$b"
+            timeout -s INT "$limit" "$bin" --bench --measurement-time 2 --warm-up-time 1 \
+                > "$OUT/$b.txt" 2>&1 || log "$b ended with status $?"
+        else
+            log "$b skipped: no $bin"
+        fi
+    done
 fi
 log done
 grep -h '^| ' "$OUT/log.txt"
