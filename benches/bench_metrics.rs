@@ -21,8 +21,7 @@
 //! move between the cores at every update); the shards cost what one thread alone pays. Not
 //! yet run on 16 cores (docs/performance.md, "Metrics in shards").
 
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use pageserver::metrics::sharded::{ShardedCounter, ShardedHistogram};
@@ -33,45 +32,28 @@ fn opts() -> HistogramOpts {
         .buckets(prometheus::exponential_buckets(5e-6, 2.0, 22).expect("constant buckets"))
 }
 
-/// `iters` pairs of updates on each of `threads` threads at once; the time of the slowest.
-fn run(threads: usize, iters: u64, update: Arc<dyn Fn(u64) + Send + Sync>) -> Duration {
-    let start = Arc::new(Barrier::new(threads));
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (start, update) = (Arc::clone(&start), Arc::clone(&update));
-            std::thread::spawn(move || {
-                start.wait();
-                let began = Instant::now();
-                for i in 0..iters {
-                    update(i * 7 + t as u64);
-                }
-                began.elapsed()
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().expect("a bench thread panicked")).max().unwrap_or_default()
-}
-
 fn bench(c: &mut Criterion) {
+    // The threads run inside a runtime as the daemon's do (the updates need none).
+    let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
     let mut group = c.benchmark_group("metrics");
     for threads in benches::contending_threads() {
         group.bench_function(format!("prometheus/{threads}"), |b| {
             let h = Histogram::with_opts(opts()).expect("histogram");
             let n = IntCounter::new("n", "n").expect("counter");
-            let update: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(move |i| {
+            let update: benches::Op = Arc::new(move |i| {
                 h.observe((i % 1000) as f64 * 1e-6);
                 n.inc();
             });
-            b.iter_custom(|iters| run(threads, iters, Arc::clone(&update)));
+            b.iter_custom(|iters| benches::at_once(threads, iters, runtime.handle(), &update));
         });
         group.bench_function(format!("sharded/{threads}"), |b| {
             let h = ShardedHistogram::new(opts()).expect("histogram");
             let n = ShardedCounter::new(Opts::new("n", "n")).expect("counter");
-            let update: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(move |i| {
+            let update: benches::Op = Arc::new(move |i| {
                 h.observe((i % 1000) as f64 * 1e-6);
                 n.inc();
             });
-            b.iter_custom(|iters| run(threads, iters, Arc::clone(&update)));
+            b.iter_custom(|iters| benches::at_once(threads, iters, runtime.handle(), &update));
         });
     }
     group.finish();

@@ -55,8 +55,8 @@
 //! None of these has run on 16 cores yet, where every executor thread serving GetPage does them.
 
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -68,32 +68,6 @@ const HOLDS: u64 = 12 << 10;
 /// A chain10 lookup's records, and their length.
 const RECORDS: usize = 10;
 const RECORD_LEN: usize = 700;
-
-/// `iters` calls of `op` on each of `threads` threads at once (each thread in `runtime`); the
-/// time of the slowest.
-fn run(
-    threads: usize,
-    iters: u64,
-    runtime: &tokio::runtime::Runtime,
-    op: &Arc<dyn Fn(u64) + Send + Sync>,
-) -> Duration {
-    let start = Arc::new(Barrier::new(threads));
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (start, op, handle) = (Arc::clone(&start), Arc::clone(op), runtime.handle().clone());
-            std::thread::spawn(move || {
-                let _runtime = handle.enter();
-                start.wait();
-                let began = Instant::now();
-                for i in 0..iters {
-                    op(i * 7 + t as u64);
-                }
-                began.elapsed()
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().expect("a bench thread panicked")).max().unwrap_or_default()
-}
 
 /// A lookup's records as slices of the group buffers, passed through three owners.
 fn shared_copies(groups: &[Bytes], i: u64) -> usize {
@@ -137,18 +111,18 @@ fn bench(c: &mut Criterion) {
         group.bench_function(format!("reserve/{threads}"), |b| {
             let budget =
                 Arc::new(RedoBudget::new(256 << 20, Duration::from_secs(60), Arc::new(AtomicU64::new(0))));
-            let op: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(move |_| {
+            let op: benches::Op = Arc::new(move |_| {
                 let reserved = budget.reserve(HOLDS).now_or_never();
                 assert!(matches!(reserved, Some(Ok(_))), "the budget had room");
             });
-            b.iter_custom(|iters| run(threads, iters, &runtime, &op));
+            b.iter_custom(|iters| benches::at_once(threads, iters, runtime.handle(), &op));
         });
     }
     group.finish();
     let mut group = c.benchmark_group("timer");
     for threads in benches::contending_threads() {
         group.bench_function(format!("register/{threads}"), |b| {
-            let op: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(|_| {
+            let op: benches::Op = Arc::new(|_| {
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
                 let mut wait = std::pin::pin!(tokio::time::timeout_at(deadline, tokio::task::yield_now()));
                 // The first poll registers the timer (the inner future is not ready yet); the
@@ -156,7 +130,7 @@ fn bench(c: &mut Criterion) {
                 assert!(wait.as_mut().now_or_never().is_none(), "a yield is pending at first");
                 assert!(wait.as_mut().now_or_never().is_some(), "a yield is done at the second poll");
             });
-            b.iter_custom(|iters| run(threads, iters, &runtime, &op));
+            b.iter_custom(|iters| benches::at_once(threads, iters, runtime.handle(), &op));
         });
     }
     group.finish();
@@ -166,10 +140,10 @@ fn bench(c: &mut Criterion) {
         for (name, take) in [("shared", shared_copies as fn(&[Bytes], u64) -> usize), ("own", own_copies)] {
             group.bench_function(format!("{name}/{threads}"), |b| {
                 let groups = Arc::clone(&groups);
-                let op: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(move |i| {
+                let op: benches::Op = Arc::new(move |i| {
                     assert_eq!(std::hint::black_box(take(&groups, i)), RECORDS * RECORD_LEN);
                 });
-                b.iter_custom(|iters| run(threads, iters, &runtime, &op));
+                b.iter_custom(|iters| benches::at_once(threads, iters, runtime.handle(), &op));
             });
         }
     }

@@ -22,8 +22,8 @@
 //! checks that it equals PostgreSQL's page of the fixture once both are masked as PostgreSQL
 //! masks them (`walredo_proc::pg15::mask`), and fails otherwise.
 //!
-//! [`contending_threads`] is shared by the benches of work that threads do at once on shared
-//! state (`bench_metrics`, `bench_shared_lines`).
+//! [`contending_threads`] and [`at_once`] are shared by the benches of work that threads do at
+//! once on shared state (`bench_metrics`, `bench_shared_lines`).
 
 use std::path::PathBuf;
 
@@ -365,6 +365,31 @@ fn medium_records() -> Vec<Vec<u8>> {
 /// `len` bytes that differ from one seed to the next and are not all zero.
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1).collect()
+}
+
+/// An operation, called with a number that differs from call to call and thread to thread.
+pub type Op = std::sync::Arc<dyn Fn(u64) + Send + Sync>;
+
+/// `iters` calls of `op` on each of `threads` threads at once, each thread inside `runtime`;
+/// the time of the slowest thread (for criterion's `iter_custom`).
+pub fn at_once(threads: usize, iters: u64, runtime: &tokio::runtime::Handle, op: &Op) -> std::time::Duration {
+    let start = std::sync::Arc::new(std::sync::Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (start, op, runtime) =
+                (std::sync::Arc::clone(&start), std::sync::Arc::clone(op), runtime.clone());
+            std::thread::spawn(move || {
+                let _runtime = runtime.enter();
+                start.wait();
+                let began = std::time::Instant::now();
+                for i in 0..iters {
+                    op(i * 7 + t as u64);
+                }
+                began.elapsed()
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("a bench thread panicked")).max().unwrap_or_default()
 }
 
 /// The thread counts of the benches of work on shared state: 1 and 2, and the machine's CPUs

@@ -23,6 +23,8 @@ use std::time::Duration;
 
 use tokio::sync::{Mutex, Notify};
 
+use crate::util::Counted;
+
 /// No room was reserved: the budget stayed full for its whole wait.
 #[derive(Debug, thiserror::Error)]
 #[error(
@@ -72,22 +74,6 @@ impl Drop for Reservation<'_> {
     }
 }
 
-/// One reservation counted in [`RedoBudget::waiting`] while it lives.
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl<'a> Waiting<'a> {
-    fn new(waiting: &'a AtomicUsize) -> Waiting<'a> {
-        waiting.fetch_add(1, Ordering::SeqCst);
-        Waiting(waiting)
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 impl std::fmt::Debug for RedoBudget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedoBudget").field("used", &self.in_use()).field("total", &self.total).finish()
@@ -123,7 +109,7 @@ impl RedoBudget {
     /// The slow path of [`RedoBudget::reserve`]: in line behind the reservations already
     /// waiting, then until room is given back, up to the budget's wait.
     async fn reserve_in_line(&self, want: u64) -> Result<Reservation<'_>, ()> {
-        let _waiting = Waiting::new(&self.waiting);
+        let _waiting = Counted::new(&self.waiting);
         let in_line = async {
             let _turn = self.turn.lock().await;
             loop {

@@ -87,6 +87,24 @@ impl Drop for Watch {
     }
 }
 
+/// One of a count of things in progress (requests waiting, say) while it lives: added on
+/// creation, taken off on drop. `SeqCst`, for counts read across threads to decide whether to
+/// wake anyone.
+pub(crate) struct Counted<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> Counted<'a> {
+    pub(crate) fn new(count: &'a std::sync::atomic::AtomicUsize) -> Counted<'a> {
+        count.fetch_add(1, Ordering::SeqCst);
+        Counted(count)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// `tokio::time::timeout_at(deadline(), future)`, but with no timer for a future that is done
 /// at its first poll (the common case where the request paths use it: a reply batch the socket
 /// takes at once, a pipe ready at once). Making a tokio timer reads the clock and clones the

@@ -35,6 +35,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::util::Counted;
+
 /// The foreground count's bits of [`Priority::queue`]; the bits above count its emptyings.
 const COUNT: u64 = u32::MAX as u64;
 /// One emptying of the foreground writer queue, in [`Priority::queue`].
@@ -161,22 +163,6 @@ impl Drop for WriteTicket<'_> {
 /// The background slot, held by the one background request in flight.
 pub(crate) struct BackgroundTurn<'a> {
     _slot: tokio::sync::MutexGuard<'a, ()>,
-}
-
-/// One request counted in a count of [`Priority`] while it lives.
-struct Counted<'a>(&'a AtomicUsize);
-
-impl<'a> Counted<'a> {
-    fn new(count: &'a AtomicUsize) -> Counted<'a> {
-        count.fetch_add(1, Ordering::SeqCst);
-        Counted(count)
-    }
-}
-
-impl Drop for Counted<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 #[cfg(test)]
