@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use crate::compaction::{
     CompactError, CompactionMetrics, CompactionSettings, CompactionStatus, Compactor, PassSummary,
 };
-use crate::metrics::sharded::{ShardedCounter, TENANT_SHARDS};
+use crate::metrics::sharded::{ShardedSums, TENANT_SHARDS};
 use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{Overloaded, RedoBudget};
@@ -191,17 +191,16 @@ pub struct Tenant {
 
 /// Request counters of a tenant (GetPage's in shards: every executor thread counts it).
 pub(crate) struct Counters {
-    get_page_requests: ShardedCounter,
+    /// Exported in the tenant status only (sum 0).
+    get_page_requests: ShardedSums,
     ingest_batches: AtomicU64,
     ingested_values: AtomicU64,
 }
 
 impl Default for Counters {
     fn default() -> Counters {
-        let opts = prometheus::Opts::new("tenant_get_page_requests", "GetPage requests of a tenant");
         Counters {
-            get_page_requests: ShardedCounter::with_shards(opts, TENANT_SHARDS)
-                .expect("a constant name is valid"),
+            get_page_requests: ShardedSums::new(1, TENANT_SHARDS),
             ingest_batches: AtomicU64::new(0),
             ingested_values: AtomicU64::new(0),
         }
@@ -222,7 +221,7 @@ impl Tenant {
     /// Cancel-safe: dropping it abandons the wait or the redo (see
     /// [`WalRedoManager::request_redo`]); nothing is left half done.
     pub async fn get_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
-        self.counters.get_page_requests.inc();
+        self.counters.get_page_requests.add(0, 1);
         let started = Instant::now();
         let result = self.read_page(key, lsn).await;
         self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
@@ -252,7 +251,7 @@ impl Tenant {
         // sends the request the other way, which reads it off the executor.
         let version = self.timeline.version_at(key, lsn, DiskWait::Refused).ok()??;
         let page = self.deps.cache.get(&(self.generation, key, version.0))?;
-        self.counters.get_page_requests.inc();
+        self.counters.get_page_requests.add(0, 1);
         self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
         Some((lsn, page))
     }
@@ -425,7 +424,7 @@ impl Tenant {
             },
             wal_source: lock(&self.wal_receiver).as_ref().map(|r| r.status()),
             counters: TenantCounters {
-                get_page_requests: self.counters.get_page_requests.get(),
+                get_page_requests: self.counters.get_page_requests.sum(0),
                 ingest_batches: self.counters.ingest_batches.load(Ordering::Relaxed),
                 ingested_values: self.counters.ingested_values.load(Ordering::Relaxed),
             },

@@ -2,7 +2,8 @@
 //! shard of counts per thread (threads beyond the shard count share), summed at each scrape.
 //! A daemon-wide series has a shard per CPU (at most 64); a tenant's, at most
 //! [`TENANT_SHARDS`], so that a daemon of many tenants on many cores does not spend megabytes
-//! on them (a tenant's three sharded series take 3 KiB).
+//! on them (a tenant's sharded counts take 4 KiB: its GetPage and redo time histograms, its
+//! GetPage count, its redo load).
 //!
 //! A prometheus `Histogram` is one set of atomics that every observing thread writes (its count,
 //! its sum by compare-and-swap, a bucket), and an `IntCounter` one atomic: where the threads
