@@ -15,6 +15,7 @@
 //! - [`page_cache`]: reconstructed pages, bounded in bytes;
 //! - [`redo_budget`]: the daemon-wide memory budget of page reconstruction;
 //! - [`process_metrics`]: the standard `process_*` metrics and `pageserver_build_info`;
+//! - [`executor_metrics`]: the async runtime's figures (workers, busy time, parks);
 //! - [`worker_controller`] / [`compaction_controller`]: pure policies (the redo pool's size
 //!   and spinning; the compactor's CPU share);
 //! - [`metrics`]: the per-tenant request series (histogram and failures);
@@ -26,6 +27,7 @@
 pub mod compaction;
 pub mod compaction_controller;
 pub mod config;
+pub mod executor_metrics;
 pub mod fds;
 pub mod heap;
 pub mod http;

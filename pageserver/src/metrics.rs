@@ -4,10 +4,13 @@
 //!
 //! A module of the bottom layer, so that the redo manager, the tenant and the collector above
 //! them all reach it without importing each other. Its child [`sharded`] holds the counters
-//! and histograms that the threads serving GetPage update per request.
+//! and histograms that the threads serving GetPage update per request. [`Instruments`] serves
+//! the collectors that set their instruments at each scrape (process and executor figures).
 
 pub mod sharded;
 
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{exponential_buckets, HistogramOpts, IntCounter, IntGauge, Opts};
 
 use sharded::ShardedHistogram;
@@ -93,11 +96,36 @@ impl RequestSeries {
     }
 }
 
+/// The instruments of a collector that sets them at each scrape: their descriptions once, and
+/// their families at each collect.
+pub trait Instruments {
+    fn all(&self) -> Vec<&dyn Collector>;
+
+    fn descs(&self) -> Vec<Desc> {
+        self.all().iter().flat_map(|i| i.desc()).cloned().collect()
+    }
+
+    fn families(&self) -> Vec<MetricFamily> {
+        self.all().iter().flat_map(|i| i.collect()).collect()
+    }
+}
+
+/// The value of the first series of family `name` in `registry` (a counter if the name ends in
+/// `_total`, else a gauge); panics if there is none. For tests.
+#[cfg(test)]
+pub(crate) fn gathered_value(registry: &prometheus::Registry, name: &str) -> f64 {
+    let families = registry.gather();
+    let family = families.iter().find(|f| f.name() == name).unwrap_or_else(|| panic!("no {name}"));
+    let metric = &family.get_metric()[0];
+    if name.ends_with("_total") {
+        metric.get_counter().get_value()
+    } else {
+        metric.get_gauge().get_value()
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use prometheus::core::Collector;
-    use prometheus::proto::MetricFamily;
-
     use super::*;
 
     #[test]

@@ -15,6 +15,8 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{Counter, Gauge, IntGauge, Opts, Registry};
 
+use crate::metrics::Instruments;
+
 /// `--version` and `/v1/status`: the crate version and the git commit of the build.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub const GIT_COMMIT: &str = env!("GIT_COMMIT");
@@ -42,6 +44,22 @@ struct Metrics {
     threads: Gauge,
     heap_in_use: Gauge,
     heap_free: Gauge,
+}
+
+impl Instruments for Metrics {
+    fn all(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.cpu_seconds,
+            &self.open_fds,
+            &self.max_fds,
+            &self.virtual_memory,
+            &self.resident_memory,
+            &self.start_time,
+            &self.threads,
+            &self.heap_in_use,
+            &self.heap_free,
+        ]
+    }
 }
 
 /// Reads the process's numbers when collected.
@@ -81,22 +99,7 @@ impl ProcessCollector {
             SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
         });
         metrics.start_time.set(start);
-        let descs = [
-            metrics.cpu_seconds.desc(),
-            metrics.open_fds.desc(),
-            metrics.max_fds.desc(),
-            metrics.virtual_memory.desc(),
-            metrics.resident_memory.desc(),
-            metrics.start_time.desc(),
-            metrics.threads.desc(),
-            metrics.heap_in_use.desc(),
-            metrics.heap_free.desc(),
-        ]
-        .into_iter()
-        .flatten()
-        .cloned()
-        .collect();
-        Ok(ProcessCollector { descs, metrics: Mutex::new(metrics) })
+        Ok(ProcessCollector { descs: metrics.descs(), metrics: Mutex::new(metrics) })
     }
 }
 
@@ -139,20 +142,7 @@ impl Collector for ProcessCollector {
             m.heap_in_use.set(heap.in_use as f64);
             m.heap_free.set(heap.free as f64);
         }
-        [
-            m.cpu_seconds.collect(),
-            m.open_fds.collect(),
-            m.max_fds.collect(),
-            m.virtual_memory.collect(),
-            m.resident_memory.collect(),
-            m.start_time.collect(),
-            m.threads.collect(),
-            m.heap_in_use.collect(),
-            m.heap_free.collect(),
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
+        m.families()
     }
 }
 
@@ -177,16 +167,7 @@ mod tests {
     fn process_metrics_have_plausible_values() {
         let registry = Registry::new();
         register(&registry).unwrap();
-        let families = registry.gather();
-        let value = |name: &str| -> f64 {
-            let family = families.iter().find(|f| f.name() == name).unwrap_or_else(|| panic!("no {name}"));
-            let metric = &family.get_metric()[0];
-            if name.ends_with("_total") {
-                metric.get_counter().get_value()
-            } else {
-                metric.get_gauge().get_value()
-            }
-        };
+        let value = |name: &str| crate::metrics::gathered_value(&registry, name);
         assert!(value("process_open_fds") >= 3.0);
         assert!(value("process_max_fds") >= value("process_open_fds"));
         assert!(value("process_resident_memory_bytes") > 1e6);

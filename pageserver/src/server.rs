@@ -62,6 +62,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
     let cache = Arc::new(PageCache::new(conf.page_cache_size, &registry)?);
     let tenants_metrics = Arc::new(TenantsMetrics::new(&registry)?);
     crate::process_metrics::register(&registry)?;
+    crate::executor_metrics::register(&registry, tokio::runtime::Handle::current())?;
     let tenants_cancel = CancellationToken::new();
     let tenants = Arc::new(
         Tenants::load(

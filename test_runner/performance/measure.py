@@ -325,6 +325,7 @@ def delta(after: dict, before: dict, name: str) -> float:
 def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, quiet) -> dict:
     busy_before = wait_for_quiet_machine(*quiet)
     before = metrics(daemon.http)
+    before_at = time.monotonic()
     load = ["--rate", str(rate)] if rate else ["--depth", str(depth)]
     proc = pagebench(bin_dir, daemon, ["get-page", *TENANT_ARGS, *scenario["shape"],
                                        "--lsn", scenario["lsn"], "--connections", str(conns),
@@ -338,7 +339,9 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
     summary = finish(proc, duration + 120)
     sampler.join()
     after = metrics(daemon.http)
+    elapsed = time.monotonic() - before_at
     requests = max(summary["requests"], 1)
+    workers = after.get("pageserver_executor_workers", 0.0)
     redo_count = delta(after, before, "pageserver_wal_redo_seconds_count")
     cpu = sampler.result()
 
@@ -371,6 +374,11 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
             # io_uring_enter calls), per reply, and the share of replies sent through the ring.
             "send_syscalls": round(sum(by_io("send_syscalls").values()) / requests, 3),
             "io_uring_share": round(by_io("sends")["io_uring"] / max(sum(by_io("sends").values()), 1), 3),
+            # Times an executor thread ran out of work and slept, per request; and how full the
+            # executor was (busy time over the run's wall time and the workers).
+            "executor_parks": round(delta(after, before, "pageserver_executor_parks_total") / requests, 3),
+            "executor_busy_pct": round(100 * delta(after, before, "pageserver_executor_busy_seconds_total")
+                                       / max(elapsed * workers, 1e-9), 1) if workers else None,
         },
     }
 
@@ -556,8 +564,9 @@ def main() -> int:
               for r in results if r["kind"].split(":")[0] == "floor" and not r.get("strace")}
     results.sort(key=lambda r: (r["scenario"], r["kind"], r.get("strace", False)))
     print("| scenario | kind | conns x depth | rps (median) | rps (runs) | p50 us | p99 us | p99.9 us | errors "
-          "| daemon CPU % | redo CPU % | CPU us / request | pagebench CPU % | idle % | other CPU % | / floor |")
-    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| daemon CPU % | redo CPU % | CPU us / request | daemon CPU us / request | executor parks / request "
+          "| pagebench CPU % | idle % | other CPU % | / floor |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if r.get("strace"):
             continue
@@ -566,6 +575,7 @@ def main() -> int:
         runs = "/".join(f"{x / 1000:.1f}k" for x in r.get("rps_runs", [s["rps"]]))
         print(f"| {r['scenario']} | {r['kind']} | {point_label(r['connections'], r['depth'], r.get('rate'))} | {s['rps']:.0f} | {runs} | {lat['p50']} "
               f"| {lat['p99']} | {lat['p999']} | {s['errors']} | {c.get('daemon_cpu_pct')} | {c.get('redo_cpu_pct')} | {c.get('cpu_us_per_request')} "
+              f"| {c.get('daemon_us_per_request')} | {(r.get('per_request') or {}).get('executor_parks')} "
               f"| {c.get('bench_cpu_pct')} | {(c.get('machine_pct') or {}).get('idle')} | {c.get('other_cpu_pct')} "
               f"| {floor_ratio(r, floors)} |")
     return 0

@@ -251,6 +251,29 @@ def test_standard_process_metrics_are_exported(pageserver):
     assert time.time() - 3600 < started <= time.time() + 1, started
 
 
+def test_executor_metrics_follow_the_work(pageserver):
+    """The async runtime's figures: its workers, and busy time and parks that grow as requests
+    are served (each request on an idle daemon wakes a worker that then sleeps again)."""
+    import os
+    t = pageserver.create_tenant()
+    before = pageserver.http.metrics()
+    workers = before.value("pageserver_executor_workers")
+    # tokio's default: one worker per CPU the daemon may use
+    assert workers == len(os.sched_getaffinity(pageserver.proc.pid)), workers
+    with pageserver.connect(t) as conn:
+        conn.ingest([(KEY, 10, o.RECORD, o.init_page(0)), (KEY, 11, o.RECORD, o.insert(b"x"))])
+        for _ in range(50):
+            conn.get_page(KEY)
+    after = pageserver.http.metrics()
+    parks = after.value("pageserver_executor_parks_total") - before.value("pageserver_executor_parks_total")
+    busy = (after.value("pageserver_executor_busy_seconds_total")
+            - before.value("pageserver_executor_busy_seconds_total"))
+    assert parks >= 50, parks
+    assert busy > 0, busy
+    assert after.value("pageserver_executor_alive_tasks") >= 1
+    assert after.value("pageserver_executor_global_queue_depth") >= 0
+
+
 def test_metrics_pass_promtool_check(pageserver):
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: scripts/test installs it (Debian package prometheus)"
