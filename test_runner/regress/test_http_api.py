@@ -258,8 +258,8 @@ def test_executor_metrics_follow_the_work(pageserver):
     t = pageserver.create_tenant()
     before = pageserver.http.metrics()
     workers = before.value("pageserver_executor_workers")
-    # tokio's default: one worker per CPU the daemon may use
-    assert workers == len(os.sched_getaffinity(pageserver.proc.pid)), workers
+    # tokio's default: one worker per CPU the daemon may use (fewer under a cgroup CPU quota)
+    assert 1 <= workers <= len(os.sched_getaffinity(pageserver.proc.pid)), workers
     with pageserver.connect(t) as conn:
         conn.ingest([(KEY, 10, o.RECORD, o.init_page(0)), (KEY, 11, o.RECORD, o.insert(b"x"))])
         for _ in range(50):
