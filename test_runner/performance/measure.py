@@ -375,8 +375,10 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
             "send_syscalls": round(sum(by_io("send_syscalls").values()) / requests, 3),
             "io_uring_share": round(by_io("sends")["io_uring"] / max(sum(by_io("sends").values()), 1), 3),
             # Times an executor thread ran out of work and slept, per request; and how full the
-            # executor was (busy time over the run's wall time and the workers).
-            "executor_parks": round(delta(after, before, "pageserver_executor_parks_total") / requests, 3),
+            # executor was (busy time over the run's wall time and the workers). None where the
+            # daemon has no executor metrics (builds before them, page-floor).
+            "executor_parks": round(delta(after, before, "pageserver_executor_parks_total") / requests, 3)
+                              if "pageserver_executor_parks_total" in after else None,
             "executor_busy_pct": round(100 * delta(after, before, "pageserver_executor_busy_seconds_total")
                                        / max(elapsed * workers, 1e-9), 1) if workers else None,
         },
