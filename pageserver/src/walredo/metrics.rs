@@ -105,6 +105,8 @@ pub struct WalRedoMetrics {
     /// Slots of the daemon-wide spin budget granted now (spinning children and blocking
     /// `auto` tenants).
     pub spin_slots_granted: IntGauge,
+    /// 1 while CPU pressure holds back every slot of the spin budget.
+    pub spin_held_back: IntGauge,
     pub process_launch_seconds: Histogram,
     pub processes_started: IntCounterVec,
     pub processes_stopped: IntCounterVec,
@@ -196,6 +198,14 @@ impl WalRedoMetrics {
                 )?;
                 registry.register(Box::new(c.clone()))?;
                 c
+            },
+            spin_held_back: {
+                let g = IntGauge::new(
+                    "pageserver_wal_redo_spin_held_back",
+                    "1 while CPU pressure (tasks waiting for a CPU) holds back every slot of the spin budget: no redo child spins, no tenant blocks",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
             },
             process_launch_seconds: histogram(
                 "pageserver_wal_redo_process_launch_seconds",

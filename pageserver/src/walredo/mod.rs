@@ -929,7 +929,8 @@ impl WalRedoManager {
 
     /// The controller's decision cut to what the daemon-wide [`SpinBudget`] grants this
     /// tenant: spinning children, and for an `auto` tenant the blocking path, each take a slot;
-    /// without one, its children park and its round trips yield. The bid's score is the gain
+    /// without one (none are granted under CPU pressure), its children park and its round
+    /// trips yield. The bid's score is the gain
     /// per CPU of spinning, one over the period's idle gap per child (0 without requests).
     fn within_spin_budget(&self, decision: Decision, obs: &Observation) -> Decision {
         let blocks = decision.path == Path::Sync
@@ -943,6 +944,7 @@ impl WalRedoManager {
         let bid = (wanted > 0).then_some(Bid { score, wanted });
         let granted = self.conf.spin_budget.grant(self.id, bid, Instant::now());
         self.metrics.spin_slots_granted.set(self.conf.spin_budget.granted() as i64);
+        self.metrics.spin_held_back.set(i64::from(self.conf.spin_budget.pressed()));
         let spinning = decision.spinning.min(granted);
         Decision {
             spinning,

@@ -15,19 +15,25 @@
 //!   idle gap between its requests (up to its window), so its gain per CPU is about the wake-up
 //!   over the gap: the slots go to the tenants with the shortest idle gap per child, one slot
 //!   each before any tenant gets a second.
-//! - **None when the machine is busy:** when the CPUs are more than 75% busy, not counting one
-//!   CPU per granted slot (what the spinners themselves may use), no slot is granted until the
-//!   rest falls below 60%. Read from `/proc/stat`; where it cannot be read, the machine counts
-//!   as not busy.
+//! - **None under CPU pressure:** when some task of the daemon's cgroup waited for a CPU in more
+//!   than 35% of the last period (the kernel's pressure stall information: the cgroup's
+//!   `cpu.pressure`, else the machine's `/proc/pressure/cpu`), there is no CPU to buy latency
+//!   with: a spinner or a blocked thread holds one that someone else waits for. No slot is
+//!   granted then, until the share falls below 25%. Unlike a busy share, the stall time tells a
+//!   full machine whose tasks each find a CPU (one connection, its reader and its child: about
+//!   17% on 2 vCPUs, where spinning pays) from one where they queue (eight connections: 50-70%).
+//!   Where neither file can be read, there is no such signal, and the slots alone bound the
+//!   spinning.
 //!
 //! Each manager's controller loop bids once per period ([`SpinBudget::grant`]); the grants are
 //! recomputed at most once per period for all bids at once, so the cost per period is one sort
 //! of the bidding tenants, whatever their number.
 //!
-//! **Invariant:** slots granted <= slots; the allocation ([`allocate`]) and the busy rule
-//! ([`Busy`]) are pure and tested on their own.
+//! **Invariant:** slots granted <= slots; the allocation ([`allocate`]) and the pressure rule
+//! ([`Pressure`]) are pure and tested on their own.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -36,10 +42,10 @@ use crate::util::lock;
 
 /// A bid older than this is dropped (its manager stopped bidding without withdrawing).
 const BID_LIFETIME: Duration = Duration::from_millis(300);
-/// Busy above this share of the CPUs (not counting the granted spinners).
-const BUSY_ABOVE: f64 = 0.75;
-/// Not busy again below this share.
-const CALM_BELOW: f64 = 0.60;
+/// Under pressure above this share of the time with some task waiting for a CPU.
+const PRESSED_ABOVE: f64 = 0.35;
+/// Not under pressure again below this share.
+const EASED_BELOW: f64 = 0.25;
 
 /// One manager's wish for a period.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -50,11 +56,20 @@ pub(crate) struct Bid {
     pub(crate) wanted: usize,
 }
 
+/// Cumulative time some task waited for a CPU, or `None` where it cannot be read.
+type StallClock = Box<dyn Fn() -> Option<Duration> + Send + Sync>;
+
 /// The daemon-wide budget; see the module doc.
-#[derive(Debug)]
 pub struct SpinBudget {
     slots: usize,
+    stalled: StallClock,
     state: Mutex<State>,
+}
+
+impl std::fmt::Debug for SpinBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpinBudget").field("slots", &self.slots).field("state", &self.state).finish()
+    }
 }
 
 #[derive(Debug)]
@@ -62,23 +77,38 @@ struct State {
     bids: HashMap<u64, (Bid, Instant)>,
     grants: HashMap<u64, usize>,
     computed: Option<Instant>,
-    busy: Busy,
-    cpu_times: Option<CpuTimes>,
+    pressure: Pressure,
+    /// The stall clock's last reading, and when it was taken.
+    stalled: Option<(Instant, Duration)>,
 }
 
 impl SpinBudget {
-    /// A budget of `slots` slots (at least 1).
+    /// A budget of `slots` slots (at least 1), held back by the CPU pressure of the daemon's
+    /// cgroup (see the module doc).
     pub fn new(slots: usize) -> Arc<SpinBudget> {
+        SpinBudget::with_stall_clock(slots, Box::new(|| read_stalled(pressure_file()?)))
+    }
+
+    /// A budget whose CPU pressure is read from `stalled` (tests script it).
+    pub(crate) fn with_stall_clock(slots: usize, stalled: StallClock) -> Arc<SpinBudget> {
         Arc::new(SpinBudget {
             slots: slots.max(1),
+            stalled,
             state: Mutex::new(State {
                 bids: HashMap::new(),
                 grants: HashMap::new(),
                 computed: None,
-                busy: Busy::default(),
-                cpu_times: None,
+                pressure: Pressure::default(),
+                stalled: None,
             }),
         })
+    }
+
+    /// A budget that never sees CPU pressure: for tests of the slots alone, which other tests
+    /// running beside them would otherwise hold back.
+    #[cfg(test)]
+    pub(crate) fn without_pressure(slots: usize) -> Arc<SpinBudget> {
+        SpinBudget::with_stall_clock(slots, Box::new(|| Some(Duration::ZERO)))
     }
 
     /// The daemon's budget: a quarter of the CPUs, at least 1.
@@ -118,18 +148,24 @@ impl SpinBudget {
         lock(&self.state).grants.values().sum()
     }
 
+    /// Whether CPU pressure holds every slot back now.
+    pub fn pressed(&self) -> bool {
+        lock(&self.state).pressure.is_pressed()
+    }
+
     fn recompute(&self, state: &mut State, now: Instant) {
         state.computed = Some(now);
         state.bids.retain(|_, (_, at)| now.saturating_duration_since(*at) < BID_LIFETIME);
-        let granted: usize = state.grants.values().sum();
-        if let Some(times) = CpuTimes::read() {
-            if let Some(share) = state.cpu_times.map(|before| times.busy_share_since(&before)) {
-                let spinners = granted as f64 / times.cpus.max(1) as f64;
-                state.busy.update(share - spinners);
+        if let Some(stalled) = (self.stalled)() {
+            if let Some((at, before)) = state.stalled {
+                let wall = now.saturating_duration_since(at);
+                if !wall.is_zero() {
+                    state.pressure.update(stalled.saturating_sub(before).as_secs_f64() / wall.as_secs_f64());
+                }
             }
-            state.cpu_times = Some(times);
+            state.stalled = Some((now, stalled));
         }
-        let slots = if state.busy.is_busy() { 0 } else { self.slots };
+        let slots = if state.pressure.is_pressed() { 0 } else { self.slots };
         state.grants = allocate(slots, state.bids.iter().map(|(&id, &(bid, _))| (id, bid)));
     }
 }
@@ -167,71 +203,71 @@ pub(crate) fn allocate(slots: usize, bids: impl Iterator<Item = (u64, Bid)>) -> 
     grants
 }
 
-/// Whether the machine is busy, with hysteresis (see the module doc). Pure.
+/// Whether the CPUs are under pressure, with hysteresis (see the module doc). Pure.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Busy(bool);
+pub(crate) struct Pressure(bool);
 
-impl Busy {
-    /// Takes the share of the CPUs busy over the last period, not counting the granted
-    /// spinners (NaN counts as 0).
+impl Pressure {
+    /// Takes the share of the last period in which some task waited for a CPU (NaN counts
+    /// as 0).
     pub(crate) fn update(&mut self, share: f64) {
         let share = if share.is_nan() { 0.0 } else { share };
-        if share > BUSY_ABOVE {
+        if share > PRESSED_ABOVE {
             self.0 = true;
-        } else if share < CALM_BELOW {
+        } else if share < EASED_BELOW {
             self.0 = false;
         }
     }
 
-    pub(crate) fn is_busy(self) -> bool {
+    pub(crate) fn is_pressed(self) -> bool {
         self.0
     }
 }
 
-/// The machine's CPU time counters (`/proc/stat`, first line), in ticks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct CpuTimes {
-    busy: u64,
-    total: u64,
-    cpus: usize,
+/// The file with the CPU pressure of the daemon's cgroup (cgroup v2), else the machine's;
+/// `None` where neither can be read. Found once.
+fn pressure_file() -> Option<&'static Path> {
+    static FILE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let cgroup = std::fs::read_to_string("/proc/self/cgroup")
+            .ok()
+            .zip(std::fs::read_to_string("/proc/self/mountinfo").ok());
+        let own = cgroup.and_then(|(cgroup, mounts)| cgroup_pressure_file(&cgroup, &mounts));
+        [own, Some(PathBuf::from("/proc/pressure/cpu"))]
+            .into_iter()
+            .flatten()
+            .find(|f| read_stalled(f).is_some())
+    })
+    .as_deref()
 }
 
-impl CpuTimes {
-    fn read() -> Option<CpuTimes> {
-        CpuTimes::parse(&std::fs::read_to_string("/proc/stat").ok()?)
-    }
+/// `cpu.pressure` of this process's cgroup v2 (`/proc/self/cgroup`'s `0::` line) under the
+/// cgroup2 mount (`/proc/self/mountinfo`). Pure.
+fn cgroup_pressure_file(cgroup: &str, mountinfo: &str) -> Option<PathBuf> {
+    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let mount = mountinfo.lines().find_map(|l| {
+        let (mount, fs) = l.split_once(" - ")?;
+        (fs.split_ascii_whitespace().next()? == "cgroup2").then(|| mount.split_ascii_whitespace().nth(4))?
+    })?;
+    Some(Path::new(mount).join(path.trim_start_matches('/')).join("cpu.pressure"))
+}
 
-    /// From `/proc/stat`: the `cpu` line's fields (idle and iowait are not busy), and the
-    /// number of `cpuN` lines. `None` on anything unexpected.
-    fn parse(text: &str) -> Option<CpuTimes> {
-        let mut lines = text.lines();
-        let first = lines.next()?;
-        let mut fields = first.split_ascii_whitespace();
-        if fields.next()? != "cpu" {
-            return None;
-        }
-        let ticks: Vec<u64> = fields.map(|f| f.parse().ok()).collect::<Option<_>>()?;
-        if ticks.len() < 5 {
-            return None;
-        }
-        let total = ticks.iter().fold(0u64, |sum, t| sum.saturating_add(*t));
-        let idle = ticks[3].saturating_add(ticks[4]);
-        let cpus = lines.take_while(|l| l.starts_with("cpu")).count();
-        Some(CpuTimes { busy: total.saturating_sub(idle), total, cpus })
-    }
+fn read_stalled(file: &Path) -> Option<Duration> {
+    parse_stalled(&std::fs::read_to_string(file).ok()?)
+}
 
-    /// Share of the CPUs busy between `before` and `self` (0 if no time passed).
-    fn busy_share_since(&self, before: &CpuTimes) -> f64 {
-        let total = self.total.saturating_sub(before.total);
-        if total == 0 {
-            return 0.0;
-        }
-        self.busy.saturating_sub(before.busy) as f64 / total as f64
-    }
+/// The `some` line's `total` (microseconds in which some task waited for a CPU) of a pressure
+/// file. `None` on anything unexpected. Pure.
+fn parse_stalled(text: &str) -> Option<Duration> {
+    let some = text.lines().find_map(|l| l.strip_prefix("some "))?;
+    let total = some.split_ascii_whitespace().find_map(|f| f.strip_prefix("total="))?;
+    Some(Duration::from_micros(total.parse().ok()?))
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
     use super::*;
 
     fn bid(score: f64, wanted: usize) -> Bid {
@@ -255,7 +291,7 @@ mod tests {
         assert_eq!(grants, HashMap::from([(2, 1)]));
         // More slots than wanted: each gets what it wants, the rest stays free.
         assert_eq!(allocate(100, bids.into_iter()).values().sum::<usize>(), 7);
-        // No slots (a busy machine): nothing.
+        // No slots (CPU pressure): nothing.
         assert!(allocate(0, bids.into_iter()).is_empty());
     }
 
@@ -269,25 +305,26 @@ mod tests {
     }
 
     #[test]
-    fn busy_turns_on_above_three_quarters_and_off_below_sixty_percent() {
-        let mut busy = Busy::default();
+    fn pressure_turns_on_above_35_percent_and_off_below_25() {
+        let mut pressure = Pressure::default();
         for (share, expect) in [
-            (0.5, false),
-            (0.74, false),
-            (0.76, true),
-            (0.7, true),
-            (0.61, true),
-            (0.59, false),
+            (0.1, false),
+            (0.34, false),
+            (0.36, true),
+            (0.3, true),
+            (0.26, true),
+            (0.24, false),
+            (1.0, true),
             (f64::NAN, false),
         ] {
-            busy.update(share);
-            assert_eq!(busy.is_busy(), expect, "share {share}");
+            pressure.update(share);
+            assert_eq!(pressure.is_pressed(), expect, "share {share}");
         }
     }
 
     #[test]
     fn a_budget_grants_its_slots_to_its_best_bidders_and_forgets_withdrawn_ones() {
-        let budget = SpinBudget::new(2);
+        let budget = SpinBudget::without_pressure(2);
         let now = Instant::now();
         // The first bid computes the grants.
         assert_eq!(budget.grant(1, Some(bid(1.0, 1)), now), 1);
@@ -306,17 +343,68 @@ mod tests {
         assert_eq!(budget.granted(), 1);
     }
 
+    /// The rule the stall time replaced (the CPUs more than 75% busy, not counting one CPU per
+    /// granted slot) could not fire once every slot was granted: a quarter of the CPUs as
+    /// slots leaves at most 75% to the rest. This one holds the slots back whenever tasks wait
+    /// for a CPU, every slot granted or not, and grants them again once they do not.
     #[test]
-    fn proc_stat_is_parsed_and_odd_text_refused() {
-        let text = "cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\ncpu1 50 0 25 400 25 0 0 0 0 0\nintr 1\n";
-        let t = CpuTimes::parse(text).expect("parses");
-        assert_eq!(t, CpuTimes { busy: 150, total: 1000, cpus: 2 });
-        let later = CpuTimes { busy: 250, total: 1200, cpus: 2 };
-        assert_eq!(later.busy_share_since(&t), 0.5);
-        assert_eq!(t.busy_share_since(&t), 0.0);
-        for bad in ["", "intr 1", "cpu a b c d e", "cpu 1 2 3"] {
-            assert_eq!(CpuTimes::parse(bad), None, "{bad:?}");
+    fn a_budget_holds_its_slots_back_while_tasks_wait_for_a_cpu() {
+        let stalled_us = Arc::new(AtomicU64::new(0));
+        let clock = Arc::clone(&stalled_us);
+        let budget = SpinBudget::with_stall_clock(
+            1,
+            Box::new(move || Some(Duration::from_micros(clock.load(Ordering::Relaxed)))),
+        );
+        let mut now = Instant::now();
+        let mut period = |stalled_share: f64| {
+            now += PERIOD;
+            stalled_us.fetch_add((PERIOD.as_micros() as f64 * stalled_share) as u64, Ordering::Relaxed);
+            budget.grant(1, Some(bid(1.0, 1)), now)
+        };
+        assert_eq!(period(0.0), 1);
+        assert_eq!(period(0.1), 1);
+        // Its one slot granted, and tasks waiting half the time: held back.
+        assert_eq!(period(0.5), 0);
+        assert!(budget.pressed());
+        assert_eq!(budget.granted(), 0);
+        assert_eq!(period(0.3), 0, "between the thresholds: still held back");
+        assert_eq!(period(0.2), 1);
+        assert!(!budget.pressed());
+    }
+
+    /// Where the stall time cannot be read, the slots alone bound the spinning.
+    #[test]
+    fn a_budget_without_a_stall_clock_grants_its_slots() {
+        let budget = SpinBudget::with_stall_clock(1, Box::new(|| None));
+        let now = Instant::now();
+        for i in 0..3 {
+            assert_eq!(budget.grant(1, Some(bid(1.0, 2)), now + PERIOD * i), 1);
+            assert!(!budget.pressed());
         }
-        assert!(CpuTimes::read().is_some(), "this machine has a /proc/stat");
+    }
+
+    #[test]
+    fn pressure_files_are_parsed_and_odd_text_refused() {
+        let text = "some avg10=0.24 avg60=7.69 avg300=18.19 total=7836011574\n\
+                    full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n";
+        assert_eq!(parse_stalled(text), Some(Duration::from_micros(7_836_011_574)));
+        for bad in ["", "full avg10=0 total=5", "some avg10=0.24", "some total=x", "some total=-1"] {
+            assert_eq!(parse_stalled(bad), None, "{bad:?}");
+        }
+        let mountinfo = "25 30 0:23 / /sys/fs/cgroup rw,nosuid - tmpfs tmpfs ro\n\
+                         36 25 0:31 / /sys/fs/cgroup/unified rw,nosuid,nodev shared:10 - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            cgroup_pressure_file("1:cpu:/\n0::/system.slice/pageserver.service\n", mountinfo),
+            Some(PathBuf::from("/sys/fs/cgroup/unified/system.slice/pageserver.service/cpu.pressure"))
+        );
+        assert_eq!(
+            cgroup_pressure_file("0::/\n", mountinfo),
+            Some(PathBuf::from("/sys/fs/cgroup/unified/cpu.pressure"))
+        );
+        // cgroup v1 only, or no cgroup2 mount: none.
+        assert_eq!(cgroup_pressure_file("1:cpu:/\n", mountinfo), None);
+        assert_eq!(cgroup_pressure_file("0::/\n", "25 30 0:23 / /sys/fs/cgroup rw - tmpfs tmpfs ro\n"), None);
+        // This machine's kernel has the pressure stall information (Linux 4.20 and later).
+        assert!(pressure_file().and_then(read_stalled).is_some(), "no CPU pressure file found");
     }
 }

@@ -325,7 +325,7 @@ fn pool_manager(kind: ProcessKind, max_pool_size: usize, budget: Arc<ChildBudget
     conf.max_pool_size = max_pool_size;
     conf.budget = budget;
     // Its own spin budget: other tests' managers must not take its slots.
-    conf.spin_budget = SpinBudget::new(spin_budget::slots_for_cpus(pool::cpus()));
+    conf.spin_budget = SpinBudget::without_pressure(spin_budget::slots_for_cpus(pool::cpus()));
     let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("register metrics"));
     WalRedoManager::new("tenant-pool", conf, metrics)
 }
@@ -640,7 +640,7 @@ async fn requests_behind_a_stopped_child_move_to_another_and_its_oldest_fails_at
 /// blocks; every request is still served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_spin_and_block_only_within_the_daemon_wide_budget() {
-    let spin_budget = SpinBudget::new(1);
+    let spin_budget = SpinBudget::without_pressure(1);
     let managers: Vec<Arc<WalRedoManager>> = (0..4)
         .map(|i| {
             let mut conf = WalRedoConf::with_binary(crate::test_support::walredo_proc_binary());
