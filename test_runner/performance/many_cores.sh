@@ -22,7 +22,8 @@
 # 3. 64 x 8 redo with the daemons pinned to 2 cores, and NEW with 8 executor threads. With
 #    step 2 this is where the executor's parks per request (measure.py's table; NEW only, the
 #    baseline has no executor metrics) say whether the runtime's sleeping and waking is what
-#    grows with the cores.
+#    grows with the cores. Each run's `spin_budget` (measure.py's JSON, halfway through the
+#    run) says whether CPU pressure held the spin budget back there.
 # 4. bench_walredo: auto/short/1 against the floors (if BENCH is given).
 # 5. bench_shared_lines and bench_metrics, if their binaries lie next to BENCH (named so): work
 #    on shared state by 1, 2 and as many threads as the machine has CPUs.

@@ -333,8 +333,12 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
                                        "--threads", str(threads)])
     sampler = Sampler(daemon, proc.pid, skip=1.0)
     sampler.start()
-    # Stop sampling before the tail (draining replies) to measure the steady state.
-    time.sleep(max(duration - 0.5, 0))
+    # Stop sampling before the tail (draining replies) to measure the steady state; halfway,
+    # the gauges that hold a state rather than a count (whether CPU pressure holds the spin
+    # budget back, the slots granted).
+    time.sleep(max(duration / 2, 0))
+    halfway = metrics(daemon.http)
+    time.sleep(max(duration / 2 - 0.5, 0))
     sampler.stop_event.set()
     summary = finish(proc, duration + 120)
     sampler.join()
@@ -381,6 +385,11 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
                               if "pageserver_executor_parks_total" in after else None,
             "executor_busy_pct": round(100 * delta(after, before, "pageserver_executor_busy_seconds_total")
                                        / max(elapsed * workers, 1e-9), 1) if workers else None,
+        },
+        # Halfway through the run; None where the daemon has no such gauge.
+        "spin_budget": {
+            "held_back": halfway.get("pageserver_wal_redo_spin_held_back"),
+            "slots_granted": halfway.get("pageserver_wal_redo_spin_slots_granted"),
         },
     }
 
@@ -540,12 +549,14 @@ def main() -> int:
                     r.update(scenario=scenario_name, kind=kind, discarded_runs=discarded[kind],
                              rps_runs=[run["summary"]["rps"] for run in kind_runs],
                              p50_runs=[run["summary"]["latency_us"]["p50"] for run in kind_runs],
-                             other_cpu_runs=[(run["cpu"] or {}).get("other_cpu_pct") for run in kind_runs])
+                             other_cpu_runs=[(run["cpu"] or {}).get("other_cpu_pct") for run in kind_runs],
+                             held_back_runs=[run["spin_budget"]["held_back"] for run in kind_runs])
                     results.append(r)
                     s = r["summary"]
                     print(f"   {kind:<5} {point_label(conns, depth, rate):>9} rps {s['rps']:>9} p50 {s['latency_us']['p50']:>6} "
                           f"p99 {s['latency_us']['p99']:>6} p999 {s['latency_us']['p999']:>6} "
-                          f"errors {s['errors']} runs {r['rps_runs']} cpu {r['cpu']} per_request {r['per_request']}",
+                          f"errors {s['errors']} runs {r['rps_runs']} cpu {r['cpu']} per_request {r['per_request']} "
+                          f"spin budget held back {r['held_back_runs']}",
                           file=sys.stderr)
                 opts.out.write_text(json.dumps(results, indent=1))
             if opts.strace != "none":
