@@ -930,8 +930,8 @@ impl WalRedoManager {
     /// The controller's decision cut to what the daemon-wide [`SpinBudget`] grants this
     /// tenant: spinning children, and for an `auto` tenant the blocking path, each take a slot;
     /// without one (none are granted under CPU pressure), its children park and its round
-    /// trips yield. The bid's score is the gain
-    /// per CPU of spinning, one over the period's idle gap per child (0 without requests).
+    /// trips yield. The bid's score is the gain per CPU of spinning, one over the period's idle
+    /// gap per child (0 without requests).
     fn within_spin_budget(&self, decision: Decision, obs: &Observation) -> Decision {
         let blocks = decision.path == Path::Sync
             && self.conf.auto_path.is_none()

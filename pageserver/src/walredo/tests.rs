@@ -324,7 +324,8 @@ fn pool_manager(kind: ProcessKind, max_pool_size: usize, budget: Arc<ChildBudget
     conf.timeout = Duration::from_secs(20);
     conf.max_pool_size = max_pool_size;
     conf.budget = budget;
-    // Its own spin budget: other tests' managers must not take its slots.
+    // Its own spin budget: other tests' managers must not take its slots, nor the CPU pressure
+    // they make hold them back.
     conf.spin_budget = SpinBudget::without_pressure(spin_budget::slots_for_cpus(pool::cpus()));
     let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("register metrics"));
     WalRedoManager::new("tenant-pool", conf, metrics)
