@@ -386,7 +386,8 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
             "executor_busy_pct": round(100 * delta(after, before, "pageserver_executor_busy_seconds_total")
                                        / max(elapsed * workers, 1e-9), 1) if workers else None,
         },
-        # Halfway through the run; None where the daemon has no such gauge.
+        # Halfway through the run; None where the daemon has no such gauge. The state of the
+        # last period in which a redo pool was active: the run's own where its requests are redos.
         "spin_budget": {
             "held_back": halfway.get("pageserver_wal_redo_spin_held_back"),
             "slots_granted": halfway.get("pageserver_wal_redo_spin_slots_granted"),
