@@ -24,16 +24,19 @@
 #    baseline has no executor metrics) say whether the runtime's sleeping and waking is what
 #    grows with the cores. Each run's `spin_budget` (measure.py's JSON, halfway through the
 #    run) says whether CPU pressure held the spin budget back there.
-# 4. bench_walredo: auto/short/1 against the floors (if BENCH is given).
-# 5. bench_shared_lines and bench_metrics, if their binaries lie next to BENCH (named so): work
+# 4. The spin budget's own case: 16 tenants of one connection each (small-chain10 --tenants
+#    16, 1 x 1 per tenant), BASE against NEW, `auto`; with each run's spin budget state.
+# 5. bench_walredo: auto/short/1 against the floors (if BENCH is given).
+# 6. bench_shared_lines and bench_metrics, if their binaries lie next to BENCH (named so): work
 #    on shared state by 1, 2 and as many threads as the machine has CPUs.
 #
 # Settings (environment): SECONDS_PER_RUN (3), REPEAT (2), CACHED_THREADS (8), REDO_THREADS
 # (4), CACHED_POINTS (64x1,256x1,512x1,64x16,256x16), REDO_POINTS (1x1,8x1,64x8), and each
-# step's limit in seconds: LIMIT_CACHED (200), LIMIT_REDO (115), LIMIT_CORES (45), LIMIT_BENCH
-# (40), LIMIT_LINES (105: two thirds for bench_shared_lines, a third for bench_metrics). The
-# defaults fit one call of at most 8.5 minutes. On a machine used by nobody else the
-# quiet checks of measure.py are loosened (QUIET=loose, the default); QUIET=strict keeps them.
+# step's limit in seconds: LIMIT_CACHED (200), LIMIT_REDO (115), LIMIT_CORES (45),
+# LIMIT_TENANTS (40), LIMIT_BENCH (40), LIMIT_LINES (66: two thirds for bench_shared_lines, a
+# third for bench_metrics). The defaults fit one call of at most 8.5 minutes. On a machine used
+# by nobody else the quiet checks of measure.py are loosened (QUIET=loose, the default);
+# QUIET=strict keeps them.
 #
 # Staging for the device (here, from the repository's root; `.bench/` listed in
 # .git/info/exclude, then named in the call's `carry`):
@@ -103,6 +106,8 @@ step cores "${LIMIT_CORES:-45}" "${measure[@]}" --scenarios chain10-redo --threa
     --kinds "auto:cpus=0-1:bin=$BASE,auto:cpus=0-1,auto:env=TOKIO_WORKER_THREADS=8" --points 64x8 \
     --out "$OUT/cores.json"
 
+step tenants "${LIMIT_TENANTS:-40}" "${measure[@]}" --scenarios small-chain10 --tenants 16 \
+    --threads "${REDO_THREADS:-4}" --kinds "auto:bin=$BASE,auto" --points 1x1 --out "$OUT/tenants.json"
 if [ -n "$BENCH" ]; then
     echo_child=$(grep -ao '/[A-Za-z0-9_./+-]*/target/release/echo-child' "$BENCH" | head -1)
     if [ -z "$echo_child" ] || ! [ -x "$NEW/echo-child" ]; then
@@ -118,7 +123,7 @@ if [ -n "$BENCH" ]; then
     fi
 fi
 if [ -n "$BENCH" ]; then
-    lines=${LIMIT_LINES:-105}
+    lines=${LIMIT_LINES:-66}
     for b in bench_shared_lines:$(( lines * 2 / 3 )) bench_metrics:$(( lines / 3 )); do
         limit=${b#*:} b=${b%%:*} bin="$(dirname "$BENCH")/$b"
         if [ -x "$bin" ]; then
