@@ -156,14 +156,23 @@ impl SpinBudget {
     fn recompute(&self, state: &mut State, now: Instant) {
         state.computed = Some(now);
         state.bids.retain(|_, (_, at)| now.saturating_duration_since(*at) < BID_LIFETIME);
-        if let Some(stalled) = (self.stalled)() {
-            if let Some((at, before)) = state.stalled {
-                let wall = now.saturating_duration_since(at);
-                if !wall.is_zero() {
-                    state.pressure.update(stalled.saturating_sub(before).as_secs_f64() / wall.as_secs_f64());
+        match (self.stalled)() {
+            Some(stalled) => {
+                if let Some((at, before)) = state.stalled {
+                    let wall = now.saturating_duration_since(at);
+                    if !wall.is_zero() {
+                        state
+                            .pressure
+                            .update(stalled.saturating_sub(before).as_secs_f64() / wall.as_secs_f64());
+                    }
                 }
+                state.stalled = Some((now, stalled));
             }
-            state.stalled = Some((now, stalled));
+            // No signal (any more): the slots alone bound the spinning, not a stale verdict.
+            None => {
+                state.pressure = Pressure::default();
+                state.stalled = None;
+            }
         }
         let slots = if state.pressure.is_pressed() { 0 } else { self.slots };
         state.grants = allocate(slots, state.bids.iter().map(|(&id, &(bid, _))| (id, bid)));
@@ -372,7 +381,8 @@ mod tests {
         assert!(!budget.pressed());
     }
 
-    /// Where the stall time cannot be read, the slots alone bound the spinning.
+    /// Where the stall time cannot be read, the slots alone bound the spinning; also when it
+    /// could be read before and was under pressure then.
     #[test]
     fn a_budget_without_a_stall_clock_grants_its_slots() {
         let budget = SpinBudget::with_stall_clock(1, Box::new(|| None));
@@ -381,6 +391,23 @@ mod tests {
             assert_eq!(budget.grant(1, Some(bid(1.0, 2)), now + PERIOD * i), 1);
             assert!(!budget.pressed());
         }
+
+        // Stalled all the time, then unreadable.
+        let calls = Arc::new(AtomicU64::new(0));
+        let clock = Arc::clone(&calls);
+        let budget = SpinBudget::with_stall_clock(
+            1,
+            Box::new(move || {
+                let n = clock.fetch_add(1, Ordering::Relaxed);
+                (n < 3).then(|| PERIOD * n as u32)
+            }),
+        );
+        assert_eq!(budget.grant(1, Some(bid(1.0, 1)), now), 1);
+        assert_eq!(budget.grant(1, Some(bid(1.0, 1)), now + PERIOD), 0);
+        assert!(budget.pressed());
+        assert_eq!(budget.grant(1, Some(bid(1.0, 1)), now + PERIOD * 2), 0);
+        assert_eq!(budget.grant(1, Some(bid(1.0, 1)), now + PERIOD * 3), 1, "no signal, no pressure");
+        assert!(!budget.pressed());
     }
 
     #[test]
