@@ -346,7 +346,7 @@ impl Tenant {
                 self.walredo.request_redo(key, lsn.0, image.map(|(_, page)| page), &records).await?
             }
         };
-        self.deps.cache.insert(cache_key, page.clone());
+        self.deps.cache.insert(cache_key, &page);
         Ok((lsn, page))
     }
 

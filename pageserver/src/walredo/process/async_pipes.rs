@@ -128,21 +128,24 @@ impl AsyncPipes {
             Turn::Reply(reply) => return Ok(reply),
             Turn::Reader(stdout) => stdout,
         };
-        loop {
+        let result = loop {
             let at_head = match waiter.take() {
-                Ok(reply) => return Ok(reply),
+                Ok(reply) => break Ok(reply),
                 Err(at_head) => at_head,
             };
             match tokio::time::timeout_at(waiter.read_deadline(at_head).into(), read_reply(&mut stdout)).await
             {
-                Ok(reply) => self.shared.park(reply?),
+                Ok(Ok(reply)) => self.shared.park(reply),
+                Ok(Err(e)) => break Err(e),
                 Err(_) => {
                     if let Some(e) = waiter.expired() {
-                        return Err(e);
+                        break Err(e);
                     }
                 }
             }
-        }
+        };
+        self.shared.park_read(&mut stdout.replies);
+        result
     }
 }
 

@@ -362,17 +362,29 @@ impl SyncPipes {
             Turn::Reply(reply) => return Ok(reply),
             Turn::Reader(stdout) => stdout,
         };
+        let result = self.read_own(&mut stdout, waiter, wait).await;
+        self.shared.park_read(&mut stdout.replies);
+        result
+    }
+
+    /// [`SyncPipes::read_until`] with the stdout lock held.
+    async fn read_own(
+        &self,
+        stdout: &mut Reader,
+        waiter: &Waiter<'_>,
+        wait: Wait,
+    ) -> Result<Reply, ProcessError> {
         if wait == Wait::Yield {
-            return self.read_yielding(&mut stdout, waiter).await;
+            return self.read_yielding(stdout, waiter).await;
         }
         stdout.pipe.unregister()?;
         // First what is there already, then what comes within the spin window, without a
         // hand-off; then block for the rest.
-        if let Some(reply) = self.read_available(&mut stdout, waiter.seq)? {
+        if let Some(reply) = self.read_available(stdout, waiter.seq)? {
             return Ok(reply);
         }
         let spin = self.spin();
-        if let Some(reply) = self.spin_for_reply(&mut stdout, waiter.seq, spin)? {
+        if let Some(reply) = self.spin_for_reply(stdout, waiter.seq, spin)? {
             return Ok(reply);
         }
         blocking(|| loop {
@@ -380,7 +392,7 @@ impl SyncPipes {
                 Ok(reply) => return Ok(reply),
                 Err(at_head) => at_head,
             };
-            match read_reply(&mut stdout, waiter.read_deadline(at_head), waiter.patience.timeout, spin) {
+            match read_reply(stdout, waiter.read_deadline(at_head), waiter.patience.timeout, spin) {
                 Ok(reply) => self.shared.park(reply),
                 Err(ProcessError::Timeout(_)) => {
                     if let Some(e) = waiter.expired() {
