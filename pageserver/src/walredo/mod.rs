@@ -40,6 +40,7 @@ mod spin;
 pub mod spin_budget;
 #[cfg(test)]
 mod tests;
+mod write_queue;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -473,7 +474,7 @@ impl WalRedoManager {
                 return Ok(base);
             }
         }
-        let request = Request::redo(&tag, base.as_ref(), records);
+        let request = Arc::new(Request::redo(&tag, base.as_ref(), records));
         self.metrics.records_per_request.observe(records.len() as f64);
         self.metrics.bytes_per_request.observe(request.len() as f64);
         match self.execute(&request, true, class, waited).await? {
@@ -490,7 +491,7 @@ impl WalRedoManager {
         let mut frame = Vec::new();
         protocol::encode_ping(&mut frame);
         let mut waited = Duration::ZERO;
-        match self.execute(&Request::frames(frame), true, Class::Foreground, &mut waited).await? {
+        match self.execute(&Arc::new(Request::frames(frame)), true, Class::Foreground, &mut waited).await? {
             Reply::Page(page) if page.len() == BLCKSZ && page.iter().all(|&b| b == 0) => Ok(()),
             other => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("bad ping reply {other:?}")))),
         }
@@ -503,7 +504,7 @@ impl WalRedoManager {
     /// to `waited`.
     async fn execute(
         &self,
-        request: &Request,
+        request: &Arc<Request>,
         retry: bool,
         class: Class,
         waited: &mut Duration,

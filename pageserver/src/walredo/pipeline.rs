@@ -1,7 +1,8 @@
 //! Pipelining bookkeeping shared by both process kinds: reply assembly and reply matching.
 //!
 //! Many requests are in flight on one child. Each request is written whole under the stdin lock
-//! and takes a sequence number there; the child answers strictly in order, so the `n`-th reply
+//! (by itself or, queued behind it, by the request that holds the lock: `write_queue.rs`) and
+//! takes a sequence number there; the child answers strictly in order, so the `n`-th reply
 //! read belongs to sequence number `n`. Whoever holds the stdout lock reads replies until its own
 //! has arrived, parking the others' replies in [`Replies`] for their owners to take.
 //!
@@ -12,8 +13,8 @@
 //! takes a megabyte. With work waiting and no progress for [`Patience::stall`], the child is
 //! *stalled*: requests behind the oldest one leave it for another child
 //! ([`ProcessError::Stalled`]); for [`Patience::timeout`], it is *hung*: the oldest request
-//! fails with [`ProcessError::Timeout`] and the child is killed. [`Fence`] marks the stream
-//! broken the moment a write ends partway through a frame.
+//! fails with [`ProcessError::Timeout`] and the child is killed. A write that ends partway
+//! through a frame marks the stream broken ([`Writer::broken`]) at once.
 //!
 //! Invariants:
 //! - no byte follows a partial frame: a writer that finds [`Writer::broken`] writes nothing;
@@ -40,8 +41,6 @@ use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
 
 use super::metrics::StopCause;
-use super::priority::WriteTicket;
-use super::request::{Cursor, Request};
 use crate::util::lock;
 
 /// How a round trip failed.
@@ -180,140 +179,15 @@ impl<W> Writer<W> {
         Writer { pipe, next_seq: 0, broken: false }
     }
 
-    /// Takes the stdin lock for a request's write, waiting at most until `queue_deadline`
-    /// ([`ProcessError::QueueTimeout`]) or until the child is stalled
-    /// ([`ProcessError::Stalled`]: the request goes to another child), and refuses a stream an
-    /// earlier request broke. The child's busy clock starts here if it had no work.
-    ///
-    /// `ticket` is the request's place in the foreground writer queue ([`super::priority`]);
-    /// it is given up with the lock, once the request is written (or failed).
-    ///
-    /// Cancel-safe: it only waits (tokio's mutex keeps no place for a dropped waiter).
-    pub(crate) async fn lock<'a>(
-        stdin: &'a tokio::sync::Mutex<Writer<W>>,
-        shared: &Shared,
-        ticket: WriteTicket<'a>,
-        queue_deadline: Instant,
-        patience: Patience,
-    ) -> Result<Locked<'a, W>, ProcessError> {
-        // A free pipe is taken without a timer (the common case: one per request).
-        let guard = match stdin.try_lock() {
-            Ok(guard) => guard,
-            Err(_) => {
-                let acquire = stdin.lock();
-                tokio::pin!(acquire);
-                loop {
-                    let wake = shared.progress.stalled_at(patience).min(queue_deadline);
-                    tokio::select! {
-                        biased;
-                        guard = &mut acquire => break guard,
-                        () = tokio::time::sleep_until(wake.into()) => {
-                            if let Some(e) = shared.behind_expired(Instant::now(), queue_deadline, patience) {
-                                return Err(e);
-                            }
-                        }
-                    }
-                }
-            }
-        };
-        guard.check_not_broken()?;
-        // The oldest request on the child starts its busy clock (it may have had none for
-        // hours: its last progress says nothing about this request).
-        if lock(&shared.replies).next_to_read() == guard.next_seq {
-            shared.progress.mark();
-        }
-        Ok(Locked { guard, _ticket: ticket })
-    }
-
     /// Sequence number the request being written will take.
     pub(crate) fn next_seq(&self) -> u64 {
         self.next_seq
-    }
-
-    /// The error of a writer that finds the stream broken by an earlier request.
-    fn check_not_broken(&self) -> Result<(), ProcessError> {
-        if self.broken {
-            Err(ProcessError::Io(anyhow::anyhow!(
-                "walredo stdin holds a partial frame of a cut-short request"
-            )))
-        } else {
-            Ok(())
-        }
     }
 
     /// Takes the sequence number of the request just written whole.
     pub(crate) fn written(&mut self) -> u64 {
         self.next_seq += 1;
         self.next_seq - 1
-    }
-}
-
-/// The stdin lock of one request's write, with its place in the foreground writer queue; both
-/// are given up on drop, the lock first.
-pub(crate) struct Locked<'a, W> {
-    guard: tokio::sync::MutexGuard<'a, Writer<W>>,
-    _ticket: WriteTicket<'a>,
-}
-
-impl<W> std::ops::Deref for Locked<'_, W> {
-    type Target = Writer<W>;
-    fn deref(&self) -> &Writer<W> {
-        &self.guard
-    }
-}
-
-impl<W> std::ops::DerefMut for Locked<'_, W> {
-    fn deref_mut(&mut self) -> &mut Writer<W> {
-        &mut self.guard
-    }
-}
-
-/// Fences the writer if the write it guards ends with part of the request written: on drop,
-/// unless [`Fence::done`], marks the stream broken and, if the write was neither finished nor
-/// failed through [`Fence::fail`] (the future was dropped), runs `on_cancel`.
-pub(crate) struct Fence<'a, W, F: FnOnce()> {
-    pub(crate) writer: &'a mut Writer<W>,
-    /// How much of `request` is written.
-    pub(crate) at: Cursor,
-    pub(crate) request: &'a Request,
-    on_cancel: Option<F>,
-}
-
-impl<'a, W, F: FnOnce()> Fence<'a, W, F> {
-    pub(crate) fn new(writer: &'a mut Writer<W>, request: &'a Request, on_cancel: F) -> Fence<'a, W, F> {
-        Fence { writer, at: Cursor::default(), request, on_cancel: Some(on_cancel) }
-    }
-
-    /// Whether all of the request is written.
-    pub(crate) fn finished(&self) -> bool {
-        self.at.written() >= self.request.len()
-    }
-
-    /// `n` more bytes of the request are written.
-    pub(crate) fn advance(&mut self, n: usize) {
-        self.request.advance(&mut self.at, n);
-    }
-
-    /// The whole request is written.
-    pub(crate) fn done(self) {
-        debug_assert!(self.finished());
-    }
-
-    /// The write failed with `e` (the caller retires the process for it).
-    pub(crate) fn fail(mut self, e: ProcessError) -> ProcessError {
-        self.on_cancel = None;
-        e
-    }
-}
-
-impl<W, F: FnOnce()> Drop for Fence<'_, W, F> {
-    fn drop(&mut self) {
-        if self.at.written() > 0 && !self.finished() {
-            self.writer.broken = true;
-            if let Some(on_cancel) = self.on_cancel.take() {
-                on_cancel();
-            }
-        }
     }
 }
 

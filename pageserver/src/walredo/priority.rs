@@ -8,8 +8,8 @@
 //! The mechanism is one count and one wake-up, in front of the child's writer, shared by both
 //! process kinds (the count one atomic word, so that the GetPage path takes no lock here):
 //! - every foreground attempt holds a [`WriteTicket`] from before it looks for a child (so a
-//!   request waiting for a spawn counts) until it has written its request whole, or failed: the
-//!   ticket is released with the writer lock (`pipeline::Writer::lock`). The count of tickets is
+//!   request waiting for a spawn counts) until its request is written whole (by itself or by
+//!   the request holding the writer lock: `write_queue.rs`), or failed. The count of tickets is
 //!   the foreground writer queue;
 //! - a background request first takes the manager's one background slot (a fair async mutex:
 //!   background requests go one at a time, in arrival order, and the slot is held until the
@@ -20,8 +20,8 @@
 //! GetPage load empties it between requests, even if the next one arrives before the background
 //! task runs), or after waiting `max_defer` (the manager passes `wal_redo_timeout`) at the latest,
 //! so that an overload with a queue that never empties cannot starve it forever. When it goes,
-//! it queues for the writer lock, which is fair (FIFO): it never overtakes a foreground request
-//! already queued there.
+//! it joins the child's write queue, which is written in order (FIFO): it never overtakes a
+//! foreground request already queued there.
 //!
 //! Invariants:
 //! - a foreground request waits behind at most one background request (the slot);

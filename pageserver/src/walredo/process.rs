@@ -68,7 +68,7 @@ impl Pipes {
     /// through the write (the stream is broken: the caller retires the child).
     async fn round_trip(
         &self,
-        request: &Request,
+        request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
         on_broken_write: impl FnOnce(),
@@ -330,7 +330,7 @@ impl Process {
     /// without yielding), the process is retired (the stream is broken).
     pub(crate) async fn round_trip(
         &self,
-        request: &Request,
+        request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
     ) -> Result<Reply, ProcessError> {
@@ -343,7 +343,7 @@ impl Process {
     /// [`Process::round_trip`] and [`Process::set_spin`] share.
     async fn exchange(
         &self,
-        request: &Request,
+        request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
     ) -> Result<Reply, ProcessError> {
@@ -409,7 +409,7 @@ impl Process {
         let micros = spin_micros(window);
         let mut frame = Vec::new();
         protocol::encode_set_spin(&mut frame, micros);
-        let request = Request::frames(frame);
+        let request = Arc::new(Request::frames(frame));
         let mut known = self.spin_lock.lock().await;
         if *known && self.spin_us() == micros {
             return Ok(true);
@@ -651,7 +651,7 @@ mod tests {
     use crate::walredo::tests::{expected_for, records_for, tag};
 
     async fn redo(process: &Process, n: u32) {
-        let request = Request::redo(&tag(n), None, &records_for(n));
+        let request = Arc::new(Request::redo(&tag(n), None, &records_for(n)));
         let reply = process
             .round_trip(&request, WriteTicket::none(), Patience::of_timeout(Duration::from_secs(20)))
             .await

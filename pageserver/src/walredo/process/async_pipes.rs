@@ -9,20 +9,23 @@
 //! child lives on; behind a child that makes no progress for the stall window it leaves for
 //! another child ([`ProcessError::Stalled`]); the oldest request of a child that makes no
 //! progress for the timeout fails with [`ProcessError::Timeout`] (and the child is killed).
-//! Requests are written with vectored writes, from the buffers their parts were read into.
+//! Requests are written with vectored writes, from the buffers their parts were read into, the
+//! queued ones together by the holder of the stdin lock ([`crate::walredo::write_queue`]).
 //!
 //! Cancellation: the mutexes are tokio's because their guards are held across the awaits of a
 //! write or a read. A future dropped
-//! - before its first byte is written: nothing happened;
-//! - during its write, after some bytes: the child has part of a frame and the stream cannot
-//!   be repaired: the writer is fenced at once ([`pipeline::Fence`]: no byte follows a partial
-//!   frame) and the process is retired;
+//! - before its request is written: its request leaves the queue (or, in another request's
+//!   batch, is written and its reply dropped);
+//! - while it writes the queue, partway through a request: the child has part of a frame and
+//!   the stream cannot be repaired: the writer is fenced at once (no byte follows a partial
+//!   frame), the requests behind fail, and the process is retired; between two requests, the
+//!   unwritten ones go back to the queue;
 //! - after its write: its reply slot is marked abandoned and the reply is dropped on arrival;
 //! - during a read: the bytes read so far stay in the shared [`pipeline::ReplyReader`], whose
 //!   next holder carries on (`AsyncReadExt::read` is cancel-safe).
 
-use std::io::IoSlice;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -30,15 +33,18 @@ use tokio::io::{AsyncReadExt, AsyncWrite};
 use tokio::process::{ChildStdin, ChildStdout};
 
 use crate::walredo::pipeline::ProcessError;
-use crate::walredo::pipeline::{self, Claim, Fence, Patience, Reply, Shared, Turn, Waiter};
+use crate::walredo::pipeline::{self, Claim, Patience, Reply, Shared, Turn, Waiter};
 use crate::walredo::priority::WriteTicket;
-use crate::walredo::request::{Request, SLICES_PER_WRITE};
+use crate::walredo::request::Request;
+use crate::walredo::write_queue::{Batch, WriteQueue, WriteTurn};
 
 type Writer = pipeline::Writer<ChildStdin>;
 type Reader = pipeline::Reader<ChildStdout>;
 
 pub(crate) struct AsyncPipes {
     stdin: tokio::sync::Mutex<Writer>,
+    /// Requests waiting to be written, by whichever of them holds `stdin`.
+    queue: WriteQueue,
     stdout: tokio::sync::Mutex<Reader>,
     shared: Shared,
 }
@@ -47,6 +53,7 @@ impl AsyncPipes {
     pub(crate) fn new(stdin: ChildStdin, stdout: ChildStdout) -> AsyncPipes {
         AsyncPipes {
             stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
+            queue: WriteQueue::default(),
             stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
             shared: Shared::new(),
         }
@@ -71,53 +78,57 @@ impl AsyncPipes {
     /// halfway through writing the request (cancellation: see the module doc).
     pub(crate) async fn round_trip(
         &self,
-        request: &Request,
+        request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
         on_broken_write: impl FnOnce(),
     ) -> Result<Reply, ProcessError> {
         let queue_deadline = Instant::now() + patience.timeout;
-        let seq = {
-            let mut writer =
-                Writer::lock(&self.stdin, &self.shared, ticket, queue_deadline, patience).await?;
-            let seq = writer.next_seq();
-            let mut fence = Fence::new(&mut *writer, request, on_broken_write);
-            while !fence.finished() {
-                let deadline = self.shared.write_deadline(fence.at.written(), patience);
+        let mut on_broken_write = Some(on_broken_write);
+        let mut queued = self.queue.push(&self.shared, request);
+        let seq = loop {
+            let mut writer = match queued.turn(&self.stdin, queue_deadline, patience).await? {
+                WriteTurn::Written(seq) => break seq,
+                WriteTurn::Writer(writer) => writer,
+            };
+            // Everything queued, this request among it.
+            let mut batch = Batch::take(&mut writer, &self.shared, &self.queue, on_broken_write.take());
+            while !batch.finished() {
+                let deadline = self.shared.write_deadline(batch.written(), patience);
                 // Whether the pipe was full on the way: then the bytes it took are room the
                 // child made, its progress.
                 let mut waited = false;
                 let write = std::future::poll_fn(|cx| {
-                    let mut slices = [IoSlice::new(&[]); SLICES_PER_WRITE];
-                    let n = fence.request.slices(&fence.at, &mut slices);
-                    let poll = Pin::new(&mut fence.writer.pipe).poll_write_vectored(cx, &slices[..n]);
+                    let poll =
+                        batch.write_with(|pipe, slices| Pin::new(pipe).poll_write_vectored(cx, slices));
                     waited |= poll.is_pending();
                     poll
                 });
                 match crate::util::timeout_if_pending(|| deadline.into(), write).await {
-                    Some(Ok(0)) => return Err(fence.fail(io_error("walredo stdin accepts no bytes"))),
+                    Some(Ok(0)) => batch.fail(&io_error("walredo stdin accepts no bytes")),
                     Some(Ok(n)) => {
-                        fence.advance(n);
+                        batch.advance(n);
                         if waited {
                             self.shared.progress.mark();
                         }
                     }
                     Some(Err(e)) => {
-                        let e = anyhow::Error::new(e).context("write to walredo stdin");
-                        return Err(fence.fail(ProcessError::Io(e)));
+                        batch
+                            .fail(&ProcessError::Io(anyhow::Error::new(e).context("write to walredo stdin")));
                     }
                     None => {
-                        let written = fence.at.written();
-                        if let Some(e) = self.shared.write_expired(seq, written, Instant::now(), patience) {
-                            return Err(fence.fail(e));
+                        if let Some(e) =
+                            self.shared.write_expired(batch.seq(), batch.written(), Instant::now(), patience)
+                        {
+                            batch.fail(&e);
                         }
-                        // The child made progress meanwhile: wait on.
+                        // Else the child made progress meanwhile: wait on.
                     }
                 }
             }
-            fence.done();
-            writer.written()
         };
+        // The request is written: its place in the foreground writer queue goes.
+        drop(ticket);
         let waiter = Waiter { shared: &self.shared, seq, queue_deadline, patience };
         // Dropped with the future while the reply is awaited, the claim abandons the slot.
         Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter).await)

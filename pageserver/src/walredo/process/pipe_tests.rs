@@ -74,7 +74,7 @@ async fn no_byte_follows_a_request_whose_write_was_cut_short() {
     for kind in YIELDING {
         let (pipes, requests_r, _requests_w, _replies_w) = fake_child(kind);
         let (broken, on_broken) = broken_counter();
-        let big = Request::frames(vec![b'1'; 4 << 20]);
+        let big = Arc::new(Request::frames(vec![b'1'; 4 << 20]));
         let mut first = Box::pin(pipes.round_trip(&big, WriteTicket::none(), PATIENCE, on_broken));
         // Poll until part of it is in the pipe (the first poll may only register the fd).
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -90,7 +90,7 @@ async fn no_byte_follows_a_request_whose_write_was_cut_short() {
             async move {
                 pipes
                     .round_trip(
-                        &Request::frames(b"second request".to_vec()),
+                        &Arc::new(Request::frames(b"second request".to_vec())),
                         WriteTicket::none(),
                         PATIENCE,
                         || {},
@@ -139,7 +139,7 @@ async fn a_request_cancelled_before_writing_a_byte_does_not_break_the_stream() {
             }
         }
         let (broken, on_broken) = broken_counter();
-        let frames = Request::frames(b"request".to_vec());
+        let frames = Arc::new(Request::frames(b"request".to_vec()));
         let mut request = Box::pin(pipes.round_trip(&frames, WriteTicket::none(), PATIENCE, on_broken));
         assert!(!poll_once(&mut request).await, "{kind}: the pipe is full");
         drop(request);
@@ -149,7 +149,12 @@ async fn a_request_cancelled_before_writing_a_byte_does_not_break_the_stream() {
             let pipes = Arc::clone(&pipes);
             async move {
                 pipes
-                    .round_trip(&Request::frames(b"next".to_vec()), WriteTicket::none(), PATIENCE, || {})
+                    .round_trip(
+                        &Arc::new(Request::frames(b"next".to_vec())),
+                        WriteTicket::none(),
+                        PATIENCE,
+                        || {},
+                    )
                     .await
             }
         });

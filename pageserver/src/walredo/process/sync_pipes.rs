@@ -27,7 +27,8 @@
 //! is killed) or, behind other requests, until the child is stalled ([`ProcessError::Stalled`]:
 //! the request goes to another child) or the queue's deadline ([`ProcessError::QueueTimeout`],
 //! the child lives on). Requests are written with vectored writes (`writev`), from the buffers
-//! their parts were read into.
+//! their parts were read into, the queued ones together by the holder of the stdin lock
+//! ([`crate::walredo::write_queue`]).
 //!
 //! Waiting ([`Wait`], set per child by [`SyncPipes::set_wait`], read once per round trip): the
 //! sync kind always blocks as above. An `auto` child follows the controller's path: blocking
@@ -49,6 +50,7 @@
 use std::io::{self, IoSlice};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -59,9 +61,10 @@ use tokio::net::unix::pipe;
 
 use crate::util::lock;
 use crate::walredo::pipeline::ProcessError;
-use crate::walredo::pipeline::{self, Claim, Fence, Patience, Reply, Shared, Turn, Waiter};
+use crate::walredo::pipeline::{self, Claim, Patience, Reply, Shared, Turn, Waiter};
 use crate::walredo::priority::WriteTicket;
-use crate::walredo::request::{Request, SLICES_PER_WRITE};
+use crate::walredo::request::Request;
+use crate::walredo::write_queue::{Batch, WriteQueue, WriteTurn};
 
 type Writer = pipeline::Writer<PipeFd>;
 type Reader = pipeline::Reader<PipeFd>;
@@ -199,6 +202,8 @@ pub(crate) struct SyncPipes {
     /// tokio mutexes: waiting for a pipe must not block a thread (see the module doc); the
     /// guards are held across the awaits of the other lock and of `block_in_place`.
     stdin: tokio::sync::Mutex<Writer>,
+    /// Requests waiting to be written, by whichever of them holds `stdin`.
+    queue: WriteQueue,
     stdout: tokio::sync::Mutex<Reader>,
     shared: Shared,
     /// The spin window of the reader, in microseconds (0: block at once).
@@ -214,6 +219,7 @@ impl SyncPipes {
         }
         Ok(SyncPipes {
             stdin: tokio::sync::Mutex::new(Writer::new(PipeFd::new(stdin, End::Write))),
+            queue: WriteQueue::default(),
             stdout: tokio::sync::Mutex::new(Reader::new(PipeFd::new(stdout, End::Read))),
             shared: Shared::new(),
             spin_us: AtomicU64::new(0),
@@ -263,52 +269,54 @@ impl SyncPipes {
     /// the module doc.
     pub(crate) async fn round_trip(
         &self,
-        request: &Request,
+        request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
         on_broken_write: impl FnOnce(),
     ) -> Result<Reply, ProcessError> {
         let wait = self.wait_mode();
         let queue_deadline = Instant::now() + patience.timeout;
-        let seq = {
-            let mut writer =
-                Writer::lock(&self.stdin, &self.shared, ticket, queue_deadline, patience).await?;
+        let mut on_broken_write = Some(on_broken_write);
+        let mut queued = self.queue.push(&self.shared, request);
+        let seq = loop {
+            let mut writer = match queued.turn(&self.stdin, queue_deadline, patience).await? {
+                WriteTurn::Written(seq) => break seq,
+                WriteTurn::Writer(writer) => writer,
+            };
             if wait == Wait::Block {
                 writer.pipe.unregister()?;
             }
-            let seq = writer.next_seq();
-            // Fences the writer at once, under the lock, if the write ends halfway: no byte may
-            // follow a partial frame.
-            let mut fence = Fence::new(&mut *writer, request, on_broken_write);
-            let mut result = write_some(&mut fence);
-            if result.is_ok() && !fence.finished() {
+            // Everything queued, this request among it; fences the writer at once, under the
+            // lock, if the write ends halfway: no byte may follow a partial frame.
+            let mut batch = Batch::take(&mut writer, &self.shared, &self.queue, on_broken_write.take());
+            let mut result = write_some(&mut batch);
+            if result.is_ok() && !batch.finished() {
                 result = match wait {
-                    Wait::Block => blocking(|| self.write_rest(&mut fence, seq, patience)),
-                    Wait::Yield => self.write_rest_yielding(&mut fence, seq, patience).await,
+                    Wait::Block => blocking(|| self.write_rest(&mut batch, patience)),
+                    Wait::Yield => self.write_rest_yielding(&mut batch, patience).await,
                 };
             }
             if let Err(e) = result {
-                return Err(fence.fail(e));
+                batch.fail(&e);
             }
-            fence.done();
-            writer.written()
         };
+        // The request is written: its place in the foreground writer queue goes.
+        drop(ticket);
         let waiter = Waiter { shared: &self.shared, seq, queue_deadline, patience };
         // Dropped with the future while the reply is awaited, the claim abandons the slot.
         Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter, wait).await)
     }
 
-    /// Writes the rest of the fence's request, blocking while the child makes progress.
+    /// Writes the rest of the batch, blocking while the child makes progress.
     fn write_rest<F: FnOnce()>(
         &self,
-        fence: &mut Fence<'_, PipeFd, F>,
-        seq: u64,
+        batch: &mut Batch<'_, PipeFd, F>,
         patience: Patience,
     ) -> Result<(), ProcessError> {
-        while !fence.finished() {
-            let deadline = self.shared.write_deadline(fence.at.written(), patience);
-            let waited = wait(&fence.writer.pipe, PollFlags::POLLOUT, deadline, patience.timeout);
-            self.write_after_wait(waited, fence, seq, patience)?;
+        while !batch.finished() {
+            let deadline = self.shared.write_deadline(batch.written(), patience);
+            let waited = wait(&batch.writer.pipe, PollFlags::POLLOUT, deadline, patience.timeout);
+            self.write_after_wait(waited, batch, patience)?;
         }
         Ok(())
     }
@@ -316,42 +324,41 @@ impl SyncPipes {
     /// [`SyncPipes::write_rest`], yielding while it waits.
     async fn write_rest_yielding<F: FnOnce()>(
         &self,
-        fence: &mut Fence<'_, PipeFd, F>,
-        seq: u64,
+        batch: &mut Batch<'_, PipeFd, F>,
         patience: Patience,
     ) -> Result<(), ProcessError> {
-        while !fence.finished() {
-            let deadline = self.shared.write_deadline(fence.at.written(), patience);
-            let waited = fence.writer.pipe.ready(deadline, patience.timeout).await;
-            self.write_after_wait(waited, fence, seq, patience)?;
+        while !batch.finished() {
+            let deadline = self.shared.write_deadline(batch.written(), patience);
+            let waited = batch.writer.pipe.ready(deadline, patience.timeout).await;
+            self.write_after_wait(waited, batch, patience)?;
         }
         Ok(())
     }
 
     /// After a wait for the pipe to take bytes: writes what fits, counting it as progress of
     /// the child (it made room); or, if the wait ended at its deadline, fails as
-    /// [`Shared::write_expired`] says, or writes nothing (the child made progress meanwhile,
-    /// the caller waits on); else the wait's error.
+    /// [`Shared::write_expired`] says for the request being written, or writes nothing (the
+    /// child made progress meanwhile, the caller waits on); else the wait's error.
     fn write_after_wait<F: FnOnce()>(
         &self,
         waited: Result<(), ProcessError>,
-        fence: &mut Fence<'_, PipeFd, F>,
-        seq: u64,
+        batch: &mut Batch<'_, PipeFd, F>,
         patience: Patience,
     ) -> Result<(), ProcessError> {
         match waited {
             Ok(()) => {}
             Err(ProcessError::Timeout(_)) => {
-                return match self.shared.write_expired(seq, fence.at.written(), Instant::now(), patience) {
+                return match self.shared.write_expired(batch.seq(), batch.written(), Instant::now(), patience)
+                {
                     Some(e) => Err(e),
                     None => Ok(()),
                 }
             }
             Err(e) => return Err(e),
         }
-        let before = fence.at.written();
-        let result = write_some(fence);
-        if fence.at.written() > before {
+        let before = (batch.seq(), batch.written());
+        let result = write_some(batch);
+        if (batch.seq(), batch.written()) != before {
             self.shared.progress.mark();
         }
         result
@@ -507,21 +514,17 @@ fn wait(pipe: &PipeFd, events: PollFlags, deadline: Instant, timeout: Duration) 
     }
 }
 
-/// Writes what fits of the fence's request without waiting; the error that stopped it, if any.
-fn write_some<F: FnOnce()>(fence: &mut Fence<'_, PipeFd, F>) -> Result<(), ProcessError> {
-    let mut slices = [IoSlice::new(&[]); SLICES_PER_WRITE];
-    loop {
-        let n = fence.request.slices(&fence.at, &mut slices);
-        if n == 0 {
-            return Ok(());
-        }
-        match fence.writer.pipe.write(&slices[..n]) {
-            Ok(written) => fence.advance(written),
+/// Writes what fits of the batch without waiting; the error that stopped it, if any.
+fn write_some<F: FnOnce()>(batch: &mut Batch<'_, PipeFd, F>) -> Result<(), ProcessError> {
+    while !batch.finished() {
+        match batch.write_with(|pipe, slices| pipe.write(slices)) {
+            Ok(written) => batch.advance(written),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(ProcessError::Io(anyhow::Error::new(e).context("write to walredo stdin"))),
         }
     }
+    Ok(())
 }
 
 /// One non-blocking read into the reply buffer: `None` when nothing is there yet.
