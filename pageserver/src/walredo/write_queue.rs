@@ -221,7 +221,17 @@ impl Queued<'_> {
                     }
                 }
             });
-            let wake = self.shared.progress.stalled_at(patience).min(queue_deadline);
+            // Only a queued request can leave; one in a writer's batch waits for its verdict
+            // (the writer judges the child by the request it is writing), with no timer: past
+            // the stall, a timer would fire at once, again and again.
+            let deadline = matches!(self.stage(), Stage::Queued)
+                .then(|| self.shared.progress.stalled_at(patience).min(queue_deadline));
+            let timer = async {
+                match deadline {
+                    Some(wake) => tokio::time::sleep_until(wake.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 () = settled => {}
@@ -230,7 +240,7 @@ impl Queued<'_> {
                         return Ok(turn);
                     }
                 }
-                () = tokio::time::sleep_until(wake.into()) => {
+                () = timer => {
                     if let Some(e) = self.shared.behind_expired(Instant::now(), queue_deadline, patience) {
                         let mut state = lock(&self.intent.state);
                         if let Stage::Queued = state.stage {
@@ -239,7 +249,7 @@ impl Queued<'_> {
                             self.settled = true;
                             return Err(e);
                         }
-                        // In a writer's batch: its verdict comes.
+                        // Taken into a writer's batch meanwhile: its verdict comes.
                     }
                 }
             }
@@ -423,6 +433,7 @@ mod tests {
     use super::*;
     use crate::walredo::pipeline::Reply;
     use bytes::Bytes;
+    use std::future::Future;
     use std::sync::atomic::{AtomicBool, Ordering};
 
     /// A pipe that takes at most `room` bytes in all, recording each write.
@@ -647,6 +658,38 @@ mod tests {
             for q in &mut queued {
                 assert!(matches!(written(q, &stdin).await, Err(ProcessError::Stalled { hung: false })));
             }
+        });
+    }
+
+    #[test]
+    fn a_request_in_a_stalled_writers_batch_waits_for_its_verdict_without_spinning() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        rt().block_on(async {
+            let (shared, queue, stdin) = (Shared::new(), WriteQueue::default(), stdin(0));
+            let patience = Patience { timeout: Duration::from_secs(60), stall: Duration::from_millis(20) };
+            let far = Instant::now() + Duration::from_secs(60);
+            let mut first = queue.push(&shared, &request(0, 8));
+            let mut second = queue.push(&shared, &request(1, 8));
+            let WriteTurn::Writer(mut writer) = first.turn(&stdin, far, patience).await.unwrap() else {
+                panic!("the first request takes the free lock")
+            };
+            let mut batch = Batch::take(&mut writer, &shared, &queue, None::<fn()>);
+            tokio::time::sleep(Duration::from_millis(40)).await; // the child is stalled now
+            let count = Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)));
+            let waker = Waker::from(Arc::clone(&count));
+            let mut cx = std::task::Context::from_waker(&waker);
+            let mut turn = std::pin::pin!(second.turn(&stdin, far, patience));
+            assert!(turn.as_mut().poll(&mut cx).is_pending());
+            assert_eq!(count.0.load(Ordering::Relaxed), 0, "it waits without waking itself");
+            batch.fail(&ProcessError::Stalled { hung: false }); // the writer's verdict
+            assert!(count.0.load(Ordering::Relaxed) > 0);
+            let Poll::Ready(verdict) = turn.as_mut().poll(&mut cx) else { panic!("the verdict is in") };
+            assert!(matches!(verdict, Err(ProcessError::Stalled { hung: false })));
         });
     }
 
