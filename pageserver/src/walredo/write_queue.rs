@@ -482,6 +482,17 @@ mod tests {
         }
     }
 
+    /// The stdin lock, taken by `queued` with its request still queued.
+    async fn take_lock<'m>(
+        queued: &mut Queued<'_>,
+        stdin: &'m Stdin,
+    ) -> tokio::sync::MutexGuard<'m, Writer<Sink>> {
+        match queued.turn(stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap() {
+            WriteTurn::Writer(writer) => writer,
+            WriteTurn::Written(_) => panic!("expected the lock with the request still queued"),
+        }
+    }
+
     /// Writes the whole batch in as many writes as the sink takes.
     fn write_all<F: FnOnce()>(batch: &mut Batch<'_, Sink, F>) {
         while !batch.finished() {
@@ -497,11 +508,7 @@ mod tests {
             let (shared, queue, stdin) = (Shared::new(), WriteQueue::default(), stdin(usize::MAX));
             let mut queued: Vec<_> =
                 (0..3u8).map(|i| queue.push(&shared, &request(i, 10 + i as usize))).collect();
-            let WriteTurn::Writer(mut writer) =
-                queued[0].turn(&stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap()
-            else {
-                panic!("the first request takes the free lock")
-            };
+            let mut writer = take_lock(&mut queued[0], &stdin).await;
             let mut batch = Batch::take(&mut writer, &shared, &queue, None::<fn()>);
             write_all(&mut batch);
             drop(batch);
@@ -522,11 +529,7 @@ mod tests {
             let (shared, queue, stdin) = (Shared::new(), WriteQueue::default(), stdin(usize::MAX));
             let mut first = queue.push(&shared, &request(1, 8));
             let second = queue.push(&shared, &request(2, 8));
-            let WriteTurn::Writer(mut writer) =
-                first.turn(&stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap()
-            else {
-                panic!("the first request takes the free lock")
-            };
+            let mut writer = take_lock(&mut first, &stdin).await;
             let mut batch = Batch::take(&mut writer, &shared, &queue, None::<fn()>);
             drop(second); // its future dropped while its request is in the batch
             write_all(&mut batch);
@@ -547,11 +550,7 @@ mod tests {
         rt().block_on(async {
             let (shared, queue, stdin) = (Shared::new(), WriteQueue::default(), stdin(8));
             let mut queued: Vec<_> = (0..3u8).map(|i| queue.push(&shared, &request(i, 8))).collect();
-            let WriteTurn::Writer(mut writer) =
-                queued[0].turn(&stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap()
-            else {
-                panic!("the first request takes the free lock")
-            };
+            let mut writer = take_lock(&mut queued[0], &stdin).await;
             let cancelled = AtomicBool::new(false);
             let mut batch =
                 Batch::take(&mut writer, &shared, &queue, Some(|| cancelled.store(true, Ordering::Relaxed)));
@@ -563,11 +562,7 @@ mod tests {
             drop(writer);
             assert_eq!(queue.len(), 2);
             assert_eq!(written(&mut queued[0], &stdin).await.unwrap(), 0);
-            let WriteTurn::Writer(mut writer) =
-                queued[1].turn(&stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap()
-            else {
-                panic!("the next request writes what is queued")
-            };
+            let mut writer = take_lock(&mut queued[1], &stdin).await;
             let mut batch = Batch::take(&mut writer, &shared, &queue, None::<fn()>);
             write_all(&mut batch);
             drop(batch);
@@ -583,11 +578,7 @@ mod tests {
         rt().block_on(async {
             let (shared, queue, stdin) = (Shared::new(), WriteQueue::default(), stdin(8 + 3));
             let mut queued: Vec<_> = (0..3u8).map(|i| queue.push(&shared, &request(i, 8))).collect();
-            let WriteTurn::Writer(mut writer) =
-                queued[0].turn(&stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap()
-            else {
-                panic!("the first request takes the free lock")
-            };
+            let mut writer = take_lock(&mut queued[0], &stdin).await;
             let cancelled = AtomicBool::new(false);
             let mut batch =
                 Batch::take(&mut writer, &shared, &queue, Some(|| cancelled.store(true, Ordering::Relaxed)));
@@ -602,11 +593,7 @@ mod tests {
             }
             // A request queued later finds the stream broken and writes nothing.
             let mut later = queue.push(&shared, &request(9, 8));
-            let WriteTurn::Writer(mut writer) =
-                later.turn(&stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap()
-            else {
-                panic!("the lock is free")
-            };
+            let mut writer = take_lock(&mut later, &stdin).await;
             let batch = Batch::take(&mut writer, &shared, &queue, None::<fn()>);
             assert!(batch.finished());
             drop(batch);
@@ -621,11 +608,7 @@ mod tests {
         rt().block_on(async {
             let (shared, queue, stdin) = (Shared::new(), WriteQueue::default(), stdin(3));
             let mut queued: Vec<_> = (0..3u8).map(|i| queue.push(&shared, &request(i, 8))).collect();
-            let WriteTurn::Writer(mut writer) =
-                queued[0].turn(&stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap()
-            else {
-                panic!("the first request takes the free lock")
-            };
+            let mut writer = take_lock(&mut queued[0], &stdin).await;
             let mut batch = Batch::take(&mut writer, &shared, &queue, None::<fn()>);
             let n = batch.write_with(|sink, slices| sink.write(slices));
             batch.advance(n); // 3 bytes of the first, then the child is hung
@@ -645,11 +628,7 @@ mod tests {
         rt().block_on(async {
             let (shared, queue, stdin) = (Shared::new(), WriteQueue::default(), stdin(0));
             let mut queued: Vec<_> = (0..2u8).map(|i| queue.push(&shared, &request(i, 8))).collect();
-            let WriteTurn::Writer(mut writer) =
-                queued[0].turn(&stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap()
-            else {
-                panic!("the first request takes the free lock")
-            };
+            let mut writer = take_lock(&mut queued[0], &stdin).await;
             let mut batch = Batch::take(&mut writer, &shared, &queue, None::<fn()>);
             batch.fail(&ProcessError::Stalled { hung: false });
             drop(batch);
