@@ -79,7 +79,6 @@ import argparse
 import datetime
 import json
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -338,11 +337,6 @@ def is_static(kind: str) -> bool:
     return kind.split(":")[0] != "auto"
 
 
-def median_or_none(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 3) if values else None
-
-
 def summarize(runs: list[dict], kinds: list[str], rounds: int) -> dict:
     """Per kind: the median over rounds of each figure, and the ratios to the best static kind."""
     out = {}
@@ -359,10 +353,10 @@ def summarize(runs: list[dict], kinds: list[str], rounds: int) -> dict:
                 ratios[key].append(round(value / best, 3) if best and value is not None else None)
         out[kind] = {
             "rounds": len(mine),
-            "median": {k: median_or_none([r["figures"][k] for r in mine]) for k in numeric},
-            "step_ratio_to_best_static": {"median": median_or_none(ratios["step_rps_first_second"]),
+            "median": {k: measure.median_or_none([r["figures"][k] for r in mine]) for k in numeric},
+            "step_ratio_to_best_static": {"median": measure.median_or_none(ratios["step_rps_first_second"]),
                                           "rounds": ratios["step_rps_first_second"]},
-            "high_ratio_to_best_static": {"median": median_or_none(ratios["high_rps_mean"]),
+            "high_ratio_to_best_static": {"median": measure.median_or_none(ratios["high_rps_mean"]),
                                           "rounds": ratios["high_rps_mean"]},
         }
     return out

@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -592,17 +593,17 @@ def main() -> int:
         runs = "/".join(f"{x / 1000:.1f}k" for x in r.get("rps_runs", [s["rps"]]))
         print(f"| {r['scenario']} | {r['kind']} | {point_label(r['connections'], r['depth'], r.get('rate'))} | {s['rps']:.0f} | {runs} | {lat['p50']} "
               f"| {lat['p99']} | {lat['p999']} | {s['errors']} | {c.get('daemon_cpu_pct')} | {c.get('redo_cpu_pct')} | {c.get('cpu_us_per_request')} "
-              f"| {c.get('daemon_us_per_request')} | {median_of(r.get('daemon_us_runs'))} "
+              f"| {c.get('daemon_us_per_request')} | {median_or_none(r.get('daemon_us_runs'))} "
               f"| {(r.get('per_request') or {}).get('executor_parks')} "
               f"| {c.get('bench_cpu_pct')} | {(c.get('machine_pct') or {}).get('idle')} | {c.get('other_cpu_pct')} "
               f"| {floor_ratio(r, floors)} |")
     return 0
 
 
-def median_of(values):
+def median_or_none(values: list | None) -> float | None:
     """The median of the values that are there (a run without CPU figures has none), or None."""
-    present = sorted(v for v in values or [] if v is not None)
-    return present[len(present) // 2] if present else None
+    values = [v for v in values or [] if v is not None]
+    return round(statistics.median(values), 3) if values else None
 
 
 if __name__ == "__main__":
