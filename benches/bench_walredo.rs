@@ -26,6 +26,12 @@
 //! of each `iter_custom` call (setup included), not by the returned sum, so every benchmark
 //! takes about 1 s of warm-up and 3 s of measurement whatever N is.
 //!
+//! For the adaptive variants (`adaptive-*`, `auto`) the bench prints (stderr) after each id
+//! what the controller had set when each of its samples ended: in how many a child had a spin
+//! window, every child was on the blocking path, and CPU pressure held the daemon-wide spin
+//! budget back. Where no profiler runs (the lent 16-core machine), that says whether a
+//! figure's round trips could have spun at all.
+//!
 //! The floor, `floor/echo/1`, `floor/echo-short/1` and `floor/echo-medium/1`: a std-only child
 //! (`src/bin/echo-child.rs`) that parses the same frames and answers each `G` or `H` with an
 //! 8197-byte page frame, over pipes enlarged to 1 MiB like the daemon's; the client is a plain
@@ -90,6 +96,51 @@
 //! # Results
 //!
 //! (No figures of the `pg15-*` ids and `apply/*` yet: they come from a run on an idle machine.)
+//!
+//! ## 2026-11-27 night, `auto/short/1`: the spin budget's pressure rule, and 16 cores (commit 520f3a8)
+//!
+//! **2 vCPUs, the pressure rule.** `'^floor/echo/1$|^auto/short/1$'`, three builds of the same
+//! tree alternated: `520f3a8`; the same with the pressure rule off (its stall clock never
+//! advancing; not committed); and the same with `sched_yield` in place of the spin hints in
+//! both spin loops, the child's and the reader's (not committed). Medians in microseconds, two
+//! sets of runs:
+//!
+//! | build | floor/echo/1 | auto/short/1 | auto / floor |
+//! |---|---|---|---|
+//! | 520f3a8 | 58.8, 62.6, 54.4, 28.3, 35.1, 26.5 | 83.4, 86.7, 40.9, 69.3, 31.6, 49.5 | 1.42, 1.39, 0.75, 2.45, 0.90, 1.87 |
+//! | pressure rule off | 53.1, 53.5, 35.4, 46.4, 41.4, 33.5 | 35.1, 24.6, 24.7, 33.2, 54.0, 23.5 | 0.66, 0.46, 0.70, 0.72, 1.30, 0.70 |
+//! | spinners yield | 40.6, 33.3, 33.8 | 83.7, 53.5, 57.0 | 2.06, 1.61, 1.69 |
+//!
+//! The machine's CPU pressure during `auto/short/1` (`/proc/pressure/cpu`'s `some` total read
+//! every 100 ms; the second set): 27-28% of the time on average with `520f3a8`, each 100 ms
+//! between 12 and 57%; 32-37% with the rule off (both vCPUs spinning); 22% with yielding
+//! spinners; 10-19% during the floor. So the pressure rule (a70bd55) is what made the figure
+//! bimodal on 2 vCPUs: a spinning child and a spinning reader take both vCPUs, the bench's
+//! own runtime threads then wait for one about a third of the time, around the rule's 35%
+//! (held back) and 25% (granted again), and the budget flips from sample to sample. The new
+//! report says the same of one run of `520f3a8` with it: of 24 samples, 15 ended with the
+//! child spinning, 9 with the budget held back (auto/short/1 27.0 against 47.2 us). On a
+//! machine whose every CPU is taken, that is the rule's purpose, and it stays. Yielding in the
+//! spin loops neither took the pressure away nor made the round trip faster; not kept.
+//!
+//! **16 cores**, two instances of the lent machine, `--measurement-time 3 --warm-up-time 1`:
+//!
+//! | instance | floor/echo/1 | floor/echo-same-cpu/1 | floor/echo-cross-cpu/1 | auto/short/1 | auto / floor |
+//! |---|---:|---:|---:|---:|---:|
+//! | A | 19.2 | 4.9 | 18.3 | 15.4 (14.0-17.1) | 0.80 |
+//! | B | 16.2 | | | 17.0 (13.9-21.6) | 1.05 |
+//!
+//! On B the report: all 24 samples of `auto/short/1` (and of `auto/short/2`, 16.5 us) ended
+//! with the child spinning on the blocking path, none held back. So there the round trips spin
+//! on both sides and still take 15-17 us, against 4.9 us for the floor's two processes on one
+//! core. What the rest is, that machine cannot say (no profiler). On 2 vCPUs with the rule
+//! off, the bench's threads' commonest syscalls (`perf record -e syscalls:sys_enter_write -e
+//! syscalls:sys_enter_futex --call-graph dwarf`) are the runtime's own: a worker that leaves
+//! the searching state wakes a sibling through the I/O driver's eventfd and a futex, after the
+//! client's `yield_now` between requests, and `block_in_place` hand-offs where a spin ran out.
+//! The floor, a plain loop, pays none of them. A client without the `yield_now` at N = 1, or a
+//! figure of each request's own time, is the next thing to measure; either changes what every
+//! `*/1` id has measured so far.
 //!
 //! ## 2026-11-27 evening, `auto/short/1` against the floor on 2 vCPUs (commits bd44fb5 and b33ee22)
 //!
@@ -339,6 +390,7 @@
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -348,6 +400,7 @@ use nix::sched::{sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
 use pageserver::test_support::walredo_proc_binary;
 use pageserver::walredo::pool::default_max_pool_size;
+use pageserver::walredo::spin_budget::SpinBudget;
 use pageserver::walredo::{ProcessKind, WalRedoConf, WalRedoManager, WalRedoMetrics};
 use tokio::sync::Barrier;
 use tokio::task::JoinSet;
@@ -447,9 +500,10 @@ fn bench_walredo(c: &mut Criterion) {
         for workload in &workloads {
             for &clients in clients_list {
                 let id = format!("{}/{clients}", workload.kind.name());
-                group.bench_function(id, |b| {
+                group.bench_function(&id, |b| {
                     b.iter_custom(|iters| manager_sample(&setup, workload, clients, iters))
                 });
+                report_adaptive_state(&setup, &format!("{name}/{id}"));
             }
         }
         // Real PostgreSQL 15 records, for the kinds a tenant runs (`auto`) and the two fixed ones.
@@ -529,11 +583,64 @@ fn manager_sample(setup: &Setup<'_>, workload: &Arc<Workload>, clients: usize, i
         while let Some(elapsed) = tasks.join_next().await {
             summed += elapsed.expect("bench client task");
         }
+        if setup.pool > 1 {
+            ADAPTIVE.tally(&manager);
+        }
         manager.shutdown().await;
         summed
     });
     drop(runtime);
     scale(summed, iters, per_client * clients as u64)
+}
+
+/// What the controller had set when each sample of an adaptive variant ended: without a
+/// profiler (the lent 16-core machine has none), this says whether a sample's round trips could
+/// have spun at all.
+struct AdaptiveTally {
+    samples: AtomicU64,
+    /// Some child had a spin window.
+    spinning: AtomicU64,
+    /// Every child was on the blocking (`sync`) path.
+    blocking_path: AtomicU64,
+    /// CPU pressure held the daemon-wide spin budget back.
+    pressed: AtomicU64,
+}
+
+static ADAPTIVE: AdaptiveTally = AdaptiveTally {
+    samples: AtomicU64::new(0),
+    spinning: AtomicU64::new(0),
+    blocking_path: AtomicU64::new(0),
+    pressed: AtomicU64::new(0),
+};
+
+impl AdaptiveTally {
+    fn tally(&self, manager: &WalRedoManager) {
+        let children = manager.status().pool.children;
+        let count = |yes: bool| u64::from(yes);
+        self.samples.fetch_add(1, Ordering::Relaxed);
+        self.spinning.fetch_add(count(children.iter().any(|p| p.spin_us > 0)), Ordering::Relaxed);
+        let blocking = !children.is_empty() && children.iter().all(|p| p.path == "sync");
+        self.blocking_path.fetch_add(count(blocking), Ordering::Relaxed);
+        self.pressed.fetch_add(count(SpinBudget::global().pressed()), Ordering::Relaxed);
+    }
+
+    /// The counts since the last call, and zero again.
+    fn take(&self) -> [u64; 4] {
+        [&self.samples, &self.spinning, &self.blocking_path, &self.pressed]
+            .map(|c| c.swap(0, Ordering::Relaxed))
+    }
+}
+
+/// Prints (stderr) what the controller had set at the end of `id`'s samples (warm-up
+/// included), for the adaptive variants.
+fn report_adaptive_state(setup: &Setup<'_>, id: &str) {
+    let [samples, spinning, blocking, pressed] = ADAPTIVE.take();
+    if setup.pool > 1 && samples > 0 {
+        eprintln!(
+            "{id}: at the end of {samples} samples, a child spinning in {spinning}, every child \
+             on the blocking path in {blocking}, the spin budget held back by CPU pressure in {pressed}"
+        );
+    }
 }
 
 /// Runs `clients` clients of `workload` for [`WARM_UP`] (unmeasured), so that the pool's
