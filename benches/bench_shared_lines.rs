@@ -52,7 +52,22 @@
 //! read); the reply writes and the writes to the child make none when they are done at once
 //! (`util::timeout_if_pending`).
 //!
-//! None of these has run on 16 cores yet, where every executor thread serving GetPage does them.
+//! ## Results (2026-11-27, 16 cores, commit 520f3a8)
+//!
+//! The lent 16-core machine (`test_runner/performance/many_cores.sh`, `--measurement-time 2
+//! --warm-up-time 1`; its time limit cut the run off before `record_copies/own/16` and the ids
+//! after it):
+//!
+//! | threads | redo_budget/reserve | timer/register | record_copies/shared | record_copies/own |
+//! |---|---:|---:|---:|---:|
+//! | 1 | 61 ns | 287 ns | 0.92 us | 1.18 us |
+//! | 2 | 183 ns | 1.27 us | 3.19 us | 1.41 us |
+//! | 16 | 1.53 us | 42.1 us | 12.5 us | |
+//!
+//! Every thread doing nothing else is the worst case: per GetPage the daemon does each once or
+//! twice among some 40 us of other work. The timer's 16-thread figure includes the runtime's
+//! wake-ups that each `yield_now` makes (docs/performance.md, "Issue 23 on 16 cores at
+//! `520f3a8`").
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
