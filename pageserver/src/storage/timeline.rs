@@ -538,19 +538,63 @@ fn lock_dir(dir: &Path) -> anyhow::Result<Flock<File>> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use std::os::fd::AsRawFd;
+
     use super::*;
     use crate::storage::test_support::*;
     use crate::storage::DEFAULT_LAYER_SIZE;
 
     const T: Duration = Duration::from_secs(30);
 
-    /// Drops the timeline's files from the kernel's page cache (they are clean: fsync'd).
+    /// Drops the timeline's files from the kernel's page cache, and checks that it did.
+    ///
+    /// `POSIX_FADV_DONTNEED` skips the pages it cannot drop at that moment: dirty ones, and
+    /// ones locked for a read in flight (readahead too). So each file is written out first,
+    /// and advised again until `mincore` finds none of its pages resident (`mincore` reads
+    /// nothing in, where a `RWF_NOWAIT` probe of an absent page starts readahead).
     fn evict_from_page_cache(dir: &Path) {
         for entry in std::fs::read_dir(dir).unwrap() {
-            let file = File::open(entry.unwrap().path()).unwrap();
-            nix::fcntl::posix_fadvise(&file, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
-                .unwrap();
+            let path = entry.unwrap().path();
+            if !path.is_file() {
+                continue;
+            }
+            let file = File::open(&path).unwrap();
+            file.sync_all().unwrap();
+            let mut tries = 0;
+            loop {
+                nix::fcntl::posix_fadvise(&file, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+                    .unwrap();
+                if resident_pages(&file) == 0 {
+                    break;
+                }
+                tries += 1;
+                assert!(tries < 200, "the kernel keeps pages of {} in its page cache", path.display());
+                std::thread::sleep(Duration::from_millis(5));
+            }
         }
+    }
+
+    /// How many pages of `file` the kernel's page cache holds (`mincore` of a mapping of it).
+    fn resident_pages(file: &File) -> usize {
+        let len = usize::try_from(file.metadata().unwrap().len()).unwrap();
+        if len == 0 {
+            return 0;
+        }
+        // SAFETY: a fresh read-only shared mapping of the file's `len` bytes, which nothing
+        // reads through (`mincore` only looks at its pages) and which is unmapped below.
+        let addr = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0)
+        };
+        assert_ne!(addr, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
+        // One byte per page; pages are at least 4 KiB, so this is room enough.
+        let mut pages = vec![0u8; len.div_ceil(4096)];
+        // SAFETY: `addr` maps `len` bytes, and `pages` has a byte for each of their pages.
+        let rc = unsafe { libc::mincore(addr, len, pages.as_mut_ptr()) };
+        let error = std::io::Error::last_os_error();
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(addr, len) };
+        assert_eq!(rc, 0, "mincore: {error}");
+        pages.iter().filter(|&&page| page & 1 != 0).count()
     }
 
     #[tokio::test]
