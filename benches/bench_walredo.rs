@@ -511,9 +511,10 @@ fn bench_walredo(c: &mut Criterion) {
         for workload in pg15.iter().filter(|_| kinds.contains(&name)) {
             for clients in PG15_CLIENTS {
                 let id = format!("{}/{clients}", workload.kind.name());
-                group.bench_function(id, |b| {
+                group.bench_function(&id, |b| {
                     b.iter_custom(|iters| manager_sample(&setup, workload, clients, iters))
                 });
+                report_adaptive_state(&setup, &format!("{name}/{id}"));
             }
         }
         group.finish();
