@@ -503,7 +503,7 @@ fn bench_walredo(c: &mut Criterion) {
                 group.bench_function(&id, |b| {
                     b.iter_custom(|iters| manager_sample(&setup, workload, clients, iters))
                 });
-                report_adaptive_state(&setup, &format!("{name}/{id}"));
+                report_adaptive_state(&format!("{name}/{id}"));
             }
         }
         // Real PostgreSQL 15 records, for the kinds a tenant runs (`auto`) and the two fixed ones.
@@ -514,7 +514,7 @@ fn bench_walredo(c: &mut Criterion) {
                 group.bench_function(&id, |b| {
                     b.iter_custom(|iters| manager_sample(&setup, workload, clients, iters))
                 });
-                report_adaptive_state(&setup, &format!("{name}/{id}"));
+                report_adaptive_state(&format!("{name}/{id}"));
             }
         }
         group.finish();
@@ -633,10 +633,10 @@ impl AdaptiveTally {
 }
 
 /// Prints (stderr) what the controller had set at the end of `id`'s samples (warm-up
-/// included), for the adaptive variants.
-fn report_adaptive_state(setup: &Setup<'_>, id: &str) {
+/// included); only the adaptive variants' samples are tallied, so only they print.
+fn report_adaptive_state(id: &str) {
     let [samples, spinning, blocking, pressed] = ADAPTIVE.take();
-    if setup.pool > 1 && samples > 0 {
+    if samples > 0 {
         eprintln!(
             "{id}: at the end of {samples} samples, a child spinning in {spinning}, every child \
              on the blocking path in {blocking}, the spin budget held back by CPU pressure in {pressed}"
