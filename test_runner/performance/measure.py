@@ -20,7 +20,8 @@ point is a closed loop (connections x depth) or an open loop (connections x @rat
 and their runs alternate, so that a drift in the machine's speed (it is a shared VM) hits both
 kinds alike. While a run goes, it samples /proc every 0.5 s: the machine's CPU split
 (/proc/stat), and the CPU time and context switches of the daemon, of its redo children, and of
-pagebench itself; the daemon's /metrics are read before and after. Samples from the first second
+pagebench itself (the daemon's CPU also split into user and kernel time: what the kernel takes per
+request bounds how far user-space work can lower the total); the daemon's /metrics are read before and after. Samples from the first second
 are dropped (ramp-up).
 
 The machine is shared (other sessions build and benchmark on the same 2 vCPUs), so before each
@@ -94,13 +95,19 @@ SCENARIOS = {
 }
 
 
-def read_cpu_ticks(pid: int) -> int | None:
+def read_cpu_split(pid: int) -> tuple[int, int] | None:
+    """The user and the kernel CPU ticks of `pid` (utime and stime, fields 14 and 15)."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     rest = raw[raw.rindex(")") + 2 :].split()
-    return int(rest[11]) + int(rest[12])  # utime + stime (fields 14, 15)
+    return int(rest[11]), int(rest[12])
+
+
+def read_cpu_ticks(pid: int) -> int | None:
+    split = read_cpu_split(pid)
+    return sum(split) if split else None
 
 
 def read_ctx_switches(pid: int) -> tuple[int, int]:
@@ -245,6 +252,7 @@ class Sampler(threading.Thread):
         return {
             "t": time.monotonic(),
             "daemon": read_cpu_ticks(self.daemon_proc.pid) or 0,
+            "daemon_sys": (read_cpu_split(self.daemon_proc.pid) or (0, 0))[1],
             "redo": {k: read_cpu_ticks(k) or 0 for k in kids},
             "bench": read_cpu_ticks(self.bench_pid) or 0,
             "system": read_system_cpu(),
@@ -275,6 +283,9 @@ class Sampler(threading.Thread):
         return {
             "seconds": round(secs, 2),
             "daemon_cpu_pct": pct(b["daemon"] - a["daemon"]),
+            # The part of it spent in the kernel (syscalls, the wake-ups they make, the
+            # loopback's softirq work done on the sender's CPU).
+            "daemon_sys_cpu_pct": pct(b["daemon_sys"] - a["daemon_sys"]),
             "redo_cpu_pct": pct(redo),
             "bench_cpu_pct": pct(b["bench"] - a["bench"]),
             "machine_pct": {k: round(100.0 * v / total, 1) for k, v in sys_d.items()},
@@ -361,6 +372,7 @@ def run_point(bin_dir, daemon, scenario, conns, depth, rate, duration, threads, 
         # Daemon and redo children together, in microseconds of CPU per request served.
         cpu["cpu_us_per_request"] = round(1e4 * (cpu["daemon_cpu_pct"] + cpu["redo_cpu_pct"]) / summary["rps"], 1)
         cpu["daemon_us_per_request"] = round(1e4 * cpu["daemon_cpu_pct"] / summary["rps"], 1)
+        cpu["daemon_sys_us_per_request"] = round(1e4 * cpu["daemon_sys_cpu_pct"] / summary["rps"], 1)
     return {
         "connections": conns,
         "depth": depth,
@@ -555,6 +567,8 @@ def main() -> int:
                              p50_runs=[run["summary"]["latency_us"]["p50"] for run in kind_runs],
                              other_cpu_runs=[(run["cpu"] or {}).get("other_cpu_pct") for run in kind_runs],
                              daemon_us_runs=[(run["cpu"] or {}).get("daemon_us_per_request") for run in kind_runs],
+                             daemon_sys_us_runs=[(run["cpu"] or {}).get("daemon_sys_us_per_request")
+                                                 for run in kind_runs],
                              held_back_runs=[run["spin_budget"]["held_back"] for run in kind_runs])
                     results.append(r)
                     s = r["summary"]
@@ -583,8 +597,8 @@ def main() -> int:
     results.sort(key=lambda r: (r["scenario"], r["kind"], r.get("strace", False)))
     print("| scenario | kind | conns x depth | rps (median) | rps (runs) | p50 us | p99 us | p99.9 us | errors "
           "| daemon CPU % | redo CPU % | CPU us / request | daemon CPU us / request | daemon CPU us / request, median of runs "
-          "| executor parks / request | pagebench CPU % | idle % | other CPU % | / floor |")
-    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| of it in the kernel, median of runs | executor parks / request | pagebench CPU % | idle % | other CPU % | / floor |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if r.get("strace"):
             continue
@@ -594,6 +608,7 @@ def main() -> int:
         print(f"| {r['scenario']} | {r['kind']} | {point_label(r['connections'], r['depth'], r.get('rate'))} | {s['rps']:.0f} | {runs} | {lat['p50']} "
               f"| {lat['p99']} | {lat['p999']} | {s['errors']} | {c.get('daemon_cpu_pct')} | {c.get('redo_cpu_pct')} | {c.get('cpu_us_per_request')} "
               f"| {c.get('daemon_us_per_request')} | {median_or_none(r.get('daemon_us_runs'))} "
+              f"| {median_or_none(r.get('daemon_sys_us_runs'))} "
               f"| {(r.get('per_request') or {}).get('executor_parks')} "
               f"| {c.get('bench_cpu_pct')} | {(c.get('machine_pct') or {}).get('idle')} | {c.get('other_cpu_pct')} "
               f"| {floor_ratio(r, floors)} |")
