@@ -11,6 +11,9 @@ from fixtures.page_client import LATEST
 from fixtures.util import wait_until
 from fixtures.workload import HistoryBuilder, get_pages, make_keys, query_lsns, verify
 
+# The file header of `active.seg` (docs/storage-format.md): a segment this long holds no values.
+ACTIVE_HEADER_BYTES = 16
+
 CRASH_WARNINGS = [r"(?i)walredo", r"(?i)redo (child|process)", r"(?i)(torn|truncat|recover|replay|checksum)",
                   r"(?i)compaction"]
 
@@ -31,6 +34,12 @@ def test_compaction_keeps_pages_frees_disk_and_refuses_below_the_cutoff(pageserv
     keys = make_keys(12)
     b = HistoryBuilder(seed=71)
     _fill(ps, tenant, b, keys, 30)
+    # The 30th batch fills the active segment, whose seal runs after the batch is acknowledged
+    # (the layer count changes when it is done). One small batch more: its round finishes that
+    # seal first, and it leaves values in the new active segment for the pass to seal.
+    _fill(ps, tenant, b, keys, 1, per_batch=10)
+    active = ps.workdir / "tenants" / tenant / "timeline" / "active.seg"
+    assert active.stat().st_size > ACTIVE_HEADER_BYTES, "the active segment holds no values"
     before = ps.http.tenant_status(tenant)
     assert before["compaction"]["mode"] == "off" and before["compaction"]["passes"] == 0
     cutoff = b.rs.last_lsn - 3000
