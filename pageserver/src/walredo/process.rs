@@ -30,6 +30,7 @@
 pub(crate) mod async_pipes;
 #[cfg(test)]
 mod pipe_tests;
+mod round_trip;
 mod stderr;
 pub(crate) mod sync_pipes;
 
@@ -71,11 +72,15 @@ impl Pipes {
         request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
-        on_broken_write: impl FnOnce(),
+        on_broken_write: impl FnOnce() + Send,
     ) -> Result<Reply, ProcessError> {
         match self {
-            Pipes::Sync(pipes) => pipes.round_trip(request, ticket, patience, on_broken_write).await,
-            Pipes::Async(pipes) => pipes.round_trip(request, ticket, patience, on_broken_write).await,
+            Pipes::Sync(pipes) => {
+                round_trip::round_trip(pipes, request, ticket, patience, on_broken_write).await
+            }
+            Pipes::Async(pipes) => {
+                round_trip::round_trip(pipes, request, ticket, patience, on_broken_write).await
+            }
         }
     }
 

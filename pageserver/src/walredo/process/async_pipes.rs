@@ -25,43 +25,32 @@
 //!   next holder carries on (`AsyncReadExt::read` is cancel-safe).
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tokio::io::{AsyncReadExt, AsyncWrite};
 use tokio::process::{ChildStdin, ChildStdout};
 
+use super::round_trip::{ChildPipes, KindPipes};
 use crate::walredo::pipeline::ProcessError;
-use crate::walredo::pipeline::{self, Claim, Patience, Reply, Shared, Turn, Waiter};
-use crate::walredo::priority::WriteTicket;
-use crate::walredo::request::Request;
-use crate::walredo::write_queue::{Batch, WriteQueue, WriteTurn};
+use crate::walredo::pipeline::{self, Patience, Reply, Waiter};
+use crate::walredo::write_queue::Batch;
 
 type Writer = pipeline::Writer<ChildStdin>;
 type Reader = pipeline::Reader<ChildStdout>;
 
 pub(crate) struct AsyncPipes {
-    stdin: tokio::sync::Mutex<Writer>,
-    /// Requests waiting to be written, by whichever of them holds `stdin`.
-    queue: WriteQueue,
-    stdout: tokio::sync::Mutex<Reader>,
-    shared: Shared,
+    pipes: ChildPipes<ChildStdin, ChildStdout>,
 }
 
 impl AsyncPipes {
     pub(crate) fn new(stdin: ChildStdin, stdout: ChildStdout) -> AsyncPipes {
-        AsyncPipes {
-            stdin: tokio::sync::Mutex::new(Writer::new(stdin)),
-            queue: WriteQueue::default(),
-            stdout: tokio::sync::Mutex::new(Reader::new(stdout)),
-            shared: Shared::new(),
-        }
+        AsyncPipes { pipes: ChildPipes::new(stdin, stdout) }
     }
 
     /// The child's progress clock.
     pub(crate) fn progress(&self) -> &pipeline::Progress {
-        &self.shared.progress
+        &self.pipes.shared.progress
     }
 
     /// Reads the first frame of the child (its hello), before any request is written.
@@ -69,94 +58,90 @@ impl AsyncPipes {
     /// Not cancel-safe: dropped mid-frame, the reader loses its place; the caller (spawn)
     /// discards the child on any failure or drop.
     pub(crate) async fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
-        tokio::time::timeout(timeout, async { read_reply(&mut *self.stdout.lock().await).await })
+        tokio::time::timeout(timeout, async { read_reply(&mut *self.pipes.stdout.lock().await).await })
             .await
             .unwrap_or(Err(ProcessError::Timeout(timeout)))
     }
+}
 
-    /// See [`super::Process::round_trip`]; `on_broken_write` runs if the future is dropped
-    /// halfway through writing the request (cancellation: see the module doc).
-    pub(crate) async fn round_trip(
-        &self,
-        request: &Arc<Request>,
-        ticket: WriteTicket<'_>,
-        patience: Patience,
-        on_broken_write: impl FnOnce(),
-    ) -> Result<Reply, ProcessError> {
-        let queue_deadline = Instant::now() + patience.timeout;
-        let mut on_broken_write = Some(on_broken_write);
-        let mut queued = self.queue.push(&self.shared, request);
-        let seq = loop {
-            let mut writer = match queued.turn(&self.stdin, queue_deadline, patience).await? {
-                WriteTurn::Written(seq) => break seq,
-                WriteTurn::Writer(writer) => writer,
-            };
-            // Everything queued, this request among it.
-            let mut batch = Batch::take(&mut writer, &self.shared, &self.queue, on_broken_write.take());
-            while !batch.finished() {
-                let deadline = self.shared.write_deadline(batch.written(), patience);
-                // Whether the pipe was full on the way: then the bytes it took are room the
-                // child made, its progress.
-                let mut waited = false;
-                let write = std::future::poll_fn(|cx| {
-                    let poll =
-                        batch.write_with(|pipe, slices| Pin::new(pipe).poll_write_vectored(cx, slices));
-                    waited |= poll.is_pending();
-                    poll
-                });
-                match crate::util::timeout_if_pending(|| deadline.into(), write).await {
-                    Some(Ok(0)) => batch.fail(&io_error("walredo stdin accepts no bytes")),
-                    Some(Ok(n)) => {
-                        batch.advance(n);
-                        if waited {
-                            self.shared.progress.mark();
-                        }
-                    }
-                    Some(Err(e)) => {
-                        batch
-                            .fail(&ProcessError::Io(anyhow::Error::new(e).context("write to walredo stdin")));
-                    }
-                    None => {
-                        if let Some(e) =
-                            self.shared.write_expired(batch.seq(), batch.written(), Instant::now(), patience)
-                        {
-                            batch.fail(&e);
-                        }
-                        // Else the child made progress meanwhile: wait on.
-                    }
-                }
-            }
-        };
-        // The request is written: its place in the foreground writer queue goes.
-        drop(ticket);
-        let waiter = Waiter { shared: &self.shared, seq, queue_deadline, patience };
-        // Dropped with the future while the reply is awaited, the claim abandons the slot.
-        Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter).await)
+/// The waits are awaits: nothing to choose per round trip. Cancellation: see the module doc.
+impl KindPipes for AsyncPipes {
+    type In = ChildStdin;
+    type Out = ChildStdout;
+    type Mode = ();
+
+    fn mode(&self) {}
+
+    fn pipes(&self) -> &ChildPipes<Self::In, Self::Out> {
+        &self.pipes
     }
 
-    async fn read_until(&self, waiter: &Waiter<'_>) -> Result<Reply, ProcessError> {
-        let mut stdout = match waiter.turn(&self.stdout).await? {
-            Turn::Reply(reply) => return Ok(reply),
-            Turn::Reader(stdout) => stdout,
-        };
-        let result = loop {
+    async fn write_queued<F: FnOnce() + Send>(
+        &self,
+        writer: &mut Writer,
+        on_broken_write: Option<F>,
+        (): (),
+        patience: Patience,
+    ) -> Result<(), ProcessError> {
+        let mut batch = Batch::take(writer, &self.pipes.shared, &self.pipes.queue, on_broken_write);
+        while !batch.finished() {
+            let deadline = self.pipes.shared.write_deadline(batch.written(), patience);
+            // Whether the pipe was full on the way: then the bytes it took are room the
+            // child made, its progress.
+            let mut waited = false;
+            let write = std::future::poll_fn(|cx| {
+                let poll = batch.write_with(|pipe, slices| Pin::new(pipe).poll_write_vectored(cx, slices));
+                waited |= poll.is_pending();
+                poll
+            });
+            match crate::util::timeout_if_pending(|| deadline.into(), write).await {
+                Some(Ok(0)) => batch.fail(&io_error("walredo stdin accepts no bytes")),
+                Some(Ok(n)) => {
+                    batch.advance(n);
+                    if waited {
+                        self.pipes.shared.progress.mark();
+                    }
+                }
+                Some(Err(e)) => {
+                    batch.fail(&ProcessError::Io(anyhow::Error::new(e).context("write to walredo stdin")));
+                }
+                None => {
+                    if let Some(e) = self.pipes.shared.write_expired(
+                        batch.seq(),
+                        batch.written(),
+                        Instant::now(),
+                        patience,
+                    ) {
+                        batch.fail(&e);
+                    }
+                    // Else the child made progress meanwhile: wait on.
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn read_own(
+        &self,
+        stdout: &mut Reader,
+        waiter: &Waiter<'_>,
+        (): (),
+    ) -> Result<Reply, ProcessError> {
+        loop {
             let at_head = match waiter.take() {
-                Ok(reply) => break Ok(reply),
+                Ok(reply) => return Ok(reply),
                 Err(at_head) => at_head,
             };
-            match tokio::time::timeout_at(waiter.read_deadline(at_head).into(), read_reply(&mut stdout)).await
-            {
-                Ok(Ok(reply)) => self.shared.park(reply),
-                Ok(Err(e)) => break Err(e),
+            match tokio::time::timeout_at(waiter.read_deadline(at_head).into(), read_reply(stdout)).await {
+                Ok(Ok(reply)) => self.pipes.shared.park(reply),
+                Ok(Err(e)) => return Err(e),
                 Err(_) => {
                     if let Some(e) = waiter.expired() {
-                        break Err(e);
+                        return Err(e);
                     }
                 }
             }
-        };
-        self.shared.park_read(&mut stdout.replies);
-        result
+        }
     }
 }
 

@@ -61,7 +61,7 @@ async fn poll_once<F: std::future::Future + Unpin>(future: &mut F) -> bool {
 }
 
 /// A counter of `on_broken_write` calls, and the callback.
-fn broken_counter() -> (Arc<AtomicUsize>, impl FnOnce()) {
+fn broken_counter() -> (Arc<AtomicUsize>, impl FnOnce() + Send) {
     let broken = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&broken);
     (broken, move || {

@@ -50,7 +50,6 @@
 use std::io::{self, IoSlice};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -59,12 +58,11 @@ use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use tokio::net::unix::pipe;
 
+use super::round_trip::{ChildPipes, KindPipes};
 use crate::util::lock;
 use crate::walredo::pipeline::ProcessError;
-use crate::walredo::pipeline::{self, Claim, Patience, Reply, Shared, Turn, Waiter};
-use crate::walredo::priority::WriteTicket;
-use crate::walredo::request::Request;
-use crate::walredo::write_queue::{Batch, WriteQueue, WriteTurn};
+use crate::walredo::pipeline::{self, Patience, Reply, Waiter};
+use crate::walredo::write_queue::Batch;
 
 type Writer = pipeline::Writer<PipeFd>;
 type Reader = pipeline::Reader<PipeFd>;
@@ -199,13 +197,9 @@ fn lost() -> io::Error {
 const SPIN_HINTS_PER_READ: u32 = 16;
 
 pub(crate) struct SyncPipes {
-    /// tokio mutexes: waiting for a pipe must not block a thread (see the module doc); the
-    /// guards are held across the awaits of the other lock and of `block_in_place`.
-    stdin: tokio::sync::Mutex<Writer>,
-    /// Requests waiting to be written, by whichever of them holds `stdin`.
-    queue: WriteQueue,
-    stdout: tokio::sync::Mutex<Reader>,
-    shared: Shared,
+    /// Waiting for a pipe's lock blocks no thread (see the module doc); the guards are held
+    /// across the awaits of the other lock and of `block_in_place`.
+    pipes: ChildPipes<PipeFd, PipeFd>,
     /// The spin window of the reader, in microseconds (0: block at once).
     spin_us: AtomicU64,
     /// Whether round trips wait by yielding ([`Wait::Yield`]) rather than blocking.
@@ -218,10 +212,7 @@ impl SyncPipes {
             set_nonblocking(fd).context("make walredo pipe non-blocking")?;
         }
         Ok(SyncPipes {
-            stdin: tokio::sync::Mutex::new(Writer::new(PipeFd::new(stdin, End::Write))),
-            queue: WriteQueue::default(),
-            stdout: tokio::sync::Mutex::new(Reader::new(PipeFd::new(stdout, End::Read))),
-            shared: Shared::new(),
+            pipes: ChildPipes::new(PipeFd::new(stdin, End::Write), PipeFd::new(stdout, End::Read)),
             spin_us: AtomicU64::new(0),
             yields: AtomicBool::new(false),
         })
@@ -252,7 +243,7 @@ impl SyncPipes {
 
     /// The child's progress clock.
     pub(crate) fn progress(&self) -> &pipeline::Progress {
-        &self.shared.progress
+        &self.pipes.shared.progress
     }
 
     /// Reads the first frame of the child (its hello), before any request is written.
@@ -260,51 +251,8 @@ impl SyncPipes {
     /// Cancel-safe while it waits for the stdout lock; the read itself runs to its end.
     pub(crate) async fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
         let deadline = Instant::now() + timeout;
-        let mut stdout = lock_until(&self.stdout, deadline, timeout).await?;
+        let mut stdout = lock_until(&self.pipes.stdout, deadline, timeout).await?;
         blocking(|| read_reply(&mut stdout, deadline, timeout, Duration::ZERO))
-    }
-
-    /// See [`super::Process::round_trip`]; `on_broken_write` runs if the future is dropped
-    /// halfway through writing the request (only a yielding write can be). Cancellation: see
-    /// the module doc.
-    pub(crate) async fn round_trip(
-        &self,
-        request: &Arc<Request>,
-        ticket: WriteTicket<'_>,
-        patience: Patience,
-        on_broken_write: impl FnOnce(),
-    ) -> Result<Reply, ProcessError> {
-        let wait = self.wait_mode();
-        let queue_deadline = Instant::now() + patience.timeout;
-        let mut on_broken_write = Some(on_broken_write);
-        let mut queued = self.queue.push(&self.shared, request);
-        let seq = loop {
-            let mut writer = match queued.turn(&self.stdin, queue_deadline, patience).await? {
-                WriteTurn::Written(seq) => break seq,
-                WriteTurn::Writer(writer) => writer,
-            };
-            if wait == Wait::Block {
-                writer.pipe.unregister()?;
-            }
-            // Everything queued, this request among it; fences the writer at once, under the
-            // lock, if the write ends halfway: no byte may follow a partial frame.
-            let mut batch = Batch::take(&mut writer, &self.shared, &self.queue, on_broken_write.take());
-            let mut result = write_some(&mut batch);
-            if result.is_ok() && !batch.finished() {
-                result = match wait {
-                    Wait::Block => blocking(|| self.write_rest(&mut batch, patience)),
-                    Wait::Yield => self.write_rest_yielding(&mut batch, patience).await,
-                };
-            }
-            if let Err(e) = result {
-                batch.fail(&e);
-            }
-        };
-        // The request is written: its place in the foreground writer queue goes.
-        drop(ticket);
-        let waiter = Waiter { shared: &self.shared, seq, queue_deadline, patience };
-        // Dropped with the future while the reply is awaited, the claim abandons the slot.
-        Claim::new(&self.shared.replies, seq).settle(self.read_until(&waiter, wait).await)
     }
 
     /// Writes the rest of the batch, blocking while the child makes progress.
@@ -314,7 +262,7 @@ impl SyncPipes {
         patience: Patience,
     ) -> Result<(), ProcessError> {
         while !batch.finished() {
-            let deadline = self.shared.write_deadline(batch.written(), patience);
+            let deadline = self.pipes.shared.write_deadline(batch.written(), patience);
             let waited = wait(&batch.writer.pipe, PollFlags::POLLOUT, deadline, patience.timeout);
             self.write_after_wait(waited, batch, patience)?;
         }
@@ -328,7 +276,7 @@ impl SyncPipes {
         patience: Patience,
     ) -> Result<(), ProcessError> {
         while !batch.finished() {
-            let deadline = self.shared.write_deadline(batch.written(), patience);
+            let deadline = self.pipes.shared.write_deadline(batch.written(), patience);
             let waited = batch.writer.pipe.ready(deadline, patience.timeout).await;
             self.write_after_wait(waited, batch, patience)?;
         }
@@ -348,8 +296,12 @@ impl SyncPipes {
         match waited {
             Ok(()) => {}
             Err(ProcessError::Timeout(_)) => {
-                return match self.shared.write_expired(batch.seq(), batch.written(), Instant::now(), patience)
-                {
+                return match self.pipes.shared.write_expired(
+                    batch.seq(),
+                    batch.written(),
+                    Instant::now(),
+                    patience,
+                ) {
                     Some(e) => Err(e),
                     None => Ok(()),
                 }
@@ -359,56 +311,9 @@ impl SyncPipes {
         let before = (batch.seq(), batch.written());
         let result = write_some(batch);
         if (batch.seq(), batch.written()) != before {
-            self.shared.progress.mark();
+            self.pipes.shared.progress.mark();
         }
         result
-    }
-
-    async fn read_until(&self, waiter: &Waiter<'_>, wait: Wait) -> Result<Reply, ProcessError> {
-        let mut stdout = match waiter.turn(&self.stdout).await? {
-            Turn::Reply(reply) => return Ok(reply),
-            Turn::Reader(stdout) => stdout,
-        };
-        let result = self.read_own(&mut stdout, waiter, wait).await;
-        self.shared.park_read(&mut stdout.replies);
-        result
-    }
-
-    /// [`SyncPipes::read_until`] with the stdout lock held.
-    async fn read_own(
-        &self,
-        stdout: &mut Reader,
-        waiter: &Waiter<'_>,
-        wait: Wait,
-    ) -> Result<Reply, ProcessError> {
-        if wait == Wait::Yield {
-            return self.read_yielding(stdout, waiter).await;
-        }
-        stdout.pipe.unregister()?;
-        // First what is there already, then what comes within the spin window, without a
-        // hand-off; then block for the rest.
-        if let Some(reply) = self.read_available(stdout, waiter.seq)? {
-            return Ok(reply);
-        }
-        let spin = self.spin();
-        if let Some(reply) = self.spin_for_reply(stdout, waiter.seq, spin)? {
-            return Ok(reply);
-        }
-        blocking(|| loop {
-            let at_head = match waiter.take() {
-                Ok(reply) => return Ok(reply),
-                Err(at_head) => at_head,
-            };
-            match read_reply(stdout, waiter.read_deadline(at_head), waiter.patience.timeout, spin) {
-                Ok(reply) => self.shared.park(reply),
-                Err(ProcessError::Timeout(_)) => {
-                    if let Some(e) = waiter.expired() {
-                        return Err(e);
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        })
     }
 
     /// Reads replies (parking the others') until ours comes, yielding while the pipe is empty.
@@ -459,11 +364,11 @@ impl SyncPipes {
     /// Reads the replies that can be read without waiting; returns ours if it was among them.
     fn read_available(&self, stdout: &mut Reader, seq: u64) -> Result<Option<Reply>, ProcessError> {
         loop {
-            if let Some(reply) = lock(&self.shared.replies).take(seq) {
+            if let Some(reply) = lock(&self.pipes.shared.replies).take(seq) {
                 return Ok(Some(reply));
             }
             match stdout.replies.take()? {
-                Some(reply) => self.shared.park(reply),
+                Some(reply) => self.pipes.shared.park(reply),
                 None => match read_some(stdout)? {
                     Some(0) => return Err(eof()),
                     Some(_) => {}
@@ -471,6 +376,83 @@ impl SyncPipes {
                 },
             }
         }
+    }
+}
+
+/// Waits chosen per round trip: blocking or yielding ([`Wait`], see the module doc).
+impl KindPipes for SyncPipes {
+    type In = PipeFd;
+    type Out = PipeFd;
+    type Mode = Wait;
+
+    fn mode(&self) -> Wait {
+        self.wait_mode()
+    }
+
+    fn pipes(&self) -> &ChildPipes<Self::In, Self::Out> {
+        &self.pipes
+    }
+
+    async fn write_queued<F: FnOnce() + Send>(
+        &self,
+        writer: &mut Writer,
+        on_broken_write: Option<F>,
+        wait: Wait,
+        patience: Patience,
+    ) -> Result<(), ProcessError> {
+        if wait == Wait::Block {
+            writer.pipe.unregister()?;
+        }
+        // Fences the writer at once, under the lock, if the write ends halfway: no byte may
+        // follow a partial frame.
+        let mut batch = Batch::take(writer, &self.pipes.shared, &self.pipes.queue, on_broken_write);
+        let mut result = write_some(&mut batch);
+        if result.is_ok() && !batch.finished() {
+            result = match wait {
+                Wait::Block => blocking(|| self.write_rest(&mut batch, patience)),
+                Wait::Yield => self.write_rest_yielding(&mut batch, patience).await,
+            };
+        }
+        if let Err(e) = result {
+            batch.fail(&e);
+        }
+        Ok(())
+    }
+
+    async fn read_own(
+        &self,
+        stdout: &mut Reader,
+        waiter: &Waiter<'_>,
+        wait: Wait,
+    ) -> Result<Reply, ProcessError> {
+        if wait == Wait::Yield {
+            return self.read_yielding(stdout, waiter).await;
+        }
+        stdout.pipe.unregister()?;
+        // First what is there already, then what comes within the spin window, without a
+        // hand-off; then block for the rest.
+        if let Some(reply) = self.read_available(stdout, waiter.seq)? {
+            return Ok(reply);
+        }
+        let spin = self.spin();
+        if let Some(reply) = self.spin_for_reply(stdout, waiter.seq, spin)? {
+            return Ok(reply);
+        }
+        blocking(|| loop {
+            let at_head = match waiter.take() {
+                Ok(reply) => return Ok(reply),
+                Err(at_head) => at_head,
+            };
+            match read_reply(stdout, waiter.read_deadline(at_head), waiter.patience.timeout, spin) {
+                Ok(reply) => self.pipes.shared.park(reply),
+                Err(ProcessError::Timeout(_)) => {
+                    if let Some(e) = waiter.expired() {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        })
     }
 }
 
