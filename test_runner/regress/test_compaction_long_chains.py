@@ -19,6 +19,7 @@ import pytest
 from fixtures import oracle as o
 from fixtures.oracle import Key
 from fixtures.page_client import ErrorReply, Page
+from fixtures.util import reset_peak_rss, status_kib
 
 # Records of the 300 MiB key: each one overwrites the same 8000 bytes, so the page at an LSN is
 # the first record's empty page with the bytes of the record at that LSN.
@@ -31,20 +32,6 @@ PASS_RSS_GROWTH_MIB = 16
 
 LONG_KEY = Key.rel_block(9401, 0)
 LONG_RECORDS = 65536 + 4500
-
-
-def _status_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
-def _reset_peak(pid: int) -> None:
-    # "5" resets VmHWM to the current RSS (proc(5), clear_refs).
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _big_record(lsn: int) -> bytes:
@@ -95,10 +82,10 @@ def test_pass_over_a_300_mib_key_grows_rss_by_a_few_mib_and_leaves_it_readable(p
         # The daemon is warm (a child, a connection) before the baseline.
         assert conn.get_page(BIG_KEY, first + 10) == _big_page(first, first + 10)
 
-        baseline = _status_kib(ps.pid, "VmRSS")
-        _reset_peak(ps.pid)
+        baseline = status_kib(ps.pid, "VmRSS")
+        reset_peak_rss(ps.pid)
         p = _compact(ps, tenant)
-        peak = _status_kib(ps.pid, "VmHWM")
+        peak = status_kib(ps.pid, "VmHWM")
         growth_mib = (peak - baseline) / 1024
         assert growth_mib < PASS_RSS_GROWTH_MIB, (
             f"peak RSS grew by {growth_mib:.1f} MiB during a pass over one key of "

@@ -14,25 +14,12 @@ import pytest
 from fixtures import oracle as o
 from fixtures.oracle import Key
 from fixtures.page_client import Page
+from fixtures.util import reset_peak_rss, status_kib
 
 KEY = Key.rel_block(9300, 0)
 RECORDS = 1500
 RECORD_BYTES = 8000
 BUDGET_MIB = 64
-
-
-def _status_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
-def _reset_peak(pid: int) -> None:
-    # "5" resets VmHWM to the current RSS (proc(5), clear_refs).
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
 
 
 @pytest.mark.parametrize("n", [16, 64, 256])
@@ -59,14 +46,14 @@ def test_peak_rss_of_pipelined_reconstructions_stays_within_the_memory_budget(pa
         lsns = [top - i for i in range(n)]
         expected = {v: rs.get_page(KEY, v) for v in lsns}
 
-        baseline = _status_kib(ps.pid, "VmRSS")
-        _reset_peak(ps.pid)
+        baseline = status_kib(ps.pid, "VmRSS")
+        reset_peak_rss(ps.pid)
         rids = {conn.send_get_page(KEY, v): v for v in lsns}
         for _ in range(n):
             reply = conn.read_reply(timeout=120)
             assert isinstance(reply, Page), reply
             assert reply.page == expected[rids.pop(reply.request_id)]
-        peak = _status_kib(ps.pid, "VmHWM")
+        peak = status_kib(ps.pid, "VmHWM")
     growth_mib = (peak - baseline) / 1024
     assert growth_mib < BUDGET_MIB + 64, (
         f"peak RSS grew by {growth_mib:.0f} MiB with {n} reconstructions of 12 MiB in flight "
