@@ -249,10 +249,11 @@ class Sampler(threading.Thread):
 
     def snapshot(self) -> dict:
         kids = self.daemon_proc.redo_children()
+        daemon_user, daemon_sys = read_cpu_split(self.daemon_proc.pid) or (0, 0)
         return {
             "t": time.monotonic(),
-            "daemon": read_cpu_ticks(self.daemon_proc.pid) or 0,
-            "daemon_sys": (read_cpu_split(self.daemon_proc.pid) or (0, 0))[1],
+            "daemon": daemon_user + daemon_sys,
+            "daemon_sys": daemon_sys,
             "redo": {k: read_cpu_ticks(k) or 0 for k in kids},
             "bench": read_cpu_ticks(self.bench_pid) or 0,
             "system": read_system_cpu(),
