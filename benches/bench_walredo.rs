@@ -130,8 +130,10 @@
 //! this commit with each request's time printed, not committed; 23 samples), the median of
 //! requests 0-9 is 30.6 us, of 10-19 20.8, of 20-29 13.9, of 30-39 10.2, and from the 40th on
 //! 6.3-7.6 us: a transient of about a millisecond after the warm-up's clients are joined and
-//! the measured one spawned, whose cause (the scheduler placing the new client's thread, the
-//! child and the spinning reader) was not pinned down. The warm-up's own requests, in calls of
+//! the measured one spawned. Not the new task: with each client task going on from its own
+//! warm-up into the measurement (nothing joined or spawned in between; tried, not kept), the
+//! medians were 37.0-46.2, 15.7-15.8 and 8.1-8.8 us for requests 0-19, 20-39 and 40-59 of two
+//! runs, then 6.9-8.2. Its cause was not pinned down. The warm-up's own requests, in calls of
 //! 4, averaged 13.8 us. The floor's swing is the machine's, not the build's: `'^floor/echo/1$'`
 //! alone, the two builds alternated, gave 39.4, 44.6, 38.6 (before) and 39.2, 43.2, 39.1 us
 //! (after); on this VM the floor's two processes run on one vCPU (about 7 us a round trip) or
