@@ -132,7 +132,7 @@
 //! 6.3-7.6 us: a transient of about a millisecond after the warm-up's clients are joined and
 //! the measured one spawned. Not the new task: with each client task going on from its own
 //! warm-up into the measurement (nothing joined or spawned in between; tried, not kept), the
-//! medians were 37.0-46.2, 15.7-15.8 and 8.1-8.8 us for requests 0-19, 20-39 and 40-59 of two
+//! medians were 37.0-46.2, 15.7-15.8 and 8.1-8.8 us for requests 0-9, 20-29 and 40-49 of two
 //! runs, then 6.9-8.2. Its cause was not pinned down. The warm-up's own requests, in calls of
 //! 4, averaged 13.8 us. The floor's swing is the machine's, not the build's: `'^floor/echo/1$'`
 //! alone, the two builds alternated, gave 39.4, 44.6, 38.6 (before) and 39.2, 43.2, 39.1 us
