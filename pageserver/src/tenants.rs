@@ -543,7 +543,8 @@ fn load_tenant_dir(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use std::time::{Duration, Instant};
+    use crate::test_support::wait_for;
+    use std::time::Duration;
 
     struct Conf {
         workdir: PathBuf,
@@ -580,14 +581,6 @@ mod tests {
         Arc::new(tenants.unwrap())
     }
 
-    async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !cond() {
-            assert!(Instant::now() < deadline, "timed out waiting for {what}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
     #[tokio::test]
     async fn delete_whose_caller_goes_away_midway_still_deletes_for_good() {
         let workdir = tempfile::tempdir().unwrap();
@@ -605,7 +598,7 @@ mod tests {
         }
         drop(deletion);
 
-        wait_for("the deletion to finish without its caller", || {
+        wait_for("the deletion to finish without its caller", Duration::from_secs(10), || {
             tenants.slot("t1").is_none() && !dir.exists()
         })
         .await;

@@ -52,3 +52,13 @@ pub fn walredo_proc_binary() -> PathBuf {
         })
         .clone()
 }
+
+/// Waits until `condition` holds, failing the test with `what` after `within`.
+#[cfg(test)]
+pub(crate) async fn wait_for(what: &str, within: std::time::Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + within;
+    while !condition() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}

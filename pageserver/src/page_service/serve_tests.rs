@@ -24,6 +24,7 @@ use crate::page_cache::PageCache;
 use crate::storage::Lsn;
 use crate::storage::StorageMetrics;
 use crate::tenants::{Tenants, TenantsMetrics};
+use crate::test_support::wait_for;
 use crate::walredo::WalRedoMetrics;
 
 const TENANT: &str = "served";
@@ -141,10 +142,7 @@ async fn a_failed_ring_leaves_connections_to_writev() {
         let _ = client.get_page(key(0), LSN_LATEST).await;
     }
     let deadline = Instant::now() + DEADLINE;
-    while !served.choice.rings().unwrap().dead() {
-        assert!(Instant::now() < deadline, "the ring did not fail");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for("the ring to fail", DEADLINE, || served.choice.rings().unwrap().dead()).await;
     assert_eq!(served.metrics.uring_failed.get(), 1, "the failure shows");
     assert_eq!(served.metrics.choice.ring_chosen.get(), 0);
     // Connections made after the failure are served.
@@ -157,11 +155,9 @@ async fn a_failed_ring_leaves_connections_to_writev() {
     // The writer counts a send after its `writev` returned, which can be after the client has
     // read the reply: the count is waited for, not read once.
     let replies = 3 * (u64::from(KEYS) + 1);
-    let sends = || served.metrics.epoll_io.sends.get();
-    while sends() < replies {
-        assert!(Instant::now() < deadline, "{} sends through writev for {replies} replies", sends());
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let left = deadline.saturating_duration_since(Instant::now());
+    wait_for("a send through writev for each reply", left, || served.metrics.epoll_io.sends.get() >= replies)
+        .await;
     served.stop().await;
 }
 

@@ -13,6 +13,7 @@
 use walredo_proc::record::Record;
 
 use super::*;
+use crate::test_support::wait_for;
 
 const KINDS: [ProcessKind; 3] = ProcessKind::ALL;
 
@@ -90,15 +91,6 @@ fn on_the_child(manager: &WalRedoManager) -> usize {
 
 fn signal(pid: u32, signal: nix::sys::signal::Signal) {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).expect("signal the child");
-}
-
-/// Waits until `condition` holds, failing the test after `within`.
-async fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 fn counter(registry: &prometheus::Registry, name: &str) -> f64 {
