@@ -5,8 +5,6 @@ in `GET /v1/tenant/{id}` and `/v1/tenant` with `state: "broken"` and the reason,
 `pageserver_tenants{state="broken"}`, refuses Hello with `tenant_broken`, and can be deleted.
 """
 
-from pathlib import Path
-
 from fixtures import oracle as o
 from fixtures.oracle import Key
 from fixtures.page_client import ErrorReply, PageServiceError
@@ -26,10 +24,6 @@ def _fill_until_sealed(pageserver, tenant: str) -> None:
     assert layers >= 1, f"no layer was sealed: {layers}"
 
 
-def _timeline_dir(pageserver, tenant: str) -> Path:
-    return pageserver.workdir / "tenants" / tenant / "timeline"
-
-
 def test_damaged_tenants_load_broken_and_others_serve(pageserver_factory):
     ps = pageserver_factory(layer_size="64 KiB")
     ps.allowed_errors += BROKEN_LOG
@@ -42,7 +36,7 @@ def test_damaged_tenants_load_broken_and_others_serve(pageserver_factory):
     _fill_until_sealed(ps, bad_layer)
     ps.stop()
 
-    layer = sorted(_timeline_dir(ps, bad_layer).glob("layer_*.layer"))[0]
+    layer = sorted(ps.timeline_dir(bad_layer).glob("layer_*.layer"))[0]
     raw = bytearray(layer.read_bytes())
     raw[-60:] = b"\xee" * 60  # the footer
     layer.write_bytes(bytes(raw))

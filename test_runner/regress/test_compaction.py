@@ -38,7 +38,7 @@ def test_compaction_keeps_pages_frees_disk_and_refuses_below_the_cutoff(pageserv
     # (the layer count changes when it is done). One small batch more: its round finishes that
     # seal first, and it leaves values in the new active segment for the pass to seal.
     _fill(ps, tenant, b, keys, 1, per_batch=10)
-    active = ps.workdir / "tenants" / tenant / "timeline" / "active.seg"
+    active = ps.timeline_dir(tenant) / "active.seg"
     assert active.stat().st_size > ACTIVE_HEADER_BYTES, "the active segment holds no values"
     before = ps.http.tenant_status(tenant)
     assert before["compaction"]["mode"] == "off" and before["compaction"]["passes"] == 0

@@ -123,7 +123,7 @@ def test_tenant_written_by_an_old_daemon_serves_the_same_pages(pageserver_factor
     assert status["state"] == "active", status
     assert status["last_durable_lsn"] == expected["last_lsn"], status
     assert status["compaction"]["gc_cutoff"] == expected.get("gc_cutoff", 0), status
-    timeline = ps.workdir / "tenants" / tenant / "timeline"
+    timeline = ps.timeline_dir(tenant)
     assert (timeline / "manifest.json").exists(), sorted(p.name for p in timeline.iterdir())
     with ps.connect(tenant) as conn:
         _check(conn, expected)
