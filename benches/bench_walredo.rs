@@ -578,7 +578,7 @@ fn bench_walredo(c: &mut Criterion) {
                 group.bench_function(&id, |b| {
                     b.iter_custom(|iters| manager_sample(&setup, workload, clients, iters))
                 });
-                report_adaptive_state(&format!("{name}/{id}"));
+                report(&format!("{name}/{id}"));
             }
         }
         // Real PostgreSQL 15 records, for the kinds a tenant runs (`auto`) and the two fixed ones.
@@ -589,7 +589,7 @@ fn bench_walredo(c: &mut Criterion) {
                 group.bench_function(&id, |b| {
                     b.iter_custom(|iters| manager_sample(&setup, workload, clients, iters))
                 });
-                report_adaptive_state(&format!("{name}/{id}"));
+                report(&format!("{name}/{id}"));
             }
         }
         group.finish();
@@ -710,11 +710,16 @@ impl AdaptiveTally {
     }
 }
 
-/// Prints (stderr) what the controller had set at the end of `id`'s samples (warm-up
-/// included); only the adaptive variants' samples are tallied, so only they print. Then the
-/// client times ([`report_client_times`]).
-fn report_adaptive_state(id: &str) {
+/// What the bench prints (stderr) after each manager id: its client times, and for the
+/// adaptive variants the controller's state.
+fn report(id: &str) {
     report_client_times(id);
+    report_adaptive_state(id);
+}
+
+/// Prints (stderr) what the controller had set at the end of `id`'s samples (warm-up
+/// included); only the adaptive variants' samples are tallied, so only they print.
+fn report_adaptive_state(id: &str) {
     let [samples, spinning, blocking, pressed] = ADAPTIVE.take();
     if samples > 0 {
         eprintln!(
