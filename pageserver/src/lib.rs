@@ -22,7 +22,8 @@
 //! - [`logging`]: log setup (plain or JSON, never panics) and the panic hook;
 //! - [`fds`]: the descriptor limit and its split between connections and a reserve;
 //! - [`util`]: small shared pieces (the poison-tolerant `lock`);
-//! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary.
+//! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary;
+//!   waits for a condition in unit tests.
 
 pub mod compaction;
 pub mod compaction_controller;

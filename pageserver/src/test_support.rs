@@ -1,5 +1,6 @@
 //! For tests and benchmarks only: finds (building it first) the `walredo-proc` binary of this
-//! workspace, so that `cargo test` and `cargo bench` work on a fresh checkout.
+//! workspace, so that `cargo test` and `cargo bench` work on a fresh checkout; and, for the
+//! unit tests, `wait_for` a condition with a deadline.
 //!
 //! It is a build with the `testing` feature (the test-only flags that make the child misbehave
 //! on purpose), in a target directory of its own (`target/walredo-testing`), so that the binary
