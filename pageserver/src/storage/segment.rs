@@ -253,6 +253,9 @@ pub(crate) fn open_data_file(options: &OpenOptions, path: &Path) -> std::io::Res
 /// (`preadv2` with `RWF_NOWAIT`): `false` if the read would wait for the disk, fails or comes
 /// back short (a blocking read then says why).
 pub(crate) fn read_cached_at(file: &File, buf: &mut [u8], offset: u64) -> bool {
+    if probes_miss() {
+        return false;
+    }
     let len = buf.len();
     let read = rustix::io::preadv2(
         file,
@@ -266,6 +269,9 @@ pub(crate) fn read_cached_at(file: &File, buf: &mut [u8], offset: u64) -> bool {
 /// [`read_cached_at`] of `len` bytes appended to `buf`, into its spare capacity (not zeroed
 /// first, as a read buffer need not be): `buf` is unchanged when it returns `false`.
 pub(crate) fn read_cached_into(file: &File, buf: &mut Vec<u8>, len: usize, offset: u64) -> bool {
+    if probes_miss() {
+        return false;
+    }
     let Ok(offset) = libc::off_t::try_from(offset) else { return false };
     buf.reserve(len);
     let spare = &mut buf.spare_capacity_mut()[..len];
@@ -279,6 +285,48 @@ pub(crate) fn read_cached_into(file: &File, buf: &mut Vec<u8>, len: usize, offse
     // SAFETY: the read initialized those `len` bytes, right after the vector's length.
     unsafe { buf.set_len(buf.len() + len) };
     true
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Whether this thread's page-cache probes answer "would wait" ([`ProbesMiss`]).
+    static PROBES_MISS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[cfg(test)]
+fn probes_miss() -> bool {
+    PROBES_MISS.get()
+}
+
+#[cfg(not(test))]
+fn probes_miss() -> bool {
+    false
+}
+
+/// While it lives, the page-cache probes of this thread ([`read_cached_at`],
+/// [`read_cached_into`]) answer "would wait", as they do where the page cache lacks the bytes;
+/// blocking reads, and the probes of every other thread (the blocking pool's), are untouched.
+///
+/// For tests, which cannot make a real probe miss at will: a probe of a page evicted from the
+/// page cache starts the page's readahead, and on a fast disk that read can finish before the
+/// probe looks at the page, which it then finds cached (up to a third of such probes here, and
+/// at times twenty in a row).
+#[cfg(test)]
+pub(crate) struct ProbesMiss(());
+
+#[cfg(test)]
+impl ProbesMiss {
+    pub(crate) fn start() -> ProbesMiss {
+        PROBES_MISS.set(true);
+        ProbesMiss(())
+    }
+}
+
+#[cfg(test)]
+impl Drop for ProbesMiss {
+    fn drop(&mut self) {
+        PROBES_MISS.set(false);
+    }
 }
 
 /// `read_exact_at` that reports a short file as `UnexpectedEof` context rather than a bare error.
