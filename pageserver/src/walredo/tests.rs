@@ -247,21 +247,28 @@ async fn background_request_dropped_while_waiting_for_its_turn_leaves_no_trace()
         assert_eq!(manager.priority.background_waiting(), 0, "{kind}");
         drop(ticket);
 
-        // Waiting for the one background slot, behind a request on a stopped child.
+        // Waiting for the one background slot, behind a request on a stopped child. The one on
+        // the child goes first, so that the test knows which ones wait: a request blocked in
+        // the sync kind's `poll` cannot be dropped until its child answers (sync_pipes.rs,
+        // "Cancellation"), so dropping that one instead would leave two waiting.
         manager.ping().await.expect("ping");
         let pid = pid_of(&manager).expect("a child");
         signal(pid, nix::sys::signal::Signal::SIGSTOP);
-        let tasks: Vec<_> = (10..13u32)
-            .map(|n| {
-                let manager = Arc::clone(&manager);
-                tokio::spawn(async move { (n, background(&manager, n).await) })
-            })
-            .collect();
+        let spawn = |n: u32| {
+            let manager = Arc::clone(&manager);
+            tokio::spawn(async move { (n, background(&manager, n).await) })
+        };
+        let mut tasks = vec![spawn(10)];
+        wait_for("the first background request to reach the child", Duration::from_secs(10), || {
+            on_the_child(&manager) == 1
+        })
+        .await;
+        tasks.extend([spawn(11), spawn(12)]);
         wait_for("the background requests to queue", Duration::from_secs(10), || {
             on_the_child(&manager) == 1 && manager.priority.background_waiting() == 2
         })
         .await;
-        // Drop one of the waiting ones (which one waits where is the runtime's business).
+        // Drop one of the waiting ones.
         tasks[1].abort();
         wait_for("the dropped request to leave", Duration::from_secs(10), || {
             manager.priority.background_waiting() == 1
