@@ -61,7 +61,7 @@ def _compact(ps, tenant) -> dict:
 def test_pass_over_a_300_mib_key_grows_rss_by_a_few_mib_and_leaves_it_readable(pageserver_factory):
     ps = pageserver_factory(compaction="off", page_cache_size=0, walredo_memory_budget="64 MiB")
     ps.allowed_errors.append("failed to reconstruct a page: invalid redo request: .* more than 268435456 bytes")
-    ps.http.timeout = 300.0
+    ps.http_timeout = 300.0
     tenant = ps.create_tenant()
     first = 100
     lsn = first
@@ -102,7 +102,7 @@ def test_pass_over_a_300_mib_key_grows_rss_by_a_few_mib_and_leaves_it_readable(p
 def test_pass_over_a_chain_of_more_than_65536_records_makes_every_retained_lsn_readable(pageserver_factory):
     ps = pageserver_factory(compaction="off", page_cache_size=0)
     ps.allowed_errors.append("failed to reconstruct a page: invalid redo request: .* more than 65536 records")
-    ps.http.timeout = 300.0
+    ps.http_timeout = 300.0
     tenant = ps.create_tenant()
     rs = o.RecordSet()
     lsn = 100
