@@ -614,19 +614,13 @@ mod tests {
         panic!("{what}: not once in {TRIES} tries");
     }
 
-    /// Shuts the timeline in `slot` down and opens `dir` again, its files dropped from the
+    /// Shuts `tl` (the timeline of `dir`) down and opens `dir` again, its files dropped from the
     /// kernel's page cache: no block of it is in any cache of this process or the kernel's.
-    async fn reopen_cold(
-        slot: &mut Option<Arc<Timeline>>,
-        dir: &Path,
-        m: &Arc<StorageMetrics>,
-    ) -> Arc<Timeline> {
-        if let Some(tl) = slot.take() {
-            tl.shutdown().await;
-        }
+    async fn reopen_cold(tl: Arc<Timeline>, dir: &Path, m: &Arc<StorageMetrics>) -> Arc<Timeline> {
+        tl.shutdown().await;
+        drop(tl);
         let tl = open(dir, DEFAULT_LAYER_SIZE, m);
         evict_from_page_cache(dir);
-        *slot = Some(Arc::clone(&tl));
         tl
     }
 
@@ -666,9 +660,8 @@ mod tests {
         tl.ingest(batch(vec![(key(1), 10, image(7)), (key(1), 11, record("a"))])).await.unwrap();
         tl.freeze().await.unwrap();
         let expected = tl.get_reconstruct_data(key(1), Lsn(11), NO_LIMITS).unwrap();
-        let mut slot = Some(tl);
 
-        let tl = reopen_cold(&mut slot, dir.path(), &m).await;
+        let tl = reopen_cold(tl, dir.path(), &m).await;
         let miss = ProbesMiss::start();
         let mut plan = Some(tl.plan_read_async(key(1), Lsn(11), NO_LIMITS).await.unwrap());
         assert_eq!(m.plans_offloaded.get(), 1, "the plan was made on the blocking pool");
@@ -689,11 +682,10 @@ mod tests {
             m.reads_offloaded.get() == offloaded
         })
         .await;
-        drop(tl);
 
         // Cold again (opened again, nothing read in flight): a lookup that may not wait fails,
         // one that may wait finds the version.
-        let tl = reopen_cold(&mut slot, dir.path(), &m).await;
+        let tl = reopen_cold(tl, dir.path(), &m).await;
         let _miss = ProbesMiss::start();
         let refused = tl.version_at(key(1), Lsn(11), DiskWait::Refused).unwrap_err();
         assert!(would_wait(&refused), "{refused:?}");
