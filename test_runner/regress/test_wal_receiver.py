@@ -8,11 +8,13 @@ page that needs a record the child does not apply (a sequence's) fails alone wit
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
 import pytest
 
+from fixtures.fault_io import FaultIo
 from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.postgres import Postgres
@@ -163,6 +165,77 @@ def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pa
     assert s["wal_source"]["reconnects"] >= 1 and s["wal_source"]["state"] == "streaming", s["wal_source"]
     assert s["wal_source"]["error"] is None, "streaming again clears the last error"
     assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"], at_attach)
+
+
+def test_a_write_failed_while_the_receiver_was_busy_leaves_no_gap(pg, pageserver_factory, tmp_path):
+    """A group commit fails with ENOSPC (transient: storage takes ingests again a second later)
+    while the receiver is busy persisting its position for longer than that second, with
+    batches queued behind a slow commit: the receiver's next batch must not be stored above the
+    lost ones. After catch-up, the values stored are those counted from `pg_waldump`."""
+    faults = FaultIo(tmp_path / "faults")
+    ps = pageserver_factory(compaction="off", env=faults.env)
+    ps.allowed_errors += [r".*failed to write to storage.*", r".*WAL receiver.*"]
+    tenant = ps.create_tenant()
+    status = attach(ps, tenant, pg)
+    resumed, imported = status["resumed_at"], status["import"]["values"]
+    at_attach = fork_sizes(pg, "true")
+    pg.pgbench("-i", "-s", "1", "-q")
+    load = subprocess.Popen(pg._cmd("pgbench", "-h", str(pg.sockdir), "-p", str(pg.port), "-c", "2", "-j", "2",
+                                    "-T", "8", "-n", "postgres"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["durable_lsn"] > resumed + (4 << 20),
+                   timeout=60, desc="streaming to be well under way")
+        faults.set("slow_commit")
+        faults.set("arm")
+        wait_until(lambda: faults.is_set("failed"), timeout=30, desc="a segment write to fail")
+        faults.clear("slow_commit")
+        assert load.wait(timeout=120) == 0, load.stderr.read() if load.stderr else ""
+    finally:
+        faults.clear("slow_commit")
+        if load.poll() is None:
+            load.kill()
+    # The fault came as planned: the write failed while the receiver was busy, more than the
+    # storage's retry interval (1 s) before it was free again.
+    events = {what: float(at) for at, what in (line.split(" ", 1) for line in faults.events().splitlines())}
+    assert events["the persist fsync sleeps"] < events["a segment write fails"] \
+        < events["the persist fsync wakes"] - 1.0, faults.events()
+    s = caught_up(ps, tenant, pg)
+    assert s["wal_source"]["reconnects"] >= 1, "the failed batch ended the connection"
+    assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"], at_attach)
+
+
+def slot_restart_lsn(pg: Postgres) -> int:
+    return lsn_int(pg.sql("select restart_lsn from pg_replication_slots where slot_name = 'pageserver'"))
+
+
+def test_the_slot_is_never_told_a_position_the_source_file_lacks(pg, pageserver_factory, tmp_path):
+    """The receiver cannot persist its position (the source file's fsync fails) after records
+    with no values moved storage's durable LSN past it: the next connection resumes there, and
+    must write that position down before it tells the slot, which lets PostgreSQL remove the
+    WAL below. A kill -9 right after, and the daemon resumes from its file."""
+    faults = FaultIo(tmp_path / "faults")
+    ps = pageserver_factory(compaction="off", env=faults.env)
+    ps.allowed_errors.append(r".*WAL receiver.*")
+    tenant = ps.create_tenant()
+    attach(ps, tenant, pg)
+    pg.pgbench("-i", "-s", "1", "-q")
+    first = caught_up(ps, tenant, pg)["wal_source"]
+    faults.set("fail_persist")
+    # Ends with a commit record, which carries no value.
+    pg.sql("CREATE TABLE t (i int)")
+    pg.sql("INSERT INTO t VALUES (1)")
+    s = wait_until(lambda: (w := ps.http.tenant_status(tenant)["wal_source"])["reconnects"] > first["reconnects"]
+                   and w["state"] == "streaming" and w, timeout=30, desc="a connection after the failed persist")
+    assert "the persist fsync fails" in faults.events()
+    wait_until(lambda: slot_restart_lsn(pg) >= s["resumed_at"], timeout=30, desc="the first status of it")
+    told = slot_restart_lsn(pg)
+    ps.kill()
+    position = json.loads((ps.timeline_dir(tenant).parent / "wal_source.json").read_text())["position"]
+    assert told <= position, (lsn_text(told), lsn_text(position))
+    ps.start()
+    caught_up(ps, tenant, pg)
+    assert slot_restart_lsn(pg) <= json.loads(
+        (ps.timeline_dir(tenant).parent / "wal_source.json").read_text())["position"]
 
 
 def test_bad_sources_are_refused_or_reported_and_detach_stops(pg, pageserver_factory):

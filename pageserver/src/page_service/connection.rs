@@ -438,7 +438,9 @@ fn get_page_error_code(e: &GetPageError) -> ErrorCode {
 
 fn ingest_error_code(e: &IngestError) -> ErrorCode {
     match e {
-        IngestError::Invalid(_) | IngestError::LsnWentBackwards { .. } => ErrorCode::InvalidRequest,
+        IngestError::Invalid(_)
+        | IngestError::LsnWentBackwards { .. }
+        | IngestError::NotContiguous { .. } => ErrorCode::InvalidRequest,
         IngestError::ShuttingDown => ErrorCode::ShuttingDown,
         IngestError::StorageUnavailable { .. } => ErrorCode::StorageUnavailable,
         IngestError::Io(_) => {

@@ -94,6 +94,38 @@ async fn full_disk_is_visible_refuses_ingest_and_ingest_recovers_once_space_is_f
     assert_eq!(tl.last_durable_lsn(), Lsn(6));
 }
 
+/// A contiguous writer (a WAL receiver) whose batches failed with the disk full learns it from
+/// its next batch, however late that comes: the retry being due does not let the next batch be
+/// stored above the lost ones; a batch following what is durable is accepted again.
+#[tokio::test]
+async fn a_contiguous_writer_is_refused_after_a_failed_group_even_once_the_retry_is_due() {
+    let fs = Tmpfs::mount(2 << 20);
+    let dir = fs.path().join("timeline");
+    let tl = open(&dir, 1 << 30, &metrics());
+    let first = tl.submit_after(Lsn(0), batch(vec![(key(10), 10, image(10))])).await.unwrap();
+    assert_eq!(first.await.unwrap(), Lsn(10));
+    let filler = fill(fs.path(), 4096);
+    let lost = tl.submit_after(Lsn(10), batch(vec![(key(20), 20, image(20))])).await.unwrap();
+    assert!(matches!(lost.await, Err(IngestError::StorageUnavailable { fatal: false, .. })));
+    std::fs::remove_file(filler).unwrap();
+    // The writer did not look at the failure before its next batch, and the retry is due.
+    let deadline = Instant::now() + DEADLINE;
+    let err = loop {
+        match tl.submit_after(Lsn(20), batch(vec![(key(30), 30, image(30))])).await {
+            Err(IngestError::StorageUnavailable { fatal: false, .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => break e,
+            Ok(_) => panic!("a batch above the lost one was queued"),
+        }
+    };
+    assert!(matches!(err, IngestError::NotContiguous { after: Lsn(20), last: Lsn(10) }), "{err}");
+    assert!(!has_image(&tl, 30) && !has_image(&tl, 20) && tl.last_durable_lsn() == Lsn(10));
+    // Resumed from what is durable, the writer goes on.
+    let again = tl.submit_after(Lsn(10), batch(vec![(key(20), 20, image(20))])).await.unwrap();
+    assert_eq!(again.await.unwrap(), Lsn(20));
+}
+
 /// Fills the disk at many points of a run that seals every few batches, so that some seal
 /// steps fail (manifest writes, index appends, new segments); each time space is freed and
 /// ingest goes on without a reopen. At the end every acknowledged batch is served, before and

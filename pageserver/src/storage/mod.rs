@@ -182,6 +182,13 @@ pub enum IngestError {
     Invalid(String),
     #[error("ingest lsn went backwards: batch starts at {got}, last ingested is {last}")]
     LsnWentBackwards { last: Lsn, got: Lsn },
+    /// A contiguous writer's batch ([`Timeline::submit_after`]) whose predecessor is no longer
+    /// the last LSN queued: a failed group commit dropped what it queued after `last`.
+    #[error(
+        "ingest not contiguous: the batch follows {after}, but the last LSN queued is {last} \
+         (a failed write dropped the batches in between)"
+    )]
+    NotContiguous { after: Lsn, last: Lsn },
     /// Writing to storage failed (this batch's group, or an earlier one: then the timeline
     /// refuses ingests until a retry is due). Nothing of the batch was stored.
     #[error("storage unavailable{}: {error}", if *.fatal { " for good (fatal, reopen the timeline)" } else { "" })]

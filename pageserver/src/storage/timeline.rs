@@ -127,6 +127,32 @@ impl Timeline {
         batch: IngestBatch,
     ) -> Result<impl std::future::Future<Output = Result<Lsn, IngestError>> + Send + 'static, IngestError>
     {
+        self.submit_checked(batch, None).await
+    }
+
+    /// [`Timeline::submit`] for a writer whose batches must be contiguous (a WAL receiver:
+    /// each batch continues the WAL of the one before): refused with `NotContiguous`, nothing
+    /// queued, unless the last LSN queued is still `after`, what this writer queued last (or
+    /// moved the durable LSN to, [`Timeline::advance_durable`]). A failed group commit sets the
+    /// queue back to the last durable LSN; without this check the writer's next batch would be
+    /// stored above the lost ones once the retry is due, a gap for ever.
+    ///
+    /// Cancel-safe as [`Timeline::submit`].
+    pub async fn submit_after(
+        &self,
+        after: Lsn,
+        batch: IngestBatch,
+    ) -> Result<impl std::future::Future<Output = Result<Lsn, IngestError>> + Send + 'static, IngestError>
+    {
+        self.submit_checked(batch, Some(after)).await
+    }
+
+    async fn submit_checked(
+        &self,
+        batch: IngestBatch,
+        after: Option<Lsn>,
+    ) -> Result<impl std::future::Future<Output = Result<Lsn, IngestError>> + Send + 'static, IngestError>
+    {
         let (first, last, frame_len) = validate(&batch.values)?;
         let permits = u32::try_from(frame_len.div_ceil(1024))
             .map_err(|_| IngestError::Invalid("batch too large".to_string()))?;
@@ -140,6 +166,9 @@ impl Timeline {
             }
             if q.stopping {
                 return Err(IngestError::ShuttingDown);
+            }
+            if let Some(after) = after.filter(|a| *a != q.last_queued) {
+                return Err(IngestError::NotContiguous { after, last: q.last_queued });
             }
             if first <= q.last_queued {
                 return Err(IngestError::LsnWentBackwards { last: q.last_queued, got: first });

@@ -20,7 +20,10 @@
 //! written). Values are stored at their record's end LSN, and a batch holds whole records, so
 //! every record that ends at or below that point is stored and every later one is not:
 //! streaming restarts at the start of that point's WAL page and skips records ending at or
-//! below it. No gap, no duplicate.
+//! below it. No gap, no duplicate. That needs storage to hold no batch above a lost one: a
+//! group commit that fails (a full disk) fails every batch queued, and once its retry is due
+//! storage takes any batch above its durable LSN, so each batch is queued only right after
+//! the one this receiver queued before it ([`InFlight`]); a refusal ends the connection.
 //!
 //! **Failures** are the source's, never the daemon's: a refused connection, a server that is
 //! not PostgreSQL 15, another cluster, a timeline switch, a WAL decode error or a failed ingest
@@ -417,15 +420,63 @@ const MAX_IN_FLIGHT: usize = 32;
 
 /// The batches submitted and not yet known durable, oldest first, each with the position it
 /// completes (WAL whose records carried no values rides on the batch before it).
+///
+/// **Invariant:** the values stored from WAL have no gap. Each batch is queued only right after
+/// the one before it ([`Timeline::submit_after`] with `queued`): if a failed write dropped that
+/// one (storage then takes any batch above its durable LSN once its retry is due), the next is
+/// refused and the connection ends; the next one resumes from what storage holds.
 #[derive(Default)]
 struct InFlight {
     queue: VecDeque<(Option<Durable>, u64)>,
+    /// The last LSN this receiver had the timeline take: its last batch's, or what it moved the
+    /// durable LSN to; the timeline's durable LSN when a connection begins (nothing in flight).
+    queued: Lsn,
 }
 
 /// A submitted batch's way to durability (its last LSN, or why it failed).
 type Durable = tokio::task::JoinHandle<Result<Lsn, IngestError>>;
 
 impl InFlight {
+    /// Queues `values` right after what this receiver queued last (see the invariant); the way
+    /// to its durability, to push with the position it completes.
+    async fn submit(
+        &mut self,
+        timeline: &Timeline,
+        values: Vec<(BufferTag, Lsn, Value)>,
+    ) -> anyhow::Result<Durable> {
+        let last = values.last().map_or(self.queued, |(_, lsn, _)| *lsn);
+        let durable =
+            timeline.submit_after(self.queued, IngestBatch { values }).await.context("store WAL values")?;
+        self.queued = last;
+        Ok(tokio::spawn(durable))
+    }
+
+    /// The end of the WAL whose values are queued (written to storage, maybe not yet durable):
+    /// the write position reported to the primary.
+    fn written(&self, processed: u64) -> u64 {
+        self.queue.back().map_or(processed, |(_, end)| *end).max(processed)
+    }
+
+    /// Waits for every batch in flight to be durable or to fail, and forgets them all: the end
+    /// of a connection (a batch that failed is logged; the next connection resumes from what
+    /// storage holds). Not [`InFlight::settle`], which stops at the first failure and would
+    /// leave the later batches, and the positions they complete, to the next connection.
+    async fn drain(&mut self) {
+        let mut failed = None;
+        for (durable, _) in self.queue.drain(..) {
+            if let Some(durable) = durable {
+                match durable.await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => failed = failed.or(Some(anyhow::Error::new(e))),
+                    Err(e) => failed = failed.or(Some(anyhow::Error::new(e).context("ingest task"))),
+                }
+            }
+        }
+        if let Some(e) = failed {
+            tracing::warn!("WAL receiver: a batch of the last connection failed: {e:#}");
+        }
+    }
+
     /// Takes the durable batches off the front (all of them if `all`, and the oldest while
     /// more than [`MAX_IN_FLIGHT`] wait), moving `processed` to what they complete; with
     /// nothing left in flight, the timeline's durable LSN follows (GetPage need not wait for a
@@ -442,8 +493,8 @@ impl InFlight {
             }
             *processed = end;
         }
-        if self.queue.is_empty() {
-            timeline.advance_durable(Lsn(*processed));
+        if self.queue.is_empty() && timeline.advance_durable(Lsn(*processed)) {
+            self.queued = Lsn(*processed);
         }
         Ok(())
     }
@@ -479,9 +530,7 @@ impl Task {
             let result = self.stream_once().await;
             // What this connection submitted becomes durable (or fails) before the next one
             // reads the storage's durable LSN to resume after it.
-            if let Err(e) = self.in_flight.settle(&self.timeline, &mut 0, true).await {
-                tracing::warn!("WAL receiver: a batch of the last connection failed: {e:#}");
-            }
+            self.in_flight.drain().await;
             if self.cancel.is_cancelled() {
                 return;
             }
@@ -541,14 +590,19 @@ impl Task {
             tracing::info!(slot = self.file.source.slot, "created the replication slot");
         }
         if self.file.system_id.is_none() || self.file.timeline.is_none() {
-            self.file.system_id = Some(system.system_id.clone());
-            self.file.timeline = Some(system.timeline);
-            self.write_file().await?;
+            self.update_file(|f| {
+                f.system_id = Some(system.system_id.clone());
+                f.timeline = Some(system.timeline);
+            })
+            .await?;
         }
         if self.file.position.is_none() {
             self.import(&mut conn, system.timeline).await.context("import the base backup")?;
         }
+        // Nothing is in flight (the last connection's batches were settled): what storage holds
+        // is contiguous (see `InFlight`), and the next batch follows it.
         let durable_storage = self.timeline.last_durable_lsn().0;
+        self.in_flight.queued = Lsn(durable_storage);
         let resume = self.file.position.unwrap_or(0).max(durable_storage);
         let start = Lsn(resume - resume % WAL_PAGE);
         conn.start_replication(&self.file.source.slot, start, system.timeline)
@@ -568,7 +622,10 @@ impl Task {
 
         let mut received = start.0;
         let mut processed = resume;
-        let mut persisted = resume;
+        // What the source file says: only that is reported to the slot as flushed (`resume` may
+        // be storage's durable LSN, moved past the file's position by records with no values
+        // and never written down), so that a restart never resumes below the slot.
+        let mut persisted = self.file.position.unwrap_or(0);
         let mut last_status = Instant::now();
         let mut last_message = Instant::now();
         loop {
@@ -602,7 +659,8 @@ impl Task {
             self.in_flight.settle(&self.timeline, &mut processed, false).await?;
             if reply_now || last_status.elapsed() >= STATUS_INTERVAL {
                 self.persist(processed, &mut persisted).await?;
-                conn.send_status(Lsn(received), Lsn(persisted), Lsn(persisted))
+                let written = self.in_flight.written(processed);
+                conn.send_status(Lsn(written), Lsn(persisted), Lsn(persisted))
                     .await
                     .context("status update")?;
                 last_status = Instant::now();
@@ -647,12 +705,9 @@ impl Task {
                 }
                 self.metrics.records.inc_by(records);
                 self.metrics.values.inc_by(values.len() as u64);
-                let durable = if values.is_empty() {
-                    None
-                } else {
-                    let batch = IngestBatch { values };
-                    let durable = self.timeline.submit(batch).await.context("store WAL values")?;
-                    Some(tokio::spawn(durable))
+                let durable = match values.is_empty() {
+                    true => None,
+                    false => Some(self.in_flight.submit(&self.timeline, values).await?),
                 };
                 if let Some(end) = last_end {
                     // The padding to the next 8-byte boundary is processed too: no record
@@ -706,10 +761,19 @@ impl Task {
         Ok(())
     }
 
-    /// Writes the source file durably.
-    async fn write_file(&self) -> anyhow::Result<()> {
-        let (dir, file) = (self.dir.clone(), self.file.clone());
-        tokio::task::spawn_blocking(move || write_source_file(&dir, &file)).await.context("write task")?
+    /// Changes the source file durably: `self.file` is what the file on disk says, so it
+    /// changes only once the write succeeded (a position that failed to persist must not be
+    /// taken for a persisted one by the next connection).
+    async fn update_file(&mut self, change: impl FnOnce(&mut SourceFile)) -> anyhow::Result<()> {
+        let mut file = self.file.clone();
+        change(&mut file);
+        let dir = self.dir.clone();
+        let written = file.clone();
+        tokio::task::spawn_blocking(move || write_source_file(&dir, &written))
+            .await
+            .context("write task")??;
+        self.file = file;
+        Ok(())
     }
 
     /// The initial import: a base backup over `conn` into storage (see the module doc). On
@@ -723,8 +787,8 @@ impl Task {
             );
         }
         let attempts = previous.as_ref().map_or(0, |i| i.attempts) + 1;
-        self.file.import = Some(ImportRecord { attempts, start_lsn: None, end_lsn: None });
-        self.write_file().await?;
+        self.update_file(|f| f.import = Some(ImportRecord { attempts, start_lsn: None, end_lsn: None }))
+            .await?;
         // The relation sizes an interrupted attempt may have stored.
         let stale: Vec<BufferTag> = if previous.is_some() {
             let tl = Arc::clone(&self.timeline);
@@ -804,13 +868,16 @@ impl Task {
         }
         batches.settle(0).await?;
         let progress = importer.progress().clone();
-        self.file.import =
-            Some(ImportRecord { attempts, start_lsn: Some(backup.start_lsn.0), end_lsn: Some(end.0) });
-        self.file.position = Some(backup.start_lsn.0);
-        self.write_file().await?;
+        let stored = batches.values;
+        drop(batches);
+        self.update_file(|f| {
+            f.import =
+                Some(ImportRecord { attempts, start_lsn: Some(backup.start_lsn.0), end_lsn: Some(end.0) });
+            f.position = Some(backup.start_lsn.0);
+        })
+        .await?;
         self.timeline.advance_durable(backup.start_lsn);
         self.timeline.raise_gc_cutoff(end);
-        let stored = batches.values;
         set_status(&self.shared, &|i| {
             i.done = true;
             i.end_lsn = Some(end.0);
@@ -828,8 +895,7 @@ impl Task {
     /// Makes `processed` the durable position (the source file), if it moved.
     async fn persist(&mut self, processed: u64, persisted: &mut u64) -> anyhow::Result<()> {
         if processed > *persisted {
-            self.file.position = Some(processed);
-            self.write_file().await?;
+            self.update_file(|f| f.position = Some(processed)).await?;
             *persisted = processed;
             lock(&self.shared).status.durable_lsn = processed;
         }
