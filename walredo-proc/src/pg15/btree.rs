@@ -352,7 +352,9 @@ impl Rec<'_, '_, '_> {
     }
 
     /// `btree_xlog_vacuum` and `btree_xlog_delete`: posting lists updated, then items
-    /// deleted; VACUUM also clears the cycle id.
+    /// deleted, `BTP_HAS_GARBAGE` cleared. Neither touches `btpo_cycleid`: on the primary
+    /// `_bt_delitems_vacuum` clears it too, but PostgreSQL 15's redo does not (`btree_mask`
+    /// masks the cycle id), and this is PostgreSQL's redo.
     fn vacuum_or_delete(&self, page: &mut Page, vacuum: bool) -> Result<(), RedoError> {
         // xl_btree_vacuum { ndeleted, nupdated }; xl_btree_delete { latestRemovedXid, ndeleted, nupdated }
         let at = if vacuum { 0 } else { 4 };
@@ -378,9 +380,6 @@ impl Rec<'_, '_, '_> {
             bufpage::page_index_multi_delete(page, &deleted).map_err(|e| self.wrap(e))?;
         }
         let mut op = self.opaque(page)?;
-        if vacuum {
-            op.cycleid = 0;
-        }
         op.flags &= !BTP_HAS_GARBAGE;
         self.put_opaque(page, &op)?;
         self.set_lsn(page);
@@ -947,23 +946,35 @@ mod tests {
     }
 
     #[test]
-    fn vacuum_updates_posting_lists_then_deletes_and_clears_the_cycle_id() {
+    fn vacuum_updates_posting_lists_then_deletes_and_clears_has_garbage() {
         let items = vec![leaf_tuple(1, 1, 1), posting(2, &[(2, 1), (2, 2), (2, 3)]), leaf_tuple(1, 3, 3)];
-        let mut page =
-            bt_page(Opaque { cycleid: 9, flags: BTP_LEAF | BTP_HAS_GARBAGE, ..leaf(P_NONE) }, &items);
+        let mut page = bt_page(Opaque { flags: BTP_LEAF | BTP_HAS_GARBAGE, ..leaf(P_NONE) }, &items);
         // ndeleted 1 (offset 1), nupdated 1 (offset 2, TIDs 0 and 2 removed)
         let data: Vec<u8> = [1u16, 2, 2, 0, 2].iter().flat_map(|v| v.to_le_bytes()).collect();
         let rec = record(XLOG_BTREE_VACUUM, &[1, 0, 1, 0], vec![block(0, 1, &data)]);
         apply(&rec, 0, &mut page).unwrap();
         assert_eq!(items_of(&page), vec![leaf_tuple(2, 2, 2), leaf_tuple(1, 3, 3)]);
         assert_eq!(Opaque::read(&page).unwrap(), leaf(P_NONE));
-
-        let mut page = bt_page(Opaque { cycleid: 9, ..leaf(P_NONE) }, &items);
-        let rec = record(XLOG_BTREE_DELETE, &[0, 0, 0, 0, 1, 0, 1, 0], vec![block(0, 1, &data)]);
-        apply(&rec, 0, &mut page).unwrap();
-        assert_eq!(Opaque::read(&page).unwrap().cycleid, 9, "DELETE keeps the cycle id");
+        assert_eq!(page::page_lsn(&page), END_LSN);
         let short = record(XLOG_BTREE_VACUUM, &[4, 0, 1, 0], vec![block(0, 1, &data)]);
         assert!(matches!(apply(&short, 0, &mut page), Err(RedoError::Malformed(_))));
+    }
+
+    /// `btree_xlog_vacuum` and `btree_xlog_delete` leave `btpo_cycleid` as it is: only
+    /// `_bt_delitems_vacuum` on the primary clears it, and `btree_mask` masks the difference.
+    #[test]
+    fn vacuum_and_delete_keep_the_cycle_id_as_postgresql_redo_does() {
+        let items = vec![leaf_tuple(1, 1, 1), posting(2, &[(2, 1), (2, 2), (2, 3)]), leaf_tuple(1, 3, 3)];
+        let before = Opaque { cycleid: 9, flags: BTP_LEAF | BTP_HAS_GARBAGE, ..leaf(P_NONE) };
+        let after = Opaque { cycleid: 9, ..leaf(P_NONE) };
+        let data: Vec<u8> = [1u16, 2, 2, 0, 2].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let vacuum = record(XLOG_BTREE_VACUUM, &[1, 0, 1, 0], vec![block(0, 1, &data)]);
+        let delete = record(XLOG_BTREE_DELETE, &[0, 0, 0, 0, 1, 0, 1, 0], vec![block(0, 1, &data)]);
+        for (rec, name) in [(vacuum, "VACUUM"), (delete, "DELETE")] {
+            let mut page = bt_page(before, &items);
+            apply(&rec, 0, &mut page).unwrap();
+            assert_eq!(Opaque::read(&page).unwrap(), after, "{name} keeps the cycle id");
+        }
     }
 
     #[test]

@@ -609,16 +609,26 @@ fn freeze_page(t: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
     Ok(())
 }
 
-/// `heap_xlog_visible`, the heap page (block 1): `PD_ALL_VISIBLE` set. PostgreSQL sets the
-/// page's LSN only when `XLogHintBitIsNeeded()` (checksums or `wal_log_hints`), which the
-/// record does not say; this sets it always (it is masked, and only ever moves forward).
+/// `heap_xlog_visible`, the heap page (block 1): `PD_ALL_VISIBLE` set, the page's LSN left as
+/// it is.
+///
+/// PostgreSQL 15 sets the heap page's LSN here only when `XLogHintBitIsNeeded()` (data
+/// checksums or `wal_log_hints`), a setting of the cluster that no record carries. The one
+/// trace of it in WAL is an image of this block to apply: `log_heap_visible` registers the
+/// heap page with `REGBUF_NO_IMAGE` unless hint bits are WAL-logged, and such an image is
+/// restored by `XLogReadBufferForRedo` (`BLK_RESTORED`), nothing more done. The daemon stores
+/// that image as the block's value (with the record's end LSN), so a VISIBLE record that
+/// reaches this routine never has one: [`super::FLAG_HAD_IMAGE`] here is a check-only image
+/// (`wal_consistency_checking` logs one whatever `REGBUF_NO_IMAGE` says) and tells nothing.
+/// So this does what PostgreSQL does with checksums and `wal_log_hints` off, its default:
+/// no LSN. With either on, PostgreSQL's page would carry this record's end LSN; ours keeps the
+/// older one (masked by `heap_mask`; an older `pd_lsn` never makes a later record be skipped).
 fn visible(t: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
     main_data(t).need(5)?;
     if t.block.id != 1 {
         return Err(malformed(t, format!("no part for block {}", t.block.id)));
     }
     bufpage::set_all_visible(page, true);
-    set_lsn(t, page);
     Ok(())
 }
 
@@ -674,7 +684,7 @@ mod tests {
     use crate::page::{item_id, page_lsn, BLCKSZ, LP_UNUSED};
     use crate::pg15::bufpage::{page_get_item, PD_ALL_VISIBLE};
     use crate::pg15::redo::{apply, RM_HEAP, RM_HEAP2};
-    use crate::pg15::{BlockHeader, Pg15Record, FLAG_HAS_DATA, FLAG_WILL_INIT};
+    use crate::pg15::{BlockHeader, Pg15Record, FLAG_HAD_IMAGE, FLAG_HAS_DATA, FLAG_WILL_INIT};
     use proptest::prelude::*;
 
     const BLK: u32 = 5;
@@ -1049,6 +1059,22 @@ mod tests {
         data.push(0);
         let r = rec(RM_HEAP2, 0x50 | 0x80, vec![0, 0, 2, 0], data).at(0x400);
         assert!(matches!(r.apply(&mut page), Err(RedoError::Malformed(_))), "trailing bytes");
+    }
+
+    /// PostgreSQL 15's default (no data checksums, `wal_log_hints` off): the heap page of
+    /// VISIBLE gets `PD_ALL_VISIBLE` and keeps its LSN, with or without a check-only image.
+    #[test]
+    fn visible_on_the_heap_page_sets_all_visible_and_keeps_the_page_lsn() {
+        for flags in [0, FLAG_HAD_IMAGE] {
+            let mut r = rec(RM_HEAP2, 0x40, vec![0, 0, 0, 0, 3], vec![]).at(0x300);
+            r.blocks = vec![(0, 0, 0, vec![]), (1, 6, flags, vec![])];
+            r.target = 1;
+            let mut heap = page_with(1);
+            assert_eq!(page_lsn(&heap), 0x10);
+            r.apply(&mut heap).unwrap();
+            assert_eq!(page::pd_flags(&heap) & PD_ALL_VISIBLE, PD_ALL_VISIBLE);
+            assert_eq!(page_lsn(&heap), 0x10, "block flags {flags:#x}: the heap page's LSN stays");
+        }
     }
 
     #[test]

@@ -13,7 +13,9 @@
 //! already in the page and is skipped (`XLogReadBufferForRedo`'s `BLK_DONE`; it happens to a
 //! page copied by a base backup after the record changed it), except a record that
 //! initialises its block (`will_init`), which starts from a zeroed page whatever was there;
-//! a page the routine changes gets the record's end LSN as `pd_lsn`.
+//! a page the routine changes gets the record's end LSN as `pd_lsn`, except where PostgreSQL's
+//! routine leaves it: the heap page of Heap2 VISIBLE (as with data checksums and `wal_log_hints`
+//! off, which no record can tell; [`super::heap`]).
 //!
 //! Invariants: pure, no I/O; nothing panics on any record or page (every offset and length is
 //! checked); a record that does not fit the page it is applied to is [`RedoError::DoesNotFit`]
