@@ -64,6 +64,9 @@ pub enum ValueError {
 #[derive(Debug, Default)]
 pub struct RelSizes {
     known: HashMap<(RelTag, u8), Option<u32>>,
+    /// Slots probed to find where a size goes in `out` (tests assert one per size).
+    #[cfg(test)]
+    probes: u64,
 }
 
 impl RelSizes {
@@ -103,8 +106,10 @@ impl RelSizes {
         self.known.get(&(rel, fork)).copied().flatten()
     }
 
-    /// Sets a fork's size and appends its value, unless a value of this key is already in
-    /// this record's `out` (then that one is updated: one value per key and LSN).
+    /// Sets a fork's size and appends its value, unless this record already has a value of
+    /// this key in `out` (`slots` says where): then that one is updated, so a record leaves one
+    /// value per key, the last size set for it, where the key first appeared. One probe per
+    /// size, however many relations a record changes (a commit may drop thousands).
     fn set(
         &mut self,
         rel: RelTag,
@@ -112,16 +117,28 @@ impl RelSizes {
         blocks: Option<u32>,
         lsn: Lsn,
         out: &mut Vec<(BufferTag, Lsn, Value)>,
+        slots: &mut SizeSlots,
     ) {
         self.known.insert((rel, fork), blocks);
         let key = rel.size_key(fork);
         let value = Value::Image(Bytes::from(keys::encode_rel_size(blocks)));
-        match out.iter_mut().rev().take_while(|(_, l, _)| *l == lsn).find(|(k, _, _)| *k == key) {
+        #[cfg(test)]
+        {
+            self.probes += 1;
+        }
+        match slots.get(&key).and_then(|&at| out.get_mut(at)) {
             Some(slot) => slot.2 = value,
-            None => out.push((key, lsn, value)),
+            None => {
+                slots.insert(key, out.len());
+                out.push((key, lsn, value));
+            }
         }
     }
 }
+
+/// Where one record's size values are in `out`, by key: made for each record, whose values
+/// all lie at its end LSN (no two records share one), and that only appends to `out`.
+type SizeSlots = HashMap<BufferTag, usize>;
 
 /// The size of `fork` of `rel` as of `lsn` from `timeline`: `None` if it does not exist then
 /// (no size value, the dropped marker, or a drop of its database newer than its size value).
@@ -182,17 +199,18 @@ pub fn record_values(
 ) -> Result<(), ValueError> {
     block_values(record, out)?;
     let lsn = record.end_lsn;
+    let mut slots = SizeSlots::new();
     for block in &record.blocks {
         let rel = rel_of(block);
         if sizes.get(rel, block.fork).is_none_or(|n| block.blkno >= n) {
             let blocks =
                 block.blkno.checked_add(1).ok_or_else(|| malformed(record, "block number 0xFFFFFFFF"))?;
-            sizes.set(rel, block.fork, Some(blocks), lsn, out);
+            sizes.set(rel, block.fork, Some(blocks), lsn, out, &mut slots);
         }
     }
     match smgr_op(record).transpose()? {
         Some(SmgrOp::Create { rel, fork }) if sizes.get(rel, fork).is_none() => {
-            sizes.set(rel, fork, Some(0), lsn, out);
+            sizes.set(rel, fork, Some(0), lsn, out, &mut slots);
         }
         Some(SmgrOp::Create { .. }) => {}
         Some(SmgrOp::Truncate { rel, blkno, flags }) => {
@@ -219,7 +237,7 @@ pub fn record_values(
             ] {
                 // PostgreSQL leaves a fork alone when it is not longer than the new size.
                 if flags & flag != 0 && sizes.get(rel, fork).is_some_and(|n| n > new) {
-                    sizes.set(rel, fork, Some(new), lsn, out);
+                    sizes.set(rel, fork, Some(new), lsn, out, &mut slots);
                 }
             }
         }
@@ -227,7 +245,7 @@ pub fn record_values(
     }
     for rel in dropped_relations(record)? {
         for fork in 0..=MAX_FORK {
-            sizes.set(rel, fork, None, lsn, out);
+            sizes.set(rel, fork, None, lsn, out, &mut slots);
         }
     }
     match (record.rmid, record.info & 0xF0) {
@@ -733,6 +751,37 @@ mod tests {
         let copy = main_only(RM_DBASE, 0x00, vec![0; 16]);
         let err = record_values(&copy, &mut sizes, &mut Vec::new()).unwrap_err();
         assert!(err.to_string().contains("FILE_COPY"), "{err}");
+    }
+
+    /// The main data of a commit (`XLOG_XACT_HAS_INFO`) that drops `rels`.
+    fn commit_dropping(rels: &[RelTag]) -> Vec<u8> {
+        let mut data = vec![0u8; 8];
+        data.extend_from_slice(&(1u32 << 2).to_le_bytes());
+        data.extend_from_slice(&(rels.len() as u32).to_le_bytes());
+        data.extend(rels.iter().flat_map(|r| [r.spcnode, r.dbnode, r.relnode]).flat_map(u32::to_le_bytes));
+        data
+    }
+
+    #[test]
+    fn a_commit_dropping_ten_thousand_relations_finds_each_size_slot_in_linear_probes() {
+        let rels: Vec<RelTag> = (0..10_000).map(|i| RelTag { relnode: 20_000 + i, ..rel() }).collect();
+        let commit = main_only(RM_XACT, 0x80, commit_dropping(&rels));
+        let mut sizes = RelSizes::default();
+        let dropped = sized(&mut sizes, &commit);
+        let want: Vec<_> = rels.iter().flat_map(|r| (0..=MAX_FORK).map(|f| (r.size_key(f), None))).collect();
+        assert_eq!(dropped, want);
+        // One probe per size is linear; a scan of the record's values so far for each was
+        // n^2 / 2 (8 * 10^8 for these 40,000 sizes, seconds of an executor thread).
+        let sets = want.len() as u64;
+        assert!(sizes.probes < 4 * sets, "{} probes to set {sets} sizes", sizes.probes);
+        // The same values as a small case, in order, one per key: a relation listed twice
+        // keeps its first place.
+        let (a, b) = (rels[0], rels[1]);
+        let mut sizes = RelSizes::default();
+        let small = sized(&mut sizes, &main_only(RM_XACT, 0x80, commit_dropping(&[a, b, a])));
+        let want: Vec<_> =
+            [a, b].iter().flat_map(|r| (0..=MAX_FORK).map(|f| (r.size_key(f), None))).collect();
+        assert_eq!(small, want);
     }
 
     #[test]
