@@ -22,6 +22,18 @@
 //! WAL-logged (a standby keeps its own), and extensions that no record references yet (bulk
 //! extension under contention) appear when a record first uses the block.
 //!
+//! **The sizes an interrupted import stored** ([`rel_size_keys`], which a retry marks dropped
+//! where its backup lacks them) are found without reading the key space, whose every key a
+//! whole-tenant listing would hold at once (gigabytes for a terabyte cluster). In key order a
+//! relation's size keys follow its pages (forks 0 to 3, then sizes at 0x80 up), so they are
+//! not one range a range read could take; a skip scan of each layer goes from a relation's
+//! first key to just below its sizes and from there to the next relation
+//! (`keys::rel_sizes_skip`), reading at most one index block per key it lands on. Its memory
+//! is the size keys, one per relation fork, whatever the relations' pages. Recording the keys
+//! each attempt stores (in `wal_source.json` or a file of their own) would bound it as well,
+//! but adds durable state to keep in step with storage across crashes, and an import
+//! interrupted by an earlier build would have no such record; the scan needs neither.
+//!
 //! Invariant: pure; a record that cannot be stored (an image that does not restore, a record
 //! too long for the family's encoding) is an error naming its LSN, never a value dropped.
 
@@ -163,6 +175,15 @@ pub async fn rel_size_at(
     };
     let blocks = keys::decode_rel_size(bytes).map_err(|e| bad(format!("at {at}: {e}")))?;
     Ok(blocks.filter(|_| dropped.is_none_or(|d| d < *at)))
+}
+
+/// Every relation size key `timeline` holds, in key order (the sizes an interrupted import
+/// may have stored), by a skip scan ([`Timeline::scan_keys`], [`keys::rel_sizes_skip`]): at
+/// most an index block per relation and size key in each layer, whatever the relations' pages.
+/// Blocking: call it from a blocking thread.
+pub fn rel_size_keys(timeline: &Timeline) -> anyhow::Result<Vec<BufferTag>> {
+    timeline
+        .scan_keys(&|key| matches!(keys::classify(key), keys::KeyKind::RelSize { .. }), &keys::rel_sizes_skip)
 }
 
 /// What redo does after restoring an image: `pd_lsn` becomes the record's end LSN, unless the
@@ -782,6 +803,57 @@ mod tests {
         let want: Vec<_> =
             [a, b].iter().flat_map(|r| (0..=MAX_FORK).map(|f| (r.size_key(f), None))).collect();
         assert_eq!(small, want);
+    }
+
+    #[tokio::test]
+    async fn rel_size_keys_read_index_blocks_per_relation_not_per_page() {
+        use crate::storage::{IngestBatch, StorageConf, StorageMetrics};
+        const PAGES: u32 = 3000;
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = std::sync::Arc::new(StorageMetrics::unregistered());
+        let tl = Timeline::open(dir.path(), StorageConf::default(), metrics).unwrap();
+        let rels: Vec<RelTag> = (0..6).map(|i| RelTag { relnode: 16384 + i, ..rel() }).collect();
+        let size = |blocks: Option<u32>| Value::Image(Bytes::from(keys::encode_rel_size(blocks)));
+        let ingest = |lsn: u64, values: Vec<(BufferTag, Value)>| {
+            let values = values.into_iter().map(|(k, v)| (k, Lsn(lsn), v)).collect();
+            tl.ingest(IngestBatch { values })
+        };
+        let pages = |r: RelTag, fork: u8| {
+            (0..PAGES).map(move |b| (r.page(fork, b), Value::Record(Bytes::from_static(b"r"))))
+        };
+        // A first layer: the cluster's other keys, every relation's pages (the main fork, and
+        // the map of one), and the sizes of four of them.
+        let mut others: Vec<(BufferTag, Value)> =
+            (0..32).map(|p| (keys::slru_page_key(keys::SlruKind::Clog, 0, p), size(None))).collect();
+        others.push((keys::control_file_key(), size(None)));
+        others.push((keys::relmap_key(1663, 5), size(None)));
+        others.push((keys::db_drop_key(1663, 4), size(None)));
+        ingest(1, others).await.unwrap();
+        for (i, r) in rels.iter().enumerate() {
+            ingest(2 + i as u64, pages(*r, MAIN_FORK).collect()).await.unwrap();
+        }
+        ingest(10, pages(rels[1], VM_FORK).collect()).await.unwrap();
+        let mut want =
+            vec![rels[0].size_key(0), rels[1].size_key(0), rels[1].size_key(2), rels[3].size_key(0)];
+        ingest(11, want.iter().map(|k| (*k, size(Some(PAGES)))).collect()).await.unwrap();
+        tl.freeze().await.unwrap();
+        // A second layer: more pages, a dropped marker; the active segment: one more size.
+        ingest(20, pages(rels[2], MAIN_FORK).chain(pages(rels[5], MAIN_FORK)).collect()).await.unwrap();
+        ingest(21, vec![(rels[4].size_key(0), size(None)), (rels[0].size_key(0), size(None))]).await.unwrap();
+        tl.freeze().await.unwrap();
+        ingest(30, vec![(rels[5].size_key(1), size(Some(1)))]).await.unwrap();
+        want.extend([rels[4].size_key(0), rels[5].size_key(1)]);
+        want.sort();
+
+        let before = tl.index_blocks_read();
+        assert_eq!(rel_size_keys(&tl).unwrap(), want);
+        let (after, blocks) = tl.index_blocks_read();
+        // What a scan is led to in each layer: the first key of each relation (and of each
+        // other key's group), and each size key; at most one index block for each.
+        let read = after - before.0;
+        let led_to = 2 * (rels.len() + 4 + want.len() + 1) as u64;
+        assert!(read <= led_to, "{read} index blocks of {blocks} read for {} size keys", want.len());
+        assert!(blocks > 4 * led_to, "a test with only {blocks} index blocks shows nothing");
     }
 
     #[test]
