@@ -182,6 +182,21 @@ pub fn is_rel_page(key: &BufferTag) -> bool {
     key.forknum <= MAX_FORK
 }
 
+/// Where a scan for the relation size keys in key order may go from `key` (any key): the
+/// greatest key such that no size key lies above `key` and at or below it. In key order
+/// (`BufferTag`'s: tablespace, database, relation, fork, block) a relation's size keys follow
+/// its pages, so they are not one range: from a relation's page the scan goes to just below
+/// its first size key, from a size key past the rest of its fork, and from any other key past
+/// every key of its (tablespace, database, relation).
+pub fn rel_sizes_skip(key: &BufferTag) -> BufferTag {
+    let forknum = match key.forknum {
+        f if f < REL_SIZE_FORK => REL_SIZE_FORK - 1,
+        f if f <= REL_SIZE_FORK + MAX_FORK => f,
+        _ => u8::MAX,
+    };
+    BufferTag { forknum, blknum: u32::MAX, ..*key }
+}
+
 /// The value of a relation size key: `Some(blocks)`, or `None` for the dropped marker.
 pub fn encode_rel_size(blocks: Option<u32>) -> Vec<u8> {
     blocks.map(|b| b.to_le_bytes().to_vec()).unwrap_or_default()
@@ -223,6 +238,33 @@ mod tests {
         );
         assert_eq!(classify(&BufferTag { forknum: 4, ..control_file_key() }), KeyKind::Unknown);
         assert_eq!(classify(&BufferTag { forknum: 0xFF, ..control_file_key() }), KeyKind::Unknown);
+    }
+
+    #[test]
+    fn a_scan_for_relation_sizes_skips_no_size_key() {
+        let mut all = Vec::new();
+        for (spcnode, dbnode) in [(0, 0), (1663, 5)] {
+            for relnode in [0, 1, 16384, u32::MAX] {
+                for forknum in [0, 3, 4, 0x7F, 0x80, 0x81, 0x83, 0x84, 0x90, 0xA0, 0xFF] {
+                    for blknum in [0, 1, u32::MAX] {
+                        all.push(BufferTag { spcnode, dbnode, relnode, forknum, blknum });
+                    }
+                }
+            }
+        }
+        let sizes: Vec<&BufferTag> =
+            all.iter().filter(|k| matches!(classify(k), KeyKind::RelSize { .. })).collect();
+        for key in &all {
+            let skip = rel_sizes_skip(key);
+            assert!(skip >= *key, "{key:?} skips back to {skip:?}");
+            assert!(!sizes.iter().any(|s| *s > key && **s <= skip), "{key:?} skips to {skip:?}");
+        }
+        // A relation's pages are skipped to its sizes, a size past the rest of its fork, a
+        // database's relation map past the other keys of relation 0.
+        let rel = RelTag { spcnode: 1663, dbnode: 5, relnode: 16384 };
+        assert!(rel_sizes_skip(&rel.page(MAIN_FORK, 0)) > rel.page(INIT_FORK, u32::MAX));
+        assert!(rel_sizes_skip(&rel.size_key(MAX_FORK)) > rel.size_key(MAX_FORK));
+        assert!(rel_sizes_skip(&relmap_key(1663, 5)) > db_drop_key(1663, 5));
     }
 
     #[test]

@@ -37,7 +37,7 @@
 //! crc32c before returning it (a record's copy, checked when it was taken, is not checked
 //! again); a span is at most [`MAX_SPAN`] bytes (or one value) and [`MAX_SPAN_VALUES`] values.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
@@ -126,6 +126,15 @@ impl Frozen {
     #[cfg(test)]
     pub(crate) fn block_indexed(&self) -> bool {
         matches!(self.index, FrozenIndex::Blocks(_))
+    }
+
+    /// Test hook: index blocks read so far and blocks in all (a flat index has none).
+    #[cfg(test)]
+    pub(crate) fn blocks_read(&self) -> (u64, u64) {
+        match &self.index {
+            FrozenIndex::Flat { .. } => (0, 0),
+            FrozenIndex::Blocks(b) => b.blocks_read(),
+        }
     }
 
     fn min_key(&self) -> Option<Key> {
@@ -700,6 +709,12 @@ impl Index {
         self.layers().iter().map(|l| l.values()).sum::<u64>() + self.active.values
     }
 
+    /// The active segment's keys that `keep` accepts (in no order), and the layers: what
+    /// [`skip_scan`] needs, taken under the lock.
+    pub(crate) fn keys_where(&self, keep: &dyn Fn(&Key) -> bool) -> (Vec<Key>, Arc<LayerMap>) {
+        (self.active.keys.keys().filter(|k| keep(k)).copied().collect(), Arc::clone(&self.layers))
+    }
+
     /// What [`first_lsns`] needs, copied out under the lock: the active segment's entries and
     /// the layers.
     pub(crate) fn all(&self) -> (Vec<IndexEntry>, Arc<LayerMap>) {
@@ -798,6 +813,28 @@ pub(crate) fn first_lsns(active: &[IndexEntry], layers: &[Arc<Frozen>]) -> anyho
     }
     active.iter().for_each(add);
     Ok(first.into_iter().collect())
+}
+
+/// The keys of `layers` that `keep` accepts, in key order, once each: in each layer, from each
+/// key found the scan goes on at the first key above `skip(key)`, so the keys in between, and
+/// the index blocks that hold only them, are never read. One [`Frozen::next_key`] (at most one
+/// index block, through the block cache) per key found; the memory held is the keys kept.
+pub(crate) fn skip_scan(
+    layers: &[Arc<Frozen>],
+    keep: &dyn Fn(&Key) -> bool,
+    skip: &dyn Fn(&Key) -> Key,
+) -> anyhow::Result<BTreeSet<Key>> {
+    let mut kept = BTreeSet::new();
+    for l in layers {
+        let mut after = None;
+        while let Some(key) = l.next_key(after)? {
+            if keep(&key) {
+                kept.insert(key);
+            }
+            after = Some(skip(&key).max(key));
+        }
+    }
+    Ok(kept)
 }
 
 /// One lookup's view of the map (see [`Index::snapshot`]).

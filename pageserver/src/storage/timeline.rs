@@ -467,6 +467,24 @@ impl Timeline {
         super::index::first_lsns(&active, layers.layers())
     }
 
+    /// The keys that `keep` accepts, in key order, without reading the whole key space: a skip
+    /// scan of each layer that goes from each key it finds to the first key above
+    /// `skip(key)` (which must leave out no key `keep` accepts), and the active segment's keys
+    /// (in memory). At most one index block read (through the block cache) per key found per
+    /// layer, and no block that holds only keys skipped; the memory held is the keys kept.
+    /// Blocking: call it from a blocking thread.
+    pub fn scan_keys(
+        &self,
+        keep: &dyn Fn(&Key) -> bool,
+        skip: &dyn Fn(&Key) -> Key,
+    ) -> anyhow::Result<Vec<Key>> {
+        let (active, layers) =
+            self.shared.index.read().unwrap_or_else(PoisonError::into_inner).keys_where(keep);
+        let mut kept = super::index::skip_scan(layers.layers(), keep, skip)?;
+        kept.extend(active);
+        Ok(kept.into_iter().collect())
+    }
+
     /// Keys, values, layers, bytes on disk, last durable LSN.
     pub fn stats(&self) -> TimelineStats {
         let (keys, values, runs, record_copy_bytes) = {
@@ -491,6 +509,14 @@ impl Timeline {
     pub(super) fn block_indexed_layers(&self) -> (usize, usize) {
         let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
         (index.layers().iter().filter(|l| l.block_indexed()).count(), index.layers().len())
+    }
+
+    /// Test hook: index blocks read so far from this timeline's layers (from the block cache or
+    /// their files), and index blocks in all.
+    #[cfg(test)]
+    pub(crate) fn index_blocks_read(&self) -> (u64, u64) {
+        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
+        index.layers().iter().map(|l| l.blocks_read()).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
     }
 
     /// Test hook: while held, the committer leaves queued batches alone.

@@ -792,14 +792,10 @@ impl Task {
         // The relation sizes an interrupted attempt may have stored.
         let stale: Vec<BufferTag> = if previous.is_some() {
             let tl = Arc::clone(&self.timeline);
-            tokio::task::spawn_blocking(move || tl.keyspace())
+            tokio::task::spawn_blocking(move || values::rel_size_keys(&tl))
                 .await
-                .context("key space task")?
-                .context("list the key space")?
-                .into_iter()
-                .map(|(key, _)| key)
-                .filter(|key| matches!(keys::classify(key), keys::KeyKind::RelSize { .. }))
-                .collect()
+                .context("size keys task")?
+                .context("list the relation size keys")?
         } else {
             Vec::new()
         };

@@ -303,18 +303,38 @@ pub(crate) struct BlockIndex {
     file: Arc<File>,
     pub footer: Footer,
     fences: Box<[Fence]>,
+    /// Index blocks handed out (from the cache or the file), for tests that bound a read's blocks.
+    #[cfg(test)]
+    blocks_read: AtomicU64,
 }
 
 impl BlockIndex {
     /// Reads the footer and fences of `file` (`file_len` bytes).
     pub(crate) fn open(file: Arc<File>, file_len: u64) -> anyhow::Result<BlockIndex> {
         let (footer, fences) = read_footer_and_fences(&file, file_len)?;
-        Ok(BlockIndex { uid: next_uid(), file, footer, fences: fences.into() })
+        Ok(BlockIndex::new(file, footer, fences))
     }
 
     /// The index just written by [`encode`] (no read).
     pub(crate) fn written(file: Arc<File>, footer: Footer, fences: Vec<Fence>) -> BlockIndex {
-        BlockIndex { uid: next_uid(), file, footer, fences: fences.into() }
+        BlockIndex::new(file, footer, fences)
+    }
+
+    fn new(file: Arc<File>, footer: Footer, fences: Vec<Fence>) -> BlockIndex {
+        BlockIndex {
+            uid: next_uid(),
+            file,
+            footer,
+            fences: fences.into(),
+            #[cfg(test)]
+            blocks_read: AtomicU64::new(0),
+        }
+    }
+
+    /// Test hook: index blocks handed out so far (cache hits and file reads), and blocks in all.
+    #[cfg(test)]
+    pub(crate) fn blocks_read(&self) -> (u64, u64) {
+        (self.blocks_read.load(Ordering::Relaxed), self.fences.len() as u64)
     }
 
     /// The first `(key, lsn)` of each index block, in order.
@@ -329,6 +349,8 @@ impl BlockIndex {
         let key = (self.uid, i as u32);
         if let Some(b) = global.cache.get(&key) {
             global.hits.inc();
+            #[cfg(test)]
+            self.blocks_read.fetch_add(1, Ordering::Relaxed);
             return Ok(b);
         }
         let b = Arc::new(self.read_block(i, wait)?);
@@ -342,6 +364,8 @@ impl BlockIndex {
     /// entries' order: strictly increasing `(key, lsn)`, the first at its fence, all below the
     /// next fence (the last block's: at most the layer's last key).
     fn read_block(&self, i: usize, wait: DiskWait) -> anyhow::Result<Block> {
+        #[cfg(test)]
+        self.blocks_read.fetch_add(1, Ordering::Relaxed);
         let fence =
             self.fences.get(i).with_context(|| format!("index block {i} of {}", self.fences.len()))?;
         let entries = self.footer.entry_count as usize;

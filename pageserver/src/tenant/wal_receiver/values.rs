@@ -22,6 +22,18 @@
 //! WAL-logged (a standby keeps its own), and extensions that no record references yet (bulk
 //! extension under contention) appear when a record first uses the block.
 //!
+//! **The sizes an interrupted import stored** ([`rel_size_keys`], which a retry marks dropped
+//! where its backup lacks them) are found without reading the key space, whose every key a
+//! whole-tenant listing would hold at once (gigabytes for a terabyte cluster). In key order a
+//! relation's size keys follow its pages (forks 0 to 3, then sizes at 0x80 up), so they are
+//! not one range a range read could take; a skip scan of each layer goes from a relation's
+//! first key to just below its sizes and from there to the next relation
+//! (`keys::rel_sizes_skip`), reading at most one index block per key it lands on. Its memory
+//! is the size keys, one per relation fork, whatever the relations' pages. Recording the keys
+//! each attempt stores (in `wal_source.json` or a file of their own) would bound it as well,
+//! but adds durable state to keep in step with storage across crashes, and an import
+//! interrupted by an earlier build would have no such record; the scan needs neither.
+//!
 //! Invariant: pure; a record that cannot be stored (an image that does not restore, a record
 //! too long for the family's encoding) is an error naming its LSN, never a value dropped.
 
@@ -64,6 +76,9 @@ pub enum ValueError {
 #[derive(Debug, Default)]
 pub struct RelSizes {
     known: HashMap<(RelTag, u8), Option<u32>>,
+    /// Slots probed to find where a size goes in `out` (tests assert one per size).
+    #[cfg(test)]
+    probes: u64,
 }
 
 impl RelSizes {
@@ -103,8 +118,10 @@ impl RelSizes {
         self.known.get(&(rel, fork)).copied().flatten()
     }
 
-    /// Sets a fork's size and appends its value, unless a value of this key is already in
-    /// this record's `out` (then that one is updated: one value per key and LSN).
+    /// Sets a fork's size and appends its value, unless this record already has a value of
+    /// this key in `out` (`slots` says where): then that one is updated, so a record leaves one
+    /// value per key, the last size set for it, where the key first appeared. One probe per
+    /// size, however many relations a record changes (a commit may drop thousands).
     fn set(
         &mut self,
         rel: RelTag,
@@ -112,16 +129,28 @@ impl RelSizes {
         blocks: Option<u32>,
         lsn: Lsn,
         out: &mut Vec<(BufferTag, Lsn, Value)>,
+        slots: &mut SizeSlots,
     ) {
         self.known.insert((rel, fork), blocks);
         let key = rel.size_key(fork);
         let value = Value::Image(Bytes::from(keys::encode_rel_size(blocks)));
-        match out.iter_mut().rev().take_while(|(_, l, _)| *l == lsn).find(|(k, _, _)| *k == key) {
+        #[cfg(test)]
+        {
+            self.probes += 1;
+        }
+        match slots.get(&key).and_then(|&at| out.get_mut(at)) {
             Some(slot) => slot.2 = value,
-            None => out.push((key, lsn, value)),
+            None => {
+                slots.insert(key, out.len());
+                out.push((key, lsn, value));
+            }
         }
     }
 }
+
+/// Where one record's size values are in `out`, by key: made for each record, whose values
+/// all lie at its end LSN (no two records share one), and that only appends to `out`.
+type SizeSlots = HashMap<BufferTag, usize>;
 
 /// The size of `fork` of `rel` as of `lsn` from `timeline`: `None` if it does not exist then
 /// (no size value, the dropped marker, or a drop of its database newer than its size value).
@@ -146,6 +175,15 @@ pub async fn rel_size_at(
     };
     let blocks = keys::decode_rel_size(bytes).map_err(|e| bad(format!("at {at}: {e}")))?;
     Ok(blocks.filter(|_| dropped.is_none_or(|d| d < *at)))
+}
+
+/// Every relation size key `timeline` holds, in key order (the sizes an interrupted import
+/// may have stored), by a skip scan ([`Timeline::scan_keys`], [`keys::rel_sizes_skip`]): at
+/// most an index block per relation and size key in each layer, whatever the relations' pages.
+/// Blocking: call it from a blocking thread.
+pub fn rel_size_keys(timeline: &Timeline) -> anyhow::Result<Vec<BufferTag>> {
+    timeline
+        .scan_keys(&|key| matches!(keys::classify(key), keys::KeyKind::RelSize { .. }), &keys::rel_sizes_skip)
 }
 
 /// What redo does after restoring an image: `pd_lsn` becomes the record's end LSN, unless the
@@ -182,17 +220,18 @@ pub fn record_values(
 ) -> Result<(), ValueError> {
     block_values(record, out)?;
     let lsn = record.end_lsn;
+    let mut slots = SizeSlots::new();
     for block in &record.blocks {
         let rel = rel_of(block);
         if sizes.get(rel, block.fork).is_none_or(|n| block.blkno >= n) {
             let blocks =
                 block.blkno.checked_add(1).ok_or_else(|| malformed(record, "block number 0xFFFFFFFF"))?;
-            sizes.set(rel, block.fork, Some(blocks), lsn, out);
+            sizes.set(rel, block.fork, Some(blocks), lsn, out, &mut slots);
         }
     }
     match smgr_op(record).transpose()? {
         Some(SmgrOp::Create { rel, fork }) if sizes.get(rel, fork).is_none() => {
-            sizes.set(rel, fork, Some(0), lsn, out);
+            sizes.set(rel, fork, Some(0), lsn, out, &mut slots);
         }
         Some(SmgrOp::Create { .. }) => {}
         Some(SmgrOp::Truncate { rel, blkno, flags }) => {
@@ -219,7 +258,7 @@ pub fn record_values(
             ] {
                 // PostgreSQL leaves a fork alone when it is not longer than the new size.
                 if flags & flag != 0 && sizes.get(rel, fork).is_some_and(|n| n > new) {
-                    sizes.set(rel, fork, Some(new), lsn, out);
+                    sizes.set(rel, fork, Some(new), lsn, out, &mut slots);
                 }
             }
         }
@@ -227,7 +266,7 @@ pub fn record_values(
     }
     for rel in dropped_relations(record)? {
         for fork in 0..=MAX_FORK {
-            sizes.set(rel, fork, None, lsn, out);
+            sizes.set(rel, fork, None, lsn, out, &mut slots);
         }
     }
     match (record.rmid, record.info & 0xF0) {
@@ -733,6 +772,88 @@ mod tests {
         let copy = main_only(RM_DBASE, 0x00, vec![0; 16]);
         let err = record_values(&copy, &mut sizes, &mut Vec::new()).unwrap_err();
         assert!(err.to_string().contains("FILE_COPY"), "{err}");
+    }
+
+    /// The main data of a commit (`XLOG_XACT_HAS_INFO`) that drops `rels`.
+    fn commit_dropping(rels: &[RelTag]) -> Vec<u8> {
+        let mut data = vec![0u8; 8];
+        data.extend_from_slice(&(1u32 << 2).to_le_bytes());
+        data.extend_from_slice(&(rels.len() as u32).to_le_bytes());
+        data.extend(rels.iter().flat_map(|r| [r.spcnode, r.dbnode, r.relnode]).flat_map(u32::to_le_bytes));
+        data
+    }
+
+    #[test]
+    fn a_commit_dropping_ten_thousand_relations_finds_each_size_slot_in_linear_probes() {
+        let rels: Vec<RelTag> = (0..10_000).map(|i| RelTag { relnode: 20_000 + i, ..rel() }).collect();
+        let commit = main_only(RM_XACT, 0x80, commit_dropping(&rels));
+        let mut sizes = RelSizes::default();
+        let dropped = sized(&mut sizes, &commit);
+        let want: Vec<_> = rels.iter().flat_map(|r| (0..=MAX_FORK).map(|f| (r.size_key(f), None))).collect();
+        assert_eq!(dropped, want);
+        // One probe per size is linear; a scan of the record's values so far for each was
+        // n^2 / 2 (8 * 10^8 for these 40,000 sizes, seconds of an executor thread).
+        let sets = want.len() as u64;
+        assert!(sizes.probes < 4 * sets, "{} probes to set {sets} sizes", sizes.probes);
+        // The same values as a small case, in order, one per key: a relation listed twice
+        // keeps its first place.
+        let (a, b) = (rels[0], rels[1]);
+        let mut sizes = RelSizes::default();
+        let small = sized(&mut sizes, &main_only(RM_XACT, 0x80, commit_dropping(&[a, b, a])));
+        let want: Vec<_> =
+            [a, b].iter().flat_map(|r| (0..=MAX_FORK).map(|f| (r.size_key(f), None))).collect();
+        assert_eq!(small, want);
+    }
+
+    #[tokio::test]
+    async fn rel_size_keys_read_index_blocks_per_relation_not_per_page() {
+        use crate::storage::{IngestBatch, StorageConf, StorageMetrics};
+        const PAGES: u32 = 3000;
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = std::sync::Arc::new(StorageMetrics::unregistered());
+        let tl = Timeline::open(dir.path(), StorageConf::default(), metrics).unwrap();
+        let rels: Vec<RelTag> = (0..6).map(|i| RelTag { relnode: 16384 + i, ..rel() }).collect();
+        let size = |blocks: Option<u32>| Value::Image(Bytes::from(keys::encode_rel_size(blocks)));
+        let ingest = |lsn: u64, values: Vec<(BufferTag, Value)>| {
+            let values = values.into_iter().map(|(k, v)| (k, Lsn(lsn), v)).collect();
+            tl.ingest(IngestBatch { values })
+        };
+        let pages = |r: RelTag, fork: u8| {
+            (0..PAGES).map(move |b| (r.page(fork, b), Value::Record(Bytes::from_static(b"r"))))
+        };
+        // A first layer: the cluster's other keys, every relation's pages (the main fork, and
+        // the map of one), and the sizes of four of them.
+        let mut others: Vec<(BufferTag, Value)> =
+            (0..32).map(|p| (keys::slru_page_key(keys::SlruKind::Clog, 0, p), size(None))).collect();
+        others.push((keys::control_file_key(), size(None)));
+        others.push((keys::relmap_key(1663, 5), size(None)));
+        others.push((keys::db_drop_key(1663, 4), size(None)));
+        ingest(1, others).await.unwrap();
+        for (i, r) in rels.iter().enumerate() {
+            ingest(2 + i as u64, pages(*r, MAIN_FORK).collect()).await.unwrap();
+        }
+        ingest(10, pages(rels[1], VM_FORK).collect()).await.unwrap();
+        let mut want =
+            vec![rels[0].size_key(0), rels[1].size_key(0), rels[1].size_key(2), rels[3].size_key(0)];
+        ingest(11, want.iter().map(|k| (*k, size(Some(PAGES)))).collect()).await.unwrap();
+        tl.freeze().await.unwrap();
+        // A second layer: more pages, a dropped marker; the active segment: one more size.
+        ingest(20, pages(rels[2], MAIN_FORK).chain(pages(rels[5], MAIN_FORK)).collect()).await.unwrap();
+        ingest(21, vec![(rels[4].size_key(0), size(None)), (rels[0].size_key(0), size(None))]).await.unwrap();
+        tl.freeze().await.unwrap();
+        ingest(30, vec![(rels[5].size_key(1), size(Some(1)))]).await.unwrap();
+        want.extend([rels[4].size_key(0), rels[5].size_key(1)]);
+        want.sort();
+
+        let before = tl.index_blocks_read();
+        assert_eq!(rel_size_keys(&tl).unwrap(), want);
+        let (after, blocks) = tl.index_blocks_read();
+        // What a scan is led to in each layer: the first key of each relation (and of each
+        // other key's group), and each size key; at most one index block for each.
+        let read = after - before.0;
+        let led_to = 2 * (rels.len() + 4 + want.len() + 1) as u64;
+        assert!(read <= led_to, "{read} index blocks of {blocks} read for {} size keys", want.len());
+        assert!(blocks > 4 * led_to, "a test with only {blocks} index blocks shows nothing");
     }
 
     #[test]
