@@ -2,7 +2,8 @@
 //! WAL position [`Lsn`], the page key [`BufferTag`], and the limits every layer checks against
 //! ([`PAGE_SIZE`], [`MAX_RECORD_LEN`], [`MAX_RECORDS_PER_REQUEST`]); and [`wal`], a pure
 //! decoder of PostgreSQL 15 WAL (pages, records, block references, full-page images) that both
-//! the daemon and the operator tool `pagectl` can use.
+//! the daemon and the operator tool `pagectl` can use; [`checksum`], PostgreSQL's data page
+//! checksum, and [`control_file`], what the daemon reads of a cluster's `pg_control`.
 //!
 //! It exists so that each of these is defined once and no module has to import "upward" (storage
 //! from a wire protocol, a tenant from the page service) just to name a key or an LSN.
@@ -13,6 +14,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+pub mod checksum;
+pub mod control_file;
 pub mod keys;
 pub mod wal;
 

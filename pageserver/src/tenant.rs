@@ -8,7 +8,8 @@
 //! 3. page cache hit: done;
 //! 4. otherwise the newest image and the records above it are read from disk (after checking
 //!    their count and size against the redo limits from the index alone); an image with no
-//!    records is the page itself, else the redo manager reconstructs it; the page is cached.
+//!    records is the page itself, else the redo manager reconstructs it; for a cluster with
+//!    data checksums it gets its checksum ([`data_checksums`]); the page is cached.
 //!
 //! Invariant: every request carries the tenant id in its tracing span; page bytes are shared
 //! `Bytes` end to end (storage or redo child -> cache -> reply).
@@ -38,6 +39,7 @@ use crate::storage::{
 use crate::util::{lock, Signal};
 use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
+mod data_checksums;
 pub mod wal_receiver;
 
 use wal_receiver::{SourceFile, WalReceiver, WalSource, WalSourceStatus};
@@ -187,6 +189,8 @@ pub struct Tenant {
     pub(crate) wal_receiver: Mutex<Option<Arc<WalReceiver>>>,
     /// Serializes attaching and detaching the WAL source.
     pub(crate) wal_source_change: tokio::sync::Mutex<()>,
+    /// Whether its cluster has data checksums, which pages get as they are built.
+    pub(crate) data_checksums: data_checksums::DataChecksums,
 }
 
 /// Request counters of a tenant (GetPage's in shards: every executor thread counts it).
@@ -346,6 +350,11 @@ impl Tenant {
                 self.walredo.request_redo(key, lsn.0, image.map(|(_, page)| page), &records).await?
             }
         };
+        let page = self
+            .data_checksums
+            .apply(&self.timeline, key, lsn, page)
+            .await
+            .map_err(GetPageError::Internal)?;
         self.deps.cache.insert(cache_key, &page);
         Ok((lsn, page))
     }

@@ -330,6 +330,7 @@ impl Tenants {
             get_page_series: RequestSeries::get_page(id),
             wal_receiver: Mutex::new(None),
             wal_source_change: tokio::sync::Mutex::new(()),
+            data_checksums: Default::default(),
         })
     }
 
