@@ -15,7 +15,7 @@
 //! `Bytes` end to end (storage or redo child -> cache -> reply).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -77,6 +77,13 @@ pub enum GetPageError {
     NotFound { key: BufferTag, lsn: Lsn },
     #[error("LSN {lsn} is below the GC cutoff {cutoff} (gc_horizon): older page versions are gone")]
     BelowGcCutoff { lsn: Lsn, cutoff: Lsn },
+    /// The tenant's initial import has not finished (or was interrupted and not yet taken
+    /// again): what it stored so far is a part of a fuzzy base backup.
+    #[error(
+        "the tenant's import of its PostgreSQL's base backup is not complete (see wal_source.import \
+         in its status): its pages are partial until it is"
+    )]
+    ImportIncomplete,
     #[error(transparent)]
     WaitLsn(#[from] WaitLsnError),
     #[error(transparent)]
@@ -189,6 +196,10 @@ pub struct Tenant {
     pub(crate) wal_receiver: Mutex<Option<Arc<WalReceiver>>>,
     /// Serializes attaching and detaching the WAL source.
     pub(crate) wal_source_change: tokio::sync::Mutex<()>,
+    /// Raised while its initial import is incomplete (running, or interrupted): reads are
+    /// refused ([`GetPageError::ImportIncomplete`]). Its WAL receiver raises and lowers it; at
+    /// load, the source file says.
+    pub(crate) import_incomplete: Arc<AtomicBool>,
     /// Whether its cluster has data checksums, which pages get as they are built.
     pub(crate) data_checksums: data_checksums::DataChecksums,
 }
@@ -242,7 +253,10 @@ impl Tenant {
     /// For callers that would spawn a task per request: a cache hit needs none.
     pub fn get_page_now(&self, key: BufferTag, lsn: Lsn) -> Option<(Lsn, Bytes)> {
         let started = Instant::now();
-        if !self.deps.cache.enabled() || self.stopping.is_raised() {
+        if !self.deps.cache.enabled()
+            || self.stopping.is_raised()
+            || self.import_incomplete.load(Ordering::Acquire)
+        {
             return None;
         }
         let durable = self.timeline.last_durable_lsn();
@@ -272,6 +286,9 @@ impl Tenant {
     async fn wait_for(&self, lsn: Lsn) -> Result<Lsn, GetPageError> {
         if self.stopping.is_raised() {
             return Err(GetPageError::ShuttingDown);
+        }
+        if self.import_incomplete.load(Ordering::Acquire) {
+            return Err(GetPageError::ImportIncomplete);
         }
         if lsn == Lsn::LATEST {
             return Ok(self.timeline.last_durable_lsn());
@@ -463,14 +480,28 @@ impl Tenant {
         self.walredo.shutdown().await;
     }
 
-    /// Starts following `source` (at load; [`Tenant::attach_wal_source`] for the API).
-    pub(crate) fn start_wal_receiver(&self, source: SourceFile) {
+    /// Takes up the tenant's source file at load: what it says of storage (the position the
+    /// receiver reached, the GC cutoff of a finished import, an import not finished), for an
+    /// attached source and a detached one alike; then follows the source if it is attached.
+    pub(crate) fn load_wal_source(&self, file: SourceFile) {
+        wal_receiver::restore(&self.timeline, &file);
+        if file.import.as_ref().is_some_and(|i| i.end_lsn.is_none()) {
+            self.import_incomplete.store(true, Ordering::Release);
+        }
+        if !file.detached {
+            self.start_wal_receiver(file);
+        }
+    }
+
+    /// Starts following `source` ([`Tenant::load_wal_source`], [`Tenant::attach_wal_source`]).
+    fn start_wal_receiver(&self, source: SourceFile) {
         let receiver = WalReceiver::start(
             &self.id,
             self.dir.clone(),
             source,
             Arc::clone(&self.timeline),
             Arc::clone(&self.deps.wal_receiver_metrics),
+            Arc::clone(&self.import_incomplete),
             &self.cancel,
         );
         if let Some(old) = lock(&self.wal_receiver).replace(receiver) {
@@ -499,8 +530,15 @@ impl Tenant {
         let file = tokio::task::spawn_blocking(move || -> anyhow::Result<SourceFile> {
             let previous = wal_receiver::read_source_file(&dir)?;
             let file = match previous {
-                Some(previous) => SourceFile { source, ..previous },
-                None => SourceFile { source, system_id: None, timeline: None, position: None, import: None },
+                Some(previous) => SourceFile { source, detached: false, ..previous },
+                None => SourceFile {
+                    source,
+                    detached: false,
+                    system_id: None,
+                    timeline: None,
+                    position: None,
+                    import: None,
+                },
             };
             wal_receiver::write_source_file(&dir, &file)?;
             Ok(file)
@@ -513,18 +551,29 @@ impl Tenant {
         status.context("the receiver just started")
     }
 
-    /// Detaches the tenant from its WAL source; `false` if it had none.
+    /// Detaches the tenant from its WAL source; `false` if it had none. The source file stays,
+    /// marked detached: the cluster followed, the position reached and the import's LSNs are
+    /// what the tenant's storage means (its GC cutoff after a restart, where a re-attach to
+    /// the same cluster resumes; another cluster is refused at connect).
     pub async fn detach_wal_source(&self) -> anyhow::Result<bool> {
         let _change = self.wal_source_change.lock().await;
         let had = self.stop_wal_receiver().await;
         let dir = self.dir.clone();
-        let file_existed = tokio::task::spawn_blocking(move || wal_receiver::remove_source_file(&dir))
-            .await
-            .context("remove task")??;
-        if had || file_existed {
+        let was_attached = tokio::task::spawn_blocking(move || -> anyhow::Result<bool> {
+            match wal_receiver::read_source_file(&dir)? {
+                Some(file) if !file.detached => {
+                    wal_receiver::write_source_file(&dir, &SourceFile { detached: true, ..file })?;
+                    Ok(true)
+                }
+                _ => Ok(false),
+            }
+        })
+        .await
+        .context("write task")??;
+        if had || was_attached {
             tracing::info!(tenant_id = self.id, "detached the WAL source");
         }
-        Ok(had || file_existed)
+        Ok(had || was_attached)
     }
 
     async fn stop_wal_receiver(&self) -> bool {

@@ -271,7 +271,7 @@ impl Tenants {
                 Ok(Loaded::Opened(overrides, timeline, source)) => {
                     let tenant = tenants.assemble(&id, &path, overrides, timeline);
                     if let Some(source) = source {
-                        tenant.start_wal_receiver(source);
+                        tenant.load_wal_source(source);
                     }
                     tracing::info!(
                         tenant_id = id,
@@ -330,6 +330,7 @@ impl Tenants {
             get_page_series: RequestSeries::get_page(id),
             wal_receiver: Mutex::new(None),
             wal_source_change: tokio::sync::Mutex::new(()),
+            import_incomplete: Arc::default(),
             data_checksums: Default::default(),
         })
     }

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.fault_io import FaultIo
 from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.postgres import Postgres
@@ -133,3 +134,45 @@ def test_an_import_killed_midway_begins_again_and_ends_the_same(pg, pageserver_f
                    and w["import"]["done"] and w, timeout=120, desc="the second import to finish")
     assert s["import"]["attempts"] == 2, s
     assert check_every_block(ps, tenant, pg) > 7000
+
+
+def refused_while_importing(conn) -> None:
+    """Every read of the tenant fails with `import_incomplete`."""
+    for read in (lambda: conn.get_page(Key(1664, 0, 1262, 0, 0)),
+                 lambda: conn.get_rel_size((1664, 0, 1262), 0),
+                 lambda: conn.get_rel_exists((1664, 0, 1262), 0)):
+        with pytest.raises(PageServiceError) as e:
+            read()
+        assert e.value.name == "import_incomplete", e.value
+
+
+def test_reads_are_refused_while_the_import_is_incomplete_also_after_a_restart(pg, pageserver_factory, tmp_path):
+    faults = FaultIo(tmp_path / "faults")
+    # Every write of the tenant's storage takes 200 ms longer: the import lasts.
+    faults.set("slow_commit")
+    ps = pageserver_factory(compaction="off", env=faults.env)
+    tenant = ps.create_tenant()
+    resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source", {"postgres": pg.connstr(), "slot": "pageserver"})
+    assert resp.status == 200, resp
+    wait_until(lambda: (w := ps.http.tenant_status(tenant)["wal_source"])["import"] and w["import"]["values"] > 0,
+               timeout=60, interval=0.01, desc="the import under way")
+    with ps.connect(tenant) as conn:
+        refused_while_importing(conn)
+    assert not ps.http.tenant_status(tenant)["wal_source"]["import"]["done"]
+    # Interrupted, and the primary is away when the daemon comes back: the import stays undone.
+    ps.allowed_errors += [r"(?i)torn tail", r".*WAL receiver.*"]
+    ps.kill()
+    pg.stop()
+    faults.clear("slow_commit")
+    ps.start()
+    w = ps.http.tenant_status(tenant)["wal_source"]
+    assert not w["import"]["done"] and w["import"]["attempts"] == 1, w
+    with ps.connect(tenant) as conn:
+        refused_while_importing(conn)
+    # Once an import is complete, the tenant serves.
+    pg.start()
+    s = attach_and_import(ps, tenant, pg)
+    assert s["import"]["attempts"] == 2, s
+    with ps.connect(tenant) as conn:
+        assert len(conn.get_page(Key(1664, 0, 1262, 0, 0))) == 8192
+        assert conn.get_rel_exists((1664, 0, 1262), 0).exists

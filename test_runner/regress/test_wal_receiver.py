@@ -269,6 +269,53 @@ def test_bad_sources_are_refused_or_reported_and_detach_stops(pg, pageserver_fac
                timeout=10, desc="the slot to be released")
 
 
+def test_detach_keeps_the_position_and_the_cutoff_and_a_reattach_resumes(pg, pageserver_factory, tmp_path):
+    ps = pageserver_factory(compaction="off")
+    tenant = ps.create_tenant()
+    status = attach(ps, tenant, pg)
+    resumed, imp = status["resumed_at"], status["import"]
+    at_attach = fork_sizes(pg, "true")
+    pg.pgbench("-i", "-s", "1", "-q")
+    caught_up(ps, tenant, pg)
+    assert ps.http.request("DELETE", f"/v1/tenant/{tenant}/wal_source").status == 200
+    source_file = ps.timeline_dir(tenant).parent / "wal_source.json"
+    kept = json.loads(source_file.read_text())
+    assert kept["detached"] and kept["import"]["end_lsn"] == imp["end_lsn"] and kept["position"] > resumed, kept
+    # After a restart the detached tenant's history still starts at the backup's end.
+    ps.restart()
+    assert ps.http.tenant_status(tenant)["wal_source"] is None
+    with ps.connect(tenant) as conn:
+        with pytest.raises(PageServiceError) as e:
+            conn.get_page(Key(1664, 0, 1262, 0, 0), imp["start_lsn"] - 1)
+        assert e.value.name == "below_gc_cutoff", e.value
+    # The primary goes on meanwhile; attached again, the tenant resumes where it stopped.
+    pg.pgbench("-c", "1", "-T", "1", "-n")
+    resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source", {"postgres": pg.connstr(), "slot": "pageserver"})
+    assert resp.status == 200, resp
+    w = wait_until(lambda: (w := ps.http.tenant_status(tenant)["wal_source"])["state"] in ("streaming", "error")
+                   and w, timeout=30, desc="the receiver to stream or fail")
+    assert w["state"] == "streaming" and w["resumed_at"] >= kept["position"], w
+    assert w["import"]["attempts"] == 1, "no second import"
+    s = caught_up(ps, tenant, pg)
+    assert s["storage"]["values"] == imp["values"] + expected_values(pg, resumed, s["wal_source"]["durable_lsn"],
+                                                                      at_attach)
+    # Another cluster is refused, naming both system ids.
+    ps.allowed_errors.append(r".*WAL receiver.*")
+    other = Postgres(tmp_path / "other").init().start()
+    try:
+        assert ps.http.request("DELETE", f"/v1/tenant/{tenant}/wal_source").status == 200
+        resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source",
+                               {"postgres": other.connstr(), "slot": "pageserver"})
+        assert resp.status == 200, resp
+        w = wait_until(lambda: (w := ps.http.tenant_status(tenant)["wal_source"])["state"] == "error" and w,
+                       timeout=30, desc="the other cluster to be refused")
+        ids = [other.sql("select system_identifier from pg_control_system()"), kept["system_id"]]
+        assert all(i in w["error"] for i in ids) and ids[0] != ids[1], (ids, w["error"])
+    finally:
+        assert ps.http.request("DELETE", f"/v1/tenant/{tenant}/wal_source").status == 200
+        other.stop()
+
+
 def test_compaction_and_gc_keep_what_the_child_cannot_redo_yet_and_every_page_above_the_cutoff(
         pg, pageserver_factory):
     # Chains of two records already ask for an image: the child makes those of heap pages, and

@@ -405,6 +405,7 @@ fn get_page_error_code(e: &GetPageError) -> ErrorCode {
         GetPageError::InvalidKey(_) => ErrorCode::InvalidRequest,
         GetPageError::NotFound { .. } => ErrorCode::NotFound,
         GetPageError::BelowGcCutoff { .. } => ErrorCode::BelowGcCutoff,
+        GetPageError::ImportIncomplete => ErrorCode::ImportIncomplete,
         GetPageError::WaitLsn(WaitLsnError::Timeout { .. }) => ErrorCode::LsnTimeout,
         GetPageError::WaitLsn(WaitLsnError::StorageUnavailable { .. }) => ErrorCode::StorageUnavailable,
         GetPageError::WaitLsn(WaitLsnError::ShuttingDown { .. }) | GetPageError::ShuttingDown => {

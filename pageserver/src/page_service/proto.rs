@@ -149,6 +149,9 @@ pub enum ErrorCode {
     /// GetPage whose page needs a record the redo child does not apply yet (the message names
     /// its resource manager and record type).
     UnsupportedRecord,
+    /// A read of a tenant whose initial import (a base backup of its PostgreSQL) is not
+    /// complete: its pages are partial and fuzzy until it is.
+    ImportIncomplete,
     /// A code this version does not know.
     Unknown(u16),
 }
@@ -173,6 +176,7 @@ impl ErrorCode {
             ErrorCode::StorageUnavailable => 15,
             ErrorCode::BelowGcCutoff => 16,
             ErrorCode::UnsupportedRecord => 17,
+            ErrorCode::ImportIncomplete => 18,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -196,6 +200,7 @@ impl ErrorCode {
             15 => ErrorCode::StorageUnavailable,
             16 => ErrorCode::BelowGcCutoff,
             17 => ErrorCode::UnsupportedRecord,
+            18 => ErrorCode::ImportIncomplete,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -219,6 +224,7 @@ impl ErrorCode {
             ErrorCode::StorageUnavailable => "storage_unavailable",
             ErrorCode::BelowGcCutoff => "below_gc_cutoff",
             ErrorCode::UnsupportedRecord => "unsupported_record",
+            ErrorCode::ImportIncomplete => "import_incomplete",
             ErrorCode::Unknown(_) => "unknown",
         }
     }

@@ -37,7 +37,9 @@
 //! in batches at LSNs 1, 2, 3.. (below any WAL position: PostgreSQL's WAL starts at 16 MiB),
 //! then streaming starts at the backup's start. The backup's pages are fuzzy until its end
 //! LSN (pages copied while being written; the WAL from the start repairs them with full-page
-//! images): the tenant's history starts there, its GC cutoff is raised to it. The source file
+//! images): the tenant's history starts there, its GC cutoff is raised to it. From the moment
+//! an import begins until one is complete (across restarts: the source file says), the
+//! tenant refuses reads (`import_incomplete`). The source file
 //! records the import before it begins and when it is complete; an import interrupted (an
 //! error, a kill -9) begins again with a new backup at the next LSNs, and ends by marking
 //! dropped every relation fork the interrupted attempt stored a size for that the new backup
@@ -54,6 +56,7 @@ pub mod values;
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -119,6 +122,10 @@ impl WalSource {
 pub struct SourceFile {
     #[serde(flatten)]
     pub source: WalSource,
+    /// Detached (`DELETE .../wal_source`): no receiver follows it, and the rest of the file
+    /// still says what the tenant's storage holds (a re-attach resumes from it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub detached: bool,
     /// The cluster followed (`IDENTIFY_SYSTEM`'s system id), from the first connection on.
     #[serde(default)]
     pub system_id: Option<String>,
@@ -161,15 +168,16 @@ pub fn write_source_file(dir: &Path, file: &SourceFile) -> anyhow::Result<()> {
     crate::storage::durable_write(dir, SOURCE_FILE, &text).context("write the WAL source")
 }
 
-/// Removes the source file durably; whether there was one.
-pub fn remove_source_file(dir: &Path) -> anyhow::Result<bool> {
-    match std::fs::remove_file(dir.join(SOURCE_FILE)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e).context("remove the WAL source"),
+/// What the source file says of the tenant's storage, told to its timeline at load (attached
+/// or detached): everything up to the position is stored (the file is written after the
+/// values), and the history of a finished import starts at the backup's end (its GC cutoff).
+pub fn restore(timeline: &Timeline, file: &SourceFile) {
+    if let Some(position) = file.position {
+        timeline.advance_durable(Lsn(position));
     }
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).context("fsync the tenant directory")?;
-    Ok(true)
+    if let Some(end) = file.import.as_ref().and_then(|i| i.end_lsn) {
+        timeline.raise_gc_cutoff(Lsn(end));
+    }
 }
 
 /// The receivers' metrics, totals over all tenants (per-tenant figures are in the status).
@@ -287,6 +295,7 @@ impl WalReceiver {
         file: SourceFile,
         timeline: Arc<Timeline>,
         metrics: Arc<WalReceiverMetrics>,
+        import_incomplete: Arc<AtomicBool>,
         tenant_cancel: &CancellationToken,
     ) -> Arc<WalReceiver> {
         let postgres = connstr::parse(&file.source.postgres).map(|c| c.to_string()).unwrap_or_default();
@@ -314,13 +323,6 @@ impl WalReceiver {
             },
             last_message: None,
         }));
-        if let Some(position) = file.position {
-            // Everything up to the position is stored (the file is written after the values).
-            timeline.advance_durable(Lsn(position));
-        }
-        if let Some(end) = file.import.as_ref().and_then(|i| i.end_lsn) {
-            timeline.raise_gc_cutoff(Lsn(end));
-        }
         let cancel = tenant_cancel.child_token();
         let source = file.source.clone();
         let task = Task {
@@ -330,6 +332,7 @@ impl WalReceiver {
             file,
             timeline,
             metrics,
+            import_incomplete,
             shared: Arc::clone(&shared),
             cancel: cancel.clone(),
         };
@@ -511,6 +514,9 @@ struct Task {
     file: SourceFile,
     timeline: Arc<Timeline>,
     metrics: Arc<WalReceiverMetrics>,
+    /// The tenant's: raised from the moment an import begins until it is complete (reads of
+    /// the tenant are refused meanwhile).
+    import_incomplete: Arc<AtomicBool>,
     shared: Arc<Mutex<Shared>>,
     cancel: CancellationToken,
 }
@@ -787,6 +793,8 @@ impl Task {
             );
         }
         let attempts = previous.as_ref().map_or(0, |i| i.attempts) + 1;
+        // Before the file says the import began, and before anything is stored.
+        self.import_incomplete.store(true, Ordering::Release);
         self.update_file(|f| f.import = Some(ImportRecord { attempts, start_lsn: None, end_lsn: None }))
             .await?;
         // The relation sizes an interrupted attempt may have stored.
@@ -874,6 +882,7 @@ impl Task {
         .await?;
         self.timeline.advance_durable(backup.start_lsn);
         self.timeline.raise_gc_cutoff(end);
+        self.import_incomplete.store(false, Ordering::Release);
         set_status(&self.shared, &|i| {
             i.done = true;
             i.end_lsn = Some(end.0);
@@ -908,8 +917,9 @@ mod tests {
     fn the_source_file_round_trips_and_refuses_what_it_does_not_know() {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(read_source_file(dir.path()).unwrap(), None);
-        let file = SourceFile {
+        let mut file = SourceFile {
             source: WalSource { postgres: "host=h user=u".into(), slot: "s".into() },
+            detached: false,
             system_id: Some("7309".into()),
             timeline: Some(1),
             position: Some(0x1_0000_0028),
@@ -920,19 +930,22 @@ mod tests {
             }),
         };
         write_source_file(dir.path(), &file).unwrap();
+        assert_eq!(read_source_file(dir.path()).unwrap().as_ref(), Some(&file));
+        let text = std::fs::read_to_string(dir.path().join(SOURCE_FILE)).unwrap();
+        assert!(!text.contains("detached"), "an attached source's file is as it was: {text}");
+        file.detached = true;
+        write_source_file(dir.path(), &file).unwrap();
         assert_eq!(read_source_file(dir.path()).unwrap(), Some(file));
         std::fs::write(dir.path().join(SOURCE_FILE), r#"{"postgres": "host=h user=u", "slot": "s"}"#)
             .unwrap();
         let minimal = read_source_file(dir.path()).unwrap().unwrap();
         assert_eq!((minimal.system_id, minimal.position, minimal.import), (None, None, None));
+        assert!(!minimal.detached);
         std::fs::write(dir.path().join(SOURCE_FILE), r#"{"postgres": "x", "slot": "s", "extra": 1}"#)
             .unwrap();
         assert!(read_source_file(dir.path()).is_err());
         std::fs::write(dir.path().join(SOURCE_FILE), "{").unwrap();
         assert!(read_source_file(dir.path()).is_err());
-        assert!(remove_source_file(dir.path()).unwrap());
-        assert_eq!(read_source_file(dir.path()).unwrap(), None);
-        assert!(!remove_source_file(dir.path()).unwrap());
     }
 
     #[test]
