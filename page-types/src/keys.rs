@@ -14,11 +14,14 @@
 //! | `global/pg_control` | `0xA0` | 0 | 0 | 0 | 0 | the file |
 //! | `pg_filenode.map` | `0xA1` | spc | db (0: global) | 0 | 0 | the file (512 bytes) |
 //! | a dropped database | `0xB0` | spc | db | 0 | 0 | empty |
+//! | a dropped relation | `0xB1` | spc | db | rel | 0 | empty |
 //!
 //! Values of these keys are complete in themselves (storage keeps them as images of 0 to 8192
 //! bytes): the newest at or below an LSN is the answer, no redo. A relation fork exists at an
 //! LSN when its newest size value at or below it is not the dropped marker and no drop of its
-//! database is newer than that value.
+//! database is newer than that value. A relation page whose newest value at or below an LSN is
+//! older than a drop of its relation or database at or below that LSN belongs to a dropped
+//! incarnation of that relfilenode (reused after OID wraparound): not the page as of then.
 //!
 //! Invariant: pure; no input makes anything here panic.
 
@@ -39,6 +42,7 @@ const SLRU_FORK: u8 = 0x90;
 const CONTROL_FILE_FORK: u8 = 0xA0;
 const RELMAP_FORK: u8 = 0xA1;
 const DB_DROP_FORK: u8 = 0xB0;
+const REL_DROP_FORK: u8 = 0xB1;
 
 /// Pages per SLRU segment (PostgreSQL's `SLRU_PAGES_PER_SEGMENT`).
 pub const SLRU_PAGES_PER_SEGMENT: u32 = 32;
@@ -56,6 +60,17 @@ pub struct RelTag {
 }
 
 impl RelTag {
+    /// The key whose values mark the drops of this relation (every fork).
+    pub fn drop_key(self) -> BufferTag {
+        BufferTag {
+            spcnode: self.spcnode,
+            dbnode: self.dbnode,
+            relnode: self.relnode,
+            forknum: REL_DROP_FORK,
+            blknum: 0,
+        }
+    }
+
     /// Block `blknum` of `fork`.
     pub fn page(self, fork: u8, blknum: u32) -> BufferTag {
         BufferTag { spcnode: self.spcnode, dbnode: self.dbnode, relnode: self.relnode, forknum: fork, blknum }
@@ -151,6 +166,9 @@ pub enum KeyKind {
     ControlFile,
     RelMap,
     DbDrop,
+    RelDrop {
+        rel: RelTag,
+    },
     /// A key that names nothing of the above.
     Unknown,
 }
@@ -172,6 +190,7 @@ pub fn classify(key: &BufferTag) -> KeyKind {
         CONTROL_FILE_FORK if *key == control_file_key() => KeyKind::ControlFile,
         RELMAP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::RelMap,
         DB_DROP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::DbDrop,
+        REL_DROP_FORK if key.blknum == 0 => KeyKind::RelDrop { rel },
         _ => KeyKind::Unknown,
     }
 }
@@ -232,6 +251,8 @@ mod tests {
         assert_eq!(classify(&control_file_key()), KeyKind::ControlFile);
         assert_eq!(classify(&relmap_key(1664, 0)), KeyKind::RelMap);
         assert_eq!(classify(&db_drop_key(1663, 5)), KeyKind::DbDrop);
+        assert_eq!(classify(&rel.drop_key()), KeyKind::RelDrop { rel });
+        assert!(!is_rel_page(&rel.drop_key()));
         assert_eq!(
             classify(&BufferTag { forknum: 0x90, spcnode: 9, ..control_file_key() }),
             KeyKind::Unknown

@@ -200,6 +200,11 @@ pub struct Tenant {
     /// refused ([`GetPageError::ImportIncomplete`]). Its WAL receiver raises and lowers it; at
     /// load, the source file says.
     pub(crate) import_incomplete: Arc<AtomicBool>,
+    /// Raised once it has a WAL source file (attached or detached): its keys are a PostgreSQL
+    /// cluster's, whose relfilenodes can be dropped and reused, so a page read checks that its
+    /// newest value is of the relation that has the relfilenode then
+    /// ([`wal_receiver::values::dropped_incarnation`]).
+    pub(crate) follows_postgres: AtomicBool,
     /// Whether its cluster has data checksums, which pages get as they are built.
     pub(crate) data_checksums: data_checksums::DataChecksums,
 }
@@ -268,6 +273,18 @@ impl Tenant {
         // Without waiting for the disk: an index block missing from the kernel's page cache
         // sends the request the other way, which reads it off the executor.
         let version = self.timeline.version_at(key, lsn, DiskWait::Refused).ok()??;
+        if self.follows_postgres.load(Ordering::Relaxed)
+            && wal_receiver::values::dropped_incarnation(
+                &self.timeline,
+                key,
+                Some(version),
+                lsn,
+                DiskWait::Refused,
+            )
+            .unwrap_or(true)
+        {
+            return None;
+        }
         let page = self.deps.cache.get(&(self.generation, key, version.0))?;
         self.counters.get_page_requests.add(0, 1);
         self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
@@ -338,7 +355,31 @@ impl Tenant {
         };
         // One lookup of the index: the plan (the limits are checked there) names the page's
         // version, its newest value, which is what the page cache knows it by.
-        let plan = self.timeline.plan_read_async(key, lsn, RECONSTRUCT_LIMITS).await.map_err(read_error)?;
+        let plan = match self.timeline.plan_read_async(key, lsn, RECONSTRUCT_LIMITS).await {
+            Ok(plan) => Some(plan),
+            Err(GetError::NotFound { .. }) => None,
+            Err(e) => return Err(read_error(e)),
+        };
+        if self.follows_postgres.load(Ordering::Relaxed) {
+            let version = plan.as_ref().map(|p| p.newest_lsn());
+            if version.is_none()
+                || wal_receiver::values::dropped_incarnation(
+                    &self.timeline,
+                    key,
+                    version,
+                    lsn,
+                    DiskWait::Allowed,
+                )
+                .map_err(read_error)?
+            {
+                return match wal_receiver::values::unwritten_page(&self.timeline, key, lsn).await {
+                    Ok(Some(page)) => Ok((lsn, page)),
+                    Ok(None) => Err(GetPageError::NotFound { key, lsn }),
+                    Err(e) => Err(read_error(e)),
+                };
+            }
+        }
+        let plan = plan.ok_or(GetPageError::NotFound { key, lsn })?;
         let cache_key = (self.generation, key, plan.newest_lsn().0);
         if let Some(page) = self.deps.cache.get(&cache_key) {
             return Ok((lsn, page));
@@ -484,6 +525,7 @@ impl Tenant {
     /// receiver reached, the GC cutoff of a finished import, an import not finished), for an
     /// attached source and a detached one alike; then follows the source if it is attached.
     pub(crate) fn load_wal_source(&self, file: SourceFile) {
+        self.follows_postgres.store(true, Ordering::Relaxed);
         wal_receiver::restore(&self.timeline, &file);
         if file.import.as_ref().is_some_and(|i| i.end_lsn.is_none()) {
             self.import_incomplete.store(true, Ordering::Release);
@@ -546,6 +588,7 @@ impl Tenant {
         .await
         .context("write task")??;
         tracing::info!(tenant_id = self.id, slot = file.source.slot, "attached a WAL source");
+        self.follows_postgres.store(true, Ordering::Relaxed);
         self.start_wal_receiver(file);
         let status = lock(&self.wal_receiver).as_ref().map(|r| r.status());
         status.context("the receiver just started")

@@ -331,6 +331,7 @@ impl Tenants {
             wal_receiver: Mutex::new(None),
             wal_source_change: tokio::sync::Mutex::new(()),
             import_incomplete: Arc::default(),
+            follows_postgres: Default::default(),
             data_checksums: Default::default(),
         })
     }

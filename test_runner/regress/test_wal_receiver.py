@@ -316,6 +316,47 @@ def test_detach_keeps_the_position_and_the_cutoff_and_a_reattach_resumes(pg, pag
         other.stop()
 
 
+def test_a_reused_relfilenode_serves_the_new_relation_not_the_dropped_one(pg, pageserver_factory):
+    """A relation dropped, and its relfilenode given to a new relation (as after OID
+    wraparound; here PostgreSQL's binary upgrade mode chooses it): the new relation's pages are
+    PostgreSQL's, and a block past its end is not the dropped relation's."""
+    ps = pageserver_factory(compaction="off")
+    tenant = ps.create_tenant()
+    attach(ps, tenant, pg)
+    pg.sql("CREATE TABLE gone (i int, t text)")
+    pg.sql("INSERT INTO gone SELECT i, repeat('x', 100) FROM generate_series(1, 5000) i")
+    node = int(pg.sql("select pg_relation_filenode('gone')"))
+    db = int(pg.sql("select oid from pg_database where datname = 'postgres'"))
+    old_blocks = int(pg.sql("select pg_relation_size('gone')")) // 8192
+    assert old_blocks > 10
+    s = caught_up(ps, tenant, pg)
+    with ps.connect(tenant) as conn:
+        assert len(conn.get_page(Key(1663, db, node, 0, 5), s["wal_source"]["durable_lsn"])) == 8192
+    # The file is unlinked at the checkpoint after the drop; then the number may be reused.
+    pg.sql("DROP TABLE gone")
+    pg.sql("CHECKPOINT")
+    ps.allowed_errors.append(r".*WAL receiver.*")
+    pg.stop()
+    pg.start(options="-b")
+    pg.sql(f"select binary_upgrade_set_next_heap_pg_class_oid({node}); "
+           f"select binary_upgrade_set_next_heap_relfilenode({node}); "
+           f"select binary_upgrade_set_next_pg_type_oid({node + 100000}); "
+           f"select binary_upgrade_set_next_array_pg_type_oid({node + 100001}); "
+           "create table reborn (i int); insert into reborn values (42)")
+    assert int(pg.sql("select pg_relation_filenode('reborn')")) == node
+    pg.sql("CHECKPOINT")
+    s = caught_up(ps, tenant, pg)
+    lsn = s["wal_source"]["durable_lsn"]
+    path = pg.datadir / pg.sql("select pg_relation_filepath('reborn')")
+    with ps.connect(tenant) as conn:
+        assert conn.get_rel_size((1663, db, node), 0, lsn).blocks == 1
+        assert heap_mask(conn.get_page(Key(1663, db, node, 0, 0), lsn)) == heap_mask(path.read_bytes()[:8192])
+        for blk in (1, 5, old_blocks - 1):
+            with pytest.raises(PageServiceError) as e:
+                conn.get_page(Key(1663, db, node, 0, blk), lsn)
+            assert e.value.name == "not_found", (blk, e.value)
+
+
 def test_compaction_and_gc_keep_what_the_child_cannot_redo_yet_and_every_page_above_the_cutoff(
         pg, pageserver_factory):
     # Chains of two records already ask for an image: the child makes those of heap pages, and

@@ -831,6 +831,20 @@ impl Task {
         tracing::info!(start = %backup.start_lsn, attempt = attempts, "importing a base backup");
         let mut importer = import::Importer::new();
         let mut batches = ImportBatches::new(&self.timeline, backup.start_lsn)?;
+        // Every relation an interrupted attempt stored is dropped below this attempt's values:
+        // its pages this attempt does not store again (blocks past a size that shrank, a
+        // relation gone since) are not served as the relation's (`values::dropped_incarnation`).
+        let mut dropped: Vec<(BufferTag, Bytes)> = stale
+            .iter()
+            .filter_map(|k| match keys::classify(k) {
+                keys::KeyKind::RelSize { rel, .. } => Some((rel.drop_key(), Bytes::new())),
+                _ => None,
+            })
+            .collect();
+        dropped.dedup();
+        for chunk in dropped.chunks(4096) {
+            batches.store(chunk.to_vec()).await?;
+        }
         let end = loop {
             let message = tokio::select! {
                 m = conn.next_backup_message() => m.context("base backup stream")?,

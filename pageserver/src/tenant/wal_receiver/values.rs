@@ -196,6 +196,38 @@ fn set_page_lsn(page: &mut [u8], lsn: Lsn) {
     }
 }
 
+/// Whether the newest value of relation page `key` at or below `lsn`, at `version` (`None`: it
+/// has none), belongs to a dropped incarnation of its relfilenode: a drop of its relation or of
+/// its database lies above it, at or below `lsn`. The page PostgreSQL has then is not that
+/// value: a block the new relation extended to without WAL (bulk extension) reads as zeros, a
+/// block past its end does not exist ([`unwritten_page`]). Reads only the index.
+pub fn dropped_incarnation(
+    timeline: &Timeline,
+    key: BufferTag,
+    version: Option<Lsn>,
+    lsn: Lsn,
+    wait: DiskWait,
+) -> Result<bool, GetError> {
+    let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
+    let newer = |drop: Option<Lsn>| drop.is_some_and(|d| version.is_none_or(|v| v < d));
+    Ok(newer(timeline.version_at(rel.drop_key(), lsn, wait)?)
+        || newer(timeline.version_at(keys::db_drop_key(key.spcnode, key.dbnode), lsn, wait)?))
+}
+
+/// What PostgreSQL reads at relation page `key` as of `lsn` when no value written to that
+/// block belongs to the relation then: within the fork's size, a page it extended to without
+/// WAL (all zeros); past it, or in a fork that does not exist, nothing (`Ok(None)`).
+pub async fn unwritten_page(
+    timeline: &Timeline,
+    key: BufferTag,
+    lsn: Lsn,
+) -> Result<Option<Bytes>, GetError> {
+    static ZERO_PAGE: [u8; page_types::PAGE_SIZE] = [0; page_types::PAGE_SIZE];
+    let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
+    let size = rel_size_at(timeline, rel, key.forknum, lsn).await?;
+    Ok(size.filter(|n| key.blknum < *n).map(|_| Bytes::from_static(&ZERO_PAGE)))
+}
+
 /// The page key of a block reference.
 pub fn key_of(block: &page_types::wal::BlockRef) -> BufferTag {
     BufferTag {
@@ -264,9 +296,15 @@ pub fn record_values(
         }
         None => {}
     }
+    let mut dropped = std::collections::HashSet::new();
     for rel in dropped_relations(record)? {
         for fork in 0..=MAX_FORK {
             sizes.set(rel, fork, None, lsn, out, &mut slots);
+        }
+        // Pages of this incarnation are not the pages of a relation that reuses its
+        // relfilenode later (see `dropped_incarnation`).
+        if dropped.insert(rel) {
+            out.push((rel.drop_key(), lsn, Value::Image(Bytes::new())));
         }
     }
     match (record.rmid, record.info & 0xF0) {
@@ -676,7 +714,7 @@ mod tests {
         let mut out = Vec::new();
         record_values(rec, sizes, &mut out).unwrap();
         out.into_iter()
-            .filter(|(k, _, _)| !keys::is_rel_page(k))
+            .filter(|(k, _, _)| matches!(keys::classify(k), keys::KeyKind::RelSize { .. }))
             .map(|(k, lsn, v)| {
                 assert_eq!(lsn, rec.end_lsn);
                 let Value::Image(bytes) = v else { panic!("sizes are images") };
@@ -757,6 +795,16 @@ mod tests {
         commit.extend([1663u32, 5, 16384].iter().flat_map(|w| w.to_le_bytes()));
         let dropped = sized(&mut sizes, &main_only(RM_XACT, 0x80, commit.clone()));
         assert_eq!(dropped, (0..=MAX_FORK).map(|f| (rel().size_key(f), None)).collect::<Vec<_>>());
+        // And the relation's drop marker, once, at the commit's LSN: its pages so far are of a
+        // dropped incarnation of the relfilenode.
+        let mut out = Vec::new();
+        record_values(&main_only(RM_XACT, 0x80, commit_dropping(&[rel(), rel()])), &mut sizes, &mut out)
+            .unwrap();
+        let markers: Vec<_> = out.iter().filter(|(k, _, _)| *k == rel().drop_key()).collect();
+        assert_eq!(markers.len(), 1, "{out:?}");
+        assert!(
+            matches!(markers[0], (_, lsn, Value::Image(b)) if b.is_empty() && *lsn == Lsn(0x1_0000_2068))
+        );
         // Without XLOG_XACT_HAS_INFO there is nothing to drop; a short list is an error.
         assert_eq!(sized(&mut sizes, &main_only(RM_XACT, 0x00, commit.clone())), vec![]);
         commit.truncate(commit.len() - 1);
