@@ -519,7 +519,7 @@ impl InFlight {
 
 struct Task {
     /// The relation sizes as this connection's records left them (cleared at each connection:
-    /// a failed batch may have lost what they say).
+    /// a failed batch may have lost what they say; bounded between messages).
     sizes: values::RelSizes,
     /// This connection's batches not yet known durable; settled before the next connection
     /// resumes, so that it resumes after them.
@@ -727,6 +727,9 @@ impl Task {
                     values::record_values(record, &mut self.sizes, &mut values)?;
                     last_end = Some(record.end_lsn.0);
                 }
+                // Between messages: what it forgets is loaded again (`load_sizes`) once this
+                // message's batch, which holds the sizes it set, is durable.
+                self.sizes.trim();
                 self.metrics.records.inc_by(records);
                 self.metrics.values.inc_by(values.len() as u64);
                 let durable = match values.is_empty() {
