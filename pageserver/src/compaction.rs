@@ -36,6 +36,8 @@
 //! file work never runs on an executor thread except in `monolithic` mode; the loop stops when
 //! the tenant is cancelled, abandoning a pass between slices (which removes its outputs).
 
+mod unredoable;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -53,6 +55,8 @@ use crate::redo_budget::RedoBudget;
 use crate::storage::{CompactionConf, ImageRequest, Lsn, PassKind, PassStats, Step, Timeline};
 use crate::util::lock;
 use crate::walredo::WalRedoManager;
+use unredoable::Unredoable;
+pub use unredoable::UNREDOABLE_KEYS_MAX;
 
 /// How often the debt is measured and the controller updated.
 pub const PERIOD: Duration = Duration::from_millis(100);
@@ -200,6 +204,10 @@ pub struct CompactionStatus {
     pub images_created: u64,
     pub values_garbage_collected: u64,
     pub files_garbage_collected: u64,
+    /// Keys compaction makes no image of, because their chain holds a record the redo child
+    /// does not apply (`unsupported_record`), until a newer image of the key comes above that
+    /// record or the daemon restarts (at most [`UNREDOABLE_KEYS_MAX`]).
+    pub unredoable_keys: u64,
 }
 
 /// One pass, as `POST /v1/tenant/{id}/compact` answers and the status shows.
@@ -265,6 +273,9 @@ struct Worker {
     /// compactor first saw it, or when a GC pass last took it: GC of it is due once that grew
     /// by its own size ([`GC_LAYER_DUE`]).
     gc_base: Mutex<HashMap<u32, u64>>,
+    /// The keys whose chain the child cannot redo: no image is asked for them until that
+    /// changes.
+    unredoable: Mutex<Unredoable>,
 }
 
 impl Compactor {
@@ -305,6 +316,7 @@ impl Compactor {
                 images_created: 0,
                 values_garbage_collected: 0,
                 files_garbage_collected: 0,
+                unredoable_keys: 0,
             }),
             requests,
             task: Mutex::new(None),
@@ -319,6 +331,7 @@ impl Compactor {
             compactor: Arc::clone(&compactor),
             cancel,
             gc_base: Mutex::new(HashMap::new()),
+            unredoable: Mutex::new(Unredoable::default()),
         };
         if let Ok(controller) = controller {
             *lock(&compactor.task) = Some(tokio::spawn(worker.run(controller, rx)));
@@ -566,6 +579,11 @@ impl Worker {
                 match step? {
                     Step::Continue => break,
                     Step::NeedImage(req) => {
+                        // A redo known to fail again is not asked for (nor its values read).
+                        if lock(&self.unredoable).fails(req.key, req.from, req.lsn) {
+                            pass.skip_image();
+                            continue;
+                        }
                         let (page, idle) = self.rebuild(req).await?;
                         waited += idle;
                         pass.provide_image(page);
@@ -621,7 +639,8 @@ impl Worker {
     /// the blocking pool, and has the redo manager rebuild it in its background lane. `None`
     /// if the redo failed (the pass keeps the key's records); an error if the read failed or
     /// the tenant is shutting down. With the page, the time it waited (for room in the budget,
-    /// and for its redo turn) rather than worked.
+    /// and for its redo turn) rather than worked. A record the child does not apply is
+    /// remembered ([`Unredoable`]).
     async fn rebuild(&self, req: ImageRequest) -> anyhow::Result<(Option<Bytes>, Duration)> {
         let (key, lsn) = (req.key, req.lsn);
         let (values, bytes) = (req.values(), req.bytes());
@@ -652,6 +671,7 @@ impl Worker {
             Ok(page) => Ok((Some(page), waited)),
             Err(e) => {
                 tracing::debug!(%key, %lsn, "compaction could not rebuild a page: {e}");
+                lock(&self.unredoable).failed(key, &records, &e);
                 Ok((None, waited))
             }
         }
@@ -663,6 +683,7 @@ impl Worker {
         s.running = false;
         s.share = 0.0;
         s.gc_cutoff = self.timeline.gc_cutoff().0;
+        s.unredoable_keys = lock(&self.unredoable).len() as u64;
         let current = s.current_pass.take();
         match result {
             Ok(None) => {}
@@ -763,6 +784,120 @@ mod tests {
             assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// A PostgreSQL 15 Sequence LOG record of `key` ending at `lsn`, as the WAL receiver stores
+    /// it: a record the redo child does not apply yet (`unsupported_record`).
+    fn sequence_log(key: BufferTag, lsn: u64) -> Value {
+        let record = walredo_proc::pg15::Pg15Record {
+            rmid: 15,
+            info: 0x00,
+            xid: 1,
+            lsn: lsn - 1,
+            end_lsn: lsn,
+            target: 0,
+            blocks: vec![walredo_proc::pg15::BlockHeader {
+                id: 0,
+                flags: walredo_proc::pg15::FLAG_WILL_INIT,
+                fork: key.forknum,
+                spcnode: key.spcnode,
+                dbnode: key.dbnode,
+                relnode: key.relnode,
+                blkno: key.blknum,
+                data: &[],
+            }],
+            main_data: &[0; 16],
+        };
+        let mut out = Vec::new();
+        record.encode(&mut out).unwrap();
+        Value::Record(Bytes::from(out))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_whose_chain_the_child_cannot_redo_is_not_retried_until_an_image_comes_above_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let timeline =
+            Timeline::open(dir.path(), StorageConf::default(), Arc::new(StorageMetrics::unregistered()))
+                .unwrap();
+        let settings = CompactionSettings { mode: CompactionMode::Off, ..CompactionSettings::default() };
+        let threshold = settings.image_threshold as u64;
+        // Two keys, each a chain of more than `compaction_image_threshold` records with a
+        // Sequence record near its start.
+        let (a, b) = (KEY, BufferTag { blknum: 8, ..KEY });
+        let mut values = Vec::new();
+        for key in [a, b] {
+            values.push((key, Lsn(1), encode(Record::InitPage { special_size: 0 })));
+        }
+        for key in [a, b] {
+            values.push((key, Lsn(2), sequence_log(key, 2)));
+        }
+        for lsn in 3..=threshold + 1 {
+            for key in [a, b] {
+                values.push((
+                    key,
+                    Lsn(lsn),
+                    encode(Record::PutBytes { offset: 100, data: &lsn.to_be_bytes() }),
+                ));
+            }
+        }
+        timeline.ingest(IngestBatch { values }).await.unwrap();
+
+        let redo_metrics = Arc::new(WalRedoMetrics::new(&Registry::new()).unwrap());
+        let walredo = WalRedoManager::new(
+            "t",
+            WalRedoConf::with_binary(crate::test_support::walredo_proc_binary()),
+            Arc::clone(&redo_metrics),
+        );
+        let cancel = CancellationToken::new();
+        let budget = Arc::new(RedoBudget::new(
+            crate::redo_budget::DEFAULT_REDO_MEMORY_BUDGET,
+            Duration::from_secs(60),
+            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        ));
+        let compactor = Compactor::start(
+            Arc::clone(&timeline),
+            Arc::clone(&walredo),
+            budget,
+            settings,
+            crate::storage::DEFAULT_LAYER_SIZE,
+            Arc::new(CompactionMetrics::new(&Registry::new()).unwrap()),
+            cancel.clone(),
+        );
+        let requests = || redo_metrics.background_requests.get();
+
+        // The first pass asks for both pages, and the child refuses both.
+        let first = compactor.compact_now().await.unwrap().unwrap();
+        assert_eq!((first.stats.images_created, first.stats.image_failures), (0, 2), "{first:?}");
+        assert_eq!(requests(), 2);
+        assert_eq!(compactor.status().unredoable_keys, 2);
+
+        // Then `a` gets more records (its chain still holds the Sequence record) and `b` a page
+        // image above its Sequence record, with a chain above that the child can redo.
+        let mut values = vec![(b, Lsn(100), Value::Image(Bytes::from(vec![0u8; 8192])))];
+        for lsn in 101..=100 + threshold {
+            for key in [a, b] {
+                values.push((
+                    key,
+                    Lsn(lsn),
+                    encode(Record::PutBytes { offset: 200, data: &lsn.to_be_bytes() }),
+                ));
+            }
+        }
+        timeline.ingest(IngestBatch { values }).await.unwrap();
+
+        // The second pass asks for `b` alone, and makes its image.
+        let second = compactor.compact_now().await.unwrap().unwrap();
+        assert_eq!(
+            requests(),
+            3,
+            "one redo request, for the key imaged above its Sequence record: {second:?}"
+        );
+        assert_eq!((second.stats.images_created, second.stats.image_failures), (1, 0), "{second:?}");
+        assert_eq!(second.stats.images_skipped, 1, "{second:?}");
+        assert_eq!(compactor.status().unredoable_keys, 1, "`a` is still remembered, `b` forgotten");
+        cancel.cancel();
+        compactor.stopped().await;
+        walredo.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

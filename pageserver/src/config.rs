@@ -24,6 +24,7 @@ use crate::page_cache::{DEFAULT_PAGE_CACHE_SIZE, MAX_PAGE_CACHE_SIZE, MIN_PAGE_C
 use crate::page_service::{self, PageServiceIo, PageServiceSettings, MAX_MAX_CONNECTIONS};
 use crate::redo_budget::DEFAULT_REDO_MEMORY_BUDGET;
 use crate::storage::{StorageConf, DEFAULT_LAYER_SIZE, MAX_LAYER_SIZE, MIN_LAYER_SIZE};
+use crate::tenant::wal_receiver::DEFAULT_WAL_MAX_RECORD_SIZE;
 use crate::tenant::DEFAULT_WAIT_LSN_TIMEOUT;
 use crate::tenants::TenantsConf;
 use crate::walredo::{self, ProcessKind, WalRedoConf, DEFAULT_PROCESS_KIND};
@@ -60,6 +61,7 @@ struct ConfigFile {
     page_service_idle_timeout: Duration,
     page_service_io: PageServiceIo,
     walredo_memory_budget: ByteSize,
+    wal_max_record_size: ByteSize,
     log_format: LogFormat,
     compaction: CompactionMode,
     gc_horizon: u64,
@@ -85,6 +87,7 @@ impl Default for ConfigFile {
             page_service_idle_timeout: page_service::DEFAULT_IDLE_TIMEOUT,
             page_service_io: PageServiceIo::default(),
             walredo_memory_budget: ByteSize::with_unit(DEFAULT_REDO_MEMORY_BUDGET),
+            wal_max_record_size: ByteSize::with_unit(u64::from(DEFAULT_WAL_MAX_RECORD_SIZE)),
             log_format: LogFormat::Plain,
             compaction: CompactionMode::Sliced,
             gc_horizon: compaction::DEFAULT_GC_HORIZON,
@@ -159,6 +162,7 @@ impl PageServerConf {
             page_service_idle_timeout,
             page_service_io,
             walredo_memory_budget,
+            wal_max_record_size,
             log_format,
             compaction,
             gc_horizon,
@@ -196,6 +200,16 @@ impl PageServerConf {
             "invalid setting walredo_memory_budget = {}: must be from 1 MiB to 1 TiB",
             walredo_memory_budget.bytes
         );
+        // 1 GiB is PostgreSQL's own bound (the decoder takes at most 1 GiB - 1 whatever this says).
+        let wal_max_record_size = u32::try_from(wal_max_record_size.bytes)
+            .ok()
+            .filter(|size| (1 << 20..=1 << 30).contains(size))
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "invalid setting wal_max_record_size = {}: must be from 1 MiB to 1 GiB",
+                    wal_max_record_size.bytes
+                )
+            })?;
         anyhow::ensure!(
             (1..=page_types::MAX_RECORDS_PER_REQUEST).contains(&compaction_image_threshold),
             "invalid setting compaction_image_threshold = {compaction_image_threshold}: must be from 1 to {}",
@@ -243,6 +257,7 @@ impl PageServerConf {
                 },
                 wait_lsn_timeout: duration("wait_lsn_timeout", wait_lsn_timeout)?,
                 walredo_memory_budget: walredo_memory_budget.bytes,
+                wal_max_record_size,
             },
         })
     }
@@ -446,6 +461,24 @@ mod tests {
             assert!(err.contains("MiB"), "the message shows how to write a size: {err}");
         }
         assert_eq!(load(&["page_cache_size=1048576"]).unwrap().page_cache_size, 1 << 20);
+    }
+
+    #[test]
+    fn wal_max_record_size_takes_a_size_within_its_bounds() {
+        assert_eq!(load(&[]).unwrap().tenants.wal_max_record_size, DEFAULT_WAL_MAX_RECORD_SIZE);
+        let conf = load(&["wal_max_record_size=\"16 MiB\""]).unwrap();
+        assert_eq!(conf.tenants.wal_max_record_size, 16 << 20);
+        assert_eq!(load(&["wal_max_record_size=\"1 GiB\""]).unwrap().tenants.wal_max_record_size, 1 << 30);
+        assert_eq!(load(&["wal_max_record_size=1048576"]).unwrap().tenants.wal_max_record_size, 1 << 20);
+        for item in [
+            "wal_max_record_size=\"512 KiB\"",
+            "wal_max_record_size=\"2 GiB\"",
+            "wal_max_record_size=\"lots\"",
+            "wal_max_record_size=0",
+        ] {
+            let err = format!("{:#}", load(&[item]).unwrap_err());
+            assert!(err.contains("wal_max_record_size"), "{item}: {err}");
+        }
     }
 
     #[test]

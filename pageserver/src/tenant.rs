@@ -170,6 +170,8 @@ pub struct TenantDeps {
     pub wal_receiver_metrics: Arc<wal_receiver::WalReceiverMetrics>,
     pub redo_budget: Arc<RedoBudget>,
     pub wait_lsn_timeout: Duration,
+    /// `wal_max_record_size`.
+    pub wal_max_record_size: u32,
     pub default_process_kind: ProcessKind,
 }
 
@@ -544,6 +546,7 @@ impl Tenant {
             Arc::clone(&self.timeline),
             Arc::clone(&self.deps.wal_receiver_metrics),
             Arc::clone(&self.import_incomplete),
+            self.deps.wal_max_record_size,
             &self.cancel,
         );
         if let Some(old) = lock(&self.wal_receiver).replace(receiver) {

@@ -162,6 +162,8 @@ pub struct TenantsConf {
     pub wait_lsn_timeout: Duration,
     /// `walredo_memory_budget`: bytes of page reconstruction data in flight, daemon-wide.
     pub walredo_memory_budget: u64,
+    /// `wal_max_record_size`: the longest WAL record a tenant's receiver takes.
+    pub wal_max_record_size: u32,
 }
 
 impl TenantsConf {
@@ -173,6 +175,7 @@ impl TenantsConf {
             compaction: CompactionSettings::default(),
             wait_lsn_timeout: DEFAULT_WAIT_LSN_TIMEOUT,
             walredo_memory_budget: DEFAULT_REDO_MEMORY_BUDGET,
+            wal_max_record_size: wal_receiver::DEFAULT_WAL_MAX_RECORD_SIZE,
         }
     }
 }
@@ -231,6 +234,7 @@ impl Tenants {
                     Arc::clone(&metrics.redo_budget_used),
                 )),
                 wait_lsn_timeout: conf.wait_lsn_timeout,
+                wal_max_record_size: conf.wal_max_record_size,
                 default_process_kind: conf.walredo.process_kind,
             }),
             walredo_conf: conf.walredo.clone(),

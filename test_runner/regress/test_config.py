@@ -31,6 +31,8 @@ BAD = [
     ("walredo_pool_max=0", "walredo_pool_max"),
     ("walredo_pool_max=65", "walredo_pool_max"),
     ("walredo_pool_max=-1", "walredo_pool_max"),
+    ('wal_max_record_size="2 GiB"', "wal_max_record_size"),
+    ('wal_max_record_size="64 KiB"', "wal_max_record_size"),
 ]
 
 

@@ -73,6 +73,11 @@ pub enum WalDecodeError {
     /// where the written WAL ends).
     #[error("invalid record length at {lsn}: wanted at least 24 and at most {max}, got {len}")]
     RecordLength { lsn: Lsn, len: u32, max: u32 },
+    /// `xl_tot_len` is a length PostgreSQL may write but more than the decoder was told to
+    /// accept ([`WalDecoder::max_record_len`]): the bound a caller puts on what one stream can
+    /// make it hold.
+    #[error("record at {lsn} is {len} bytes long, over the limit of {max} bytes")]
+    RecordTooLarge { lsn: Lsn, len: u32, max: u32 },
     /// `xl_rmid` names no resource manager PostgreSQL 15 can have.
     #[error("invalid resource manager ID {rmid} at {lsn}")]
     Rmgr { lsn: Lsn, rmid: u8 },
@@ -115,6 +120,7 @@ impl WalDecodeError {
             | WalDecodeError::ContrecordLength { lsn, .. }
             | WalDecodeError::UnexpectedContrecord { lsn }
             | WalDecodeError::RecordLength { lsn, .. }
+            | WalDecodeError::RecordTooLarge { lsn, .. }
             | WalDecodeError::Rmgr { lsn, .. }
             | WalDecodeError::PrevLink { lsn, .. }
             | WalDecodeError::Crc { lsn, .. }

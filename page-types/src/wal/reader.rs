@@ -16,6 +16,10 @@
 //! allocate). Once it has returned an error it returns that error again on every call: WAL
 //! after damage is not trusted. Every byte before [`WalDecoder::consumed_lsn`] has been used
 //! (a page header, padding, a record returned, or the part of the record being assembled).
+//!
+//! **Record size:** a record may be as long as PostgreSQL can write one
+//! ([`MAX_WAL_RECORD_LEN`]), or as long as the caller allows ([`WalDecoder::max_record_len`]):
+//! one over it is an error as soon as its length is read, before its bytes are held.
 
 use bytes::Bytes;
 
@@ -25,7 +29,9 @@ use super::page::{
     PageHeader, DEFAULT_SEGMENT_SIZE, SHORT_PAGE_HEADER_LEN, WAL_PAGE_SIZE, XLP_FIRST_IS_CONTRECORD,
     XLP_FIRST_IS_OVERWRITE_CONTRECORD,
 };
-use super::record::{check_tot_len, decode_record, DecodedRecord, XLogRecordHeader, XLOG_RECORD_HEADER_LEN};
+use super::record::{
+    check_tot_len, decode_record, DecodedRecord, XLogRecordHeader, MAX_WAL_RECORD_LEN, XLOG_RECORD_HEADER_LEN,
+};
 use super::{le_u32, WalDecodeError, MAXALIGN};
 
 /// Most bytes reserved up front for a record being assembled; beyond it the buffer grows with
@@ -72,6 +78,8 @@ pub struct WalDecoder {
     system_id: Option<u64>,
     /// The last record returned, for the next one's prev-link.
     prev_record: Option<Lsn>,
+    /// The longest record accepted ([`WalDecoder::max_record_len`]).
+    max_record_len: u32,
     failed: Option<WalDecodeError>,
 }
 
@@ -99,6 +107,7 @@ impl WalDecoder {
             seg_size: None,
             system_id: None,
             prev_record: None,
+            max_record_len: MAX_WAL_RECORD_LEN,
             failed: None,
         })
     }
@@ -114,6 +123,15 @@ impl WalDecoder {
         let mut decoder = WalDecoder::new(start)?;
         decoder.seg_size = Some(seg_size);
         Ok(decoder)
+    }
+
+    /// The decoder, accepting records of at most `max` bytes (header included; at most
+    /// [`MAX_WAL_RECORD_LEN`], PostgreSQL's bound, which is also the default): a longer one is
+    /// [`WalDecodeError::RecordTooLarge`], found as soon as its length is read, so that no
+    /// more than `max` bytes of one record are ever held.
+    pub fn max_record_len(mut self, max: u32) -> WalDecoder {
+        self.max_record_len = max.min(MAX_WAL_RECORD_LEN);
+        self
     }
 
     /// Appends the WAL bytes that follow those fed before.
@@ -248,6 +266,13 @@ impl WalDecoder {
         if partial.tot_len.is_none() {
             if let Some(tot_len) = le_u32(&partial.bytes, 0) {
                 check_tot_len(start, tot_len)?;
+                if tot_len > self.max_record_len {
+                    return Err(WalDecodeError::RecordTooLarge {
+                        lsn: start,
+                        len: tot_len,
+                        max: self.max_record_len,
+                    });
+                }
                 partial.tot_len = Some(tot_len);
                 partial.bytes.reserve((tot_len as usize).min(RECORD_PREALLOC).saturating_sub(got_now));
             }

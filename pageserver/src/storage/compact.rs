@@ -134,6 +134,9 @@ pub struct PassStats {
     pub images_created: u64,
     /// Images that could not be created (redo failed); the key kept its values.
     pub image_failures: u64,
+    /// Images not asked for because the caller knew their chain cannot be redone
+    /// ([`Pass::skip_image`]); the key kept its values.
+    pub images_skipped: u64,
     pub bytes_before: u64,
     pub bytes_written: u64,
     /// Input files deleted after the install.
@@ -155,6 +158,9 @@ pub struct PassStats {
 pub struct ImageRequest {
     pub key: Key,
     pub lsn: Lsn,
+    /// The LSN of the image the records apply to (the key's newest image, or the page of the
+    /// previous piece); `None` if there is none (the chain starts from nothing).
+    pub from: Option<Lsn>,
     /// The page of the previous piece, when this pass made it (else the plan reads the image).
     base: Option<(Lsn, Bytes)>,
     plan: ReadPlan,
@@ -190,6 +196,7 @@ impl std::fmt::Debug for ImageRequest {
         f.debug_struct("ImageRequest")
             .field("key", &self.key)
             .field("lsn", &self.lsn)
+            .field("from", &self.from)
             .field("values", &self.values())
             .field("bytes", &self.bytes())
             .finish()
@@ -561,6 +568,18 @@ impl Pass {
         }
     }
 
+    /// In place of [`Pass::provide_image`]: the page asked for by the last `NeedImage` is not
+    /// rebuilt (its caller knows the redo would fail); the key keeps its values from there on
+    /// as they are, as after a failed one, and counts in `images_skipped`.
+    pub fn skip_image(&mut self) {
+        if let Some(w) = self.current.as_mut().filter(|w| w.asked.is_some()) {
+            w.asked = None;
+            w.answer = None;
+            w.piece_start = None;
+            self.stats.images_skipped += 1;
+        }
+    }
+
     /// Where the pass is: keys done and values read so far (of `input_values`).
     pub fn stats(&self) -> &PassStats {
         &self.stats
@@ -695,7 +714,13 @@ impl Pass {
         }
         w.asked = Some(end);
         let lsn = w.values.get(end)?.1.lsn;
-        Ok(Some(ImageRequest { key: w.key, lsn, base: w.base.clone(), plan: ReadPlan::new(picked) }))
+        let from = match &w.base {
+            Some((at, _)) => Some(*at),
+            // The first piece: from the key's newest image, if it has one.
+            None if start > 0 => Some(w.values.get(start - 1)?.1.lsn),
+            None => None,
+        };
+        Ok(Some(ImageRequest { key: w.key, lsn, from, base: w.base.clone(), plan: ReadPlan::new(picked) }))
     }
 
     /// Writes what comes next of `w`: a new image in place of the value `next`, or the values

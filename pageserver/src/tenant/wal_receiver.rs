@@ -61,7 +61,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
-use page_types::wal::WalDecoder;
+use page_types::wal::{WalDecodeError, WalDecoder};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -88,6 +88,16 @@ const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
 /// WAL pages: streaming resumes at the start of one.
 const WAL_PAGE: u64 = 8192;
+/// Default of `wal_max_record_size`, the longest WAL record a receiver takes: the decoder
+/// holds a record whole until it is decoded, so this bounds what one tenant's stream can make
+/// the daemon allocate for one record (about twice it, with the buffer's growth). PostgreSQL's
+/// records are far shorter in practice: full-page images are at most 32 blocks of 8 KiB (264
+/// KiB); a commit that drops many relations (12 bytes each) or carries many invalidation
+/// messages (16 bytes each: a schema of 100,000 tables restored in one transaction) reaches
+/// megabytes, rarely tens of them. Only `pg_logical_emit_message` (or a PREPARE of a huge
+/// transaction) writes records near PostgreSQL's own bound of 1 GiB; such a stream stops with
+/// an error naming the record and this setting, which can be raised to take it.
+pub const DEFAULT_WAL_MAX_RECORD_SIZE: u32 = 128 << 20;
 
 /// Where a tenant's WAL comes from (the body of `PUT /v1/tenant/{id}/wal_source`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -288,7 +298,9 @@ pub struct WalReceiver {
 
 impl WalReceiver {
     /// Starts following `file`'s source for the tenant in `dir`; it stops when [`WalReceiver::stop`]
-    /// is called, when it is dropped, or when `tenant_cancel` (the tenant's) fires.
+    /// is called, when it is dropped, or when `tenant_cancel` (the tenant's) fires. A record
+    /// longer than `max_record_size` (`wal_max_record_size`) stops the stream with an error.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         tenant_id: &str,
         dir: PathBuf,
@@ -296,6 +308,7 @@ impl WalReceiver {
         timeline: Arc<Timeline>,
         metrics: Arc<WalReceiverMetrics>,
         import_incomplete: Arc<AtomicBool>,
+        max_record_size: u32,
         tenant_cancel: &CancellationToken,
     ) -> Arc<WalReceiver> {
         let postgres = connstr::parse(&file.source.postgres).map(|c| c.to_string()).unwrap_or_default();
@@ -333,6 +346,7 @@ impl WalReceiver {
             timeline,
             metrics,
             import_incomplete,
+            max_record_size,
             shared: Arc::clone(&shared),
             cancel: cancel.clone(),
         };
@@ -505,7 +519,7 @@ impl InFlight {
 
 struct Task {
     /// The relation sizes as this connection's records left them (cleared at each connection:
-    /// a failed batch may have lost what they say).
+    /// a failed batch may have lost what they say; bounded between messages).
     sizes: values::RelSizes,
     /// This connection's batches not yet known durable; settled before the next connection
     /// resumes, so that it resumes after them.
@@ -517,6 +531,8 @@ struct Task {
     /// The tenant's: raised from the moment an import begins until it is complete (reads of
     /// the tenant are refused meanwhile).
     import_incomplete: Arc<AtomicBool>,
+    /// `wal_max_record_size`.
+    max_record_size: u32,
     shared: Arc<Mutex<Shared>>,
     cancel: CancellationToken,
 }
@@ -615,7 +631,9 @@ impl Task {
             .await
             .context("START_REPLICATION")?;
         let seg_size = u32::try_from(seg_size).context("wal_segment_size")?;
-        let mut decoder = WalDecoder::with_segment_size(start, seg_size).context("start the WAL decoder")?;
+        let mut decoder = WalDecoder::with_segment_size(start, seg_size)
+            .context("start the WAL decoder")?
+            .max_record_len(self.max_record_size);
         tracing::info!(%config, start = %start, resume = %Lsn(resume), timeline = system.timeline, "streaming WAL");
         {
             let mut shared = lock(&self.shared);
@@ -698,7 +716,7 @@ impl Task {
                 self.metrics.received_bytes.inc_by(data.len() as u64);
                 let mut last_end = None;
                 let mut decoded = Vec::new();
-                while let Some(record) = decoder.next_record().context("decode WAL")? {
+                while let Some(record) = decoder.next_record().map_err(decode_error)? {
                     if record.end_lsn.0 > resume {
                         decoded.push(record);
                     }
@@ -709,6 +727,9 @@ impl Task {
                     values::record_values(record, &mut self.sizes, &mut values)?;
                     last_end = Some(record.end_lsn.0);
                 }
+                // Between messages: what it forgets is loaded again (`load_sizes`) once this
+                // message's batch, which holds the sizes it set, is durable.
+                self.sizes.trim();
                 self.metrics.records.inc_by(records);
                 self.metrics.values.inc_by(values.len() as u64);
                 let durable = match values.is_empty() {
@@ -922,10 +943,32 @@ impl Task {
     }
 }
 
+/// A decode error; one for a record over `wal_max_record_size` names the setting.
+fn decode_error(e: WalDecodeError) -> anyhow::Error {
+    let e = match e {
+        WalDecodeError::RecordTooLarge { .. } => anyhow::anyhow!("{e} (the setting wal_max_record_size)"),
+        e => anyhow::Error::new(e),
+    };
+    e.context("decode WAL")
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_record_over_the_limit_is_an_error_naming_its_lsn_length_and_the_setting() {
+        let e = decode_error(WalDecodeError::RecordTooLarge {
+            lsn: Lsn(0x1_0000_0028),
+            len: 200 << 20,
+            max: 128 << 20,
+        });
+        let text = format!("{e:#}");
+        for part in ["1/28", "209715200", "134217728", "wal_max_record_size"] {
+            assert!(text.contains(part), "{text} names {part}");
+        }
+    }
 
     #[test]
     fn the_source_file_round_trips_and_refuses_what_it_does_not_know() {

@@ -243,6 +243,41 @@ fn damage_is_reported_at_its_lsn() {
     }
 }
 
+#[test]
+fn a_record_over_the_set_limit_fails_at_its_length_naming_lsn_length_and_limit() {
+    const LIMIT: u32 = 64 << 10;
+    // 24 bytes of header, the long main data id and its 4-byte length, then the data.
+    let at_limit = big_record(LIMIT as usize - 29, 2);
+    assert_eq!(crate::wal::testenc::encode_record(&at_limit, Lsn(0)).len(), LIMIT as usize);
+    let mut records = vec![big_record(100, 1), at_limit, big_record(LIMIT as usize, 3), big_record(10, 4)];
+    let w = written(&mut records);
+    let over = &records[2];
+    let over_len = LIMIT as usize + 29;
+    assert_eq!(crate::wal::testenc::encode_record(over, Lsn(0)).len(), over_len);
+
+    // Without a limit of its own the decoder takes all of them.
+    let mut decoder = WalDecoder::with_segment_size(w.start, SEG).expect("page start");
+    let (got, err) = decode_all(&mut decoder, &w.bytes, &[8192]);
+    assert_eq!((got, err), (records.clone(), None));
+
+    // With one, it fails once the record's length is in: fed only up to its first 8 bytes.
+    let mut decoder = WalDecoder::with_segment_size(w.start, SEG).expect("page start").max_record_len(LIMIT);
+    let upto = (over.lsn.0 + 8 - w.start.0) as usize;
+    let (got, err) = decode_all(&mut decoder, &w.bytes[..upto], &[8192]);
+    assert_eq!(got, records[..2].to_vec(), "records up to the limit pass");
+    let err = err.expect("the record over the limit");
+    assert_eq!(err, WalDecodeError::RecordTooLarge { lsn: over.lsn, len: over_len as u32, max: LIMIT });
+    assert!(!err.is_end_of_wal());
+    assert_eq!(err.lsn(), over.lsn);
+    let text = err.to_string();
+    for part in [over.lsn.to_string(), over_len.to_string(), LIMIT.to_string()] {
+        assert!(text.contains(&part), "{text} names {part}");
+    }
+    // Failed for good: more WAL does not resume it.
+    decoder.feed(&w.bytes[upto..]);
+    assert_eq!(decoder.next_record(), Err(err));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 

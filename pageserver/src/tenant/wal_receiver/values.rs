@@ -72,7 +72,8 @@ pub enum ValueError {
 /// The sizes of the relation forks the receiver has seen: `Some(blocks)`, or `None` for a fork
 /// that does not exist (never created, or dropped). A fork not in the map is unknown: the
 /// caller loads what [`RelSizes::missing`] lists (from storage, see [`rel_size_at`]) before
-/// [`record_values`] needs it; an unknown fork counts as absent there.
+/// [`record_values`] needs it; an unknown fork counts as absent there. Bounded between
+/// messages ([`RelSizes::trim`]): a forgotten fork is unknown again.
 #[derive(Debug, Default)]
 pub struct RelSizes {
     known: HashMap<(RelTag, u8), Option<u32>>,
@@ -82,6 +83,45 @@ pub struct RelSizes {
 }
 
 impl RelSizes {
+    /// Most forks kept between messages ([`RelSizes::trim`]): a table of 2^19 slots of 25
+    /// bytes, about 13 MiB a receiver at most. A cluster's relations in use fit (a fork forgotten while in use
+    /// costs a wait for the batches in flight and a read of its size); what the map would gain
+    /// without bound does not (every fork a connection ever saw: one drop of 10,000 partitions
+    /// adds 40,000 dropped forks).
+    pub const MAX_FORKS: usize = 1 << 18;
+
+    /// Forgets sizes once more than [`RelSizes::MAX_FORKS`] are kept: the forks that do not
+    /// exist (dropped, or never created) first, then any, down to three quarters of the cap
+    /// (so a trim, a pass over the map, comes at most once per quarter of the cap of forks
+    /// learned). A forgotten fork is [`RelSizes::missing`] again and is loaded from storage
+    /// like one never seen, which the caller does once its batches in flight are durable: then
+    /// storage holds every size this map had (each was stored when it was set).
+    ///
+    /// Call it between messages only: never between [`RelSizes::missing`] and the
+    /// [`record_values`] of the records it was asked for, which need what was loaded for them.
+    /// Within one message the map grows by what that message's records touch (at most a few
+    /// forks per byte of WAL).
+    pub fn trim(&mut self) {
+        if self.known.len() <= Self::MAX_FORKS {
+            return;
+        }
+        self.known.retain(|_, blocks| blocks.is_some());
+        let mut excess = self.known.len().saturating_sub(Self::MAX_FORKS / 4 * 3);
+        if excess > 0 {
+            self.known.retain(|_, _| match excess {
+                0 => true,
+                _ => {
+                    excess -= 1;
+                    false
+                }
+            });
+        }
+        // A message that touched many forks grew the table; give that back.
+        if self.known.capacity() > 2 * Self::MAX_FORKS {
+            self.known.shrink_to(Self::MAX_FORKS);
+        }
+    }
+
     /// The forks `record` needs the size of that are not known yet.
     pub fn missing(&self, record: &DecodedRecord) -> Vec<(RelTag, u8)> {
         let mut out: Vec<(RelTag, u8)> = Vec::new();
@@ -851,6 +891,49 @@ mod tests {
         let want: Vec<_> =
             [a, b].iter().flat_map(|r| (0..=MAX_FORK).map(|f| (r.size_key(f), None))).collect();
         assert_eq!(small, want);
+    }
+
+    #[test]
+    fn past_its_cap_the_size_map_forgets_dropped_forks_first_and_a_forgotten_fork_is_missing_again() {
+        let max = RelSizes::MAX_FORKS;
+        let rel_n = |i: usize| RelTag { relnode: 100_000 + i as u32, ..rel() };
+        let needs = |i: usize| {
+            let mut b = block(0, None);
+            b.rel.relnode = rel_n(i).relnode;
+            record(vec![b])
+        };
+        // Half the cap of live forks, then a commit dropping relations (4 forks each) that
+        // takes the map past its cap: the dropped forks go first, the live ones stay.
+        let mut sizes = RelSizes::default();
+        let live = max / 2;
+        for i in 0..live {
+            sizes.insert(rel_n(i), MAIN_FORK, Some(1));
+        }
+        let dropped: Vec<RelTag> = (live..live + max / 8 + 1000).map(rel_n).collect();
+        record_values(&main_only(RM_XACT, 0x80, commit_dropping(&dropped)), &mut sizes, &mut Vec::new())
+            .unwrap();
+        assert!(sizes.known.len() > max);
+        sizes.trim();
+        assert_eq!(sizes.known.len(), live, "only the dropped forks were forgotten");
+        assert_eq!(
+            sizes.missing(&needs(live)),
+            vec![(rel_n(live), MAIN_FORK)],
+            "a forgotten fork is missing"
+        );
+        assert!(sizes.missing(&needs(0)).is_empty() && sizes.missing(&needs(live - 1)).is_empty());
+        // Live forks past the cap: some are forgotten, and reported missing again.
+        for i in live..max + 10 {
+            sizes.insert(rel_n(i), MAIN_FORK, Some(1));
+        }
+        sizes.trim();
+        assert!(sizes.known.len() <= max, "{} forks kept", sizes.known.len());
+        let forgotten = (0..max + 10).find(|&i| !sizes.missing(&needs(i)).is_empty());
+        assert!(forgotten.is_some(), "past the cap, some fork is forgotten");
+        // Under the cap nothing is forgotten.
+        let kept = sizes.known.len();
+        sizes.insert(rel(), MAIN_FORK, None);
+        sizes.trim();
+        assert_eq!(sizes.known.len(), kept + 1);
     }
 
     #[tokio::test]
