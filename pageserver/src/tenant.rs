@@ -543,10 +543,12 @@ impl Tenant {
             &self.id,
             self.dir.clone(),
             source,
-            Arc::clone(&self.timeline),
-            Arc::clone(&self.deps.wal_receiver_metrics),
-            Arc::clone(&self.import_incomplete),
-            self.deps.wal_max_record_size,
+            wal_receiver::ReceiverDeps {
+                timeline: Arc::clone(&self.timeline),
+                metrics: Arc::clone(&self.deps.wal_receiver_metrics),
+                import_incomplete: Arc::clone(&self.import_incomplete),
+                max_record_size: self.deps.wal_max_record_size,
+            },
             &self.cancel,
         );
         if let Some(old) = lock(&self.wal_receiver).replace(receiver) {

@@ -296,21 +296,29 @@ pub struct WalReceiver {
     task: tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
+/// What a receiver shares with its tenant and the daemon.
+pub struct ReceiverDeps {
+    /// The tenant's storage, which the receiver writes.
+    pub timeline: Arc<Timeline>,
+    pub metrics: Arc<WalReceiverMetrics>,
+    /// The tenant's: raised from the moment an import begins until one is complete (reads of
+    /// the tenant are refused meanwhile).
+    pub import_incomplete: Arc<AtomicBool>,
+    /// `wal_max_record_size`: a longer record stops the stream with an error.
+    pub max_record_size: u32,
+}
+
 impl WalReceiver {
     /// Starts following `file`'s source for the tenant in `dir`; it stops when [`WalReceiver::stop`]
-    /// is called, when it is dropped, or when `tenant_cancel` (the tenant's) fires. A record
-    /// longer than `max_record_size` (`wal_max_record_size`) stops the stream with an error.
-    #[allow(clippy::too_many_arguments)]
+    /// is called, when it is dropped, or when `tenant_cancel` (the tenant's) fires.
     pub fn start(
         tenant_id: &str,
         dir: PathBuf,
         file: SourceFile,
-        timeline: Arc<Timeline>,
-        metrics: Arc<WalReceiverMetrics>,
-        import_incomplete: Arc<AtomicBool>,
-        max_record_size: u32,
+        deps: ReceiverDeps,
         tenant_cancel: &CancellationToken,
     ) -> Arc<WalReceiver> {
+        let ReceiverDeps { timeline, metrics, import_incomplete, max_record_size } = deps;
         let postgres = connstr::parse(&file.source.postgres).map(|c| c.to_string()).unwrap_or_default();
         let durable = file.position.unwrap_or(0);
         let shared = Arc::new(Mutex::new(Shared {
