@@ -298,7 +298,7 @@ mod tests {
     use super::*;
     use crate::config::PageServerConf;
     use crate::page_cache::PageCache;
-    use crate::storage::{IngestBatch, StorageMetrics, Value};
+    use crate::storage::{IngestBatch, Value};
     use crate::tenant::TenantConfOverrides;
     use crate::tenants::TenantsMetrics;
     use crate::walredo::WalRedoMetrics;
@@ -327,7 +327,7 @@ mod tests {
             let conf = PageServerConf::from_table(workdir.path(), table).unwrap();
             let registry = prometheus::Registry::new();
             let cache = Arc::new(PageCache::new(0, &registry).unwrap());
-            let storage = Arc::new(StorageMetrics::new(&registry).unwrap());
+            let storage = Arc::new(crate::storage::register_metrics(&registry).unwrap());
             let walredo = Arc::new(WalRedoMetrics::new(&registry).unwrap());
             let metrics = Arc::new(TenantsMetrics::new(&registry).unwrap());
             let tenants_cancel = CancellationToken::new();

@@ -24,7 +24,7 @@ use crate::page_cache::PageCache;
 use crate::page_service::io_choice::{self, IoChoice};
 use crate::page_service::{self, PageServiceConf, PageServiceMetrics, PageServiceSettings};
 use crate::page_service::{uring, PageServiceIo};
-use crate::storage::{self, StorageMetrics};
+use crate::storage;
 use crate::tenant_series::TenantSeriesCollector;
 use crate::tenants::{Tenants, TenantsMetrics};
 use crate::walredo::WalRedoMetrics;
@@ -57,7 +57,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
 
     let registry = prometheus::Registry::new();
     let walredo_metrics = Arc::new(WalRedoMetrics::new(&registry)?);
-    let storage_metrics = Arc::new(StorageMetrics::new(&registry)?);
+    let storage_metrics = Arc::new(storage::register_metrics(&registry)?);
     let page_service_metrics = Arc::new(PageServiceMetrics::new(&registry)?);
     let cache = Arc::new(PageCache::new(conf.page_cache_size, &registry)?);
     let tenants_metrics = Arc::new(TenantsMetrics::new(&registry)?);

@@ -571,7 +571,7 @@ mod tests {
     async fn load_with_cache(conf: &Conf, cache_bytes: u64) -> Arc<Tenants> {
         let registry = prometheus::Registry::new();
         let cache = Arc::new(PageCache::new(cache_bytes, &registry).unwrap());
-        let storage_metrics = Arc::new(StorageMetrics::new(&registry).unwrap());
+        let storage_metrics = Arc::new(storage::register_metrics(&registry).unwrap());
         let walredo_metrics = Arc::new(WalRedoMetrics::new(&registry).unwrap());
         let metrics = Arc::new(TenantsMetrics::new(&registry).unwrap());
         let cancel = CancellationToken::new();

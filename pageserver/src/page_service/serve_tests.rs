@@ -22,7 +22,6 @@ use super::{serve, uring, PageServiceConf, PageServiceIo, PageServiceMetrics};
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
 use crate::storage::Lsn;
-use crate::storage::StorageMetrics;
 use crate::tenants::{Tenants, TenantsMetrics};
 use crate::test_support::wait_for;
 use crate::walredo::WalRedoMetrics;
@@ -65,7 +64,7 @@ impl Served {
                 &conf.workdir,
                 &conf.tenants,
                 Arc::new(PageCache::new(64 << 20, &registry).unwrap()),
-                Arc::new(StorageMetrics::new(&registry).unwrap()),
+                Arc::new(crate::storage::register_metrics(&registry).unwrap()),
                 Arc::new(WalRedoMetrics::new(&registry).unwrap()),
                 Arc::new(TenantsMetrics::new(&registry).unwrap()),
                 cancel.clone(),

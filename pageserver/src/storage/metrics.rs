@@ -44,9 +44,10 @@ pub struct StorageMetrics {
 pub struct FsyncFailed(#[source] pub std::io::Error);
 
 impl StorageMetrics {
-    /// Creates the metrics and registers them in `registry`. Fails if they are already there:
-    /// create them once and share the `Arc`.
-    pub fn new(registry: &Registry) -> anyhow::Result<Self> {
+    /// Creates the metrics and registers them in `registry`. Fails if they are already there.
+    /// Outside storage, [`super::register_metrics`] is the way in: it registers the block
+    /// cache's metrics too.
+    pub(super) fn new(registry: &Registry) -> anyhow::Result<Self> {
         let counter = |name: &str, help: &str| -> anyhow::Result<IntCounter> {
             let c = IntCounter::new(name, help).with_context(|| format!("create {name}"))?;
             registry.register(Box::new(c.clone())).with_context(|| format!("register {name}"))?;
@@ -63,11 +64,6 @@ impl StorageMetrics {
             registry.register(Box::new(g.clone())).with_context(|| format!("register {name}"))?;
             Ok(g)
         };
-        let cache = super::layer::block_index::BlockCache::global();
-        for c in [&cache.hits, &cache.misses] {
-            registry.register(Box::new(c.clone())).context("register the block cache's counters")?;
-        }
-        registry.register(Box::new(cache.bytes.clone())).context("register the block cache's size")?;
         let layer_files = IntGauge::new(
             "pageserver_storage_layer_files",
             "Sealed layer files currently open, over all timelines",
@@ -148,23 +144,5 @@ impl StorageMetrics {
         self.fsyncs.inc();
         self.fsync_seconds.observe(start.elapsed().as_secs_f64());
         r.map_err(FsyncFailed)
-    }
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn metrics_registered_twice_in_one_registry_fail_and_names_are_prefixed() {
-        let registry = Registry::new();
-        let m = StorageMetrics::new(&registry).unwrap();
-        m.fsync(|| Ok(())).unwrap();
-        assert!(StorageMetrics::new(&registry).is_err());
-        let families = registry.gather();
-        assert_eq!(families.len(), 16);
-        assert!(families.iter().all(|f| f.name().starts_with("pageserver_storage_")));
-        assert_eq!(m.fsyncs.get(), 1);
     }
 }

@@ -70,6 +70,14 @@ pub type Key = page_types::BufferTag;
 
 pub use page_types::Lsn;
 
+/// Creates the storage metrics and registers them in `registry`, with the counters of the
+/// process's index block cache (which registers its own: `metrics` knows nothing of layers).
+/// Fails if they are already there: create them once and share the `Arc`.
+pub fn register_metrics(registry: &prometheus::Registry) -> anyhow::Result<StorageMetrics> {
+    layer::block_index::BlockCache::register(registry)?;
+    StorageMetrics::new(registry)
+}
+
 /// Default size at which the active segment is sealed into a layer (`layer_size`).
 pub const DEFAULT_LAYER_SIZE: u64 = 64 << 20;
 /// `layer_size` lies in `MIN_LAYER_SIZE..=MAX_LAYER_SIZE`.
@@ -309,6 +317,18 @@ mod tests {
     fn lsn_displays_like_postgres() {
         assert_eq!(Lsn(0x16_B374_D848).to_string(), "16/B374D848");
         assert_eq!(Lsn(0).to_string(), "0/0");
+    }
+
+    #[test]
+    fn metrics_registered_twice_in_one_registry_fail_and_names_are_prefixed() {
+        let registry = prometheus::Registry::new();
+        let m = register_metrics(&registry).unwrap();
+        m.fsync(|| Ok(())).unwrap();
+        assert!(register_metrics(&registry).is_err());
+        let families = registry.gather();
+        assert_eq!(families.len(), 16);
+        assert!(families.iter().all(|f| f.name().starts_with("pageserver_storage_")));
+        assert_eq!(m.fsyncs.get(), 1);
     }
 
     #[test]

@@ -26,7 +26,7 @@
 mod tuple;
 
 use super::bufpage;
-use super::redo::{RedoError, Target};
+use super::{RedoError, Target};
 use crate::page::{self, Page, BLCKSZ, PAGE_HEADER_SIZE};
 use tuple::{Interval, INDEX_TUPLE_HEADER};
 

@@ -14,7 +14,7 @@
 //! leave the page partly changed (the request fails as a whole). Where PostgreSQL would read or
 //! write past the page on a corrupt line pointer without checking, these check and fail too.
 
-use super::redo::RedoError;
+use super::RedoError;
 use crate::page::{
     self, maxalign, ItemId, Page, BLCKSZ, ITEM_ID_SIZE, LP_NORMAL, LP_UNUSED, MAXALIGN, PAGE_HEADER_SIZE,
 };

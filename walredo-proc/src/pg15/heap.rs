@@ -25,7 +25,7 @@
 //! asserts, or a tuple that does not fit is `DoesNotFit` (PostgreSQL PANICs or corrupts memory).
 
 use super::bufpage::{self, page_add_item, page_get_item_mut, page_get_max_offset};
-use super::redo::{RedoError, Target};
+use super::{RedoError, Target};
 use crate::page::{self, ItemId, Page, LP_DEAD, LP_NORMAL, LP_REDIRECT};
 
 // Heap (rmgr 10) operations, `info & XLOG_HEAP_OPMASK`.

@@ -18,6 +18,9 @@
 //! [`redo`] applies the family to pages ([`heap`], [`btree`], [`visibilitymap`]); a record it
 //! does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
+//! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
+//! (the record's target block). [`redo`] dispatches to the routines, so they do not import it
+//! (ARCHITECTURE.md, "Layers and imports").
 //!
 //! Invariants: pure, no I/O; [`Pg15Record::decode`] never panics on input and checks every
 //! length; [`Pg15Record::encode`] never writes more than [`MAX_RECORD_LEN`] bytes.
@@ -102,6 +105,42 @@ pub enum Pg15Error {
     NoTarget { target: u8 },
     #[error("pg15 record of {len} bytes is longer than {MAX_RECORD_LEN}")]
     TooLong { len: usize },
+}
+
+/// Why a record was not applied (by [`redo::apply`], and by the routines it dispatches to).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RedoError {
+    /// A record this child does not apply yet: its type name.
+    #[error("{0}: not applied by this walredo-proc")]
+    Unsupported(String),
+    /// The record does not decode, or its data is not what its type carries.
+    #[error("{0}")]
+    Malformed(String),
+    /// The record does not fit the page (an offset past the line pointers, no room, ...).
+    #[error("{0}")]
+    DoesNotFit(String),
+}
+
+/// The record's target block, with what the redo routines need of the record around it.
+pub struct Target<'r, 'a> {
+    pub record: &'r Pg15Record<'a>,
+    pub block: &'r BlockHeader<'a>,
+}
+
+impl<'r, 'a> Target<'r, 'a> {
+    /// The block's data (empty if the record had none for it).
+    pub fn data(&self) -> &'a [u8] {
+        self.block.data
+    }
+
+    pub fn will_init(&self) -> bool {
+        self.block.flags & FLAG_WILL_INIT != 0
+    }
+
+    /// The type name, for errors.
+    pub fn type_name(&self) -> String {
+        self.record.type_name()
+    }
 }
 
 struct Reader<'a> {

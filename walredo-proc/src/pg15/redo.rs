@@ -22,44 +22,12 @@
 //! (corrupt input, or a page that is not what the WAL expects), never a page silently made
 //! different.
 
-use super::{Pg15Record, VmClear, VmTruncate, KIND_PG15, KIND_PG15_VM_CLEAR, KIND_PG15_VM_TRUNCATE};
+use super::{Pg15Record, Target, VmClear, VmTruncate, KIND_PG15, KIND_PG15_VM_CLEAR, KIND_PG15_VM_TRUNCATE};
 use crate::page::Page;
 
-/// Why a record was not applied.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RedoError {
-    /// A record this child does not apply yet: its type name.
-    #[error("{0}: not applied by this walredo-proc")]
-    Unsupported(String),
-    /// The record does not decode, or its data is not what its type carries.
-    #[error("{0}")]
-    Malformed(String),
-    /// The record does not fit the page (an offset past the line pointers, no room, ...).
-    #[error("{0}")]
-    DoesNotFit(String),
-}
-
-/// The record's target block, with what the routines need of the record around it.
-pub struct Target<'r, 'a> {
-    pub record: &'r Pg15Record<'a>,
-    pub block: &'r super::BlockHeader<'a>,
-}
-
-impl<'r, 'a> Target<'r, 'a> {
-    /// The block's data (empty if the record had none for it).
-    pub fn data(&self) -> &'a [u8] {
-        self.block.data
-    }
-
-    pub fn will_init(&self) -> bool {
-        self.block.flags & super::FLAG_WILL_INIT != 0
-    }
-
-    /// The type name, for errors.
-    pub fn type_name(&self) -> String {
-        self.record.type_name()
-    }
-}
+/// The error of [`apply`]. It is defined in the parent, beside [`Target`]: the routines this
+/// module dispatches to return it, and they do not import this module.
+pub use super::RedoError;
 
 /// Applies `bytes`, a record of the PostgreSQL families, to `page`. `None` if `bytes` is of
 /// neither family (the synthetic records of `record.rs`).

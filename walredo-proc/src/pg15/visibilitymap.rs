@@ -18,8 +18,7 @@
 //! Invariants: pure; nothing panics on any record or page.
 
 use super::bufpage;
-use super::redo::{RedoError, Target};
-use super::{VmClear, VmTruncate, HEAPBLOCKS_PER_VM_PAGE};
+use super::{RedoError, Target, VmClear, VmTruncate, HEAPBLOCKS_PER_VM_PAGE};
 use crate::page::{self, maxalign, Page, BLCKSZ, PAGE_HEADER_SIZE};
 
 /// `VISIBILITYMAP_VALID_BITS`.

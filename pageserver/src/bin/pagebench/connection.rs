@@ -1,7 +1,9 @@
 //! `pagebench get-page`: one connection's load, a sender task and a receiver task over the split
 //! client (the method is in get_page.rs). The sender sends in the closed loop (whenever a slot is
 //! free) or the open loop (on the schedule of rate.rs, whatever the replies); the receiver reads
-//! the replies in order, checks and times them, and gives each slot back.
+//! the replies in order, checks and times them, and gives each slot back. What a request asks
+//! ([`RequestKind`], [`LsnMode`]) and of which tenant ([`TenantLoad`]) is defined here, below
+//! get_page.rs, whose flags choose it.
 //!
 //! Invariant: the writer outlives the replies: the daemon never sees EOF while replies are owed.
 
@@ -23,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use walredo_proc::protocol::BufferTag;
 
 use crate::dataset::{Shape, SplitMix64};
-use crate::get_page::{LsnMode, RequestKind, TenantLoad};
+use crate::keyspace::KeySpace;
 use crate::rate::Schedule;
 use crate::report::{self, Counters, IntervalLatency};
 
@@ -38,6 +40,32 @@ const ON_TIME: Duration = Duration::from_millis(1);
 /// timeout up again, so waiting for the exact time would send many requests 1 to 2 ms late.
 /// A request thus goes out between 1 ms early and about 1 ms late.
 const TIMER_LEAD: Duration = Duration::from_millis(1);
+
+/// What each request asks.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestKind {
+    /// GetPage of a page of the key space.
+    Page,
+    /// GetRelSize of the relation fork of a page of the key space (a tenant that follows
+    /// PostgreSQL; elsewhere every request is `not_found`).
+    RelSize,
+    /// GetRelExists of the relation fork of a page of the key space.
+    RelExists,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LsnMode {
+    /// The daemon's latest durable LSN.
+    Latest,
+    /// Uniform among the LSNs at which every page exists (after all images).
+    Random,
+}
+
+/// One tenant's part of the run.
+pub struct TenantLoad {
+    pub id: String,
+    pub keyspace: KeySpace,
+}
 
 /// What the tasks of every connection share.
 pub struct Shared {

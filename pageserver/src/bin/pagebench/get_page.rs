@@ -55,7 +55,7 @@ use pageserver::page_service::client::Client;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::connection::{run_connection, Pace, Shared};
+use crate::connection::{run_connection, LsnMode, Pace, RequestKind, Shared, TenantLoad};
 use crate::dataset::{Shape, SplitMix64, DEFAULT_SEED};
 use crate::keyspace::{self, KeySpace};
 use crate::rate::{self, Schedule};
@@ -65,25 +65,6 @@ use crate::{OptionalShapeArgs, Target};
 /// The daemon's per-connection bound on requests in flight (page_service::MAX_IN_FLIGHT);
 /// a deeper pipeline would only queue in the socket.
 const MAX_DEPTH: u32 = 256;
-/// What each request asks.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RequestKind {
-    /// GetPage of a page of the key space.
-    Page,
-    /// GetRelSize of the relation fork of a page of the key space (a tenant that follows
-    /// PostgreSQL; elsewhere every request is `not_found`).
-    RelSize,
-    /// GetRelExists of the relation fork of a page of the key space.
-    RelExists,
-}
-
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LsnMode {
-    /// The daemon's latest durable LSN.
-    Latest,
-    /// Uniform among the LSNs at which every page exists (after all images).
-    Random,
-}
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -129,12 +110,6 @@ pub struct Args {
     /// Runtime worker threads of pagebench itself (1: a current-thread runtime).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub threads: u32,
-}
-
-/// One tenant's part of the run.
-pub struct TenantLoad {
-    pub id: String,
-    pub keyspace: KeySpace,
 }
 
 /// Runs the benchmark until its duration is over or `cancel`, then prints the summary.

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use anyhow::{bail, ensure, Context};
-use prometheus::{IntCounter, IntGauge};
+use prometheus::{IntCounter, IntGauge, Registry};
 
 use super::{decode_entry, decode_key_lsn, encode_entry, INDEX_ENTRY_LEN};
 use crate::storage::format::{put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
@@ -246,7 +246,7 @@ pub enum DiskWait {
 pub(crate) struct WouldWait;
 
 /// The cache of checked index blocks, shared by every layer of the process, and its counters
-/// (registered by `StorageMetrics::new`).
+/// (registered by [`BlockCache::register`]).
 pub(crate) struct BlockCache {
     cache: quick_cache::sync::Cache<(u64, u32), Arc<Block>, BlockWeight>,
     pub hits: IntCounter,
@@ -288,6 +288,16 @@ impl BlockCache {
         static CACHE: OnceLock<BlockCache> = OnceLock::new();
         // Only an invalid metric name fails, and the names are constants.
         CACHE.get_or_init(|| BlockCache::new(BLOCK_CACHE_BYTES).expect("block cache metrics"))
+    }
+
+    /// Registers the process's cache's counters in `registry`. Fails if they are already there.
+    pub(crate) fn register(registry: &Registry) -> anyhow::Result<()> {
+        let cache = BlockCache::global();
+        for c in [&cache.hits, &cache.misses] {
+            registry.register(Box::new(c.clone())).context("register the block cache's counters")?;
+        }
+        registry.register(Box::new(cache.bytes.clone())).context("register the block cache's size")?;
+        Ok(())
     }
 }
 

@@ -13,7 +13,7 @@
 //! Invariants: pure, works on byte slices; nothing panics on any bytes (every read is checked,
 //! a tuple that is not what the operation needs is an error).
 
-use crate::pg15::redo::RedoError;
+use crate::pg15::RedoError;
 
 /// `sizeof(IndexTupleData)`.
 pub const INDEX_TUPLE_HEADER: usize = 8;
