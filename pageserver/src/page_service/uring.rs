@@ -81,7 +81,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit};
 use tokio::task::AbortHandle;
 
 use super::chunks::consume;
-use super::PageServiceMetrics;
+use super::{ConnectionSlot, PageServiceMetrics};
 use crate::util::{lock, park};
 
 /// Submission queue entries per ring (the completion queue has twice as many; the kernel keeps
@@ -241,7 +241,7 @@ pub(super) struct Link {
     socket: Arc<TcpStream>,
     /// The connection's slot of `max_connections`: held as long as the socket is (a ring's
     /// job may hold it after its connection ended), so that sockets stay within the bound.
-    _connection_slot: Option<Arc<OwnedSemaphorePermit>>,
+    _connection_slot: Option<Arc<ConnectionSlot>>,
     /// A batch that makes no progress this long gets the socket shut down.
     write_timeout: Duration,
     /// Why the ring gave up on the connection (the socket is shut down then).
@@ -308,7 +308,7 @@ impl Link {
 impl Link {
     pub(super) fn new(
         socket: Arc<TcpStream>,
-        connection_slot: Option<Arc<OwnedSemaphorePermit>>,
+        connection_slot: Option<Arc<ConnectionSlot>>,
         write_timeout: Duration,
     ) -> Arc<Link> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
