@@ -34,7 +34,10 @@
 //!
 //! **Invariants:** at most one pass per tenant at a time, run by this tenant's task; a pass's
 //! file work never runs on an executor thread except in `monolithic` mode; the loop stops when
-//! the tenant is cancelled, abandoning a pass between slices (which removes its outputs).
+//! the tenant is cancelled, abandoning a pass between slices (which removes its outputs); at
+//! most one pass asked for through the API waits behind the one running ([`REQUESTS_QUEUED`]),
+//! a further ask is refused at once ([`CompactError::Busy`]), so the callers waiting for a
+//! tenant's passes are at most two.
 
 mod unredoable;
 
@@ -81,6 +84,14 @@ pub const GC_LAYER_DUE: f64 = 1.0;
 /// After a failed pass, no automatic pass for this long (a full disk is not retried every
 /// period, nor logged every period).
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(10);
+/// Passes asked for through the API ([`Compactor::compact_now`]) that may wait behind the one
+/// running; one more is refused ([`CompactError::Busy`]). Each waits with its caller (an API
+/// request and its connection): more would let a few impatient clients take every API
+/// connection, and would only run the same full pass again and again.
+pub const REQUESTS_QUEUED: usize = 1;
+/// Bounds of the `Retry-After` a refused ask gets: the last pass's duration, in this range.
+const RETRY_AFTER_MIN: Duration = Duration::from_secs(1);
+const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
 /// Default of `compaction_image_threshold`.
 pub const DEFAULT_IMAGE_THRESHOLD: usize = 8;
 /// Default of `gc_horizon` (an LSN distance; Neon's default too).
@@ -247,6 +258,15 @@ pub enum CompactError {
     /// The pass failed (logged by the compactor); nothing stored is lost.
     #[error("compaction pass failed: {0}")]
     Failed(String),
+    /// A pass asked for earlier waits already behind the one running ([`REQUESTS_QUEUED`]):
+    /// nothing was queued. `retry_after`: the last pass's duration (a guess at when the queue
+    /// has room again).
+    #[error(
+        "a compaction pass of this tenant is running and another is queued behind it: \
+         retry later (in about {} s)",
+        retry_after.as_secs()
+    )]
+    Busy { retry_after: Duration },
 }
 
 type Reply = oneshot::Sender<Result<Option<PassSummary>, CompactError>>;
@@ -295,7 +315,7 @@ impl Compactor {
             tracing::error!("invalid compaction settings, using the defaults: {e:#}");
             Controller::new(ControllerConf::default())
         });
-        let (requests, rx) = mpsc::channel(16);
+        let (requests, rx) = mpsc::channel(REQUESTS_QUEUED);
         let compactor = Arc::new(Compactor {
             status: Mutex::new(CompactionStatus {
                 mode: settings.mode,
@@ -340,15 +360,30 @@ impl Compactor {
     }
 
     /// Runs a pass now (at the cap share) and returns what it did; `None` if there was nothing
-    /// to compact. Waits for a pass in progress to end first.
+    /// to compact. Waits for a pass in progress to end first; refused at once
+    /// ([`CompactError::Busy`]) if a pass asked for earlier waits already
+    /// ([`REQUESTS_QUEUED`]).
     ///
-    /// Cancel-safe in this sense: once the request is queued (at the first poll, unless 16
-    /// requests wait already), the pass runs to its end whether or not this future is still
-    /// awaited; the status shows it (`current_pass`) and its result (`last_pass`).
+    /// Cancel-safe in this sense: once the request is queued (at the first poll, or refused
+    /// then), the pass runs to its end whether or not this future is still awaited; the status
+    /// shows it (`current_pass`) and its result (`last_pass`).
     pub async fn compact_now(&self) -> Result<Option<PassSummary>, CompactError> {
         let (tx, rx) = oneshot::channel();
-        self.requests.send(tx).await.map_err(|_| CompactError::ShuttingDown)?;
+        match self.requests.try_send(tx) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                return Err(CompactError::Busy { retry_after: self.retry_after() })
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(CompactError::ShuttingDown),
+        }
         rx.await.map_err(|_| CompactError::ShuttingDown)?
+    }
+
+    /// When a refused ask might find room: the last pass's duration, within bounds.
+    fn retry_after(&self) -> Duration {
+        let last = lock(&self.status).last_pass.as_ref().map(|p| p.seconds);
+        let last = last.and_then(|s| Duration::try_from_secs_f64(s.ceil()).ok()).unwrap_or(RETRY_AFTER_MIN);
+        last.clamp(RETRY_AFTER_MIN, RETRY_AFTER_MAX)
     }
 
     pub fn status(&self) -> CompactionStatus {

@@ -214,14 +214,26 @@ async fn delete_wal_source(State(state): State<Arc<AppState>>, Path(id): Path<St
 
 /// Runs a compaction pass of the tenant now; answers with what it did once it is done
 /// (`{"tenant_id", "pass": null}` when there was nothing to compact), however long that takes:
-/// the connection is not idle meanwhile. A client that goes away does not stop the pass.
+/// the connection is not idle meanwhile. A client that goes away does not stop the pass. If a
+/// pass asked for earlier waits already behind the running one, `429` with `Retry-After` at
+/// once: a tenant's compact calls hold at most two API connections.
 async fn compact_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
     let tenant = state.tenants.get(&id)?;
-    let pass = tenant.compact().await.map_err(|e| match e {
-        CompactError::ShuttingDown => ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    let pass = match tenant.compact().await {
+        Ok(pass) => pass,
+        Err(e @ CompactError::Busy { retry_after }) => {
+            let mut refused = ApiError(StatusCode::TOO_MANY_REQUESTS, e.to_string()).into_response();
+            refused.headers_mut().insert(header::RETRY_AFTER, retry_after.as_secs().into());
+            return Ok(refused);
+        }
+        Err(e @ CompactError::ShuttingDown) => {
+            return Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
+        }
         // Logged by the compactor.
-        CompactError::Failed(_) => ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-    })?;
+        Err(e @ CompactError::Failed(_)) => {
+            return Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+        }
+    };
     Ok(Json(serde_json::json!({ "tenant_id": tenant.id, "pass": pass })).into_response())
 }
 
@@ -472,6 +484,67 @@ mod tests {
         assert!(c["current_pass"].is_null(), "{c}");
         assert_eq!(c["last_pass"]["values_read"], 10_000, "{c}");
         assert_eq!(c["failed_passes"], 0, "{c}");
+        api.stop().await;
+    }
+
+    /// The answers of `calls`, each as [`send`] returns it, once they are all in.
+    async fn answers(calls: Vec<tokio::task::JoinHandle<String>>) -> Vec<String> {
+        let mut answers = Vec::new();
+        for call in calls {
+            answers.push(call.await.unwrap());
+        }
+        answers
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn compact_call_while_a_pass_runs_and_another_is_queued_is_refused_with_429_at_once() {
+        // Every key's chain asks the pass for an image; its redo waits for its turn behind a
+        // GetPage that never leaves the queue (until `held` is dropped, or the redo timeout).
+        let settings = [
+            ("compaction", "off".into()),
+            ("compaction_image_threshold", 4.into()),
+            ("wal_redo_timeout", "60 s".into()),
+            ("layer_size", "64 KiB".into()),
+        ];
+        let api = Api::start(&settings, listener::HTTP_IDLE_TIMEOUT).await;
+        tenant_with_records(&api, 4, 8).await;
+        let tenant = api.tenants.get("t").unwrap();
+        let held = tenant.walredo.hold_foreground_queue();
+        let addr = api.addr;
+        let compact = move || tokio::spawn(async move { send(addr, "POST /v1/tenant/t/compact").await });
+
+        let running = compact();
+        wait_for_status(addr, "the requested pass to run", |s| {
+            s["compaction"]["current_pass"]["requested"] == true
+        })
+        .await;
+        // One more call queues its pass behind the running one; the next finds the queue full.
+        // Which of the two is which depends on which handler runs first.
+        let (second, third) = (compact(), compact());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !second.is_finished() && !third.is_finished() {
+            assert!(
+                Instant::now() < deadline,
+                "no compact call was answered while a pass ran and another waited behind it"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (refused, queued) = if second.is_finished() { (second, third) } else { (third, second) };
+        let refused = refused.await.unwrap();
+        assert!(refused.starts_with("HTTP/1.1 429"), "{refused:?}");
+        assert!(refused.to_ascii_lowercase().contains("\r\nretry-after: "), "{refused:?}");
+        assert!(refused.contains("retry later"), "{refused:?}");
+
+        // The held pass goes on: both calls in the queue get their passes.
+        drop(held);
+        for answer in answers(vec![running, queued]).await {
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+        }
+        let status = tenant_status(addr).await;
+        assert_eq!(status["compaction"]["passes"], 2, "{status}");
+        // The passes asked for their images (which wait behind `held`; then the redo fails:
+        // these tests start no child).
+        assert_eq!(status["compaction"]["last_pass"]["image_failures"], 4, "{status}");
         api.stop().await;
     }
 

@@ -231,6 +231,7 @@ fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<u
     if io == PageServiceIo::Auto {
         tracing::info!(
             page_service_io = io.as_str(),
+            io_uring_sync_cancel = support.sync_cancel,
             "page service replies: writev per connection, and io_uring (a ring per executor \
              thread) while it measures better when {} or more connections write; {zero_copy}",
             io_choice::PROBE_FROM,
@@ -238,6 +239,7 @@ fn start_rings(io: PageServiceIo, metrics: &Arc<PageServiceMetrics>) -> Option<u
     } else {
         tracing::info!(
             page_service_io = io.as_str(),
+            io_uring_sync_cancel = support.sync_cancel,
             "page service replies: io_uring, a ring per executor thread; {zero_copy}"
         );
     }

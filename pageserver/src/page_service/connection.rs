@@ -15,14 +15,14 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use tokio::io::Interest;
 use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::io_choice::IoChoice;
 use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
 use super::writer::{Pending, Queued, Replies, Reply, Writer};
-use super::{PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
+use super::{ConnectionSlot, PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
 use crate::storage::{IngestError, Lsn, WaitLsnError};
 use crate::tenant::{GetPageError, Tenant};
 use crate::tenants::{TenantError, Tenants};
@@ -68,7 +68,7 @@ pub(crate) struct ConnectionConf {
 /// and their replies are dropped.
 pub(crate) async fn handle_connection(
     stream: TcpStream,
-    connection_slot: OwnedSemaphorePermit,
+    connection_slot: ConnectionSlot,
     tenants: &Tenants,
     metrics: &Arc<PageServiceMetrics>,
     conf: ConnectionConf,

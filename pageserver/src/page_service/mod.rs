@@ -13,6 +13,8 @@
 //! - this file: accepting connections, the bounds, the metrics.
 //!
 //! Invariants:
+//! - `pageserver_page_service_connections` never reads below the `max_connections` slots in
+//!   use: a [`ConnectionSlot`] is counted before it is taken and until after it is freed;
 //! - replies leave in the order the requests came, whatever order they finish in;
 //! - ingest batches of one connection reach storage in the order sent (they are queued by the
 //!   reader itself before the next frame is read);
@@ -36,7 +38,7 @@ use std::time::Duration;
 
 use prometheus::{GaugeVec, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -155,8 +157,11 @@ pub struct PageServiceMetrics {
 
 impl PageServiceMetrics {
     pub fn new(registry: &Registry) -> anyhow::Result<PageServiceMetrics> {
-        let connections =
-            IntGauge::new("pageserver_page_service_connections", "Open page service connections")?;
+        let connections = IntGauge::new(
+            "pageserver_page_service_connections",
+            "Page service connections holding a slot of max_connections (one whose last replies an \
+             io_uring writer still sends counts until they are sent)",
+        )?;
         // One counter per type (GetPage's in shards), each with a constant `type` label: one
         // family cannot mix constant and variable labels.
         let requests = Opts::new("pageserver_page_service_requests_total", "Page service requests by type");
@@ -333,7 +338,7 @@ pub async fn serve(
             stop.raise();
         }
     });
-    let slots = Arc::new(Semaphore::new(max_connections));
+    let slots = ConnectionSlots::new(max_connections, metrics.connections.clone());
     let mut next_id: u64 = 0;
     let (mut refusals, mut accept_failures) = (LogEvery::new(), LogEvery::new());
     loop {
@@ -357,27 +362,26 @@ pub async fn serve(
         next_id += 1;
         let span = tracing::info_span!("connection", conn_id = next_id, %peer);
         let _ = stream.set_nodelay(true);
-        match Arc::clone(&slots).try_acquire_owned() {
-            Ok(slot) => {
+        match slots.try_acquire() {
+            Some(slot) => {
                 let (tenants, metrics) = (Arc::clone(&tenants), Arc::clone(&metrics));
                 let (stop, abort) = (Arc::clone(&stop), abort.clone());
                 let connection_conf = connection_conf.clone();
                 tracker.spawn(
                     async move {
-                        metrics.connections.inc();
                         // The slot goes with the connection's socket: an io_uring writer may
-                        // hold both after the connection ended, until its sends are over.
+                        // hold both after the connection ended, until its sends are over (the
+                        // gauge counts the slot, not this task).
                         let served =
                             handle_connection(stream, slot, &tenants, &metrics, connection_conf, stop, abort);
                         if let Err(e) = served.await {
                             tracing::debug!("connection ended: {e:#}");
                         }
-                        metrics.connections.dec();
                     }
                     .instrument(span),
                 );
             }
-            Err(_) => {
+            None => {
                 metrics.errors.with_label_values(&[ErrorCode::TooManyConnections.name()]).inc();
                 // Refused here and now, without waiting on the client: under a flood, refused
                 // connections must not pile up holding descriptors.
@@ -393,6 +397,47 @@ pub async fn serve(
                 refuse_now(&stream, ErrorCode::TooManyConnections, message);
             }
         }
+    }
+}
+
+/// The `max_connections` slots of a page service, counted in
+/// `pageserver_page_service_connections`.
+struct ConnectionSlots {
+    slots: Arc<Semaphore>,
+    gauge: IntGauge,
+}
+
+impl ConnectionSlots {
+    fn new(max_connections: usize, gauge: IntGauge) -> ConnectionSlots {
+        ConnectionSlots { slots: Arc::new(Semaphore::new(max_connections)), gauge }
+    }
+
+    /// A free slot, if there is one. The gauge counts it before it is taken (and a refusal
+    /// after that), so that it never reads below the slots in use.
+    fn try_acquire(&self) -> Option<ConnectionSlot> {
+        self.gauge.inc();
+        match Arc::clone(&self.slots).try_acquire_owned() {
+            Ok(permit) => Some(ConnectionSlot { permit: Some(permit), gauge: self.gauge.clone() }),
+            Err(_) => {
+                self.gauge.dec();
+                None
+            }
+        }
+    }
+}
+
+/// A connection's slot of `max_connections`, held as long as its socket is (by an io_uring
+/// writer too, after the connection ended, until its sends are over). Counted in
+/// `pageserver_page_service_connections` until after it is freed.
+pub(crate) struct ConnectionSlot {
+    permit: Option<OwnedSemaphorePermit>,
+    gauge: IntGauge,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        self.gauge.dec();
     }
 }
 
@@ -435,5 +480,22 @@ mod tests {
         }
         every.last = every.last.and_then(|last| last.checked_sub(LogEvery::INTERVAL));
         assert_eq!(every.count(), Some(1001));
+    }
+
+    #[test]
+    fn the_connections_gauge_counts_a_slot_while_it_is_held_and_not_a_refusal() {
+        let gauge = IntGauge::new("connections", "test").unwrap();
+        let slots = ConnectionSlots::new(1, gauge.clone());
+        let slot = slots.try_acquire().expect("a free slot");
+        assert_eq!(gauge.get(), 1);
+        assert!(slots.try_acquire().is_none(), "the one slot is taken");
+        assert_eq!(gauge.get(), 1, "a refusal leaves the count as it was");
+        let shared = Arc::new(slot);
+        let held_by_ring = Arc::clone(&shared);
+        drop(shared);
+        assert_eq!(gauge.get(), 1, "the slot is still held (by a ring, after its connection)");
+        drop(held_by_ring);
+        assert_eq!(gauge.get(), 0);
+        assert_eq!(slots.slots.available_permits(), 1, "the slot is free again");
     }
 }

@@ -10,14 +10,17 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use page_types::{BufferTag, PAGE_SIZE};
+use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::client::Client;
+use super::client::{Client, ClientReader};
 use super::io_choice::IoChoice;
-use super::proto::{ClientMessage, IngestValue, ServerMessage, ValueKind, LSN_LATEST};
+use super::proto::{
+    ClientMessage, ErrorCode, IngestValue, ServerMessage, ValueKind, LSN_LATEST, PROTOCOL_VERSION,
+};
 use super::{serve, uring, PageServiceConf, PageServiceIo, PageServiceMetrics};
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
@@ -50,10 +53,29 @@ fn image(n: u32) -> Bytes {
     Bytes::from(vec![n as u8 ^ 0x5a; PAGE_SIZE])
 }
 
+/// What [`Served::start_with`] varies.
+struct Options {
+    max_connections: usize,
+    /// The daemon's sockets get send buffers of a few KiB (set on the listener, which its
+    /// accepted sockets inherit): a client that does not read soon fills them.
+    small_send_buffers: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { max_connections: 1000, small_send_buffers: false }
+    }
+}
+
 impl Served {
     /// Serves with `page_service_io = mode` (the io_uring writer, if the mode may use it,
     /// started with its hooks), with [`KEYS`] pages ingested and read once (cached).
     async fn start(mode: PageServiceIo) -> Served {
+        Served::start_with(mode, Options::default()).await
+    }
+
+    /// [`Served::start`], with `options`.
+    async fn start_with(mode: PageServiceIo, options: Options) -> Served {
         let workdir = tempfile::tempdir().unwrap();
         let conf = PageServerConf::load(workdir.path(), &[]).unwrap();
         let registry = prometheus::Registry::new();
@@ -79,9 +101,12 @@ impl Served {
         };
         let choice = Arc::new(IoChoice::new(mode, rings, metrics.choice.clone()));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        if options.small_send_buffers {
+            nix::sys::socket::setsockopt(&listener, nix::sys::socket::sockopt::SndBuf, &4096).unwrap();
+        }
         let addr = listener.local_addr().unwrap();
         let conf = PageServiceConf {
-            max_connections: 1000,
+            max_connections: options.max_connections,
             idle_timeout: Duration::from_secs(60),
             abort: CancellationToken::new(),
             io: Arc::clone(&choice),
@@ -201,5 +226,76 @@ async fn a_waiting_request_does_not_hold_up_the_next_one_of_its_connection() {
             other => panic!("expected the page of request {id}, got {}", super::client::describe(&other)),
         }
     }
+    served.stop().await;
+}
+
+/// A connection whose last batches are still in the io_uring writer when its task ends (its
+/// client pipelined a megabyte of GetPages and a bad frame, which closes the connection, and
+/// reads nothing) keeps its slot of `max_connections` until the ring is done with them;
+/// `pageserver_page_service_connections` counts that slot all along, never fewer than the
+/// slots in use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_connections_gauge_counts_a_slot_that_a_ring_holds_after_its_connection_ended() {
+    const PAGES: u32 = 128;
+    let options = Options { max_connections: 1, small_send_buffers: true };
+    let served = Served::start_with(PageServiceIo::IoUring, options).await;
+    // The one slot is free once the connection of `start` is over.
+    let deadline = Instant::now() + DEADLINE;
+    let (mut reader, mut write) = loop {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        // A receive window of a few KiB: the megabyte of replies waits in the daemon.
+        socket.set_recv_buffer_size(4096).unwrap();
+        let (read, mut write) = socket.connect(served.addr).await.unwrap().into_split();
+        let mut reader = ClientReader::new(read);
+        let mut hello = BytesMut::new();
+        ClientMessage::Hello { version: PROTOCOL_VERSION, tenant_id: TENANT.into() }.encode(&mut hello);
+        write.write_all(&hello).await.unwrap();
+        match reader.recv().await.unwrap() {
+            ServerMessage::HelloOk { .. } => break (reader, write),
+            refused => assert!(
+                Instant::now() < deadline,
+                "the slot of the first connection stayed taken: {}",
+                super::client::describe(&refused)
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // Fewer requests than a connection may have in flight (it reads them all), then a frame
+    // longer than any: its error reply closes the connection. No FIN from the client.
+    let mut requests = BytesMut::new();
+    for n in 0..PAGES {
+        let request =
+            ClientMessage::GetPage { request_id: u64::from(n) + 1, key: key(n % KEYS), lsn: LSN_LATEST };
+        request.encode(&mut requests);
+    }
+    requests.extend_from_slice(&u32::MAX.to_be_bytes());
+    write.write_all(&requests).await.unwrap();
+    wait_for("the connection's task to end", DEADLINE, || served.tracker.is_empty()).await;
+
+    // Its replies wait in the ring, which holds the connection's socket and slot.
+    assert_eq!(
+        served.metrics.connections.get(),
+        1,
+        "the connections gauge reads below the slots in use (a ring holds the ended connection's)"
+    );
+    let refused = served.client().await.err().expect("the one slot is taken: a second connection is refused");
+    assert!(format!("{refused:#}").contains("too_many_connections"), "{refused:#}");
+
+    // The client reads: the ring sends the rest, then FIN, and lets the slot go.
+    for n in 0..PAGES {
+        match tokio::time::timeout(DEADLINE, reader.recv()).await.expect("the replies come").unwrap() {
+            ServerMessage::Page { request_id, .. } => assert_eq!(request_id, u64::from(n) + 1),
+            other => panic!("expected page {n}, got {}", super::client::describe(&other)),
+        }
+    }
+    match tokio::time::timeout(DEADLINE, reader.recv()).await.expect("the last reply comes").unwrap() {
+        ServerMessage::Error { code, .. } => assert_eq!(code, ErrorCode::FrameTooLarge),
+        other => panic!("expected the bad frame's error, got {}", super::client::describe(&other)),
+    }
+    wait_for("the slot to be let go", DEADLINE, || served.metrics.connections.get() == 0).await;
+    drop(write);
+    let mut client = served.client().await.expect("the slot is free again");
+    assert_eq!(client.get_page(key(0), LSN_LATEST).await.unwrap().1, image(0));
+    drop(client);
     served.stop().await;
 }

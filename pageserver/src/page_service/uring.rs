@@ -54,9 +54,13 @@
 //! - a connection that ends abruptly (abort, a failure) shuts its socket down, which makes
 //!   the ring's operations on it complete at once (with an error);
 //! - at teardown (a failure, or the ring's thread and runtime gone), the ring's operations are
-//!   cancelled synchronously before any buffer is freed, and the chunks of a zero-copy send
-//!   whose notification has not come are never freed (the kernel may still read them: a
-//!   retransmission must not send reused memory).
+//!   cancelled, and their completions waited for, before any buffer is freed: with one
+//!   `IORING_REGISTER_SYNC_CANCEL` (Linux 6.0), or where the kernel lacks it (5.6 to 5.19,
+//!   [`Support::sync_cancel`]) by shutting their sockets down and an `ASYNC_CANCEL` per
+//!   operation, then reaping until none is pending ([`cancel_each`]); both wait at most
+//!   [`CANCEL_WAIT`], and what is still pending then keeps its buffers for good (an ERROR says
+//!   so). The chunks of a zero-copy send whose notification has not come are never freed (the
+//!   kernel may still read them: a retransmission must not send reused memory).
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -77,7 +81,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit};
 use tokio::task::AbortHandle;
 
 use super::chunks::consume;
-use super::PageServiceMetrics;
+use super::{ConnectionSlot, PageServiceMetrics};
 use crate::util::{lock, park};
 
 /// Submission queue entries per ring (the completion queue has twice as many; the kernel keeps
@@ -91,6 +95,12 @@ const MAX_IOVECS: usize = 1024;
 const DEFER_MAX: usize = 32;
 /// `user_data` bit of a job's `POLL_ADD` (the rest is the job's slot).
 const POLL: u64 = 1 << 62;
+/// `user_data` bit of the operations a teardown makes itself (`ASYNC_CANCEL`, its timer):
+/// their completions are no job's.
+const TEARDOWN: u64 = 1 << 61;
+/// How long a teardown waits for the ring's operations to end once cancelled; what is still
+/// pending then keeps its buffers (leaked).
+const CANCEL_WAIT: Duration = Duration::from_secs(5);
 /// `IORING_SEND_ZC_REPORT_USAGE` (in a zero-copy send's `ioprio`): its notification says
 /// whether the kernel had to copy the bytes after all.
 const ZC_REPORT_USAGE: u16 = 8;
@@ -115,6 +125,9 @@ pub(super) struct Hooks {
     /// Zero-copy sends carry a flag this kernel does not know, so that it answers `EINVAL` as
     /// Linux 6.1 does to `IORING_SEND_ZC_REPORT_USAGE`.
     pub(super) zc_unknown_flag: AtomicBool,
+    /// The kernel lacks `IORING_REGISTER_SYNC_CANCEL` (Linux 5.6 to 5.19), as the probe finds
+    /// there: teardowns cancel one operation at a time.
+    pub(super) no_sync_cancel: AtomicBool,
 }
 
 /// A flag of a zero-copy send that no kernel knows (the test machine's answers `EINVAL`).
@@ -126,6 +139,9 @@ const ZC_UNKNOWN_FLAG: u16 = 1 << 15;
 pub struct Support {
     /// `SENDMSG_ZC` (Linux 6.1) with `IORING_SEND_ZC_REPORT_USAGE` (Linux 6.2): zero-copy sends.
     pub zero_copy: bool,
+    /// `IORING_REGISTER_SYNC_CANCEL` (Linux 6.0): a ring's teardown cancels its operations in
+    /// one call; without it, one `ASYNC_CANCEL` per operation ([`cancel_each`]).
+    pub sync_cancel: bool,
 }
 
 /// Whether io_uring can send here: a ring can be set up (not refused by the kernel, a seccomp
@@ -134,7 +150,8 @@ pub struct Support {
 ///
 /// Zero-copy is offered only if a zero-copy send with the flags the writer gives it completes:
 /// Linux 6.1 has `SENDMSG_ZC` but answers `EINVAL` to `IORING_SEND_ZC_REPORT_USAGE` (6.2), which
-/// the opcode probe does not show.
+/// the opcode probe does not show. The opcode probe does not cover register operations either:
+/// `IORING_REGISTER_SYNC_CANCEL` is probed by calling it ([`sync_cancel_works`]).
 pub fn probe() -> Result<Support, String> {
     probe_with(ZC_REPORT_USAGE)
 }
@@ -144,7 +161,13 @@ fn probe_with(zc_ioprio: u16) -> Result<Support, String> {
     let mut ring = IoUring::new(8).map_err(|e| format!("io_uring_setup failed: {e}"))?;
     let mut probe = Probe::new();
     ring.submitter().register_probe(&mut probe).map_err(|e| format!("the io_uring probe failed: {e}"))?;
-    for (code, name) in [(opcode::SendMsg::CODE, "SENDMSG"), (opcode::PollAdd::CODE, "POLL_ADD")] {
+    let needed = [
+        (opcode::SendMsg::CODE, "SENDMSG"),
+        (opcode::PollAdd::CODE, "POLL_ADD"),
+        (opcode::AsyncCancel::CODE, "ASYNC_CANCEL"),
+        (opcode::Timeout::CODE, "TIMEOUT"),
+    ];
+    for (code, name) in needed {
         if !probe.is_supported(code) {
             return Err(format!("the kernel's io_uring lacks {name}"));
         }
@@ -159,8 +182,19 @@ fn probe_with(zc_ioprio: u16) -> Result<Support, String> {
         Some(res) => return Err(format!("a no-op failed: {}", io::Error::from_raw_os_error(-res))),
         None => return Err("a no-op did not complete".to_string()),
     }
+    let sync_cancel = sync_cancel_works(&ring);
     let zero_copy = probe.is_supported(opcode::SendMsgZc::CODE) && zero_copy_send_works(&mut ring, zc_ioprio);
-    Ok(Support { zero_copy })
+    Ok(Support { zero_copy, sync_cancel })
+}
+
+/// Whether the kernel has `IORING_REGISTER_SYNC_CANCEL` (Linux 6.0): a cancel of an operation
+/// that does not exist answers `ENOENT` there; an older kernel answers `EINVAL` (an unknown
+/// register operation).
+fn sync_cancel_works(ring: &IoUring) -> bool {
+    match ring.submitter().register_sync_cancel(None, types::CancelBuilder::user_data(u64::MAX)) {
+        Ok(()) => true,
+        Err(e) => e.raw_os_error() == Some(libc::ENOENT),
+    }
 }
 
 /// Whether a `SENDMSG_ZC` with `ioprio` completes: one byte to a UDP socket on loopback that
@@ -207,7 +241,7 @@ pub(super) struct Link {
     socket: Arc<TcpStream>,
     /// The connection's slot of `max_connections`: held as long as the socket is (a ring's
     /// job may hold it after its connection ended), so that sockets stay within the bound.
-    _connection_slot: Option<Arc<OwnedSemaphorePermit>>,
+    _connection_slot: Option<Arc<ConnectionSlot>>,
     /// A batch that makes no progress this long gets the socket shut down.
     write_timeout: Duration,
     /// Why the ring gave up on the connection (the socket is shut down then).
@@ -274,7 +308,7 @@ impl Link {
 impl Link {
     pub(super) fn new(
         socket: Arc<TcpStream>,
-        connection_slot: Option<Arc<OwnedSemaphorePermit>>,
+        connection_slot: Option<Arc<ConnectionSlot>>,
         write_timeout: Duration,
     ) -> Arc<Link> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -330,6 +364,15 @@ struct Hub {
 }
 
 impl Hub {
+    /// Whether a teardown may cancel with `IORING_REGISTER_SYNC_CANCEL`.
+    fn sync_cancel(&self) -> bool {
+        #[cfg(test)]
+        if self.hooks.no_sync_cancel.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.support.sync_cancel
+    }
+
     /// No ring is to be chosen again; a WARN says why.
     fn give_up(&self, why: &str) {
         tracing::warn!(
@@ -444,6 +487,9 @@ struct State {
     replies: usize,
     /// Completions being handled (kept for its capacity).
     completed: Vec<cqueue::Entry>,
+    /// Operations pushed to the submission queue whose completion has not been reaped (a
+    /// zero-copy send's notification aside): what a teardown waits for.
+    pending: usize,
     /// The ring failed and was torn down: it takes no more jobs.
     failed: bool,
 }
@@ -465,7 +511,15 @@ impl Local {
             #[cfg(test)]
             Arc::clone(&hub.hooks),
         );
-        let state = State { ring, jobs, ready: Vec::new(), replies: 0, completed: Vec::new(), failed: false };
+        let state = State {
+            ring,
+            jobs,
+            ready: Vec::new(),
+            replies: 0,
+            completed: Vec::new(),
+            pending: 0,
+            failed: false,
+        };
         let local = Arc::new(Local {
             hub,
             state: Mutex::new(state),
@@ -507,14 +561,15 @@ impl Local {
                     metrics.replies_per_submit.observe(state.replies as f64);
                     state.replies = 0;
                 }
-                let submitted = push_all(&mut state.ring, &mut state.ready, metrics).and_then(|()| {
-                    #[cfg(test)]
-                    if self.hub.hooks.fail_next_submit.swap(false, Ordering::Relaxed) {
-                        return Err(io::Error::from_raw_os_error(libc::EFAULT));
-                    }
-                    metrics.uring_io.send_syscalls.inc();
-                    state.ring.submit()
-                });
+                let submitted = push_all(&mut state.ring, &mut state.ready, &mut state.pending, metrics)
+                    .and_then(|()| {
+                        #[cfg(test)]
+                        if self.hub.hooks.fail_next_submit.swap(false, Ordering::Relaxed) {
+                            return Err(io::Error::from_raw_os_error(libc::EFAULT));
+                        }
+                        metrics.uring_io.send_syscalls.inc();
+                        state.ring.submit()
+                    });
                 match submitted {
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -540,7 +595,7 @@ impl Local {
     /// The ring failed: it is torn down, and the writer is not chosen again.
     fn fail(&self, state: &mut State, why: &str) {
         self.hub.give_up(why);
-        teardown(state, "the io_uring writer failed");
+        teardown(state, self.hub.sync_cancel(), "the io_uring writer failed");
     }
 
     /// Handles the completions there are; whether a job was parked on a full socket.
@@ -549,6 +604,9 @@ impl Local {
         completed.extend(state.ring.completion());
         let mut parked = false;
         for cqe in completed.drain(..) {
+            if !cqueue::notif(cqe.flags()) {
+                state.pending = state.pending.saturating_sub(1);
+            }
             parked |= complete(&cqe, &mut state.jobs, &mut state.ready, &self.hub.metrics);
         }
         state.completed = completed;
@@ -576,7 +634,7 @@ impl Drop for Local {
         let mut state = lock(&self.state);
         self.submit_ready(&mut state);
         if !state.failed {
-            teardown(&mut state, "the io_uring writer stopped");
+            teardown(&mut state, self.hub.sync_cancel(), "the io_uring writer stopped");
         }
     }
 }
@@ -625,41 +683,125 @@ async fn reap(local: Weak<Local>, wake: AsyncFd<EventFd>, parked_job: Arc<Notify
 }
 
 /// Ends a ring: its operations are cancelled (and waited for) before any buffer goes, then
-/// every job is given up (its connection closed); it takes no more jobs.
-fn teardown(state: &mut State, why: &str) {
+/// every job is given up (its connection closed); it takes no more jobs. With `sync_cancel`
+/// (the kernel has `IORING_REGISTER_SYNC_CANCEL`) in one call, else (or should that call
+/// fail) one by one ([`cancel_each`]).
+fn teardown(state: &mut State, sync_cancel: bool, why: &str) {
     state.failed = true;
     state.ready.clear();
     // Nothing may be freed while the kernel could still write to it or read from it: cancel
     // every pending operation (and wait for that) before the buffers go.
-    let cancel = state
-        .ring
-        .submitter()
-        .register_sync_cancel(Some(types::Timespec::new().sec(5)), types::CancelBuilder::any());
-    match cancel {
-        Err(e) if e.raw_os_error() != Some(libc::ENOENT) => {
-            tracing::error!("could not cancel the io_uring writer's operations, leaking their buffers: {e}");
-            state.jobs.fail_all_keeping_buffers(why);
-        }
-        _ => {
-            // Notifications that came meanwhile free their chunks; the others' are kept.
-            let notified: Vec<usize> = state
-                .ring
-                .completion()
-                .filter(|cqe| cqueue::notif(cqe.flags()) && cqe.user_data() & POLL == 0)
-                .map(|cqe| cqe.user_data() as usize)
-                .collect();
-            for slot in notified {
-                state.jobs.notified(slot);
-            }
-            let kept = state.jobs.fail_all(why);
-            if kept > 0 {
+    let cancelled = if sync_cancel {
+        let cancel = state
+            .ring
+            .submitter()
+            .register_sync_cancel(Some(types::Timespec::from(CANCEL_WAIT)), types::CancelBuilder::any());
+        match cancel {
+            Ok(()) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(e) => {
                 tracing::warn!(
-                    "keeping {kept} reply chunks of zero-copy sends whose notification did not come \
-                     before the io_uring writer stopped (the kernel may still read them)"
+                    "failed to cancel the io_uring writer's operations at once ({e}), \
+                     cancelling them one by one"
                 );
+                cancel_each(state)
+            }
+        }
+    } else {
+        cancel_each(state)
+    };
+    if let Err(e) = cancelled {
+        tracing::error!("failed to cancel the io_uring writer's operations, leaking their buffers: {e}");
+        state.jobs.fail_all_keeping_buffers(why);
+        return;
+    }
+    // Notifications that came meanwhile free their chunks; the others' are kept.
+    reap_cancelled(state);
+    let kept = state.jobs.fail_all(why);
+    if kept > 0 {
+        tracing::warn!(
+            "keeping {kept} reply chunks of zero-copy sends whose notification did not come \
+             before the io_uring writer stopped (the kernel may still read them)"
+        );
+    }
+}
+
+/// Cancels a ring's operations one at a time, for kernels without
+/// `IORING_REGISTER_SYNC_CANCEL` (Linux 5.6 to 5.19): the sockets of the jobs being sent are
+/// shut down (their sends and polls end), an `ASYNC_CANCEL` goes for each job's operation,
+/// and completions are reaped until none of the ring's operations is pending
+/// ([`State::pending`]), for at most [`CANCEL_WAIT`] (a `TIMEOUT` of the ring's own ends the
+/// wait). An error if operations are still pending after that (their buffers must then be
+/// kept).
+fn cancel_each(state: &mut State) -> io::Result<()> {
+    if state.pending == 0 {
+        return Ok(());
+    }
+    // Each job being sent has one operation at most: its send, or its poll while parked (one
+    // still in `ready`, never pushed, gets ENOENT: harmless).
+    let mut cancels = Vec::new();
+    for (slot, in_flight) in state.jobs.sending.iter().enumerate() {
+        let Some(in_flight) = in_flight.as_ref().filter(|job| !job.lingering) else { continue };
+        in_flight.job.link.shut_down(Shutdown::Both);
+        let target = slot as u64 | if in_flight.parked { POLL } else { 0 };
+        cancels.push(opcode::AsyncCancel::new(target).build().user_data(target | TEARDOWN));
+    }
+    // Read by the kernel when the timer is submitted (it copies it then).
+    let wait = types::Timespec::from(CANCEL_WAIT);
+    cancels.push(opcode::Timeout::new(&wait).build().user_data(TEARDOWN));
+    for entry in &cancels {
+        // SAFETY: a cancel points at no memory; the timer's timespec outlives its submission,
+        // below, before this returns.
+        while unsafe { state.ring.submission().push(entry) }.is_err() {
+            state.ring.submit()?;
+        }
+    }
+    loop {
+        match state.ring.submit_and_wait(1) {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+        let timed_out = reap_cancelled(state);
+        if state.pending == 0 {
+            return Ok(());
+        }
+        if timed_out {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{} operations still pending after {CANCEL_WAIT:?}", state.pending),
+            ));
+        }
+    }
+}
+
+/// Reaps the completions of a ring being torn down: they end their operations
+/// ([`State::pending`]; a zero-copy send's adds the notification still to come), and a
+/// notification frees its job's chunks once it was the last; nothing is sent again. Whether the
+/// teardown's timer fired.
+fn reap_cancelled(state: &mut State) -> bool {
+    let mut timed_out = false;
+    let completed: Vec<cqueue::Entry> = state.ring.completion().collect();
+    for cqe in completed {
+        let data = cqe.user_data();
+        let slot = (data & !POLL) as usize;
+        if data == TEARDOWN {
+            timed_out = true;
+        } else if data & TEARDOWN != 0 {
+            // A cancel's own answer (done, ENOENT, EALREADY): the completion of the operation
+            // it cancelled is what counts.
+        } else if cqueue::notif(cqe.flags()) {
+            state.jobs.notified(slot);
+        } else {
+            state.pending = state.pending.saturating_sub(1);
+            if cqueue::more(cqe.flags()) {
+                if let Some(in_flight) = state.jobs.get(slot) {
+                    in_flight.notifs += 1;
+                }
             }
         }
     }
+    timed_out
 }
 
 impl Ring {
@@ -982,6 +1124,7 @@ impl Jobs {
 fn push_all(
     ring: &mut IoUring,
     ready: &mut Vec<squeue::Entry>,
+    pending: &mut usize,
     metrics: &PageServiceMetrics,
 ) -> io::Result<()> {
     for entry in ready.drain(..) {
@@ -996,6 +1139,7 @@ fn push_all(
             // SAFETY: the entry points into a job's InFlight (chunks, iovecs, msghdr) or the
             // wake buffer, which stay put until its completion is reaped (module invariants).
             if unsafe { ring.submission().push(&entry) }.is_ok() {
+                *pending += 1;
                 break;
             }
             metrics.uring_io.send_syscalls.inc();
@@ -1211,6 +1355,12 @@ mod fault_tests {
         assert!(!old.zero_copy, "zero-copy offered though the kernel refuses its flags");
     }
 
+    #[test]
+    fn sync_cancel_is_probed_by_calling_it() {
+        let support = probe().expect("io_uring works on this machine");
+        assert!(support.sync_cancel, "this kernel (6.0 or later) has IORING_REGISTER_SYNC_CANCEL");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_zero_copy_send_the_kernel_refuses_is_resent_plain_and_its_connection_turns_plain() {
         let (rings, hooks, metrics) = start();
@@ -1311,6 +1461,58 @@ mod fault_tests {
         );
     }
 
+    /// Counts the ERROR events logged on the threads it is the default subscriber of.
+    struct CountErrors(Arc<AtomicUsize>);
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CountErrors {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            if *event.metadata().level() == tracing::Level::ERROR {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// A batch of 64 pages whose chunks count their drops in `dropped`.
+    fn tracked_batch(dropped: &Arc<AtomicUsize>) -> Vec<Bytes> {
+        (0..64u8)
+            .map(|p| Bytes::from_owner(Tracked { bytes: vec![p; 8192], dropped: Arc::clone(dropped) }))
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_ring_failing_on_a_kernel_without_sync_cancel_frees_its_chunks_once_cancelled() {
+        use tracing_subscriber::layer::SubscriberExt;
+        // The ring fails on this thread (the test's, which submits at once): its teardown logs
+        // here.
+        let errors = Arc::new(AtomicUsize::new(0));
+        let _logs = tracing::subscriber::set_default(
+            tracing_subscriber::registry().with(CountErrors(Arc::clone(&errors))),
+        );
+        let (rings, hooks, metrics) = start();
+        hooks.no_sync_cancel.store(true, Ordering::Relaxed);
+        let ring = rings.local().expect("a ring");
+        // A batch parked on a full socket: its POLL_ADD is pending in the kernel, pointing at
+        // nothing, but the job's chunks and iovecs stay until it completes.
+        let (_client, link) = connection(true, true, Duration::from_secs(60));
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let job =
+            Job { link: Arc::clone(&link), chunks: tracked_batch(&dropped), slots: Vec::new(), close: false };
+        assert!(ring.submit(job).is_ok());
+        wait_for("the send to park on a full socket", || metrics.send_waits.get() > 0);
+
+        // The ring fails at its next submit, which a batch of another connection brings about.
+        hooks.fail_next_submit.store(true, Ordering::Relaxed);
+        let (_other_client, other) = connection(false, false, Duration::from_secs(60));
+        let _ = ring.submit(Job { link: other, chunks: batch(1, 1), slots: Vec::new(), close: false });
+        wait_for("the ring to fail", || ring.failed());
+        assert!(rings.dead(), "the writer is not chosen again");
+        assert_eq!(errors.load(Ordering::SeqCst), 0, "an ERROR was logged at the ring's teardown");
+        assert_eq!(dropped.load(Ordering::SeqCst), 64, "the parked batch's chunks were leaked");
+        assert_eq!(lock(&ring.0.state).pending, 0, "the buffers went before every operation completed");
+        assert_eq!(link.failure().as_deref(), Some("the io_uring writer failed"));
+        assert!(!link.sending(), "the connection still counts a batch in the ring");
+    }
+
     /// A runtime whose threads run the park hook, as the daemon's do, once they parked (so
     /// that they put work off).
     fn runtime_with_park_hook() -> tokio::runtime::Runtime {
@@ -1387,15 +1589,25 @@ mod fault_tests {
 
     #[test]
     fn a_ring_whose_thread_ends_gives_up_its_parked_sends_and_frees_their_chunks() {
+        ring_whose_thread_ends_frees_the_chunks_of_its_parked_send(false);
+    }
+
+    #[test]
+    fn a_ring_whose_thread_ends_on_a_kernel_without_sync_cancel_frees_the_chunks_of_its_parked_send() {
+        ring_whose_thread_ends_frees_the_chunks_of_its_parked_send(true);
+    }
+
+    /// A send parked on a full socket when the runtime (and so the ring's thread) goes; on a
+    /// kernel with or without `IORING_REGISTER_SYNC_CANCEL`.
+    fn ring_whose_thread_ends_frees_the_chunks_of_its_parked_send(no_sync_cancel: bool) {
         let runtime = runtime_with_park_hook();
         let entered = runtime.enter();
-        let (rings, _hooks, metrics) = start();
+        let (rings, hooks, metrics) = start();
+        hooks.no_sync_cancel.store(no_sync_cancel, Ordering::Relaxed);
         let (_client, link) = connection(true, true, Duration::from_secs(60));
         let dropped = Arc::new(AtomicUsize::new(0));
-        let chunks: Vec<Bytes> = (0..64u8)
-            .map(|p| Bytes::from_owner(Tracked { bytes: vec![p; 8192], dropped: Arc::clone(&dropped) }))
-            .collect();
-        let job = Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: false };
+        let job =
+            Job { link: Arc::clone(&link), chunks: tracked_batch(&dropped), slots: Vec::new(), close: false };
         runtime.block_on(async move {
             let task = tokio::spawn(async move {
                 assert!(rings.local().expect("a ring").submit(job).is_ok());
@@ -1409,8 +1621,8 @@ mod fault_tests {
         // The runtime and its threads go: their rings are torn down, not kept by their reapers.
         drop(entered);
         drop(runtime);
+        assert_eq!(dropped.load(Ordering::SeqCst), 64, "the parked batch's chunks were leaked");
         assert_eq!(link.failure().as_deref(), Some("the io_uring writer stopped"));
-        assert!(!link.sending());
-        assert_eq!(dropped.load(Ordering::SeqCst), 64, "the parked batch's chunks were freed");
+        assert!(!link.sending(), "the connection still counts a batch in the ring");
     }
 }

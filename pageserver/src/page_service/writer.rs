@@ -38,7 +38,7 @@ use super::io_choice::IoChoice;
 use super::proto::{self, ErrorCode, ServerMessage};
 use super::reply_order::{self, ReplyOrder};
 use super::uring::{Job, Link, Ring, Rings};
-use super::{PageServiceMetrics, MAX_REPLIES_PER_WRITE};
+use super::{ConnectionSlot, PageServiceMetrics, MAX_REPLIES_PER_WRITE};
 
 /// One reply frame, and whether the connection closes after it.
 pub(super) struct Reply {
@@ -136,7 +136,7 @@ type Running = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send>>>;
 pub(super) struct Writer {
     socket: Arc<TcpStream>,
     /// The connection's slot of `max_connections`, held with the socket (by the ring too).
-    connection_slot: Arc<OwnedSemaphorePermit>,
+    connection_slot: Arc<ConnectionSlot>,
     choice: Arc<IoChoice>,
     write_timeout: Duration,
     /// The connection's side of the io_uring writer, from its first batch through the ring.
@@ -157,7 +157,7 @@ struct UringWriter {
 impl Writer {
     pub(super) fn new(
         socket: Arc<TcpStream>,
-        connection_slot: Arc<OwnedSemaphorePermit>,
+        connection_slot: Arc<ConnectionSlot>,
         choice: Arc<IoChoice>,
         write_timeout: Duration,
     ) -> Writer {
