@@ -866,15 +866,19 @@ mod tests {
         for key in [a, b] {
             values.push((key, Lsn(2), sequence_log(key, 2)));
         }
-        for lsn in 3..=threshold + 1 {
-            for key in [a, b] {
-                values.push((
-                    key,
-                    Lsn(lsn),
-                    encode(Record::PutBytes { offset: 100, data: &lsn.to_be_bytes() }),
-                ));
+        // Records the child can redo, on both keys at each LSN of `lsns`.
+        let put_bytes = |values: &mut Vec<_>, lsns: std::ops::RangeInclusive<u64>, offset: u16| {
+            for lsn in lsns {
+                for key in [a, b] {
+                    values.push((
+                        key,
+                        Lsn(lsn),
+                        encode(Record::PutBytes { offset, data: &lsn.to_be_bytes() }),
+                    ));
+                }
             }
-        }
+        };
+        put_bytes(&mut values, 3..=threshold + 1, 100);
         timeline.ingest(IngestBatch { values }).await.unwrap();
 
         let redo_metrics = Arc::new(WalRedoMetrics::new(&Registry::new()).unwrap());
@@ -909,15 +913,7 @@ mod tests {
         // Then `a` gets more records (its chain still holds the Sequence record) and `b` a page
         // image above its Sequence record, with a chain above that the child can redo.
         let mut values = vec![(b, Lsn(100), Value::Image(Bytes::from(vec![0u8; 8192])))];
-        for lsn in 101..=100 + threshold {
-            for key in [a, b] {
-                values.push((
-                    key,
-                    Lsn(lsn),
-                    encode(Record::PutBytes { offset: 200, data: &lsn.to_be_bytes() }),
-                ));
-            }
-        }
+        put_bytes(&mut values, 101..=100 + threshold, 200);
         timeline.ingest(IngestBatch { values }).await.unwrap();
 
         // The second pass asks for `b` alone, and makes its image.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -43,6 +44,21 @@ def expected_values(pg: Postgres, start: int, end: int, sizes: dict) -> int:
     return sum(len(refs) + len(vm) + other
                for lsn, refs, vm, other in waldump_records(pg, start, end, Sizes(dict(sizes)))
                if lsn >= start)
+
+
+@contextmanager
+def pgbench_running(pg: Postgres, seconds: int):
+    """`pgbench -c 2 -j 2 -T seconds` in the background while the block runs; then it must
+    have succeeded (it is killed if the block fails)."""
+    load = subprocess.Popen(pg._cmd("pgbench", "-h", str(pg.sockdir), "-p", str(pg.port), "-c", "2", "-j", "2",
+                                    "-T", str(seconds), "-n", "postgres"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield load
+        assert load.wait(timeout=120) == 0, load.stderr.read() if load.stderr else ""
+    finally:
+        if load.poll() is None:
+            load.kill()
 
 
 # `pg` comes first: set up first, it is stopped after the daemons (whose receivers would
@@ -139,9 +155,7 @@ def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pa
     resumed, imported = status["resumed_at"], status["import"]["values"]
     at_attach = fork_sizes(pg, "true")
     pg.pgbench("-i", "-s", "1", "-q")
-    load = subprocess.Popen(pg._cmd("pgbench", "-h", str(pg.sockdir), "-p", str(pg.port), "-c", "2", "-j", "2",
-                                    "-T", "6", "-n", "postgres"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
+    with pgbench_running(pg, 6):
         wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["durable_lsn"] > resumed + (8 << 20),
                    timeout=60, desc="streaming to be well under way")
         # A kill -9 in the middle of a write leaves a torn tail that the restart cuts (and logs).
@@ -149,10 +163,6 @@ def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pa
         ps.kill()
         time.sleep(0.5)
         ps.start()
-        assert load.wait(timeout=120) == 0, load.stderr.read() if load.stderr else ""
-    finally:
-        if load.poll() is None:
-            load.kill()
     s = caught_up(ps, tenant, pg)
     assert s["wal_source"]["resumed_at"] > resumed, "the second connection resumed where the first stopped"
     assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"], at_attach)
@@ -180,20 +190,16 @@ def test_a_write_failed_while_the_receiver_was_busy_leaves_no_gap(pg, pageserver
     resumed, imported = status["resumed_at"], status["import"]["values"]
     at_attach = fork_sizes(pg, "true")
     pg.pgbench("-i", "-s", "1", "-q")
-    load = subprocess.Popen(pg._cmd("pgbench", "-h", str(pg.sockdir), "-p", str(pg.port), "-c", "2", "-j", "2",
-                                    "-T", "8", "-n", "postgres"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["durable_lsn"] > resumed + (4 << 20),
-                   timeout=60, desc="streaming to be well under way")
-        faults.set("slow_commit")
-        faults.set("arm")
-        wait_until(lambda: faults.is_set("failed"), timeout=30, desc="a segment write to fail")
-        faults.clear("slow_commit")
-        assert load.wait(timeout=120) == 0, load.stderr.read() if load.stderr else ""
+        with pgbench_running(pg, 8):
+            wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["durable_lsn"] > resumed + (4 << 20),
+                       timeout=60, desc="streaming to be well under way")
+            faults.set("slow_commit")
+            faults.set("arm")
+            wait_until(lambda: faults.is_set("failed"), timeout=30, desc="a segment write to fail")
+            faults.clear("slow_commit")
     finally:
         faults.clear("slow_commit")
-        if load.poll() is None:
-            load.kill()
     # The fault came as planned: the write failed while the receiver was busy, more than the
     # storage's retry interval (1 s) before it was free again.
     events = {what: float(at) for at, what in (line.split(" ", 1) for line in faults.events().splitlines())}
