@@ -812,6 +812,32 @@ mod tests {
         Value::Record(Bytes::from(out))
     }
 
+    /// A compactor of `timeline` with its own redo budget (waits up to `budget_wait` for room)
+    /// and metrics in `registry`; cancelled with `cancel`.
+    fn start_compactor(
+        timeline: &Arc<Timeline>,
+        walredo: &Arc<WalRedoManager>,
+        settings: CompactionSettings,
+        budget_wait: Duration,
+        registry: &Registry,
+        cancel: &CancellationToken,
+    ) -> Arc<Compactor> {
+        let budget = Arc::new(RedoBudget::new(
+            crate::redo_budget::DEFAULT_REDO_MEMORY_BUDGET,
+            budget_wait,
+            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        ));
+        Compactor::start(
+            Arc::clone(timeline),
+            Arc::clone(walredo),
+            budget,
+            settings,
+            crate::storage::DEFAULT_LAYER_SIZE,
+            Arc::new(CompactionMetrics::new(registry).unwrap()),
+            cancel.clone(),
+        )
+    }
+
     /// Waits until `condition` holds, failing the test after `within`.
     async fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
         let deadline = Instant::now() + within;
@@ -888,19 +914,13 @@ mod tests {
             Arc::clone(&redo_metrics),
         );
         let cancel = CancellationToken::new();
-        let budget = Arc::new(RedoBudget::new(
-            crate::redo_budget::DEFAULT_REDO_MEMORY_BUDGET,
-            Duration::from_secs(60),
-            Arc::new(std::sync::atomic::AtomicU64::new(0)),
-        ));
-        let compactor = Compactor::start(
-            Arc::clone(&timeline),
-            Arc::clone(&walredo),
-            budget,
+        let compactor = start_compactor(
+            &timeline,
+            &walredo,
             settings,
-            crate::storage::DEFAULT_LAYER_SIZE,
-            Arc::new(CompactionMetrics::new(&Registry::new()).unwrap()),
-            cancel.clone(),
+            Duration::from_secs(60),
+            &Registry::new(),
+            &cancel,
         );
         let requests = || redo_metrics.background_requests.get();
 
@@ -954,20 +974,7 @@ mod tests {
         let walredo = WalRedoManager::new("t", conf, Arc::new(WalRedoMetrics::new(&registry).unwrap()));
         let held = walredo.hold_foreground_queue();
         let cancel = CancellationToken::new();
-        let budget = Arc::new(RedoBudget::new(
-            crate::redo_budget::DEFAULT_REDO_MEMORY_BUDGET,
-            TURN_WAIT,
-            Arc::new(std::sync::atomic::AtomicU64::new(0)),
-        ));
-        let compactor = Compactor::start(
-            Arc::clone(&timeline),
-            Arc::clone(&walredo),
-            budget,
-            settings,
-            crate::storage::DEFAULT_LAYER_SIZE,
-            Arc::new(CompactionMetrics::new(&registry).unwrap()),
-            cancel.clone(),
-        );
+        let compactor = start_compactor(&timeline, &walredo, settings, TURN_WAIT, &registry, &cancel);
         // The pass waits TURN_WAIT for its image, then works for milliseconds: it ends within
         // a few seconds, not after a pause of 19 x TURN_WAIT.
         wait_for("the pass to end", TURN_WAIT * 8, || compactor.status().passes == 1).await;
