@@ -1,5 +1,5 @@
 //! The page service served in this process, with the io_uring writer's test hooks:
-//! connections when the io_uring writer fails.
+//! connections when the io_uring writer fails, and with clients that do not read.
 //!
 //! Each test serves one tenant holding a few cached pages (so every GetPage is a cache hit
 //! answered by the connection's loop) with [`serve`] on a loopback port, and drives it with
@@ -59,11 +59,13 @@ struct Options {
     /// The daemon's sockets get send buffers of a few KiB (set on the listener, which its
     /// accepted sockets inherit): a client that does not read soon fills them.
     small_send_buffers: bool,
+    /// `page_service_idle_timeout`, the write timeout too.
+    idle_timeout: Duration,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { max_connections: 1000, small_send_buffers: false }
+        Options { max_connections: 1000, small_send_buffers: false, idle_timeout: Duration::from_secs(60) }
     }
 }
 
@@ -107,7 +109,7 @@ impl Served {
         let addr = listener.local_addr().unwrap();
         let conf = PageServiceConf {
             max_connections: options.max_connections,
-            idle_timeout: Duration::from_secs(60),
+            idle_timeout: options.idle_timeout,
             abort: CancellationToken::new(),
             io: Arc::clone(&choice),
         };
@@ -237,7 +239,7 @@ async fn a_waiting_request_does_not_hold_up_the_next_one_of_its_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_connections_gauge_counts_a_slot_that_a_ring_holds_after_its_connection_ended() {
     const PAGES: u32 = 128;
-    let options = Options { max_connections: 1, small_send_buffers: true };
+    let options = Options { max_connections: 1, small_send_buffers: true, ..Options::default() };
     let served = Served::start_with(PageServiceIo::IoUring, options).await;
     // The one slot is free once the connection of `start` is over.
     let deadline = Instant::now() + DEADLINE;
@@ -298,4 +300,68 @@ async fn the_connections_gauge_counts_a_slot_that_a_ring_holds_after_its_connect
     assert_eq!(client.get_page(key(0), LSN_LATEST).await.unwrap().1, image(0));
     drop(client);
     served.stop().await;
+}
+
+/// A client that sends its requests, then FIN (`shutdown(Write)`), and reads none of the
+/// replies, is disconnected at the write timeout by either writer, as one that stops reading
+/// without FIN is; the io_uring writer makes a few sends meanwhile, not a loop of them (every
+/// poll of a half-closed socket completes at once, with `POLLRDHUP`, room or not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_sent_fin_and_reads_nothing_is_disconnected_at_the_write_timeout_by_either_writer() {
+    const PAGES: u32 = 128;
+    /// A few sends fill the socket, then one per look of the ring's reaper.
+    const FEW_SENDS: u64 = 100;
+    for mode in [PageServiceIo::Epoll, PageServiceIo::IoUring] {
+        let idle_timeout = Duration::from_secs(1);
+        let options = Options { small_send_buffers: true, idle_timeout, ..Options::default() };
+        let served = Served::start_with(mode, options).await;
+        wait_for("the connection of start to end", DEADLINE, || served.metrics.connections.get() == 0).await;
+        let sends_before = served.metrics.uring_io.sends.get();
+
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        // A receive window of a few KiB: the megabyte of replies waits in the daemon.
+        socket.set_recv_buffer_size(4096).unwrap();
+        let (read, mut write) = socket.connect(served.addr).await.unwrap().into_split();
+        let mut reader = ClientReader::new(read);
+        let mut requests = BytesMut::new();
+        ClientMessage::Hello { version: PROTOCOL_VERSION, tenant_id: TENANT.into() }.encode(&mut requests);
+        write.write_all(&requests).await.unwrap();
+        match reader.recv().await.unwrap() {
+            ServerMessage::HelloOk { .. } => {}
+            other => panic!("expected HelloOk, got {}", super::client::describe(&other)),
+        }
+        requests.clear();
+        for n in 0..PAGES {
+            let request =
+                ClientMessage::GetPage { request_id: u64::from(n) + 1, key: key(n % KEYS), lsn: LSN_LATEST };
+            request.encode(&mut requests);
+        }
+        // Before the requests: the daemon's write timeout cannot start earlier.
+        let started = Instant::now();
+        write.write_all(&requests).await.unwrap();
+        write.shutdown().await.unwrap();
+
+        let ring_sends = || served.metrics.uring_io.sends.get() - sends_before;
+        // Waited for on this thread, not with the runtime's timer: a writer that resends in a
+        // loop holds a worker thread and its ring's lock, which the other worker may then wait
+        // for (the ring's reaper), and no worker would drive the timer.
+        while served.metrics.connections.get() > 0
+            && ring_sends() <= FEW_SENDS
+            && started.elapsed() < DEADLINE
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (sends, open, closed_after) = (ring_sends(), served.metrics.connections.get(), started.elapsed());
+        // Whatever happened, the client resets the connection now (it leaves unread bytes),
+        // which fails any send still going on.
+        drop((reader, write));
+        assert!(sends <= FEW_SENDS, "{mode:?}: {sends} sends to a full socket whose client sent FIN");
+        assert_eq!(open, 0, "{mode:?}: the connection was not closed within {DEADLINE:?}");
+        assert!(
+            closed_after >= idle_timeout,
+            "{mode:?}: closed after {closed_after:?}, before the write timeout: \
+             a client that sent FIN may still read"
+        );
+        served.stop().await;
+    }
 }

@@ -14,6 +14,14 @@
 //! send records the error, shuts the socket down and drops the connection's queued batches. No
 //! batch crosses to another thread, and no thread is woken for it.
 //!
+//! A poll that completes without `POLLOUT` found no room: its client sent FIN, and io_uring
+//! reports `POLLRDHUP` whatever the poll asks for, so every poll of that full socket completes
+//! at once. Such a batch is not sent again at once (that loop would hold the thread and the
+//! ring's lock for good) but by the reaper, after [`RETRY_MIN`], doubled at each such wake
+//! without progress up to [`STALL_CHECK`]: a client that shut down its side may still read,
+//! and one that does not is given up at its write timeout, as with FIN or without, as the
+//! `writev` writer does (which waits for epoll's `EPOLLOUT`).
+//!
 //! What completes later (a `POLL_ADD` when the socket has room, a zero-copy notification) is
 //! signalled on the ring's eventfd (kept quiet while the ring is submitted, with
 //! `IORING_CQ_EVENTFD_DISABLED`: what completes within a submit is handled right after it),
@@ -114,6 +122,10 @@ pub const ZERO_COPY_MIN: usize = 10 * 1024;
 /// How often a ring's reaper looks for batches that wait for room longer than their
 /// connection's write timeout (while one waits).
 const STALL_CHECK: Duration = Duration::from_millis(250);
+/// How long a batch whose poll woke without room waits before it is sent again (see
+/// [`InFlight::wait_to_retry`]): doubled at each such wake without progress, up to
+/// [`STALL_CHECK`]; back to this once bytes go.
+const RETRY_MIN: Duration = Duration::from_millis(1);
 
 /// Faults a test can make a ring inject: the answers of kernels older than the test machine's,
 /// a failed `io_uring_enter`.
@@ -641,16 +653,22 @@ impl Drop for Local {
 
 /// A ring's reaper: handles the completions posted after their submit (its eventfd says when),
 /// and, while a job is parked on a full socket, shuts down the sockets of those that make no
-/// progress for their write timeout (every [`STALL_CHECK`]). Ends when its ring fails or goes.
+/// progress for their write timeout (every [`STALL_CHECK`]) and sends again those whose poll
+/// woke without room, once their wait is over ([`Jobs::check_stalls`]). Ends when its ring
+/// fails or goes.
 async fn reap(local: Weak<Local>, wake: AsyncFd<EventFd>, parked_job: Arc<Notify>) {
     loop {
-        let parked = {
+        // When to look at the parked jobs again; `None`: none is parked.
+        let next_look = {
             let Some(local) = local.upgrade() else { return };
             let mut state = lock(&local.state);
             if state.failed {
                 return;
             }
-            state.jobs.check_stalls()
+            let State { jobs, ready, .. } = &mut *state;
+            jobs.check_stalls(ready);
+            local.submit_ready(&mut state);
+            state.jobs.next_look()
         };
         tokio::select! {
             ready = wake.readable() => match ready {
@@ -668,8 +686,9 @@ async fn reap(local: Weak<Local>, wake: AsyncFd<EventFd>, parked_job: Arc<Notify
                     return;
                 }
             },
-            () = tokio::time::sleep(STALL_CHECK), if parked => {}
-            () = parked_job.notified(), if !parked => {}
+            () = tokio::time::sleep_until(next_look.unwrap_or_else(Instant::now).into()),
+                if next_look.is_some() => {}
+            () = parked_job.notified(), if next_look.is_none() => {}
         }
         let Some(local) = local.upgrade() else { return };
         let mut state = lock(&local.state);
@@ -738,7 +757,8 @@ fn cancel_each(state: &mut State) -> io::Result<()> {
         return Ok(());
     }
     // Each job being sent has one operation at most: its send, or its poll while parked (one
-    // still in `ready`, never pushed, gets ENOENT: harmless).
+    // still in `ready`, never pushed, or one waiting to be sent again after a poll that woke
+    // without room, has none: it gets ENOENT, harmless).
     let mut cancels = Vec::new();
     for (slot, in_flight) in state.jobs.sending.iter().enumerate() {
         let Some(in_flight) = in_flight.as_ref().filter(|job| !job.lingering) else { continue };
@@ -847,8 +867,14 @@ struct InFlight {
     msg: Box<libc::msghdr>,
     /// When it last sent something (or started).
     progress: Instant,
-    /// Waiting for room in the socket.
+    /// Waiting for room in the socket: its poll is pending, or (`retry_at`) none is.
     parked: bool,
+    /// Its last poll woke without room: no operation is pending, the reaper sends it again
+    /// from this time on ([`InFlight::wait_to_retry`]).
+    retry_at: Option<Instant>,
+    /// The wait after the next poll that wakes without room: [`RETRY_MIN`], doubled at each
+    /// such wake without progress, up to [`STALL_CHECK`].
+    retry_wait: Duration,
     /// Its socket was shut down for a stall (once).
     stalled: bool,
     /// Its sends go zero-copy (`SENDMSG_ZC`).
@@ -879,6 +905,8 @@ impl InFlight {
             msg: Box::new(msg),
             progress: Instant::now(),
             parked: false,
+            retry_at: None,
+            retry_wait: RETRY_MIN,
             stalled: false,
             zero_copy,
             zc_ioprio: ZC_REPORT_USAGE,
@@ -890,6 +918,7 @@ impl InFlight {
     /// The `SENDMSG` (or `SENDMSG_ZC`) of what is left (up to [`MAX_IOVECS`] chunks).
     fn send(&mut self, slot: usize) -> squeue::Entry {
         self.parked = false;
+        self.retry_at = None;
         self.iovecs.clear();
         for chunk in self.job.chunks[self.start..].iter().take(MAX_IOVECS) {
             self.iovecs
@@ -919,10 +948,22 @@ impl InFlight {
             .user_data(slot as u64 | POLL)
     }
 
+    /// Its poll woke without room: the client sent FIN (io_uring polls for `POLLRDHUP`
+    /// whatever the mask asks), and from then on every poll of the full socket completes at
+    /// once, so a send now would find it full again, in a loop. Yet the client may still read
+    /// (it shut down only its side): the job stays parked, with no operation pending, until the
+    /// reaper sends it again after `retry_wait` ([`Jobs::check_stalls`]), and it is given up
+    /// at the write timeout, as is any job whose client does not read.
+    fn wait_to_retry(&mut self) {
+        self.retry_at = Some(Instant::now() + self.retry_wait);
+        self.retry_wait = (self.retry_wait * 2).min(STALL_CHECK);
+    }
+
     /// Counts `sent` bytes off the front; whether everything is sent.
     fn advance(&mut self, sent: usize) -> bool {
         if sent > 0 {
             self.progress = Instant::now();
+            self.retry_wait = RETRY_MIN;
         }
         consume(&mut self.job.chunks, &mut self.start, sent)
     }
@@ -1062,13 +1103,14 @@ impl Jobs {
         }
     }
 
-    /// Shuts down the sockets of parked jobs without progress for their write timeout; their
-    /// polls then complete and their sends fail. Whether any job is parked.
-    fn check_stalls(&mut self) -> bool {
-        let mut parked = false;
-        for job in self.sending.iter_mut().flatten().filter(|j| j.parked) {
-            parked = true;
-            if !job.stalled && job.progress.elapsed() >= job.job.link.write_timeout {
+    /// Shuts down the sockets of parked jobs without progress for their write timeout (their
+    /// polls then complete and their sends fail), and sends again the jobs whose poll woke
+    /// without room once their wait is over (at once, if shut down).
+    fn check_stalls(&mut self, ready: &mut Vec<squeue::Entry>) {
+        let now = Instant::now();
+        for (slot, job) in self.sending.iter_mut().enumerate() {
+            let Some(job) = job.as_mut().filter(|j| j.parked) else { continue };
+            if !job.stalled && now.duration_since(job.progress) >= job.job.link.write_timeout {
                 job.stalled = true;
                 tracing::debug!(
                     "a client accepted no reply for {:?}, closing its connection",
@@ -1076,8 +1118,18 @@ impl Jobs {
                 );
                 job.job.link.shut_down(Shutdown::Both);
             }
+            if job.retry_at.is_some_and(|at| at <= now || job.stalled) {
+                ready.push(job.send(slot));
+            }
         }
-        parked
+    }
+
+    /// When the reaper is to look at the parked jobs again ([`Jobs::check_stalls`]): in
+    /// [`STALL_CHECK`], or sooner for a job waiting to be sent again; `None` if none is parked.
+    fn next_look(&self) -> Option<Instant> {
+        let later = Instant::now() + STALL_CHECK;
+        let parked = self.sending.iter().flatten().filter(|job| job.parked);
+        parked.map(|job| job.retry_at.map_or(later, |at| at.min(later))).min()
     }
 
     /// Gives every job up (the ring is gone). Only once no operation is pending on them.
@@ -1176,10 +1228,16 @@ fn complete(
         job.notifs += 1;
     }
     if data & POLL != 0 {
-        // Room in the socket, or an error the send will report.
         if res < 0 && res != -libc::EINTR {
             jobs.finish(slot, Err(io::Error::from_raw_os_error(-res)), ready);
+        } else if res >= 0 && res & i32::from(libc::POLLOUT) == 0 {
+            // No room (the client sent FIN: POLLRDHUP; anything else without POLLOUT alike):
+            // sent again a little later, not now.
+            job.wait_to_retry();
+            return true;
         } else {
+            // Room in the socket (an error, a shutdown, a reset come with POLLOUT: the send
+            // reports them).
             ready.push(job.send(slot));
         }
         return false;
@@ -1408,6 +1466,87 @@ mod fault_tests {
         // times it).
         wait_for("the stalled connection to be shut down", || stalled.failure().is_some());
         assert!(!stalled.sending());
+    }
+
+    /// Whether the client's FIN reached the daemon's end of `link`.
+    fn peer_sent_fin(link: &Link) -> bool {
+        let mut fd = libc::pollfd { fd: link.socket.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+        // SAFETY: one pollfd on the stack, for a call that does not wait.
+        let ready = unsafe { libc::poll(&mut fd, 1, 0) };
+        ready == 1 && fd.revents & libc::POLLRDHUP != 0
+    }
+
+    /// Most sends a batch may make to a client that sent FIN and reads nothing, from its
+    /// first send to its write timeout: a few fill the socket, then one per look of the
+    /// reaper. (A writer that resends whenever the socket's poll completes makes hundreds of
+    /// thousands: every poll of a half-closed socket completes at once, with `POLLRDHUP`.)
+    const FEW_SENDS: u64 = 100;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_sent_fin_and_reads_nothing_is_given_up_at_its_write_timeout_without_a_send_loop() {
+        let (rings, _hooks, metrics) = start();
+        let ring = rings.local().expect("a ring");
+        let write_timeout = Duration::from_secs(1);
+        let (client, link) = connection(true, true, write_timeout);
+        client.shutdown(std::net::Shutdown::Write).expect("FIN");
+        wait_for("the client's FIN to arrive", || peer_sent_fin(&link));
+
+        // Submitted at once (not from the ring's thread), on a thread of its own: a writer that
+        // resends in a loop under its ring's lock would never give the thread back.
+        let started = Instant::now();
+        let job = Job { link: Arc::clone(&link), chunks: batch(0, 64), slots: Vec::new(), close: true };
+        let submitter = {
+            let ring = ring.clone();
+            std::thread::spawn(move || ring.submit(job).is_ok())
+        };
+        let deadline = started + DEADLINE;
+        let over = || submitter.is_finished() && !link.sending();
+        while !over() && metrics.uring_io.sends.get() <= FEW_SENDS && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (sends, sending, given_up_after) = (metrics.uring_io.sends.get(), !over(), started.elapsed());
+        // Whatever happened, the send ends here (its socket shut down, its client reset), and
+        // the submitting thread with it.
+        link.shut_down(Shutdown::Both);
+        drop(client);
+        assert!(submitter.join().expect("the submitting thread"), "the ring took the batch");
+
+        assert!(sends <= FEW_SENDS, "{sends} sends to a full socket whose client sent FIN and reads nothing");
+        assert!(!sending, "the batch was not given up within {DEADLINE:?}");
+        assert!(link.failure().is_some(), "the connection was given up without an error");
+        assert!(
+            given_up_after >= write_timeout,
+            "given up after {given_up_after:?}, before its write timeout: \
+             a client that sent FIN may still read"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_sent_fin_and_reads_late_gets_every_byte() {
+        let (rings, _hooks, metrics) = start();
+        let ring = rings.local().expect("a ring");
+        let (mut client, link) = connection(true, true, Duration::from_secs(10));
+        client.shutdown(std::net::Shutdown::Write).expect("FIN");
+        wait_for("the client's FIN to arrive", || peer_sent_fin(&link));
+
+        let chunks = batch(0, 16);
+        let expected = bytes_of(&chunks);
+        let job = Job { link: Arc::clone(&link), chunks, slots: Vec::new(), close: true };
+        // On a thread of its own, as above.
+        let submitter = {
+            let ring = ring.clone();
+            std::thread::spawn(move || ring.submit(job).is_ok())
+        };
+        wait_for("the send to wait for room", || metrics.send_waits.get() > 0);
+        client.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+        let mut received = Vec::new();
+        let read = client.read_to_end(&mut received);
+        link.shut_down(Shutdown::Both);
+        assert!(submitter.join().expect("the submitting thread"), "the ring took the batch");
+
+        read.expect("read to FIN");
+        assert!(received == expected, "the bytes arrived whole and in order, then FIN");
+        assert_eq!(link.failure(), None);
     }
 
     /// Page bytes that count their owner's drop.
