@@ -7,9 +7,11 @@
 //! - [`http`]: the management API and its listener;
 //! - [`page_service`]: the TCP data path (GetPage, Ingest) and its wire protocol;
 //! - [`tenant_series`]: per-tenant metrics, exported for the busiest tenants only;
-//! - [`tenants`] / [`tenant`]: the tenants and the GetPage@LSN path;
+//! - [`tenants`] / [`tenant`]: the tenants and the GetPage@LSN path (with the WAL receiver and
+//!   the relation sizes the read path reads);
 //! - [`compaction`]: the time-sliced background compactor of a tenant;
 //! - [`walredo`]: the redo child process managers (sync, async and auto kinds) and their pools;
+//! - [`ingest`]: PostgreSQL's base backups and WAL records to values (pure);
 //! - [`storage`]: durable per-tenant storage (append log, immutable layers, layer map,
 //!   compaction passes);
 //! - [`page_cache`]: reconstructed pages, bounded in bytes;
@@ -22,6 +24,7 @@
 //! - [`logging`]: log setup (plain or JSON, never panics) and the panic hook;
 //! - [`fds`]: the descriptor limit and its split between connections and a reserve;
 //! - [`util`]: small shared pieces (the poison-tolerant `lock`);
+//! - [`postgres`]: the PostgreSQL protocol client (connection strings, replication, base backup);
 //! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary;
 //!   waits for a condition in unit tests.
 
@@ -32,10 +35,12 @@ pub mod executor_metrics;
 pub mod fds;
 pub mod heap;
 pub mod http;
+pub mod ingest;
 pub mod logging;
 pub mod metrics;
 pub mod page_cache;
 pub mod page_service;
+pub mod postgres;
 pub mod process_metrics;
 pub mod redo_budget;
 pub mod server;

@@ -40,6 +40,7 @@ use crate::util::{lock, Signal};
 use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
 mod data_checksums;
+pub mod rel_sizes;
 pub mod wal_receiver;
 
 use wal_receiver::{SourceFile, WalReceiver, WalSource, WalSourceStatus};
@@ -205,7 +206,7 @@ pub struct Tenant {
     /// Raised once it has a WAL source file (attached or detached): its keys are a PostgreSQL
     /// cluster's, whose relfilenodes can be dropped and reused, so a page read checks that its
     /// newest value is of the relation that has the relfilenode then
-    /// ([`wal_receiver::values::dropped_incarnation`]).
+    /// ([`rel_sizes::dropped_incarnation`]).
     pub(crate) follows_postgres: AtomicBool,
     /// Whether its cluster has data checksums, which pages get as they are built.
     pub(crate) data_checksums: data_checksums::DataChecksums,
@@ -276,14 +277,8 @@ impl Tenant {
         // sends the request the other way, which reads it off the executor.
         let version = self.timeline.version_at(key, lsn, DiskWait::Refused).ok()??;
         if self.follows_postgres.load(Ordering::Relaxed)
-            && wal_receiver::values::dropped_incarnation(
-                &self.timeline,
-                key,
-                Some(version),
-                lsn,
-                DiskWait::Refused,
-            )
-            .unwrap_or(true)
+            && rel_sizes::dropped_incarnation(&self.timeline, key, Some(version), lsn, DiskWait::Refused)
+                .unwrap_or(true)
         {
             return None;
         }
@@ -320,7 +315,7 @@ impl Tenant {
     }
 
     /// The number of blocks of `fork` of `rel` as of `lsn` (`None`: the fork does not exist
-    /// then), and the LSN served: [`wal_receiver::values::rel_size_at`] once `lsn` is durable.
+    /// then), and the LSN served: [`rel_sizes::rel_size_at`] once `lsn` is durable.
     pub async fn get_rel_size(
         &self,
         rel: RelTag,
@@ -331,11 +326,10 @@ impl Tenant {
             return Err(GetPageError::InvalidKey(format!("fork {fork} of {rel}: forks are 0 to 3")));
         }
         let lsn = self.wait_for(lsn).await?;
-        let blocks =
-            wal_receiver::values::rel_size_at(&self.timeline, rel, fork, lsn).await.map_err(|e| match e {
-                GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },
-                e => GetPageError::Internal(anyhow::Error::new(e)),
-            })?;
+        let blocks = rel_sizes::rel_size_at(&self.timeline, rel, fork, lsn).await.map_err(|e| match e {
+            GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },
+            e => GetPageError::Internal(anyhow::Error::new(e)),
+        })?;
         Ok((lsn, blocks))
     }
 
@@ -365,16 +359,10 @@ impl Tenant {
         if self.follows_postgres.load(Ordering::Relaxed) {
             let version = plan.as_ref().map(|p| p.newest_lsn());
             if version.is_none()
-                || wal_receiver::values::dropped_incarnation(
-                    &self.timeline,
-                    key,
-                    version,
-                    lsn,
-                    DiskWait::Allowed,
-                )
-                .map_err(read_error)?
+                || rel_sizes::dropped_incarnation(&self.timeline, key, version, lsn, DiskWait::Allowed)
+                    .map_err(read_error)?
             {
-                return match wal_receiver::values::unwritten_page(&self.timeline, key, lsn).await {
+                return match rel_sizes::unwritten_page(&self.timeline, key, lsn).await {
                     Ok(Some(page)) => Ok((lsn, page)),
                     Ok(None) => Err(GetPageError::NotFound { key, lsn }),
                     Err(e) => Err(read_error(e)),

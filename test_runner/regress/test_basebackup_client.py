@@ -1,4 +1,4 @@
-"""The pageserver's base backup client (`tenant/wal_receiver/pq.rs`, `tar.rs`, `import.rs`,
+"""The pageserver's base backup client (`postgres/pq.rs`, `ingest/tar.rs`, `ingest/import.rs`,
 driven by `pagectl basebackup`) against a real PostgreSQL 15: after pgbench's tables and a
 table in a tablespace of its own, it lists the same files with the same sizes as PostgreSQL's
 own `pg_basebackup -Ft`, classes every relation file as a relation segment (and the control

@@ -1,4 +1,4 @@
-"""The pageserver's replication client (`tenant/wal_receiver/pq.rs`, driven by `pagectl
+"""The pageserver's replication client (`postgres/pq.rs`, driven by `pagectl
 receivewal`) against a real PostgreSQL 15: the WAL it streams is byte for byte what the server
 wrote into its own `pg_wal`, it decodes like PostgreSQL's, the slot it reports to keeps what it
 has not made durable, and SCRAM authentication works with the right password and fails

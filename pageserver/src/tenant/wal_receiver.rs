@@ -1,12 +1,14 @@
 //! A tenant's WAL receiver: it follows a PostgreSQL 15 primary over physical replication
 //! (`PUT /v1/tenant/{id}/wal_source`), decodes the WAL with `page_types::wal` and stores each
-//! block reference as a value of the tenant ([`values`]), reporting what is durable back to the
+//! block reference as a value of the tenant ([`wal_values`]), reporting what is durable back to the
 //! primary's slot.
 //!
-//! - [`connstr`]: libpq keyword/value connection strings;
-//! - [`pq`]: the replication protocol client;
-//! - [`values`]: from a decoded record to the values stored;
-//! - this file: the source file of the tenant, the receiver task, its status.
+//! What it drives lives in rooms of its own: the protocol client (`crate::postgres`:
+//! [`connstr`], libpq connection strings; [`pq`], the replication protocol client), the pure
+//! ingest steps (`crate::ingest`: [`import`], a base backup to values; [`wal_values`], a
+//! decoded record to values, and the size cache [`wal_wal_values::RelSizes`]), and the sizes and
+//! drops read back from storage ([`rel_sizes`], beside it under `tenant`). This file: the
+//! source file of the tenant, the receiver task, its status.
 //!
 //! **The source file** `wal_source.json` in the tenant's directory holds the source (connection
 //! string, slot), the cluster it follows (system id, timeline, learned at the first connection)
@@ -45,14 +47,9 @@
 //! dropped every relation fork the interrupted attempt stored a size for that the new backup
 //! does not have, so nothing of the old attempt is seen above the new one.
 //!
-//! Layer: under `tenant`; it uses `storage` and `page_types::wal`, never `tenants`,
+//! Layer: under `tenant`; it uses `storage`, `ingest`, `postgres`, `tenant::rel_sizes` and
+//! `page_types::wal`, never `tenants`,
 //! `page_service` or `http`.
-
-pub mod connstr;
-pub mod import;
-pub mod pq;
-pub mod tar;
-pub mod values;
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -71,6 +68,9 @@ use bytes::Bytes;
 use page_types::keys;
 use page_types::BufferTag;
 
+use super::rel_sizes;
+use crate::ingest::{import, wal_values};
+use crate::postgres::{connstr, pq};
 use crate::storage::{IngestBatch, IngestError, Lsn, Timeline, Value};
 use crate::util::lock;
 use pq::{BackupMessage, ReplicationConn, ReplicationMessage};
@@ -347,7 +347,7 @@ impl WalReceiver {
         let cancel = tenant_cancel.child_token();
         let source = file.source.clone();
         let task = Task {
-            sizes: values::RelSizes::default(),
+            sizes: wal_values::RelSizes::default(),
             in_flight: InFlight::default(),
             dir,
             file,
@@ -528,7 +528,7 @@ impl InFlight {
 struct Task {
     /// The relation sizes as this connection's records left them (cleared at each connection:
     /// a failed batch may have lost what they say; bounded between messages).
-    sizes: values::RelSizes,
+    sizes: wal_values::RelSizes,
     /// This connection's batches not yet known durable; settled before the next connection
     /// resumes, so that it resumes after them.
     in_flight: InFlight,
@@ -588,7 +588,7 @@ impl Task {
 
     /// One connection: from connecting to the first error (or cancellation: `Ok`).
     async fn stream_once(&mut self) -> anyhow::Result<()> {
-        self.sizes = values::RelSizes::default();
+        self.sizes = wal_values::RelSizes::default();
         let config =
             connstr::parse(&self.file.source.postgres).map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
         let mut conn = tokio::select! {
@@ -732,7 +732,7 @@ impl Task {
                 self.load_sizes(&decoded, processed).await?;
                 let records = decoded.len() as u64;
                 for record in &decoded {
-                    values::record_values(record, &mut self.sizes, &mut values)?;
+                    wal_values::record_values(record, &mut self.sizes, &mut values)?;
                     last_end = Some(record.end_lsn.0);
                 }
                 // Between messages: what it forgets is loaded again (`load_sizes`) once this
@@ -788,7 +788,7 @@ impl Task {
         }
         self.in_flight.settle(&self.timeline, processed, true).await?;
         for (rel, fork) in missing {
-            let blocks = values::rel_size_at(&self.timeline, rel, fork, Lsn::LATEST)
+            let blocks = rel_sizes::rel_size_at(&self.timeline, rel, fork, Lsn::LATEST)
                 .await
                 .context("read relation sizes")?;
             self.sizes.insert(rel, fork, blocks);
@@ -829,7 +829,7 @@ impl Task {
         // The relation sizes an interrupted attempt may have stored.
         let stale: Vec<BufferTag> = if previous.is_some() {
             let tl = Arc::clone(&self.timeline);
-            tokio::task::spawn_blocking(move || values::rel_size_keys(&tl))
+            tokio::task::spawn_blocking(move || rel_sizes::rel_size_keys(&tl))
                 .await
                 .context("size keys task")?
                 .context("list the relation size keys")?
@@ -862,7 +862,7 @@ impl Task {
         let mut batches = ImportBatches::new(&self.timeline, backup.start_lsn)?;
         // Every relation an interrupted attempt stored is dropped below this attempt's values:
         // its pages this attempt does not store again (blocks past a size that shrank, a
-        // relation gone since) are not served as the relation's (`values::dropped_incarnation`).
+        // relation gone since) are not served as the relation's (`rel_sizes::dropped_incarnation`).
         let mut dropped: Vec<(BufferTag, Bytes)> = stale
             .iter()
             .filter_map(|k| match keys::classify(k) {

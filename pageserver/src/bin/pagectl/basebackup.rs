@@ -1,6 +1,6 @@
 //! `pagectl basebackup`: takes a base backup of a PostgreSQL 15 server with the pageserver's
-//! own replication client (`tenant::wal_receiver::pq`) and runs it through the importer
-//! (`tenant::wal_receiver::import`) without storing anything: an operator checks with it that
+//! own replication client (`postgres::pq`) and runs it through the importer
+//! (`ingest::import`) without storing anything: an operator checks with it that
 //! a source can be imported (address, authentication, replication permission, what it holds);
 //! the tests check the client, the tar reader and the file classes against `pg_basebackup`.
 //!
@@ -13,9 +13,9 @@
 
 use anyhow::Context;
 use page_types::Lsn;
-use pageserver::tenant::wal_receiver::connstr;
-use pageserver::tenant::wal_receiver::import::{ImportProgress, ImportedFile, Importer};
-use pageserver::tenant::wal_receiver::pq::{BackupMessage, ReplicationConn, Tablespace};
+use pageserver::ingest::import::{ImportProgress, ImportedFile, Importer};
+use pageserver::postgres::connstr;
+use pageserver::postgres::pq::{BackupMessage, ReplicationConn, Tablespace};
 
 /// The label the backup gets on the server (`backup_label`, `pg_stat_progress_basebackup`).
 const LABEL: &str = "pagectl basebackup";

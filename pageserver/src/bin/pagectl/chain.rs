@@ -1,7 +1,7 @@
 //! `pagectl chain`: cuts a chain of real PostgreSQL 15 records of one block out of WAL written
 //! with `wal_consistency_checking`, as a fixture for `bench_walredo`'s `pg15-*` workloads.
 //!
-//! It turns each record into the values the daemon stores (`wal_receiver::values`, as
+//! It turns each record into the values the daemon stores (`ingest::wal_values`, as
 //! `redocheck` does) and follows one block: a point where its page is known (an applied
 //! full-page image, or the check image of a record of the block: PostgreSQL's page after it)
 //! followed by `--records` N record values of the block, every one of the `pg15` family and
@@ -32,8 +32,8 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 use page_types::wal::DecodedRecord;
 use page_types::{BufferTag, Lsn};
+use pageserver::ingest::wal_values;
 use pageserver::storage::Value;
-use pageserver::tenant::wal_receiver::values;
 use walredo_proc::page::{set_page_lsn, Page, BLCKSZ};
 use walredo_proc::pg15::{mask, redo, Pg15Record};
 
@@ -147,7 +147,7 @@ fn busiest_block(args: &Args) -> anyhow::Result<(BufferTag, u64)> {
     let mut error = None;
     crate::waldump::for_each_record(&args.paths, args.start, args.end, &mut |rec| {
         let mut out = Vec::new();
-        if let Err(e) = values::block_values(rec, &mut out) {
+        if let Err(e) = wal_values::block_values(rec, &mut out) {
             error = Some(anyhow::Error::from(e).context(format!("values of the record at {}", rec.lsn)));
             return false;
         }
@@ -205,13 +205,14 @@ fn find(args: &Args, key: BufferTag) -> anyhow::Result<Chain> {
 /// Follows `key` through one WAL record; a chain once the N-th value with a check image is in.
 fn step(rec: &DecodedRecord, key: BufferTag, n: usize, search: &mut Search) -> anyhow::Result<Option<Chain>> {
     let mut out = Vec::new();
-    values::block_values(rec, &mut out).with_context(|| format!("values of the record at {}", rec.lsn))?;
+    wal_values::block_values(rec, &mut out)
+        .with_context(|| format!("values of the record at {}", rec.lsn))?;
     for (value_key, lsn, value) in out {
         if value_key != key {
             continue;
         }
         search.seen += 1;
-        let block = rec.blocks.iter().find(|b| values::key_of(b) == key);
+        let block = rec.blocks.iter().find(|b| wal_values::key_of(b) == key);
         let check = match block.and_then(|b| b.image.as_ref()) {
             Some(image) => {
                 Some(to_page(&image.restore_page().with_context(|| format!("check image at {}", rec.lsn))?)?)

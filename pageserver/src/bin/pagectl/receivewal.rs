@@ -1,5 +1,5 @@
 //! `pagectl receivewal`: streams WAL from a PostgreSQL 15 primary over physical replication,
-//! with the pageserver's own replication client (`tenant::wal_receiver::pq`), into segment
+//! with the pageserver's own replication client (`postgres::pq`), into segment
 //! files named and laid out as in `pg_wal` (as `pg_receivewal` does). An operator checks with it
 //! that a WAL source is reachable and streams (address, authentication, slot); the tests check
 //! the client with it against the server's own `pg_wal`, byte for byte.
@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use page_types::Lsn;
-use pageserver::tenant::wal_receiver::connstr;
-use pageserver::tenant::wal_receiver::pq::{ReplicationConn, ReplicationMessage};
+use pageserver::postgres::connstr;
+use pageserver::postgres::pq::{ReplicationConn, ReplicationMessage};
 
 /// How often the received position is reported (PostgreSQL's `wal_receiver_status_interval`).
 const STATUS_INTERVAL: Duration = Duration::from_secs(10);

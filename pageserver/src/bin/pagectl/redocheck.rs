@@ -3,7 +3,7 @@
 //!
 //! It reads WAL written with `wal_consistency_checking` (every record carries, for each block
 //! it changes, PostgreSQL's page after the record: a "check image"), turns each record into the
-//! values the daemon stores (`wal_receiver::values`), and for each block value that is a
+//! values the daemon stores (`ingest::wal_values`), and for each block value that is a
 //! record applies it with the child's redo (`walredo_proc::pg15::redo`) to the page the block
 //! had after its previous record (PostgreSQL's check image of that record, so that one wrong
 //! record does not hide or cause the next), then compares the result with this record's check
@@ -30,8 +30,8 @@ use std::time::Instant;
 use anyhow::Context;
 use page_types::wal::DecodedRecord;
 use page_types::{BufferTag, Lsn};
+use pageserver::ingest::wal_values;
 use pageserver::storage::Value;
-use pageserver::tenant::wal_receiver::values;
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::pg15::mask;
 use walredo_proc::pg15::redo::{self, RedoError};
@@ -121,10 +121,11 @@ fn check_record(
     show: usize,
 ) -> anyhow::Result<()> {
     let mut out = Vec::new();
-    values::block_values(rec, &mut out).with_context(|| format!("values of the record at {}", rec.lsn))?;
+    wal_values::block_values(rec, &mut out)
+        .with_context(|| format!("values of the record at {}", rec.lsn))?;
     let kind = walredo_proc::pg15::record_type_name(rec.rmid, rec.info);
     for (key, _, value) in out {
-        let block = rec.blocks.iter().find(|b| values::key_of(b) == key);
+        let block = rec.blocks.iter().find(|b| wal_values::key_of(b) == key);
         let check = match block.and_then(|b| b.image.as_ref()) {
             Some(image) => Some(image.restore_page().with_context(|| format!("check image at {}", rec.lsn))?),
             None => None,

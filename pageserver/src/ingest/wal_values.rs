@@ -20,19 +20,9 @@
 //! relation's size value, it means the relation is gone). A relation mapper update stores the
 //! new map file. What PostgreSQL does without WAL is not seen: the free space map is not
 //! WAL-logged (a standby keeps its own), and extensions that no record references yet (bulk
-//! extension under contention) appear when a record first uses the block.
-//!
-//! **The sizes an interrupted import stored** ([`rel_size_keys`], which a retry marks dropped
-//! where its backup lacks them) are found without reading the key space, whose every key a
-//! whole-tenant listing would hold at once (gigabytes for a terabyte cluster). In key order a
-//! relation's size keys follow its pages (forks 0 to 3, then sizes at 0x80 up), so they are
-//! not one range a range read could take; a skip scan of each layer goes from a relation's
-//! first key to just below its sizes and from there to the next relation
-//! (`keys::rel_sizes_skip`), reading at most one index block per key it lands on. Its memory
-//! is the size keys, one per relation fork, whatever the relations' pages. Recording the keys
-//! each attempt stores (in `wal_source.json` or a file of their own) would bound it as well,
-//! but adds durable state to keep in step with storage across crashes, and an import
-//! interrupted by an earlier build would have no such record; the scan needs neither.
+//! extension under contention) appear when a record first uses the block. Reading them back
+//! (a fork's size at an LSN, whether a page belongs to a dropped incarnation) is the read
+//! path's, `tenant/rel_sizes.rs`; [`RelSizes`] here is only the receiver's cache of them.
 //!
 //! Invariant: pure; a record that cannot be stored (an image that does not restore, a record
 //! too long for the family's encoding) is an error naming its LSN, never a value dropped.
@@ -53,7 +43,7 @@ use walredo_proc::pg15::{
     FLAG_WILL_INIT, HEAPBLOCKS_PER_VM_PAGE, VM_ALL_FROZEN, VM_ALL_VISIBLE,
 };
 
-use crate::storage::{DiskWait, GetError, ReadLimits, Timeline, Value};
+use crate::storage::Value;
 
 /// Why a record could not become values.
 #[derive(Debug, thiserror::Error)]
@@ -71,9 +61,10 @@ pub enum ValueError {
 
 /// The sizes of the relation forks the receiver has seen: `Some(blocks)`, or `None` for a fork
 /// that does not exist (never created, or dropped). A fork not in the map is unknown: the
-/// caller loads what [`RelSizes::missing`] lists (from storage, see [`rel_size_at`]) before
-/// [`record_values`] needs it; an unknown fork counts as absent there. Bounded between
-/// messages ([`RelSizes::trim`]): a forgotten fork is unknown again.
+/// caller loads what [`RelSizes::missing`] lists (from storage, see
+/// `tenant::rel_sizes::rel_size_at`) before [`record_values`] needs it; an unknown fork counts
+/// as absent there. Bounded between messages ([`RelSizes::trim`]): a forgotten fork is unknown
+/// again.
 #[derive(Debug, Default)]
 pub struct RelSizes {
     known: HashMap<(RelTag, u8), Option<u32>>,
@@ -192,41 +183,6 @@ impl RelSizes {
 /// all lie at its end LSN (no two records share one), and that only appends to `out`.
 type SizeSlots = HashMap<BufferTag, usize>;
 
-/// The size of `fork` of `rel` as of `lsn` from `timeline`: `None` if it does not exist then
-/// (no size value, the dropped marker, or a drop of its database newer than its size value).
-/// A value read like a page's image (no redo), through [`Timeline::read_planned`]: for the page
-/// service's GetRelSize and for the receiver's sizes alike.
-pub async fn rel_size_at(
-    timeline: &Timeline,
-    rel: RelTag,
-    fork: u8,
-    lsn: Lsn,
-) -> Result<Option<u32>, GetError> {
-    let limits = ReadLimits { max_records: 0, max_bytes: page_types::PAGE_SIZE as u64 };
-    let data = match timeline.plan_read_async(rel.size_key(fork), lsn, limits).await {
-        Ok(plan) => timeline.read_planned(plan).await?,
-        Err(GetError::NotFound { .. }) => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let dropped = timeline.version_at(keys::db_drop_key(rel.spcnode, rel.dbnode), lsn, DiskWait::Allowed)?;
-    let bad = |what: String| GetError::Io(anyhow::anyhow!("the size of {rel} fork {fork}: {what}"));
-    let Some((at, bytes)) = &data.image else {
-        return Err(bad("the size key holds records, not a value".into()));
-    };
-    let blocks = keys::decode_rel_size(bytes).map_err(|e| bad(format!("at {at}: {e}")))?;
-    Ok(blocks.filter(|_| dropped.is_none_or(|d| d < *at)))
-}
-
-/// Every relation size key `timeline` holds, in key order (the sizes an interrupted import
-/// may have stored), by a skip scan ([`Timeline::scan_keys`], [`keys::rel_sizes_skip`]): at
-/// most an index block per relation and size key in each layer, whatever the relations' pages.
-/// Blocking: call it from a blocking thread.
-pub fn rel_size_keys(timeline: &Timeline) -> anyhow::Result<Vec<BufferTag>> {
-    timeline
-        .scan_keys(&|key| matches!(keys::classify(key), keys::KeyKind::RelSize { .. }), &keys::rel_sizes_skip)
-}
-
-/// What redo does after restoring an image: `pd_lsn` becomes the record's end LSN, unless the
 /// page is new (`pd_upper` 0, which PostgreSQL leaves as it is).
 fn set_page_lsn(page: &mut [u8], lsn: Lsn) {
     if let Ok(page) = <&mut Page>::try_from(page) {
@@ -234,38 +190,6 @@ fn set_page_lsn(page: &mut [u8], lsn: Lsn) {
             page::set_page_lsn(page, lsn.0);
         }
     }
-}
-
-/// Whether the newest value of relation page `key` at or below `lsn`, at `version` (`None`: it
-/// has none), belongs to a dropped incarnation of its relfilenode: a drop of its relation or of
-/// its database lies above it, at or below `lsn`. The page PostgreSQL has then is not that
-/// value: a block the new relation extended to without WAL (bulk extension) reads as zeros, a
-/// block past its end does not exist ([`unwritten_page`]). Reads only the index.
-pub fn dropped_incarnation(
-    timeline: &Timeline,
-    key: BufferTag,
-    version: Option<Lsn>,
-    lsn: Lsn,
-    wait: DiskWait,
-) -> Result<bool, GetError> {
-    let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
-    let newer = |drop: Option<Lsn>| drop.is_some_and(|d| version.is_none_or(|v| v < d));
-    Ok(newer(timeline.version_at(rel.drop_key(), lsn, wait)?)
-        || newer(timeline.version_at(keys::db_drop_key(key.spcnode, key.dbnode), lsn, wait)?))
-}
-
-/// What PostgreSQL reads at relation page `key` as of `lsn` when no value written to that
-/// block belongs to the relation then: within the fork's size, a page it extended to without
-/// WAL (all zeros); past it, or in a fork that does not exist, nothing (`Ok(None)`).
-pub async fn unwritten_page(
-    timeline: &Timeline,
-    key: BufferTag,
-    lsn: Lsn,
-) -> Result<Option<Bytes>, GetError> {
-    static ZERO_PAGE: [u8; page_types::PAGE_SIZE] = [0; page_types::PAGE_SIZE];
-    let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
-    let size = rel_size_at(timeline, rel, key.forknum, lsn).await?;
-    Ok(size.filter(|n| key.blknum < *n).map(|_| Bytes::from_static(&ZERO_PAGE)))
 }
 
 /// The page key of a block reference.
@@ -342,7 +266,7 @@ pub fn record_values(
             sizes.set(rel, fork, None, lsn, out, &mut slots);
         }
         // Pages of this incarnation are not the pages of a relation that reuses its
-        // relfilenode later (see `dropped_incarnation`).
+        // relfilenode later (see `tenant::rel_sizes::dropped_incarnation`).
         if dropped.insert(rel) {
             out.push((rel.drop_key(), lsn, Value::Image(Bytes::new())));
         }
@@ -934,57 +858,6 @@ mod tests {
         sizes.insert(rel(), MAIN_FORK, None);
         sizes.trim();
         assert_eq!(sizes.known.len(), kept + 1);
-    }
-
-    #[tokio::test]
-    async fn rel_size_keys_read_index_blocks_per_relation_not_per_page() {
-        use crate::storage::{IngestBatch, StorageConf, StorageMetrics};
-        const PAGES: u32 = 3000;
-        let dir = tempfile::tempdir().unwrap();
-        let metrics = std::sync::Arc::new(StorageMetrics::unregistered());
-        let tl = Timeline::open(dir.path(), StorageConf::default(), metrics).unwrap();
-        let rels: Vec<RelTag> = (0..6).map(|i| RelTag { relnode: 16384 + i, ..rel() }).collect();
-        let size = |blocks: Option<u32>| Value::Image(Bytes::from(keys::encode_rel_size(blocks)));
-        let ingest = |lsn: u64, values: Vec<(BufferTag, Value)>| {
-            let values = values.into_iter().map(|(k, v)| (k, Lsn(lsn), v)).collect();
-            tl.ingest(IngestBatch { values })
-        };
-        let pages = |r: RelTag, fork: u8| {
-            (0..PAGES).map(move |b| (r.page(fork, b), Value::Record(Bytes::from_static(b"r"))))
-        };
-        // A first layer: the cluster's other keys, every relation's pages (the main fork, and
-        // the map of one), and the sizes of four of them.
-        let mut others: Vec<(BufferTag, Value)> =
-            (0..32).map(|p| (keys::slru_page_key(keys::SlruKind::Clog, 0, p), size(None))).collect();
-        others.push((keys::control_file_key(), size(None)));
-        others.push((keys::relmap_key(1663, 5), size(None)));
-        others.push((keys::db_drop_key(1663, 4), size(None)));
-        ingest(1, others).await.unwrap();
-        for (i, r) in rels.iter().enumerate() {
-            ingest(2 + i as u64, pages(*r, MAIN_FORK).collect()).await.unwrap();
-        }
-        ingest(10, pages(rels[1], VM_FORK).collect()).await.unwrap();
-        let mut want =
-            vec![rels[0].size_key(0), rels[1].size_key(0), rels[1].size_key(2), rels[3].size_key(0)];
-        ingest(11, want.iter().map(|k| (*k, size(Some(PAGES)))).collect()).await.unwrap();
-        tl.freeze().await.unwrap();
-        // A second layer: more pages, a dropped marker; the active segment: one more size.
-        ingest(20, pages(rels[2], MAIN_FORK).chain(pages(rels[5], MAIN_FORK)).collect()).await.unwrap();
-        ingest(21, vec![(rels[4].size_key(0), size(None)), (rels[0].size_key(0), size(None))]).await.unwrap();
-        tl.freeze().await.unwrap();
-        ingest(30, vec![(rels[5].size_key(1), size(Some(1)))]).await.unwrap();
-        want.extend([rels[4].size_key(0), rels[5].size_key(1)]);
-        want.sort();
-
-        let before = tl.index_blocks_read();
-        assert_eq!(rel_size_keys(&tl).unwrap(), want);
-        let (after, blocks) = tl.index_blocks_read();
-        // What a scan is led to in each layer: the first key of each relation (and of each
-        // other key's group), and each size key; at most one index block for each.
-        let read = after - before.0;
-        let led_to = 2 * (rels.len() + 4 + want.len() + 1) as u64;
-        assert!(read <= led_to, "{read} index blocks of {blocks} read for {} size keys", want.len());
-        assert!(blocks > 4 * led_to, "a test with only {blocks} index blocks shows nothing");
     }
 
     #[test]

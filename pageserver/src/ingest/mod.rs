@@ -1,0 +1,17 @@
+//! From what a PostgreSQL 15 primary sends to the values a tenant stores: the pure steps of
+//! ingest, with no I/O and no tenant of their own (the WAL receiver drives them and stores
+//! their values; `pagectl` drives them without storing).
+//!
+//! - [`tar`]: an incremental reader of a base backup's tar archives;
+//! - [`import`]: a base backup's archives to values (relation blocks, sizes, SLRU pages,
+//!   `pg_control`, relation maps), in bounded batches;
+//! - [`wal_values`]: a decoded WAL record to values (images, `pg15` records, visibility-map
+//!   clears, relation sizes and drops), and [`wal_values::RelSizes`], the receiver's cache of
+//!   relation sizes.
+//!
+//! Invariant: pure, no I/O (each file's doc gives its own invariants). Layer: above `storage` (it speaks its `Value`), below `tenant`; it reads nothing
+//! back from a timeline (that is `tenant::rel_sizes`).
+
+pub mod import;
+pub mod tar;
+pub mod wal_values;
