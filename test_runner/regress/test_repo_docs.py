@@ -1,5 +1,7 @@
 """The repository's own documents: every `*.md` a file of the repo cites exists in the repo
-(a reader cannot follow a reference to notes that were never committed)."""
+(a reader cannot follow a reference to notes that were never committed), and every source path
+the documents name (`dir/file.rs`, `.py`, `.sh`, in backquotes) is a file of the repo (a map
+that names a module that does not exist, or no longer does, misleads its reader)."""
 
 from __future__ import annotations
 
@@ -32,3 +34,20 @@ def test_every_cited_markdown_document_is_in_the_repo():
             if not ((REPO / ref).is_file() or (path.parent / ref).is_file()):
                 missing.append(f"{path.relative_to(REPO)} cites {ref}")
     assert not missing, "\n".join(sorted(missing))
+
+
+# A path in backquotes with at least one directory: `storage/index.rs`, `scripts/test.sh`.
+SOURCE_REF = re.compile(r"`([A-Za-z0-9_./-]+/[A-Za-z0-9_.-]+\.(?:rs|py|sh))`")
+
+
+def test_every_source_path_the_documents_name_exists():
+    files = [str(p.relative_to(REPO)) for p in tracked_files()]
+    docs = [REPO / "ARCHITECTURE.md", REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    missing = []
+    for doc in docs:
+        for ref in sorted(set(SOURCE_REF.findall(doc.read_text()))):
+            # Paths are written from the repository's root or from a crate's or module's
+            # directory named nearby (`storage/index.rs` for pageserver/src/storage/index.rs).
+            if not any(f == ref or f.endswith("/" + ref) for f in files):
+                missing.append(f"{doc.relative_to(REPO)} names {ref}")
+    assert not missing, "\n".join(missing)
