@@ -678,12 +678,8 @@ impl Worker {
     /// remembered ([`Unredoable`]).
     async fn rebuild(&self, req: ImageRequest) -> anyhow::Result<(Option<Bytes>, Duration)> {
         let (key, lsn) = (req.key, req.lsn);
-        let (values, bytes) = (req.values(), req.bytes());
-        // As a GetPage counts it: the values, the lists of them, the request's own bytes and
-        // the reply.
-        let holds = bytes
-            + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
-            + crate::walredo::redo_overhead(values, bytes);
+        // As a GetPage counts it.
+        let holds = crate::walredo::reconstruction_bytes(req.values(), req.bytes());
         let waiting = Instant::now();
         let _reserved = loop {
             let reserved = tokio::select! {

@@ -374,14 +374,8 @@ impl Tenant {
         if let Some(page) = self.deps.cache.get(&cache_key) {
             return Ok((lsn, page));
         }
-        // Reserve the memory before reading; held until the page is built. Everything the
-        // reconstruction holds counts: what it reads, its lists of values, the redo request's
-        // own bytes (its frames and short records; it sends the image and long records from
-        // where they were read) and the reply.
-        let (values, bytes) = (plan.values(), plan.bytes());
-        let holds = bytes
-            + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
-            + crate::walredo::redo_overhead(values, bytes);
+        // Reserve the memory before reading; held until the page is built.
+        let holds = crate::walredo::reconstruction_bytes(plan.values(), plan.bytes());
         // Biased: a budget with room answers at once, and then the cancellation is not
         // polled (which would register with the tenant's token, a lock every request takes).
         let _reserved = tokio::select! {

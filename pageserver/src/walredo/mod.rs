@@ -201,11 +201,17 @@ impl WalRedoConf {
     }
 }
 
-/// Bytes a redo of `records` records of `bytes` bytes in all holds beyond the image and records
-/// themselves: the frames of its request (which sends the image and the long records from where
-/// they were read, and copies only short ones) and the reply. For the redo memory budget.
-pub fn redo_overhead(records: usize, bytes: u64) -> u64 {
-    Request::overhead(records, bytes) + request::REPLY_BYTES
+/// Bytes the reconstruction of a page from `values` values (an image and records) of `bytes`
+/// bytes in all holds while it runs: the values read, the two lists of them (storage's and the
+/// redo request's), the frames of the request (which sends the image and the long records from
+/// where they were read, and copies only short ones) and the reply. What a GetPage and a
+/// compaction image reserve of the redo memory budget before they read: one formula, so that
+/// both count alike.
+pub fn reconstruction_bytes(values: usize, bytes: u64) -> u64 {
+    bytes
+        + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
+        + Request::overhead(values, bytes)
+        + request::REPLY_BYTES
 }
 
 /// The path of `walredo-proc` next to the running executable (how the daemon is shipped).
