@@ -392,11 +392,15 @@ impl Tenant {
                 self.walredo.request_redo(key, lsn.0, image.map(|(_, page)| page), &records).await?
             }
         };
-        let page = self
-            .data_checksums
-            .apply(&self.timeline, key, lsn, page)
-            .await
-            .map_err(GetPageError::Internal)?;
+        // Only a PostgreSQL cluster's import stores a pg_control that can ask for checksums.
+        let page = match self.follows_postgres.load(Ordering::Relaxed) {
+            true => self
+                .data_checksums
+                .apply(&self.timeline, key, lsn, page)
+                .await
+                .map_err(GetPageError::Internal)?,
+            false => page,
+        };
         self.deps.cache.insert(cache_key, &page);
         Ok((lsn, page))
     }

@@ -9,9 +9,9 @@
 //! (`page_types::keys::control_file_key`) and nothing rewrites, read the first time a page is
 //! built and kept while the tenant is loaded. A cluster's setting cannot change while it runs
 //! (`pg_checksums` works on a stopped cluster), and a restart of the daemon reads it again from
-//! storage: nothing new to persist. A tenant without the file (its values came through the page
-//! service, or its import has not stored it yet) serves pages as stored and looks for the file
-//! again at the next page it builds: an index lookup per rebuilt page, never per cache hit.
+//! storage: nothing new to persist. Only a tenant that follows PostgreSQL asks (its
+//! `follows_postgres`; a tenant fed through the page service never has the file); one without
+//! the file yet serves pages as stored and looks for it again at the next page it builds.
 //!
 //! Cost, for clusters with data checksums only: one pass over the page per rebuilt page, and a
 //! copy of it where the stored checksum was not already right.
