@@ -60,6 +60,11 @@ pub struct RelTag {
 }
 
 impl RelTag {
+    /// The relation that `key` (a page, a size or a drop marker of a relation) names.
+    pub fn of(key: &BufferTag) -> RelTag {
+        RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode }
+    }
+
     /// The key whose values mark the drops of this relation (every fork).
     pub fn drop_key(self) -> BufferTag {
         BufferTag {
@@ -175,7 +180,7 @@ pub enum KeyKind {
 
 /// What `key` names.
 pub fn classify(key: &BufferTag) -> KeyKind {
-    let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
+    let rel = RelTag::of(key);
     match key.forknum {
         f if f <= MAX_FORK => KeyKind::RelPage,
         f if (REL_SIZE_FORK..=REL_SIZE_FORK + MAX_FORK).contains(&f) && key.blknum == 0 => {

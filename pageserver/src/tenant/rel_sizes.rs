@@ -75,7 +75,7 @@ pub fn dropped_incarnation(
     lsn: Lsn,
     wait: DiskWait,
 ) -> Result<bool, GetError> {
-    let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
+    let rel = RelTag::of(&key);
     let newer = |drop: Option<Lsn>| drop.is_some_and(|d| version.is_none_or(|v| v < d));
     Ok(newer(timeline.version_at(rel.drop_key(), lsn, wait)?)
         || newer(timeline.version_at(keys::db_drop_key(key.spcnode, key.dbnode), lsn, wait)?))
@@ -90,7 +90,7 @@ pub async fn unwritten_page(
     lsn: Lsn,
 ) -> Result<Option<Bytes>, GetError> {
     static ZERO_PAGE: [u8; page_types::PAGE_SIZE] = [0; page_types::PAGE_SIZE];
-    let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
+    let rel = RelTag::of(&key);
     let size = rel_size_at(timeline, rel, key.forknum, lsn).await?;
     Ok(size.filter(|n| key.blknum < *n).map(|_| Bytes::from_static(&ZERO_PAGE)))
 }

@@ -803,11 +803,9 @@ impl Task {
         let mut file = self.file.clone();
         change(&mut file);
         let dir = self.dir.clone();
-        let written = file.clone();
-        tokio::task::spawn_blocking(move || write_source_file(&dir, &written))
+        self.file = tokio::task::spawn_blocking(move || write_source_file(&dir, &file).map(|()| file))
             .await
             .context("write task")??;
-        self.file = file;
         Ok(())
     }
 

@@ -312,7 +312,7 @@ impl Sender {
                 low + self.rng.below(high - low + 1)
             }
         };
-        let rel = RelTag { spcnode: key.spcnode, dbnode: key.dbnode, relnode: key.relnode };
+        let rel = RelTag::of(&key);
         let fork = key.forknum;
         self.writer.send(&match self.shared.request {
             RequestKind::Page => ClientMessage::GetPage { request_id, key, lsn },
