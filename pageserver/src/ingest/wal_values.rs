@@ -5,7 +5,9 @@
 //! that ended at or before X.
 //!
 //! Check-only images (`wal_consistency_checking`, without `BKPIMAGE_APPLY`) are not stored:
-//! the block gets the record, as if there were no image.
+//! the block gets the record, as if there were no image. An applied image gets what the
+//! record's redo does to a restored image besides (`redo_restored_image`: a GiST left child's
+//! NSN and `F_FOLLOW_RIGHT`, changed by the primary after it logged the image).
 //!
 //! Heap records whose flags say they cleared a heap page's visibility-map bits
 //! (`ALL_VISIBLE_CLEARED`, `ALL_FROZEN_CLEARED`) change a page they do not reference, the map's:
@@ -38,6 +40,7 @@ use page_types::wal::rmgr::{
 use page_types::wal::DecodedRecord;
 use page_types::{BufferTag, Lsn};
 use walredo_proc::page::{self, pd_upper, Page};
+use walredo_proc::pg15::redo::redo_restored_image;
 use walredo_proc::pg15::{
     record_type_name, BlockHeader, Pg15Record, VmClear, VmTruncate, FLAG_HAD_IMAGE, FLAG_HAS_DATA,
     FLAG_WILL_INIT, HEAPBLOCKS_PER_VM_PAGE, VM_ALL_FROZEN, VM_ALL_VISIBLE,
@@ -441,6 +444,10 @@ pub fn block_values(
                     source,
                 })?;
                 set_page_lsn(&mut page, lsn);
+                // What redo does to the restored image (a GiST left child's NSN and flag).
+                if let Ok(page) = <&mut Page>::try_from(&mut page[..]) {
+                    redo_restored_image(record.rmid, record.info, block.id, lsn.0, page);
+                }
                 Value::Image(Bytes::from(page))
             }
             _ => {
@@ -658,6 +665,38 @@ mod tests {
         let mut out = Vec::new();
         block_values(&lock, &mut out).unwrap();
         assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn an_applied_image_of_a_gist_left_child_gets_the_nsn_and_loses_follow_right() {
+        // A GiST leaf image with F_FOLLOW_RIGHT (0x08) set, NSN 0, special space at 8176.
+        let mut image = block(1, Some((true, 8176)));
+        let mut page = vec![0u8; 8192];
+        page[12..14].copy_from_slice(&24u16.to_le_bytes());
+        page[14..16].copy_from_slice(&8176u16.to_le_bytes());
+        page[16..18].copy_from_slice(&8176u16.to_le_bytes());
+        page[8176 + 12] = 0x01 | 0x08;
+        if let Some(img) = image.image.as_mut() {
+            img.bytes = Bytes::from(page);
+        }
+        let mut rec = record(vec![block(0, None), image]);
+        (rec.rmid, rec.info, rec.main_data) = (14, 0x00, Bytes::from_static(&[0, 0, 1, 0]));
+        let mut out = Vec::new();
+        block_values(&rec, &mut out).unwrap();
+        let Value::Image(child) = &out[1].2 else { panic!("block 1 carries an applied image") };
+        assert_eq!(&child[8176..8184], &[1, 0, 0, 0, 0x68, 0x20, 0, 0], "NSN: the record's end");
+        assert_eq!(child[8176 + 12], 0x01, "F_FOLLOW_RIGHT cleared");
+        // The same image for a Heap record's block, or GiST's block 0 of PAGE_UPDATE: as it is.
+        for (rmid, id) in [(10, 1), (14, 0)] {
+            let mut img = rec.blocks[1].clone();
+            img.id = id;
+            let mut other = record(vec![img]);
+            (other.rmid, other.info) = (rmid, 0x00);
+            let mut out = Vec::new();
+            block_values(&other, &mut out).unwrap();
+            let Value::Image(page) = &out[0].2 else { panic!() };
+            assert_eq!(page[8176 + 12], 0x09, "rmgr {rmid} block {id}");
+        }
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! PostgreSQL 15's page masks (`rm_mask`): what a page may differ in after redo without being
 //! wrong, as `wal_consistency_checking` compares a replayed page with the primary's.
 //!
-//! `heap_mask` (heapam.c) and `btree_mask` (nbtxlog.c), with the `bufmask.c` helpers they call.
+//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c) and `gist_mask` (gistxlog.c), with the
+//! `bufmask.c` helpers they call.
 //! The redo child does not use them; they live beside the redo routines (as PostgreSQL keeps
 //! each `rm_mask` beside its `rm_redo`) so that every checker of this redo masks alike:
 //! `pagectl redocheck` and `pagectl chain`, and the `pg15-*` workloads of `bench_walredo`.
@@ -11,10 +12,11 @@
 
 use crate::page::BLCKSZ;
 
-use super::redo::{RM_BTREE, RM_HEAP, RM_HEAP2};
+use super::redo::{RM_BTREE, RM_GIST, RM_HEAP, RM_HEAP2};
 
 /// Masks `page` as PostgreSQL masks the pages of `rmid`'s records: `heap_mask` for Heap and
-/// Heap2, `btree_mask` for Btree, LSN and checksum only for any other resource manager.
+/// Heap2, `btree_mask` for Btree, `gist_mask` for Gist, LSN and checksum only for any other
+/// resource manager.
 pub fn mask(rmid: u8, page: &mut [u8]) {
     if page.len() != BLCKSZ {
         return;
@@ -22,6 +24,7 @@ pub fn mask(rmid: u8, page: &mut [u8]) {
     match rmid {
         RM_HEAP | RM_HEAP2 => heap_mask(page),
         RM_BTREE => btree_mask(page),
+        RM_GIST => gist_mask(page),
         _ => mask_lsn_and_checksum(page),
     }
 }
@@ -115,16 +118,7 @@ pub fn btree_mask(page: &mut [u8]) {
     }
     let flags = u16_at(page, special + 12) as u16;
     if flags & 0x01 != 0 {
-        let lower = u16_at(page, 12).clamp(24, BLCKSZ);
-        for at in (24..lower).step_by(4) {
-            if at + 4 <= BLCKSZ {
-                let raw = u32::from_le_bytes([page[at], page[at + 1], page[at + 2], page[at + 3]]);
-                if (raw >> 15) & 3 != 0 {
-                    let unused = raw & !(3 << 15);
-                    page[at..at + 4].copy_from_slice(&unused.to_le_bytes());
-                }
-            }
-        }
+        mask_lp_flags(page);
     }
     let special = u16_at(page, 16);
     if special + 16 <= BLCKSZ && special >= 24 {
@@ -132,6 +126,41 @@ pub fn btree_mask(page: &mut [u8]) {
         page[special + 12..special + 14].copy_from_slice(&flags.to_le_bytes());
         page[special + 14..special + 16].fill(0);
     }
+}
+
+/// `mask_lp_flags`: every used line pointer's flags made `LP_UNUSED` (hint bits such as
+/// `LP_DEAD` that an index sets without WAL).
+fn mask_lp_flags(page: &mut [u8]) {
+    let lower = u16_at(page, 12).clamp(24, BLCKSZ);
+    for at in (24..lower).step_by(4) {
+        if at + 4 <= BLCKSZ {
+            let raw = u32::from_le_bytes([page[at], page[at + 1], page[at + 2], page[at + 3]]);
+            if (raw >> 15) & 3 != 0 {
+                let unused = raw & !(3 << 15);
+                page[at..at + 4].copy_from_slice(&unused.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// `gist_mask` (gistxlog.c): LSN, checksum, hint bits, the hole; the NSN, `F_FOLLOW_RIGHT`
+/// (set on both: the primary clears it on a split's left child after logging the record that
+/// does it in redo), a leaf's line pointer flags, `F_HAS_GARBAGE` (redo never sets it).
+pub fn gist_mask(page: &mut [u8]) {
+    use super::gist::{F_FOLLOW_RIGHT, F_HAS_GARBAGE, F_LEAF};
+    mask_lsn_and_checksum(page);
+    mask_hint_bits(page);
+    mask_unused_space(page);
+    let special = u16_at(page, 16);
+    if special < 24 || special + 16 > BLCKSZ {
+        return;
+    }
+    page[special..special + 8].fill(0);
+    let flags = u16_at(page, special + 12) as u16 | F_FOLLOW_RIGHT;
+    if flags & F_LEAF != 0 {
+        mask_lp_flags(page);
+    }
+    page[special + 12..special + 14].copy_from_slice(&(flags & !F_HAS_GARBAGE).to_le_bytes());
 }
 
 #[cfg(test)]
@@ -157,9 +186,35 @@ mod tests {
     }
 
     #[test]
+    fn gist_mask_ignores_nsn_follow_right_garbage_and_leaf_lp_flags_but_not_the_rightlink() {
+        let mut page = vec![0u8; BLCKSZ];
+        page[12..14].copy_from_slice(&28u16.to_le_bytes());
+        page[14..16].copy_from_slice(&8160u16.to_le_bytes());
+        page[16..18].copy_from_slice(&8176u16.to_le_bytes());
+        let lp: u32 = 8160 | (1 << 15) | (16 << 17);
+        page[24..28].copy_from_slice(&lp.to_le_bytes());
+        page[8176 + 12] = 0x01; // F_LEAF
+        page[8176 + 14..8176 + 16].copy_from_slice(&0xFF81u16.to_le_bytes());
+        let mut other = page.clone();
+        other[8176..8184].copy_from_slice(&[0, 0, 0, 1, 0x28, 0, 0, 0]); // the NSN
+        other[8176 + 12] |= 0x08 | 0x10; // F_FOLLOW_RIGHT, F_HAS_GARBAGE
+        other[24 + 2] |= 0x01; // LP_NORMAL -> LP_DEAD: lp_flags' high bit
+        assert_eq!(first_difference(RM_GIST, &page, &other), None);
+        other[8176 + 12] |= 0x04; // F_TUPLES_DELETED is not masked
+        assert_eq!(first_difference(RM_GIST, &page, &other), Some(8176 + 12));
+        other[8176 + 12] &= !0x04;
+        other[8176 + 8] = 7; // the rightlink
+        assert_eq!(first_difference(RM_GIST, &page, &other), Some(8176 + 8));
+        other[8176 + 8] = 0;
+        page[8176 + 12] = 0; // an inner page keeps its line pointer flags
+        other[8176 + 12] = 0;
+        assert_eq!(first_difference(RM_GIST, &page, &other), Some(26));
+    }
+
+    #[test]
     fn masks_never_panic_on_a_page_with_a_nonsense_header() {
         let mut page = vec![0xffu8; BLCKSZ];
-        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, 0] {
+        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_GIST, 0] {
             mask(rmid, &mut page);
         }
         assert_eq!(&page[..10], &[0u8; 10]);

@@ -15,7 +15,7 @@
 //! `target` is the block id the value is for; flags: [`FLAG_WILL_INIT`], [`FLAG_HAS_DATA`] (the
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
-//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`visibilitymap`]); a record it
+//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gist`], [`visibilitymap`]); a record it
 //! does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
@@ -27,6 +27,7 @@
 
 pub mod btree;
 pub mod bufpage;
+pub mod gist;
 pub mod heap;
 pub mod mask;
 pub mod redo;
@@ -273,9 +274,9 @@ impl<'a> Pg15Record<'a> {
     }
 }
 
-/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `XLOG FPI`, ...: the names of
-/// PostgreSQL 15's `heapdesc.c`, `nbtdesc.c` and `xlogdesc.c` for the families this project
-/// redoes, `<rmgr> info 0x..` for the others.
+/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `Gist PAGE_SPLIT`, `XLOG FPI`, ...: the
+/// names of PostgreSQL 15's `heapdesc.c`, `nbtdesc.c`, `gistdesc.c` and `xlogdesc.c` for the
+/// families this project redoes, `<rmgr> info 0x..` for the others.
 pub fn record_type_name(rmid: u8, info: u8) -> String {
     let rmgr = page_types::wal::rmgr::rmgr_name(rmid).unwrap_or(std::borrow::Cow::Borrowed("invalid"));
     let op = info & 0x70;
@@ -314,6 +315,15 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
             0xC0 => Some("VACUUM"),
             0xD0 => Some("REUSE_PAGE"),
             0xE0 => Some("META_CLEANUP"),
+            _ => None,
+        },
+        redo::RM_GIST => match info & 0xF0 {
+            0x00 => Some("PAGE_UPDATE"),
+            0x10 => Some("DELETE"),
+            0x20 => Some("PAGE_REUSE"),
+            0x30 => Some("PAGE_SPLIT"),
+            0x60 => Some("PAGE_DELETE"),
+            0x70 => Some("ASSIGN_LSN"),
             _ => None,
         },
         page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
@@ -487,6 +497,7 @@ mod tests {
         assert_eq!(record_type_name(9, 0x10), "Heap2 PRUNE");
         assert_eq!(record_type_name(11, 0x40), "Btree SPLIT_R");
         assert_eq!(record_type_name(0, 0xA0), "XLOG FPI");
+        assert_eq!(record_type_name(14, 0x30), "Gist PAGE_SPLIT");
         assert_eq!(record_type_name(13, 0x20), "Gin info 0x20");
     }
 
