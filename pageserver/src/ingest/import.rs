@@ -48,7 +48,7 @@ use super::tar::{TarError, TarEvent, TarReader};
 /// Most values in one batch of [`Importer::next_batch`].
 pub const BATCH_VALUES: usize = 256;
 /// PostgreSQL's block size.
-const BLCKSZ: usize = 8192;
+const BLCKSZ: usize = page_types::PAGE_SIZE;
 /// Blocks in a relation segment file (`RELSEG_SIZE`, 1 GiB).
 pub const RELSEG_BLOCKS: u32 = 131_072;
 /// `pg_global` and `pg_default`.
