@@ -1,7 +1,8 @@
 //! PostgreSQL 15's page masks (`rm_mask`): what a page may differ in after redo without being
 //! wrong, as `wal_consistency_checking` compares a replayed page with the primary's.
 //!
-//! `heap_mask` (heapam.c) and `btree_mask` (nbtxlog.c), with the `bufmask.c` helpers they call.
+//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c), `seq_mask` (sequence.c) and `generic_mask`
+//! (generic_xlog.c), with the `bufmask.c` helpers they call.
 //! The redo child does not use them; they live beside the redo routines (as PostgreSQL keeps
 //! each `rm_mask` beside its `rm_redo`) so that every checker of this redo masks alike:
 //! `pagectl redocheck` and `pagectl chain`, and the `pg15-*` workloads of `bench_walredo`.
@@ -11,10 +12,10 @@
 
 use crate::page::BLCKSZ;
 
-use super::redo::{RM_BTREE, RM_HEAP, RM_HEAP2};
+use super::redo::{RM_BTREE, RM_GENERIC, RM_HEAP, RM_HEAP2, RM_SEQ};
 
-/// Masks `page` as PostgreSQL masks the pages of `rmid`'s records: `heap_mask` for Heap and
-/// Heap2, `btree_mask` for Btree, LSN and checksum only for any other resource manager.
+/// Masks `page` as PostgreSQL masks the pages of `rmid`'s records (its `rm_mask`), LSN and
+/// checksum only for a resource manager without one here.
 pub fn mask(rmid: u8, page: &mut [u8]) {
     if page.len() != BLCKSZ {
         return;
@@ -22,6 +23,8 @@ pub fn mask(rmid: u8, page: &mut [u8]) {
     match rmid {
         RM_HEAP | RM_HEAP2 => heap_mask(page),
         RM_BTREE => btree_mask(page),
+        RM_SEQ => seq_mask(page),
+        RM_GENERIC => generic_mask(page),
         _ => mask_lsn_and_checksum(page),
     }
 }
@@ -134,6 +137,19 @@ pub fn btree_mask(page: &mut [u8]) {
     }
 }
 
+/// `seq_mask` (sequence.c): LSN, checksum, the hole. (The tuple is compared whole: replay
+/// rebuilds it from the record, as the primary wrote it when it logged it.)
+pub fn seq_mask(page: &mut [u8]) {
+    mask_lsn_and_checksum(page);
+    mask_unused_space(page);
+}
+
+/// `generic_mask` (generic_xlog.c): LSN, checksum, the hole.
+pub fn generic_mask(page: &mut [u8]) {
+    mask_lsn_and_checksum(page);
+    mask_unused_space(page);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,9 +173,28 @@ mod tests {
     }
 
     #[test]
+    fn seq_and_generic_masks_ignore_the_lsn_and_the_hole_only() {
+        let mut page = vec![0u8; BLCKSZ];
+        page[12..14].copy_from_slice(&28u16.to_le_bytes());
+        page[14..16].copy_from_slice(&8136u16.to_le_bytes());
+        page[16..18].copy_from_slice(&8184u16.to_le_bytes());
+        for rmid in [RM_SEQ, RM_GENERIC] {
+            let mut other = page.clone();
+            other[3] = 1; // pd_lsn
+            other[1000] = 1; // the hole
+            assert_eq!(first_difference(rmid, &page, &other), None);
+            other[20] = 1; // pd_prune_xid: not a hint here
+            assert_eq!(first_difference(rmid, &page, &other), Some(20));
+            other[20] = 0;
+            other[8140] = 1; // the tuple
+            assert_eq!(first_difference(rmid, &page, &other), Some(8140));
+        }
+    }
+
+    #[test]
     fn masks_never_panic_on_a_page_with_a_nonsense_header() {
         let mut page = vec![0xffu8; BLCKSZ];
-        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, 0] {
+        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_SEQ, RM_GENERIC, 0] {
             mask(rmid, &mut page);
         }
         assert_eq!(&page[..10], &[0u8; 10]);

@@ -15,8 +15,8 @@
 //! `target` is the block id the value is for; flags: [`FLAG_WILL_INIT`], [`FLAG_HAS_DATA`] (the
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
-//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`visibilitymap`]); a record it
-//! does not apply yet fails its request with `unsupported_record`, naming the resource manager
+//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`visibilitymap`], [`sequence`],
+//! [`generic`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
 //! (the record's target block). [`redo`] dispatches to the routines, so they do not import it
@@ -27,9 +27,11 @@
 
 pub mod btree;
 pub mod bufpage;
+pub mod generic;
 pub mod heap;
 pub mod mask;
 pub mod redo;
+pub mod sequence;
 pub mod visibilitymap;
 
 use page_types::MAX_RECORD_LEN;
@@ -273,9 +275,10 @@ impl<'a> Pg15Record<'a> {
     }
 }
 
-/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `XLOG FPI`, ...: the names of
-/// PostgreSQL 15's `heapdesc.c`, `nbtdesc.c` and `xlogdesc.c` for the families this project
-/// redoes, `<rmgr> info 0x..` for the others.
+/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `Sequence LOG`, `XLOG FPI`, ...: the
+/// resource manager and the operation as `pg_waldump` names them (PostgreSQL 15's `*desc.c`
+/// `rm_identify`; Generic WAL's one operation is `Generic`, so `Generic Generic`) for the
+/// families this project redoes, `<rmgr> info 0x..` for the others.
 pub fn record_type_name(rmid: u8, info: u8) -> String {
     let rmgr = page_types::wal::rmgr::rmgr_name(rmid).unwrap_or(std::borrow::Cow::Borrowed("invalid"));
     let op = info & 0x70;
@@ -316,6 +319,8 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
             0xE0 => Some("META_CLEANUP"),
             _ => None,
         },
+        redo::RM_SEQ => (info & 0xF0 == 0).then_some("LOG"),
+        redo::RM_GENERIC => Some("Generic"),
         page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
             0xA0 => Some("FPI"),
             0xB0 => Some("FPI_FOR_HINT"),
@@ -488,6 +493,8 @@ mod tests {
         assert_eq!(record_type_name(11, 0x40), "Btree SPLIT_R");
         assert_eq!(record_type_name(0, 0xA0), "XLOG FPI");
         assert_eq!(record_type_name(13, 0x20), "Gin info 0x20");
+        assert_eq!(record_type_name(15, 0x02), "Sequence LOG");
+        assert_eq!(record_type_name(20, 0x00), "Generic Generic");
     }
 
     #[test]
