@@ -1,8 +1,8 @@
 //! PostgreSQL 15's page masks (`rm_mask`): what a page may differ in after redo without being
 //! wrong, as `wal_consistency_checking` compares a replayed page with the primary's.
 //!
-//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c), `seq_mask` (sequence.c) and `generic_mask`
-//! (generic_xlog.c), with the `bufmask.c` helpers they call.
+//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c), `seq_mask` (sequence.c), `generic_mask`
+//! (generic_xlog.c) and `brin_mask` (brin_xlog.c), with the `bufmask.c` helpers they call.
 //! The redo child does not use them; they live beside the redo routines (as PostgreSQL keeps
 //! each `rm_mask` beside its `rm_redo`) so that every checker of this redo masks alike:
 //! `pagectl redocheck` and `pagectl chain`, and the `pg15-*` workloads of `bench_walredo`.
@@ -12,7 +12,8 @@
 
 use crate::page::BLCKSZ;
 
-use super::redo::{RM_BTREE, RM_GENERIC, RM_HEAP, RM_HEAP2, RM_SEQ};
+use super::brin::{BRIN_EVACUATE_PAGE, BRIN_PAGETYPE_META, BRIN_PAGETYPE_REGULAR};
+use super::redo::{RM_BRIN, RM_BTREE, RM_GENERIC, RM_HEAP, RM_HEAP2, RM_SEQ};
 
 /// Masks `page` as PostgreSQL masks the pages of `rmid`'s records (its `rm_mask`), LSN and
 /// checksum only for a resource manager without one here.
@@ -25,6 +26,7 @@ pub fn mask(rmid: u8, page: &mut [u8]) {
         RM_BTREE => btree_mask(page),
         RM_SEQ => seq_mask(page),
         RM_GENERIC => generic_mask(page),
+        RM_BRIN => brin_mask(page),
         _ => mask_lsn_and_checksum(page),
     }
 }
@@ -150,6 +152,26 @@ pub fn generic_mask(page: &mut [u8]) {
     mask_unused_space(page);
 }
 
+/// `brin_mask` (brin_xlog.c): LSN, checksum, hint bits; the hole of a regular page, and of a
+/// metapage whose `pd_lower` is past the header (a revmap page's entries lie in its "hole");
+/// and `BRIN_EVACUATE_PAGE`, which is not WAL-logged. PostgreSQL 15 does not mask that flag,
+/// later releases do: the tuple moves of an evacuation are UPDATE records whose old page the
+/// primary had flagged (a PostgreSQL 15 standby checking them reports an inconsistent page).
+pub fn brin_mask(page: &mut [u8]) {
+    mask_lsn_and_checksum(page);
+    mask_hint_bits(page);
+    let special = u16_at(page, 16);
+    if special < 24 || special + 8 > BLCKSZ {
+        return;
+    }
+    let page_type = u16_at(page, special + 6) as u16;
+    if page_type == BRIN_PAGETYPE_REGULAR || (page_type == BRIN_PAGETYPE_META && u16_at(page, 12) > 24) {
+        mask_unused_space(page);
+    }
+    let flags = u16_at(page, special + 4) as u16 & !BRIN_EVACUATE_PAGE;
+    page[special + 4..special + 6].copy_from_slice(&flags.to_le_bytes());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,9 +214,33 @@ mod tests {
     }
 
     #[test]
+    fn brin_mask_ignores_the_hole_of_regular_pages_and_the_evacuate_flag_but_not_revmap_entries() {
+        let brin_page = |page_type: u16| {
+            let mut page = vec![0u8; BLCKSZ];
+            page[12..14].copy_from_slice(&28u16.to_le_bytes());
+            page[14..16].copy_from_slice(&8100u16.to_le_bytes());
+            page[16..18].copy_from_slice(&8184u16.to_le_bytes());
+            page[8190..8192].copy_from_slice(&page_type.to_le_bytes());
+            page
+        };
+        let regular = brin_page(BRIN_PAGETYPE_REGULAR);
+        let mut other = regular.clone();
+        other[1000] = 1; // the hole
+        other[8188] = 1; // BRIN_EVACUATE_PAGE
+        other[10] = 0x02; // PD_PAGE_FULL
+        assert_eq!(first_difference(RM_BRIN, &regular, &other), None);
+        other[8189] = 1; // another flag
+        assert_eq!(first_difference(RM_BRIN, &regular, &other), Some(8189));
+        let revmap = brin_page(0xF092);
+        let mut other = revmap.clone();
+        other[1000] = 1; // a revmap entry: not masked
+        assert_eq!(first_difference(RM_BRIN, &revmap, &other), Some(1000));
+    }
+
+    #[test]
     fn masks_never_panic_on_a_page_with_a_nonsense_header() {
         let mut page = vec![0xffu8; BLCKSZ];
-        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_SEQ, RM_GENERIC, 0] {
+        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_SEQ, RM_GENERIC, RM_BRIN, 0] {
             mask(rmid, &mut page);
         }
         assert_eq!(&page[..10], &[0u8; 10]);

@@ -16,7 +16,7 @@
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
 //! [`redo`] applies the family to pages ([`heap`], [`btree`], [`visibilitymap`], [`sequence`],
-//! [`generic`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
+//! [`generic`], [`brin`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
 //! (the record's target block). [`redo`] dispatches to the routines, so they do not import it
@@ -25,6 +25,7 @@
 //! Invariants: pure, no I/O; [`Pg15Record::decode`] never panics on input and checks every
 //! length; [`Pg15Record::encode`] never writes more than [`MAX_RECORD_LEN`] bytes.
 
+pub mod brin;
 pub mod btree;
 pub mod bufpage;
 pub mod generic;
@@ -321,6 +322,11 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
         },
         redo::RM_SEQ => (info & 0xF0 == 0).then_some("LOG"),
         redo::RM_GENERIC => Some("Generic"),
+        redo::RM_BRIN => {
+            ["CREATE_INDEX", "INSERT", "UPDATE", "SAMEPAGE_UPDATE", "REVMAP_EXTEND", "DESUMMARIZE"]
+                .get(usize::from(op >> 4))
+                .copied()
+        }
         page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
             0xA0 => Some("FPI"),
             0xB0 => Some("FPI_FOR_HINT"),
@@ -330,7 +336,7 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
     };
     match name {
         Some(name)
-            if (rmid == redo::RM_HEAP || rmid == redo::RM_HEAP2)
+            if matches!(rmid, redo::RM_HEAP | redo::RM_HEAP2 | redo::RM_BRIN)
                 && info & 0x80 != 0
                 && matches!(name, "INSERT" | "UPDATE" | "HOT_UPDATE" | "MULTI_INSERT") =>
         {
@@ -495,6 +501,9 @@ mod tests {
         assert_eq!(record_type_name(13, 0x20), "Gin info 0x20");
         assert_eq!(record_type_name(15, 0x02), "Sequence LOG");
         assert_eq!(record_type_name(20, 0x00), "Generic Generic");
+        assert_eq!(record_type_name(17, 0xA2), "BRIN UPDATE+INIT");
+        assert_eq!(record_type_name(17, 0x50), "BRIN DESUMMARIZE");
+        assert_eq!(record_type_name(17, 0x02), "BRIN CREATE_INDEX");
     }
 
     #[test]
