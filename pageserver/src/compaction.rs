@@ -843,18 +843,19 @@ mod tests {
         }
     }
 
-    /// A PostgreSQL 15 Sequence LOG record of `key` ending at `lsn`, as the WAL receiver stores
-    /// it: a record the redo child does not apply yet (`unsupported_record`).
-    fn sequence_log(key: BufferTag, lsn: u64) -> Value {
+    /// A PostgreSQL 15 Heap2 NEW_CID record given for `key`, ending at `lsn`: a record the
+    /// redo child never applies (it changes no page; `unsupported_record`).
+    fn unredoable(key: BufferTag, lsn: u64) -> Value {
         let record = walredo_proc::pg15::Pg15Record {
-            rmid: 15,
-            info: 0x00,
+            rmid: 9,
+            info: 0x70,
             xid: 1,
             lsn: lsn - 1,
             end_lsn: lsn,
             target: 0,
             blocks: vec![walredo_proc::pg15::BlockHeader {
                 id: 0,
+                // Never skipped as already in the page, whatever the page's LSN.
                 flags: walredo_proc::pg15::FLAG_WILL_INIT,
                 fork: key.forknum,
                 spcnode: key.spcnode,
@@ -863,7 +864,7 @@ mod tests {
                 blkno: key.blknum,
                 data: &[],
             }],
-            main_data: &[0; 16],
+            main_data: &[0; 34],
         };
         let mut out = Vec::new();
         record.encode(&mut out).unwrap();
@@ -878,15 +879,15 @@ mod tests {
                 .unwrap();
         let settings = CompactionSettings { mode: CompactionMode::Off, ..CompactionSettings::default() };
         let threshold = settings.image_threshold as u64;
-        // Two keys, each a chain of more than `compaction_image_threshold` records with a
-        // Sequence record near its start.
+        // Two keys, each a chain of more than `compaction_image_threshold` records with an
+        // unredoable record near its start.
         let (a, b) = (KEY, BufferTag { blknum: 8, ..KEY });
         let mut values = Vec::new();
         for key in [a, b] {
             values.push((key, Lsn(1), encode(Record::InitPage { special_size: 0 })));
         }
         for key in [a, b] {
-            values.push((key, Lsn(2), sequence_log(key, 2)));
+            values.push((key, Lsn(2), unredoable(key, 2)));
         }
         // Records the child can redo, on both keys at each LSN of `lsns`.
         let put_bytes = |values: &mut Vec<_>, lsns: std::ops::RangeInclusive<u64>, offset: u16| {
@@ -926,8 +927,8 @@ mod tests {
         assert_eq!(requests(), 2);
         assert_eq!(compactor.status().unredoable_keys, 2);
 
-        // Then `a` gets more records (its chain still holds the Sequence record) and `b` a page
-        // image above its Sequence record, with a chain above that the child can redo.
+        // Then `a` gets more records (its chain still holds the unredoable record) and `b` a page
+        // image above its unredoable record, with a chain above that the child can redo.
         let mut values = vec![(b, Lsn(100), Value::Image(Bytes::from(vec![0u8; 8192])))];
         put_bytes(&mut values, 101..=100 + threshold, 200);
         timeline.ingest(IngestBatch { values }).await.unwrap();
@@ -937,7 +938,7 @@ mod tests {
         assert_eq!(
             requests(),
             3,
-            "one redo request, for the key imaged above its Sequence record: {second:?}"
+            "one redo request, for the key imaged above its unredoable record: {second:?}"
         );
         assert_eq!((second.stats.images_created, second.stats.image_failures), (1, 0), "{second:?}");
         assert_eq!(second.stats.images_skipped, 1, "{second:?}");

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """The long form of test_pg15_redo.py's record-by-record check: a longer PostgreSQL 15 workload
-with `wal_consistency_checking = 'all'`, and every Heap, Heap2 and Btree record of it (not a
-sample) applied with the child's redo and compared with PostgreSQL's page.
+with `wal_consistency_checking = 'all'`, and every record of it that the child applies (not a
+sample: Heap, Heap2, Btree, Sequence, Generic, BRIN) applied with the child's redo and compared
+with PostgreSQL's page.
 
 Not a test (pytest collects only test_*.py); it runs for minutes and writes gigabytes of WAL.
 
     cargo build --release --bin pagectl
     python3 test_runner/performance/redo_soak.py --bin-dir target/release --seconds 10 \\
-        [--workload redo_mix] [--workload btree_edges] [--keep DIR]
+        [--workload redo_mix] [--workload btree_edges] [--workload brin] [--keep DIR]
 
 For each workload of `fixtures.pg_workloads` it records the WAL (`record_pg_wal.py`), runs
 `pagectl redocheck` on it, prints matched/checked per record type, and exits 1 if any page

@@ -3,7 +3,7 @@ block reference of the WAL it streams becomes exactly one value, and every visib
 heap record clears bits of without referencing it one more (both counted from PostgreSQL's own
 `pg_waldump`: its block references and its record flags), also across a kill -9 of the daemon; a page whose newest value is an applied
 full-page image is served with the record's LSN; a page rebuilt by Heap redo is PostgreSQL's; a
-page that needs a record the child does not apply (a sequence's) fails alone with
+page that needs a record the child does not apply (a GIN index's metapage) fails alone with
 `unsupported_record` naming it; bad sources and detaching behave."""
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
     # The first change after the checkpoint logs the page's image; the second only a record.
     pg.sql("UPDATE pgbench_branches SET bbalance = bbalance + 1")
     pg.sql("UPDATE pgbench_branches SET bbalance = bbalance + 1")
-    # A sequence's page changes by Sequence LOG records, which the child does not apply.
-    pg.sql("CREATE SEQUENCE seq")
-    pg.sql("SELECT nextval('seq') FROM generate_series(1, 100)")
+    # A GIN index's metapage changes by Gin records (each insert into its pending list), which
+    # the child does not apply yet.
+    gin_inserts(pg, 100)
     s = caught_up(ps, tenant, pg)
     durable = s["wal_source"]["durable_lsn"]
     assert s["wal_source"]["lag_bytes"] >= 0 and s["wal_source"]["last_message"]
@@ -129,11 +129,11 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
         assert heap_mask(page) == heap_mask(path.read_bytes()[:8192])
         # A map page whose newest value is a derived clear is rebuilt too (VISIBLE, then clears).
         assert len(conn.get_page(sorted(last_vm, key=lambda k: k.blknum)[0], durable)) == 8192
-        # A sequence's page fails alone, naming the record the child does not apply.
-        seq = int(pg.sql("select pg_relation_filenode('seq')"))
+        # The GIN metapage fails alone, naming the record the child does not apply.
+        gin = int(pg.sql("select pg_relation_filenode('gin_a')"))
         with pytest.raises(PageServiceError) as e:
-            conn.get_page(Key(1663, dbnode, seq, 0, 0), durable)
-        assert e.value.name == "unsupported_record" and "Sequence" in str(e.value), e.value
+            conn.get_page(Key(1663, dbnode, gin, 0, 0), durable)
+        assert e.value.name == "unsupported_record" and "Gin" in str(e.value), e.value
         # The connection and the tenant serve on.
         start, next_start, key = fpis[0]
         assert len(conn.get_page(key, next_start)) == 8192
@@ -379,8 +379,7 @@ def test_compaction_and_gc_keep_what_the_child_cannot_redo_yet_and_every_page_ab
     # After a checkpoint, each page's first change logs its image: about 8 MiB of them.
     pg.sql("CHECKPOINT")
     pg.sql("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 100 = 0")
-    pg.sql("CREATE SEQUENCE seq")
-    pg.sql("SELECT nextval('seq') FROM generate_series(1, 200)")
+    gin_inserts(pg, 200)
     s = caught_up(ps, tenant, pg)
     durable = s["wal_source"]["durable_lsn"]
     cutoff = durable - (4 << 20)
@@ -415,6 +414,15 @@ def test_compaction_and_gc_keep_what_the_child_cannot_redo_yet_and_every_page_ab
     assert r.status == 200, r.body
     p2 = r.body["pass"]
     assert p2["image_failures"] == 0 and p2["images_skipped"] == p["image_failures"], (p, p2)
+
+
+def gin_inserts(pg: Postgres, rows: int) -> None:
+    """A GIN index (built empty: its pages logged as images) and `rows` inserts into it, each
+    one Gin records on its metapage (fast update: the pending list), which the redo child does
+    not apply yet."""
+    pg.sql("CREATE TABLE gin_t (a int[])")
+    pg.sql("CREATE INDEX gin_a ON gin_t USING gin (a)")
+    pg.sql(f"INSERT INTO gin_t SELECT array[i, i + 1] FROM generate_series(1, {rows}) i")
 
 
 def fork_sizes(pg: Postgres, where: str) -> dict:

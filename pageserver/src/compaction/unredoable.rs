@@ -1,9 +1,9 @@
 //! The keys whose record chain the redo child cannot redo, as a tenant's compactor remembers
 //! them, so that a pass does not ask for the same failing page again on every pass.
 //!
-//! A chain that holds a record the child does not apply (`unsupported_record`: a Sequence
-//! record at every logged `nextval`, until the child applies them) fails the same way each
-//! time it is redone. The child's error names the failing record's LSN (docs/walredo-protocol.md:
+//! A chain that holds a record the child does not apply (`unsupported_record`: a Gin record at
+//! every insert into a GIN index's pending list, until the child applies them) fails the same
+//! way each time it is redone. The child's error names the failing record's LSN (docs/walredo-protocol.md:
 //! "names the LSN of the failing record"); the compactor keeps it per key and skips a piece of
 //! the key's chain that holds it. What can make the redo succeed again is a newer image of the
 //! key above that record (the chain then starts above it), or a new child binary (a restart,
@@ -116,7 +116,7 @@ mod tests {
     #[test]
     fn a_failing_record_is_skipped_until_a_chain_starts_at_or_above_it() {
         let mut u = Unredoable::default();
-        let e = unsupported("record at LSN 0/28: Sequence info 0x00: not applied by this walredo-proc");
+        let e = unsupported("record at LSN 0/28: Gin info 0x20: not applied by this walredo-proc");
         u.failed(key(1), &records(&[0x20, 0x28, 0x30]), &e);
         assert_eq!(u.len(), 1);
         // From nothing or from an image below it, up to it or beyond: it would fail again.
@@ -142,11 +142,11 @@ mod tests {
             message: "record at LSN 0/28: does not fit".into(),
         };
         u.failed(key(1), &recs, &other);
-        u.failed(key(1), &recs, &unsupported("record at LSN 0/99: Sequence info 0x00"));
-        u.failed(key(1), &recs, &unsupported("Sequence info 0x00"));
+        u.failed(key(1), &recs, &unsupported("record at LSN 0/99: Gin info 0x20"));
+        u.failed(key(1), &recs, &unsupported("Gin info 0x20"));
         u.failed(key(1), &recs, &RedoError::Timeout(std::time::Duration::from_secs(1)));
         assert_eq!(u.len(), 0);
-        u.failed(key(1), &recs, &unsupported("record at LSN 0/20: Sequence info 0x00"));
+        u.failed(key(1), &recs, &unsupported("record at LSN 0/20: Gin info 0x20"));
         assert!(u.fails(key(1), None, Lsn(0x28)));
     }
 

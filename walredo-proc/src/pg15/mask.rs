@@ -1,8 +1,8 @@
 //! PostgreSQL 15's page masks (`rm_mask`): what a page may differ in after redo without being
 //! wrong, as `wal_consistency_checking` compares a replayed page with the primary's.
 //!
-//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c) and `gist_mask` (gistxlog.c), with the
-//! `bufmask.c` helpers they call.
+//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c), `gist_mask` (gistxlog.c), `seq_mask`
+//! (sequence.c), `generic_mask` (generic_xlog.c) and `brin_mask` (brin_xlog.c), with the `bufmask.c` helpers they call.
 //! The redo child does not use them; they live beside the redo routines (as PostgreSQL keeps
 //! each `rm_mask` beside its `rm_redo`) so that every checker of this redo masks alike:
 //! `pagectl redocheck` and `pagectl chain`, and the `pg15-*` workloads of `bench_walredo`.
@@ -12,11 +12,11 @@
 
 use crate::page::BLCKSZ;
 
-use super::redo::{RM_BTREE, RM_GIST, RM_HEAP, RM_HEAP2};
+use super::brin::{BRIN_EVACUATE_PAGE, BRIN_PAGETYPE_META, BRIN_PAGETYPE_REGULAR};
+use super::redo::{RM_BRIN, RM_BTREE, RM_GENERIC, RM_GIST, RM_HEAP, RM_HEAP2, RM_SEQ};
 
-/// Masks `page` as PostgreSQL masks the pages of `rmid`'s records: `heap_mask` for Heap and
-/// Heap2, `btree_mask` for Btree, `gist_mask` for Gist, LSN and checksum only for any other
-/// resource manager.
+/// Masks `page` as PostgreSQL masks the pages of `rmid`'s records (its `rm_mask`), LSN and
+/// checksum only for a resource manager without one here.
 pub fn mask(rmid: u8, page: &mut [u8]) {
     if page.len() != BLCKSZ {
         return;
@@ -25,6 +25,9 @@ pub fn mask(rmid: u8, page: &mut [u8]) {
         RM_HEAP | RM_HEAP2 => heap_mask(page),
         RM_BTREE => btree_mask(page),
         RM_GIST => gist_mask(page),
+        RM_SEQ => seq_mask(page),
+        RM_GENERIC => generic_mask(page),
+        RM_BRIN => brin_mask(page),
         _ => mask_lsn_and_checksum(page),
     }
 }
@@ -163,6 +166,39 @@ pub fn gist_mask(page: &mut [u8]) {
     page[special + 12..special + 14].copy_from_slice(&(flags & !F_HAS_GARBAGE).to_le_bytes());
 }
 
+/// `seq_mask` (sequence.c): LSN, checksum, the hole. (The tuple is compared whole: replay
+/// rebuilds it from the record, as the primary wrote it when it logged it.)
+pub fn seq_mask(page: &mut [u8]) {
+    mask_lsn_and_checksum(page);
+    mask_unused_space(page);
+}
+
+/// `generic_mask` (generic_xlog.c): LSN, checksum, the hole.
+pub fn generic_mask(page: &mut [u8]) {
+    mask_lsn_and_checksum(page);
+    mask_unused_space(page);
+}
+
+/// `brin_mask` (brin_xlog.c): LSN, checksum, hint bits; the hole of a regular page, and of a
+/// metapage whose `pd_lower` is past the header (a revmap page's entries lie in its "hole");
+/// and `BRIN_EVACUATE_PAGE`, which is not WAL-logged. PostgreSQL 15 does not mask that flag,
+/// later releases do: the tuple moves of an evacuation are UPDATE records whose old page the
+/// primary had flagged (a PostgreSQL 15 standby checking them reports an inconsistent page).
+pub fn brin_mask(page: &mut [u8]) {
+    mask_lsn_and_checksum(page);
+    mask_hint_bits(page);
+    let special = u16_at(page, 16);
+    if special < 24 || special + 8 > BLCKSZ {
+        return;
+    }
+    let page_type = u16_at(page, special + 6) as u16;
+    if page_type == BRIN_PAGETYPE_REGULAR || (page_type == BRIN_PAGETYPE_META && u16_at(page, 12) > 24) {
+        mask_unused_space(page);
+    }
+    let flags = u16_at(page, special + 4) as u16 & !BRIN_EVACUATE_PAGE;
+    page[special + 4..special + 6].copy_from_slice(&flags.to_le_bytes());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -212,9 +248,52 @@ mod tests {
     }
 
     #[test]
+    fn seq_and_generic_masks_ignore_the_lsn_and_the_hole_only() {
+        let mut page = vec![0u8; BLCKSZ];
+        page[12..14].copy_from_slice(&28u16.to_le_bytes());
+        page[14..16].copy_from_slice(&8136u16.to_le_bytes());
+        page[16..18].copy_from_slice(&8184u16.to_le_bytes());
+        for rmid in [RM_SEQ, RM_GENERIC] {
+            let mut other = page.clone();
+            other[3] = 1; // pd_lsn
+            other[1000] = 1; // the hole
+            assert_eq!(first_difference(rmid, &page, &other), None);
+            other[20] = 1; // pd_prune_xid: not a hint here
+            assert_eq!(first_difference(rmid, &page, &other), Some(20));
+            other[20] = 0;
+            other[8140] = 1; // the tuple
+            assert_eq!(first_difference(rmid, &page, &other), Some(8140));
+        }
+    }
+
+    #[test]
+    fn brin_mask_ignores_the_hole_of_regular_pages_and_the_evacuate_flag_but_not_revmap_entries() {
+        let brin_page = |page_type: u16| {
+            let mut page = vec![0u8; BLCKSZ];
+            page[12..14].copy_from_slice(&28u16.to_le_bytes());
+            page[14..16].copy_from_slice(&8100u16.to_le_bytes());
+            page[16..18].copy_from_slice(&8184u16.to_le_bytes());
+            page[8190..8192].copy_from_slice(&page_type.to_le_bytes());
+            page
+        };
+        let regular = brin_page(BRIN_PAGETYPE_REGULAR);
+        let mut other = regular.clone();
+        other[1000] = 1; // the hole
+        other[8188] = 1; // BRIN_EVACUATE_PAGE
+        other[10] = 0x02; // PD_PAGE_FULL
+        assert_eq!(first_difference(RM_BRIN, &regular, &other), None);
+        other[8189] = 1; // another flag
+        assert_eq!(first_difference(RM_BRIN, &regular, &other), Some(8189));
+        let revmap = brin_page(0xF092);
+        let mut other = revmap.clone();
+        other[1000] = 1; // a revmap entry: not masked
+        assert_eq!(first_difference(RM_BRIN, &revmap, &other), Some(1000));
+    }
+
+    #[test]
     fn masks_never_panic_on_a_page_with_a_nonsense_header() {
         let mut page = vec![0xffu8; BLCKSZ];
-        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_GIST, 0] {
+        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_GIST, RM_SEQ, RM_GENERIC, RM_BRIN, 0] {
             mask(rmid, &mut page);
         }
         assert_eq!(&page[..10], &[0u8; 10]);

@@ -15,8 +15,8 @@
 //! `target` is the block id the value is for; flags: [`FLAG_WILL_INIT`], [`FLAG_HAS_DATA`] (the
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
-//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gist`], [`visibilitymap`]); a record it
-//! does not apply yet fails its request with `unsupported_record`, naming the resource manager
+//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gist`], [`visibilitymap`],
+//! [`sequence`], [`generic`], [`brin`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
 //! (the record's target block). [`redo`] dispatches to the routines, so they do not import it
@@ -25,12 +25,15 @@
 //! Invariants: pure, no I/O; [`Pg15Record::decode`] never panics on input and checks every
 //! length; [`Pg15Record::encode`] never writes more than [`MAX_RECORD_LEN`] bytes.
 
+pub mod brin;
 pub mod btree;
 pub mod bufpage;
+pub mod generic;
 pub mod gist;
 pub mod heap;
 pub mod mask;
 pub mod redo;
+pub mod sequence;
 pub mod visibilitymap;
 
 use page_types::MAX_RECORD_LEN;
@@ -274,8 +277,9 @@ impl<'a> Pg15Record<'a> {
     }
 }
 
-/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `Gist PAGE_SPLIT`, `XLOG FPI`, ...: the
-/// names of PostgreSQL 15's `heapdesc.c`, `nbtdesc.c`, `gistdesc.c` and `xlogdesc.c` for the
+/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `Gist PAGE_SPLIT`, `Sequence LOG`, ...: the
+/// resource manager and the operation as `pg_waldump` names them (PostgreSQL 15's `*desc.c`
+/// `rm_identify`; Generic WAL's one operation is `Generic`, so `Generic Generic`) for the
 /// families this project redoes, `<rmgr> info 0x..` for the others.
 pub fn record_type_name(rmid: u8, info: u8) -> String {
     let rmgr = page_types::wal::rmgr::rmgr_name(rmid).unwrap_or(std::borrow::Cow::Borrowed("invalid"));
@@ -326,6 +330,13 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
             0x70 => Some("ASSIGN_LSN"),
             _ => None,
         },
+        redo::RM_SEQ => (info & 0xF0 == 0).then_some("LOG"),
+        redo::RM_GENERIC => Some("Generic"),
+        redo::RM_BRIN => {
+            ["CREATE_INDEX", "INSERT", "UPDATE", "SAMEPAGE_UPDATE", "REVMAP_EXTEND", "DESUMMARIZE"]
+                .get(usize::from(op >> 4))
+                .copied()
+        }
         page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
             0xA0 => Some("FPI"),
             0xB0 => Some("FPI_FOR_HINT"),
@@ -335,7 +346,7 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
     };
     match name {
         Some(name)
-            if (rmid == redo::RM_HEAP || rmid == redo::RM_HEAP2)
+            if matches!(rmid, redo::RM_HEAP | redo::RM_HEAP2 | redo::RM_BRIN)
                 && info & 0x80 != 0
                 && matches!(name, "INSERT" | "UPDATE" | "HOT_UPDATE" | "MULTI_INSERT") =>
         {
@@ -499,6 +510,11 @@ mod tests {
         assert_eq!(record_type_name(0, 0xA0), "XLOG FPI");
         assert_eq!(record_type_name(14, 0x30), "Gist PAGE_SPLIT");
         assert_eq!(record_type_name(13, 0x20), "Gin info 0x20");
+        assert_eq!(record_type_name(15, 0x02), "Sequence LOG");
+        assert_eq!(record_type_name(20, 0x00), "Generic Generic");
+        assert_eq!(record_type_name(17, 0xA2), "BRIN UPDATE+INIT");
+        assert_eq!(record_type_name(17, 0x50), "BRIN DESUMMARIZE");
+        assert_eq!(record_type_name(17, 0x02), "BRIN CREATE_INDEX");
     }
 
     #[test]
