@@ -14,16 +14,19 @@
 //! Code map: `format` (shared constants and codecs), `segment` (batch frames, the active
 //! segment, the scan), `layer` (layer files: footer, the flat index of versions 1 and 2;
 //! `layer/block_index`: the block index of version 3, its fences and the daemon-wide block
-//! cache), `manifest` (the list of the timeline's files and the seal intent), `index` (the
-//! layer map and the read path, with its limits), `shared` (the state the handle and the
-//! committer share: queue, index, durable LSN, failure), `timeline` (the handle: ingest queue,
-//! reads, waits, shutdown), `commit` (the committer: group commit, failure episodes;
-//! `commit/seal` holds sealing as retryable steps), `pool` (the commit threads shared by all
-//! timelines, running any `pool::Task`), `recovery`
-//! (open-time repair), `metrics`.
+//! cache), `manifest` (the list of the timeline's files and the seal intent), `layer_map` (the
+//! frozen layers, grouped into runs of key-disjoint layers for lookups), `read` (the read path:
+//! a lookup's snapshot, the values it picks within the read limits, their reads), `index` (what
+//! the timeline's lock guards: the active segment's entries and the layer map), `shared` (the
+//! state the handle and the committer share: queue, index, durable LSN, failure), `timeline`
+//! (the handle: ingest queue, reads, waits, shutdown), `commit` (the committer: group commit,
+//! failure episodes; `commit/seal` holds sealing as retryable steps), `pool` (the commit
+//! threads shared by all timelines, running any `pool::Task`), `recovery` (open-time repair),
+//! `metrics`.
 //!
 //! Dependencies point one way: `timeline` -> `commit`, `recovery` -> `shared`, `manifest`,
-//! `layer`, `segment`, `index`, `format`; `pool` depends on nothing in storage.
+//! `index` -> `read` -> `layer_map` -> `layer`, `segment`, `format`; `pool` depends on nothing
+//! in storage.
 //!
 //! **Invariants:**
 //! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it (after a
@@ -45,9 +48,11 @@ mod failure_tests;
 mod format;
 mod index;
 mod layer;
+mod layer_map;
 mod manifest;
 mod metrics;
 mod pool;
+mod read;
 mod recovery;
 mod segment;
 mod shared;
@@ -174,7 +179,7 @@ pub struct TimelineStats {
     pub keys: u64,
     pub values: u64,
     pub layers: u64,
-    /// Groups of layers a lookup looks at, one layer in each (see `index::LayerMap`).
+    /// Groups of layers a lookup looks at, one layer in each (see `layer_map::LayerMap`).
     pub runs: u64,
     pub on_disk_bytes: u64,
     /// Bytes of the active segment's record copies (`format::COPIES_MAX` at most).

@@ -22,8 +22,8 @@ use tokio::sync::{oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::format::LOCK_NAME;
-use super::index::{would_wait, ReadPlan};
 use super::layer::DiskWait;
+use super::read::{would_wait, ReadPlan};
 use super::shared::{Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
     commit, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits, ReconstructData,
@@ -464,7 +464,7 @@ impl Timeline {
     /// copy the active segment's entries): O(values), blocking; call it from a blocking thread.
     pub fn keyspace(&self) -> anyhow::Result<Vec<(Key, Lsn)>> {
         let (active, layers) = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).all();
-        super::index::first_lsns(&active, layers.layers())
+        super::layer_map::first_lsns(&active, layers.layers())
     }
 
     /// The keys that `keep` accepts, in key order, without reading the whole key space: a skip
@@ -480,7 +480,7 @@ impl Timeline {
     ) -> anyhow::Result<Vec<Key>> {
         let (active, layers) =
             self.shared.index.read().unwrap_or_else(PoisonError::into_inner).keys_where(keep);
-        let mut kept = super::index::skip_scan(layers.layers(), keep, skip)?;
+        let mut kept = super::layer_map::skip_scan(layers.layers(), keep, skip)?;
         kept.extend(active);
         Ok(kept.into_iter().collect())
     }
