@@ -10,8 +10,9 @@
 //! without it (`storage::read`).
 //!
 //! **Invariants:** only durable values are in the index (the committer inserts after fsync); a
-//! `(key, lsn)` is in at most one file; the lock is held only to copy the active entries out,
-//! never across I/O; a layer list that breaks the layer map's order ([`check_fits`]) is refused
+//! `(key, lsn)` is in at most one file; the lock is held only to copy the active entries out
+//! (and, in a page read's lookup, `Timeline::lookup`, to ask the page cache for the version it
+//! found there first), never across I/O; a layer list that breaks the layer map's order ([`check_fits`]) is refused
 //! whole, the index unchanged.
 
 use std::collections::HashMap;
@@ -369,16 +370,12 @@ impl Version {
     /// The LSN of the newest value of `key` at or below `lsn`: the newest layer that holds one
     /// has it (index blocks read as `wait` allows).
     pub(crate) fn newest(self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
-        let layers = match self {
-            Version::Found(found) => return Ok(Some(found)),
-            Version::InLayers(layers) => layers,
-        };
-        for l in layers.candidates(key, lsn) {
-            if let Some(found) = l.newest_lsn(key, lsn, wait).map_err(GetError::Io)? {
-                return Ok(Some(found));
+        match self {
+            Version::Found(found) => Ok(Some(found)),
+            Version::InLayers(layers) => {
+                Ok(layers.newest(key, lsn, wait).map_err(GetError::Io)?.map(|found| found.lsn))
             }
         }
-        Ok(None)
     }
 }
 

@@ -294,12 +294,64 @@ impl LayerMap {
     /// The layers that may hold values of `key` at or below `lsn`, newest first: the one layer
     /// of each run whose key range holds `key`, if it begins at or below `lsn`.
     pub(super) fn candidates(&self, key: Key, lsn: Lsn) -> impl Iterator<Item = &Arc<Frozen>> {
-        self.runs.iter().rev().filter_map(move |r| {
-            let run = &self.layers[r.clone()];
+        self.walk(None, key, lsn)
+    }
+
+    /// The newest value of `key` at or below `lsn` in the layers: the newest candidate that holds
+    /// one has it (index blocks read as `wait` allows; nothing decoded but LSNs). `None` if no
+    /// layer holds one.
+    pub(crate) fn newest(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Found>> {
+        for (run, layer) in self.candidates_below(self.runs.len(), key, lsn) {
+            if let Some(found) = self.layers[layer].newest_lsn(key, lsn, wait)? {
+                return Ok(Some(Found { lsn: found, layer, run }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// [`LayerMap::candidates`], or, `from` where [`LayerMap::newest`] found the newest value of
+    /// `key` at or below `lsn` in this map, the candidates from there: its layer, then those of
+    /// the runs below its own. The runs above it hold no value of the key at or below `lsn`, and
+    /// are not looked at again.
+    pub(super) fn walk(&self, from: Option<Found>, key: Key, lsn: Lsn) -> impl Iterator<Item = &Arc<Frozen>> {
+        let (first, below) = match from {
+            Some(f) => (self.layers.get(f.layer), f.run.min(self.runs.len())),
+            None => (None, self.runs.len()),
+        };
+        first.into_iter().chain(self.candidates_below(below, key, lsn).map(|(_, layer)| &self.layers[layer]))
+    }
+
+    /// The candidates of the runs below run `end` (all of them: the number of runs), newest
+    /// first: each one's run and its place in the list of layers.
+    fn candidates_below(&self, end: usize, key: Key, lsn: Lsn) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.runs[..end].iter().enumerate().rev().filter_map(move |(r, range)| {
+            #[cfg(test)]
+            RUNS_SEARCHED.with(|c| c.set(c.get() + 1));
+            let run = &self.layers[range.clone()];
             let i = run.partition_point(|l| l.max_key().is_some_and(|k| k < key));
-            run.get(i).filter(|l| l.min_key().is_some_and(|k| k <= key) && l.first_lsn <= lsn)
+            run.get(i)
+                .filter(|l| l.min_key().is_some_and(|k| k <= key) && l.first_lsn <= lsn)
+                .map(|_| (r, range.start + i))
         })
     }
+}
+
+/// Where [`LayerMap::newest`] found the newest value of a key at or below an LSN: its LSN, and
+/// the place in that map (and no other) where a walk for the older values goes on
+/// ([`LayerMap::walk`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Found {
+    /// The value's LSN: the version of the page.
+    pub(crate) lsn: Lsn,
+    /// The layer that holds it, in [`LayerMap::layers`], and the run it is in.
+    layer: usize,
+    run: usize,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Runs binary-searched for a key's candidate layer on this thread: the work of a walk.
+    pub(super) static RUNS_SEARCHED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Maximal ranges of adjacent layers of `layers` (oldest first) that `member` accepts, each in

@@ -68,6 +68,7 @@ pub use compact::{CompactionConf, ImageRequest, Pass, PassKind, PassStats, Step,
 pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
 pub use layer::DiskWait;
 pub use metrics::{FsyncFailed, StorageMetrics};
+pub(crate) use read::{Lookup, ReadPlan, ReadStart};
 pub use timeline::Timeline;
 
 /// The key of a page: relation fork and block number.

@@ -24,7 +24,7 @@ use bytes::Bytes;
 
 use super::format::{IndexEntry, Kind};
 use super::layer::{DiskWait, WouldWait};
-use super::layer_map::LayerMap;
+use super::layer_map::{Found, LayerMap};
 use super::segment::{read_cached_at, read_cached_into};
 use super::{GetError, Key, Lsn, ReadLimits, ReconstructData};
 
@@ -115,10 +115,14 @@ pub(crate) struct ReadPlan {
 /// One lookup's view of the index (`Index::snapshot`): the active segment's entries of its key,
 /// and the layer map.
 pub(crate) struct Snapshot {
-    active_file: Arc<File>,
+    /// The active segment's file, if any of `active` are in it.
+    active_file: Option<Arc<File>>,
     /// Newest first, with the copies of their bytes the segment keeps.
     active: Vec<(IndexEntry, Option<Bytes>)>,
     layers: Arc<LayerMap>,
+    /// Where in `layers` the walk begins: from the newest run, or where a version lookup found
+    /// the key's newest value ([`LayerMap::walk`]).
+    from: Option<Found>,
 }
 
 impl Snapshot {
@@ -129,7 +133,13 @@ impl Snapshot {
         active: Vec<(IndexEntry, Option<Bytes>)>,
         layers: Arc<LayerMap>,
     ) -> Snapshot {
-        Snapshot { active_file, active, layers }
+        Snapshot { active_file: Some(active_file), active, layers, from: None }
+    }
+
+    /// A view of a key that the active segment holds no value of (at or below the LSN looked
+    /// up), whose newest value `layers` holds where `found` says: a walk of it begins there.
+    pub(super) fn in_layers(layers: Arc<LayerMap>, found: Found) -> Snapshot {
+        Snapshot { active_file: None, active: Vec::new(), layers, from: Some(found) }
     }
 
     /// The LSNs of the active segment's entries it holds, newest first.
@@ -139,19 +149,22 @@ impl Snapshot {
     }
 
     /// Calls `f` with the entries of `key` at or below `lsn`, newest first, with the file each
-    /// is in (the active segment's, then each layer's from the newest layer down), until it
-    /// returns `false`; with the copy of the value's bytes where the active segment keeps one.
-    /// Index blocks are read waiting for the disk only where `wait` allows.
+    /// is in (the active segment's, then each layer's from the newest layer down, or from the
+    /// one a version lookup found the newest in), until it returns `false`; with the copy of
+    /// the value's bytes where the active segment keeps one. Index blocks are read waiting for
+    /// the disk only where `wait` allows.
     fn newest_first<'a, F>(&'a self, key: Key, lsn: Lsn, wait: DiskWait, mut f: F) -> Result<(), GetError>
     where
         F: FnMut(&'a Arc<File>, &IndexEntry, Option<&Bytes>) -> Result<bool, GetError>,
     {
-        for (e, copy) in &self.active {
-            if !f(&self.active_file, e, copy.as_ref())? {
-                return Ok(());
+        if let Some(active_file) = &self.active_file {
+            for (e, copy) in &self.active {
+                if !f(active_file, e, copy.as_ref())? {
+                    return Ok(());
+                }
             }
         }
-        for l in self.layers.candidates(key, lsn) {
+        for l in self.layers.walk(self.from, key, lsn) {
             for e in l.lookup(key, lsn, wait).map_err(GetError::Io)?.iter().rev() {
                 if !f(&l.file, e, None)? {
                     return Ok(());
@@ -463,6 +476,39 @@ impl ReadPlan {
         // where layers overlap: a stable sort merges such runs in a pass or two.
         records.sort_by_key(|(lsn, _)| *lsn);
         Ok(ReconstructData { image, records })
+    }
+}
+
+/// What one lookup of a key for a page read found (`Timeline::lookup`).
+pub(crate) enum Lookup<T> {
+    /// No value of the key at or below the LSN.
+    NotFound,
+    /// The page's version (the LSN of the newest value at or below the LSN), and what the
+    /// caller's cache had for it.
+    Cached { version: Lsn, value: T },
+    /// The caller's cache had nothing for the version: the read goes on from here.
+    Read(ReadStart),
+}
+
+/// A page read that a lookup began: the key, the LSN, the page's version, and the view of the
+/// index its plan is picked from (the active segment's entries, copied out under the lock the
+/// lookup took, or the layer the lookup found the version in), so that the plan looks the key
+/// up no more. Holds its files open, as a snapshot does.
+pub(crate) struct ReadStart {
+    pub(super) key: Key,
+    pub(super) lsn: Lsn,
+    version: Lsn,
+    pub(super) snapshot: Snapshot,
+}
+
+impl ReadStart {
+    pub(super) fn new(key: Key, lsn: Lsn, version: Lsn, snapshot: Snapshot) -> ReadStart {
+        ReadStart { key, lsn, version, snapshot }
+    }
+
+    /// The page's version: the LSN of the newest value of the key at or below the LSN.
+    pub(crate) fn version(&self) -> Lsn {
+        self.version
     }
 }
 
