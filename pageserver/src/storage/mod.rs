@@ -32,7 +32,7 @@
 //! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it (after a
 //!   failed round, above the last durable LSN: everything above it was refused);
 //! - a batch is acknowledged only after it was written and fdatasync'd, and it is visible to
-//!   readers ([`Timeline::get_reconstruct_data`], [`Timeline::last_durable_lsn`]) only then;
+//!   readers (a read's plan, [`Timeline::last_durable_lsn`]) only then;
 //! - value bytes are never held in memory beyond a read or a queued batch;
 //! - nothing of a failed group stays in the active segment; after a failed write the timeline
 //!   refuses ingests until a retry is due (then the next group is the retry), after a failed
@@ -223,8 +223,8 @@ pub struct StorageWriteError {
     pub fatal: bool,
 }
 
-/// Limits on what one [`Timeline::get_reconstruct_data`] may read, checked from the in-memory
-/// index before any value is read.
+/// Limits on what one read of a page (its plan) may read, checked from the in-memory index
+/// before any value is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadLimits {
     /// Records above the newest image.

@@ -352,10 +352,12 @@ impl Timeline {
     }
 
     /// The newest image of `key` at or below `lsn` and the records above it up to `lsn`, oldest
-    /// first; without an image, all records at or below `lsn`. Blocking file reads (positional,
-    /// mostly from the page cache); every value's checksum is verified. More than `limits`
-    /// (counted from the index) is `TooLarge`, with nothing read.
-    pub fn get_reconstruct_data(
+    /// first; without an image, all records at or below `lsn`: [`Timeline::plan_read`] and its
+    /// reads, on the calling thread (blocking, positional, mostly from the page cache). For
+    /// tests: the daemon plans with [`Timeline::plan_read_async`] (or
+    /// [`Timeline::plan_read_from`]) and reads with [`Timeline::read_planned`].
+    #[cfg(test)]
+    pub(crate) fn get_reconstruct_data(
         &self,
         key: Key,
         lsn: Lsn,
@@ -364,10 +366,9 @@ impl Timeline {
         self.plan_read(key, lsn, limits)?.execute().map_err(GetError::Io)
     }
 
-    /// The reads for `key` at `lsn`, from the index alone (its lock held only to copy the
-    /// entries out, the spans planned after): what they will cost ([`ReadPlan::bytes`], for
-    /// reserving memory before reading) and `TooLarge` over `limits`, with nothing read. The
-    /// plan keeps its files open.
+    /// [`Timeline::plan_read_async`] made on the calling thread, reading the index blocks it
+    /// needs whatever the wait. For tests.
+    #[cfg(test)]
     pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
         self.count_lookup();
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
@@ -375,7 +376,13 @@ impl Timeline {
         self.planned(key, lsn, plan)
     }
 
-    /// [`Timeline::plan_read`] for async callers: when the kernel's page cache holds every
+    /// The reads for `key` at `lsn`, from the index alone (its lock held only to copy the
+    /// entries out, the spans planned after): what they will cost ([`ReadPlan::bytes`], for
+    /// reserving memory before reading) and `TooLarge` over `limits`, with nothing read. The
+    /// plan keeps its files open; [`Timeline::read_planned`] reads it. Every value's checksum is
+    /// verified when it is read.
+    ///
+    /// When the kernel's page cache holds every
     /// index block the plan needs, it is made here, on the calling thread; if one would wait
     /// for the disk, the plan is made on the blocking pool, so an index block missing from the
     /// page cache never stalls an executor thread (as [`Timeline::read_planned`] does for the
@@ -470,13 +477,18 @@ impl Timeline {
         }
     }
 
-    /// Starts a compaction pass over every frozen layer (see [`super::Pass`]); `None` if there
-    /// are none. Writes the manifest (blocking): call it off the executor.
-    pub fn begin_compaction(&self, conf: super::CompactionConf) -> anyhow::Result<Option<super::Pass>> {
+    /// A full compaction pass ([`Timeline::begin_pass`] of [`super::PassKind::Full`]), for tests.
+    #[cfg(test)]
+    pub(crate) fn begin_compaction(
+        &self,
+        conf: super::CompactionConf,
+    ) -> anyhow::Result<Option<super::Pass>> {
         self.begin_pass(conf, super::PassKind::Full)
     }
 
-    /// Starts a compaction pass of `kind` ([`super::PassKind`]); see [`Timeline::begin_compaction`].
+    /// Starts a compaction pass of `kind` ([`super::PassKind`]) over the frozen layers it takes
+    /// (see [`super::Pass`]); `None` if there are none. Writes the manifest (blocking): call it
+    /// off the executor.
     pub fn begin_pass(
         &self,
         conf: super::CompactionConf,
@@ -517,7 +529,7 @@ impl Timeline {
         }
     }
 
-    /// Runs a plan of [`Timeline::plan_read`] for async callers: when the kernel's page cache
+    /// Runs a plan of [`Timeline::plan_read_async`] or [`Timeline::plan_read_from`]: when the kernel's page cache
     /// holds every value, the reads run here, on the calling thread; if any would wait for the
     /// disk, the whole plan runs on the blocking pool, so a cold read never stalls an executor
     /// thread.
