@@ -11,6 +11,12 @@
 //!    records is the page itself, else the redo manager reconstructs it; for a cluster with
 //!    data checksums it gets its checksum ([`data_checksums`]); the page is cached.
 //!
+//! Steps 2 to 4 look the key up in the index once and the page cache once: at a durable LSN,
+//! [`Tenant::get_page_now`] takes the version and the cache's page for it in one lookup, and on
+//! a miss [`Tenant::get_page_later`] plans the read from that lookup; a request that waits for
+//! its LSN (or whose lookup would wait for the disk) makes its one lookup after the wait, the
+//! read's plan, which names the version.
+//!
 //! Invariant: every request carries the tenant id in its tracing span; page bytes are shared
 //! `Bytes` end to end (storage or redo child -> cache -> reply).
 
@@ -34,7 +40,8 @@ use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{Overloaded, RedoBudget};
 use crate::storage::{
-    self, DiskWait, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError,
+    self, DiskWait, GetError, IngestBatch, IngestError, Lookup, Lsn, ReadLimits, ReadPlan, ReadStart,
+    Timeline, WaitLsnError,
 };
 use crate::util::{lock, Signal};
 use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
@@ -105,6 +112,44 @@ pub enum GetPageError {
 impl From<Overloaded> for GetPageError {
     fn from(Overloaded { bytes, waited }: Overloaded) -> GetPageError {
         GetPageError::Overloaded { bytes, waited }
+    }
+}
+
+/// What [`Tenant::get_page_now`] answers.
+pub enum PageNow {
+    /// The page, from the page cache, and the LSN served (counted as a GetPage).
+    Page(Lsn, Bytes),
+    /// Not answered without waiting: [`Tenant::get_page_later`] answers it.
+    Later(PageRead),
+}
+
+impl PageNow {
+    /// The page, if it was answered now.
+    #[cfg(test)]
+    pub(crate) fn page(self) -> Option<(Lsn, Bytes)> {
+        match self {
+            PageNow::Page(lsn, page) => Some((lsn, page)),
+            PageNow::Later(_) => None,
+        }
+    }
+}
+
+/// A GetPage that [`Tenant::get_page_now`] did not answer: the key, the LSN asked for, and,
+/// where it looked the key up, the LSN served (durable) and the read that lookup began.
+pub struct PageRead {
+    key: BufferTag,
+    lsn: Lsn,
+    begun: Option<(Lsn, ReadStart)>,
+}
+
+/// A storage read's failure as a GetPage's, for `key` at `lsn`.
+fn read_error(key: BufferTag, lsn: Lsn, e: GetError) -> GetPageError {
+    match e {
+        GetError::NotFound { .. } => GetPageError::NotFound { key, lsn },
+        GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },
+        // The same refusal the redo manager would give, before anything is read.
+        GetError::TooLarge(why) => GetPageError::Redo(RedoError::InvalidRequest(why)),
+        GetError::Io(e) => GetPageError::Internal(e),
     }
 }
 
@@ -244,9 +289,18 @@ impl Tenant {
     /// Cancel-safe: dropping it abandons the wait or the redo (see
     /// [`WalRedoManager::request_redo`]); nothing is left half done.
     pub async fn get_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
+        self.get_page_later(PageRead { key, lsn, begun: None }).await
+    }
+
+    /// The page of a GetPage that [`Tenant::get_page_now`] did not answer, and the LSN served:
+    /// [`Tenant::get_page`], going on from what `get_page_now` found (the page's version and
+    /// the read's plan-to-be) where it found anything, instead of looking the key up again.
+    ///
+    /// Cancel-safe as [`Tenant::get_page`].
+    pub async fn get_page_later(&self, read: PageRead) -> Result<(Lsn, Bytes), GetPageError> {
         self.counters.get_page_requests.add(0, 1);
         let started = Instant::now();
-        let result = self.read_page(key, lsn).await;
+        let result = self.read_page(read).await;
         self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
         if result.is_err() {
             self.get_page_series.errors.inc();
@@ -255,37 +309,50 @@ impl Tenant {
     }
 
     /// What [`Tenant::get_page`] would answer without waiting for anything: a page in the page
-    /// cache at an LSN already durable (counted as a GetPage). `None` otherwise (the LSN is
-    /// ahead, the page must be read or rebuilt, or the request fails): call `get_page`.
+    /// cache at an LSN already durable (counted as a GetPage). Otherwise (the LSN is ahead, the
+    /// page must be read or rebuilt, or the request fails) the request for
+    /// [`Tenant::get_page_later`], with what this found: one lookup of the index names the
+    /// page's version, which the page cache is asked for, and on a miss the read goes on from
+    /// that lookup (a miss looks the key up once and the page cache once).
     ///
     /// For callers that would spawn a task per request: a cache hit needs none.
-    pub fn get_page_now(&self, key: BufferTag, lsn: Lsn) -> Option<(Lsn, Bytes)> {
+    pub fn get_page_now(&self, key: BufferTag, lsn: Lsn) -> PageNow {
+        let later = |begun| PageNow::Later(PageRead { key, lsn, begun });
         let started = Instant::now();
         if !self.deps.cache.enabled()
             || self.stopping.is_raised()
             || self.import_incomplete.load(Ordering::Acquire)
         {
-            return None;
+            return later(None);
         }
         let durable = self.timeline.last_durable_lsn();
-        let lsn = match lsn {
+        let served = match lsn {
             Lsn::LATEST => durable,
             lsn if lsn <= durable => lsn,
-            _ => return None,
+            _ => return later(None),
         };
         // Without waiting for the disk: an index block missing from the kernel's page cache
         // sends the request the other way, which reads it off the executor.
-        let version = self.timeline.version_at(key, lsn, DiskWait::Refused).ok()??;
+        let cached = |version: Lsn| self.deps.cache.get(&(self.generation, key, version.0));
+        let (version, found) = match self.timeline.lookup(key, served, cached) {
+            Ok(Lookup::Cached { version, value: page }) => (version, Ok(page)),
+            Ok(Lookup::Read(start)) => (start.version(), Err(start)),
+            Ok(Lookup::NotFound) | Err(_) => return later(None),
+        };
         if self.follows_postgres.load(Ordering::Relaxed)
-            && rel_sizes::dropped_incarnation(&self.timeline, key, Some(version), lsn, DiskWait::Refused)
+            && rel_sizes::dropped_incarnation(&self.timeline, key, Some(version), served, DiskWait::Refused)
                 .unwrap_or(true)
         {
-            return None;
+            return later(None);
         }
-        let page = self.deps.cache.get(&(self.generation, key, version.0))?;
-        self.counters.get_page_requests.add(0, 1);
-        self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
-        Some((lsn, page))
+        match found {
+            Ok(page) => {
+                self.counters.get_page_requests.add(0, 1);
+                self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
+                PageNow::Page(served, page)
+            }
+            Err(start) => later(Some((served, start))),
+        }
     }
 
     /// Whether [`Tenant::get_page`] may block the thread that polls it while it waits for a
@@ -295,15 +362,21 @@ impl Tenant {
         self.walredo.may_block()
     }
 
-    /// `lsn` once it is durable here ([`Lsn::LATEST`]: the last durable LSN), waiting up to
-    /// `wait_lsn_timeout` for it.
-    async fn wait_for(&self, lsn: Lsn) -> Result<Lsn, GetPageError> {
+    /// Fails while the tenant stops or its initial import is incomplete: it serves no read then.
+    fn check_serving(&self) -> Result<(), GetPageError> {
         if self.stopping.is_raised() {
             return Err(GetPageError::ShuttingDown);
         }
         if self.import_incomplete.load(Ordering::Acquire) {
             return Err(GetPageError::ImportIncomplete);
         }
+        Ok(())
+    }
+
+    /// `lsn` once it is durable here ([`Lsn::LATEST`]: the last durable LSN), waiting up to
+    /// `wait_lsn_timeout` for it.
+    async fn wait_for(&self, lsn: Lsn) -> Result<Lsn, GetPageError> {
+        self.check_serving()?;
         if lsn == Lsn::LATEST {
             return Ok(self.timeline.last_durable_lsn());
         }
@@ -333,47 +406,64 @@ impl Tenant {
         Ok((lsn, blocks))
     }
 
-    /// [`Tenant::get_page`] without its accounting.
-    async fn read_page(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
+    /// [`Tenant::get_page_later`] without its accounting.
+    async fn read_page(&self, read: PageRead) -> Result<(Lsn, Bytes), GetPageError> {
+        let PageRead { key, lsn, begun } = read;
         if !page_types::keys::is_rel_page(&key) {
             return Err(GetPageError::InvalidKey(format!(
                 "{key}: fork {} is not a relation fork (0 main, 1 fsm, 2 vm, 3 init)",
                 key.forknum
             )));
         }
+        if let Some((lsn, start)) = begun {
+            // `get_page_now` looked the key up at a durable LSN: the page cache had no page of
+            // its version, which (for a tenant that follows PostgreSQL) is of the relation that
+            // has the relfilenode then. The read goes on from that lookup.
+            self.check_serving()?;
+            let plan = self
+                .timeline
+                .plan_read_from(start, RECONSTRUCT_LIMITS)
+                .await
+                .map_err(|e| read_error(key, lsn, e))?;
+            return self.build_page(key, lsn, plan).await;
+        }
         let lsn = self.wait_for(lsn).await?;
-        let read_error = |e: GetError| match e {
-            GetError::NotFound { .. } => GetPageError::NotFound { key, lsn },
-            GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },
-            // The same refusal the redo manager would give, before anything is read.
-            GetError::TooLarge(why) => GetPageError::Redo(RedoError::InvalidRequest(why)),
-            GetError::Io(e) => GetPageError::Internal(e),
-        };
         // One lookup of the index: the plan (the limits are checked there) names the page's
         // version, its newest value, which is what the page cache knows it by.
         let plan = match self.timeline.plan_read_async(key, lsn, RECONSTRUCT_LIMITS).await {
             Ok(plan) => Some(plan),
             Err(GetError::NotFound { .. }) => None,
-            Err(e) => return Err(read_error(e)),
+            Err(e) => return Err(read_error(key, lsn, e)),
         };
         if self.follows_postgres.load(Ordering::Relaxed) {
             let version = plan.as_ref().map(|p| p.newest_lsn());
             if version.is_none()
                 || rel_sizes::dropped_incarnation(&self.timeline, key, version, lsn, DiskWait::Allowed)
-                    .map_err(read_error)?
+                    .map_err(|e| read_error(key, lsn, e))?
             {
                 return match rel_sizes::unwritten_page(&self.timeline, key, lsn).await {
                     Ok(Some(page)) => Ok((lsn, page)),
                     Ok(None) => Err(GetPageError::NotFound { key, lsn }),
-                    Err(e) => Err(read_error(e)),
+                    Err(e) => Err(read_error(key, lsn, e)),
                 };
             }
         }
         let plan = plan.ok_or(GetPageError::NotFound { key, lsn })?;
-        let cache_key = (self.generation, key, plan.newest_lsn().0);
-        if let Some(page) = self.deps.cache.get(&cache_key) {
+        if let Some(page) = self.deps.cache.get(&(self.generation, key, plan.newest_lsn().0)) {
             return Ok((lsn, page));
         }
+        self.build_page(key, lsn, plan).await
+    }
+
+    /// The page `key` as of `lsn` built from `plan` (its values read, redone if they are more
+    /// than an image), and cached.
+    async fn build_page(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        plan: ReadPlan,
+    ) -> Result<(Lsn, Bytes), GetPageError> {
+        let cache_key = (self.generation, key, plan.newest_lsn().0);
         // Reserve the memory before reading; held until the page is built.
         let holds = crate::walredo::reconstruction_bytes(plan.values(), plan.bytes());
         // Biased: a budget with room answers at once, and then the cancellation is not
@@ -383,7 +473,7 @@ impl Tenant {
             reserved = self.deps.redo_budget.reserve(holds) => reserved?,
             () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
         };
-        let data = self.timeline.read_planned(plan).await.map_err(read_error)?;
+        let data = self.timeline.read_planned(plan).await.map_err(|e| read_error(key, lsn, e))?;
         let page = match (data.image, data.records.is_empty()) {
             (Some((_, image)), true) => image,
             (image, _) => {

@@ -550,6 +550,7 @@ fn load_tenant_dir(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::tenant::PageNow;
     use crate::test_support::wait_for;
     use std::time::Duration;
 
@@ -569,6 +570,11 @@ mod tests {
     }
 
     async fn load_with_cache(conf: &Conf, cache_bytes: u64) -> Arc<Tenants> {
+        load_with_registry(conf, cache_bytes).await.0
+    }
+
+    /// [`load_with_cache`], and the registry of the daemon's metrics.
+    async fn load_with_registry(conf: &Conf, cache_bytes: u64) -> (Arc<Tenants>, prometheus::Registry) {
         let registry = prometheus::Registry::new();
         let cache = Arc::new(PageCache::new(cache_bytes, &registry).unwrap());
         let storage_metrics = Arc::new(storage::register_metrics(&registry).unwrap());
@@ -585,7 +591,7 @@ mod tests {
             cancel,
         )
         .await;
-        Arc::new(tenants.unwrap())
+        (Arc::new(tenants.unwrap()), registry)
     }
 
     #[tokio::test]
@@ -629,14 +635,55 @@ mod tests {
             storage::IngestBatch { values: vec![(key, storage::Lsn(10), storage::Value::Image(image))] };
         let durable = tenant.submit_ingest(batch).await.unwrap().await.unwrap();
 
-        assert!(tenant.get_page_now(key, storage::Lsn::LATEST).is_none(), "not in the page cache yet");
+        assert!(tenant.get_page_now(key, storage::Lsn::LATEST).page().is_none(), "not in the page cache yet");
         let (lsn, page) = tenant.get_page(key, storage::Lsn::LATEST).await.unwrap();
-        assert_eq!(tenant.get_page_now(key, storage::Lsn::LATEST), Some((lsn, page.clone())));
-        assert_eq!(tenant.get_page_now(key, durable), Some((durable, page)));
+        assert_eq!(tenant.get_page_now(key, storage::Lsn::LATEST).page(), Some((lsn, page.clone())));
+        assert_eq!(tenant.get_page_now(key, durable).page(), Some((durable, page)));
         // Ahead of the durable LSN, get_page would wait; a missing key is get_page's error.
-        assert!(tenant.get_page_now(key, storage::Lsn(durable.0 + 1)).is_none());
-        assert!(tenant.get_page_now(missing, storage::Lsn::LATEST).is_none());
+        assert!(tenant.get_page_now(key, storage::Lsn(durable.0 + 1)).page().is_none());
+        assert!(tenant.get_page_now(missing, storage::Lsn::LATEST).page().is_none());
         assert_eq!(tenant.status().counters.get_page_requests, 3, "hits are counted as GetPage requests");
+        tenants.shutdown().await;
+    }
+
+    /// A GetPage the page cache cannot answer looks its key up in the index once and asks the
+    /// page cache once: `get_page_later` goes on from `get_page_now`'s lookup (its version, and
+    /// the read's plan-to-be). So for a key in the active segment and in a layer, and a hit then
+    /// costs one lookup of each too.
+    #[tokio::test]
+    async fn a_get_page_the_cache_misses_looks_its_key_up_once_and_the_page_cache_once() {
+        let workdir = tempfile::tempdir().unwrap();
+        let conf = conf(workdir.path());
+        let (tenants, registry) = load_with_registry(&conf, 1 << 20).await;
+        let tenant = tenants.create("t", TenantConfOverrides::default()).await.unwrap();
+        let key = |blknum| storage::Key { spcnode: 1663, dbnode: 5, relnode: 1, forknum: 0, blknum };
+        let image = |fill| storage::Value::Image(bytes::Bytes::from(vec![fill; storage::PAGE_SIZE]));
+        let in_layer = storage::IngestBatch { values: vec![(key(1), storage::Lsn(10), image(1))] };
+        tenant.submit_ingest(in_layer).await.unwrap().await.unwrap();
+        tenant.timeline.freeze().await.unwrap();
+        let active = storage::IngestBatch { values: vec![(key(2), storage::Lsn(20), image(2))] };
+        tenant.submit_ingest(active).await.unwrap().await.unwrap();
+
+        let misses = || crate::metrics::gathered_value(&registry, "pageserver_page_cache_misses_total");
+        let hits = || crate::metrics::gathered_value(&registry, "pageserver_page_cache_hits_total");
+        for (blknum, fill, lsn) in [(1, 1, 10), (2, 2, 20)] {
+            let (lookups, missed, hit) = (tenant.timeline.key_lookups(), misses(), hits());
+            let read = match tenant.get_page_now(key(blknum), storage::Lsn::LATEST) {
+                PageNow::Later(read) => read,
+                PageNow::Page(..) => panic!("block {blknum}: a page the cache never had"),
+            };
+            let (_, page) = tenant.get_page_later(read).await.unwrap();
+            assert_eq!(page[..], [fill; storage::PAGE_SIZE][..], "block {blknum}");
+            assert_eq!(tenant.timeline.key_lookups() - lookups, 1, "block {blknum}: index lookups of a miss");
+            assert_eq!((misses() - missed, hits() - hit), (1.0, 0.0), "block {blknum}: page cache lookups");
+
+            let lookups = tenant.timeline.key_lookups();
+            let now = tenant.get_page_now(key(blknum), storage::Lsn(lsn)).page();
+            assert_eq!(now.map(|(_, page)| page), Some(page), "block {blknum}: cached now");
+            assert_eq!(tenant.timeline.key_lookups() - lookups, 1, "block {blknum}: index lookups of a hit");
+            assert_eq!((misses() - missed, hits() - hit), (1.0, 1.0), "block {blknum}: page cache lookups");
+        }
+        assert_eq!(tenant.status().counters.get_page_requests, 4, "two misses and two hits");
         tenants.shutdown().await;
     }
 

@@ -8,12 +8,13 @@
 //!   requests/s and latency percentiles every second on stderr (and with `--series` as JSON
 //!   lines to a file), and ends stdout with one JSON line of totals and latency percentiles.
 //!
-//! The modules (in `src/bin/pagebench/`) are [`dataset`] (what is loaded and where), [`ingest`],
-//! [`get_page`] with [`connection`] (one connection's sender and receiver) and [`rate`]
-//! (`--rate`: the open loop's schedule), [`keyspace`] (the daemon's key
-//! space, and its check against a shape), [`http`] (the management calls) and [`report`]
-//! (progress and summaries). This file only parses
-//! arguments, builds the runtime and maps the outcome to an exit status.
+//! The modules (in `src/bin/pagebench/`) are [`client`] (the page service client, which the
+//! library's page service tests compile in too), [`dataset`] (what is loaded and where),
+//! [`ingest`], [`get_page`] with [`connection`] (one connection's sender and receiver) and
+//! [`rate`] (`--rate`: the open loop's schedule), [`keyspace`] (the daemon's key space, and its
+//! check against a shape), [`http`] (the management calls) and [`report`] (progress and
+//! summaries). This file only parses arguments, builds the runtime and maps the outcome to an
+//! exit status.
 //!
 //! Exit status: 0 only when every request succeeded (get-page: at most `--max-errors` failed);
 //! 1 otherwise, after the summary line.
@@ -45,6 +46,8 @@ macro_rules! errln {
 }
 
 // A binary's root resolves `mod` next to itself (src/bin/); its modules live in src/bin/pagebench/.
+#[path = "pagebench/client.rs"]
+mod client;
 #[path = "pagebench/connection.rs"]
 mod connection;
 #[path = "pagebench/dataset.rs"]
@@ -66,6 +69,8 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+// The wire protocol, where the client (a module of the library's tests too) finds it.
+use pageserver::page_service::proto;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]

@@ -24,7 +24,7 @@ use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, P
 use super::writer::{Pending, Queued, Replies, Reply, Writer};
 use super::{ConnectionSlot, PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
 use crate::storage::{IngestError, Lsn, WaitLsnError};
-use crate::tenant::{GetPageError, Tenant};
+use crate::tenant::{GetPageError, PageNow, Tenant};
 use crate::tenants::{TenantError, Tenants};
 use crate::util::Signal;
 use crate::walredo::RedoError;
@@ -272,33 +272,36 @@ impl Connection<'_> {
                 metrics.get_page_requests.inc();
                 let started = Instant::now();
                 // A page cache hit is answered here, without a task of its own.
-                if let Some((lsn, page)) = tenant.get_page_now(key, Lsn(lsn)) {
-                    let reply = Reply::page(request_id, lsn.0, page);
-                    metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
-                    Pending::Ready(reply)
-                } else {
-                    // In the connection's own task (no task to spawn, no wake-up from another
-                    // thread), unless it may block its thread while other requests of the
-                    // connection are in flight: those would wait behind it.
-                    let inline = alone || !tenant.get_page_may_block();
-                    let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
-                    let request = async move {
-                        let reply = match tenant.get_page(key, Lsn(lsn)).await {
-                            Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
-                            Err(e) => {
-                                let code = get_page_error_code(&e);
-                                Reply::error(&metrics, request_id, code, format!("{e:#}"))
-                            }
-                        };
+                match tenant.get_page_now(key, Lsn(lsn)) {
+                    PageNow::Page(lsn, page) => {
+                        let reply = Reply::page(request_id, lsn.0, page);
                         metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
-                        reply
-                    };
-                    if inline {
-                        // Polled by the connection's task, inside its spans already (entering
-                        // them again at every poll was 1-2% of the daemon's CPU at 64 x 8).
-                        Pending::Inline(Box::pin(request))
-                    } else {
-                        Pending::Task(tokio::spawn(request.in_current_span()))
+                        Pending::Ready(reply)
+                    }
+                    PageNow::Later(read) => {
+                        // In the connection's own task (no task to spawn, no wake-up from another
+                        // thread), unless it may block its thread while other requests of the
+                        // connection are in flight: those would wait behind it.
+                        let inline = alone || !tenant.get_page_may_block();
+                        let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
+                        let request = async move {
+                            let reply = match tenant.get_page_later(read).await {
+                                Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
+                                Err(e) => {
+                                    let code = get_page_error_code(&e);
+                                    Reply::error(&metrics, request_id, code, format!("{e:#}"))
+                                }
+                            };
+                            metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
+                            reply
+                        };
+                        if inline {
+                            // Polled by the connection's task, inside its spans already (entering
+                            // them again at every poll was 1-2% of the daemon's CPU at 64 x 8).
+                            Pending::Inline(Box::pin(request))
+                        } else {
+                            Pending::Task(tokio::spawn(request.in_current_span()))
+                        }
                     }
                 }
             }

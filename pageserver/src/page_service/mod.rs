@@ -1,7 +1,6 @@
 //! The page service: the TCP data path (docs/page-service-protocol.md).
 //!
 //! - [`proto`]: frames and messages (pure);
-//! - [`client`]: an async client (pagebench, tests);
 //! - [`connection`]: one connection: reading, dispatch to the tenant, wire <-> domain
 //!   conversions and error codes;
 //! - [`reply_order`]: which replies go out in the next write (a pure policy);
@@ -23,7 +22,10 @@
 //! - a bad frame gets an error reply and closes its own connection, nothing else.
 
 mod chunks;
-pub mod client;
+/// The pagebench client (`src/bin/pagebench/client.rs`), for this module's tests.
+#[cfg(test)]
+#[path = "../bin/pagebench/client.rs"]
+mod client;
 mod connection;
 pub mod io_choice;
 pub mod proto;

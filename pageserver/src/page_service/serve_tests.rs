@@ -203,13 +203,13 @@ async fn a_waiting_request_does_not_hold_up_the_next_one_of_its_connection() {
         .await
         .unwrap();
     let tenant = served.tenants.get(TENANT).unwrap();
-    assert!(tenant.get_page_now(fresh, Lsn(LSN_LATEST)).is_none(), "not read yet");
+    assert!(tenant.get_page_now(fresh, Lsn(LSN_LATEST)).page().is_none(), "not read yet");
     let (waiting, next) = (client.next_request_id(), client.next_request_id());
     client.send(&ClientMessage::GetPage { request_id: waiting, key: key(0), lsn: ahead });
     client.send(&ClientMessage::GetPage { request_id: next, key: fresh, lsn: LSN_LATEST });
     client.flush().await.unwrap();
     let started = Instant::now();
-    while tenant.get_page_now(fresh, Lsn(LSN_LATEST)).is_none() {
+    while tenant.get_page_now(fresh, Lsn(LSN_LATEST)).page().is_none() {
         assert!(started.elapsed() < DEADLINE, "the second request did not run while the first waited");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

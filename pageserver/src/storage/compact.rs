@@ -57,9 +57,10 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
-use super::index::{read_run, Frozen, LayerMap, Picked, ReadPlan, ReadSize};
 use super::layer::{self, DiskWait, LayerName, Level};
+use super::layer_map::{Frozen, LayerMap};
 use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
+use super::read::{read_run, Picked, ReadPlan, ReadSize};
 use super::segment::open_data_file;
 use super::shared::Shared;
 use super::{Key, Lsn, ReconstructData};

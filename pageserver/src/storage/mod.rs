@@ -14,22 +14,25 @@
 //! Code map: `format` (shared constants and codecs), `segment` (batch frames, the active
 //! segment, the scan), `layer` (layer files: footer, the flat index of versions 1 and 2;
 //! `layer/block_index`: the block index of version 3, its fences and the daemon-wide block
-//! cache), `manifest` (the list of the timeline's files and the seal intent), `index` (the
-//! layer map and the read path, with its limits), `shared` (the state the handle and the
-//! committer share: queue, index, durable LSN, failure), `timeline` (the handle: ingest queue,
-//! reads, waits, shutdown), `commit` (the committer: group commit, failure episodes;
-//! `commit/seal` holds sealing as retryable steps), `pool` (the commit threads shared by all
-//! timelines, running any `pool::Task`), `recovery`
-//! (open-time repair), `metrics`.
+//! cache), `manifest` (the list of the timeline's files and the seal intent), `layer_map` (the
+//! frozen layers, grouped into runs of key-disjoint layers for lookups), `read` (the read path:
+//! a lookup's snapshot, the values it picks within the read limits, their reads), `index` (what
+//! the timeline's lock guards: the active segment's entries and the layer map), `shared` (the
+//! state the handle and the committer share: queue, index, durable LSN, failure), `timeline`
+//! (the handle: ingest queue, reads, waits, shutdown), `commit` (the committer: group commit,
+//! failure episodes; `commit/seal` holds sealing as retryable steps), `pool` (the commit
+//! threads shared by all timelines, running any `pool::Task`), `recovery` (open-time repair),
+//! `metrics`.
 //!
 //! Dependencies point one way: `timeline` -> `commit`, `recovery` -> `shared`, `manifest`,
-//! `layer`, `segment`, `index`, `format`; `pool` depends on nothing in storage.
+//! `index` -> `read` -> `layer_map` -> `layer`, `segment`, `format`; `pool` depends on nothing
+//! in storage.
 //!
 //! **Invariants:**
 //! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it (after a
 //!   failed round, above the last durable LSN: everything above it was refused);
 //! - a batch is acknowledged only after it was written and fdatasync'd, and it is visible to
-//!   readers ([`Timeline::get_reconstruct_data`], [`Timeline::last_durable_lsn`]) only then;
+//!   readers (a read's plan, [`Timeline::last_durable_lsn`]) only then;
 //! - value bytes are never held in memory beyond a read or a queued batch;
 //! - nothing of a failed group stays in the active segment; after a failed write the timeline
 //!   refuses ingests until a retry is due (then the next group is the retry), after a failed
@@ -45,9 +48,11 @@ mod failure_tests;
 mod format;
 mod index;
 mod layer;
+mod layer_map;
 mod manifest;
 mod metrics;
 mod pool;
+mod read;
 mod recovery;
 mod segment;
 mod shared;
@@ -63,6 +68,7 @@ pub use compact::{CompactionConf, ImageRequest, Pass, PassKind, PassStats, Step,
 pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
 pub use layer::DiskWait;
 pub use metrics::{FsyncFailed, StorageMetrics};
+pub(crate) use read::{Lookup, ReadPlan, ReadStart};
 pub use timeline::Timeline;
 
 /// The key of a page: relation fork and block number.
@@ -174,7 +180,7 @@ pub struct TimelineStats {
     pub keys: u64,
     pub values: u64,
     pub layers: u64,
-    /// Groups of layers a lookup looks at, one layer in each (see `index::LayerMap`).
+    /// Groups of layers a lookup looks at, one layer in each (see `layer_map::LayerMap`).
     pub runs: u64,
     pub on_disk_bytes: u64,
     /// Bytes of the active segment's record copies (`format::COPIES_MAX` at most).
@@ -217,8 +223,8 @@ pub struct StorageWriteError {
     pub fatal: bool,
 }
 
-/// Limits on what one [`Timeline::get_reconstruct_data`] may read, checked from the in-memory
-/// index before any value is read.
+/// Limits on what one read of a page (its plan) may read, checked from the in-memory index
+/// before any value is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadLimits {
     /// Records above the newest image.

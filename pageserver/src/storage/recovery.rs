@@ -33,8 +33,9 @@ use anyhow::{bail, ensure, Context};
 use bytes::Bytes;
 
 use super::format::{self, FILE_HEADER_LEN, LOCK_NAME};
-use super::index::{Frozen, Index};
+use super::index::Index;
 use super::layer::{LayerName, Level};
+use super::layer_map::Frozen;
 use super::manifest::{self, LayerMeta, Manifest, MANIFEST_NAME, MANIFEST_TMP_NAME};
 use super::segment::{self, open_data_file, read_at, ActiveSegment, ACTIVE_NAME};
 use super::{compact, layer, Lsn, StorageMetrics};

@@ -101,6 +101,9 @@ pub(super) struct Shared {
     /// Test hook: the next manifest write renames its file into place, then its directory
     /// fsync fails.
     pub(super) fail_next_manifest_sync: AtomicBool,
+    /// Test hook: the lookups of a key in the index so far (`Timeline::key_lookups`).
+    #[cfg(test)]
+    pub(super) key_lookups: AtomicU64,
 }
 
 /// How long ingests are refused after a failed round before the next group may retry.

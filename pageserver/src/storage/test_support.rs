@@ -1,12 +1,17 @@
 //! Helpers shared by the unit tests of every storage module: keys and values, opening a
-//! timeline with throwaway metrics, an in-order concurrent join, and a crash snapshot.
+//! timeline with throwaway metrics, an in-order concurrent join, a crash snapshot, and files,
+//! layers and indexes holding given values.
 #![allow(clippy::unwrap_used)]
 
+use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::format::{IndexEntry, Kind};
+use super::index::Index;
+use super::layer_map::Frozen;
 use super::{IngestBatch, Key, Lsn, StorageConf, StorageMetrics, Timeline, Value, PAGE_SIZE};
 use std::future::Future;
 use std::pin::Pin;
@@ -152,4 +157,46 @@ pub(crate) fn check_listed_layers(dir: &Path) -> usize {
         assert_eq!(l.crc32c, Some(crc), "{}", l.name);
     }
     m.layers.len()
+}
+
+/// A file holding `vals` back to back (each after a gap of `gap` bytes), and their entries.
+pub(crate) fn file_with_gap(vals: &[(Key, u64, Kind, &[u8])], gap: usize) -> (Arc<File>, Vec<IndexEntry>) {
+    let mut f = tempfile::tempfile().unwrap();
+    let mut entries = Vec::new();
+    let mut off = 0u64;
+    for (k, lsn, kind, b) in vals {
+        std::io::Write::write_all(&mut f, &vec![0xee; gap]).unwrap();
+        off += gap as u64;
+        std::io::Write::write_all(&mut f, b).unwrap();
+        let len = b.len() as u32;
+        entries.push(IndexEntry {
+            key: *k,
+            lsn: Lsn(*lsn),
+            kind: *kind,
+            offset: off,
+            len,
+            crc: crc32c::crc32c(b),
+        });
+        off += u64::from(len);
+    }
+    (Arc::new(f), entries)
+}
+
+/// A file holding `vals` back to back, and their entries.
+pub(crate) fn file_with(vals: &[(Key, u64, Kind, &[u8])]) -> (Arc<File>, Vec<IndexEntry>) {
+    file_with_gap(vals, 0)
+}
+
+/// A map whose only content is the active segment holding `vals`.
+pub(crate) fn active_with(vals: &[(Key, u64, Kind, &[u8])]) -> Index {
+    let (f, entries) = file_with(vals);
+    let mut idx = Index::new(0, f);
+    idx.insert_active(&entries, Bytes::new()).unwrap();
+    idx
+}
+
+/// A layer (flat index) named `l{id}` holding `vals`.
+pub(crate) fn layer(id: u32, vals: &[(Key, u64, Kind, &[u8])]) -> Frozen {
+    let (f, entries) = file_with(vals);
+    Frozen::new(id, format!("l{id}"), f, entries, 0).unwrap()
 }

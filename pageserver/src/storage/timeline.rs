@@ -22,8 +22,9 @@ use tokio::sync::{oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::format::LOCK_NAME;
-use super::index::{would_wait, ReadPlan};
+use super::index::Version;
 use super::layer::DiskWait;
+use super::read::{would_wait, Lookup, ReadPlan, ReadStart, Snapshot};
 use super::shared::{Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
     commit, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits, ReconstructData,
@@ -93,6 +94,8 @@ impl Timeline {
             next_file_id: AtomicU32::new(rec.next_file_id),
             seals: watch::Sender::new(0),
             fail_next_manifest_sync: AtomicBool::new(false),
+            #[cfg(test)]
+            key_lookups: AtomicU64::new(0),
         });
         let job = commit::start(&shared, dir_file, rec.segment)?;
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
@@ -265,10 +268,64 @@ impl Timeline {
     /// for the disk only where `wait` allows (else an error, with nothing read). `Ok(None)` if
     /// the key has nothing at or below `lsn`; `BelowGcCutoff` if `lsn` is below the GC cutoff.
     pub fn version_at(&self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
+        self.count_lookup();
         let version = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).version(key, lsn);
         let found = version.newest(key, lsn, wait)?;
         self.check_retained(lsn)?;
         Ok(found)
+    }
+
+    /// One lookup of `key` at `lsn` for a page read: the page's version (the LSN of the newest
+    /// value at or below `lsn`) and what `cached` has for it, or, when it has nothing, the read
+    /// begun ([`Lookup::Read`]: [`Timeline::plan_read_from`] plans it without looking the key up
+    /// again). `cached` is asked once, and for a version found in the active segment under the
+    /// index's lock (so that the entries the plan needs are copied out under that same lock,
+    /// and only on a miss: a hit copies nothing): it must be quick and must not call into this
+    /// timeline. Never waits for the disk: an index block the kernel's page cache does not hold
+    /// fails the lookup with an error that `would_wait` tells, nothing read. `BelowGcCutoff` if
+    /// `lsn` is below the GC cutoff.
+    pub(crate) fn lookup<T>(
+        &self,
+        key: Key,
+        lsn: Lsn,
+        cached: impl FnOnce(Lsn) -> Option<T>,
+    ) -> Result<Lookup<T>, GetError> {
+        self.count_lookup();
+        let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
+        let found = match index.version(key, lsn) {
+            Version::Found(version) => match cached(version) {
+                Some(value) => Lookup::Cached { version, value },
+                None => Lookup::Read(ReadStart::new(key, lsn, version, index.snapshot(key, lsn))),
+            },
+            Version::InLayers(layers) => {
+                drop(index);
+                match layers.newest(key, lsn, DiskWait::Refused).map_err(GetError::Io)? {
+                    None => Lookup::NotFound,
+                    Some(found) => match cached(found.lsn) {
+                        Some(value) => Lookup::Cached { version: found.lsn, value },
+                        None => {
+                            let snapshot = Snapshot::in_layers(layers, found);
+                            Lookup::Read(ReadStart::new(key, lsn, found.lsn, snapshot))
+                        }
+                    },
+                }
+            }
+        };
+        self.check_retained(lsn)?;
+        Ok(found)
+    }
+
+    /// Counts a lookup of a key in the index, for tests ([`Timeline::key_lookups`]).
+    fn count_lookup(&self) {
+        #[cfg(test)]
+        self.shared.key_lookups.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Test hook: how many times a key was looked up in the index (each call of
+    /// [`Timeline::version_at`], [`Timeline::lookup`] or a plan made from the key).
+    #[cfg(test)]
+    pub(crate) fn key_lookups(&self) -> u64 {
+        self.shared.key_lookups.load(Ordering::Relaxed)
     }
 
     /// The GC cutoff: GetPage below it is refused (compaction may have dropped what it needs).
@@ -295,10 +352,12 @@ impl Timeline {
     }
 
     /// The newest image of `key` at or below `lsn` and the records above it up to `lsn`, oldest
-    /// first; without an image, all records at or below `lsn`. Blocking file reads (positional,
-    /// mostly from the page cache); every value's checksum is verified. More than `limits`
-    /// (counted from the index) is `TooLarge`, with nothing read.
-    pub fn get_reconstruct_data(
+    /// first; without an image, all records at or below `lsn`: [`Timeline::plan_read`] and its
+    /// reads, on the calling thread (blocking, positional, mostly from the page cache). For
+    /// tests: the daemon plans with [`Timeline::plan_read_async`] (or
+    /// [`Timeline::plan_read_from`]) and reads with [`Timeline::read_planned`].
+    #[cfg(test)]
+    pub(crate) fn get_reconstruct_data(
         &self,
         key: Key,
         lsn: Lsn,
@@ -307,29 +366,66 @@ impl Timeline {
         self.plan_read(key, lsn, limits)?.execute().map_err(GetError::Io)
     }
 
-    /// The reads for `key` at `lsn`, from the index alone (its lock held only to copy the
-    /// entries out, the spans planned after): what they will cost ([`ReadPlan::bytes`], for
-    /// reserving memory before reading) and `TooLarge` over `limits`, with nothing read. The
-    /// plan keeps its files open.
+    /// [`Timeline::plan_read_async`] made on the calling thread, reading the index blocks it
+    /// needs whatever the wait. For tests.
+    #[cfg(test)]
     pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
+        self.count_lookup();
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
         let plan = snapshot.pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new);
         self.planned(key, lsn, plan)
     }
 
-    /// [`Timeline::plan_read`] for async callers: when the kernel's page cache holds every
+    /// The reads for `key` at `lsn`, from the index alone (its lock held only to copy the
+    /// entries out, the spans planned after): what they will cost ([`ReadPlan::bytes`], for
+    /// reserving memory before reading) and `TooLarge` over `limits`, with nothing read. The
+    /// plan keeps its files open; [`Timeline::read_planned`] reads it. Every value's checksum is
+    /// verified when it is read.
+    ///
+    /// When the kernel's page cache holds every
     /// index block the plan needs, it is made here, on the calling thread; if one would wait
     /// for the disk, the plan is made on the blocking pool, so an index block missing from the
     /// page cache never stalls an executor thread (as [`Timeline::read_planned`] does for the
     /// values), and there the values are brought into the page cache too
     /// ([`ReadPlan::warm_values`]): the read then runs inline, one trip to the pool for both.
+    ///
+    /// Cancel-safe: dropped, it leaves nothing behind (a plan being made on the blocking pool
+    /// is made and dropped there).
     pub(crate) async fn plan_read_async(
         &self,
         key: Key,
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
+        self.count_lookup();
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
+        self.plan_snapshot(snapshot, key, lsn, limits).await
+    }
+
+    /// The plan of a read that [`Timeline::lookup`] began, made from what the lookup found (the
+    /// active segment's entries it copied out, or the layer it found the version in and the
+    /// runs below it) without looking the key up again, as [`Timeline::plan_read_async`] makes
+    /// one (on the blocking pool if an index block would wait for the disk). The plan's
+    /// [`ReadPlan::newest_lsn`] is the lookup's version.
+    ///
+    /// Cancel-safe as [`Timeline::plan_read_async`].
+    pub(crate) async fn plan_read_from(
+        &self,
+        start: ReadStart,
+        limits: ReadLimits,
+    ) -> Result<ReadPlan, GetError> {
+        let (key, lsn) = (start.key, start.lsn);
+        self.plan_snapshot(start.snapshot, key, lsn, limits).await
+    }
+
+    /// The plan for `key` at `lsn` from `snapshot` (see [`Timeline::plan_read_async`]).
+    async fn plan_snapshot(
+        &self,
+        snapshot: Snapshot,
+        key: Key,
+        lsn: Lsn,
+        limits: ReadLimits,
+    ) -> Result<ReadPlan, GetError> {
         let plan = match snapshot.pick(key, lsn, limits, DiskWait::Refused) {
             Err(e) if would_wait(&e) => {
                 self.shared.metrics.plans_offloaded.inc();
@@ -381,13 +477,18 @@ impl Timeline {
         }
     }
 
-    /// Starts a compaction pass over every frozen layer (see [`super::Pass`]); `None` if there
-    /// are none. Writes the manifest (blocking): call it off the executor.
-    pub fn begin_compaction(&self, conf: super::CompactionConf) -> anyhow::Result<Option<super::Pass>> {
+    /// A full compaction pass ([`Timeline::begin_pass`] of [`super::PassKind::Full`]), for tests.
+    #[cfg(test)]
+    pub(crate) fn begin_compaction(
+        &self,
+        conf: super::CompactionConf,
+    ) -> anyhow::Result<Option<super::Pass>> {
         self.begin_pass(conf, super::PassKind::Full)
     }
 
-    /// Starts a compaction pass of `kind` ([`super::PassKind`]); see [`Timeline::begin_compaction`].
+    /// Starts a compaction pass of `kind` ([`super::PassKind`]) over the frozen layers it takes
+    /// (see [`super::Pass`]); `None` if there are none. Writes the manifest (blocking): call it
+    /// off the executor.
     pub fn begin_pass(
         &self,
         conf: super::CompactionConf,
@@ -428,7 +529,7 @@ impl Timeline {
         }
     }
 
-    /// Runs a plan of [`Timeline::plan_read`] for async callers: when the kernel's page cache
+    /// Runs a plan of [`Timeline::plan_read_async`] or [`Timeline::plan_read_from`]: when the kernel's page cache
     /// holds every value, the reads run here, on the calling thread; if any would wait for the
     /// disk, the whole plan runs on the blocking pool, so a cold read never stalls an executor
     /// thread.
@@ -464,7 +565,7 @@ impl Timeline {
     /// copy the active segment's entries): O(values), blocking; call it from a blocking thread.
     pub fn keyspace(&self) -> anyhow::Result<Vec<(Key, Lsn)>> {
         let (active, layers) = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).all();
-        super::index::first_lsns(&active, layers.layers())
+        super::layer_map::first_lsns(&active, layers.layers())
     }
 
     /// The keys that `keep` accepts, in key order, without reading the whole key space: a skip
@@ -480,7 +581,7 @@ impl Timeline {
     ) -> anyhow::Result<Vec<Key>> {
         let (active, layers) =
             self.shared.index.read().unwrap_or_else(PoisonError::into_inner).keys_where(keep);
-        let mut kept = super::index::skip_scan(layers.layers(), keep, skip)?;
+        let mut kept = super::layer_map::skip_scan(layers.layers(), keep, skip)?;
         kept.extend(active);
         Ok(kept.into_iter().collect())
     }
@@ -596,6 +697,7 @@ mod tests {
     use std::os::fd::AsRawFd;
 
     use super::*;
+    use crate::storage::layer_map::RUNS_SEARCHED;
     use crate::storage::segment::ProbesMiss;
     use crate::storage::test_support::*;
     use crate::storage::DEFAULT_LAYER_SIZE;
@@ -745,6 +847,65 @@ mod tests {
         let refused = tl.version_at(key(1), Lsn(11), DiskWait::Refused).unwrap_err();
         assert!(would_wait(&refused), "{refused:?}");
         assert_eq!(tl.version_at(key(1), Lsn(11), DiskWait::Allowed).unwrap(), Some(Lsn(11)));
+    }
+
+    /// `tl.lookup` of `key` at `lsn` with a cache that has nothing, and the runs of the layer
+    /// map it binary-searched (on this thread). Looked up again, up to 20 times, while an index
+    /// block would wait for the disk (the lookup never waits: see `until_taken`).
+    fn lookup_uncached(tl: &Timeline, key: Key, lsn: Lsn) -> (Lookup<()>, u64) {
+        for _ in 0..20 {
+            let before = RUNS_SEARCHED.with(|c| c.get());
+            match tl.lookup(key, lsn, |_| None) {
+                Err(e) if would_wait(&e) => continue,
+                found => return (found.unwrap(), RUNS_SEARCHED.with(|c| c.get()) - before),
+            }
+        }
+        panic!("an index block would wait for the disk in 20 lookups");
+    }
+
+    /// A read that `lookup` began (the page cache had nothing for its version) is planned from
+    /// what the lookup found: from the layer that holds the version, no run the lookup searched
+    /// is searched again; in the active segment, the entries it copied out are the plan's. The
+    /// plan reads what a fresh one does.
+    #[tokio::test]
+    async fn a_read_a_lookup_began_is_planned_without_searching_the_layer_map_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
+        // Key 1 in the oldest of three seals; the two above it hold keys 0 and 2, so that their
+        // key ranges hold key 1 and a lookup looks at them too.
+        tl.ingest(batch(vec![(key(1), 10, image(1)), (key(1), 11, record("a"))])).await.unwrap();
+        tl.freeze().await.unwrap();
+        for lsn in [20, 30] {
+            tl.ingest(batch(vec![(key(0), lsn, image(2)), (key(2), lsn, image(2))])).await.unwrap();
+            tl.freeze().await.unwrap();
+        }
+        assert_eq!(tl.stats().runs, 3);
+
+        let (found, searched) = lookup_uncached(&tl, key(1), Lsn(40));
+        let Lookup::Read(start) = found else { panic!("key 1 is not found, or cached") };
+        assert_eq!((start.version(), searched), (Lsn(11), 3), "the newest value, in the oldest run");
+        let before = RUNS_SEARCHED.with(|c| c.get());
+        let plan = tl.plan_read_from(start, NO_LIMITS).await.unwrap();
+        assert_eq!(RUNS_SEARCHED.with(|c| c.get()) - before, 0, "runs searched again by the plan");
+        assert_eq!(plan.newest_lsn(), Lsn(11));
+        let expected = tl.get_reconstruct_data(key(1), Lsn(40), NO_LIMITS).unwrap();
+        assert_eq!(tl.read_planned(plan).await.unwrap(), expected);
+
+        // A version in the active segment: its entries are the plan's, the layers below read.
+        tl.ingest(batch(vec![(key(1), 50, record("b"))])).await.unwrap();
+        let (Lookup::Read(start), _) = lookup_uncached(&tl, key(1), Lsn(50)) else { panic!("key 1 at 50") };
+        assert_eq!(start.version(), Lsn(50));
+        let d = tl.read_planned(tl.plan_read_from(start, NO_LIMITS).await.unwrap()).await.unwrap();
+        assert_eq!(d, tl.get_reconstruct_data(key(1), Lsn(50), NO_LIMITS).unwrap());
+        assert_eq!(d.records.iter().map(|r| r.0).collect::<Vec<_>>(), vec![Lsn(11), Lsn(50)]);
+
+        // The cache's answer for the version, or nothing to read.
+        let cached = tl.lookup(key(1), Lsn(40), |version| Some(version.0)).unwrap();
+        assert!(matches!(cached, Lookup::Cached { version: Lsn(11), value: 11 }));
+        let cached = tl.lookup(key(1), Lsn(60), |version| Some(version.0)).unwrap();
+        assert!(matches!(cached, Lookup::Cached { version: Lsn(50), value: 50 }));
+        assert!(matches!(lookup_uncached(&tl, key(5), Lsn(60)).0, Lookup::NotFound));
+        assert!(matches!(lookup_uncached(&tl, key(1), Lsn(9)).0, Lookup::NotFound));
     }
 
     #[tokio::test]

@@ -12,12 +12,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::client::{describe, Client, ClientReader, ClientWriter};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use page_types::keys::RelTag;
 use page_types::Lsn;
-use pageserver::page_service::client::{describe, Client, ClientReader, ClientWriter};
 use pageserver::page_service::proto::{ClientMessage, ServerMessage, LSN_LATEST};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, Semaphore};

@@ -50,8 +50,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use crate::client::Client;
 use anyhow::{bail, Context};
-use pageserver::page_service::client::Client;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 

@@ -31,9 +31,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::client::{describe, Client, ClientReader, ServerError};
 use anyhow::{bail, Context};
 use page_types::Lsn;
-use pageserver::page_service::client::{describe, Client, ClientReader, ServerError};
 use pageserver::page_service::proto::{ClientMessage, ServerMessage, MAX_FRAME_LEN};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::{mpsc, Semaphore};

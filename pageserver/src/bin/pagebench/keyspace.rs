@@ -9,9 +9,9 @@
 //! count of keys before each range: key number `i` is found by a binary search, so millions of
 //! pages cost a few bytes per range, not per key.
 
+use crate::client::{Client, ServerError};
 use anyhow::{bail, Context};
 use page_types::Lsn;
-use pageserver::page_service::client::{Client, ServerError};
 use pageserver::page_service::proto::ErrorCode;
 use serde::Deserialize;
 use walredo_proc::protocol::BufferTag;

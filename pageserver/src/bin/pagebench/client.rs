@@ -1,5 +1,7 @@
-//! A tokio client for the page service (docs/page-service-protocol.md), used by `pagebench` and
-//! by integration tests.
+//! A tokio client for the page service (docs/page-service-protocol.md): pagebench's, and
+//! compiled into the library's unit tests too (`page_service::serve_tests` drive the daemon
+//! with it), where `super::proto` is the library's `page_service::proto` as here (pagebench's
+//! root imports it). The daemon has no client: the library exports none.
 //!
 //! One [`Client`] is one connection to one tenant. [`Client::connect`] sends Hello and checks
 //! HelloOk. After that the client pipelines: [`Client::send`] only encodes into a write buffer,
@@ -23,13 +25,14 @@ use std::fmt;
 
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
-use page_types::keys::RelTag;
 use page_types::{BufferTag, Lsn};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpStream, ToSocketAddrs};
 
-use super::proto::{self, ClientMessage, ErrorCode, IngestValue, ServerMessage};
+#[cfg(test)]
+use super::proto::IngestValue;
+use super::proto::{self, ClientMessage, ErrorCode, ServerMessage};
 
 /// Initial capacity of the read buffer: a few Page replies.
 const READ_BUFFER_CAPACITY: usize = 64 * 1024;
@@ -107,11 +110,6 @@ impl<W: AsyncWrite + Unpin> ClientWriter<W> {
         message.encode(&mut self.buf);
     }
 
-    /// Bytes buffered and not yet written.
-    pub fn buffered(&self) -> usize {
-        self.buf.len()
-    }
-
     /// Writes out everything buffered by [`ClientWriter::send`].
     ///
     /// Cancel-safe: the buffer is advanced past what was written, so after a cancellation the
@@ -123,7 +121,8 @@ impl<W: AsyncWrite + Unpin> ClientWriter<W> {
     }
 
     /// Shuts down the write direction (the daemon sees EOF after the last request). Not
-    /// cancel-safe in a useful way: after a cancellation, drop the writer.
+    /// cancel-safe in a useful way: after a cancellation, drop the writer. For tests.
+    #[cfg(test)]
     pub async fn shutdown(&mut self) -> anyhow::Result<()> {
         self.flush().await?;
         self.stream.shutdown().await.context("shut down the page service connection")
@@ -232,44 +231,12 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Client<R, W> {
         }
     }
 
-    /// The number of blocks of a relation fork at `lsn`, and the LSN served. A fork that does
-    /// not exist is a [`ServerError`] with code `not_found`. Not cancel-safe, as
-    /// [`Client::get_page`].
-    pub async fn get_rel_size(&mut self, rel: RelTag, fork: u8, lsn: u64) -> anyhow::Result<(u64, u32)> {
-        let request_id = self.next_request_id();
-        self.send(&ClientMessage::GetRelSize { request_id, rel, fork, lsn });
-        self.flush().await?;
-        match self.recv().await? {
-            ServerMessage::RelSize { request_id: got, lsn, blocks } if got == request_id => Ok((lsn, blocks)),
-            ServerMessage::Error { request_id, code, message } => {
-                Err(ServerError { request_id, code, message }.into())
-            }
-            other => bail!("expected RelSize for request {request_id}, got {}", describe(&other)),
-        }
-    }
-
-    /// Whether a relation fork exists at `lsn`, and the LSN served. Not cancel-safe, as
-    /// [`Client::get_page`].
-    pub async fn get_rel_exists(&mut self, rel: RelTag, fork: u8, lsn: u64) -> anyhow::Result<(u64, bool)> {
-        let request_id = self.next_request_id();
-        self.send(&ClientMessage::GetRelExists { request_id, rel, fork, lsn });
-        self.flush().await?;
-        match self.recv().await? {
-            ServerMessage::RelExists { request_id: got, lsn, exists } if got == request_id => {
-                Ok((lsn, exists))
-            }
-            ServerMessage::Error { request_id, code, message } => {
-                Err(ServerError { request_id, code, message }.into())
-            }
-            other => bail!("expected RelExists for request {request_id}, got {}", describe(&other)),
-        }
-    }
-
     /// Ingests one batch and waits until it is durable; returns the durable LSN (the batch's last
     /// LSN). An Error reply is returned as a [`ServerError`].
     ///
     /// Not cancel-safe, for the same reason as [`Client::get_page`]; moreover the batch may or
-    /// may not have been stored.
+    /// may not have been stored. For tests (pagebench pipelines its batches).
+    #[cfg(test)]
     pub async fn ingest(&mut self, values: Vec<IngestValue>) -> anyhow::Result<u64> {
         let request_id = self.next_request_id();
         self.send(&ClientMessage::Ingest { request_id, values });
