@@ -1,7 +1,8 @@
 //! PostgreSQL 15's page masks (`rm_mask`): what a page may differ in after redo without being
 //! wrong, as `wal_consistency_checking` compares a replayed page with the primary's.
 //!
-//! `heap_mask` (heapam.c) and `btree_mask` (nbtxlog.c), with the `bufmask.c` helpers they call.
+//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c) and `hash_mask` (hash_xlog.c), with the
+//! `bufmask.c` helpers they call.
 //! The redo child does not use them; they live beside the redo routines (as PostgreSQL keeps
 //! each `rm_mask` beside its `rm_redo`) so that every checker of this redo masks alike:
 //! `pagectl redocheck` and `pagectl chain`, and the `pg15-*` workloads of `bench_walredo`.
@@ -11,10 +12,11 @@
 
 use crate::page::BLCKSZ;
 
-use super::redo::{RM_BTREE, RM_HEAP, RM_HEAP2};
+use super::redo::{RM_BTREE, RM_HASH, RM_HEAP, RM_HEAP2};
 
 /// Masks `page` as PostgreSQL masks the pages of `rmid`'s records: `heap_mask` for Heap and
-/// Heap2, `btree_mask` for Btree, LSN and checksum only for any other resource manager.
+/// Heap2, `btree_mask` for Btree, `hash_mask` for Hash, LSN and checksum only for any other
+/// resource manager.
 pub fn mask(rmid: u8, page: &mut [u8]) {
     if page.len() != BLCKSZ {
         return;
@@ -22,6 +24,7 @@ pub fn mask(rmid: u8, page: &mut [u8]) {
     match rmid {
         RM_HEAP | RM_HEAP2 => heap_mask(page),
         RM_BTREE => btree_mask(page),
+        RM_HASH => hash_mask(page),
         _ => mask_lsn_and_checksum(page),
     }
 }
@@ -134,6 +137,49 @@ pub fn btree_mask(page: &mut [u8]) {
     }
 }
 
+/// `mask_lp_flags`: every used line pointer (`1..=PageGetMaxOffsetNumber`) marked unused,
+/// its offset and length kept.
+fn mask_lp_flags(page: &mut [u8]) {
+    let maxoff = u16_at(page, 12).saturating_sub(24) / 4;
+    for at in (0..maxoff).map(|i| 24 + 4 * i) {
+        if let Some(b) = page.get(at..at + 4) {
+            let raw = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            if (raw >> 15) & 3 != 0 {
+                page[at..at + 4].copy_from_slice(&(raw & !(3 << 15)).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// `hash_mask` (PostgreSQL 15's hash_xlog.c): LSN, checksum, hint bits, the hole; everything
+/// after the header of an unused page (`mask_page_content`, `pd_lower` and `pd_upper` too);
+/// the line pointer flags of bucket and overflow pages (LP_DEAD is set without WAL); and
+/// `LH_PAGE_HAS_DEAD_TUPLES`. The special space is read where `pd_special` says, as PostgreSQL
+/// does (on an all-zeros page that is the header's `pd_lower`); one that would not fit in the
+/// page is left as it is.
+pub fn hash_mask(page: &mut [u8]) {
+    mask_lsn_and_checksum(page);
+    mask_hint_bits(page);
+    mask_unused_space(page);
+    let special = u16_at(page, 16);
+    if special + 16 > BLCKSZ {
+        return;
+    }
+    let flag_at = special + 12;
+    match u16_at(page, flag_at) & 0x0F {
+        // LH_UNUSED_PAGE: mask_page_content.
+        0 => {
+            page[24..].fill(0);
+            page[12..16].fill(0);
+        }
+        // LH_BUCKET_PAGE, LH_OVERFLOW_PAGE.
+        0x02 | 0x01 => mask_lp_flags(page),
+        _ => {}
+    }
+    let flag = u16_at(page, flag_at) as u16 & !0x80;
+    page[flag_at..flag_at + 2].copy_from_slice(&flag.to_le_bytes());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,10 +202,47 @@ mod tests {
         assert!(first_difference(RM_HEAP, &page, &other).is_some());
     }
 
+    /// A hash page: header, one normal line pointer to 16 bytes at 8160, special space with `flag`.
+    fn hash_page(flag: u16) -> Vec<u8> {
+        let mut page = vec![0u8; BLCKSZ];
+        for (at, v) in [(12, 28u16), (14, 8160), (16, 8176), (18, 0x2004)] {
+            page[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+        let lp: u32 = 8160 | (1 << 15) | (16 << 17);
+        page[24..28].copy_from_slice(&lp.to_le_bytes());
+        page[8160..8176].fill(7);
+        page[8176 + 12..8176 + 14].copy_from_slice(&flag.to_le_bytes());
+        page[8190..8192].copy_from_slice(&0xFF80u16.to_le_bytes());
+        page
+    }
+
+    #[test]
+    fn hash_mask_ignores_dead_marks_and_unused_pages_but_not_tuples() {
+        let bucket = hash_page(0x02);
+        let mut other = bucket.clone();
+        let dead: u32 = 8160 | (3 << 15) | (16 << 17);
+        other[24..28].copy_from_slice(&dead.to_le_bytes());
+        other[8176 + 12] |= 0x80; // LH_PAGE_HAS_DEAD_TUPLES
+        assert_eq!(first_difference(RM_HASH, &bucket, &other), None);
+        other[8170] = 1;
+        assert_eq!(first_difference(RM_HASH, &bucket, &other), Some(8170));
+        // A bitmap page keeps its line pointer flags; a metapage its contents.
+        let (bitmap, mut dead_bitmap) = (hash_page(0x04), hash_page(0x04));
+        dead_bitmap[24..28].copy_from_slice(&dead.to_le_bytes());
+        assert_eq!(first_difference(RM_HASH, &bitmap, &dead_bitmap), Some(26));
+        // An unused page masks to its header, whatever it holds; an all-zero page masks to zeros.
+        let (unused, mut other) = (hash_page(0), hash_page(0));
+        other[100..8000].fill(9);
+        assert_eq!(first_difference(RM_HASH, &unused, &other), None);
+        let mut zeros = vec![0u8; BLCKSZ];
+        hash_mask(&mut zeros);
+        assert!(zeros.iter().all(|b| *b == 0));
+    }
+
     #[test]
     fn masks_never_panic_on_a_page_with_a_nonsense_header() {
         let mut page = vec![0xffu8; BLCKSZ];
-        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, 0] {
+        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_HASH, 0] {
             mask(rmid, &mut page);
         }
         assert_eq!(&page[..10], &[0u8; 10]);

@@ -66,4 +66,6 @@ fn apply_record(bytes: &[u8], page: &mut Page) -> Result<(), RedoError> {
 }
 
 /// Resource managers (PostgreSQL 15's `rmgrlist.h`).
-pub use page_types::wal::rmgr::{RM_BTREE_ID as RM_BTREE, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP};
+pub use page_types::wal::rmgr::{
+    RM_BTREE_ID as RM_BTREE, RM_HASH_ID as RM_HASH, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP,
+};
