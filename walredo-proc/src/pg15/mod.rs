@@ -15,7 +15,7 @@
 //! `target` is the block id the value is for; flags: [`FLAG_WILL_INIT`], [`FLAG_HAS_DATA`] (the
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
-//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`visibilitymap`]); a record it
+//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`hash`], [`visibilitymap`]); a record it
 //! does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
@@ -27,6 +27,7 @@
 
 pub mod btree;
 pub mod bufpage;
+pub mod hash;
 pub mod heap;
 pub mod mask;
 pub mod redo;
@@ -273,8 +274,8 @@ impl<'a> Pg15Record<'a> {
     }
 }
 
-/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `XLOG FPI`, ...: the names of
-/// PostgreSQL 15's `heapdesc.c`, `nbtdesc.c` and `xlogdesc.c` for the families this project
+/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `Hash SQUEEZE_PAGE`, `XLOG FPI`, ...: the
+/// names of PostgreSQL 15's `heapdesc.c`, `nbtdesc.c`, `hashdesc.c` and `xlogdesc.c` for the families this project
 /// redoes, `<rmgr> info 0x..` for the others.
 pub fn record_type_name(rmid: u8, info: u8) -> String {
     let rmgr = page_types::wal::rmgr::rmgr_name(rmid).unwrap_or(std::borrow::Cow::Borrowed("invalid"));
@@ -316,6 +317,7 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
             0xE0 => Some("META_CLEANUP"),
             _ => None,
         },
+        redo::RM_HASH => hash::TYPE_NAMES.get(usize::from(info >> 4)).copied(),
         page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
             0xA0 => Some("FPI"),
             0xB0 => Some("FPI_FOR_HINT"),
@@ -487,6 +489,8 @@ mod tests {
         assert_eq!(record_type_name(9, 0x10), "Heap2 PRUNE");
         assert_eq!(record_type_name(11, 0x40), "Btree SPLIT_R");
         assert_eq!(record_type_name(0, 0xA0), "XLOG FPI");
+        assert_eq!(record_type_name(12, 0xC0), "Hash VACUUM_ONE_PAGE");
+        assert_eq!(record_type_name(12, 0xD0), "Hash info 0xd0");
         assert_eq!(record_type_name(13, 0x20), "Gin info 0x20");
     }
 

@@ -1,9 +1,10 @@
 //! Redo of the `pg15` family: a stored PostgreSQL 15 WAL record applied to the page of the
 //! block it is stored for, as PostgreSQL's own redo routines leave it (`heapam.c`'s
-//! `heap_redo`/`heap2_redo`, `nbtxlog.c`'s `btree_redo`, `visibilitymap.c`).
+//! `heap_redo`/`heap2_redo`, `nbtxlog.c`'s `btree_redo`, `hash_xlog.c`'s `hash_redo`,
+//! `visibilitymap.c`).
 //!
 //! [`apply`] decodes the record and dispatches on its resource manager: [`super::heap`]
-//! (Heap and Heap2, with the heap side of VISIBLE), [`super::btree`] (Btree),
+//! (Heap and Heap2, with the heap side of VISIBLE), [`super::btree`] (Btree), [`super::hash`] (Hash),
 //! [`super::visibilitymap`] (the map page of VISIBLE, and the derived [`super::VmClear`] and
 //! [`super::VmTruncate`]).
 //! A record of another resource manager, or of a type not applied yet, is
@@ -61,6 +62,7 @@ fn apply_record(bytes: &[u8], page: &mut Page) -> Result<(), RedoError> {
         RM_HEAP2 => super::heap::redo_heap2(&target, page),
         RM_HEAP => super::heap::redo_heap(&target, page),
         RM_BTREE => super::btree::redo(&target, page),
+        RM_HASH => super::hash::redo(&target, page),
         _ => Err(RedoError::Unsupported(record.type_name())),
     }
 }
