@@ -18,6 +18,7 @@ pub const RM_GIST_ID: u8 = 14;
 pub const RM_SEQ_ID: u8 = 15;
 pub const RM_BRIN_ID: u8 = 17;
 pub const RM_GENERIC_ID: u8 = 20;
+pub const RM_HASH_ID: u8 = 12;
 /// The largest built-in id in PostgreSQL 15 (`RM_MAX_BUILTIN_ID`).
 pub const RM_MAX_BUILTIN_ID: u8 = 21;
 /// The first id for custom (extension) resource managers (`RM_MIN_CUSTOM_ID`).

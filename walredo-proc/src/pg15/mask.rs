@@ -1,7 +1,8 @@
 //! PostgreSQL 15's page masks (`rm_mask`): what a page may differ in after redo without being
 //! wrong, as `wal_consistency_checking` compares a replayed page with the primary's.
 //!
-//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c), `gist_mask` (gistxlog.c), `seq_mask`
+//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c), `gist_mask` (gistxlog.c), `hash_mask`
+//! (hash_xlog.c), `seq_mask`
 //! (sequence.c), `generic_mask` (generic_xlog.c) and `brin_mask` (brin_xlog.c), with the `bufmask.c` helpers they call.
 //! The redo child does not use them; they live beside the redo routines (as PostgreSQL keeps
 //! each `rm_mask` beside its `rm_redo`) so that every checker of this redo masks alike:
@@ -13,7 +14,7 @@
 use crate::page::BLCKSZ;
 
 use super::brin::{BRIN_EVACUATE_PAGE, BRIN_PAGETYPE_META, BRIN_PAGETYPE_REGULAR};
-use super::redo::{RM_BRIN, RM_BTREE, RM_GENERIC, RM_GIST, RM_HEAP, RM_HEAP2, RM_SEQ};
+use super::redo::{RM_BRIN, RM_BTREE, RM_GENERIC, RM_GIST, RM_HASH, RM_HEAP, RM_HEAP2, RM_SEQ};
 
 /// Masks `page` as PostgreSQL masks the pages of `rmid`'s records (its `rm_mask`), LSN and
 /// checksum only for a resource manager without one here.
@@ -25,6 +26,7 @@ pub fn mask(rmid: u8, page: &mut [u8]) {
         RM_HEAP | RM_HEAP2 => heap_mask(page),
         RM_BTREE => btree_mask(page),
         RM_GIST => gist_mask(page),
+        RM_HASH => hash_mask(page),
         RM_SEQ => seq_mask(page),
         RM_GENERIC => generic_mask(page),
         RM_BRIN => brin_mask(page),
@@ -166,6 +168,35 @@ pub fn gist_mask(page: &mut [u8]) {
     page[special + 12..special + 14].copy_from_slice(&(flags & !F_HAS_GARBAGE).to_le_bytes());
 }
 
+/// `hash_mask` (PostgreSQL 15's hash_xlog.c): LSN, checksum, hint bits, the hole; everything
+/// after the header of an unused page (`mask_page_content`, `pd_lower` and `pd_upper` too);
+/// the line pointer flags of bucket and overflow pages (LP_DEAD is set without WAL); and
+/// `LH_PAGE_HAS_DEAD_TUPLES`. The special space is read where `pd_special` says, as PostgreSQL
+/// does (on an all-zeros page that is the header's `pd_lower`); one that would not fit in the
+/// page is left as it is.
+pub fn hash_mask(page: &mut [u8]) {
+    mask_lsn_and_checksum(page);
+    mask_hint_bits(page);
+    mask_unused_space(page);
+    let special = u16_at(page, 16);
+    if special + 16 > BLCKSZ {
+        return;
+    }
+    let flag_at = special + 12;
+    match u16_at(page, flag_at) & 0x0F {
+        // LH_UNUSED_PAGE: mask_page_content.
+        0 => {
+            page[24..].fill(0);
+            page[12..16].fill(0);
+        }
+        // LH_BUCKET_PAGE, LH_OVERFLOW_PAGE.
+        0x02 | 0x01 => mask_lp_flags(page),
+        _ => {}
+    }
+    let flag = u16_at(page, flag_at) as u16 & !0x80;
+    page[flag_at..flag_at + 2].copy_from_slice(&flag.to_le_bytes());
+}
+
 /// `seq_mask` (sequence.c): LSN, checksum, the hole. (The tuple is compared whole: replay
 /// rebuilds it from the record, as the primary wrote it when it logged it.)
 pub fn seq_mask(page: &mut [u8]) {
@@ -290,10 +321,46 @@ mod tests {
         assert_eq!(first_difference(RM_BRIN, &revmap, &other), Some(1000));
     }
 
+    fn hash_page(flag: u16) -> Vec<u8> {
+        let mut page = vec![0u8; BLCKSZ];
+        for (at, v) in [(12, 28u16), (14, 8160), (16, 8176), (18, 0x2004)] {
+            page[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+        let lp: u32 = 8160 | (1 << 15) | (16 << 17);
+        page[24..28].copy_from_slice(&lp.to_le_bytes());
+        page[8160..8176].fill(7);
+        page[8176 + 12..8176 + 14].copy_from_slice(&flag.to_le_bytes());
+        page[8190..8192].copy_from_slice(&0xFF80u16.to_le_bytes());
+        page
+    }
+
+    #[test]
+    fn hash_mask_ignores_dead_marks_and_unused_pages_but_not_tuples() {
+        let bucket = hash_page(0x02);
+        let mut other = bucket.clone();
+        let dead: u32 = 8160 | (3 << 15) | (16 << 17);
+        other[24..28].copy_from_slice(&dead.to_le_bytes());
+        other[8176 + 12] |= 0x80; // LH_PAGE_HAS_DEAD_TUPLES
+        assert_eq!(first_difference(RM_HASH, &bucket, &other), None);
+        other[8170] = 1;
+        assert_eq!(first_difference(RM_HASH, &bucket, &other), Some(8170));
+        // A bitmap page keeps its line pointer flags; a metapage its contents.
+        let (bitmap, mut dead_bitmap) = (hash_page(0x04), hash_page(0x04));
+        dead_bitmap[24..28].copy_from_slice(&dead.to_le_bytes());
+        assert_eq!(first_difference(RM_HASH, &bitmap, &dead_bitmap), Some(26));
+        // An unused page masks to its header, whatever it holds; an all-zero page masks to zeros.
+        let (unused, mut other) = (hash_page(0), hash_page(0));
+        other[100..8000].fill(9);
+        assert_eq!(first_difference(RM_HASH, &unused, &other), None);
+        let mut zeros = vec![0u8; BLCKSZ];
+        hash_mask(&mut zeros);
+        assert!(zeros.iter().all(|b| *b == 0));
+    }
+
     #[test]
     fn masks_never_panic_on_a_page_with_a_nonsense_header() {
         let mut page = vec![0xffu8; BLCKSZ];
-        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_GIST, RM_SEQ, RM_GENERIC, RM_BRIN, 0] {
+        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_GIST, RM_HASH, RM_SEQ, RM_GENERIC, RM_BRIN, 0] {
             mask(rmid, &mut page);
         }
         assert_eq!(&page[..10], &[0u8; 10]);

@@ -15,7 +15,7 @@
 //! `target` is the block id the value is for; flags: [`FLAG_WILL_INIT`], [`FLAG_HAS_DATA`] (the
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
-//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gist`], [`visibilitymap`],
+//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gist`], [`hash`], [`visibilitymap`],
 //! [`sequence`], [`generic`], [`brin`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
@@ -30,6 +30,7 @@ pub mod btree;
 pub mod bufpage;
 pub mod generic;
 pub mod gist;
+pub mod hash;
 pub mod heap;
 pub mod mask;
 pub mod redo;
@@ -337,6 +338,7 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
                 .get(usize::from(op >> 4))
                 .copied()
         }
+        redo::RM_HASH => hash::TYPE_NAMES.get(usize::from(info >> 4)).copied(),
         page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
             0xA0 => Some("FPI"),
             0xB0 => Some("FPI_FOR_HINT"),
@@ -509,6 +511,8 @@ mod tests {
         assert_eq!(record_type_name(11, 0x40), "Btree SPLIT_R");
         assert_eq!(record_type_name(0, 0xA0), "XLOG FPI");
         assert_eq!(record_type_name(14, 0x30), "Gist PAGE_SPLIT");
+        assert_eq!(record_type_name(12, 0xC0), "Hash VACUUM_ONE_PAGE");
+        assert_eq!(record_type_name(12, 0xD0), "Hash info 0xd0");
         assert_eq!(record_type_name(13, 0x20), "Gin info 0x20");
         assert_eq!(record_type_name(15, 0x02), "Sequence LOG");
         assert_eq!(record_type_name(20, 0x00), "Generic Generic");
