@@ -694,15 +694,14 @@ impl Worker {
         let mut waited = waiting.elapsed();
         let data =
             tokio::task::spawn_blocking(move || req.read()).await.context("compaction read task")??;
-        let records: Vec<(u64, Bytes)> = data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
         let base = data.image.map(|(_, b)| b);
-        let (page, turn) = self.walredo.request_redo_background_timed(key, lsn.0, base, &records).await;
+        let (page, turn) = self.walredo.request_redo_background_timed(key, lsn, base, &data.records).await;
         waited += turn;
         match page {
             Ok(page) => Ok((Some(page), waited)),
             Err(e) => {
                 tracing::debug!(%key, %lsn, "compaction could not rebuild a page: {e}");
-                lock(&self.unredoable).failed(key, &records, &e);
+                lock(&self.unredoable).failed(key, &data.records, &e);
                 Ok((None, waited))
             }
         }

@@ -387,9 +387,7 @@ impl Tenant {
         let page = match (data.image, data.records.is_empty()) {
             (Some((_, image)), true) => image,
             (image, _) => {
-                let records: Vec<(u64, Bytes)> =
-                    data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
-                self.walredo.request_redo(key, lsn.0, image.map(|(_, page)| page), &records).await?
+                self.walredo.request_redo(key, lsn, image.map(|(_, page)| page), &data.records).await?
             }
         };
         // Only a PostgreSQL cluster's import stores a pg_control that can ask for checksums.

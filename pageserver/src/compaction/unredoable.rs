@@ -63,7 +63,7 @@ impl Unredoable {
 
     /// Remembers what a failed redo of `key` with `records` says, if it is a record the child
     /// does not apply.
-    pub fn failed(&mut self, key: Key, records: &[(u64, Bytes)], error: &RedoError) {
+    pub fn failed(&mut self, key: Key, records: &[(Lsn, Bytes)], error: &RedoError) {
         if let Some(at) = unsupported_at(error, records) {
             self.remember(key, at);
         }
@@ -86,14 +86,14 @@ impl Unredoable {
 
 /// The LSN of the record an `unsupported_record` error names ("... at LSN X/X: ..."), if it is
 /// one of `records`' (the child is not trusted to name one).
-fn unsupported_at(error: &RedoError, records: &[(u64, Bytes)]) -> Option<Lsn> {
+fn unsupported_at(error: &RedoError, records: &[(Lsn, Bytes)]) -> Option<Lsn> {
     let RedoError::Rejected { code: ErrorCode::UnsupportedRecord, message } = error else {
         return None;
     };
     let (_, rest) = message.split_once("at LSN ")?;
     let word = rest.split(|c: char| c == ':' || c.is_whitespace()).next()?;
     let at: Lsn = word.parse().ok()?;
-    records.iter().any(|(lsn, _)| *lsn == at.0).then_some(at)
+    records.iter().any(|(lsn, _)| *lsn == at).then_some(at)
 }
 
 #[cfg(test)]
@@ -109,8 +109,8 @@ mod tests {
         RedoError::Rejected { code: ErrorCode::UnsupportedRecord, message: message.into() }
     }
 
-    fn records(lsns: &[u64]) -> Vec<(u64, Bytes)> {
-        lsns.iter().map(|&l| (l, Bytes::new())).collect()
+    fn records(lsns: &[u64]) -> Vec<(Lsn, Bytes)> {
+        lsns.iter().map(|&l| (Lsn(l), Bytes::new())).collect()
     }
 
     #[test]

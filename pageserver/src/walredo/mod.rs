@@ -48,6 +48,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use page_types::Lsn;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -202,14 +203,14 @@ impl WalRedoConf {
 }
 
 /// Bytes the reconstruction of a page from `values` values (an image and records) of `bytes`
-/// bytes in all holds while it runs: the values read, the two lists of them (storage's and the
-/// redo request's), the frames of the request (which sends the image and the long records from
+/// bytes in all holds while it runs: the values read, storage's list of them (which the redo
+/// request borrows as it is), the frames of the request (which sends the image and the long records from
 /// where they were read, and copies only short ones) and the reply. What a GetPage and a
 /// compaction image reserve of the redo memory budget before they read: one formula, so that
 /// both count alike.
 pub fn reconstruction_bytes(values: usize, bytes: u64) -> u64 {
     bytes
-        + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
+        + (values * std::mem::size_of::<(Lsn, Bytes)>()) as u64
         + Request::overhead(values, bytes)
         + request::REPLY_BYTES
 }
@@ -405,9 +406,9 @@ impl WalRedoManager {
     pub async fn request_redo(
         &self,
         tag: BufferTag,
-        lsn: u64,
+        lsn: Lsn,
         base: Option<Bytes>,
-        records: &[(u64, Bytes)],
+        records: &[(Lsn, Bytes)],
     ) -> Result<Bytes, RedoError> {
         let mut waited = Duration::ZERO;
         self.redo(tag, lsn, base, records, Class::Foreground, &mut waited).await
@@ -433,9 +434,9 @@ impl WalRedoManager {
     pub async fn request_redo_background(
         &self,
         tag: BufferTag,
-        lsn: u64,
+        lsn: Lsn,
         base: Option<Bytes>,
-        records: &[(u64, Bytes)],
+        records: &[(Lsn, Bytes)],
     ) -> Result<Bytes, RedoError> {
         self.request_redo_background_timed(tag, lsn, base, records).await.0
     }
@@ -448,9 +449,9 @@ impl WalRedoManager {
     pub async fn request_redo_background_timed(
         &self,
         tag: BufferTag,
-        lsn: u64,
+        lsn: Lsn,
         base: Option<Bytes>,
-        records: &[(u64, Bytes)],
+        records: &[(Lsn, Bytes)],
     ) -> (Result<Bytes, RedoError>, Duration) {
         let mut waited = Duration::ZERO;
         let result = self.redo(tag, lsn, base, records, Class::Background, &mut waited).await;
@@ -468,9 +469,9 @@ impl WalRedoManager {
     async fn redo(
         &self,
         tag: BufferTag,
-        lsn: u64,
+        lsn: Lsn,
         base: Option<Bytes>,
-        records: &[(u64, Bytes)],
+        records: &[(Lsn, Bytes)],
         class: Class,
         waited: &mut Duration,
     ) -> Result<Bytes, RedoError> {
@@ -1071,7 +1072,7 @@ async fn pool_controller(weak: Weak<WalRedoManager>, cancel: CancellationToken) 
 
 /// Checks a request before anything is spawned or written: the base image is a page, the
 /// records are within the limits and in LSN order.
-fn validate_request(lsn: u64, base: Option<&Bytes>, records: &[(u64, Bytes)]) -> Result<(), RedoError> {
+fn validate_request(lsn: Lsn, base: Option<&Bytes>, records: &[(Lsn, Bytes)]) -> Result<(), RedoError> {
     let invalid = |message: String| Err(RedoError::InvalidRequest(message));
     if base.is_none() && records.is_empty() {
         return invalid("no base image and no records".to_string());
@@ -1079,19 +1080,15 @@ fn validate_request(lsn: u64, base: Option<&Bytes>, records: &[(u64, Bytes)]) ->
     if records.len() > MAX_RECORDS_PER_REQUEST {
         return invalid(format!("{} records, at most {MAX_RECORDS_PER_REQUEST} allowed", records.len()));
     }
-    let mut previous = 0;
-    for (record_lsn, record) in records {
+    let mut previous = Lsn::INVALID;
+    for &(record_lsn, ref record) in records {
         if let Err(e) = protocol::check_record_len(record) {
-            return invalid(format!("record at LSN {}: {e}", crate::storage::Lsn(*record_lsn)));
+            return invalid(format!("record at LSN {record_lsn}: {e}"));
         }
-        if *record_lsn < previous || *record_lsn > lsn {
-            return invalid(format!(
-                "record LSN {} out of order or above the request LSN {}",
-                crate::storage::Lsn(*record_lsn),
-                crate::storage::Lsn(lsn)
-            ));
+        if record_lsn < previous || record_lsn > lsn {
+            return invalid(format!("record LSN {record_lsn} out of order or above the request LSN {lsn}"));
         }
-        previous = *record_lsn;
+        previous = record_lsn;
     }
     match base {
         Some(base) if base.len() != BLCKSZ => {

@@ -20,6 +20,7 @@ use std::io::IoSlice;
 use std::ops::Range;
 
 use bytes::Bytes;
+use page_types::Lsn;
 use walredo_proc::protocol::{self, BufferTag};
 
 /// Slices handed to one vectored write; a longer request takes several writes (only records of
@@ -87,7 +88,7 @@ impl Request {
     /// the caller) and `records` (each within [`protocol::check_record_len`], checked by the
     /// caller); the page and the records of [`COPY_BELOW`] bytes or more are referenced, not
     /// copied.
-    pub(crate) fn redo(tag: &BufferTag, base: Option<&Bytes>, records: &[(u64, Bytes)]) -> Request {
+    pub(crate) fn redo(tag: &BufferTag, base: Option<&Bytes>, records: &[(Lsn, Bytes)]) -> Request {
         let copied: usize = records.iter().map(|(_, r)| r.len()).filter(|&n| n < COPY_BELOW).sum();
         let long = records.iter().filter(|(_, r)| r.len() >= COPY_BELOW).count();
         let mut request = Request {
@@ -100,11 +101,12 @@ impl Request {
             request.push_head(|out| protocol::encode_push_page_head(out, tag));
             request.push_data(page.clone());
         }
-        for (lsn, record) in records {
+        // The wire form of an LSN is its integer (the protocol's one conversion).
+        for &(Lsn(lsn), ref record) in records {
             if record.len() < COPY_BELOW {
-                request.push_head(|out| protocol::encode_apply_raw(out, *lsn, record));
+                request.push_head(|out| protocol::encode_apply_raw(out, lsn, record));
             } else {
-                request.push_head(|out| protocol::encode_apply_head(out, *lsn, record.len()));
+                request.push_head(|out| protocol::encode_apply_head(out, lsn, record.len()));
                 request.push_data(record.clone());
             }
         }
@@ -198,7 +200,7 @@ mod tests {
     }
 
     /// The encoded form, made the old way: one buffer.
-    fn contiguous(base: Option<&Bytes>, records: &[(u64, Bytes)]) -> Vec<u8> {
+    fn contiguous(base: Option<&Bytes>, records: &[(Lsn, Bytes)]) -> Vec<u8> {
         let mut out = Vec::new();
         protocol::encode_begin(&mut out, &tag());
         if let Some(page) = base {
@@ -206,7 +208,7 @@ mod tests {
             protocol::encode_push_page(&mut out, &tag(), page);
         }
         for (lsn, record) in records {
-            protocol::encode_apply_raw(&mut out, *lsn, record);
+            protocol::encode_apply_raw(&mut out, lsn.0, record);
         }
         protocol::encode_get_page(&mut out, &tag());
         out
@@ -242,8 +244,8 @@ mod tests {
     fn a_request_written_in_any_pieces_is_its_encoded_frames() {
         let page = Bytes::from(vec![7u8; BLCKSZ]);
         // Short ones (copied) and long ones (sent from where they are), mixed.
-        let records: Vec<(u64, Bytes)> = (1..=40u64)
-            .map(|i| (i * 16, Bytes::from(vec![i as u8; 1 + (i as usize * 397) % 9000])))
+        let records: Vec<(Lsn, Bytes)> = (1..=40u64)
+            .map(|i| (Lsn(i * 16), Bytes::from(vec![i as u8; 1 + (i as usize * 397) % 9000])))
             .collect();
         for base in [None, Some(&page)] {
             for count in [0, 1, 2, 40] {
@@ -263,8 +265,9 @@ mod tests {
     #[test]
     fn a_redo_request_copies_no_page_or_long_record_bytes() {
         let page = Bytes::from(vec![1u8; BLCKSZ]);
-        let mut records: Vec<(u64, Bytes)> = (1..=3u64).map(|i| (i, Bytes::from(vec![2u8; 5000]))).collect();
-        records.extend((4..=100u64).map(|i| (i, Bytes::from(vec![3u8; 100]))));
+        let mut records: Vec<(Lsn, Bytes)> =
+            (1..=3u64).map(|i| (Lsn(i), Bytes::from(vec![2u8; 5000]))).collect();
+        records.extend((4..=100u64).map(|i| (Lsn(i), Bytes::from(vec![3u8; 100]))));
         let bytes: u64 = records.iter().map(|(_, r)| r.len() as u64).sum();
         let request = Request::redo(&tag(), Some(&page), &records);
         assert!(request.head.len() as u64 <= Request::overhead(records.len(), bytes));

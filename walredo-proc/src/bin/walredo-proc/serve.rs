@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use page_types::Lsn;
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::pg15;
 use walredo_proc::pg15::redo::RedoError;
@@ -82,21 +83,16 @@ impl RedoState {
                                 RedoError::Malformed(_) => ErrorCode::BadRecord,
                                 RedoError::DoesNotFit(_) => ErrorCode::ApplyFailed,
                             };
-                            self.fail(code, format!("record at LSN {}: {e}", fmt_lsn(lsn)));
+                            self.fail(code, format!("record at LSN {}: {e}", Lsn(lsn)));
                         }
                         return None;
                     }
                     match Record::decode(record) {
-                        Err(e) => {
-                            self.fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", fmt_lsn(lsn)))
-                        }
+                        Err(e) => self.fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", Lsn(lsn))),
                         Ok(record) => {
                             if let Err(e) = record.apply(&mut self.page, lsn) {
                                 let kind = record.kind_name();
-                                self.fail(
-                                    ErrorCode::ApplyFailed,
-                                    format!("{kind} at LSN {}: {e}", fmt_lsn(lsn)),
-                                );
+                                self.fail(ErrorCode::ApplyFailed, format!("{kind} at LSN {}: {e}", Lsn(lsn)));
                             }
                         }
                     }
@@ -136,10 +132,6 @@ impl RedoState {
             self.failed = Some((code, message));
         }
     }
-}
-
-fn fmt_lsn(lsn: u64) -> String {
-    format!("{:X}/{:X}", lsn >> 32, lsn as u32)
 }
 
 #[cfg(test)]
