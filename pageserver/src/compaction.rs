@@ -206,7 +206,7 @@ pub struct CompactionStatus {
     pub gc_passes: u64,
     pub gc_passes_skipped: u64,
     pub failed_passes: u64,
-    pub gc_cutoff: u64,
+    pub gc_cutoff: Lsn,
     /// The pass running now, and how far it has got.
     pub current_pass: Option<PassProgress>,
     pub last_pass: Option<PassSummary>,
@@ -328,7 +328,7 @@ impl Compactor {
                 gc_passes: 0,
                 gc_passes_skipped: 0,
                 failed_passes: 0,
-                gc_cutoff: timeline.gc_cutoff().0,
+                gc_cutoff: timeline.gc_cutoff(),
                 current_pass: None,
                 last_pass: None,
                 last_error: None,
@@ -532,7 +532,7 @@ impl Worker {
         s.share = if running { decision.share } else { 0.0 };
         s.guard = controller.guard();
         s.running = running;
-        s.gc_cutoff = self.timeline.gc_cutoff().0;
+        s.gc_cutoff = self.timeline.gc_cutoff();
     }
 
     /// One pass from the freeze of the active segment to the install; `requested` through the
@@ -712,7 +712,7 @@ impl Worker {
         let mut s = lock(&self.compactor.status);
         s.running = false;
         s.share = 0.0;
-        s.gc_cutoff = self.timeline.gc_cutoff().0;
+        s.gc_cutoff = self.timeline.gc_cutoff();
         s.unredoable_keys = lock(&self.unredoable).len() as u64;
         let current = s.current_pass.take();
         match result {
@@ -730,7 +730,7 @@ impl Worker {
                     dropped = st.values_dropped,
                     bytes_before = st.bytes_before,
                     bytes_written = st.bytes_written,
-                    gc_cutoff = st.gc_cutoff,
+                    gc_cutoff = %st.gc_cutoff,
                     "compaction pass done"
                 );
                 self.metrics.passes.with_label_values(&["ok"]).inc();
@@ -758,7 +758,7 @@ impl Worker {
                             requested = p.requested,
                             values_read = st.values_read,
                             input_values = st.input_values,
-                            gc_cutoff = st.gc_cutoff,
+                            gc_cutoff = %st.gc_cutoff,
                             "compaction pass cancelled by shutdown: its outputs are removed, the layers \
                              it read stay as they were (nothing stored is lost, the GC cutoff it set \
                              stays); the next pass starts over"

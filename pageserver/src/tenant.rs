@@ -120,7 +120,7 @@ pub enum TenantState {
 pub struct TenantStatus {
     pub id: String,
     pub state: TenantState,
-    pub last_durable_lsn: u64,
+    pub last_durable_lsn: Lsn,
     pub config: TenantConfOverrides,
     pub effective_config: EffectiveTenantConf,
     pub walredo: WalRedoStatus,
@@ -235,8 +235,8 @@ impl Tenant {
         &self.dir
     }
 
-    pub fn last_durable_lsn(&self) -> u64 {
-        self.timeline.last_durable_lsn().0
+    pub fn last_durable_lsn(&self) -> Lsn {
+        self.timeline.last_durable_lsn()
     }
 
     /// The page `key` as of `lsn` ([`Lsn::LATEST`]: the last durable LSN), and the LSN served.
@@ -457,7 +457,7 @@ impl Tenant {
         TenantStatus {
             id: self.id.clone(),
             state: TenantState::Active,
-            last_durable_lsn: stats.last_durable_lsn.0,
+            last_durable_lsn: stats.last_durable_lsn,
             config: self.overrides(),
             effective_config: self.effective_conf(),
             walredo: self.walredo.status(),

@@ -279,7 +279,7 @@ impl Tenants {
                     }
                     tracing::info!(
                         tenant_id = id,
-                        last_durable_lsn = %crate::storage::Lsn(tenant.last_durable_lsn()),
+                        last_durable_lsn = %tenant.last_durable_lsn(),
                         "loaded tenant"
                     );
                     active += 1;

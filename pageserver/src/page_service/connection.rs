@@ -88,7 +88,7 @@ pub(crate) async fn handle_connection(
             Ok(tenant) => {
                 let ok = ServerMessage::HelloOk {
                     version: PROTOCOL_VERSION,
-                    last_durable_lsn: tenant.last_durable_lsn(),
+                    last_durable_lsn: tenant.last_durable_lsn().0,
                 };
                 replies.push(Queued { pending: Pending::Ready(Reply::message(&ok)), slot: None });
                 let span = tracing::info_span!("tenant", tenant_id = tenant.id);

@@ -142,7 +142,7 @@ pub struct PassStats {
     /// Input files deleted after the install.
     pub files_deleted: u64,
     /// The GC cutoff the pass applied.
-    pub gc_cutoff: u64,
+    pub gc_cutoff: Lsn,
     /// A GC pass: bytes of values its survey found droppable.
     pub garbage_bytes: u64,
     /// A GC pass that found too little to drop ([`GC_MIN_GARBAGE`]): it wrote nothing and its
@@ -466,7 +466,7 @@ impl Pass {
             input_layers: inputs.len() as u64,
             input_values: inputs.iter().map(|l| l.values()).sum(),
             bytes_before: inputs.iter().map(|l| l.size).sum(),
-            gc_cutoff: cutoff.0,
+            gc_cutoff: cutoff,
             ..PassStats::default()
         };
         Ok(Some(Pass {
