@@ -52,10 +52,11 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use bytes::Bytes;
+use page_types::Lsn;
 
 use crate::compaction_controller::{Controller, ControllerConf, Decision, Observation};
 use crate::redo_budget::RedoBudget;
-use crate::storage::{CompactionConf, ImageRequest, Lsn, PassKind, PassStats, Step, Timeline};
+use crate::storage::{CompactionConf, ImageRequest, PassKind, PassStats, Step, Timeline};
 use crate::util::lock;
 use crate::walredo::WalRedoManager;
 use unredoable::Unredoable;

@@ -53,7 +53,7 @@ impl PageCache {
         let capacity = IntGauge::new("pageserver_page_cache_capacity_bytes", "Configured page cache size")?;
         registry.register(Box::new(capacity.clone()))?;
         capacity.set(i64::try_from(size_bytes).unwrap_or(i64::MAX));
-        let pages = (size_bytes / walredo_proc::page::BLCKSZ as u64) as usize;
+        let pages = (size_bytes / page_types::PAGE_SIZE as u64) as usize;
         Ok(PageCache {
             cache: (pages > 0)
                 .then(|| quick_cache::sync::Cache::with_weighter(pages, size_bytes, PageWeight)),

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bytes::Bytes;
 use page_types::keys::RelTag;
-use page_types::BufferTag;
+use page_types::{BufferTag, Lsn};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -34,7 +34,7 @@ use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{Overloaded, RedoBudget};
 use crate::storage::{
-    self, DiskWait, GetError, IngestBatch, IngestError, Lsn, ReadLimits, Timeline, WaitLsnError,
+    self, DiskWait, GetError, IngestBatch, IngestError, ReadLimits, Timeline, WaitLsnError,
 };
 use crate::util::{lock, Signal};
 use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};

@@ -622,20 +622,20 @@ mod tests {
         let conf = conf(workdir.path());
         let tenants = load_with_cache(&conf, 1 << 20).await;
         let tenant = tenants.create("t", TenantConfOverrides::default()).await.unwrap();
-        let key = storage::Key { spcnode: 1663, dbnode: 5, relnode: 1, forknum: 0, blknum: 1 };
-        let missing = storage::Key { blknum: 2, ..key };
-        let image = bytes::Bytes::from(vec![7u8; storage::PAGE_SIZE]);
+        let key = page_types::BufferTag { spcnode: 1663, dbnode: 5, relnode: 1, forknum: 0, blknum: 1 };
+        let missing = page_types::BufferTag { blknum: 2, ..key };
+        let image = bytes::Bytes::from(vec![7u8; page_types::PAGE_SIZE]);
         let batch =
-            storage::IngestBatch { values: vec![(key, storage::Lsn(10), storage::Value::Image(image))] };
+            storage::IngestBatch { values: vec![(key, page_types::Lsn(10), storage::Value::Image(image))] };
         let durable = tenant.submit_ingest(batch).await.unwrap().await.unwrap();
 
-        assert!(tenant.get_page_now(key, storage::Lsn::LATEST).is_none(), "not in the page cache yet");
-        let (lsn, page) = tenant.get_page(key, storage::Lsn::LATEST).await.unwrap();
-        assert_eq!(tenant.get_page_now(key, storage::Lsn::LATEST), Some((lsn, page.clone())));
+        assert!(tenant.get_page_now(key, page_types::Lsn::LATEST).is_none(), "not in the page cache yet");
+        let (lsn, page) = tenant.get_page(key, page_types::Lsn::LATEST).await.unwrap();
+        assert_eq!(tenant.get_page_now(key, page_types::Lsn::LATEST), Some((lsn, page.clone())));
         assert_eq!(tenant.get_page_now(key, durable), Some((durable, page)));
         // Ahead of the durable LSN, get_page would wait; a missing key is get_page's error.
-        assert!(tenant.get_page_now(key, storage::Lsn(durable.0 + 1)).is_none());
-        assert!(tenant.get_page_now(missing, storage::Lsn::LATEST).is_none());
+        assert!(tenant.get_page_now(key, page_types::Lsn(durable.0 + 1)).is_none());
+        assert!(tenant.get_page_now(missing, page_types::Lsn::LATEST).is_none());
         assert_eq!(tenant.status().counters.get_page_requests, 3, "hits are counted as GetPage requests");
         tenants.shutdown().await;
     }

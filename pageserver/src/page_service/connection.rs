@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use page_types::Lsn;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
@@ -23,7 +24,7 @@ use super::io_choice::IoChoice;
 use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
 use super::writer::{Pending, Queued, Replies, Reply, Writer};
 use super::{ConnectionSlot, PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
-use crate::storage::{IngestError, Lsn, WaitLsnError};
+use crate::storage::{IngestError, WaitLsnError};
 use crate::tenant::{GetPageError, Tenant};
 use crate::tenants::{TenantError, Tenants};
 use crate::util::Signal;

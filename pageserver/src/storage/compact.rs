@@ -54,6 +54,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn};
 use serde::Serialize;
 
 use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
@@ -62,7 +63,7 @@ use super::layer::{self, DiskWait, LayerName, Level};
 use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
 use super::segment::open_data_file;
 use super::shared::Shared;
-use super::{Key, Lsn, ReconstructData};
+use super::ReconstructData;
 
 /// Prefix of an output's temporary name (`.compact_<generation>_<n>.tmp`); recovery removes such files.
 pub(crate) const TMP_PREFIX: &str = ".compact_";
@@ -156,7 +157,7 @@ pub struct PassStats {
 /// Nothing is read yet: reserve what it holds ([`ImageRequest::bytes`]), then
 /// [`ImageRequest::read`].
 pub struct ImageRequest {
-    pub key: Key,
+    pub key: BufferTag,
     pub lsn: Lsn,
     /// The LSN of the image the records apply to (the key's newest image, or the page of the
     /// previous piece); `None` if there is none (the chain starts from nothing).
@@ -245,7 +246,7 @@ struct KeyValues {
 }
 
 impl KeyValues {
-    fn of(inputs: &[Arc<Frozen>], below: &[Arc<Frozen>], key: Key) -> anyhow::Result<KeyValues> {
+    fn of(inputs: &[Arc<Frozen>], below: &[Arc<Frozen>], key: BufferTag) -> anyhow::Result<KeyValues> {
         let mut runs = Vec::new();
         for l in inputs {
             let entries = l.lookup(key, Lsn(u64::MAX), DiskWait::Allowed)?;
@@ -312,7 +313,7 @@ impl KeyValues {
 /// written in order; `next` is the first not yet written (those before it are written or
 /// dropped).
 struct KeyWork {
-    key: Key,
+    key: BufferTag,
     values: KeyValues,
     next: usize,
     /// Values up to here (excluded) are due to be written now.
@@ -373,7 +374,7 @@ pub struct Pass {
     survey: bool,
     cutoff: Lsn,
     /// The last key begun; `None` before the first.
-    cursor: Option<Key>,
+    cursor: Option<BufferTag>,
     /// The key begun and not done.
     current: Option<KeyWork>,
     /// The span being copied (reused).
@@ -511,7 +512,7 @@ impl Pass {
                     let mut next = None;
                     for l in &self.inputs {
                         if let Some(k) = l.next_key(self.cursor)? {
-                            next = Some(next.map_or(k, |n: Key| n.min(k)));
+                            next = Some(next.map_or(k, |n: BufferTag| n.min(k)));
                         }
                     }
                     let Some(key) = next else {
@@ -586,7 +587,7 @@ impl Pass {
     }
 
     /// Looks at `key`'s values: which it keeps, and whether it needs images.
-    fn start_key(&mut self, key: Key) -> anyhow::Result<KeyWork> {
+    fn start_key(&mut self, key: BufferTag) -> anyhow::Result<KeyWork> {
         let values = KeyValues::of(&self.inputs, &self.below, key)?;
         let (mut keep_from, mut base) = (0, None);
         for (i, (_, e)) in values.iter_from(0).enumerate() {
@@ -754,7 +755,7 @@ impl Pass {
     }
 
     /// Appends a value to the current output (a new one if there is none).
-    fn push(&mut self, key: Key, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {
+    fn push(&mut self, key: BufferTag, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {
         let writer = match self.writer.as_mut() {
             Some(w) => w,
             None => {
@@ -915,7 +916,7 @@ impl Writer {
         })
     }
 
-    fn push(&mut self, key: Key, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {
+    fn push(&mut self, key: BufferTag, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {
         let offset = self.len + self.buf.len() as u64;
         let crc = crc32c::crc32c(bytes);
         self.entries.push(IndexEntry { key, lsn, kind, offset, len: bytes.len() as u32, crc });

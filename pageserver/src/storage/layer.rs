@@ -23,10 +23,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{ensure, Context};
+use page_types::{BufferTag, Lsn};
 
 use super::format::{self, put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
 use super::segment::{open_data_file, read_at};
-use super::{Key, Lsn};
 
 pub(crate) mod block_index;
 
@@ -75,7 +75,7 @@ pub(crate) struct LayerName {
     pub first: Lsn,
     pub last: Lsn,
     /// The smallest and the largest key in the file (names of this build).
-    pub keys: Option<(Key, Key)>,
+    pub keys: Option<(BufferTag, BufferTag)>,
     /// The generation of the manifest that recorded the seal or the compaction pass the file
     /// was written for (names of this build): with the key and LSN ranges it makes the name
     /// unique within the timeline for good, also across an interrupted pass and its retry.
@@ -86,7 +86,13 @@ pub(crate) struct LayerName {
 
 impl LayerName {
     /// The name of a file written by this build.
-    pub(crate) fn new(level: Level, keys: (Key, Key), first: Lsn, last: Lsn, generation: u64) -> LayerName {
+    pub(crate) fn new(
+        level: Level,
+        keys: (BufferTag, BufferTag),
+        first: Lsn,
+        last: Lsn,
+        generation: u64,
+    ) -> LayerName {
         LayerName { level, first, last, keys: Some(keys), generation: Some(generation), id: None }
     }
 
@@ -121,7 +127,7 @@ pub(crate) fn file_name(n: &LayerName) -> String {
 
 /// A key as 34 upper-case hex digits: spcnode, dbnode, relnode (8 each), forknum (2), blknum
 /// (8), so that names sort by key as keys do.
-fn key_hex(k: &Key) -> String {
+fn key_hex(k: &BufferTag) -> String {
     format!("{:08X}{:08X}{:08X}{:02X}{:08X}", k.spcnode, k.dbnode, k.relnode, k.forknum, k.blknum)
 }
 
@@ -140,7 +146,7 @@ pub(crate) fn parse_file_name(name: &str) -> Option<LayerName> {
     let key = |k: &str| {
         let field = |from: usize, to: usize| hex(k.get(from..to)?, to - from);
         (k.len() == 34).then_some(())?;
-        Some(Key {
+        Some(BufferTag {
             spcnode: field(0, 8)? as u32,
             dbnode: field(8, 16)? as u32,
             relnode: field(16, 24)? as u32,
@@ -294,8 +300,8 @@ fn le<const N: usize>(raw: &[u8; INDEX_ENTRY_LEN], at: usize) -> [u8; N] {
 
 /// The key and LSN of an encoded index entry (nothing checked): what ordering and searching
 /// an index block need.
-pub(crate) fn decode_key_lsn(raw: &[u8; INDEX_ENTRY_LEN]) -> (Key, Lsn) {
-    let key = Key {
+pub(crate) fn decode_key_lsn(raw: &[u8; INDEX_ENTRY_LEN]) -> (BufferTag, Lsn) {
+    let key = BufferTag {
         spcnode: u32::from_le_bytes(le(raw, 0)),
         dbnode: u32::from_le_bytes(le(raw, 4)),
         relnode: u32::from_le_bytes(le(raw, 8)),
@@ -445,19 +451,21 @@ pub(crate) fn open(path: &Path) -> anyhow::Result<OpenLayer> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use page_types::BufferTag;
+
     use super::*;
     use crate::storage::segment::ActiveSegment;
-    use crate::storage::{Key, StorageMetrics, Value};
+    use crate::storage::{StorageMetrics, Value};
     use bytes::Bytes;
 
-    fn key(blk: u32) -> Key {
-        Key { spcnode: 1, dbnode: 2, relnode: 3, forknum: 0, blknum: blk }
+    fn key(blk: u32) -> BufferTag {
+        BufferTag { spcnode: 1, dbnode: 2, relnode: 3, forknum: 0, blknum: blk }
     }
 
     #[test]
     fn file_name_roundtrip_and_foreign_names_rejected() {
-        let min = Key { spcnode: 1663, dbnode: 5, relnode: 0xABCD_EF01, forknum: 2, blknum: 7 };
-        let max = Key { spcnode: u32::MAX, dbnode: 0, relnode: 1, forknum: 0x80, blknum: u32::MAX };
+        let min = BufferTag { spcnode: 1663, dbnode: 5, relnode: 0xABCD_EF01, forknum: 2, blknum: 7 };
+        let max = BufferTag { spcnode: u32::MAX, dbnode: 0, relnode: 1, forknum: 0x80, blknum: u32::MAX };
         let n = LayerName::new(Level::Compacted, (min, max), Lsn(0x1_0000_002A), Lsn(u64::MAX), 0x2b);
         let name = file_name(&n);
         let want = concat!(
@@ -515,7 +523,11 @@ mod tests {
 
     /// An active segment in `dir` holding `batches`, with a flat or a block index and its footer
     /// appended (not renamed); and the file's length.
-    fn sealed_segment(dir: &Path, batches: &[&[(Key, Lsn, Value)]], flat: bool) -> (ActiveSegment, u64) {
+    fn sealed_segment(
+        dir: &Path,
+        batches: &[&[(BufferTag, Lsn, Value)]],
+        flat: bool,
+    ) -> (ActiveSegment, u64) {
         let dir_file = File::open(dir).unwrap();
         let mut seg = ActiveSegment::create(dir, &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
         let mut buf = Vec::new();

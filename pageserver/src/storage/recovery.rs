@@ -31,13 +31,14 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context};
 use bytes::Bytes;
+use page_types::Lsn;
 
 use super::format::{self, FILE_HEADER_LEN, LOCK_NAME};
 use super::index::{Frozen, Index};
 use super::layer::{LayerName, Level};
 use super::manifest::{self, LayerMeta, Manifest, MANIFEST_NAME, MANIFEST_TMP_NAME};
 use super::segment::{self, open_data_file, read_at, ActiveSegment, ACTIVE_NAME};
-use super::{compact, layer, Lsn, StorageMetrics};
+use super::{compact, layer, StorageMetrics};
 
 /// What recovery hands to the timeline.
 pub(crate) struct Recovered {

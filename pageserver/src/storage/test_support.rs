@@ -6,8 +6,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn, PAGE_SIZE};
 
-use super::{IngestBatch, Key, Lsn, StorageConf, StorageMetrics, Timeline, Value, PAGE_SIZE};
+use super::{IngestBatch, StorageConf, StorageMetrics, Timeline, Value};
 use std::future::Future;
 use std::pin::Pin;
 use std::task::Poll;
@@ -37,8 +38,8 @@ pub(crate) async fn join_in_order<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
     out.into_iter().map(|o| o.unwrap()).collect()
 }
 
-pub(crate) fn key(blk: u32) -> Key {
-    Key { spcnode: 1663, dbnode: 13010, relnode: 16384, forknum: 0, blknum: blk }
+pub(crate) fn key(blk: u32) -> BufferTag {
+    BufferTag { spcnode: 1663, dbnode: 13010, relnode: 16384, forknum: 0, blknum: blk }
 }
 
 /// A page image whose bytes are all `fill`.
@@ -50,7 +51,7 @@ pub(crate) fn record(text: &str) -> Value {
     Value::Record(Bytes::copy_from_slice(text.as_bytes()))
 }
 
-pub(crate) fn batch(values: Vec<(Key, u64, Value)>) -> IngestBatch {
+pub(crate) fn batch(values: Vec<(BufferTag, u64, Value)>) -> IngestBatch {
     IngestBatch { values: values.into_iter().map(|(k, l, v)| (k, Lsn(l), v)).collect() }
 }
 

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use nix::fcntl::{Flock, FlockArg};
+use page_types::{BufferTag, Lsn};
 use tokio::sync::{oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -26,8 +27,8 @@ use super::index::{would_wait, ReadPlan};
 use super::layer::DiskWait;
 use super::shared::{Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
-    commit, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits, ReconstructData,
-    StorageConf, StorageMetrics, StorageWriteError, TimelineStats, WaitLsnError,
+    commit, recovery, validate, GetError, IngestBatch, IngestError, ReadLimits, ReconstructData, StorageConf,
+    StorageMetrics, StorageWriteError, TimelineStats, WaitLsnError,
 };
 
 /// The storage of one timeline. See the module doc.
@@ -264,7 +265,7 @@ impl Timeline {
     /// sees. Reads only the index: the layers' index blocks (through the block cache), waiting
     /// for the disk only where `wait` allows (else an error, with nothing read). `Ok(None)` if
     /// the key has nothing at or below `lsn`; `BelowGcCutoff` if `lsn` is below the GC cutoff.
-    pub fn version_at(&self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
+    pub fn version_at(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
         let version = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).version(key, lsn);
         let found = version.newest(key, lsn, wait)?;
         self.check_retained(lsn)?;
@@ -300,7 +301,7 @@ impl Timeline {
     /// (counted from the index) is `TooLarge`, with nothing read.
     pub fn get_reconstruct_data(
         &self,
-        key: Key,
+        key: BufferTag,
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReconstructData, GetError> {
@@ -311,7 +312,12 @@ impl Timeline {
     /// entries out, the spans planned after): what they will cost ([`ReadPlan::bytes`], for
     /// reserving memory before reading) and `TooLarge` over `limits`, with nothing read. The
     /// plan keeps its files open.
-    pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
+    pub(crate) fn plan_read(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        limits: ReadLimits,
+    ) -> Result<ReadPlan, GetError> {
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
         let plan = snapshot.pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new);
         self.planned(key, lsn, plan)
@@ -325,7 +331,7 @@ impl Timeline {
     /// ([`ReadPlan::warm_values`]): the read then runs inline, one trip to the pool for both.
     pub(crate) async fn plan_read_async(
         &self,
-        key: Key,
+        key: BufferTag,
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
@@ -349,7 +355,7 @@ impl Timeline {
     }
 
     /// The plan for `key` at `lsn`, if the index snapshot picked any values.
-    fn planned(&self, key: Key, lsn: Lsn, plan: Option<ReadPlan>) -> Result<ReadPlan, GetError> {
+    fn planned(&self, key: BufferTag, lsn: Lsn, plan: Option<ReadPlan>) -> Result<ReadPlan, GetError> {
         self.check_retained(lsn)?;
         plan.ok_or(GetError::NotFound { key, lsn })
     }
@@ -462,7 +468,7 @@ impl Timeline {
     /// Every key, in key order, with the LSN of its oldest value (the key space, for
     /// `GET /v1/tenant/{id}/keyspace`). Reads every layer's whole index (the lock held only to
     /// copy the active segment's entries): O(values), blocking; call it from a blocking thread.
-    pub fn keyspace(&self) -> anyhow::Result<Vec<(Key, Lsn)>> {
+    pub fn keyspace(&self) -> anyhow::Result<Vec<(BufferTag, Lsn)>> {
         let (active, layers) = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).all();
         super::index::first_lsns(&active, layers.layers())
     }
@@ -475,9 +481,9 @@ impl Timeline {
     /// Blocking: call it from a blocking thread.
     pub fn scan_keys(
         &self,
-        keep: &dyn Fn(&Key) -> bool,
-        skip: &dyn Fn(&Key) -> Key,
-    ) -> anyhow::Result<Vec<Key>> {
+        keep: &dyn Fn(&BufferTag) -> bool,
+        skip: &dyn Fn(&BufferTag) -> BufferTag,
+    ) -> anyhow::Result<Vec<BufferTag>> {
         let (active, layers) =
             self.shared.index.read().unwrap_or_else(PoisonError::into_inner).keys_where(keep);
         let mut kept = super::index::skip_scan(layers.layers(), keep, skip)?;

@@ -48,11 +48,10 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use page_types::Lsn;
+use page_types::{Lsn, PAGE_SIZE};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use walredo_proc::page::BLCKSZ;
 use walredo_proc::protocol::{self, BufferTag, ErrorCode};
 
 pub use metrics::{StopCause, WalRedoMetrics};
@@ -499,7 +498,7 @@ impl WalRedoManager {
         protocol::encode_ping(&mut frame);
         let mut waited = Duration::ZERO;
         match self.execute(&Arc::new(Request::frames(frame)), true, Class::Foreground, &mut waited).await? {
-            Reply::Page(page) if page.len() == BLCKSZ && page.iter().all(|&b| b == 0) => Ok(()),
+            Reply::Page(page) if page.len() == PAGE_SIZE && page.iter().all(|&b| b == 0) => Ok(()),
             other => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("bad ping reply {other:?}")))),
         }
     }
@@ -1091,8 +1090,8 @@ fn validate_request(lsn: Lsn, base: Option<&Bytes>, records: &[(Lsn, Bytes)]) ->
         previous = record_lsn;
     }
     match base {
-        Some(base) if base.len() != BLCKSZ => {
-            invalid(format!("base image of {} bytes, expected {BLCKSZ}", base.len()))
+        Some(base) if base.len() != PAGE_SIZE => {
+            invalid(format!("base image of {} bytes, expected {PAGE_SIZE}", base.len()))
         }
         _ => Ok(()),
     }

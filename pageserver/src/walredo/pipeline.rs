@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use bytes::buf::Limit;
 use bytes::{BufMut, Bytes, BytesMut};
-use walredo_proc::page::BLCKSZ;
+use page_types::PAGE_SIZE;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
 
 use super::metrics::StopCause;
@@ -96,7 +96,7 @@ pub(crate) struct ReplyReader {
     buf: BytesMut,
 }
 
-const LARGEST_REPLY: usize = HEADER_LEN + BLCKSZ;
+const LARGEST_REPLY: usize = HEADER_LEN + PAGE_SIZE;
 
 /// Page replies one chunk of the reader holds. A child under load runs ahead of the daemon's
 /// reader (at 64 x 8 on 2 vCPUs a read found 30-40 replies already in the pipe on average), so
@@ -554,7 +554,7 @@ mod tests {
     fn page_reply(fill: u8) -> Vec<u8> {
         let mut out = Vec::new();
         protocol::encode_page_reply_header(&mut out);
-        out.extend_from_slice(&[fill; BLCKSZ]);
+        out.extend_from_slice(&[fill; PAGE_SIZE]);
         out
     }
 
@@ -592,10 +592,10 @@ mod tests {
         for chunk in [1, 3, 5, 7, 100, 8197, 100_000] {
             let replies = feed(&stream, chunk);
             assert_eq!(replies.len(), 4, "chunk {chunk}");
-            assert_eq!(replies[0], Reply::Page(Bytes::from(vec![1; BLCKSZ])));
+            assert_eq!(replies[0], Reply::Page(Bytes::from(vec![1; PAGE_SIZE])));
             assert_eq!(replies[1], Reply::Error(ErrorCode::ApplyFailed, "bad".into()));
             assert_eq!(replies[2], Reply::Error(ErrorCode::ApplyFailed, "worse".into()));
-            assert_eq!(replies[3], Reply::Page(Bytes::from(vec![2; BLCKSZ])));
+            assert_eq!(replies[3], Reply::Page(Bytes::from(vec![2; PAGE_SIZE])));
         }
     }
 
@@ -609,7 +609,7 @@ mod tests {
         spare.put_slice(&stream);
         for n in 0..READ_CHUNK_REPLIES {
             let Some(Reply::Page(page)) = reader.take().unwrap() else { panic!("expected a page") };
-            assert_eq!(page, vec![n as u8; BLCKSZ]);
+            assert_eq!(page, vec![n as u8; PAGE_SIZE]);
             // The page is the very buffer the read went into, past its header.
             assert_eq!(page.as_ptr(), spare_ptr.wrapping_add(n * LARGEST_REPLY + HEADER_LEN));
         }
@@ -633,7 +633,7 @@ mod tests {
             pos += n;
             while let Some(reply) = reader.take().unwrap() {
                 if let Reply::Page(page) = reply {
-                    assert_eq!(page, vec![pages as u8; BLCKSZ]);
+                    assert_eq!(page, vec![pages as u8; PAGE_SIZE]);
                     pages += 1;
                 }
             }
@@ -653,7 +653,7 @@ mod tests {
         for seq in 0..3 {
             assert_eq!(
                 lock(&shared.replies).take(seq),
-                Some(Reply::Page(Bytes::from(vec![seq as u8; BLCKSZ])))
+                Some(Reply::Page(Bytes::from(vec![seq as u8; PAGE_SIZE])))
             );
         }
         assert!(reader.take().is_err(), "the bad header is left for the next reader to report");

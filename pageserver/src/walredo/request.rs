@@ -20,7 +20,7 @@ use std::io::IoSlice;
 use std::ops::Range;
 
 use bytes::Bytes;
-use page_types::Lsn;
+use page_types::{Lsn, PAGE_SIZE};
 use walredo_proc::protocol::{self, BufferTag};
 
 /// Slices handed to one vectored write; a longer request takes several writes (only records of
@@ -40,7 +40,7 @@ const OVERHEAD_PER_RECORD: usize = protocol::HEADER_LEN + 8 + std::mem::size_of:
 const OVERHEAD_FIXED: usize = 4 * (protocol::HEADER_LEN + protocol::BUFFER_TAG_LEN) + 256;
 
 /// Bytes of the child's reply to a redo request (a page and its header).
-pub(crate) const REPLY_BYTES: u64 = (protocol::HEADER_LEN + walredo_proc::page::BLCKSZ) as u64;
+pub(crate) const REPLY_BYTES: u64 = (protocol::HEADER_LEN + PAGE_SIZE) as u64;
 
 /// One piece of a request.
 #[derive(Debug, Clone)]
@@ -84,7 +84,7 @@ impl Request {
         request
     }
 
-    /// The redo request `B [P] A* G` for `tag` from `base` (a page of `BLCKSZ` bytes, checked by
+    /// The redo request `B [P] A* G` for `tag` from `base` (a page of `PAGE_SIZE` bytes, checked by
     /// the caller) and `records` (each within [`protocol::check_record_len`], checked by the
     /// caller); the page and the records of [`COPY_BELOW`] bytes or more are referenced, not
     /// copied.
@@ -193,7 +193,6 @@ impl Request {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use walredo_proc::page::BLCKSZ;
 
     fn tag() -> BufferTag {
         BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: 7 }
@@ -242,7 +241,7 @@ mod tests {
 
     #[test]
     fn a_request_written_in_any_pieces_is_its_encoded_frames() {
-        let page = Bytes::from(vec![7u8; BLCKSZ]);
+        let page = Bytes::from(vec![7u8; PAGE_SIZE]);
         // Short ones (copied) and long ones (sent from where they are), mixed.
         let records: Vec<(Lsn, Bytes)> = (1..=40u64)
             .map(|i| (Lsn(i * 16), Bytes::from(vec![i as u8; 1 + (i as usize * 397) % 9000])))
@@ -264,7 +263,7 @@ mod tests {
 
     #[test]
     fn a_redo_request_copies_no_page_or_long_record_bytes() {
-        let page = Bytes::from(vec![1u8; BLCKSZ]);
+        let page = Bytes::from(vec![1u8; PAGE_SIZE]);
         let mut records: Vec<(Lsn, Bytes)> =
             (1..=3u64).map(|i| (Lsn(i), Bytes::from(vec![2u8; 5000]))).collect();
         records.extend((4..=100u64).map(|i| (Lsn(i), Bytes::from(vec![3u8; 100]))));

@@ -60,7 +60,7 @@ pub(super) fn records_for(n: u32) -> Vec<(Lsn, Bytes)> {
 
 /// The page those records make, computed here with the same apply code.
 pub(super) fn expected_for(n: u32) -> Bytes {
-    let mut page: Box<walredo_proc::page::Page> = Box::new([0; BLCKSZ]);
+    let mut page: Box<walredo_proc::page::Page> = Box::new([0; PAGE_SIZE]);
     for (lsn, record) in records_for(n) {
         Record::decode(&record).expect("valid record").apply(&mut page, lsn.0).expect("record applies");
     }
@@ -160,7 +160,7 @@ async fn background_requests_alone_are_served() {
     for kind in KINDS {
         let (manager, registry) = manager_of(kind, DEFAULT_IDLE_TIMEOUT);
         // Without records: the base image, no child, not counted.
-        let base = Bytes::from(vec![7u8; BLCKSZ]);
+        let base = Bytes::from(vec![7u8; PAGE_SIZE]);
         let page = manager.request_redo_background(tag(1), Lsn(0x300), Some(base.clone()), &[]).await;
         assert_eq!(page.expect("base image"), base);
         assert_eq!(pid_of(&manager), None, "{kind}: a child for a request without records");
