@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use page_types::Lsn;
 use pageserver::test_support::walredo_proc_binary;
-use pageserver::walredo::{Path, ProcessKind, RedoError, WalRedoConf, WalRedoManager, WalRedoMetrics};
+use pageserver::walredo::{ProcessKind, RedoError, Wait, WalRedoConf, WalRedoManager, WalRedoMetrics};
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::protocol::{BufferTag, ErrorCode};
 use walredo_proc::record::Record;
@@ -22,13 +22,13 @@ use walredo_proc::record::Record;
 /// the blocking path under most of these tests' light load), and pinned to the yielding path,
 /// so that every test covers both of its ways to wait.
 #[derive(Debug, Clone, Copy)]
-struct Kind(ProcessKind, Option<Path>);
+struct Kind(ProcessKind, Option<Wait>);
 
 const KINDS: [Kind; 4] = [
     Kind(ProcessKind::Sync, None),
     Kind(ProcessKind::Async, None),
     Kind(ProcessKind::Auto, None),
-    Kind(ProcessKind::Auto, Some(Path::Async)),
+    Kind(ProcessKind::Auto, Some(Wait::Yield)),
 ];
 
 impl From<ProcessKind> for Kind {
@@ -47,10 +47,10 @@ impl std::fmt::Display for Kind {
 }
 
 fn conf(kind: impl Into<Kind>) -> WalRedoConf {
-    let Kind(kind, path) = kind.into();
+    let Kind(kind, wait) = kind.into();
     let mut conf = WalRedoConf::with_binary(walredo_proc_binary());
     conf.process_kind = kind;
-    conf.auto_path = path;
+    conf.auto_wait = wait;
     conf.timeout = Duration::from_secs(20);
     conf
 }

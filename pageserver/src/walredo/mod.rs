@@ -64,7 +64,7 @@ use spin_budget::{Bid, SpinBudget};
 
 use crate::metrics::RequestSeries;
 use crate::util::lock;
-pub use crate::worker_controller::Path;
+pub use crate::worker_controller::Wait;
 use crate::worker_controller::{
     max_spinning_for_cpus, Decision, Observation, WorkerController, WorkerControllerConf,
 };
@@ -166,9 +166,9 @@ pub struct WalRedoConf {
     /// Whether the controller sets the children's spin windows (the daemon: always; off only
     /// for benchmarks of the plain blocking round trip).
     pub adaptive_spin: bool,
-    /// The path of `auto` children: `None` (the daemon), the controller's; tests and benchmarks
-    /// pin one to measure or exercise it alone.
-    pub auto_path: Option<Path>,
+    /// How `auto` children wait: `None` (the daemon), as the controller says; tests and
+    /// benchmarks pin one to measure or exercise it alone.
+    pub auto_wait: Option<Wait>,
 }
 
 impl WalRedoConf {
@@ -185,7 +185,7 @@ impl WalRedoConf {
             budget: ChildBudget::global(),
             spin_budget: SpinBudget::global(),
             adaptive_spin: true,
-            auto_path: None,
+            auto_wait: None,
         }
     }
 }
@@ -306,12 +306,13 @@ pub struct PoolStatus {
     pub controller: Option<ControllerStatus>,
 }
 
-/// Whether round trips of `kind` on `path` block their thread (see [`WalRedoManager::may_block`]).
-fn blocks(kind: ProcessKind, path: Path) -> bool {
+/// Whether round trips of `kind` waiting as `wait` says block their thread (see
+/// [`WalRedoManager::may_block`]).
+fn blocks(kind: ProcessKind, wait: Wait) -> bool {
     match kind {
         ProcessKind::Sync => true,
         ProcessKind::Async => false,
-        ProcessKind::Auto => path == Path::Sync,
+        ProcessKind::Auto => wait == Wait::Block,
     }
 }
 
@@ -328,8 +329,8 @@ pub struct WalRedoManager {
     load: Arc<Load>,
     /// The controller's last look, for the status.
     controller: Mutex<Option<ControllerStatus>>,
-    /// The controller's last path, which `auto` children take (set on each one spawned).
-    path: Mutex<Path>,
+    /// How the controller last said `auto` children wait (set on each one spawned).
+    wait: Mutex<Wait>,
     /// Whether a round trip may block its thread: the kind is `sync`, or `auto` on the
     /// blocking path. Kept with `kind` and `path` (under their locks), read without a lock.
     blocks: AtomicBool,
@@ -364,8 +365,8 @@ impl WalRedoManager {
             pool: Mutex::new(Pool::new(Arc::clone(&conf.budget))),
             // Yielding until the controller's first period: blocking takes a slot of the
             // spin budget, which only the controller asks for.
-            path: Mutex::new(conf.auto_path.unwrap_or(Path::Async)),
-            blocks: AtomicBool::new(blocks(conf.process_kind, conf.auto_path.unwrap_or(Path::Async))),
+            wait: Mutex::new(conf.auto_wait.unwrap_or(Wait::Yield)),
+            blocks: AtomicBool::new(blocks(conf.process_kind, conf.auto_wait.unwrap_or(Wait::Yield))),
             conf,
             load: Arc::new(Load::default()),
             controller: Mutex::new(None),
@@ -695,22 +696,22 @@ impl WalRedoManager {
         )
         .await;
         if let Ok(process) = &spawned {
-            process.set_path(*lock(&self.path));
+            process.set_wait(*lock(&self.wait));
         }
         (kind, spawned)
     }
 
-    /// Sets the path of `auto` children (see [`ProcessKind::Auto`]): those in service now, and
-    /// those spawned from now on; a path pinned by the conf wins.
-    fn set_path(&self, path: Path) {
-        let path = self.conf.auto_path.unwrap_or(path);
-        let mut current = lock(&self.path);
-        if *current != path {
-            tracing::debug!(tenant_id = self.tenant_id, path = path.as_str(), "walredo path changes");
+    /// Sets how `auto` children wait (see [`ProcessKind::Auto`]): those in service now, and
+    /// those spawned from now on; a wait pinned by the conf wins.
+    fn set_wait(&self, wait: Wait) {
+        let wait = self.conf.auto_wait.unwrap_or(wait);
+        let mut current = lock(&self.wait);
+        if *current != wait {
+            tracing::debug!(tenant_id = self.tenant_id, path = wait.as_str(), "walredo path changes");
         }
-        *current = path;
+        *current = wait;
         for child in lock(&self.pool).children() {
-            child.set_path(path);
+            child.set_wait(wait);
         }
         drop(current);
         self.refresh_blocks();
@@ -833,8 +834,8 @@ impl WalRedoManager {
     /// both locks, taken in that order, so that the last change's value stays).
     fn refresh_blocks(&self) {
         let kind = lock(&self.kind);
-        let path = lock(&self.path);
-        self.blocks.store(blocks(*kind, *path), Ordering::Relaxed);
+        let wait = lock(&self.wait);
+        self.blocks.store(blocks(*kind, *wait), Ordering::Relaxed);
     }
 
     /// Whether a request's round trip may block the thread that awaits it (the `sync` kind, or
@@ -856,7 +857,7 @@ impl WalRedoManager {
                 requests_served: p.served.load(Ordering::Relaxed),
                 in_flight: p.in_flight.load(Ordering::Relaxed),
                 spin_us: p.spin_us(),
-                path: p.path().as_str(),
+                path: p.wait().as_str(),
             })
             .collect();
         WalRedoStatus {
@@ -940,8 +941,8 @@ impl WalRedoManager {
     /// trips yield. The bid's score is the gain per CPU of spinning, one over the period's idle
     /// gap per child (0 without requests).
     fn within_spin_budget(&self, decision: Decision, obs: &Observation) -> Decision {
-        let blocks = decision.path == Path::Sync
-            && self.conf.auto_path.is_none()
+        let blocks = decision.wait == Wait::Block
+            && self.conf.auto_wait.is_none()
             && *lock(&self.kind) == ProcessKind::Auto;
         let spins = if self.conf.adaptive_spin { decision.spinning } else { 0 };
         let wanted = spins.max(usize::from(blocks));
@@ -956,7 +957,7 @@ impl WalRedoManager {
         Decision {
             spinning,
             spin: if spinning == 0 { Duration::ZERO } else { decision.spin },
-            path: if blocks && granted == 0 { Path::Async } else { decision.path },
+            wait: if blocks && granted == 0 { Wait::Yield } else { decision.wait },
             ..decision
         }
     }
@@ -1035,7 +1036,7 @@ async fn pool_controller(weak: Weak<WalRedoManager>, cancel: CancellationToken) 
         *lock(&manager.controller) =
             Some(ControllerStatus::new(&obs, controller.smoothed_demand(), &decision));
         manager.resize(decision.workers);
-        manager.set_path(decision.path);
+        manager.set_wait(decision.wait);
         if manager.conf.adaptive_spin {
             manager.apply_spin(decision.spinning, decision.spin);
         }

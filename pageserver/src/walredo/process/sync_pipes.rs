@@ -63,18 +63,10 @@ use crate::util::lock;
 use crate::walredo::pipeline::ProcessError;
 use crate::walredo::pipeline::{self, Patience, Reply, Waiter};
 use crate::walredo::write_queue::Batch;
+use crate::worker_controller::Wait;
 
 type Writer = pipeline::Writer<PipeFd>;
 type Reader = pipeline::Reader<PipeFd>;
-
-/// How a round trip waits for the pipes (see the module doc).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Wait {
-    /// `poll` on the calling thread, under `block_in_place`; the reader spins first.
-    Block,
-    /// Awaits on tokio's reactor; no spin.
-    Yield,
-}
 
 /// Which end of a pipe a [`PipeFd`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,7 +194,9 @@ pub(crate) struct SyncPipes {
     pipes: ChildPipes<PipeFd, PipeFd>,
     /// The spin window of the reader, in microseconds (0: block at once).
     spin_us: AtomicU64,
-    /// Whether round trips wait by yielding ([`Wait::Yield`]) rather than blocking.
+    /// Whether round trips wait by yielding ([`Wait::Yield`]: awaits on tokio's reactor, no
+    /// spin) rather than blocking ([`Wait::Block`]: `poll` on the calling thread under
+    /// `block_in_place`, the reader spinning first).
     yields: AtomicBool,
 }
 
