@@ -270,12 +270,13 @@ pub enum CompactError {
     Busy { retry_after: Duration },
 }
 
-type Reply = oneshot::Sender<Result<Option<PassSummary>, CompactError>>;
+/// A pass asked for through the API: where its outcome goes.
+type PassRequest = oneshot::Sender<Result<Option<PassSummary>, CompactError>>;
 
 /// A tenant's compactor: its status and the door for passes asked for through the API.
 pub struct Compactor {
     status: Mutex<CompactionStatus>,
-    requests: mpsc::Sender<Reply>,
+    requests: mpsc::Sender<PassRequest>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
@@ -405,7 +406,7 @@ impl Compactor {
 }
 
 impl Worker {
-    async fn run(self, mut controller: Controller, mut requests: mpsc::Receiver<Reply>) {
+    async fn run(self, mut controller: Controller, mut requests: mpsc::Receiver<PassRequest>) {
         let mut retry_at: Option<Instant> = None;
         // Set while nothing is due and no retry waits: the debt cannot grow until an ingest
         // passes this LSN, so the task sleeps until then (no wake-ups per idle tenant).

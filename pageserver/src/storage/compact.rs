@@ -342,7 +342,7 @@ enum KeyStep {
 }
 
 /// The output being written.
-struct Writer {
+struct OutputWriter {
     tmp: PathBuf,
     file: Arc<File>,
     /// Bytes on disk (header and flushed values).
@@ -379,7 +379,7 @@ pub struct Pass {
     current: Option<KeyWork>,
     /// The span being copied (reused).
     copy_buf: Vec<u8>,
-    writer: Option<Writer>,
+    writer: Option<OutputWriter>,
     outputs: Vec<Output>,
     /// The generation of the manifest that recorded this pass: its outputs' names carry it.
     generation: u64,
@@ -761,7 +761,7 @@ impl Pass {
             None => {
                 let tmp = format!("{TMP_PREFIX}{:016X}_{:016X}.tmp", self.generation, self.next_output);
                 self.next_output += 1;
-                self.writer.insert(Writer::create(self.shared.dir.join(tmp))?)
+                self.writer.insert(OutputWriter::create(self.shared.dir.join(tmp))?)
             }
         };
         self.stats.values_written += 1;
@@ -899,14 +899,14 @@ fn delete_files(sh: &Shared, dir_file: &File) -> u64 {
     gone.iter().filter(|(_, deleted)| *deleted).count() as u64
 }
 
-impl Writer {
-    fn create(tmp: PathBuf) -> anyhow::Result<Writer> {
+impl OutputWriter {
+    fn create(tmp: PathBuf) -> anyhow::Result<OutputWriter> {
         let file =
             open_data_file(OpenOptions::new().read(true).write(true).create(true).truncate(true), &tmp)
                 .with_context(|| format!("create {}", tmp.display()))?;
         let header = format::file_header();
         file.write_all_at(&header, 0).context("write compaction output header")?;
-        Ok(Writer {
+        Ok(OutputWriter {
             tmp,
             file: Arc::new(file),
             len: FILE_HEADER_LEN,

@@ -45,9 +45,10 @@ pub(crate) const FOOTER_MAGIC: [u8; 8] = *b"PSLAYER1";
 /// last_lsn u64 index_crc u32 footer_crc u32.
 pub(crate) const FOOTER_LEN: u64 = 60;
 
-/// The decoded footer of a layer file.
+/// The decoded footer of a layer file with a flat index (`PSLAYER1`; a block-indexed layer's
+/// is a [`block_index::BlockIndexFooter`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Footer {
+pub(crate) struct FlatFooter {
     pub entry_count: u64,
     pub index_offset: u64,
     pub index_len: u64,
@@ -270,7 +271,7 @@ pub(crate) fn append_flat_index_and_footer(
         encode_entry(&mut buf, e);
     }
     let index_len = buf.len() as u64;
-    let footer = Footer {
+    let footer = FlatFooter {
         entry_count: sorted.len() as u64,
         index_offset: data_end,
         index_len,
@@ -339,7 +340,7 @@ pub(crate) fn decode_entry(
 }
 
 #[cfg(test)]
-fn encode_footer(f: &Footer, out: &mut Vec<u8>) {
+fn encode_footer(f: &FlatFooter, out: &mut Vec<u8>) {
     let start = out.len();
     out.extend_from_slice(&FOOTER_MAGIC);
     out.extend_from_slice(&FOOTER_VERSION.to_le_bytes());
@@ -353,7 +354,7 @@ fn encode_footer(f: &Footer, out: &mut Vec<u8>) {
 
 /// Reads and checks the footer of a file of `file_len` bytes. An error means "not a complete
 /// layer" (for the active segment: sealing had not finished).
-pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> {
+pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<FlatFooter> {
     ensure!(file_len >= FILE_HEADER_LEN + 4 + FOOTER_LEN, "file too short for a footer");
     let mut raw = [0u8; FOOTER_LEN as usize];
     read_at(file, &mut raw, file_len - FOOTER_LEN).context("read footer")?;
@@ -361,7 +362,7 @@ pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> 
     let body = &raw[..FOOTER_LEN as usize - 4];
     let mut c = Cursor::new(&raw[8..]);
     let version = c.u32()?;
-    let f = Footer {
+    let f = FlatFooter {
         entry_count: c.u64()?,
         index_offset: c.u64()?,
         index_len: c.u64()?,
@@ -386,7 +387,7 @@ pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> 
 }
 
 /// Reads and checks the index block described by `footer`.
-pub(crate) fn read_index(file: &File, footer: &Footer) -> anyhow::Result<Vec<IndexEntry>> {
+pub(crate) fn read_index(file: &File, footer: &FlatFooter) -> anyhow::Result<Vec<IndexEntry>> {
     let len = usize::try_from(footer.index_len).context("index too large")?;
     let mut raw = vec![0u8; len];
     read_at(file, &mut raw, footer.index_offset).context("read layer index")?;

@@ -392,7 +392,7 @@ fn finish_interrupted_seal(
 /// frames end exactly where the index starts, and the index lists exactly their values. Bytes
 /// inside a frame (a client's value) can parse as a footer, but then the index offset they
 /// claim lies inside that frame, so the frames do not end there.
-fn is_sealed_segment(file: &File, footer: &layer::Footer, mut index: Vec<format::IndexEntry>) -> bool {
+fn is_sealed_segment(file: &File, footer: &layer::FlatFooter, mut index: Vec<format::IndexEntry>) -> bool {
     let Ok(scan) = segment::scan(file, footer.index_offset, Lsn(0), false) else {
         return false;
     };

@@ -55,7 +55,7 @@ use tokio_util::task::TaskTracker;
 use walredo_proc::protocol::{self, BufferTag, ErrorCode};
 
 pub use metrics::{StopCause, WalRedoMetrics};
-use pipeline::{Patience, ProcessError, Reply};
+use pipeline::{ChildReply, Patience, ProcessError};
 use pool::{ChildBudget, ControllerStatus, Load, Pool, Sampler};
 use priority::{Priority, WriteTicket};
 use process::{InUse, Process, Reaping};
@@ -485,9 +485,11 @@ impl WalRedoManager {
         self.metrics.records_per_request.observe(records.len() as f64);
         self.metrics.bytes_per_request.observe(request.len() as f64);
         match self.execute(&request, true, class, waited).await? {
-            Reply::Page(page) => Ok(page),
-            Reply::Error(code, message) => Err(self.count(RedoError::Rejected { code, message })),
-            Reply::Hello(_) => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("unexpected hello")))),
+            ChildReply::Page(page) => Ok(page),
+            ChildReply::Error(code, message) => Err(self.count(RedoError::Rejected { code, message })),
+            ChildReply::Hello(_) => {
+                Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("unexpected hello"))))
+            }
         }
     }
 
@@ -499,7 +501,7 @@ impl WalRedoManager {
         protocol::encode_ping(&mut frame);
         let mut waited = Duration::ZERO;
         match self.execute(&Arc::new(Request::frames(frame)), true, Class::Foreground, &mut waited).await? {
-            Reply::Page(page) if page.len() == PAGE_SIZE && page.iter().all(|&b| b == 0) => Ok(()),
+            ChildReply::Page(page) if page.len() == PAGE_SIZE && page.iter().all(|&b| b == 0) => Ok(()),
             other => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("bad ping reply {other:?}")))),
         }
     }
@@ -515,7 +517,7 @@ impl WalRedoManager {
         retry: bool,
         class: Class,
         waited: &mut Duration,
-    ) -> Result<Reply, RedoError> {
+    ) -> Result<ChildReply, RedoError> {
         if self.shutting_down() {
             return Err(self.count(RedoError::ShuttingDown));
         }
@@ -575,7 +577,7 @@ impl WalRedoManager {
                     let took = started.elapsed().as_secs_f64();
                     self.metrics.redo_seconds.observe(took);
                     self.series.seconds.observe(took);
-                    if matches!(reply, Reply::Page(_)) {
+                    if matches!(reply, ChildReply::Page(_)) {
                         self.metrics.requests_ok.inc();
                     }
                     return Ok(reply);

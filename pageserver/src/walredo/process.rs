@@ -47,7 +47,7 @@ use tokio_util::sync::CancellationToken;
 use walredo_proc::protocol;
 
 use super::metrics::{StopCause, WalRedoMetrics};
-use super::pipeline::{Patience, ProcessError, Progress, Reply};
+use super::pipeline::{ChildReply, Patience, ProcessError, Progress};
 use super::priority::WriteTicket;
 use super::request::Request;
 use super::{ProcessKind, WalRedoConf};
@@ -71,7 +71,7 @@ impl Pipes {
         ticket: WriteTicket<'_>,
         patience: Patience,
         on_broken_write: impl FnOnce() + Send,
-    ) -> Result<Reply, ProcessError> {
+    ) -> Result<ChildReply, ProcessError> {
         match self {
             Pipes::Sync(pipes) => {
                 round_trip::round_trip(pipes, request, ticket, patience, on_broken_write).await
@@ -319,7 +319,7 @@ impl Process {
             Pipes::Async(pipes) => pipes.read_first(timeout).await,
         }?;
         match reply {
-            Reply::Hello(hello) => Ok(hello),
+            ChildReply::Hello(hello) => Ok(hello),
             other => Err(ProcessError::Io(anyhow::anyhow!("expected a hello, got {other:?}"))),
         }
     }
@@ -336,7 +336,7 @@ impl Process {
         request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
-    ) -> Result<Reply, ProcessError> {
+    ) -> Result<ChildReply, ProcessError> {
         let reply = self.exchange(request, ticket, patience).await?;
         self.served.fetch_add(1, Ordering::Relaxed);
         Ok(reply)
@@ -349,7 +349,7 @@ impl Process {
         request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
-    ) -> Result<Reply, ProcessError> {
+    ) -> Result<ChildReply, ProcessError> {
         self.pipes.round_trip(request, ticket, patience, || self.retire(StopCause::CancelledWrite)).await
     }
 
@@ -418,12 +418,12 @@ impl Process {
         // Not `round_trip`: a control frame is not a request served.
         let reply = self.exchange(&request, WriteTicket::none(), patience).await?;
         match reply {
-            Reply::Page(page) if page.iter().all(|&b| b == 0) => {}
+            ChildReply::Page(page) if page.iter().all(|&b| b == 0) => {}
             other => {
                 let what = match other {
-                    Reply::Error(code, message) => format!("{}: {message}", code.name()),
-                    Reply::Page(_) => "a page that is not zero".to_string(),
-                    Reply::Hello(_) => "a hello".to_string(),
+                    ChildReply::Error(code, message) => format!("{}: {message}", code.name()),
+                    ChildReply::Page(_) => "a page that is not zero".to_string(),
+                    ChildReply::Hello(_) => "a hello".to_string(),
                 };
                 return Err(ProcessError::Io(anyhow::anyhow!(
                     "walredo process {} answered a spin window of {micros} us with {what}",
@@ -655,7 +655,7 @@ mod tests {
             .round_trip(&request, WriteTicket::none(), Patience::of_timeout(Duration::from_secs(20)))
             .await
             .unwrap_or_else(|e| panic!("request {n}: {e}"));
-        assert!(reply == Reply::Page(expected_for(n)), "request {n} got {reply:?}");
+        assert!(reply == ChildReply::Page(expected_for(n)), "request {n} got {reply:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,7 +44,7 @@ pub(crate) const BLOCK_CACHE_BYTES: u64 = 64 << 20;
 
 /// What the footer of a block-indexed layer says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Footer {
+pub(crate) struct BlockIndexFooter {
     pub entry_count: u64,
     /// Distinct keys in the layer.
     pub key_count: u64,
@@ -76,7 +76,10 @@ pub(crate) fn encoded_len(entries: usize) -> u64 {
 /// Encodes the block index, fences and footer of `entries` (sorted by `(key, lsn)`, unique,
 /// non-empty, all inside `data_end`), to be written at `data_end`. Returns the bytes and the
 /// decoded footer and fences (what [`BlockIndex::open`] would read back).
-pub(crate) fn encode(data_end: u64, entries: &[IndexEntry]) -> anyhow::Result<(Vec<u8>, Footer, Vec<Fence>)> {
+pub(crate) fn encode(
+    data_end: u64,
+    entries: &[IndexEntry],
+) -> anyhow::Result<(Vec<u8>, BlockIndexFooter, Vec<Fence>)> {
     let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
         bail!("an empty layer");
     };
@@ -120,7 +123,7 @@ pub(crate) fn encode(data_end: u64, entries: &[IndexEntry]) -> anyhow::Result<(V
         buf.extend_from_slice(&f.max_records.to_le_bytes());
     }
     let fence_crc = crc32c::crc32c(&buf[fence_start..]);
-    let footer = Footer {
+    let footer = BlockIndexFooter {
         entry_count: entries.len() as u64,
         key_count,
         index_offset: data_end,
@@ -154,13 +157,13 @@ pub(crate) fn has_block_footer(file: &File, file_len: u64) -> bool {
 }
 
 /// Reads and checks the footer and fences of a block-indexed layer of `file_len` bytes.
-fn read_footer_and_fences(file: &File, file_len: u64) -> anyhow::Result<(Footer, Vec<Fence>)> {
+fn read_footer_and_fences(file: &File, file_len: u64) -> anyhow::Result<(BlockIndexFooter, Vec<Fence>)> {
     ensure!(file_len >= FILE_HEADER_LEN + FOOTER_LEN, "file too short for a footer");
     let mut raw = [0u8; FOOTER_LEN as usize];
     read_at(file, &mut raw, file_len - FOOTER_LEN).context("read footer")?;
     ensure!(raw[..8] == FOOTER_MAGIC, "bad footer magic");
     let mut c = Cursor::new(&raw[8..]);
-    let footer = Footer {
+    let footer = BlockIndexFooter {
         entry_count: c.u64()?,
         key_count: c.u64()?,
         index_offset: c.u64()?,
@@ -311,7 +314,7 @@ fn next_uid() -> u64 {
 pub(crate) struct BlockIndex {
     uid: u64,
     file: Arc<File>,
-    pub footer: Footer,
+    pub footer: BlockIndexFooter,
     fences: Box<[Fence]>,
     /// Index blocks handed out (from the cache or the file), for tests that bound a read's blocks.
     #[cfg(test)]
@@ -326,11 +329,11 @@ impl BlockIndex {
     }
 
     /// The index just written by [`encode`] (no read).
-    pub(crate) fn written(file: Arc<File>, footer: Footer, fences: Vec<Fence>) -> BlockIndex {
+    pub(crate) fn written(file: Arc<File>, footer: BlockIndexFooter, fences: Vec<Fence>) -> BlockIndex {
         BlockIndex::new(file, footer, fences)
     }
 
-    fn new(file: Arc<File>, footer: Footer, fences: Vec<Fence>) -> BlockIndex {
+    fn new(file: Arc<File>, footer: BlockIndexFooter, fences: Vec<Fence>) -> BlockIndex {
         BlockIndex {
             uid: next_uid(),
             file,
