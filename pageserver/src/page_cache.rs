@@ -9,7 +9,7 @@
 //! cache never holds more than `page_cache_size` bytes of pages (0 disables it).
 
 use bytes::Bytes;
-use page_types::BufferTag;
+use page_types::{BufferTag, Lsn};
 use prometheus::{IntGauge, Opts, Registry};
 
 use crate::metrics::sharded::ShardedCounter;
@@ -20,8 +20,8 @@ pub const DEFAULT_PAGE_CACHE_SIZE: u64 = 128 << 20;
 pub const MIN_PAGE_CACHE_SIZE: u64 = 1 << 20;
 pub const MAX_PAGE_CACHE_SIZE: u64 = 1 << 40;
 
-/// What identifies one page version.
-pub type CacheKey = (u64, BufferTag, u64);
+/// What identifies one page version: the tenant's generation, the key, the LSN of the version.
+pub type CacheKey = (u64, BufferTag, Lsn);
 
 #[derive(Clone)]
 struct PageWeight;
@@ -94,7 +94,7 @@ mod tests {
     use super::*;
 
     fn key(blknum: u32, lsn: u64) -> CacheKey {
-        (1, BufferTag { spcnode: 1, dbnode: 2, relnode: 3, forknum: 0, blknum }, lsn)
+        (1, BufferTag { spcnode: 1, dbnode: 2, relnode: 3, forknum: 0, blknum }, Lsn(lsn))
     }
 
     #[test]

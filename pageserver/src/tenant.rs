@@ -282,7 +282,7 @@ impl Tenant {
         {
             return None;
         }
-        let page = self.deps.cache.get(&(self.generation, key, version.0))?;
+        let page = self.deps.cache.get(&(self.generation, key, version))?;
         self.counters.get_page_requests.add(0, 1);
         self.get_page_series.seconds.observe(started.elapsed().as_secs_f64());
         Some((lsn, page))
@@ -370,7 +370,7 @@ impl Tenant {
             }
         }
         let plan = plan.ok_or(GetPageError::NotFound { key, lsn })?;
-        let cache_key = (self.generation, key, plan.newest_lsn().0);
+        let cache_key = (self.generation, key, plan.newest_lsn());
         if let Some(page) = self.deps.cache.get(&cache_key) {
             return Ok((lsn, page));
         }
