@@ -29,10 +29,10 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Context};
 use bytes::Bytes;
-use page_types::Lsn;
+use page_types::{BufferTag, Lsn};
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::pg15::{mask, redo, Pg15Record};
-use walredo_proc::protocol::{self, BufferTag, HEADER_LEN};
+use walredo_proc::protocol::{self, HEADER_LEN};
 use walredo_proc::record::Record;
 
 /// The request shapes of the bench.

@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use page_types::Lsn;
+use page_types::{BufferTag, Lsn, MAX_RECORD_LEN};
 use pageserver::test_support::walredo_proc_binary;
 use pageserver::walredo::{ProcessKind, RedoError, Wait, WalRedoConf, WalRedoManager, WalRedoMetrics};
 use walredo_proc::page::{Page, BLCKSZ};
-use walredo_proc::protocol::{BufferTag, ErrorCode};
+use walredo_proc::protocol::ErrorCode;
 use walredo_proc::record::Record;
 
 /// A process kind as a test runs it: `auto` as the daemon runs it (the controller keeps it on
@@ -189,7 +189,7 @@ async fn invalid_requests_are_rejected_before_reaching_the_child() {
     assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
     let result = manager.request_redo(tag(1), Lsn(1), None, &[]).await;
     assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
-    let too_long = Bytes::from(vec![0x08; walredo_proc::record::MAX_RECORD_LEN + 1]);
+    let too_long = Bytes::from(vec![0x08; MAX_RECORD_LEN + 1]);
     let result = manager.request_redo(tag(1), Lsn(1), None, &[(Lsn(1), too_long)]).await;
     assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
     // Records above the request LSN make no sense.

@@ -48,11 +48,11 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use page_types::{Lsn, PAGE_SIZE};
+use page_types::{BufferTag, Lsn, PAGE_SIZE};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use walredo_proc::protocol::{self, BufferTag, ErrorCode};
+use walredo_proc::protocol::{self, ErrorCode};
 
 pub use metrics::{StopCause, WalRedoMetrics};
 use pipeline::{ChildReply, Patience, ProcessError};

@@ -20,8 +20,8 @@ use std::io::IoSlice;
 use std::ops::Range;
 
 use bytes::Bytes;
-use page_types::{Lsn, PAGE_SIZE};
-use walredo_proc::protocol::{self, BufferTag};
+use page_types::{BufferTag, Lsn, BUFFER_TAG_LEN, PAGE_SIZE};
+use walredo_proc::protocol;
 
 /// Slices handed to one vectored write; a longer request takes several writes (only records of
 /// at least [`COPY_BELOW`] bytes take slices of their own, so 32 of them are 32 KiB or more,
@@ -37,7 +37,7 @@ pub(crate) const COPY_BELOW: usize = 1024;
 const OVERHEAD_PER_RECORD: usize = protocol::HEADER_LEN + 8 + std::mem::size_of::<Part>();
 /// Bytes a request holds beyond its page and records, once (the `B`, `P` and `G` frames' own
 /// bytes and the request's bookkeeping).
-const OVERHEAD_FIXED: usize = 4 * (protocol::HEADER_LEN + protocol::BUFFER_TAG_LEN) + 256;
+const OVERHEAD_FIXED: usize = 4 * (protocol::HEADER_LEN + BUFFER_TAG_LEN) + 256;
 
 /// Bytes of the child's reply to a redo request (a page and its header).
 pub(crate) const REPLY_BYTES: u64 = (protocol::HEADER_LEN + PAGE_SIZE) as u64;

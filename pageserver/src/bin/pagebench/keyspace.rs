@@ -10,11 +10,10 @@
 //! pages cost a few bytes per range, not per key.
 
 use anyhow::{bail, Context};
-use page_types::Lsn;
+use page_types::{BufferTag, Lsn};
 use pageserver::page_service::client::{Client, ServerError};
 use pageserver::page_service::proto::ErrorCode;
 use serde::Deserialize;
-use walredo_proc::protocol::BufferTag;
 
 use crate::dataset::{Shape, FIRST_LSN, LSN_STEP};
 use crate::http;
