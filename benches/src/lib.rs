@@ -29,9 +29,10 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Context};
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn};
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::pg15::{mask, redo, Pg15Record};
-use walredo_proc::protocol::{self, BufferTag, HEADER_LEN};
+use walredo_proc::protocol::{self, HEADER_LEN};
 use walredo_proc::record::Record;
 
 /// The request shapes of the bench.
@@ -131,7 +132,7 @@ pub struct ChainFile {
     /// The block's page before the chain (`pd_lsn` set to where it was taken).
     pub base: Box<Page>,
     /// The record values, at their LSNs (each its record's end LSN), in order.
-    pub records: Vec<(u64, Bytes)>,
+    pub records: Vec<(Lsn, Bytes)>,
     /// PostgreSQL's page after the last record (its consistency-check image, unmasked).
     pub postgres_page: Box<Page>,
 }
@@ -158,7 +159,7 @@ impl ChainFile {
             let lsn = u64::from_le_bytes(take(8)?.try_into().context("lsn")?);
             let len = u32::from_le_bytes(take(4)?.try_into().context("len")?);
             let value = take(usize::try_from(len).context("len")?)?;
-            records.push((lsn, Bytes::copy_from_slice(value)));
+            records.push((Lsn(lsn), Bytes::copy_from_slice(value)));
         }
         let postgres_page = to_page(take(BLCKSZ)?)?;
         ensure!(take(1).is_err(), "trailing bytes after the expected page");
@@ -172,12 +173,12 @@ fn to_page(bytes: &[u8]) -> anyhow::Result<Box<Page>> {
 }
 
 /// Applies pg15 record values to `page` with the child's redo, as the child does.
-pub fn apply_pg15(page: &mut Page, records: &[(u64, Bytes)]) -> anyhow::Result<()> {
+pub fn apply_pg15(page: &mut Page, records: &[(Lsn, Bytes)]) -> anyhow::Result<()> {
     for (lsn, value) in records {
         match redo::apply(value, page) {
             Some(Ok(())) => {}
-            Some(Err(e)) => bail!("apply the record at {lsn:#x}: {e}"),
-            None => bail!("the value at {lsn:#x} is not of the pg15 family"),
+            Some(Err(e)) => bail!("apply the record at {lsn}: {e}"),
+            None => bail!("the value at {lsn} is not of the pg15 family"),
         }
     }
     Ok(())
@@ -209,9 +210,9 @@ pub struct Workload {
     /// The block the request is for ([`TAG`], or the fixture's block for `pg15-*`).
     pub tag: BufferTag,
     /// The request LSN (that of the last record).
-    pub lsn: u64,
+    pub lsn: Lsn,
     pub base: Option<Bytes>,
-    pub records: Vec<(u64, Bytes)>,
+    pub records: Vec<(Lsn, Bytes)>,
     /// The page the child must return.
     pub expected: Bytes,
     /// The request as written to the child's stdin.
@@ -230,18 +231,18 @@ impl Workload {
                 return Workload::pg15(chain).unwrap_or_else(|e| panic!("load {}: {e:#}", chain.name()))
             }
         };
-        let records: Vec<(u64, Bytes)> = records
+        let records: Vec<(Lsn, Bytes)> = records
             .into_iter()
             .enumerate()
-            .map(|(i, record)| (BASE_LSN + LSN_STEP * (i as u64 + 1), Bytes::from(record)))
+            .map(|(i, record)| (Lsn(BASE_LSN + LSN_STEP * (i as u64 + 1)), Bytes::from(record)))
             .collect();
-        let lsn = records.last().map_or(BASE_LSN, |(lsn, _)| *lsn);
+        let lsn = records.last().map_or(Lsn(BASE_LSN), |(lsn, _)| *lsn);
 
         let mut page: Box<Page> = base.clone().unwrap_or_else(|| Box::new([0; BLCKSZ]));
         for (record_lsn, record) in &records {
             Record::decode(record)
                 .expect("bench records decode")
-                .apply(&mut page, *record_lsn)
+                .apply(&mut page, record_lsn.0)
                 .expect("bench records apply to their page");
         }
 
@@ -254,7 +255,7 @@ impl Workload {
                 protocol::encode_push_page(&mut wire, &TAG, base);
             }
             for (record_lsn, record) in &records {
-                protocol::encode_apply_raw(&mut wire, *record_lsn, record);
+                protocol::encode_apply_raw(&mut wire, record_lsn.0, record);
             }
             protocol::encode_get_page(&mut wire, &TAG);
         }
@@ -305,7 +306,7 @@ impl Workload {
         protocol::encode_begin(&mut wire, &tag);
         protocol::encode_push_page(&mut wire, &tag, &file.base);
         for (record_lsn, record) in &file.records {
-            protocol::encode_apply_raw(&mut wire, *record_lsn, record);
+            protocol::encode_apply_raw(&mut wire, record_lsn.0, record);
         }
         protocol::encode_get_page(&mut wire, &tag);
 
@@ -440,11 +441,11 @@ mod tests {
     fn expected_pages_carry_the_request_lsn_and_the_written_tuples() {
         let short = Workload::new(WorkloadKind::Short);
         let page: &Page = short.expected.as_ref().try_into().expect("a page");
-        assert_eq!(walredo_proc::page::page_lsn(page), short.lsn);
+        assert_eq!(Lsn(walredo_proc::page::page_lsn(page)), short.lsn);
         assert_eq!(walredo_proc::page::pd_lower(page), 28);
         let medium = Workload::new(WorkloadKind::Medium);
         let page: &Page = medium.expected.as_ref().try_into().expect("a page");
-        assert_eq!(walredo_proc::page::page_lsn(page), medium.lsn);
+        assert_eq!(Lsn(walredo_proc::page::page_lsn(page)), medium.lsn);
         assert_eq!(
             usize::from(walredo_proc::page::pd_lower(page)),
             24 + 4 * (MEDIUM_BASE_TUPLES + MEDIUM_SMALL_RECORDS / 2)
@@ -491,7 +492,7 @@ mod tests {
             );
             // The chain changes the page: the masked base is not already the result.
             assert!(mask::first_difference(rmid, &file.base[..], &file.postgres_page[..]).is_some());
-            assert_eq!(walredo_proc::page::page_lsn(&page), w.lsn, "{}: pd_lsn", chain.name());
+            assert_eq!(Lsn(walredo_proc::page::page_lsn(&page)), w.lsn, "{}: pd_lsn", chain.name());
         }
     }
 

@@ -14,10 +14,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use page_types::BufferTag;
 use pageserver::page_service::proto::{
     self, ClientMessage, ErrorCode, ServerMessage, LSN_LATEST, PROTOCOL_VERSION,
 };
-use walredo_proc::protocol::BufferTag;
 
 /// The LSN "latest" resolves to with the default shape (10 x 1000 pages, chain length 10): the
 /// end of pagebench's data set, value 109999 at 8 LSNs per value from 0x0100_0000.

@@ -50,6 +50,28 @@ impl Lsn {
     pub fn is_reserved(self) -> bool {
         self == Lsn::INVALID || self == Lsn::LATEST
     }
+
+    /// The position `bytes` further on; `None` past the last position.
+    pub fn checked_add(self, bytes: u64) -> Option<Lsn> {
+        self.0.checked_add(bytes).map(Lsn)
+    }
+
+    /// Bytes from `earlier` up to this position; 0 if `earlier` is not below it.
+    pub fn bytes_since(self, earlier: Lsn) -> u64 {
+        self.0.saturating_sub(earlier.0)
+    }
+
+    /// The start of the `size`-byte block (a WAL page, say) this position lies in; a `size` of
+    /// 0 leaves it where it is.
+    pub fn block_start(self, size: u64) -> Lsn {
+        Lsn(self.0 - self.0.checked_rem(size).unwrap_or(0))
+    }
+
+    /// The first multiple of `align` at or above this position (`MAXALIGN`, where the next
+    /// record may start); `None` past the last position or for an `align` of 0.
+    pub fn checked_align_up(self, align: u64) -> Option<Lsn> {
+        self.0.checked_next_multiple_of(align).map(Lsn)
+    }
 }
 
 impl fmt::Display for Lsn {
@@ -167,6 +189,21 @@ mod tests {
         assert!(Lsn::LATEST.is_reserved());
         assert!(!Lsn(1).is_reserved());
         assert!(!Lsn(u64::MAX - 1).is_reserved());
+    }
+
+    #[test]
+    fn lsn_arithmetic_stops_at_the_ends_instead_of_wrapping() {
+        assert_eq!(Lsn(0x10).checked_add(8), Some(Lsn(0x18)));
+        assert_eq!(Lsn(u64::MAX - 1).checked_add(2), None);
+        assert_eq!(Lsn(0x30).bytes_since(Lsn(0x10)), 0x20);
+        assert_eq!(Lsn(0x10).bytes_since(Lsn(0x30)), 0);
+        assert_eq!(Lsn(0x1_0000_2345).block_start(8192), Lsn(0x1_0000_2000));
+        assert_eq!(Lsn(0x2000).block_start(8192), Lsn(0x2000));
+        assert_eq!(Lsn(0x2345).block_start(0), Lsn(0x2345));
+        assert_eq!(Lsn(0x21).checked_align_up(8), Some(Lsn(0x28)));
+        assert_eq!(Lsn(0x28).checked_align_up(8), Some(Lsn(0x28)));
+        assert_eq!(Lsn(u64::MAX - 1).checked_align_up(8), None);
+        assert_eq!(Lsn(0x21).checked_align_up(0), None);
     }
 
     proptest! {

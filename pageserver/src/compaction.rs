@@ -52,10 +52,11 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use bytes::Bytes;
+use page_types::Lsn;
 
 use crate::compaction_controller::{Controller, ControllerConf, Decision, Observation};
 use crate::redo_budget::RedoBudget;
-use crate::storage::{CompactionConf, ImageRequest, Lsn, PassKind, PassStats, Step, Timeline};
+use crate::storage::{CompactionConf, ImageRequest, PassKind, PassStats, Step, Timeline};
 use crate::util::lock;
 use crate::walredo::WalRedoManager;
 use unredoable::Unredoable;
@@ -206,7 +207,7 @@ pub struct CompactionStatus {
     pub gc_passes: u64,
     pub gc_passes_skipped: u64,
     pub failed_passes: u64,
-    pub gc_cutoff: u64,
+    pub gc_cutoff: Lsn,
     /// The pass running now, and how far it has got.
     pub current_pass: Option<PassProgress>,
     pub last_pass: Option<PassSummary>,
@@ -269,12 +270,13 @@ pub enum CompactError {
     Busy { retry_after: Duration },
 }
 
-type Reply = oneshot::Sender<Result<Option<PassSummary>, CompactError>>;
+/// A pass asked for through the API: where its outcome goes.
+type PassRequest = oneshot::Sender<Result<Option<PassSummary>, CompactError>>;
 
 /// A tenant's compactor: its status and the door for passes asked for through the API.
 pub struct Compactor {
     status: Mutex<CompactionStatus>,
-    requests: mpsc::Sender<Reply>,
+    requests: mpsc::Sender<PassRequest>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
@@ -328,7 +330,7 @@ impl Compactor {
                 gc_passes: 0,
                 gc_passes_skipped: 0,
                 failed_passes: 0,
-                gc_cutoff: timeline.gc_cutoff().0,
+                gc_cutoff: timeline.gc_cutoff(),
                 current_pass: None,
                 last_pass: None,
                 last_error: None,
@@ -404,7 +406,7 @@ impl Compactor {
 }
 
 impl Worker {
-    async fn run(self, mut controller: Controller, mut requests: mpsc::Receiver<Reply>) {
+    async fn run(self, mut controller: Controller, mut requests: mpsc::Receiver<PassRequest>) {
         let mut retry_at: Option<Instant> = None;
         // Set while nothing is due and no retry waits: the debt cannot grow until an ingest
         // passes this LSN, so the task sleeps until then (no wake-ups per idle tenant).
@@ -532,7 +534,7 @@ impl Worker {
         s.share = if running { decision.share } else { 0.0 };
         s.guard = controller.guard();
         s.running = running;
-        s.gc_cutoff = self.timeline.gc_cutoff().0;
+        s.gc_cutoff = self.timeline.gc_cutoff();
     }
 
     /// One pass from the freeze of the active segment to the install; `requested` through the
@@ -694,15 +696,14 @@ impl Worker {
         let mut waited = waiting.elapsed();
         let data =
             tokio::task::spawn_blocking(move || req.read()).await.context("compaction read task")??;
-        let records: Vec<(u64, Bytes)> = data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
         let base = data.image.map(|(_, b)| b);
-        let (page, turn) = self.walredo.request_redo_background_timed(key, lsn.0, base, &records).await;
+        let (page, turn) = self.walredo.request_redo_background_timed(key, lsn, base, &data.records).await;
         waited += turn;
         match page {
             Ok(page) => Ok((Some(page), waited)),
             Err(e) => {
                 tracing::debug!(%key, %lsn, "compaction could not rebuild a page: {e}");
-                lock(&self.unredoable).failed(key, &records, &e);
+                lock(&self.unredoable).failed(key, &data.records, &e);
                 Ok((None, waited))
             }
         }
@@ -713,7 +714,7 @@ impl Worker {
         let mut s = lock(&self.compactor.status);
         s.running = false;
         s.share = 0.0;
-        s.gc_cutoff = self.timeline.gc_cutoff().0;
+        s.gc_cutoff = self.timeline.gc_cutoff();
         s.unredoable_keys = lock(&self.unredoable).len() as u64;
         let current = s.current_pass.take();
         match result {
@@ -731,7 +732,7 @@ impl Worker {
                     dropped = st.values_dropped,
                     bytes_before = st.bytes_before,
                     bytes_written = st.bytes_written,
-                    gc_cutoff = st.gc_cutoff,
+                    gc_cutoff = %st.gc_cutoff,
                     "compaction pass done"
                 );
                 self.metrics.passes.with_label_values(&["ok"]).inc();
@@ -759,7 +760,7 @@ impl Worker {
                             requested = p.requested,
                             values_read = st.values_read,
                             input_values = st.input_values,
-                            gc_cutoff = st.gc_cutoff,
+                            gc_cutoff = %st.gc_cutoff,
                             "compaction pass cancelled by shutdown: its outputs are removed, the layers \
                              it read stay as they were (nothing stored is lost, the GC cutoff it set \
                              stays); the next pass starts over"

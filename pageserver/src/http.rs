@@ -16,13 +16,13 @@ use axum::serve::Listener;
 use axum::{Json, Router};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use page_types::{BufferTag, Lsn};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::compaction::CompactError;
 use crate::process_metrics::{GIT_COMMIT, VERSION};
-use crate::storage::{Key, Lsn};
 use crate::tenant::wal_receiver::WalSource;
 use crate::tenant::TenantConfOverrides;
 use crate::tenants::{TenantError, Tenants};
@@ -242,7 +242,7 @@ async fn get_keyspace(State(state): State<Arc<AppState>>, Path(id): Path<String>
     let tenant = state.tenants.get(&id)?;
     let timeline = Arc::clone(&tenant.timeline);
     // Read the durable LSN first: every key listed is durable at or below it.
-    let last_durable_lsn = timeline.last_durable_lsn().0;
+    let last_durable_lsn = timeline.last_durable_lsn();
     let keys = tokio::task::spawn_blocking(move || timeline.keyspace())
         .await
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("list the key space: {e}")))?
@@ -252,17 +252,17 @@ async fn get_keyspace(State(state): State<Arc<AppState>>, Path(id): Path<String>
 
 /// `{"tenant_id", "last_durable_lsn", "keys", "lsn_range": {"first", "all_keys_from", "last"} or
 /// null, "relations": [{"spcnode", "dbnode", "relnode", "forknum", "blocks": [[first, last], ...]}]}`.
-fn keyspace_json(tenant_id: &str, last_durable_lsn: u64, keys: &[(Key, Lsn)]) -> serde_json::Value {
+fn keyspace_json(tenant_id: &str, last_durable_lsn: Lsn, keys: &[(BufferTag, Lsn)]) -> serde_json::Value {
     let mut relations: Vec<serde_json::Value> = Vec::new();
-    let mut current: Option<(Key, Vec<[u32; 2]>)> = None;
-    let flush = |relations: &mut Vec<serde_json::Value>, (rel, blocks): (Key, Vec<[u32; 2]>)| {
+    let mut current: Option<(BufferTag, Vec<[u32; 2]>)> = None;
+    let flush = |relations: &mut Vec<serde_json::Value>, (rel, blocks): (BufferTag, Vec<[u32; 2]>)| {
         relations.push(serde_json::json!({
             "spcnode": rel.spcnode, "dbnode": rel.dbnode, "relnode": rel.relnode, "forknum": rel.forknum,
             "blocks": blocks,
         }));
     };
     for (key, _) in keys {
-        let same_fork = |rel: &Key| {
+        let same_fork = |rel: &BufferTag| {
             (rel.spcnode, rel.dbnode, rel.relnode, rel.forknum)
                 == (key.spcnode, key.dbnode, key.relnode, key.forknum)
         };
@@ -284,7 +284,7 @@ fn keyspace_json(tenant_id: &str, last_durable_lsn: u64, keys: &[(Key, Lsn)]) ->
     }
     let lsn_range = match (keys.iter().map(|k| k.1).min(), keys.iter().map(|k| k.1).max()) {
         (Some(first), Some(all_keys_from)) => serde_json::json!({
-            "first": first.0, "all_keys_from": all_keys_from.0, "last": last_durable_lsn,
+            "first": first, "all_keys_from": all_keys_from, "last": last_durable_lsn,
         }),
         _ => serde_json::Value::Null,
     };
@@ -390,7 +390,7 @@ mod tests {
         for v in 0..versions {
             let values = (0..keys)
                 .map(|k| {
-                    let key = Key { spcnode: 1663, dbnode: 1, relnode: 1, forknum: 0, blknum: k };
+                    let key = BufferTag { spcnode: 1663, dbnode: 1, relnode: 1, forknum: 0, blknum: k };
                     let record = Value::Record(bytes::Bytes::from(vec![k as u8; 100]));
                     (key, Lsn(1 + v * u64::from(keys) + u64::from(k)), record)
                 })
@@ -428,8 +428,8 @@ mod tests {
         api.stop().await;
     }
 
-    fn key(relnode: u32, forknum: u8, blknum: u32) -> Key {
-        Key { spcnode: 1663, dbnode: 1, relnode, forknum, blknum }
+    fn key(relnode: u32, forknum: u8, blknum: u32) -> BufferTag {
+        BufferTag { spcnode: 1663, dbnode: 1, relnode, forknum, blknum }
     }
 
     /// The tenant status of `t` as the API answers it.
@@ -558,7 +558,7 @@ mod tests {
             (key(10, 1, 0), Lsn(60)),
             (key(11, 0, 5), Lsn(70)),
         ];
-        let json = keyspace_json("t1", 99, &keys);
+        let json = keyspace_json("t1", Lsn(99), &keys);
         assert_eq!(json["keys"], 6);
         assert_eq!(json["lsn_range"], serde_json::json!({"first": 20, "all_keys_from": 70, "last": 99}));
         let relations = json["relations"].as_array().unwrap();
@@ -569,7 +569,7 @@ mod tests {
         assert_eq!(relations[1]["forknum"], 1);
         assert_eq!(relations[2]["blocks"], serde_json::json!([[5, 5]]));
 
-        let empty = keyspace_json("t1", 0, &[]);
+        let empty = keyspace_json("t1", Lsn(0), &[]);
         assert_eq!(empty["keys"], 0);
         assert!(empty["lsn_range"].is_null());
         assert_eq!(empty["relations"], serde_json::json!([]));

@@ -9,7 +9,7 @@
 //! cache never holds more than `page_cache_size` bytes of pages (0 disables it).
 
 use bytes::Bytes;
-use page_types::BufferTag;
+use page_types::{BufferTag, Lsn};
 use prometheus::{IntGauge, Opts, Registry};
 
 use crate::metrics::sharded::ShardedCounter;
@@ -20,8 +20,8 @@ pub const DEFAULT_PAGE_CACHE_SIZE: u64 = 128 << 20;
 pub const MIN_PAGE_CACHE_SIZE: u64 = 1 << 20;
 pub const MAX_PAGE_CACHE_SIZE: u64 = 1 << 40;
 
-/// What identifies one page version.
-pub type CacheKey = (u64, BufferTag, u64);
+/// What identifies one page version: the tenant's generation, the key, the LSN of the version.
+pub type CacheKey = (u64, BufferTag, Lsn);
 
 #[derive(Clone)]
 struct PageWeight;
@@ -53,7 +53,7 @@ impl PageCache {
         let capacity = IntGauge::new("pageserver_page_cache_capacity_bytes", "Configured page cache size")?;
         registry.register(Box::new(capacity.clone()))?;
         capacity.set(i64::try_from(size_bytes).unwrap_or(i64::MAX));
-        let pages = (size_bytes / walredo_proc::page::BLCKSZ as u64) as usize;
+        let pages = (size_bytes / page_types::PAGE_SIZE as u64) as usize;
         Ok(PageCache {
             cache: (pages > 0)
                 .then(|| quick_cache::sync::Cache::with_weighter(pages, size_bytes, PageWeight)),
@@ -94,7 +94,7 @@ mod tests {
     use super::*;
 
     fn key(blknum: u32, lsn: u64) -> CacheKey {
-        (1, BufferTag { spcnode: 1, dbnode: 2, relnode: 3, forknum: 0, blknum }, lsn)
+        (1, BufferTag { spcnode: 1, dbnode: 2, relnode: 3, forknum: 0, blknum }, Lsn(lsn))
     }
 
     #[test]

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bytes::Bytes;
 use page_types::keys::RelTag;
-use page_types::BufferTag;
+use page_types::{BufferTag, Lsn};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -40,8 +40,8 @@ use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{Overloaded, RedoBudget};
 use crate::storage::{
-    self, DiskWait, GetError, IngestBatch, IngestError, Lookup, Lsn, ReadLimits, ReadPlan, ReadStart,
-    Timeline, WaitLsnError,
+    self, DiskWait, GetError, IngestBatch, IngestError, Lookup, ReadLimits, ReadPlan, ReadStart, Timeline,
+    WaitLsnError,
 };
 use crate::util::{lock, Signal};
 use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
@@ -165,7 +165,7 @@ pub enum TenantState {
 pub struct TenantStatus {
     pub id: String,
     pub state: TenantState,
-    pub last_durable_lsn: u64,
+    pub last_durable_lsn: Lsn,
     pub config: TenantConfOverrides,
     pub effective_config: EffectiveTenantConf,
     pub walredo: WalRedoStatus,
@@ -280,8 +280,8 @@ impl Tenant {
         &self.dir
     }
 
-    pub fn last_durable_lsn(&self) -> u64 {
-        self.timeline.last_durable_lsn().0
+    pub fn last_durable_lsn(&self) -> Lsn {
+        self.timeline.last_durable_lsn()
     }
 
     /// The page `key` as of `lsn` ([`Lsn::LATEST`]: the last durable LSN), and the LSN served.
@@ -333,7 +333,7 @@ impl Tenant {
         };
         // Without waiting for the disk: an index block missing from the kernel's page cache
         // sends the request the other way, which reads it off the executor.
-        let cached = |version: Lsn| self.deps.cache.get(&(self.generation, key, version.0));
+        let cached = |version: Lsn| self.deps.cache.get(&(self.generation, key, version));
         let (version, found) = match self.timeline.lookup(key, served, cached) {
             Ok(Lookup::Cached { version, value: page }) => (version, Ok(page)),
             Ok(Lookup::Read(start)) => (start.version(), Err(start)),
@@ -449,7 +449,7 @@ impl Tenant {
             }
         }
         let plan = plan.ok_or(GetPageError::NotFound { key, lsn })?;
-        if let Some(page) = self.deps.cache.get(&(self.generation, key, plan.newest_lsn().0)) {
+        if let Some(page) = self.deps.cache.get(&(self.generation, key, plan.newest_lsn())) {
             return Ok((lsn, page));
         }
         self.build_page(key, lsn, plan).await
@@ -463,7 +463,7 @@ impl Tenant {
         lsn: Lsn,
         plan: ReadPlan,
     ) -> Result<(Lsn, Bytes), GetPageError> {
-        let cache_key = (self.generation, key, plan.newest_lsn().0);
+        let cache_key = (self.generation, key, plan.newest_lsn());
         // Reserve the memory before reading; held until the page is built.
         let holds = crate::walredo::reconstruction_bytes(plan.values(), plan.bytes());
         // Biased: a budget with room answers at once, and then the cancellation is not
@@ -477,9 +477,7 @@ impl Tenant {
         let page = match (data.image, data.records.is_empty()) {
             (Some((_, image)), true) => image,
             (image, _) => {
-                let records: Vec<(u64, Bytes)> =
-                    data.records.into_iter().map(|(lsn, r)| (lsn.0, r)).collect();
-                self.walredo.request_redo(key, lsn.0, image.map(|(_, page)| page), &records).await?
+                self.walredo.request_redo(key, lsn, image.map(|(_, page)| page), &data.records).await?
             }
         };
         // Only a PostgreSQL cluster's import stores a pg_control that can ask for checksums.
@@ -549,7 +547,7 @@ impl Tenant {
         TenantStatus {
             id: self.id.clone(),
             state: TenantState::Active,
-            last_durable_lsn: stats.last_durable_lsn.0,
+            last_durable_lsn: stats.last_durable_lsn,
             config: self.overrides(),
             effective_config: self.effective_conf(),
             walredo: self.walredo.status(),

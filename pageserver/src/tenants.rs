@@ -279,7 +279,7 @@ impl Tenants {
                     }
                     tracing::info!(
                         tenant_id = id,
-                        last_durable_lsn = %crate::storage::Lsn(tenant.last_durable_lsn()),
+                        last_durable_lsn = %tenant.last_durable_lsn(),
                         "loaded tenant"
                     );
                     active += 1;
@@ -628,20 +628,23 @@ mod tests {
         let conf = conf(workdir.path());
         let tenants = load_with_cache(&conf, 1 << 20).await;
         let tenant = tenants.create("t", TenantConfOverrides::default()).await.unwrap();
-        let key = storage::Key { spcnode: 1663, dbnode: 5, relnode: 1, forknum: 0, blknum: 1 };
-        let missing = storage::Key { blknum: 2, ..key };
-        let image = bytes::Bytes::from(vec![7u8; storage::PAGE_SIZE]);
+        let key = page_types::BufferTag { spcnode: 1663, dbnode: 5, relnode: 1, forknum: 0, blknum: 1 };
+        let missing = page_types::BufferTag { blknum: 2, ..key };
+        let image = bytes::Bytes::from(vec![7u8; page_types::PAGE_SIZE]);
         let batch =
-            storage::IngestBatch { values: vec![(key, storage::Lsn(10), storage::Value::Image(image))] };
+            storage::IngestBatch { values: vec![(key, page_types::Lsn(10), storage::Value::Image(image))] };
         let durable = tenant.submit_ingest(batch).await.unwrap().await.unwrap();
 
-        assert!(tenant.get_page_now(key, storage::Lsn::LATEST).page().is_none(), "not in the page cache yet");
-        let (lsn, page) = tenant.get_page(key, storage::Lsn::LATEST).await.unwrap();
-        assert_eq!(tenant.get_page_now(key, storage::Lsn::LATEST).page(), Some((lsn, page.clone())));
+        assert!(
+            tenant.get_page_now(key, page_types::Lsn::LATEST).page().is_none(),
+            "not in the page cache yet"
+        );
+        let (lsn, page) = tenant.get_page(key, page_types::Lsn::LATEST).await.unwrap();
+        assert_eq!(tenant.get_page_now(key, page_types::Lsn::LATEST).page(), Some((lsn, page.clone())));
         assert_eq!(tenant.get_page_now(key, durable).page(), Some((durable, page)));
         // Ahead of the durable LSN, get_page would wait; a missing key is get_page's error.
-        assert!(tenant.get_page_now(key, storage::Lsn(durable.0 + 1)).page().is_none());
-        assert!(tenant.get_page_now(missing, storage::Lsn::LATEST).page().is_none());
+        assert!(tenant.get_page_now(key, page_types::Lsn(durable.0 + 1)).page().is_none());
+        assert!(tenant.get_page_now(missing, page_types::Lsn::LATEST).page().is_none());
         assert_eq!(tenant.status().counters.get_page_requests, 3, "hits are counted as GetPage requests");
         tenants.shutdown().await;
     }
@@ -656,29 +659,29 @@ mod tests {
         let conf = conf(workdir.path());
         let (tenants, registry) = load_with_registry(&conf, 1 << 20).await;
         let tenant = tenants.create("t", TenantConfOverrides::default()).await.unwrap();
-        let key = |blknum| storage::Key { spcnode: 1663, dbnode: 5, relnode: 1, forknum: 0, blknum };
-        let image = |fill| storage::Value::Image(bytes::Bytes::from(vec![fill; storage::PAGE_SIZE]));
-        let in_layer = storage::IngestBatch { values: vec![(key(1), storage::Lsn(10), image(1))] };
+        let key = |blknum| page_types::BufferTag { spcnode: 1663, dbnode: 5, relnode: 1, forknum: 0, blknum };
+        let image = |fill| storage::Value::Image(bytes::Bytes::from(vec![fill; page_types::PAGE_SIZE]));
+        let in_layer = storage::IngestBatch { values: vec![(key(1), page_types::Lsn(10), image(1))] };
         tenant.submit_ingest(in_layer).await.unwrap().await.unwrap();
         tenant.timeline.freeze().await.unwrap();
-        let active = storage::IngestBatch { values: vec![(key(2), storage::Lsn(20), image(2))] };
+        let active = storage::IngestBatch { values: vec![(key(2), page_types::Lsn(20), image(2))] };
         tenant.submit_ingest(active).await.unwrap().await.unwrap();
 
         let misses = || crate::metrics::gathered_value(&registry, "pageserver_page_cache_misses_total");
         let hits = || crate::metrics::gathered_value(&registry, "pageserver_page_cache_hits_total");
         for (blknum, fill, lsn) in [(1, 1, 10), (2, 2, 20)] {
             let (lookups, missed, hit) = (tenant.timeline.key_lookups(), misses(), hits());
-            let read = match tenant.get_page_now(key(blknum), storage::Lsn::LATEST) {
+            let read = match tenant.get_page_now(key(blknum), page_types::Lsn::LATEST) {
                 PageNow::Later(read) => read,
                 PageNow::Page(..) => panic!("block {blknum}: a page the cache never had"),
             };
             let (_, page) = tenant.get_page_later(read).await.unwrap();
-            assert_eq!(page[..], [fill; storage::PAGE_SIZE][..], "block {blknum}");
+            assert_eq!(page[..], [fill; page_types::PAGE_SIZE][..], "block {blknum}");
             assert_eq!(tenant.timeline.key_lookups() - lookups, 1, "block {blknum}: index lookups of a miss");
             assert_eq!((misses() - missed, hits() - hit), (1.0, 0.0), "block {blknum}: page cache lookups");
 
             let lookups = tenant.timeline.key_lookups();
-            let now = tenant.get_page_now(key(blknum), storage::Lsn(lsn)).page();
+            let now = tenant.get_page_now(key(blknum), page_types::Lsn(lsn)).page();
             assert_eq!(now.map(|(_, page)| page), Some(page), "block {blknum}: cached now");
             assert_eq!(tenant.timeline.key_lookups() - lookups, 1, "block {blknum}: index lookups of a hit");
             assert_eq!((misses() - missed, hits() - hit), (1.0, 1.0), "block {blknum}: page cache lookups");

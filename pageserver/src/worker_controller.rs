@@ -60,10 +60,10 @@
 //! blocking). A period without arrivals parks everyone at once: the pool is quiescent within one
 //! period.
 //!
-//! **Path** (for a pool whose caller can either block or yield; Neon measured the blocking round
+//! **Wait** (for a pool whose caller can either block or yield; Neon measured the blocking round
 //! trip faster at low concurrency and yielding better at high): `in_flight_avg < sync_below` gives
-//! [`Path::Sync`], `> async_above` gives [`Path::Async`], in between the last path holds
-//! (hysteresis); the first path is `Sync`. The defaults (2 and 4 requests in flight) are starting
+//! [`Wait::Block`], `> async_above` gives [`Wait::Yield`], in between the last one holds
+//! (hysteresis); the first is `Block`. The defaults (2 and 4 requests in flight) are starting
 //! points to re-measure with bench_walredo once the pool exists.
 //!
 //! **Invariant: no panics on input.** A zero period counts as a period of zero load (no demand,
@@ -88,9 +88,9 @@ pub const DEFAULT_SHRINK_AFTER: Duration = Duration::from_secs(1);
 pub const DEFAULT_SPIN_MAX: Duration = Duration::from_micros(200);
 /// Default shortest spin window (the spin-then-block pipes measured here spun 25-200 us).
 pub const DEFAULT_SPIN_MIN: Duration = Duration::from_micros(20);
-/// Default concurrency below which callers block (the sync path).
+/// Default concurrency below which callers block ([`Wait::Block`]).
 pub const DEFAULT_SYNC_BELOW: f64 = 2.0;
-/// Default concurrency above which callers yield (the async path).
+/// Default concurrency above which callers yield ([`Wait::Yield`]).
 pub const DEFAULT_ASYNC_ABOVE: f64 = 4.0;
 
 /// Weight of the old average per period (Valkey's 0.8).
@@ -125,9 +125,9 @@ pub struct WorkerControllerConf {
     /// How many workers may spin at once (e.g. [`max_spinning_for_cpus`]); >= 1. May exceed
     /// `max_workers` (then every worker may spin).
     pub max_spinning: usize,
-    /// Average requests in flight below which the path is [`Path::Sync`]; finite and > 0.
+    /// Average requests in flight below which callers block ([`Wait::Block`]); finite and > 0.
     pub sync_below: f64,
-    /// Average requests in flight above which the path is [`Path::Async`]; finite and
+    /// Average requests in flight above which callers yield ([`Wait::Yield`]); finite and
     /// >= `sync_below`.
     pub async_above: f64,
 }
@@ -192,20 +192,22 @@ impl WorkerControllerConf {
     }
 }
 
-/// How callers reach a worker: block on the calling thread or yield to the reactor.
+/// How a caller waits for a worker: it blocks the calling thread, or it yields to the reactor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Path {
+pub enum Wait {
     /// A blocking round trip on the calling thread: no reactor wake-up, best at low concurrency.
-    Sync,
+    Block,
     /// Yield to the reactor while the worker works: best at high concurrency.
-    Async,
+    Yield,
 }
 
-impl Path {
+impl Wait {
+    /// Its name in the walredo status (the `path` of the pool's controller and of each child):
+    /// `sync` for blocking, `async` for yielding.
     pub fn as_str(self) -> &'static str {
         match self {
-            Path::Sync => "sync",
-            Path::Async => "async",
+            Wait::Block => "sync",
+            Wait::Yield => "async",
         }
     }
 }
@@ -221,7 +223,7 @@ pub struct Decision {
     /// How long a spinning worker polls before it parks; zero = park at once (plain blocking).
     pub spin: Duration,
     /// How callers should reach a worker.
-    pub path: Path,
+    pub wait: Wait,
 }
 
 /// One period's measurements, from the caller.
@@ -296,12 +298,12 @@ pub struct WorkerController {
 }
 
 impl WorkerController {
-    /// A controller with no demand seen, `min_workers` workers, none spinning and the sync
-    /// path; fails on an invalid conf (see [`WorkerControllerConf::validate`]).
+    /// A controller with no demand seen, `min_workers` workers, none spinning and callers
+    /// blocking; fails on an invalid conf (see [`WorkerControllerConf::validate`]).
     pub fn new(conf: WorkerControllerConf) -> anyhow::Result<WorkerController> {
         conf.validate().context("validate worker controller conf")?;
         let last =
-            Decision { workers: conf.min_workers, spinning: 0, spin: Duration::ZERO, path: Path::Sync };
+            Decision { workers: conf.min_workers, spinning: 0, spin: Duration::ZERO, wait: Wait::Block };
         Ok(WorkerController { conf, avg: 0.0, below_for: Duration::ZERO, last })
     }
 
@@ -352,15 +354,15 @@ impl WorkerController {
         };
 
         let in_flight = obs.in_flight();
-        let path = if in_flight < conf.sync_below {
-            Path::Sync
+        let wait = if in_flight < conf.sync_below {
+            Wait::Block
         } else if in_flight > conf.async_above {
-            Path::Async
+            Wait::Yield
         } else {
-            self.last.path
+            self.last.wait
         };
 
-        self.last = Decision { workers, spinning, spin, path };
+        self.last = Decision { workers, spinning, spin, wait };
         self.last
     }
 
@@ -420,8 +422,8 @@ mod tests {
         obs(ZERO, 0, workers)
     }
 
-    fn decision(workers: usize, spinning: usize, spin: Duration, path: Path) -> Decision {
-        Decision { workers, spinning, spin, path }
+    fn decision(workers: usize, spinning: usize, spin: Duration, wait: Wait) -> Decision {
+        Decision { workers, spinning, spin, wait }
     }
 
     /// The invariants every decision keeps, whatever the input.
@@ -440,27 +442,27 @@ mod tests {
     #[test]
     fn new_controller_starts_with_min_workers_parked_on_the_sync_path() {
         let c = ctl(8, 1);
-        assert_eq!(c.last(), decision(1, 0, ZERO, Path::Sync));
+        assert_eq!(c.last(), decision(1, 0, ZERO, Wait::Block));
         assert_eq!(c.smoothed_demand(), 0.0);
         let mut c = c;
-        assert_eq!(c.update(idle(1)), decision(1, 0, ZERO, Path::Sync));
+        assert_eq!(c.update(idle(1)), decision(1, 0, ZERO, Wait::Block));
     }
 
     #[test]
     fn step_up_grows_the_pool_to_the_target_at_once() {
         let mut c = ctl(16, 1);
-        assert_eq!(c.update(idle(1)), decision(1, 0, ZERO, Path::Sync));
+        assert_eq!(c.update(idle(1)), decision(1, 0, ZERO, Wait::Block));
 
         // 300 ms busy in 100 ms: demand 3, target ceil(3 x 1.25) = 4, in one step. The one live
         // worker was busy throughout (gap 0): the shortest spin. In flight 3: the path holds.
         let d = c.update(obs(ms(300), 3000, 1));
-        assert_eq!(d, decision(4, 1, us(20), Path::Sync));
+        assert_eq!(d, decision(4, 1, us(20), Wait::Block));
         assert_eq!(c.smoothed_demand(), 3.0);
 
         // Requests waited longer than they were served: demand 3 + 1 = 4, target 5. Four live
         // workers idle 100 ms in all over 3000 arrivals: gap 33 333 ns, spin twice that.
         let d = c.update(Observation { queue_wait: ms(500), in_flight_avg: 8.0, ..obs(ms(300), 3000, 4) });
-        assert_eq!(d, decision(5, 1, Duration::from_nanos(66_666), Path::Async));
+        assert_eq!(d, decision(5, 1, Duration::from_nanos(66_666), Wait::Yield));
         assert_eq!(c.smoothed_demand(), 4.0);
     }
 
@@ -536,8 +538,8 @@ mod tests {
         // Burst: demand 4, target 5 at once. The first period's one worker was busy throughout
         // (gap 0: the shortest spin); in the second, five live workers idle 100 ms in all over
         // 4000 arrivals: gap 25 us, spin 50 us. At most two spin.
-        assert_eq!(c.update(obs(ms(400), 4000, 1)), decision(5, 2, us(20), Path::Sync));
-        assert_eq!(c.update(obs(ms(400), 4000, 5)), decision(5, 2, us(50), Path::Sync));
+        assert_eq!(c.update(obs(ms(400), 4000, 1)), decision(5, 2, us(20), Wait::Block));
+        assert_eq!(c.update(obs(ms(400), 4000, 5)), decision(5, 2, us(50), Wait::Block));
 
         // Idle: everyone parks in the first idle period; the average decays below the size at
         // once (target 4, then less), so one worker goes every 10 periods of 100 ms, to 1.
@@ -545,7 +547,7 @@ mod tests {
             let live = c.last().workers;
             let d = c.update(idle(live));
             let want = 5usize.saturating_sub(i / 10).max(1);
-            assert_eq!(d, decision(want, 0, ZERO, Path::Sync), "idle period {i}");
+            assert_eq!(d, decision(want, 0, ZERO, Wait::Block), "idle period {i}");
         }
         assert!(c.smoothed_demand() < 1e-5);
     }
@@ -589,26 +591,26 @@ mod tests {
         // sync path, spinning: idle gap 80 us, spin 160 us.
         for i in 0..10 {
             let d = c.update(obs(ms(20), 1000, 1));
-            assert_eq!(d, decision(1, 1, us(160), Path::Sync), "period {i}");
+            assert_eq!(d, decision(1, 1, us(160), Wait::Block), "period {i}");
         }
         // The same requests overlapping (1.5 in flight, still the sync path): the same spin;
         // the pool stays at ceil(0.2 x 1.25) = 1 worker.
         let overlapping = |o: Observation| Observation { in_flight_avg: 1.5, ..o };
         for i in 0..10 {
             let d = c.update(overlapping(obs(ms(20), 1000, 1)));
-            assert_eq!(d, decision(1, 1, us(160), Path::Sync), "period {i}");
+            assert_eq!(d, decision(1, 1, us(160), Wait::Block), "period {i}");
         }
         // 100 requests of 20 us: idle gap 980 us, longer than any spin: parked.
         for i in 0..10 {
             let d = c.update(overlapping(obs(ms(2), 100, 1)));
-            assert_eq!(d, decision(1, 0, ZERO, Path::Sync), "period {i}");
+            assert_eq!(d, decision(1, 0, ZERO, Wait::Block), "period {i}");
         }
         // The edge: a gap of exactly spin_max spins for spin_max; a few ns longer parks.
-        assert_eq!(c.update(overlapping(obs(ZERO, 500, 1))), decision(1, 1, us(200), Path::Sync));
+        assert_eq!(c.update(overlapping(obs(ZERO, 500, 1))), decision(1, 1, us(200), Wait::Block));
         assert_eq!(obs(ZERO, 499, 1).idle_gap(), Duration::from_nanos(200_400));
-        assert_eq!(c.update(overlapping(obs(ZERO, 499, 1))), decision(1, 0, ZERO, Path::Sync));
+        assert_eq!(c.update(overlapping(obs(ZERO, 499, 1))), decision(1, 0, ZERO, Wait::Block));
         // A gap far below spin_min still spins spin_min (900 ns gap).
-        assert_eq!(c.update(overlapping(obs(ms(10), 100_000, 1))), decision(1, 1, us(20), Path::Sync));
+        assert_eq!(c.update(overlapping(obs(ms(10), 100_000, 1))), decision(1, 1, us(20), Wait::Block));
     }
 
     #[test]
@@ -617,7 +619,7 @@ mod tests {
         // 32 in flight on average, four workers busy throughout and requests queued behind them.
         let busy = Observation { queue_wait: ms(2000), in_flight_avg: 32.0, ..obs(ms(400), 40_000, 4) };
         for i in 0..5 {
-            assert_eq!(c.update(busy), decision(4, 1, us(20), Path::Async), "period {i}");
+            assert_eq!(c.update(busy), decision(4, 1, us(20), Wait::Yield), "period {i}");
             assert_eq!(c.smoothed_demand(), 4.0);
         }
     }
@@ -626,21 +628,21 @@ mod tests {
     fn path_holds_between_the_thresholds() {
         let mut c = ctl(8, 1);
         let trace = [
-            (1.0, Path::Sync),
-            (3.0, Path::Sync),
-            (4.0, Path::Sync),
-            (4.01, Path::Async),
-            (3.0, Path::Async),
-            (2.0, Path::Async),
-            (4.0, Path::Async),
-            (1.99, Path::Sync),
-            (2.0, Path::Sync),
-            (5.0, Path::Async),
-            (0.0, Path::Sync),
+            (1.0, Wait::Block),
+            (3.0, Wait::Block),
+            (4.0, Wait::Block),
+            (4.01, Wait::Yield),
+            (3.0, Wait::Yield),
+            (2.0, Wait::Yield),
+            (4.0, Wait::Yield),
+            (1.99, Wait::Block),
+            (2.0, Wait::Block),
+            (5.0, Wait::Yield),
+            (0.0, Wait::Block),
         ];
         for (n, (in_flight, want)) in trace.into_iter().enumerate() {
             let d = c.update(Observation { in_flight_avg: in_flight, ..obs(ms(10), 100, 1) });
-            assert_eq!(d.path, want, "step {n}: in flight {in_flight}");
+            assert_eq!(d.wait, want, "step {n}: in flight {in_flight}");
         }
     }
 
@@ -649,7 +651,7 @@ mod tests {
         let mut c = ctl(3, 8);
         // Demand 100 (+1 for the queue): capped at 3, so every worker may spin (max_spinning 8).
         let flood = Observation { queue_wait: ms(20_000), in_flight_avg: 100.0, ..obs(ms(10_000), 1000, 1) };
-        assert_eq!(c.update(flood), decision(3, 3, us(20), Path::Async));
+        assert_eq!(c.update(flood), decision(3, 3, us(20), Wait::Yield));
         assert_eq!(c.smoothed_demand(), 3.0);
 
         // Then no busy time, but 1.5 requests in flight on average (so the one-request rule does
@@ -667,12 +669,12 @@ mod tests {
     fn spinning_workers_are_capped_by_max_spinning_and_by_the_pool() {
         // Five workers, 2.5 us gap: the shortest spin, for two of them.
         let load = obs(ms(400), 40_000, 5);
-        assert_eq!(ctl(8, 2).update(load), decision(5, 2, us(20), Path::Sync));
+        assert_eq!(ctl(8, 2).update(load), decision(5, 2, us(20), Wait::Block));
         // With room for eight spinners, all five spin.
-        assert_eq!(ctl(8, 8).update(load), decision(5, 5, us(20), Path::Sync));
+        assert_eq!(ctl(8, 8).update(load), decision(5, 5, us(20), Wait::Block));
         // A one-worker pool spins one, however many may (requests overlapping: 1.5 in flight).
         let one = Observation { in_flight_avg: 1.5, ..obs(ms(20), 1000, 1) };
-        assert_eq!(ctl(8, 8).update(one), decision(1, 1, us(160), Path::Sync));
+        assert_eq!(ctl(8, 8).update(one), decision(1, 1, us(160), Wait::Block));
 
         assert_eq!(max_spinning_for_cpus(0), 1);
         assert_eq!(max_spinning_for_cpus(1), 1);
@@ -694,13 +696,13 @@ mod tests {
             stuck: false,
         };
         let mut c = ctl(8, 2);
-        assert_eq!(c.update(absurd), decision(1, 0, ZERO, Path::Sync));
+        assert_eq!(c.update(absurd), decision(1, 0, ZERO, Wait::Block));
         assert_eq!(c.smoothed_demand(), 0.0);
 
         // After a burst, zero-length periods decay the average but no time passes: no shrink.
         assert_eq!(c.update(obs(ms(400), 4000, 5)).workers, 5);
         for _ in 0..100 {
-            assert_eq!(c.update(absurd), decision(5, 0, ZERO, Path::Sync));
+            assert_eq!(c.update(absurd), decision(5, 0, ZERO, Wait::Block));
         }
         // Real idle time does: 10 periods later, one worker goes.
         for _ in 0..9 {
@@ -714,11 +716,11 @@ mod tests {
         for bad in [f64::NAN, -f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -1.0, f64::MIN] {
             let mut c = ctl(8, 1);
             assert_eq!(
-                c.update(Observation { in_flight_avg: 10.0, ..obs(ms(10), 100, 1) }).path,
-                Path::Async
+                c.update(Observation { in_flight_avg: 10.0, ..obs(ms(10), 100, 1) }).wait,
+                Wait::Yield
             );
             let d = c.update(Observation { in_flight_avg: bad, ..obs(ms(10), 100, 1) });
-            assert_eq!(d.path, Path::Sync, "in flight {bad}");
+            assert_eq!(d.wait, Wait::Block, "in flight {bad}");
         }
     }
 
@@ -736,7 +738,7 @@ mod tests {
             workers: usize::MAX,
             stuck: false,
         };
-        assert_eq!(c.update(flood), decision(8, 2, us(20), Path::Async));
+        assert_eq!(c.update(flood), decision(8, 2, us(20), Wait::Yield));
         assert_eq!(c.smoothed_demand(), 8.0);
 
         // The longest period, nothing busy: idle capacity saturates; the gap is huge: parked.
@@ -744,7 +746,7 @@ mod tests {
         let vast =
             Observation { period: Duration::MAX, busy: ZERO, queue_wait: ZERO, in_flight_avg: 0.0, ..flood };
         assert_eq!(vast.idle_gap(), Duration::MAX);
-        assert_eq!(c.update(vast), decision(1, 0, ZERO, Path::Sync));
+        assert_eq!(c.update(vast), decision(1, 0, ZERO, Wait::Block));
 
         // A grid of odd values keeps every invariant.
         let durations =

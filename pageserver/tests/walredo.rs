@@ -11,23 +11,24 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn, MAX_RECORD_LEN};
 use pageserver::test_support::walredo_proc_binary;
-use pageserver::walredo::{Path, ProcessKind, RedoError, WalRedoConf, WalRedoManager, WalRedoMetrics};
+use pageserver::walredo::{ProcessKind, RedoError, Wait, WalRedoConf, WalRedoManager, WalRedoMetrics};
 use walredo_proc::page::{Page, BLCKSZ};
-use walredo_proc::protocol::{BufferTag, ErrorCode};
+use walredo_proc::protocol::ErrorCode;
 use walredo_proc::record::Record;
 
 /// A process kind as a test runs it: `auto` as the daemon runs it (the controller keeps it on
 /// the blocking path under most of these tests' light load), and pinned to the yielding path,
 /// so that every test covers both of its ways to wait.
 #[derive(Debug, Clone, Copy)]
-struct Kind(ProcessKind, Option<Path>);
+struct Kind(ProcessKind, Option<Wait>);
 
 const KINDS: [Kind; 4] = [
     Kind(ProcessKind::Sync, None),
     Kind(ProcessKind::Async, None),
     Kind(ProcessKind::Auto, None),
-    Kind(ProcessKind::Auto, Some(Path::Async)),
+    Kind(ProcessKind::Auto, Some(Wait::Yield)),
 ];
 
 impl From<ProcessKind> for Kind {
@@ -46,10 +47,10 @@ impl std::fmt::Display for Kind {
 }
 
 fn conf(kind: impl Into<Kind>) -> WalRedoConf {
-    let Kind(kind, path) = kind.into();
+    let Kind(kind, wait) = kind.into();
     let mut conf = WalRedoConf::with_binary(walredo_proc_binary());
     conf.process_kind = kind;
-    conf.auto_path = path;
+    conf.auto_wait = wait;
     conf.timeout = Duration::from_secs(20);
     conf
 }
@@ -71,12 +72,12 @@ fn encode(record: Record<'_>) -> Bytes {
 }
 
 /// Records of a request that builds a distinct page for `n` from nothing: init, two tuples.
-fn records_for(n: u32) -> Vec<(u64, Bytes)> {
+fn records_for(n: u32) -> Vec<(Lsn, Bytes)> {
     let tuple = format!("tuple of request {n} ").repeat(20);
     vec![
-        (0x100, encode(Record::InitPage { special_size: 0 })),
-        (0x200, encode(Record::InsertTuple { offnum: 0, data: tuple.as_bytes() })),
-        (0x300, encode(Record::PutBytes { offset: 8000, data: &n.to_be_bytes() })),
+        (Lsn(0x100), encode(Record::InitPage { special_size: 0 })),
+        (Lsn(0x200), encode(Record::InsertTuple { offnum: 0, data: tuple.as_bytes() })),
+        (Lsn(0x300), encode(Record::PutBytes { offset: 8000, data: &n.to_be_bytes() })),
     ]
 }
 
@@ -85,13 +86,13 @@ fn records_for(n: u32) -> Vec<(u64, Bytes)> {
 fn expected_for(n: u32) -> Bytes {
     let mut page: Box<Page> = Box::new([0; BLCKSZ]);
     for (lsn, record) in records_for(n) {
-        Record::decode(&record).expect("valid record").apply(&mut page, lsn).expect("record applies");
+        Record::decode(&record).expect("valid record").apply(&mut page, lsn.0).expect("record applies");
     }
     Bytes::copy_from_slice(&page[..])
 }
 
 async fn redo(manager: &WalRedoManager, n: u32) -> Result<Bytes, RedoError> {
-    manager.request_redo(tag(n), 0x300, None, &records_for(n)).await
+    manager.request_redo(tag(n), Lsn(0x300), None, &records_for(n)).await
 }
 
 /// Compares two byte strings, reporting the first difference instead of both strings.
@@ -158,8 +159,10 @@ async fn redo_from_nothing_and_from_base_image_gives_exact_pages() {
         // On top of a base image: only the record above it is applied.
         let base = expected_for(2);
         let record = encode(Record::SetBits { offset: 7000, mask: &[0x0f] });
-        let page =
-            manager.request_redo(tag(2), 0x400, Some(base.clone()), &[(0x400, record)]).await.expect("redo");
+        let page = manager
+            .request_redo(tag(2), Lsn(0x400), Some(base.clone()), &[(Lsn(0x400), record)])
+            .await
+            .expect("redo");
         assert_eq!(page[7000], 0x0f, "{kind}");
         assert_eq!(walredo_proc::page::page_lsn(page[..].try_into().expect("page")), 0x400);
         assert_same_bytes(&page[8..7000], &base[8..7000], "page below the set bits, past pd_lsn");
@@ -172,7 +175,7 @@ async fn request_without_records_returns_base_image_without_a_child() {
     for kind in KINDS {
         let (manager, _) = manager_with(conf(kind));
         let base = expected_for(3);
-        let page = manager.request_redo(tag(3), 0x500, Some(base.clone()), &[]).await.expect("redo");
+        let page = manager.request_redo(tag(3), Lsn(0x500), Some(base.clone()), &[]).await.expect("redo");
         assert_eq!(page, base);
         assert_eq!(pid_of(&manager), None, "{kind}: no child should be spawned");
     }
@@ -182,15 +185,15 @@ async fn request_without_records_returns_base_image_without_a_child() {
 async fn invalid_requests_are_rejected_before_reaching_the_child() {
     let (manager, _) = manager_with(conf(ProcessKind::Async));
     let short_base = Bytes::from_static(b"not a page");
-    let result = manager.request_redo(tag(1), 1, Some(short_base), &records_for(1)).await;
+    let result = manager.request_redo(tag(1), Lsn(1), Some(short_base), &records_for(1)).await;
     assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
-    let result = manager.request_redo(tag(1), 1, None, &[]).await;
+    let result = manager.request_redo(tag(1), Lsn(1), None, &[]).await;
     assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
-    let too_long = Bytes::from(vec![0x08; walredo_proc::record::MAX_RECORD_LEN + 1]);
-    let result = manager.request_redo(tag(1), 1, None, &[(1, too_long)]).await;
+    let too_long = Bytes::from(vec![0x08; MAX_RECORD_LEN + 1]);
+    let result = manager.request_redo(tag(1), Lsn(1), None, &[(Lsn(1), too_long)]).await;
     assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
     // Records above the request LSN make no sense.
-    let result = manager.request_redo(tag(1), 0x200, None, &records_for(1)).await;
+    let result = manager.request_redo(tag(1), Lsn(0x200), None, &records_for(1)).await;
     assert!(matches!(result, Err(RedoError::InvalidRequest(_))), "{result:?}");
     assert_eq!(pid_of(&manager), None);
 }
@@ -429,8 +432,9 @@ async fn invalid_record_fails_only_its_request_and_the_child_lives_on() {
                     } else {
                         Bytes::from_static(&[0x7f, 1, 2])
                     };
-                    let records = vec![(0x100, encode(Record::InitPage { special_size: 0 })), (0x200, bad)];
-                    (n, manager.request_redo(tag(n), 0x200, None, &records).await)
+                    let records =
+                        vec![(Lsn(0x100), encode(Record::InitPage { special_size: 0 })), (Lsn(0x200), bad)];
+                    (n, manager.request_redo(tag(n), Lsn(0x200), None, &records).await)
                 } else {
                     (n, redo(&manager, n).await)
                 }

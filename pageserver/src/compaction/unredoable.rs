@@ -21,9 +21,9 @@
 use std::collections::HashMap;
 
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn};
 use walredo_proc::protocol::ErrorCode;
 
-use crate::storage::{Key, Lsn};
 use crate::walredo::RedoError;
 
 /// Most keys remembered per tenant: about 40 bytes each, so at most about 160 KiB a tenant.
@@ -32,7 +32,7 @@ pub const UNREDOABLE_KEYS_MAX: usize = 4096;
 /// Per key, the LSN of a record of its chain that the child could not redo.
 #[derive(Debug)]
 pub struct Unredoable {
-    keys: HashMap<Key, Lsn>,
+    keys: HashMap<BufferTag, Lsn>,
     max: usize,
 }
 
@@ -50,7 +50,7 @@ impl Unredoable {
     /// Whether the redo of `key` from its image at `from` (`None`: no image) up to `lsn`
     /// applies a record remembered as failing: then it would fail again. A chain that starts
     /// at or above that record (a newer image came) forgets the key.
-    pub fn fails(&mut self, key: Key, from: Option<Lsn>, lsn: Lsn) -> bool {
+    pub fn fails(&mut self, key: BufferTag, from: Option<Lsn>, lsn: Lsn) -> bool {
         let Some(&at) = self.keys.get(&key) else {
             return false;
         };
@@ -63,13 +63,13 @@ impl Unredoable {
 
     /// Remembers what a failed redo of `key` with `records` says, if it is a record the child
     /// does not apply.
-    pub fn failed(&mut self, key: Key, records: &[(u64, Bytes)], error: &RedoError) {
+    pub fn failed(&mut self, key: BufferTag, records: &[(Lsn, Bytes)], error: &RedoError) {
         if let Some(at) = unsupported_at(error, records) {
             self.remember(key, at);
         }
     }
 
-    fn remember(&mut self, key: Key, at: Lsn) {
+    fn remember(&mut self, key: BufferTag, at: Lsn) {
         if self.keys.len() >= self.max && !self.keys.contains_key(&key) {
             let oldest = self.keys.iter().min_by_key(|(_, at)| **at).map(|(k, _)| *k);
             if let Some(oldest) = oldest {
@@ -86,14 +86,14 @@ impl Unredoable {
 
 /// The LSN of the record an `unsupported_record` error names ("... at LSN X/X: ..."), if it is
 /// one of `records`' (the child is not trusted to name one).
-fn unsupported_at(error: &RedoError, records: &[(u64, Bytes)]) -> Option<Lsn> {
+fn unsupported_at(error: &RedoError, records: &[(Lsn, Bytes)]) -> Option<Lsn> {
     let RedoError::Rejected { code: ErrorCode::UnsupportedRecord, message } = error else {
         return None;
     };
     let (_, rest) = message.split_once("at LSN ")?;
     let word = rest.split(|c: char| c == ':' || c.is_whitespace()).next()?;
     let at: Lsn = word.parse().ok()?;
-    records.iter().any(|(lsn, _)| *lsn == at.0).then_some(at)
+    records.iter().any(|(lsn, _)| *lsn == at).then_some(at)
 }
 
 #[cfg(test)]
@@ -101,16 +101,16 @@ fn unsupported_at(error: &RedoError, records: &[(u64, Bytes)]) -> Option<Lsn> {
 mod tests {
     use super::*;
 
-    fn key(blknum: u32) -> Key {
-        Key { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum }
+    fn key(blknum: u32) -> BufferTag {
+        BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum }
     }
 
     fn unsupported(message: &str) -> RedoError {
         RedoError::Rejected { code: ErrorCode::UnsupportedRecord, message: message.into() }
     }
 
-    fn records(lsns: &[u64]) -> Vec<(u64, Bytes)> {
-        lsns.iter().map(|&l| (l, Bytes::new())).collect()
+    fn records(lsns: &[u64]) -> Vec<(Lsn, Bytes)> {
+        lsns.iter().map(|&l| (Lsn(l), Bytes::new())).collect()
     }
 
     #[test]

@@ -41,14 +41,12 @@ use std::collections::BTreeMap;
 
 use bytes::{Bytes, BytesMut};
 use page_types::keys::{self, RelTag, SlruKind};
-use page_types::BufferTag;
+use page_types::{BufferTag, PAGE_SIZE};
 
 use super::tar::{TarError, TarEvent, TarReader};
 
 /// Most values in one batch of [`Importer::next_batch`].
 pub const BATCH_VALUES: usize = 256;
-/// PostgreSQL's block size.
-const BLCKSZ: usize = page_types::PAGE_SIZE;
 /// Blocks in a relation segment file (`RELSEG_SIZE`, 1 GiB).
 pub const RELSEG_BLOCKS: u32 = 131_072;
 /// `pg_global` and `pg_default`.
@@ -384,11 +382,11 @@ impl Importer {
                     want,
                 };
                 match class {
-                    ImportFile::RelSegment { .. } if size > u64::from(RELSEG_BLOCKS) * BLCKSZ as u64 => {
+                    ImportFile::RelSegment { .. } if size > u64::from(RELSEG_BLOCKS) * PAGE_SIZE as u64 => {
                         return Err(bad("more than a relation segment (1 GiB)"))
                     }
                     ImportFile::Slru { .. }
-                        if size > u64::from(keys::SLRU_PAGES_PER_SEGMENT) * BLCKSZ as u64 =>
+                        if size > u64::from(keys::SLRU_PAGES_PER_SEGMENT) * PAGE_SIZE as u64 =>
                     {
                         return Err(bad("more than an SLRU segment (32 pages)"))
                     }
@@ -414,15 +412,15 @@ impl Importer {
                     ImportFile::RelSegment { .. } | ImportFile::Slru { .. } => {
                         // Complete the carried block, then whole blocks without a copy.
                         if !cur.carry.is_empty() {
-                            let n = (BLCKSZ - cur.carry.len()).min(data.len());
+                            let n = (PAGE_SIZE - cur.carry.len()).min(data.len());
                             cur.carry.extend_from_slice(&data.split_to(n));
-                            if cur.carry.len() == BLCKSZ {
+                            if cur.carry.len() == PAGE_SIZE {
                                 let block = std::mem::take(&mut cur.carry).freeze();
                                 push_block(&mut self.out, &mut self.progress, cur, block);
                             }
                         }
-                        while data.len() >= BLCKSZ {
-                            let block = data.split_to(BLCKSZ);
+                        while data.len() >= PAGE_SIZE {
+                            let block = data.split_to(PAGE_SIZE);
                             push_block(&mut self.out, &mut self.progress, cur, block);
                         }
                         if !data.is_empty() {
@@ -564,7 +562,7 @@ mod tests {
     }
 
     fn block(tag: u8) -> Vec<u8> {
-        vec![tag; BLCKSZ]
+        vec![tag; PAGE_SIZE]
     }
 
     /// A base.tar and a tablespace's archive as PostgreSQL sends them.
@@ -667,7 +665,7 @@ mod tests {
     #[test]
     fn many_blocks_come_in_bounded_batches() {
         let mut t = Vec::new();
-        testtar::file(&mut t, "base/5/1", &vec![3; BLCKSZ * (BATCH_VALUES * 2 + 3)]);
+        testtar::file(&mut t, "base/5/1", &vec![3; PAGE_SIZE * (BATCH_VALUES * 2 + 3)]);
         testtar::end(&mut t);
         let mut imp = Importer::new();
         imp.begin_archive("base.tar", None).unwrap();

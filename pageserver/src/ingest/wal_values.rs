@@ -38,7 +38,7 @@ use page_types::wal::rmgr::{
     RM_SMGR_ID as RM_SMGR, RM_XACT_ID as RM_XACT,
 };
 use page_types::wal::DecodedRecord;
-use page_types::{BufferTag, Lsn};
+use page_types::{BufferTag, Lsn, PAGE_SIZE};
 use walredo_proc::page::{self, pd_upper, Page};
 use walredo_proc::pg15::redo::redo_restored_image;
 use walredo_proc::pg15::{
@@ -398,8 +398,9 @@ fn dropped_relations(record: &DecodedRecord) -> Result<Vec<RelTag>, ValueError> 
 /// page kept when it keeps some of its slots). The map is a tree of three levels; physical
 /// page order is depth first, so leaf page `n` comes after the upper pages above it.
 fn fsm_blocks_after_truncate(heap_blocks: u32) -> u32 {
-    // Leaf slots per map page: (8192 - 24 - 4) nodes, of which 8192 / 2 - 1 are not leaves.
-    const SLOTS: u64 = (8192 - 24 - 4) - (8192 / 2 - 1);
+    // Leaf slots per map page: (BLCKSZ - 24 - 4) nodes, of which BLCKSZ / 2 - 1 are not leaves.
+    const PAGE: u64 = PAGE_SIZE as u64;
+    const SLOTS: u64 = (PAGE - 24 - 4) - (PAGE / 2 - 1);
     let (leaf, slot) = (u64::from(heap_blocks) / SLOTS, u64::from(heap_blocks) % SLOTS);
     // `fsm_logical_to_physical` of a bottom-level page.
     let mut pages = 0u64;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use page_types::Lsn;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
@@ -21,9 +22,9 @@ use tracing::Instrument;
 
 use super::io_choice::IoChoice;
 use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
-use super::writer::{Pending, Queued, Replies, Reply, Writer};
+use super::writer::{OutgoingReply, Pending, Queued, Replies, SocketWriter};
 use super::{ConnectionSlot, PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
-use crate::storage::{IngestError, Lsn, WaitLsnError};
+use crate::storage::{IngestError, WaitLsnError};
 use crate::tenant::{GetPageError, PageNow, Tenant};
 use crate::tenants::{TenantError, Tenants};
 use crate::util::Signal;
@@ -78,8 +79,12 @@ pub(crate) async fn handle_connection(
     // Shared by the connection and, while a batch is with it, an io_uring ring, which so keeps
     // the descriptor open until its operations on it are over.
     let stream = Arc::new(stream);
-    let mut writer =
-        Writer::new(Arc::clone(&stream), Arc::new(connection_slot), Arc::clone(&conf.io), conf.idle_timeout);
+    let mut writer = SocketWriter::new(
+        Arc::clone(&stream),
+        Arc::new(connection_slot),
+        Arc::clone(&conf.io),
+        conf.idle_timeout,
+    );
     let served = async {
         // Small until Hello: a connection that never says it costs little.
         let mut buf = BytesMut::with_capacity(proto::MAX_HELLO_FRAME_LEN as usize + 4);
@@ -88,9 +93,9 @@ pub(crate) async fn handle_connection(
             Ok(tenant) => {
                 let ok = ServerMessage::HelloOk {
                     version: PROTOCOL_VERSION,
-                    last_durable_lsn: tenant.last_durable_lsn(),
+                    last_durable_lsn: tenant.last_durable_lsn().0,
                 };
-                replies.push(Queued { pending: Pending::Ready(Reply::message(&ok)), slot: None });
+                replies.push(Queued { pending: Pending::Ready(OutgoingReply::message(&ok)), slot: None });
                 let span = tracing::info_span!("tenant", tenant_id = tenant.id);
                 let connection = Connection { tenant: &tenant, metrics, stop: &stop, conf: &conf };
                 connection.serve(&stream, &mut buf, &mut writer, replies).instrument(span).await
@@ -120,8 +125,8 @@ async fn hello(
     tenants: &Tenants,
     metrics: &PageServiceMetrics,
     stop: &Arc<Signal>,
-) -> Result<Arc<Tenant>, Reply> {
-    let refuse = |code, message: String| Reply::error(metrics, 0, code, message);
+) -> Result<Arc<Tenant>, OutgoingReply> {
+    let refuse = |code, message: String| OutgoingReply::error(metrics, 0, code, message);
     let mut stop = stop.watch();
     let frame = tokio::select! {
         () = stop.raised() => return Err(refuse(ErrorCode::ShuttingDown, "the daemon is shutting down".into())),
@@ -130,7 +135,7 @@ async fn hello(
     let frame = match frame {
         Err(_) => return Err(refuse(ErrorCode::BadFrame, format!("no Hello within {HELLO_TIMEOUT:?}"))),
         Ok(Err(e)) => return Err(refuse(e.code(), e.to_string())),
-        Ok(Ok(None)) => return Err(Reply::close()),
+        Ok(Ok(None)) => return Err(OutgoingReply::close()),
         Ok(Ok(Some(frame))) => frame,
     };
     match proto::decode_client(frame) {
@@ -173,7 +178,7 @@ impl Connection<'_> {
         &self,
         stream: &TcpStream,
         buf: &mut BytesMut,
-        writer: &mut Writer,
+        writer: &mut SocketWriter,
         mut replies: Replies,
     ) -> anyhow::Result<()> {
         let (tenant, metrics, idle_timeout) = (self.tenant, self.metrics, self.conf.idle_timeout);
@@ -191,7 +196,8 @@ impl Connection<'_> {
                     Ok(Some(len)) => len,
                     Ok(None) => break,
                     Err(e) => {
-                        reading = replies.push(closing(Reply::error(metrics, 0, e.code(), e.to_string())));
+                        reading =
+                            replies.push(closing(OutgoingReply::error(metrics, 0, e.code(), e.to_string())));
                         break;
                     }
                 };
@@ -215,7 +221,7 @@ impl Connection<'_> {
                 reserve_frame(buf, proto::MAX_FRAME_LEN);
             }
             let slot_free = slots.available_permits() > 0;
-            let refuse = |code, why: &str| closing(Reply::error(metrics, 0, code, why.into()));
+            let refuse = |code, why: &str| closing(OutgoingReply::error(metrics, 0, code, why.into()));
             tokio::select! {
                 biased;
                 done = replies.next_done(), if replies.running() => done?,
@@ -261,8 +267,8 @@ impl Connection<'_> {
     async fn dispatch(&self, frame: Bytes, alone: bool) -> Pending {
         let (tenant, metrics) = (self.tenant, self.metrics);
         match proto::decode_client(frame) {
-            Err(e) => Pending::Ready(Reply::error(metrics, 0, e.code(), e.to_string())),
-            Ok(ClientMessage::Hello { .. }) => Pending::Ready(Reply::error(
+            Err(e) => Pending::Ready(OutgoingReply::error(metrics, 0, e.code(), e.to_string())),
+            Ok(ClientMessage::Hello { .. }) => Pending::Ready(OutgoingReply::error(
                 metrics,
                 0,
                 ErrorCode::BadFrame,
@@ -274,7 +280,7 @@ impl Connection<'_> {
                 // A page cache hit is answered here, without a task of its own.
                 match tenant.get_page_now(key, Lsn(lsn)) {
                     PageNow::Page(lsn, page) => {
-                        let reply = Reply::page(request_id, lsn.0, page);
+                        let reply = OutgoingReply::page(request_id, lsn.0, page);
                         metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
                         Pending::Ready(reply)
                     }
@@ -286,10 +292,10 @@ impl Connection<'_> {
                         let (tenant, metrics) = (Arc::clone(tenant), Arc::clone(metrics));
                         let request = async move {
                             let reply = match tenant.get_page_later(read).await {
-                                Ok((lsn, page)) => Reply::page(request_id, lsn.0, page),
+                                Ok((lsn, page)) => OutgoingReply::page(request_id, lsn.0, page),
                                 Err(e) => {
                                     let code = get_page_error_code(&e);
-                                    Reply::error(&metrics, request_id, code, format!("{e:#}"))
+                                    OutgoingReply::error(&metrics, request_id, code, format!("{e:#}"))
                                 }
                             };
                             metrics.get_page_seconds.observe(started.elapsed().as_secs_f64());
@@ -318,7 +324,7 @@ impl Connection<'_> {
             Ok(ClientMessage::Ingest { request_id, values }) => {
                 metrics.ingest_requests.inc();
                 match proto::reserved_lsn(&values) {
-                    Some((i, why)) => Pending::Ready(Reply::error(
+                    Some((i, why)) => Pending::Ready(OutgoingReply::error(
                         metrics,
                         request_id,
                         ErrorCode::InvalidRequest,
@@ -339,7 +345,7 @@ fn alone(slots: &Semaphore) -> bool {
 }
 
 /// A reply that ends the connection, not for a request of its own: it holds no slot.
-fn closing(reply: Reply) -> Queued {
+fn closing(reply: OutgoingReply) -> Queued {
     Queued { pending: Pending::Ready(reply), slot: None }
 }
 
@@ -355,12 +361,18 @@ async fn start_ingest(
             let metrics = Arc::clone(metrics);
             Pending::Task(tokio::spawn(async move {
                 match durable.await {
-                    Ok(lsn) => Reply::message(&ServerMessage::IngestOk { request_id, durable_lsn: lsn.0 }),
-                    Err(e) => Reply::error(&metrics, request_id, ingest_error_code(&e), format!("{e:#}")),
+                    Ok(lsn) => {
+                        OutgoingReply::message(&ServerMessage::IngestOk { request_id, durable_lsn: lsn.0 })
+                    }
+                    Err(e) => {
+                        OutgoingReply::error(&metrics, request_id, ingest_error_code(&e), format!("{e:#}"))
+                    }
                 }
             }))
         }
-        Err(e) => Pending::Ready(Reply::error(metrics, request_id, ingest_error_code(&e), format!("{e:#}"))),
+        Err(e) => {
+            Pending::Ready(OutgoingReply::error(metrics, request_id, ingest_error_code(&e), format!("{e:#}")))
+        }
     }
 }
 
@@ -382,21 +394,23 @@ where
     Pending::Task(tokio::spawn(
         async move {
             match read(tenant).await {
-                Ok((lsn, blocks)) if !size => Reply::message(&ServerMessage::RelExists {
+                Ok((lsn, blocks)) if !size => OutgoingReply::message(&ServerMessage::RelExists {
                     request_id,
                     lsn: lsn.0,
                     exists: blocks.is_some(),
                 }),
                 Ok((lsn, Some(blocks))) => {
-                    Reply::message(&ServerMessage::RelSize { request_id, lsn: lsn.0, blocks })
+                    OutgoingReply::message(&ServerMessage::RelSize { request_id, lsn: lsn.0, blocks })
                 }
-                Ok((lsn, None)) => Reply::error(
+                Ok((lsn, None)) => OutgoingReply::error(
                     &metrics,
                     request_id,
                     ErrorCode::NotFound,
                     format!("the relation fork does not exist at LSN {lsn}"),
                 ),
-                Err(e) => Reply::error(&metrics, request_id, get_page_error_code(&e), format!("{e:#}")),
+                Err(e) => {
+                    OutgoingReply::error(&metrics, request_id, get_page_error_code(&e), format!("{e:#}"))
+                }
             }
         }
         .in_current_span(),

@@ -10,7 +10,7 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use page_types::keys::RelTag;
-use page_types::{BufferTag, Lsn, BUFFER_TAG_LEN, PAGE_SIZE as BLCKSZ};
+use page_types::{BufferTag, Lsn, BUFFER_TAG_LEN, PAGE_SIZE};
 
 use crate::storage::{IngestBatch, Value};
 
@@ -433,7 +433,8 @@ pub fn decode_server(frame: Bytes) -> Result<ServerMessage, DecodeError> {
         }
         PAGE => {
             let mut r = Reader { payload, what: "Page" };
-            let message = ServerMessage::Page { request_id: r.u64()?, lsn: r.u64()?, page: r.bytes(BLCKSZ)? };
+            let message =
+                ServerMessage::Page { request_id: r.u64()?, lsn: r.u64()?, page: r.bytes(PAGE_SIZE)? };
             r.finish()?;
             Ok(message)
         }
@@ -634,7 +635,7 @@ mod tests {
                     key: key(),
                     lsn: 10,
                     kind: ValueKind::Image,
-                    data: Bytes::from(vec![1; BLCKSZ]),
+                    data: Bytes::from(vec![1; PAGE_SIZE]),
                 },
                 IngestValue {
                     key: key(),
@@ -645,7 +646,11 @@ mod tests {
             ],
         });
         round_trip_server(ServerMessage::HelloOk { version: 1, last_durable_lsn: 99 });
-        round_trip_server(ServerMessage::Page { request_id: 1, lsn: 2, page: Bytes::from(vec![3; BLCKSZ]) });
+        round_trip_server(ServerMessage::Page {
+            request_id: 1,
+            lsn: 2,
+            page: Bytes::from(vec![3; PAGE_SIZE]),
+        });
         round_trip_server(ServerMessage::IngestOk { request_id: 4, durable_lsn: 5 });
         round_trip_server(ServerMessage::Error {
             request_id: 6,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use page_types::{BufferTag, PAGE_SIZE};
+use page_types::{BufferTag, Lsn, PAGE_SIZE};
 use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -24,7 +24,6 @@ use super::proto::{
 use super::{serve, uring, PageServiceConf, PageServiceIo, PageServiceMetrics};
 use crate::config::PageServerConf;
 use crate::page_cache::PageCache;
-use crate::storage::Lsn;
 use crate::tenants::{Tenants, TenantsMetrics};
 use crate::test_support::wait_for;
 use crate::walredo::WalRedoMetrics;

@@ -1,13 +1,13 @@
 //! The reply path of a connection: replies as frames of shared bytes, the queue that writes
 //! them in request order and runs the requests not yet done ([`Replies`], with the policy of
 //! [`super::reply_order`]; the connection's loop drives it), and the writers that put bytes on
-//! the socket ([`Writer`]).
+//! the socket ([`SocketWriter`]).
 //!
 //! A reply is a list of `Bytes` chunks: a header encoded for it, and for a page the page's own
 //! bytes, shared with the page cache or the redo reply (never copied into a send buffer). A
 //! writer sends the chunks of a batch of replies as they are.
 //!
-//! A [`Writer`] sends each batch one of two ways, as [`IoChoice`] says at that batch:
+//! A [`SocketWriter`] sends each batch one of two ways, as [`IoChoice`] says at that batch:
 //! - one vectored `write` on the connection's own socket (tokio), resuming mid-chunk after a
 //!   short write;
 //! - through the io_uring ring of the executor thread it runs on ([`super::uring`]), which sends
@@ -41,7 +41,7 @@ use super::uring::{Job, Link, Ring, Rings};
 use super::{ConnectionSlot, PageServiceMetrics, MAX_REPLIES_PER_WRITE};
 
 /// One reply frame, and whether the connection closes after it.
-pub(super) struct Reply {
+pub(super) struct OutgoingReply {
     body: Body,
     pub(super) close: bool,
 }
@@ -57,11 +57,11 @@ enum Body {
     Nothing,
 }
 
-impl Reply {
-    pub(super) fn message(message: &ServerMessage) -> Reply {
+impl OutgoingReply {
+    pub(super) fn message(message: &ServerMessage) -> OutgoingReply {
         let mut out = BytesMut::new();
         message.encode(&mut out);
-        Reply { body: Body::Frame(out.freeze()), close: false }
+        OutgoingReply { body: Body::Frame(out.freeze()), close: false }
     }
 
     pub(super) fn error(
@@ -69,20 +69,20 @@ impl Reply {
         request_id: u64,
         code: ErrorCode,
         message: String,
-    ) -> Reply {
+    ) -> OutgoingReply {
         metrics.errors.with_label_values(&[code.name()]).inc();
-        let mut reply = Reply::message(&ServerMessage::Error { request_id, code, message });
+        let mut reply = OutgoingReply::message(&ServerMessage::Error { request_id, code, message });
         reply.close = code.closes_connection();
         reply
     }
 
-    pub(super) fn page(request_id: u64, lsn: u64, page: Bytes) -> Reply {
-        Reply { body: Body::Page { request_id, lsn, page }, close: false }
+    pub(super) fn page(request_id: u64, lsn: u64, page: Bytes) -> OutgoingReply {
+        OutgoingReply { body: Body::Page { request_id, lsn, page }, close: false }
     }
 
     /// Nothing to send; the connection closes.
-    pub(super) fn close() -> Reply {
-        Reply { body: Body::Nothing, close: true }
+    pub(super) fn close() -> OutgoingReply {
+        OutgoingReply { body: Body::Nothing, close: true }
     }
 }
 
@@ -92,13 +92,13 @@ const HEADER_BUFFER: usize = 64 * proto::PAGE_REPLY_HEADER_LEN;
 
 /// A request that runs in the connection's own task: [`Replies`] polls it (it starts there),
 /// alongside the connection's other requests.
-pub(super) type InlineRequest = Pin<Box<dyn Future<Output = Reply> + Send>>;
+pub(super) type InlineRequest = Pin<Box<dyn Future<Output = OutgoingReply> + Send>>;
 
 /// A reply on its way.
 pub(super) enum Pending {
-    Ready(Reply),
+    Ready(OutgoingReply),
     /// A request on a task of its own.
-    Task(JoinHandle<Reply>),
+    Task(JoinHandle<OutgoingReply>),
     /// A request not yet started ([`InlineRequest`]).
     Inline(InlineRequest),
     /// A task or an inline request among the ones [`Replies`] runs, its reply not there yet.
@@ -125,7 +125,7 @@ impl reply_order::Queued for Queued {
 
 /// A running request's outcome, with its number in the [`ReplyOrder`]: its reply, or why its
 /// task gave none (it panicked or was cancelled).
-type Outcome = (u64, Result<Reply, String>);
+type Outcome = (u64, Result<OutgoingReply, String>);
 
 /// The requests of a connection not yet done, each yielding its outcome.
 type Running = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send>>>;
@@ -133,7 +133,7 @@ type Running = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send>>>;
 /// Puts reply bytes on a connection's socket (shared with the connection's reads): with a
 /// vectored `write` of its own when tokio's epoll says the socket has room, or through an
 /// io_uring ring ([`super::uring`]), as [`IoChoice`] says batch by batch.
-pub(super) struct Writer {
+pub(super) struct SocketWriter {
     socket: Arc<TcpStream>,
     /// The connection's slot of `max_connections`, held with the socket (by the ring too).
     connection_slot: Arc<ConnectionSlot>,
@@ -154,14 +154,14 @@ struct UringWriter {
     closed: bool,
 }
 
-impl Writer {
+impl SocketWriter {
     pub(super) fn new(
         socket: Arc<TcpStream>,
         connection_slot: Arc<ConnectionSlot>,
         choice: Arc<IoChoice>,
         write_timeout: Duration,
-    ) -> Writer {
-        Writer { socket, connection_slot, choice, write_timeout, uring: None, counted: 0 }
+    ) -> SocketWriter {
+        SocketWriter { socket, connection_slot, choice, write_timeout, uring: None, counted: 0 }
     }
 
     /// Sends a batch: every chunk, then frees the replies' `slots` (the list is left empty;
@@ -341,7 +341,7 @@ impl Replies {
     /// connection. Fails when the client accepts no bytes of it for `write_timeout`.
     pub(super) async fn write_next(
         &mut self,
-        writer: &mut Writer,
+        writer: &mut SocketWriter,
         metrics: &PageServiceMetrics,
         write_timeout: Duration,
     ) -> anyhow::Result<bool> {

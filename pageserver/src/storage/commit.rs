@@ -37,6 +37,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::Context;
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn};
 
 use super::format::{self, IndexEntry};
 use super::layer::BlockIndex;
@@ -44,7 +45,7 @@ use super::manifest::SealIntent;
 use super::pool::{self, Pool};
 use super::segment::ActiveSegment;
 use super::shared::{fail_all, Pending, Shared, Unrecoverable};
-use super::{IngestError, Key, Lsn, Value};
+use super::{IngestError, Value};
 
 /// A timeline's committer as the commit pool sees it: the committer state, and whether the
 /// timeline is in the pool's run queue (or being run).
@@ -332,7 +333,10 @@ impl Committer {
 /// The bytes of the values (`values`, in the order of their `entries`) that the active segment
 /// keeps copies of ([`format::is_copied`]), back to back, as `Index::insert_active` takes them
 /// with the entries; none if they are more than it keeps.
-fn record_copies<'a>(entries: &[IndexEntry], values: impl Iterator<Item = &'a (Key, Lsn, Value)>) -> Bytes {
+fn record_copies<'a>(
+    entries: &[IndexEntry],
+    values: impl Iterator<Item = &'a (BufferTag, Lsn, Value)>,
+) -> Bytes {
     let len: u64 = entries.iter().filter(|e| format::is_copied(e)).map(|e| u64::from(e.len)).sum();
     if len == 0 || len > format::COPIES_MAX {
         return Bytes::new();
@@ -349,8 +353,10 @@ fn record_copies<'a>(entries: &[IndexEntry], values: impl Iterator<Item = &'a (K
 mod tests {
     use std::time::Duration;
 
+    use page_types::Lsn;
+
     use crate::storage::test_support::*;
-    use crate::storage::{GetError, IngestError, Lsn, Timeline};
+    use crate::storage::{GetError, IngestError, Timeline};
 
     const T: Duration = Duration::from_secs(30);
 

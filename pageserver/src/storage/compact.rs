@@ -54,6 +54,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn};
 use serde::Serialize;
 
 use super::format::{self, IndexEntry, Kind, FILE_HEADER_LEN};
@@ -63,7 +64,7 @@ use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
 use super::read::{read_run, Picked, ReadPlan, ReadSize};
 use super::segment::open_data_file;
 use super::shared::Shared;
-use super::{Key, Lsn, ReconstructData};
+use super::ReconstructData;
 
 /// Prefix of an output's temporary name (`.compact_<generation>_<n>.tmp`); recovery removes such files.
 pub(crate) const TMP_PREFIX: &str = ".compact_";
@@ -143,7 +144,7 @@ pub struct PassStats {
     /// Input files deleted after the install.
     pub files_deleted: u64,
     /// The GC cutoff the pass applied.
-    pub gc_cutoff: u64,
+    pub gc_cutoff: Lsn,
     /// A GC pass: bytes of values its survey found droppable.
     pub garbage_bytes: u64,
     /// A GC pass that found too little to drop ([`GC_MIN_GARBAGE`]): it wrote nothing and its
@@ -157,7 +158,7 @@ pub struct PassStats {
 /// Nothing is read yet: reserve what it holds ([`ImageRequest::bytes`]), then
 /// [`ImageRequest::read`].
 pub struct ImageRequest {
-    pub key: Key,
+    pub key: BufferTag,
     pub lsn: Lsn,
     /// The LSN of the image the records apply to (the key's newest image, or the page of the
     /// previous piece); `None` if there is none (the chain starts from nothing).
@@ -246,7 +247,7 @@ struct KeyValues {
 }
 
 impl KeyValues {
-    fn of(inputs: &[Arc<Frozen>], below: &[Arc<Frozen>], key: Key) -> anyhow::Result<KeyValues> {
+    fn of(inputs: &[Arc<Frozen>], below: &[Arc<Frozen>], key: BufferTag) -> anyhow::Result<KeyValues> {
         let mut runs = Vec::new();
         for l in inputs {
             let entries = l.lookup(key, Lsn(u64::MAX), DiskWait::Allowed)?;
@@ -313,7 +314,7 @@ impl KeyValues {
 /// written in order; `next` is the first not yet written (those before it are written or
 /// dropped).
 struct KeyWork {
-    key: Key,
+    key: BufferTag,
     values: KeyValues,
     next: usize,
     /// Values up to here (excluded) are due to be written now.
@@ -342,7 +343,7 @@ enum KeyStep {
 }
 
 /// The output being written.
-struct Writer {
+struct OutputWriter {
     tmp: PathBuf,
     file: Arc<File>,
     /// Bytes on disk (header and flushed values).
@@ -374,12 +375,12 @@ pub struct Pass {
     survey: bool,
     cutoff: Lsn,
     /// The last key begun; `None` before the first.
-    cursor: Option<Key>,
+    cursor: Option<BufferTag>,
     /// The key begun and not done.
     current: Option<KeyWork>,
     /// The span being copied (reused).
     copy_buf: Vec<u8>,
-    writer: Option<Writer>,
+    writer: Option<OutputWriter>,
     outputs: Vec<Output>,
     /// The generation of the manifest that recorded this pass: its outputs' names carry it.
     generation: u64,
@@ -467,7 +468,7 @@ impl Pass {
             input_layers: inputs.len() as u64,
             input_values: inputs.iter().map(|l| l.values()).sum(),
             bytes_before: inputs.iter().map(|l| l.size).sum(),
-            gc_cutoff: cutoff.0,
+            gc_cutoff: cutoff,
             ..PassStats::default()
         };
         Ok(Some(Pass {
@@ -512,7 +513,7 @@ impl Pass {
                     let mut next = None;
                     for l in &self.inputs {
                         if let Some(k) = l.next_key(self.cursor)? {
-                            next = Some(next.map_or(k, |n: Key| n.min(k)));
+                            next = Some(next.map_or(k, |n: BufferTag| n.min(k)));
                         }
                     }
                     let Some(key) = next else {
@@ -587,7 +588,7 @@ impl Pass {
     }
 
     /// Looks at `key`'s values: which it keeps, and whether it needs images.
-    fn start_key(&mut self, key: Key) -> anyhow::Result<KeyWork> {
+    fn start_key(&mut self, key: BufferTag) -> anyhow::Result<KeyWork> {
         let values = KeyValues::of(&self.inputs, &self.below, key)?;
         let (mut keep_from, mut base) = (0, None);
         for (i, (_, e)) in values.iter_from(0).enumerate() {
@@ -755,13 +756,13 @@ impl Pass {
     }
 
     /// Appends a value to the current output (a new one if there is none).
-    fn push(&mut self, key: Key, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {
+    fn push(&mut self, key: BufferTag, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {
         let writer = match self.writer.as_mut() {
             Some(w) => w,
             None => {
                 let tmp = format!("{TMP_PREFIX}{:016X}_{:016X}.tmp", self.generation, self.next_output);
                 self.next_output += 1;
-                self.writer.insert(Writer::create(self.shared.dir.join(tmp))?)
+                self.writer.insert(OutputWriter::create(self.shared.dir.join(tmp))?)
             }
         };
         self.stats.values_written += 1;
@@ -899,14 +900,14 @@ fn delete_files(sh: &Shared, dir_file: &File) -> u64 {
     gone.iter().filter(|(_, deleted)| *deleted).count() as u64
 }
 
-impl Writer {
-    fn create(tmp: PathBuf) -> anyhow::Result<Writer> {
+impl OutputWriter {
+    fn create(tmp: PathBuf) -> anyhow::Result<OutputWriter> {
         let file =
             open_data_file(OpenOptions::new().read(true).write(true).create(true).truncate(true), &tmp)
                 .with_context(|| format!("create {}", tmp.display()))?;
         let header = format::file_header();
         file.write_all_at(&header, 0).context("write compaction output header")?;
-        Ok(Writer {
+        Ok(OutputWriter {
             tmp,
             file: Arc::new(file),
             len: FILE_HEADER_LEN,
@@ -916,7 +917,7 @@ impl Writer {
         })
     }
 
-    fn push(&mut self, key: Key, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {
+    fn push(&mut self, key: BufferTag, lsn: Lsn, kind: Kind, bytes: &[u8]) -> anyhow::Result<()> {
         let offset = self.len + self.buf.len() as u64;
         let crc = crc32c::crc32c(bytes);
         self.entries.push(IndexEntry { key, lsn, kind, offset, len: bytes.len() as u32, crc });

@@ -12,10 +12,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use page_types::Lsn;
+
 use super::test_support::*;
 use super::{
-    CompactionConf, GetError, IngestError, Lsn, Pass, PassStats, ReconstructData, Step, StorageMetrics,
-    Timeline, WaitLsnError,
+    CompactionConf, GetError, IngestError, Pass, PassStats, ReconstructData, Step, StorageMetrics, Timeline,
+    WaitLsnError,
 };
 
 const DEADLINE: Duration = Duration::from_secs(30);

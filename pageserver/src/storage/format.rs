@@ -6,8 +6,7 @@
 //! before it slices, so a corrupt file yields an error, never a panic.
 
 use anyhow::{bail, ensure, Context};
-
-use super::{Key, Lsn};
+use page_types::{BufferTag, Lsn, MAX_RECORD_LEN, PAGE_SIZE};
 
 /// Magic at offset 0 of every storage file (active segment and sealed layer).
 pub(crate) const FILE_MAGIC: [u8; 8] = *b"PSSTOR01";
@@ -24,10 +23,11 @@ pub(crate) const FILE_HEADER_LEN: u64 = 16;
 /// Name of the lock file in a timeline directory.
 pub(crate) const LOCK_NAME: &str = "lock";
 
-/// Encoded size of a [`Key`]: spcnode, dbnode, relnode (u32 each), forknum (u8), blknum (u32).
+/// Encoded size of a [`BufferTag`] in storage: spcnode, dbnode, relnode (u32 each), forknum
+/// (u8), blknum (u32), little-endian. The same length as the wire form's
+/// (`page_types::BUFFER_TAG_LEN`), not the same encoding: the file format does not follow the
+/// wire's.
 pub(crate) const KEY_LEN: usize = 17;
-
-pub use page_types::{MAX_RECORD_LEN, PAGE_SIZE};
 
 /// Kind byte of a stored value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +56,7 @@ impl Kind {
     /// relation page is a page; the cluster's other keys (`page_types::keys`: relation sizes,
     /// SLRU pages, control and map files) hold images of 0 to [`PAGE_SIZE`] bytes and never
     /// records (they are complete in themselves; nothing redoes them).
-    pub(crate) fn check_len(self, key: &Key, len: usize) -> anyhow::Result<()> {
+    pub(crate) fn check_len(self, key: &BufferTag, len: usize) -> anyhow::Result<()> {
         let page = page_types::keys::is_rel_page(key);
         match self {
             Kind::Image if page => ensure!(len == PAGE_SIZE, "image of {len} bytes, want {PAGE_SIZE}"),
@@ -76,7 +76,7 @@ impl Kind {
 /// Where one value's bytes live: the unit of both the in-memory index and a layer's index block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct IndexEntry {
-    pub key: Key,
+    pub key: BufferTag,
     pub lsn: Lsn,
     pub kind: Kind,
     /// Absolute byte offset of the value in its file.
@@ -127,7 +127,7 @@ pub(crate) fn check_file_header(h: &[u8]) -> anyhow::Result<u32> {
     Ok(version)
 }
 
-pub(crate) fn put_key(out: &mut Vec<u8>, key: &Key) {
+pub(crate) fn put_key(out: &mut Vec<u8>, key: &BufferTag) {
     out.extend_from_slice(&key.spcnode.to_le_bytes());
     out.extend_from_slice(&key.dbnode.to_le_bytes());
     out.extend_from_slice(&key.relnode.to_le_bytes());
@@ -178,8 +178,8 @@ impl<'a> Cursor<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
-    pub(crate) fn key(&mut self) -> anyhow::Result<Key> {
-        Ok(Key {
+    pub(crate) fn key(&mut self) -> anyhow::Result<BufferTag> {
+        Ok(BufferTag {
             spcnode: self.u32()?,
             dbnode: self.u32()?,
             relnode: self.u32()?,
@@ -200,7 +200,7 @@ mod tests {
 
     #[test]
     fn key_roundtrip_through_cursor_is_identity() {
-        let key = Key { spcnode: 1, dbnode: 2, relnode: 3, forknum: 4, blknum: 0xdead_beef };
+        let key = BufferTag { spcnode: 1, dbnode: 2, relnode: 3, forknum: 4, blknum: 0xdead_beef };
         let mut out = Vec::new();
         put_key(&mut out, &key);
         assert_eq!(out.len(), KEY_LEN);
@@ -224,7 +224,7 @@ mod tests {
 
     #[test]
     fn kind_len_limits_are_enforced() {
-        let page = Key { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: 3 };
+        let page = BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: 3 };
         assert!(Kind::Image.check_len(&page, PAGE_SIZE).is_ok());
         assert!(Kind::Image.check_len(&page, PAGE_SIZE - 1).is_err());
         assert!(Kind::Record.check_len(&page, 0).is_err());

@@ -30,7 +30,9 @@ use super::read::ReadPlan;
 use super::read::Snapshot;
 #[cfg(test)]
 use super::ReadLimits;
-use super::{GetError, Key, Lsn};
+use page_types::{BufferTag, Lsn};
+
+use super::GetError;
 
 /// One value of the active segment: its entry, and where its copy is if it has one.
 #[derive(Clone, Copy)]
@@ -49,7 +51,7 @@ struct Active {
     /// Each key's values, oldest first. A lookup is one hash probe and a binary search among
     /// the key's own values, where an ordered map of every value took two searches down a tree
     /// of the whole segment (docs/performance.md, "The active segment's entries by key").
-    keys: HashMap<Key, Vec<ActiveValue>>,
+    keys: HashMap<BufferTag, Vec<ActiveValue>>,
     /// Number of values in `keys`.
     values: u64,
     /// Copies of the small records ([`is_copied`]), one chunk per batch of inserted values.
@@ -64,7 +66,7 @@ impl Active {
     }
 
     /// The values of `key` at or below `lsn`, oldest first.
-    fn at_or_below(&self, key: Key, lsn: Lsn) -> &[ActiveValue] {
+    fn at_or_below(&self, key: BufferTag, lsn: Lsn) -> &[ActiveValue] {
         // At the latest LSN (most GetPage) every value is: one look at the newest instead of a
         // binary search, whose steps are cache misses where the key has many values.
         self.keys.get(&key).map_or(&[], |v| match v.last() {
@@ -73,7 +75,7 @@ impl Active {
         })
     }
 
-    fn contains(&self, key: Key, lsn: Lsn) -> bool {
+    fn contains(&self, key: BufferTag, lsn: Lsn) -> bool {
         // Values mostly come in LSN order: above the key's newest, the LSN is new (one cache
         // line, where a binary search among thousands of a hot key's values misses on each step).
         self.keys.get(&key).is_some_and(|v| {
@@ -118,7 +120,7 @@ pub(crate) struct Index {
     new_records: u64,
     /// The same per key: the hot-key part of the backlog (a pass takes every key, so it is due
     /// for one key's long chain too).
-    new_chains: HashMap<Key, u32>,
+    new_chains: HashMap<BufferTag, u32>,
     /// The largest count in `new_chains`.
     longest_new_chain: u32,
 }
@@ -293,7 +295,7 @@ impl Index {
 
     /// The active segment's keys that `keep` accepts (in no order), and the layers: what
     /// `skip_scan` needs, taken under the lock.
-    pub(crate) fn keys_where(&self, keep: &dyn Fn(&Key) -> bool) -> (Vec<Key>, Arc<LayerMap>) {
+    pub(crate) fn keys_where(&self, keep: &dyn Fn(&BufferTag) -> bool) -> (Vec<BufferTag>, Arc<LayerMap>) {
         (self.active.keys.keys().filter(|k| keep(k)).copied().collect(), Arc::clone(&self.layers))
     }
 
@@ -311,7 +313,7 @@ impl Index {
     /// lookup's own: a slice of the segment's chunk would take a reference on it, and every
     /// lookup of every core would count on the few chunks' shared counts (several times per
     /// record, as the bytes pass from the snapshot to the plan to the redo request).
-    pub(crate) fn snapshot(&self, key: Key, lsn: Lsn) -> Snapshot {
+    pub(crate) fn snapshot(&self, key: BufferTag, lsn: Lsn) -> Snapshot {
         let values = self.active.at_or_below(key, lsn);
         let from = values.iter().rposition(|v| v.e.kind == Kind::Image).unwrap_or(0);
         let values = &values[from..];
@@ -339,20 +341,25 @@ impl Index {
 
     /// [`Index::snapshot`] and `Snapshot::pick` and its plan, for tests.
     #[cfg(test)]
-    pub(crate) fn plan(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<Option<ReadPlan>, GetError> {
+    pub(crate) fn plan(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        limits: ReadLimits,
+    ) -> Result<Option<ReadPlan>, GetError> {
         Ok(self.snapshot(key, lsn).pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new))
     }
 
     /// [`Index::version`] and its [`Version::newest`], for tests.
     #[cfg(test)]
-    pub(crate) fn newest_at(&self, key: Key, lsn: Lsn) -> Option<Lsn> {
+    pub(crate) fn newest_at(&self, key: BufferTag, lsn: Lsn) -> Option<Lsn> {
         self.version(key, lsn).newest(key, lsn, DiskWait::Allowed).unwrap()
     }
 
     /// The LSN of the newest value of `key` at or below `lsn` if the active segment holds one;
     /// else the layer map to look in, outside the index's lock ([`Version::newest`]). What a
     /// page cache lookup needs, without [`Index::snapshot`]'s list of entries.
-    pub(crate) fn version(&self, key: Key, lsn: Lsn) -> Version {
+    pub(crate) fn version(&self, key: BufferTag, lsn: Lsn) -> Version {
         match self.active.at_or_below(key, lsn).last() {
             Some(v) => Version::Found(v.e.lsn),
             None => Version::InLayers(Arc::clone(&self.layers)),
@@ -369,7 +376,7 @@ pub(crate) enum Version {
 impl Version {
     /// The LSN of the newest value of `key` at or below `lsn`: the newest layer that holds one
     /// has it (index blocks read as `wait` allows).
-    pub(crate) fn newest(self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
+    pub(crate) fn newest(self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
         match self {
             Version::Found(found) => Ok(Some(found)),
             Version::InLayers(layers) => {
@@ -473,7 +480,7 @@ mod tests {
 
         let rec = vec![5u8; super::super::format::COPIED_RECORD_MAX];
         let n = (COPIES_MAX as usize / rec.len()) + 1;
-        let vals: Vec<(Key, u64, Kind, &[u8])> =
+        let vals: Vec<(BufferTag, u64, Kind, &[u8])> =
             (0..n).map(|i| (key(10 + i as u32), 20, Kind::Record, &rec[..])).collect();
         let (f, entries) = file_with(&vals);
         let mut idx = Index::new(0, f);

@@ -23,10 +23,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{ensure, Context};
+use page_types::{BufferTag, Lsn};
 
 use super::format::{self, put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
 use super::segment::{open_data_file, read_at};
-use super::{Key, Lsn};
 
 pub(crate) mod block_index;
 
@@ -45,9 +45,10 @@ pub(crate) const FOOTER_MAGIC: [u8; 8] = *b"PSLAYER1";
 /// last_lsn u64 index_crc u32 footer_crc u32.
 pub(crate) const FOOTER_LEN: u64 = 60;
 
-/// The decoded footer of a layer file.
+/// The decoded footer of a layer file with a flat index (`PSLAYER1`; a block-indexed layer's
+/// is a [`block_index::BlockIndexFooter`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Footer {
+pub(crate) struct FlatFooter {
     pub entry_count: u64,
     pub index_offset: u64,
     pub index_len: u64,
@@ -75,7 +76,7 @@ pub(crate) struct LayerName {
     pub first: Lsn,
     pub last: Lsn,
     /// The smallest and the largest key in the file (names of this build).
-    pub keys: Option<(Key, Key)>,
+    pub keys: Option<(BufferTag, BufferTag)>,
     /// The generation of the manifest that recorded the seal or the compaction pass the file
     /// was written for (names of this build): with the key and LSN ranges it makes the name
     /// unique within the timeline for good, also across an interrupted pass and its retry.
@@ -86,7 +87,13 @@ pub(crate) struct LayerName {
 
 impl LayerName {
     /// The name of a file written by this build.
-    pub(crate) fn new(level: Level, keys: (Key, Key), first: Lsn, last: Lsn, generation: u64) -> LayerName {
+    pub(crate) fn new(
+        level: Level,
+        keys: (BufferTag, BufferTag),
+        first: Lsn,
+        last: Lsn,
+        generation: u64,
+    ) -> LayerName {
         LayerName { level, first, last, keys: Some(keys), generation: Some(generation), id: None }
     }
 
@@ -121,7 +128,7 @@ pub(crate) fn file_name(n: &LayerName) -> String {
 
 /// A key as 34 upper-case hex digits: spcnode, dbnode, relnode (8 each), forknum (2), blknum
 /// (8), so that names sort by key as keys do.
-fn key_hex(k: &Key) -> String {
+fn key_hex(k: &BufferTag) -> String {
     format!("{:08X}{:08X}{:08X}{:02X}{:08X}", k.spcnode, k.dbnode, k.relnode, k.forknum, k.blknum)
 }
 
@@ -140,7 +147,7 @@ pub(crate) fn parse_file_name(name: &str) -> Option<LayerName> {
     let key = |k: &str| {
         let field = |from: usize, to: usize| hex(k.get(from..to)?, to - from);
         (k.len() == 34).then_some(())?;
-        Some(Key {
+        Some(BufferTag {
             spcnode: field(0, 8)? as u32,
             dbnode: field(8, 16)? as u32,
             relnode: field(16, 24)? as u32,
@@ -264,7 +271,7 @@ pub(crate) fn append_flat_index_and_footer(
         encode_entry(&mut buf, e);
     }
     let index_len = buf.len() as u64;
-    let footer = Footer {
+    let footer = FlatFooter {
         entry_count: sorted.len() as u64,
         index_offset: data_end,
         index_len,
@@ -294,8 +301,8 @@ fn le<const N: usize>(raw: &[u8; INDEX_ENTRY_LEN], at: usize) -> [u8; N] {
 
 /// The key and LSN of an encoded index entry (nothing checked): what ordering and searching
 /// an index block need.
-pub(crate) fn decode_key_lsn(raw: &[u8; INDEX_ENTRY_LEN]) -> (Key, Lsn) {
-    let key = Key {
+pub(crate) fn decode_key_lsn(raw: &[u8; INDEX_ENTRY_LEN]) -> (BufferTag, Lsn) {
+    let key = BufferTag {
         spcnode: u32::from_le_bytes(le(raw, 0)),
         dbnode: u32::from_le_bytes(le(raw, 4)),
         relnode: u32::from_le_bytes(le(raw, 8)),
@@ -333,7 +340,7 @@ pub(crate) fn decode_entry(
 }
 
 #[cfg(test)]
-fn encode_footer(f: &Footer, out: &mut Vec<u8>) {
+fn encode_footer(f: &FlatFooter, out: &mut Vec<u8>) {
     let start = out.len();
     out.extend_from_slice(&FOOTER_MAGIC);
     out.extend_from_slice(&FOOTER_VERSION.to_le_bytes());
@@ -347,7 +354,7 @@ fn encode_footer(f: &Footer, out: &mut Vec<u8>) {
 
 /// Reads and checks the footer of a file of `file_len` bytes. An error means "not a complete
 /// layer" (for the active segment: sealing had not finished).
-pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> {
+pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<FlatFooter> {
     ensure!(file_len >= FILE_HEADER_LEN + 4 + FOOTER_LEN, "file too short for a footer");
     let mut raw = [0u8; FOOTER_LEN as usize];
     read_at(file, &mut raw, file_len - FOOTER_LEN).context("read footer")?;
@@ -355,7 +362,7 @@ pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> 
     let body = &raw[..FOOTER_LEN as usize - 4];
     let mut c = Cursor::new(&raw[8..]);
     let version = c.u32()?;
-    let f = Footer {
+    let f = FlatFooter {
         entry_count: c.u64()?,
         index_offset: c.u64()?,
         index_len: c.u64()?,
@@ -380,7 +387,7 @@ pub(crate) fn read_footer(file: &File, file_len: u64) -> anyhow::Result<Footer> 
 }
 
 /// Reads and checks the index block described by `footer`.
-pub(crate) fn read_index(file: &File, footer: &Footer) -> anyhow::Result<Vec<IndexEntry>> {
+pub(crate) fn read_index(file: &File, footer: &FlatFooter) -> anyhow::Result<Vec<IndexEntry>> {
     let len = usize::try_from(footer.index_len).context("index too large")?;
     let mut raw = vec![0u8; len];
     read_at(file, &mut raw, footer.index_offset).context("read layer index")?;
@@ -445,19 +452,21 @@ pub(crate) fn open(path: &Path) -> anyhow::Result<OpenLayer> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use page_types::BufferTag;
+
     use super::*;
     use crate::storage::segment::ActiveSegment;
-    use crate::storage::{Key, StorageMetrics, Value};
+    use crate::storage::{StorageMetrics, Value};
     use bytes::Bytes;
 
-    fn key(blk: u32) -> Key {
-        Key { spcnode: 1, dbnode: 2, relnode: 3, forknum: 0, blknum: blk }
+    fn key(blk: u32) -> BufferTag {
+        BufferTag { spcnode: 1, dbnode: 2, relnode: 3, forknum: 0, blknum: blk }
     }
 
     #[test]
     fn file_name_roundtrip_and_foreign_names_rejected() {
-        let min = Key { spcnode: 1663, dbnode: 5, relnode: 0xABCD_EF01, forknum: 2, blknum: 7 };
-        let max = Key { spcnode: u32::MAX, dbnode: 0, relnode: 1, forknum: 0x80, blknum: u32::MAX };
+        let min = BufferTag { spcnode: 1663, dbnode: 5, relnode: 0xABCD_EF01, forknum: 2, blknum: 7 };
+        let max = BufferTag { spcnode: u32::MAX, dbnode: 0, relnode: 1, forknum: 0x80, blknum: u32::MAX };
         let n = LayerName::new(Level::Compacted, (min, max), Lsn(0x1_0000_002A), Lsn(u64::MAX), 0x2b);
         let name = file_name(&n);
         let want = concat!(
@@ -515,7 +524,11 @@ mod tests {
 
     /// An active segment in `dir` holding `batches`, with a flat or a block index and its footer
     /// appended (not renamed); and the file's length.
-    fn sealed_segment(dir: &Path, batches: &[&[(Key, Lsn, Value)]], flat: bool) -> (ActiveSegment, u64) {
+    fn sealed_segment(
+        dir: &Path,
+        batches: &[&[(BufferTag, Lsn, Value)]],
+        flat: bool,
+    ) -> (ActiveSegment, u64) {
         let dir_file = File::open(dir).unwrap();
         let mut seg = ActiveSegment::create(dir, &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
         let mut buf = Vec::new();

@@ -27,7 +27,9 @@ use anyhow::{ensure, Context};
 
 use super::format::{IndexEntry, Kind};
 use super::layer::{BlockIndex, DiskWait, LayerIndex, OpenLayer};
-use super::{Key, Lsn, Overwritten};
+use page_types::{BufferTag, Lsn};
+
+use super::Overwritten;
 
 /// An immutable layer file and its index, sorted by `(key, lsn)`: loaded whole (a layer of
 /// format version 1 or 2) or as a block index (version 3: fences in memory, blocks read on
@@ -106,14 +108,14 @@ impl Frozen {
         }
     }
 
-    pub(super) fn min_key(&self) -> Option<Key> {
+    pub(super) fn min_key(&self) -> Option<BufferTag> {
         match &self.index {
             FrozenIndex::Flat { entries, .. } => entries.first().map(|e| e.key),
             FrozenIndex::Blocks(b) => Some(b.footer.min_key),
         }
     }
 
-    pub(super) fn max_key(&self) -> Option<Key> {
+    pub(super) fn max_key(&self) -> Option<BufferTag> {
         match &self.index {
             FrozenIndex::Flat { entries, .. } => entries.last().map(|e| e.key),
             FrozenIndex::Blocks(b) => Some(b.footer.max_key),
@@ -138,7 +140,7 @@ impl Frozen {
 
     /// The entries of `key` at or below `lsn`, oldest first. Reads index blocks (through the
     /// block cache) for a block index, waiting for the disk only where `wait` allows.
-    pub(crate) fn lookup(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
+    pub(crate) fn lookup(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
         match &self.index {
             FrozenIndex::Flat { entries, .. } => {
                 let start = entries.partition_point(|e| e.key < key);
@@ -153,7 +155,7 @@ impl Frozen {
 
     /// The LSN of the newest entry of `key` at or below `lsn`, if any ([`Frozen::lookup`]'s
     /// last, without the list).
-    pub(crate) fn newest_lsn(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
+    pub(crate) fn newest_lsn(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
         match &self.index {
             FrozenIndex::Flat { entries, .. } => {
                 let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
@@ -166,7 +168,7 @@ impl Frozen {
     }
 
     /// The first key above `after` (from the first key if `None`), if any.
-    pub(crate) fn next_key(&self, after: Option<Key>) -> anyhow::Result<Option<Key>> {
+    pub(crate) fn next_key(&self, after: Option<BufferTag>) -> anyhow::Result<Option<BufferTag>> {
         match &self.index {
             FrozenIndex::Flat { entries, .. } => {
                 let at = match after {
@@ -196,7 +198,7 @@ impl Frozen {
     /// its index blocks whose keys meet that range (of a flat index: of its entries). An
     /// estimate from what is in memory (at most one block too many at each end), for the
     /// compactor's choice of a layer to collect ([`LayerMap::overwritten`]).
-    pub(crate) fn bytes_in(&self, lo: Key, hi: Key) -> u64 {
+    pub(crate) fn bytes_in(&self, lo: BufferTag, hi: BufferTag) -> u64 {
         if self.max_key().is_none_or(|k| k < lo) || self.min_key().is_none_or(|k| k > hi) {
             return 0;
         }
@@ -267,7 +269,7 @@ impl LayerMap {
 
     /// Whether a layer of this map holds an image of `key` at or below `lsn` (reads index
     /// blocks, waiting for the disk).
-    pub(crate) fn has_image(&self, key: Key, lsn: Lsn) -> anyhow::Result<bool> {
+    pub(crate) fn has_image(&self, key: BufferTag, lsn: Lsn) -> anyhow::Result<bool> {
         for l in self.candidates(key, lsn) {
             if l.lookup(key, lsn, DiskWait::Allowed)?.iter().any(|e| e.kind == Kind::Image) {
                 return Ok(true);
@@ -293,14 +295,14 @@ impl LayerMap {
 
     /// The layers that may hold values of `key` at or below `lsn`, newest first: the one layer
     /// of each run whose key range holds `key`, if it begins at or below `lsn`.
-    pub(super) fn candidates(&self, key: Key, lsn: Lsn) -> impl Iterator<Item = &Arc<Frozen>> {
+    pub(super) fn candidates(&self, key: BufferTag, lsn: Lsn) -> impl Iterator<Item = &Arc<Frozen>> {
         self.walk(None, key, lsn)
     }
 
     /// The newest value of `key` at or below `lsn` in the layers: the newest candidate that holds
     /// one has it (index blocks read as `wait` allows; nothing decoded but LSNs). `None` if no
     /// layer holds one.
-    pub(crate) fn newest(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Found>> {
+    pub(crate) fn newest(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Found>> {
         for (run, layer) in self.candidates_below(self.runs.len(), key, lsn) {
             if let Some(found) = self.layers[layer].newest_lsn(key, lsn, wait)? {
                 return Ok(Some(Found { lsn: found, layer, run }));
@@ -313,7 +315,12 @@ impl LayerMap {
     /// `key` at or below `lsn` in this map, the candidates from there: its layer, then those of
     /// the runs below its own. The runs above it hold no value of the key at or below `lsn`, and
     /// are not looked at again.
-    pub(super) fn walk(&self, from: Option<Found>, key: Key, lsn: Lsn) -> impl Iterator<Item = &Arc<Frozen>> {
+    pub(super) fn walk(
+        &self,
+        from: Option<Found>,
+        key: BufferTag,
+        lsn: Lsn,
+    ) -> impl Iterator<Item = &Arc<Frozen>> {
         let (first, below) = match from {
             Some(f) => (self.layers.get(f.layer), f.run.min(self.runs.len())),
             None => (None, self.runs.len()),
@@ -323,7 +330,12 @@ impl LayerMap {
 
     /// The candidates of the runs below run `end` (all of them: the number of runs), newest
     /// first: each one's run and its place in the list of layers.
-    fn candidates_below(&self, end: usize, key: Key, lsn: Lsn) -> impl Iterator<Item = (usize, usize)> + '_ {
+    fn candidates_below(
+        &self,
+        end: usize,
+        key: BufferTag,
+        lsn: Lsn,
+    ) -> impl Iterator<Item = (usize, usize)> + '_ {
         self.runs[..end].iter().enumerate().rev().filter_map(move |(r, range)| {
             #[cfg(test)]
             RUNS_SEARCHED.with(|c| c.set(c.get() + 1));
@@ -401,8 +413,11 @@ pub(super) fn check_fits(older: &[Arc<Frozen>], layer: &Frozen) -> anyhow::Resul
 
 /// Every key in key order, with the LSN of its oldest value, from `Index::all`: reads every
 /// layer's whole index. O(values).
-pub(crate) fn first_lsns(active: &[IndexEntry], layers: &[Arc<Frozen>]) -> anyhow::Result<Vec<(Key, Lsn)>> {
-    let mut first: BTreeMap<Key, Lsn> = BTreeMap::new();
+pub(crate) fn first_lsns(
+    active: &[IndexEntry],
+    layers: &[Arc<Frozen>],
+) -> anyhow::Result<Vec<(BufferTag, Lsn)>> {
+    let mut first: BTreeMap<BufferTag, Lsn> = BTreeMap::new();
     let mut add = |e: &IndexEntry| {
         first.entry(e.key).and_modify(|l| *l = (*l).min(e.lsn)).or_insert(e.lsn);
     };
@@ -419,9 +434,9 @@ pub(crate) fn first_lsns(active: &[IndexEntry], layers: &[Arc<Frozen>]) -> anyho
 /// index block, through the block cache) per key found; the memory held is the keys kept.
 pub(crate) fn skip_scan(
     layers: &[Arc<Frozen>],
-    keep: &dyn Fn(&Key) -> bool,
-    skip: &dyn Fn(&Key) -> Key,
-) -> anyhow::Result<BTreeSet<Key>> {
+    keep: &dyn Fn(&BufferTag) -> bool,
+    skip: &dyn Fn(&BufferTag) -> BufferTag,
+) -> anyhow::Result<BTreeSet<BufferTag>> {
     let mut kept = BTreeSet::new();
     for l in layers {
         let mut after = None;

@@ -258,10 +258,11 @@ impl RenamedNotSynced {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use page_types::Lsn;
+
     use super::*;
     use crate::storage::layer::Level;
     use crate::storage::test_support::key;
-    use crate::storage::Lsn;
 
     fn sample() -> Manifest {
         let name = |first, last, generation| {

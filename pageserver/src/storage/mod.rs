@@ -63,18 +63,13 @@ mod timeline;
 use std::time::Duration;
 
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn};
 
 pub use compact::{CompactionConf, ImageRequest, Pass, PassKind, PassStats, Step, IMAGE_PIECE_BYTES};
-pub use format::{MAX_RECORD_LEN, PAGE_SIZE};
 pub use layer::DiskWait;
 pub use metrics::{FsyncFailed, StorageMetrics};
 pub(crate) use read::{Lookup, ReadPlan, ReadStart};
 pub use timeline::Timeline;
-
-/// The key of a page: relation fork and block number.
-pub type Key = page_types::BufferTag;
-
-pub use page_types::Lsn;
 
 /// Creates the storage metrics and registers them in `registry`, with the counters of the
 /// process's index block cache (which registers its own: `metrics` knows nothing of layers).
@@ -106,9 +101,9 @@ impl Default for StorageConf {
 /// A value stored at a (key, lsn).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Value {
-    /// A full page image, exactly [`PAGE_SIZE`] bytes.
+    /// A full page image, exactly [`page_types::PAGE_SIZE`] bytes.
     Image(Bytes),
-    /// An opaque WAL redo record, 1..=[`MAX_RECORD_LEN`] bytes.
+    /// An opaque WAL redo record, 1..=[`page_types::MAX_RECORD_LEN`] bytes.
     Record(Bytes),
 }
 
@@ -131,7 +126,7 @@ impl Value {
 #[derive(Debug, Clone, Default)]
 pub struct IngestBatch {
     /// LSNs non-decreasing; the first above every LSN ingested before; no (key, lsn) twice.
-    pub values: Vec<(Key, Lsn, Value)>,
+    pub values: Vec<(BufferTag, Lsn, Value)>,
 }
 
 /// What a page at an LSN is rebuilt from.
@@ -236,7 +231,7 @@ pub struct ReadLimits {
 #[derive(Debug, thiserror::Error)]
 pub enum GetError {
     #[error("no value for {key:?} at or below lsn {lsn}")]
-    NotFound { key: Key, lsn: Lsn },
+    NotFound { key: BufferTag, lsn: Lsn },
     /// Compaction may have dropped what a page below the GC cutoff needs.
     #[error("lsn {lsn} is below the gc cutoff {cutoff}: older page versions are garbage-collected")]
     BelowGcCutoff { lsn: Lsn, cutoff: Lsn },
@@ -281,7 +276,7 @@ pub fn fsync_dir(dir: &std::path::Path) -> anyhow::Result<()> {
 }
 
 /// Checks a batch; returns its first and last LSN and encoded frame length.
-pub(crate) fn validate(values: &[(Key, Lsn, Value)]) -> Result<(Lsn, Lsn, usize), IngestError> {
+pub(crate) fn validate(values: &[(BufferTag, Lsn, Value)]) -> Result<(Lsn, Lsn, usize), IngestError> {
     let invalid = |i: usize, what: String| {
         let (key, lsn, _) = &values[i];
         IngestError::Invalid(format!("value {i} ({key:?} at {lsn}): {what}"))
@@ -318,6 +313,7 @@ pub(crate) fn validate(values: &[(Key, Lsn, Value)]) -> Result<(Lsn, Lsn, usize)
 mod tests {
     use super::test_support::*;
     use super::*;
+    use page_types::{MAX_RECORD_LEN, PAGE_SIZE};
 
     #[test]
     fn lsn_displays_like_postgres() {

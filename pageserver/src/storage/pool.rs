@@ -83,9 +83,10 @@ impl Pool {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use page_types::Lsn;
+
     use super::*;
     use crate::storage::test_support::*;
-    use crate::storage::Lsn;
 
     /// Threads of this process whose name starts with `prefix`.
     fn threads_named(prefix: &str) -> usize {

@@ -26,7 +26,9 @@ use super::format::{IndexEntry, Kind};
 use super::layer::{DiskWait, WouldWait};
 use super::layer_map::{Found, LayerMap};
 use super::segment::{read_cached_at, read_cached_into};
-use super::{GetError, Key, Lsn, ReadLimits, ReconstructData};
+use page_types::{BufferTag, Lsn};
+
+use super::{GetError, ReadLimits, ReconstructData};
 
 /// Values of one file closer than this are read together: reading a few KiB more from the page
 /// cache costs less than another system call.
@@ -153,7 +155,13 @@ impl Snapshot {
     /// one a version lookup found the newest in), until it returns `false`; with the copy of
     /// the value's bytes where the active segment keeps one. Index blocks are read waiting for
     /// the disk only where `wait` allows.
-    fn newest_first<'a, F>(&'a self, key: Key, lsn: Lsn, wait: DiskWait, mut f: F) -> Result<(), GetError>
+    fn newest_first<'a, F>(
+        &'a self,
+        key: BufferTag,
+        lsn: Lsn,
+        wait: DiskWait,
+        mut f: F,
+    ) -> Result<(), GetError>
     where
         F: FnMut(&'a Arc<File>, &IndexEntry, Option<&Bytes>) -> Result<bool, GetError>,
     {
@@ -181,7 +189,7 @@ impl Snapshot {
     /// failing with an error that [`would_wait`] tells); plan the values with [`ReadPlan::new`].
     pub(crate) fn pick(
         &self,
-        key: Key,
+        key: BufferTag,
         lsn: Lsn,
         limits: ReadLimits,
         wait: DiskWait,
@@ -495,14 +503,14 @@ pub(crate) enum Lookup<T> {
 /// lookup took, or the layer the lookup found the version in), so that the plan looks the key
 /// up no more. Holds its files open, as a snapshot does.
 pub(crate) struct ReadStart {
-    pub(super) key: Key,
+    pub(super) key: BufferTag,
     pub(super) lsn: Lsn,
     version: Lsn,
     pub(super) snapshot: Snapshot,
 }
 
 impl ReadStart {
-    pub(super) fn new(key: Key, lsn: Lsn, version: Lsn, snapshot: Snapshot) -> ReadStart {
+    pub(super) fn new(key: BufferTag, lsn: Lsn, version: Lsn, snapshot: Snapshot) -> ReadStart {
         ReadStart { key, lsn, version, snapshot }
     }
 
@@ -594,9 +602,10 @@ mod tests {
 
     #[test]
     fn values_close_together_are_read_with_one_pread_and_far_apart_with_several() {
-        let vals: Vec<(Key, u64, Kind, &[u8])> = std::iter::once((key(1), 1, Kind::Image, &[7u8; 8192][..]))
-            .chain((2..=10).map(|lsn| (key(1), lsn, Kind::Record, &b"record"[..])))
-            .collect();
+        let vals: Vec<(BufferTag, u64, Kind, &[u8])> =
+            std::iter::once((key(1), 1, Kind::Image, &[7u8; 8192][..]))
+                .chain((2..=10).map(|lsn| (key(1), lsn, Kind::Record, &b"record"[..])))
+                .collect();
         for (gap, reads) in [(0, 1), (100, 1), (MERGE_GAP as usize + 1, 10)] {
             let (f, entries) = file_with_gap(&vals, gap);
             let mut idx = Index::new(0, tempfile::tempfile().map(Arc::new).unwrap());
@@ -642,7 +651,7 @@ mod tests {
     #[test]
     fn adjacent_values_are_read_in_spans_of_at_most_a_mib() {
         let page = [3u8; 8192];
-        let vals: Vec<(Key, u64, Kind, &[u8])> =
+        let vals: Vec<(BufferTag, u64, Kind, &[u8])> =
             (1..=300).map(|lsn| (key(1), lsn, Kind::Record, &page[..])).collect();
         let (f, entries) = file_with(&vals);
         let mut idx = Index::new(0, tempfile::tempfile().map(Arc::new).unwrap());
@@ -695,7 +704,7 @@ mod tests {
     #[test]
     fn plan_over_the_limits_fails_before_reading_any_value() {
         // Every stored checksum is wrong: reading any value would fail with a mismatch.
-        let vals: Vec<(Key, u64, Kind, &[u8])> = std::iter::once((key(1), 1, Kind::Image, &b"img"[..]))
+        let vals: Vec<(BufferTag, u64, Kind, &[u8])> = std::iter::once((key(1), 1, Kind::Image, &b"img"[..]))
             .chain((2..=11).map(|lsn| (key(1), lsn, Kind::Record, &b"rec"[..])))
             .collect();
         let (f, mut entries) = file_with(&vals);

@@ -31,6 +31,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context};
 use bytes::Bytes;
+use page_types::Lsn;
 
 use super::format::{self, FILE_HEADER_LEN, LOCK_NAME};
 use super::index::Index;
@@ -38,7 +39,7 @@ use super::layer::{LayerName, Level};
 use super::layer_map::Frozen;
 use super::manifest::{self, LayerMeta, Manifest, MANIFEST_NAME, MANIFEST_TMP_NAME};
 use super::segment::{self, open_data_file, read_at, ActiveSegment, ACTIVE_NAME};
-use super::{compact, layer, Lsn, StorageMetrics};
+use super::{compact, layer, StorageMetrics};
 
 /// What recovery hands to the timeline.
 pub(crate) struct Recovered {
@@ -392,7 +393,7 @@ fn finish_interrupted_seal(
 /// frames end exactly where the index starts, and the index lists exactly their values. Bytes
 /// inside a frame (a client's value) can parse as a footer, but then the index offset they
 /// claim lies inside that frame, so the frames do not end there.
-fn is_sealed_segment(file: &File, footer: &layer::Footer, mut index: Vec<format::IndexEntry>) -> bool {
+fn is_sealed_segment(file: &File, footer: &layer::FlatFooter, mut index: Vec<format::IndexEntry>) -> bool {
     let Ok(scan) = segment::scan(file, footer.index_offset, Lsn(0), false) else {
         return false;
     };

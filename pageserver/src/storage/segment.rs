@@ -16,9 +16,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{ensure, Context};
+use page_types::{BufferTag, Lsn};
 
 use super::format::{self, put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
-use super::{Key, Lsn, StorageMetrics, Value};
+use super::{StorageMetrics, Value};
 
 /// File name of the active segment inside a timeline directory.
 pub(crate) const ACTIVE_NAME: &str = "active.seg";
@@ -32,7 +33,7 @@ pub(crate) const VALUE_HEADER_LEN: usize = KEY_LEN + 8 + 1 + 4 + 4;
 pub(crate) const MAX_FRAME_BODY: usize = 64 << 20;
 
 /// Encoded frame size of a batch (header + body), used for validation and queue budgeting.
-pub(crate) fn frame_len(values: &[(Key, Lsn, Value)]) -> usize {
+pub(crate) fn frame_len(values: &[(BufferTag, Lsn, Value)]) -> usize {
     FRAME_HEADER_LEN + values.iter().map(|(_, _, v)| VALUE_HEADER_LEN + v.bytes().len()).sum::<usize>()
 }
 
@@ -40,7 +41,7 @@ pub(crate) fn frame_len(values: &[(Key, Lsn, Value)]) -> usize {
 /// values, with absolute offsets assuming the frame is written at `frame_offset`.
 /// The batch must have been validated: its length fits [`MAX_FRAME_BODY`].
 pub(crate) fn encode_frame(
-    values: &[(Key, Lsn, Value)],
+    values: &[(BufferTag, Lsn, Value)],
     frame_offset: u64,
     out: &mut Vec<u8>,
     entries: &mut Vec<IndexEntry>,
@@ -118,7 +119,7 @@ impl ActiveSegment {
     /// again: the file may hold a partial frame past `len`.
     pub(crate) fn append(
         &mut self,
-        values: &[(Key, Lsn, Value)],
+        values: &[(BufferTag, Lsn, Value)],
         buf: &mut Vec<u8>,
     ) -> anyhow::Result<usize> {
         let first_entry = self.entries.len();
@@ -346,8 +347,8 @@ mod tests {
     use super::*;
     use bytes::Bytes;
 
-    fn key(blk: u32) -> Key {
-        Key { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: blk }
+    fn key(blk: u32) -> BufferTag {
+        BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: blk }
     }
 
     #[test]
@@ -364,7 +365,7 @@ mod tests {
         assert_eq!(buf, b"ab3456");
     }
 
-    fn segment_with(batches: &[Vec<(Key, Lsn, Value)>]) -> (tempfile::TempDir, ActiveSegment) {
+    fn segment_with(batches: &[Vec<(BufferTag, Lsn, Value)>]) -> (tempfile::TempDir, ActiveSegment) {
         let dir = tempfile::tempdir().unwrap();
         let dir_file = File::open(dir.path()).unwrap();
         let mut seg =
@@ -376,10 +377,10 @@ mod tests {
         (dir, seg)
     }
 
-    fn two_batches() -> Vec<Vec<(Key, Lsn, Value)>> {
+    fn two_batches() -> Vec<Vec<(BufferTag, Lsn, Value)>> {
         vec![
             vec![
-                (key(1), Lsn(10), Value::Image(Bytes::from(vec![7u8; format::PAGE_SIZE]))),
+                (key(1), Lsn(10), Value::Image(Bytes::from(vec![7u8; page_types::PAGE_SIZE]))),
                 (key(2), Lsn(10), Value::Record(Bytes::from_static(b"abc"))),
             ],
             vec![(key(1), Lsn(20), Value::Record(Bytes::from_static(b"xy")))],

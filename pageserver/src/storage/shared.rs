@@ -13,20 +13,19 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
+use page_types::{BufferTag, Lsn};
 use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::manifest::{self, Manifest};
-use super::{
-    index, FsyncFailed, IngestError, Key, Lsn, StorageConf, StorageMetrics, StorageWriteError, Value,
-};
+use super::{index, FsyncFailed, IngestError, StorageConf, StorageMetrics, StorageWriteError, Value};
 
 /// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
 pub(super) const QUEUE_BUDGET_KIB: usize = 256 << 10;
 
 /// A batch waiting for the committer.
 pub(super) struct Pending {
-    pub(super) values: Vec<(Key, Lsn, Value)>,
+    pub(super) values: Vec<(BufferTag, Lsn, Value)>,
     pub(super) last_lsn: Lsn,
     pub(super) done: oneshot::Sender<Result<Lsn, IngestError>>,
     /// Queue budget held until the batch is written.

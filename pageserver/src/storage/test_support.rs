@@ -8,11 +8,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn, PAGE_SIZE};
 
 use super::format::{IndexEntry, Kind};
 use super::index::Index;
 use super::layer_map::Frozen;
-use super::{IngestBatch, Key, Lsn, StorageConf, StorageMetrics, Timeline, Value, PAGE_SIZE};
+
+use super::{IngestBatch, StorageConf, StorageMetrics, Timeline, Value};
 use std::future::Future;
 use std::pin::Pin;
 use std::task::Poll;
@@ -42,8 +44,8 @@ pub(crate) async fn join_in_order<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
     out.into_iter().map(|o| o.unwrap()).collect()
 }
 
-pub(crate) fn key(blk: u32) -> Key {
-    Key { spcnode: 1663, dbnode: 13010, relnode: 16384, forknum: 0, blknum: blk }
+pub(crate) fn key(blk: u32) -> BufferTag {
+    BufferTag { spcnode: 1663, dbnode: 13010, relnode: 16384, forknum: 0, blknum: blk }
 }
 
 /// A page image whose bytes are all `fill`.
@@ -55,7 +57,7 @@ pub(crate) fn record(text: &str) -> Value {
     Value::Record(Bytes::copy_from_slice(text.as_bytes()))
 }
 
-pub(crate) fn batch(values: Vec<(Key, u64, Value)>) -> IngestBatch {
+pub(crate) fn batch(values: Vec<(BufferTag, u64, Value)>) -> IngestBatch {
     IngestBatch { values: values.into_iter().map(|(k, l, v)| (k, Lsn(l), v)).collect() }
 }
 
@@ -160,7 +162,10 @@ pub(crate) fn check_listed_layers(dir: &Path) -> usize {
 }
 
 /// A file holding `vals` back to back (each after a gap of `gap` bytes), and their entries.
-pub(crate) fn file_with_gap(vals: &[(Key, u64, Kind, &[u8])], gap: usize) -> (Arc<File>, Vec<IndexEntry>) {
+pub(crate) fn file_with_gap(
+    vals: &[(BufferTag, u64, Kind, &[u8])],
+    gap: usize,
+) -> (Arc<File>, Vec<IndexEntry>) {
     let mut f = tempfile::tempfile().unwrap();
     let mut entries = Vec::new();
     let mut off = 0u64;
@@ -183,12 +188,12 @@ pub(crate) fn file_with_gap(vals: &[(Key, u64, Kind, &[u8])], gap: usize) -> (Ar
 }
 
 /// A file holding `vals` back to back, and their entries.
-pub(crate) fn file_with(vals: &[(Key, u64, Kind, &[u8])]) -> (Arc<File>, Vec<IndexEntry>) {
+pub(crate) fn file_with(vals: &[(BufferTag, u64, Kind, &[u8])]) -> (Arc<File>, Vec<IndexEntry>) {
     file_with_gap(vals, 0)
 }
 
 /// A map whose only content is the active segment holding `vals`.
-pub(crate) fn active_with(vals: &[(Key, u64, Kind, &[u8])]) -> Index {
+pub(crate) fn active_with(vals: &[(BufferTag, u64, Kind, &[u8])]) -> Index {
     let (f, entries) = file_with(vals);
     let mut idx = Index::new(0, f);
     idx.insert_active(&entries, Bytes::new()).unwrap();
@@ -196,7 +201,7 @@ pub(crate) fn active_with(vals: &[(Key, u64, Kind, &[u8])]) -> Index {
 }
 
 /// A layer (flat index) named `l{id}` holding `vals`.
-pub(crate) fn layer(id: u32, vals: &[(Key, u64, Kind, &[u8])]) -> Frozen {
+pub(crate) fn layer(id: u32, vals: &[(BufferTag, u64, Kind, &[u8])]) -> Frozen {
     let (f, entries) = file_with(vals);
     Frozen::new(id, format!("l{id}"), f, entries, 0).unwrap()
 }

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use nix::fcntl::{Flock, FlockArg};
+use page_types::{BufferTag, Lsn};
 use tokio::sync::{oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -27,8 +28,8 @@ use super::layer::DiskWait;
 use super::read::{would_wait, Lookup, ReadPlan, ReadStart, Snapshot};
 use super::shared::{Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
-    commit, recovery, validate, GetError, IngestBatch, IngestError, Key, Lsn, ReadLimits, ReconstructData,
-    StorageConf, StorageMetrics, StorageWriteError, TimelineStats, WaitLsnError,
+    commit, recovery, validate, GetError, IngestBatch, IngestError, ReadLimits, ReconstructData, StorageConf,
+    StorageMetrics, StorageWriteError, TimelineStats, WaitLsnError,
 };
 
 /// The storage of one timeline. See the module doc.
@@ -267,7 +268,7 @@ impl Timeline {
     /// sees. Reads only the index: the layers' index blocks (through the block cache), waiting
     /// for the disk only where `wait` allows (else an error, with nothing read). `Ok(None)` if
     /// the key has nothing at or below `lsn`; `BelowGcCutoff` if `lsn` is below the GC cutoff.
-    pub fn version_at(&self, key: Key, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
+    pub fn version_at(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
         self.count_lookup();
         let version = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).version(key, lsn);
         let found = version.newest(key, lsn, wait)?;
@@ -286,7 +287,7 @@ impl Timeline {
     /// `lsn` is below the GC cutoff.
     pub(crate) fn lookup<T>(
         &self,
-        key: Key,
+        key: BufferTag,
         lsn: Lsn,
         cached: impl FnOnce(Lsn) -> Option<T>,
     ) -> Result<Lookup<T>, GetError> {
@@ -359,7 +360,7 @@ impl Timeline {
     #[cfg(test)]
     pub(crate) fn get_reconstruct_data(
         &self,
-        key: Key,
+        key: BufferTag,
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReconstructData, GetError> {
@@ -369,7 +370,12 @@ impl Timeline {
     /// [`Timeline::plan_read_async`] made on the calling thread, reading the index blocks it
     /// needs whatever the wait. For tests.
     #[cfg(test)]
-    pub(crate) fn plan_read(&self, key: Key, lsn: Lsn, limits: ReadLimits) -> Result<ReadPlan, GetError> {
+    pub(crate) fn plan_read(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        limits: ReadLimits,
+    ) -> Result<ReadPlan, GetError> {
         self.count_lookup();
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
         let plan = snapshot.pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new);
@@ -393,7 +399,7 @@ impl Timeline {
     /// is made and dropped there).
     pub(crate) async fn plan_read_async(
         &self,
-        key: Key,
+        key: BufferTag,
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
@@ -422,7 +428,7 @@ impl Timeline {
     async fn plan_snapshot(
         &self,
         snapshot: Snapshot,
-        key: Key,
+        key: BufferTag,
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
@@ -445,7 +451,7 @@ impl Timeline {
     }
 
     /// The plan for `key` at `lsn`, if the index snapshot picked any values.
-    fn planned(&self, key: Key, lsn: Lsn, plan: Option<ReadPlan>) -> Result<ReadPlan, GetError> {
+    fn planned(&self, key: BufferTag, lsn: Lsn, plan: Option<ReadPlan>) -> Result<ReadPlan, GetError> {
         self.check_retained(lsn)?;
         plan.ok_or(GetError::NotFound { key, lsn })
     }
@@ -563,7 +569,7 @@ impl Timeline {
     /// Every key, in key order, with the LSN of its oldest value (the key space, for
     /// `GET /v1/tenant/{id}/keyspace`). Reads every layer's whole index (the lock held only to
     /// copy the active segment's entries): O(values), blocking; call it from a blocking thread.
-    pub fn keyspace(&self) -> anyhow::Result<Vec<(Key, Lsn)>> {
+    pub fn keyspace(&self) -> anyhow::Result<Vec<(BufferTag, Lsn)>> {
         let (active, layers) = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).all();
         super::layer_map::first_lsns(&active, layers.layers())
     }
@@ -576,9 +582,9 @@ impl Timeline {
     /// Blocking: call it from a blocking thread.
     pub fn scan_keys(
         &self,
-        keep: &dyn Fn(&Key) -> bool,
-        skip: &dyn Fn(&Key) -> Key,
-    ) -> anyhow::Result<Vec<Key>> {
+        keep: &dyn Fn(&BufferTag) -> bool,
+        skip: &dyn Fn(&BufferTag) -> BufferTag,
+    ) -> anyhow::Result<Vec<BufferTag>> {
         let (active, layers) =
             self.shared.index.read().unwrap_or_else(PoisonError::into_inner).keys_where(keep);
         let mut kept = super::layer_map::skip_scan(layers.layers(), keep, skip)?;
@@ -852,7 +858,7 @@ mod tests {
     /// `tl.lookup` of `key` at `lsn` with a cache that has nothing, and the runs of the layer
     /// map it binary-searched (on this thread). Looked up again, up to 20 times, while an index
     /// block would wait for the disk (the lookup never waits: see `until_taken`).
-    fn lookup_uncached(tl: &Timeline, key: Key, lsn: Lsn) -> (Lookup<()>, u64) {
+    fn lookup_uncached(tl: &Timeline, key: BufferTag, lsn: Lsn) -> (Lookup<()>, u64) {
         for _ in 0..20 {
             let before = RUNS_SEARCHED.with(|c| c.get());
             match tl.lookup(key, lsn, |_| None) {
@@ -871,7 +877,7 @@ mod tests {
     async fn a_read_a_lookup_began_is_planned_without_searching_the_layer_map_again() {
         let dir = tempfile::tempdir().unwrap();
         let tl = open(dir.path(), DEFAULT_LAYER_SIZE, &metrics());
-        // Key 1 in the oldest of three seals; the two above it hold keys 0 and 2, so that their
+        // BufferTag 1 in the oldest of three seals; the two above it hold keys 0 and 2, so that their
         // key ranges hold key 1 and a lookup looks at them too.
         tl.ingest(batch(vec![(key(1), 10, image(1)), (key(1), 11, record("a"))])).await.unwrap();
         tl.freeze().await.unwrap();

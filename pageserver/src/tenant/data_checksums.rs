@@ -23,9 +23,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use anyhow::Context;
 use bytes::{Bytes, BytesMut};
-use page_types::{checksum, control_file, keys, BufferTag, PAGE_SIZE};
+use page_types::{checksum, control_file, keys, BufferTag, Lsn, PAGE_SIZE};
 
-use crate::storage::{GetError, Lsn, ReadLimits, Timeline};
+use crate::storage::{GetError, ReadLimits, Timeline};
 
 /// Not known yet: the tenant has not found its pg_control.
 const UNKNOWN: u8 = 0;

@@ -58,7 +58,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
-use page_types::wal::{WalDecodeError, WalDecoder};
+use page_types::wal::{WalDecodeError, WalDecoder, MAXALIGN, WAL_PAGE_SIZE};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -66,12 +66,12 @@ use prometheus::{IntCounter, Registry};
 
 use bytes::Bytes;
 use page_types::keys;
-use page_types::BufferTag;
+use page_types::{BufferTag, Lsn};
 
 use super::rel_sizes;
 use crate::ingest::{import, wal_values};
 use crate::postgres::{connstr, pq};
-use crate::storage::{IngestBatch, IngestError, Lsn, Timeline, Value};
+use crate::storage::{IngestBatch, IngestError, Timeline, Value};
 use crate::util::lock;
 use pq::{BackupMessage, ReplicationConn, ReplicationMessage};
 
@@ -86,8 +86,6 @@ const SILENCE_TIMEOUT: Duration = Duration::from_secs(90);
 const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
-/// WAL pages: streaming resumes at the start of one.
-const WAL_PAGE: u64 = 8192;
 /// Default of `wal_max_record_size`, the longest WAL record a receiver takes: the decoder
 /// holds a record whole until it is decoded, so this bounds what one tenant's stream can make
 /// the daemon allocate for one record (about twice it, with the buffer's growth). PostgreSQL's
@@ -143,7 +141,7 @@ pub struct SourceFile {
     pub timeline: Option<u32>,
     /// The end of the last record whose values are durable.
     #[serde(default)]
-    pub position: Option<u64>,
+    pub position: Option<Lsn>,
     /// The initial import, from the moment it begins.
     #[serde(default)]
     pub import: Option<ImportRecord>,
@@ -156,8 +154,8 @@ pub struct ImportRecord {
     /// Attempts begun (the last one may have been interrupted).
     pub attempts: u32,
     /// The backup's start and end LSNs, once an attempt is complete.
-    pub start_lsn: Option<u64>,
-    pub end_lsn: Option<u64>,
+    pub start_lsn: Option<Lsn>,
+    pub end_lsn: Option<Lsn>,
 }
 
 /// Reads the tenant's source file; `Ok(None)` if it has none.
@@ -183,10 +181,10 @@ pub fn write_source_file(dir: &Path, file: &SourceFile) -> anyhow::Result<()> {
 /// values), and the history of a finished import starts at the backup's end (its GC cutoff).
 pub fn restore(timeline: &Timeline, file: &SourceFile) {
     if let Some(position) = file.position {
-        timeline.advance_durable(Lsn(position));
+        timeline.advance_durable(position);
     }
     if let Some(end) = file.import.as_ref().and_then(|i| i.end_lsn) {
-        timeline.raise_gc_cutoff(Lsn(end));
+        timeline.raise_gc_cutoff(end);
     }
 }
 
@@ -248,13 +246,13 @@ pub struct WalSourceStatus {
     pub error: Option<String>,
     /// Where the current (or last) connection resumed: every record ending at or below it was
     /// stored before, every later one is stored by this connection.
-    pub resumed_at: u64,
+    pub resumed_at: Lsn,
     /// WAL received up to here.
-    pub received_lsn: u64,
+    pub received_lsn: Lsn,
     /// Durable here up to this LSN (and reported to the slot as flushed).
-    pub durable_lsn: u64,
+    pub durable_lsn: Lsn,
     /// The primary's end of WAL, as of its last message.
-    pub server_wal_end: u64,
+    pub server_wal_end: Lsn,
     /// `server_wal_end - durable_lsn`.
     pub lag_bytes: u64,
     /// When the last message came (RFC 3339, UTC).
@@ -273,8 +271,8 @@ pub struct ImportStatus {
     pub attempts: u32,
     /// The backup's start LSN (streaming starts there) and end LSN (the tenant's history, and
     /// its GC cutoff, start there), once known.
-    pub start_lsn: Option<u64>,
-    pub end_lsn: Option<u64>,
+    pub start_lsn: Option<Lsn>,
+    pub end_lsn: Option<Lsn>,
     /// The backup's bytes received, and the server's estimate of its size.
     pub bytes: u64,
     pub estimated_bytes: u64,
@@ -320,7 +318,7 @@ impl WalReceiver {
     ) -> Arc<WalReceiver> {
         let ReceiverDeps { timeline, metrics, import_incomplete, max_record_size } = deps;
         let postgres = connstr::parse(&file.source.postgres).map(|c| c.to_string()).unwrap_or_default();
-        let durable = file.position.unwrap_or(0);
+        let durable = file.position.unwrap_or(Lsn::INVALID);
         let shared = Arc::new(Mutex::new(Shared {
             status: WalSourceStatus {
                 postgres,
@@ -330,7 +328,7 @@ impl WalReceiver {
                 resumed_at: durable,
                 received_lsn: durable,
                 durable_lsn: durable,
-                server_wal_end: 0,
+                server_wal_end: Lsn::INVALID,
                 lag_bytes: 0,
                 last_message: None,
                 reconnects: 0,
@@ -367,7 +365,7 @@ impl WalReceiver {
         let shared = lock(&self.shared);
         let mut status = shared.status.clone();
         status.last_message = shared.last_message.map(|t| humantime::format_rfc3339_millis(t).to_string());
-        status.lag_bytes = status.server_wal_end.saturating_sub(status.durable_lsn);
+        status.lag_bytes = status.server_wal_end.bytes_since(status.durable_lsn);
         status
     }
 
@@ -396,7 +394,7 @@ const IMPORT_LABEL: &str = "pageserver import";
 /// the backup's start; up to [`MAX_IN_FLIGHT`] in flight.
 struct ImportBatches<'a> {
     timeline: &'a Timeline,
-    next_lsn: u64,
+    next_lsn: Lsn,
     below: Lsn,
     in_flight: VecDeque<Durable>,
     /// Values stored so far.
@@ -405,7 +403,8 @@ struct ImportBatches<'a> {
 
 impl<'a> ImportBatches<'a> {
     fn new(timeline: &'a Timeline, below: Lsn) -> anyhow::Result<ImportBatches<'a>> {
-        let next_lsn = timeline.last_durable_lsn().0 + 1;
+        let next_lsn =
+            timeline.last_durable_lsn().checked_add(1).context("no LSN above what storage holds")?;
         Ok(ImportBatches { timeline, next_lsn, below, in_flight: VecDeque::new(), values: 0 })
     }
 
@@ -414,12 +413,12 @@ impl<'a> ImportBatches<'a> {
             return Ok(());
         }
         anyhow::ensure!(
-            Lsn(self.next_lsn) < self.below,
+            self.next_lsn < self.below,
             "the import needs more batches than there are LSNs below the backup's start {}",
             self.below
         );
-        let lsn = Lsn(self.next_lsn);
-        self.next_lsn += 1;
+        let lsn = self.next_lsn;
+        self.next_lsn = lsn.checked_add(1).expect("below `below`, so not the last LSN");
         self.values += values.len() as u64;
         let batch =
             IngestBatch { values: values.into_iter().map(|(k, v)| (k, lsn, Value::Image(v))).collect() };
@@ -452,7 +451,7 @@ const MAX_IN_FLIGHT: usize = 32;
 /// refused and the connection ends; the next one resumes from what storage holds.
 #[derive(Default)]
 struct InFlight {
-    queue: VecDeque<(Option<Durable>, u64)>,
+    queue: VecDeque<(Option<Durable>, Lsn)>,
     /// The last LSN this receiver had the timeline take: its last batch's, or what it moved the
     /// durable LSN to; the timeline's durable LSN when a connection begins (nothing in flight).
     queued: Lsn,
@@ -478,7 +477,7 @@ impl InFlight {
 
     /// The end of the WAL whose values are queued (written to storage, maybe not yet durable):
     /// the write position reported to the primary.
-    fn written(&self, processed: u64) -> u64 {
+    fn written(&self, processed: Lsn) -> Lsn {
         self.queue.back().map_or(processed, |(_, end)| *end).max(processed)
     }
 
@@ -506,7 +505,7 @@ impl InFlight {
     /// more than [`MAX_IN_FLIGHT`] wait), moving `processed` to what they complete; with
     /// nothing left in flight, the timeline's durable LSN follows (GetPage need not wait for a
     /// later value). An ingest that failed is this connection's error.
-    async fn settle(&mut self, timeline: &Timeline, processed: &mut u64, all: bool) -> anyhow::Result<()> {
+    async fn settle(&mut self, timeline: &Timeline, processed: &mut Lsn, all: bool) -> anyhow::Result<()> {
         while let Some((durable, _)) = self.queue.front() {
             let done = durable.as_ref().is_none_or(|d| d.is_finished());
             if !done && !all && self.queue.len() <= MAX_IN_FLIGHT {
@@ -518,8 +517,8 @@ impl InFlight {
             }
             *processed = end;
         }
-        if self.queue.is_empty() && timeline.advance_durable(Lsn(*processed)) {
-            self.queued = Lsn(*processed);
+        if self.queue.is_empty() && timeline.advance_durable(*processed) {
+            self.queued = *processed;
         }
         Ok(())
     }
@@ -631,10 +630,11 @@ impl Task {
         }
         // Nothing is in flight (the last connection's batches were settled): what storage holds
         // is contiguous (see `InFlight`), and the next batch follows it.
-        let durable_storage = self.timeline.last_durable_lsn().0;
-        self.in_flight.queued = Lsn(durable_storage);
-        let resume = self.file.position.unwrap_or(0).max(durable_storage);
-        let start = Lsn(resume - resume % WAL_PAGE);
+        let durable_storage = self.timeline.last_durable_lsn();
+        self.in_flight.queued = durable_storage;
+        let resume = self.file.position.unwrap_or(Lsn::INVALID).max(durable_storage);
+        // Streaming resumes at the start of a WAL page.
+        let start = resume.block_start(WAL_PAGE_SIZE);
         conn.start_replication(&self.file.source.slot, start, system.timeline)
             .await
             .context("START_REPLICATION")?;
@@ -642,22 +642,22 @@ impl Task {
         let mut decoder = WalDecoder::with_segment_size(start, seg_size)
             .context("start the WAL decoder")?
             .max_record_len(self.max_record_size);
-        tracing::info!(%config, start = %start, resume = %Lsn(resume), timeline = system.timeline, "streaming WAL");
+        tracing::info!(%config, start = %start, resume = %resume, timeline = system.timeline, "streaming WAL");
         {
             let mut shared = lock(&self.shared);
             shared.status.state = ReceiverState::Streaming;
             shared.status.error = None;
             shared.status.resumed_at = resume;
-            shared.status.received_lsn = start.0;
+            shared.status.received_lsn = start;
             shared.status.durable_lsn = resume;
         }
 
-        let mut received = start.0;
+        let mut received = start;
         let mut processed = resume;
         // What the source file says: only that is reported to the slot as flushed (`resume` may
         // be storage's durable LSN, moved past the file's position by records with no values
         // and never written down), so that a restart never resumes below the slot.
-        let mut persisted = self.file.position.unwrap_or(0);
+        let mut persisted = self.file.position.unwrap_or(Lsn::INVALID);
         let mut last_status = Instant::now();
         let mut last_message = Instant::now();
         loop {
@@ -692,9 +692,7 @@ impl Task {
             if reply_now || last_status.elapsed() >= STATUS_INTERVAL {
                 self.persist(processed, &mut persisted).await?;
                 let written = self.in_flight.written(processed);
-                conn.send_status(Lsn(written), Lsn(persisted), Lsn(persisted))
-                    .await
-                    .context("status update")?;
+                conn.send_status(written, persisted, persisted).await.context("status update")?;
                 last_status = Instant::now();
             }
         }
@@ -707,25 +705,23 @@ impl Task {
         &mut self,
         message: ReplicationMessage,
         decoder: &mut WalDecoder,
-        received: &mut u64,
-        resume: u64,
-        processed: &mut u64,
+        received: &mut Lsn,
+        resume: Lsn,
+        processed: &mut Lsn,
     ) -> anyhow::Result<bool> {
         let mut values = Vec::new();
         match message {
             ReplicationMessage::XLogData { start: at, wal_end, data } => {
-                anyhow::ensure!(
-                    at.0 == *received,
-                    "the primary sent WAL at {at}, expected {}: a gap",
-                    Lsn(*received)
-                );
+                anyhow::ensure!(at == *received, "the primary sent WAL at {at}, expected {received}: a gap");
                 decoder.feed(&data);
-                *received += data.len() as u64;
+                *received = received
+                    .checked_add(data.len() as u64)
+                    .with_context(|| format!("the primary sent WAL past the last LSN, at {at}"))?;
                 self.metrics.received_bytes.inc_by(data.len() as u64);
                 let mut last_end = None;
                 let mut decoded = Vec::new();
                 while let Some(record) = decoder.next_record().map_err(decode_error)? {
-                    if record.end_lsn.0 > resume {
+                    if record.end_lsn > resume {
                         decoded.push(record);
                     }
                 }
@@ -733,7 +729,7 @@ impl Task {
                 let records = decoded.len() as u64;
                 for record in &decoded {
                     wal_values::record_values(record, &mut self.sizes, &mut values)?;
-                    last_end = Some(record.end_lsn.0);
+                    last_end = Some(record.end_lsn);
                 }
                 // Between messages: what it forgets is loaded again (`load_sizes`) once this
                 // message's batch, which holds the sizes it set, is durable.
@@ -747,21 +743,23 @@ impl Task {
                 if let Some(end) = last_end {
                     // The padding to the next 8-byte boundary is processed too: no record
                     // starts in it (PostgreSQL's flush position counts it as well).
-                    self.in_flight.queue.push_back((durable, end.next_multiple_of(8)));
+                    let end =
+                        end.checked_align_up(MAXALIGN).with_context(|| format!("a record ends at {end}"))?;
+                    self.in_flight.queue.push_back((durable, end));
                 }
                 let mut shared = lock(&self.shared);
                 shared.status.received_lsn = *received;
-                shared.status.server_wal_end = wal_end.0.max(*received);
+                shared.status.server_wal_end = wal_end.max(*received);
                 Ok(false)
             }
             ReplicationMessage::Keepalive { wal_end, reply } => {
-                lock(&self.shared).status.server_wal_end = wal_end.0;
+                lock(&self.shared).status.server_wal_end = wal_end;
                 Ok(reply)
             }
             ReplicationMessage::End => anyhow::bail!(
                 "the primary ended the stream at {} (it shuts down, or its timeline {} ended: a \
                  promotion, which the next connection reports)",
-                Lsn(*received),
+                *received,
                 self.file.timeline.unwrap_or(0)
             ),
         }
@@ -773,7 +771,7 @@ impl Task {
     async fn load_sizes(
         &mut self,
         records: &[page_types::wal::DecodedRecord],
-        processed: &mut u64,
+        processed: &mut Lsn,
     ) -> anyhow::Result<()> {
         let mut missing: Vec<(page_types::keys::RelTag, u8)> = Vec::new();
         for record in records {
@@ -852,7 +850,7 @@ impl Task {
         );
         let estimated = backup.tablespaces.iter().filter_map(|t| t.size_kb).sum::<u64>() * 1024;
         set_status(&self.shared, &|i| {
-            i.start_lsn = Some(backup.start_lsn.0);
+            i.start_lsn = Some(backup.start_lsn);
             i.estimated_bytes = estimated;
         });
         tracing::info!(start = %backup.start_lsn, attempt = attempts, "importing a base backup");
@@ -916,9 +914,8 @@ impl Task {
         let stored = batches.values;
         drop(batches);
         self.update_file(|f| {
-            f.import =
-                Some(ImportRecord { attempts, start_lsn: Some(backup.start_lsn.0), end_lsn: Some(end.0) });
-            f.position = Some(backup.start_lsn.0);
+            f.import = Some(ImportRecord { attempts, start_lsn: Some(backup.start_lsn), end_lsn: Some(end) });
+            f.position = Some(backup.start_lsn);
         })
         .await?;
         self.timeline.advance_durable(backup.start_lsn);
@@ -926,7 +923,7 @@ impl Task {
         self.import_incomplete.store(false, Ordering::Release);
         set_status(&self.shared, &|i| {
             i.done = true;
-            i.end_lsn = Some(end.0);
+            i.end_lsn = Some(end);
             i.bytes = progress.bytes;
             i.files = progress.files;
             i.values = stored;
@@ -939,7 +936,7 @@ impl Task {
     }
 
     /// Makes `processed` the durable position (the source file), if it moved.
-    async fn persist(&mut self, processed: u64, persisted: &mut u64) -> anyhow::Result<()> {
+    async fn persist(&mut self, processed: Lsn, persisted: &mut Lsn) -> anyhow::Result<()> {
         if processed > *persisted {
             self.update_file(|f| f.position = Some(processed)).await?;
             *persisted = processed;
@@ -985,17 +982,21 @@ mod tests {
             detached: false,
             system_id: Some("7309".into()),
             timeline: Some(1),
-            position: Some(0x1_0000_0028),
+            position: Some(Lsn(0x1_0000_0028)),
             import: Some(ImportRecord {
                 attempts: 2,
-                start_lsn: Some(0x1_0000_0000),
-                end_lsn: Some(0x1_0000_0100),
+                start_lsn: Some(Lsn(0x1_0000_0000)),
+                end_lsn: Some(Lsn(0x1_0000_0100)),
             }),
         };
         write_source_file(dir.path(), &file).unwrap();
         assert_eq!(read_source_file(dir.path()).unwrap().as_ref(), Some(&file));
         let text = std::fs::read_to_string(dir.path().join(SOURCE_FILE)).unwrap();
         assert!(!text.contains("detached"), "an attached source's file is as it was: {text}");
+        // LSNs are written as the plain integers they always were.
+        for part in ["\"position\": 4294967336", "\"start_lsn\": 4294967296", "\"end_lsn\": 4294967552"] {
+            assert!(text.contains(part), "{part} in {text}");
+        }
         file.detached = true;
         write_source_file(dir.path(), &file).unwrap();
         assert_eq!(read_source_file(dir.path()).unwrap(), Some(file));
@@ -1009,6 +1010,36 @@ mod tests {
         assert!(read_source_file(dir.path()).is_err());
         std::fs::write(dir.path().join(SOURCE_FILE), "{").unwrap();
         assert!(read_source_file(dir.path()).is_err());
+    }
+
+    #[test]
+    fn the_status_shows_lsns_as_plain_integers() {
+        let status = WalSourceStatus {
+            postgres: "u@h:5432".into(),
+            slot: "s".into(),
+            state: ReceiverState::Streaming,
+            error: None,
+            resumed_at: Lsn(0x1_0000_0028),
+            received_lsn: Lsn(0x1_0000_2000),
+            durable_lsn: Lsn(0x1_0000_1000),
+            server_wal_end: Lsn(0x1_0000_3000),
+            lag_bytes: 0x2000,
+            last_message: None,
+            reconnects: 0,
+            import: Some(ImportStatus {
+                done: true,
+                start_lsn: Some(Lsn(0x1_0000_0000)),
+                end_lsn: None,
+                ..ImportStatus::default()
+            }),
+        };
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["resumed_at"], 0x1_0000_0028_u64);
+        assert_eq!(json["received_lsn"], 0x1_0000_2000_u64);
+        assert_eq!(json["durable_lsn"], 0x1_0000_1000_u64);
+        assert_eq!(json["server_wal_end"], 0x1_0000_3000_u64);
+        assert_eq!(json["import"]["start_lsn"], 0x1_0000_0000_u64);
+        assert!(json["import"]["end_lsn"].is_null());
     }
 
     #[test]

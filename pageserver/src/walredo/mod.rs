@@ -48,14 +48,14 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use page_types::{BufferTag, Lsn, PAGE_SIZE};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use walredo_proc::page::BLCKSZ;
-use walredo_proc::protocol::{self, BufferTag, ErrorCode};
+use walredo_proc::protocol::{self, ErrorCode};
 
 pub use metrics::{StopCause, WalRedoMetrics};
-use pipeline::{Patience, ProcessError, Reply};
+use pipeline::{ChildReply, Patience, ProcessError};
 use pool::{ChildBudget, ControllerStatus, Load, Pool, Sampler};
 use priority::{Priority, WriteTicket};
 use process::{InUse, Process, Reaping};
@@ -64,7 +64,7 @@ use spin_budget::{Bid, SpinBudget};
 
 use crate::metrics::RequestSeries;
 use crate::util::lock;
-pub use crate::worker_controller::Path;
+pub use crate::worker_controller::Wait;
 use crate::worker_controller::{
     max_spinning_for_cpus, Decision, Observation, WorkerController, WorkerControllerConf,
 };
@@ -166,9 +166,9 @@ pub struct WalRedoConf {
     /// Whether the controller sets the children's spin windows (the daemon: always; off only
     /// for benchmarks of the plain blocking round trip).
     pub adaptive_spin: bool,
-    /// The path of `auto` children: `None` (the daemon), the controller's; tests and benchmarks
-    /// pin one to measure or exercise it alone.
-    pub auto_path: Option<Path>,
+    /// How `auto` children wait: `None` (the daemon), as the controller says; tests and
+    /// benchmarks pin one to measure or exercise it alone.
+    pub auto_wait: Option<Wait>,
 }
 
 impl WalRedoConf {
@@ -185,7 +185,7 @@ impl WalRedoConf {
             budget: ChildBudget::global(),
             spin_budget: SpinBudget::global(),
             adaptive_spin: true,
-            auto_path: None,
+            auto_wait: None,
         }
     }
 }
@@ -202,14 +202,14 @@ impl WalRedoConf {
 }
 
 /// Bytes the reconstruction of a page from `values` values (an image and records) of `bytes`
-/// bytes in all holds while it runs: the values read, the two lists of them (storage's and the
-/// redo request's), the frames of the request (which sends the image and the long records from
+/// bytes in all holds while it runs: the values read, storage's list of them (which the redo
+/// request borrows as it is), the frames of the request (which sends the image and the long records from
 /// where they were read, and copies only short ones) and the reply. What a GetPage and a
 /// compaction image reserve of the redo memory budget before they read: one formula, so that
 /// both count alike.
 pub fn reconstruction_bytes(values: usize, bytes: u64) -> u64 {
     bytes
-        + (values * 2 * std::mem::size_of::<(u64, Bytes)>()) as u64
+        + (values * std::mem::size_of::<(Lsn, Bytes)>()) as u64
         + Request::overhead(values, bytes)
         + request::REPLY_BYTES
 }
@@ -306,12 +306,13 @@ pub struct PoolStatus {
     pub controller: Option<ControllerStatus>,
 }
 
-/// Whether round trips of `kind` on `path` block their thread (see [`WalRedoManager::may_block`]).
-fn blocks(kind: ProcessKind, path: Path) -> bool {
+/// Whether round trips of `kind` waiting as `wait` says block their thread (see
+/// [`WalRedoManager::may_block`]).
+fn blocks(kind: ProcessKind, wait: Wait) -> bool {
     match kind {
         ProcessKind::Sync => true,
         ProcessKind::Async => false,
-        ProcessKind::Auto => path == Path::Sync,
+        ProcessKind::Auto => wait == Wait::Block,
     }
 }
 
@@ -328,8 +329,8 @@ pub struct WalRedoManager {
     load: Arc<Load>,
     /// The controller's last look, for the status.
     controller: Mutex<Option<ControllerStatus>>,
-    /// The controller's last path, which `auto` children take (set on each one spawned).
-    path: Mutex<Path>,
+    /// How the controller last said `auto` children wait (set on each one spawned).
+    wait: Mutex<Wait>,
     /// Whether a round trip may block its thread: the kind is `sync`, or `auto` on the
     /// blocking path. Kept with `kind` and `path` (under their locks), read without a lock.
     blocks: AtomicBool,
@@ -364,8 +365,8 @@ impl WalRedoManager {
             pool: Mutex::new(Pool::new(Arc::clone(&conf.budget))),
             // Yielding until the controller's first period: blocking takes a slot of the
             // spin budget, which only the controller asks for.
-            path: Mutex::new(conf.auto_path.unwrap_or(Path::Async)),
-            blocks: AtomicBool::new(blocks(conf.process_kind, conf.auto_path.unwrap_or(Path::Async))),
+            wait: Mutex::new(conf.auto_wait.unwrap_or(Wait::Yield)),
+            blocks: AtomicBool::new(blocks(conf.process_kind, conf.auto_wait.unwrap_or(Wait::Yield))),
             conf,
             load: Arc::new(Load::default()),
             controller: Mutex::new(None),
@@ -405,9 +406,9 @@ impl WalRedoManager {
     pub async fn request_redo(
         &self,
         tag: BufferTag,
-        lsn: u64,
+        lsn: Lsn,
         base: Option<Bytes>,
-        records: &[(u64, Bytes)],
+        records: &[(Lsn, Bytes)],
     ) -> Result<Bytes, RedoError> {
         let mut waited = Duration::ZERO;
         self.redo(tag, lsn, base, records, Class::Foreground, &mut waited).await
@@ -433,9 +434,9 @@ impl WalRedoManager {
     pub async fn request_redo_background(
         &self,
         tag: BufferTag,
-        lsn: u64,
+        lsn: Lsn,
         base: Option<Bytes>,
-        records: &[(u64, Bytes)],
+        records: &[(Lsn, Bytes)],
     ) -> Result<Bytes, RedoError> {
         self.request_redo_background_timed(tag, lsn, base, records).await.0
     }
@@ -448,9 +449,9 @@ impl WalRedoManager {
     pub async fn request_redo_background_timed(
         &self,
         tag: BufferTag,
-        lsn: u64,
+        lsn: Lsn,
         base: Option<Bytes>,
-        records: &[(u64, Bytes)],
+        records: &[(Lsn, Bytes)],
     ) -> (Result<Bytes, RedoError>, Duration) {
         let mut waited = Duration::ZERO;
         let result = self.redo(tag, lsn, base, records, Class::Background, &mut waited).await;
@@ -468,9 +469,9 @@ impl WalRedoManager {
     async fn redo(
         &self,
         tag: BufferTag,
-        lsn: u64,
+        lsn: Lsn,
         base: Option<Bytes>,
-        records: &[(u64, Bytes)],
+        records: &[(Lsn, Bytes)],
         class: Class,
         waited: &mut Duration,
     ) -> Result<Bytes, RedoError> {
@@ -484,9 +485,11 @@ impl WalRedoManager {
         self.metrics.records_per_request.observe(records.len() as f64);
         self.metrics.bytes_per_request.observe(request.len() as f64);
         match self.execute(&request, true, class, waited).await? {
-            Reply::Page(page) => Ok(page),
-            Reply::Error(code, message) => Err(self.count(RedoError::Rejected { code, message })),
-            Reply::Hello(_) => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("unexpected hello")))),
+            ChildReply::Page(page) => Ok(page),
+            ChildReply::Error(code, message) => Err(self.count(RedoError::Rejected { code, message })),
+            ChildReply::Hello(_) => {
+                Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("unexpected hello"))))
+            }
         }
     }
 
@@ -498,7 +501,7 @@ impl WalRedoManager {
         protocol::encode_ping(&mut frame);
         let mut waited = Duration::ZERO;
         match self.execute(&Arc::new(Request::frames(frame)), true, Class::Foreground, &mut waited).await? {
-            Reply::Page(page) if page.len() == BLCKSZ && page.iter().all(|&b| b == 0) => Ok(()),
+            ChildReply::Page(page) if page.len() == PAGE_SIZE && page.iter().all(|&b| b == 0) => Ok(()),
             other => Err(self.count(RedoError::ProcessFailed(anyhow::anyhow!("bad ping reply {other:?}")))),
         }
     }
@@ -514,7 +517,7 @@ impl WalRedoManager {
         retry: bool,
         class: Class,
         waited: &mut Duration,
-    ) -> Result<Reply, RedoError> {
+    ) -> Result<ChildReply, RedoError> {
         if self.shutting_down() {
             return Err(self.count(RedoError::ShuttingDown));
         }
@@ -574,7 +577,7 @@ impl WalRedoManager {
                     let took = started.elapsed().as_secs_f64();
                     self.metrics.redo_seconds.observe(took);
                     self.series.seconds.observe(took);
-                    if matches!(reply, Reply::Page(_)) {
+                    if matches!(reply, ChildReply::Page(_)) {
                         self.metrics.requests_ok.inc();
                     }
                     return Ok(reply);
@@ -695,22 +698,22 @@ impl WalRedoManager {
         )
         .await;
         if let Ok(process) = &spawned {
-            process.set_path(*lock(&self.path));
+            process.set_wait(*lock(&self.wait));
         }
         (kind, spawned)
     }
 
-    /// Sets the path of `auto` children (see [`ProcessKind::Auto`]): those in service now, and
-    /// those spawned from now on; a path pinned by the conf wins.
-    fn set_path(&self, path: Path) {
-        let path = self.conf.auto_path.unwrap_or(path);
-        let mut current = lock(&self.path);
-        if *current != path {
-            tracing::debug!(tenant_id = self.tenant_id, path = path.as_str(), "walredo path changes");
+    /// Sets how `auto` children wait (see [`ProcessKind::Auto`]): those in service now, and
+    /// those spawned from now on; a wait pinned by the conf wins.
+    fn set_wait(&self, wait: Wait) {
+        let wait = self.conf.auto_wait.unwrap_or(wait);
+        let mut current = lock(&self.wait);
+        if *current != wait {
+            tracing::debug!(tenant_id = self.tenant_id, path = wait.as_str(), "walredo path changes");
         }
-        *current = path;
+        *current = wait;
         for child in lock(&self.pool).children() {
-            child.set_path(path);
+            child.set_wait(wait);
         }
         drop(current);
         self.refresh_blocks();
@@ -833,8 +836,8 @@ impl WalRedoManager {
     /// both locks, taken in that order, so that the last change's value stays).
     fn refresh_blocks(&self) {
         let kind = lock(&self.kind);
-        let path = lock(&self.path);
-        self.blocks.store(blocks(*kind, *path), Ordering::Relaxed);
+        let wait = lock(&self.wait);
+        self.blocks.store(blocks(*kind, *wait), Ordering::Relaxed);
     }
 
     /// Whether a request's round trip may block the thread that awaits it (the `sync` kind, or
@@ -856,7 +859,7 @@ impl WalRedoManager {
                 requests_served: p.served.load(Ordering::Relaxed),
                 in_flight: p.in_flight.load(Ordering::Relaxed),
                 spin_us: p.spin_us(),
-                path: p.path().as_str(),
+                path: p.wait().as_str(),
             })
             .collect();
         WalRedoStatus {
@@ -940,8 +943,8 @@ impl WalRedoManager {
     /// trips yield. The bid's score is the gain per CPU of spinning, one over the period's idle
     /// gap per child (0 without requests).
     fn within_spin_budget(&self, decision: Decision, obs: &Observation) -> Decision {
-        let blocks = decision.path == Path::Sync
-            && self.conf.auto_path.is_none()
+        let blocks = decision.wait == Wait::Block
+            && self.conf.auto_wait.is_none()
             && *lock(&self.kind) == ProcessKind::Auto;
         let spins = if self.conf.adaptive_spin { decision.spinning } else { 0 };
         let wanted = spins.max(usize::from(blocks));
@@ -956,7 +959,7 @@ impl WalRedoManager {
         Decision {
             spinning,
             spin: if spinning == 0 { Duration::ZERO } else { decision.spin },
-            path: if blocks && granted == 0 { Path::Async } else { decision.path },
+            wait: if blocks && granted == 0 { Wait::Yield } else { decision.wait },
             ..decision
         }
     }
@@ -1035,7 +1038,7 @@ async fn pool_controller(weak: Weak<WalRedoManager>, cancel: CancellationToken) 
         *lock(&manager.controller) =
             Some(ControllerStatus::new(&obs, controller.smoothed_demand(), &decision));
         manager.resize(decision.workers);
-        manager.set_path(decision.path);
+        manager.set_wait(decision.wait);
         if manager.conf.adaptive_spin {
             manager.apply_spin(decision.spinning, decision.spin);
         }
@@ -1071,7 +1074,7 @@ async fn pool_controller(weak: Weak<WalRedoManager>, cancel: CancellationToken) 
 
 /// Checks a request before anything is spawned or written: the base image is a page, the
 /// records are within the limits and in LSN order.
-fn validate_request(lsn: u64, base: Option<&Bytes>, records: &[(u64, Bytes)]) -> Result<(), RedoError> {
+fn validate_request(lsn: Lsn, base: Option<&Bytes>, records: &[(Lsn, Bytes)]) -> Result<(), RedoError> {
     let invalid = |message: String| Err(RedoError::InvalidRequest(message));
     if base.is_none() && records.is_empty() {
         return invalid("no base image and no records".to_string());
@@ -1079,23 +1082,19 @@ fn validate_request(lsn: u64, base: Option<&Bytes>, records: &[(u64, Bytes)]) ->
     if records.len() > MAX_RECORDS_PER_REQUEST {
         return invalid(format!("{} records, at most {MAX_RECORDS_PER_REQUEST} allowed", records.len()));
     }
-    let mut previous = 0;
-    for (record_lsn, record) in records {
+    let mut previous = Lsn::INVALID;
+    for &(record_lsn, ref record) in records {
         if let Err(e) = protocol::check_record_len(record) {
-            return invalid(format!("record at LSN {}: {e}", crate::storage::Lsn(*record_lsn)));
+            return invalid(format!("record at LSN {record_lsn}: {e}"));
         }
-        if *record_lsn < previous || *record_lsn > lsn {
-            return invalid(format!(
-                "record LSN {} out of order or above the request LSN {}",
-                crate::storage::Lsn(*record_lsn),
-                crate::storage::Lsn(lsn)
-            ));
+        if record_lsn < previous || record_lsn > lsn {
+            return invalid(format!("record LSN {record_lsn} out of order or above the request LSN {lsn}"));
         }
-        previous = *record_lsn;
+        previous = record_lsn;
     }
     match base {
-        Some(base) if base.len() != BLCKSZ => {
-            invalid(format!("base image of {} bytes, expected {BLCKSZ}", base.len()))
+        Some(base) if base.len() != PAGE_SIZE => {
+            invalid(format!("base image of {} bytes, expected {PAGE_SIZE}", base.len()))
         }
         _ => Ok(()),
     }

@@ -14,10 +14,10 @@
 //! *stalled*: requests behind the oldest one leave it for another child
 //! ([`ProcessError::Stalled`]); for [`Patience::timeout`], it is *hung*: the oldest request
 //! fails with [`ProcessError::Timeout`] and the child is killed. A write that ends partway
-//! through a frame marks the stream broken ([`Writer::broken`]) at once.
+//! through a frame marks the stream broken ([`PipeWriter::broken`]) at once.
 //!
 //! Invariants:
-//! - no byte follows a partial frame: a writer that finds [`Writer::broken`] writes nothing;
+//! - no byte follows a partial frame: a writer that finds [`PipeWriter::broken`] writes nothing;
 //! - a reply is handed only to the request with its sequence number: a request that gave up
 //!   after its write (cancelled, timed out) marks its slot abandoned and its reply is dropped
 //!   when it arrives, so it can never be taken by the next request (the gap Neon left open);
@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use bytes::buf::Limit;
 use bytes::{BufMut, Bytes, BytesMut};
-use walredo_proc::page::BLCKSZ;
+use page_types::PAGE_SIZE;
 use walredo_proc::protocol::{self, ErrorCode, FrameError, Hello, ReplyKind, HEADER_LEN};
 
 use super::metrics::StopCause;
@@ -80,7 +80,7 @@ impl ProcessError {
 
 /// A decoded reply of the child.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Reply {
+pub(crate) enum ChildReply {
     Hello(Hello),
     Page(Bytes),
     Error(ErrorCode, String),
@@ -96,7 +96,7 @@ pub(crate) struct ReplyReader {
     buf: BytesMut,
 }
 
-const LARGEST_REPLY: usize = HEADER_LEN + BLCKSZ;
+const LARGEST_REPLY: usize = HEADER_LEN + PAGE_SIZE;
 
 /// Page replies one chunk of the reader holds. A child under load runs ahead of the daemon's
 /// reader (at 64 x 8 on 2 vCPUs a read found 30-40 replies already in the pipe on average), so
@@ -142,7 +142,7 @@ impl ReplyReader {
     }
 
     /// Takes the next complete reply, if all of it has been read.
-    pub(crate) fn take(&mut self) -> Result<Option<Reply>, FrameError> {
+    pub(crate) fn take(&mut self) -> Result<Option<ChildReply>, FrameError> {
         let Some(kind) = self.header().transpose()? else {
             return Ok(None);
         };
@@ -153,18 +153,18 @@ impl ReplyReader {
         // The reply's bytes leave the chunk without a copy; the rest of the chunk stays.
         let payload = self.buf.split_to(total).freeze().slice(HEADER_LEN..);
         Ok(Some(match kind {
-            ReplyKind::Page => Reply::Page(payload),
-            ReplyKind::Hello => Reply::Hello(Hello::decode(&payload)?),
+            ReplyKind::Page => ChildReply::Page(payload),
+            ReplyKind::Hello => ChildReply::Hello(Hello::decode(&payload)?),
             ReplyKind::Error { .. } => {
                 let (code, message) = protocol::decode_error_payload(&payload);
-                Reply::Error(code, message)
+                ChildReply::Error(code, message)
             }
         }))
     }
 }
 
 /// The write side of a child's pipes, kept under the stdin lock by both process kinds.
-pub(crate) struct Writer<W> {
+pub(crate) struct PipeWriter<W> {
     pub(crate) pipe: W,
     /// Sequence number of the next request written.
     next_seq: u64,
@@ -174,9 +174,9 @@ pub(crate) struct Writer<W> {
     pub(crate) broken: bool,
 }
 
-impl<W> Writer<W> {
-    pub(crate) fn new(pipe: W) -> Writer<W> {
-        Writer { pipe, next_seq: 0, broken: false }
+impl<W> PipeWriter<W> {
+    pub(crate) fn new(pipe: W) -> PipeWriter<W> {
+        PipeWriter { pipe, next_seq: 0, broken: false }
     }
 
     /// Sequence number the request being written will take.
@@ -265,7 +265,7 @@ pub(crate) struct Shared {
 /// What a request waiting for its reply gets: the reply (read by another request), or the
 /// stdout lock, to read it itself.
 pub(crate) enum Turn<G> {
-    Reply(Reply),
+    Reply(ChildReply),
     Reader(G),
 }
 
@@ -284,7 +284,7 @@ impl Shared {
     }
 
     /// Files a reply read off the pipe and wakes the request it belongs to.
-    pub(crate) fn park(&self, reply: Reply) {
+    pub(crate) fn park(&self, reply: ChildReply) {
         self.progress.mark();
         lock(&self.replies).push(reply);
     }
@@ -352,7 +352,7 @@ impl Shared {
 
 impl Waiter<'_> {
     /// The reply if it is parked, else whether this request's reply is the next to be read.
-    pub(crate) fn take(&self) -> Result<Reply, bool> {
+    pub(crate) fn take(&self) -> Result<ChildReply, bool> {
         let mut replies = lock(&self.shared.replies);
         match replies.take(self.seq) {
             Some(reply) => Ok(reply),
@@ -428,14 +428,14 @@ impl Waiter<'_> {
 }
 
 /// The read side of a child's pipes, kept under the stdout lock by both process kinds.
-pub(crate) struct Reader<R> {
+pub(crate) struct PipeReader<R> {
     pub(crate) pipe: R,
     pub(crate) replies: ReplyReader,
 }
 
-impl<R> Reader<R> {
-    pub(crate) fn new(pipe: R) -> Reader<R> {
-        Reader { pipe, replies: ReplyReader::new() }
+impl<R> PipeReader<R> {
+    pub(crate) fn new(pipe: R) -> PipeReader<R> {
+        PipeReader { pipe, replies: ReplyReader::new() }
     }
 }
 
@@ -445,7 +445,7 @@ pub(crate) struct Replies {
     /// Sequence number of `slots[0]`.
     first: u64,
     /// `None`: taken or abandoned; trailing `None`s are trimmed from the front.
-    slots: VecDeque<Option<Reply>>,
+    slots: VecDeque<Option<ChildReply>>,
     /// Requests that gave up before their reply was read.
     abandoned: BTreeSet<u64>,
     /// Requests waiting for their reply to be parked, woken one by one as their reply arrives.
@@ -459,7 +459,7 @@ impl Replies {
     }
 
     /// Files the next reply read off the pipe.
-    pub(crate) fn push(&mut self, reply: Reply) {
+    pub(crate) fn push(&mut self, reply: ChildReply) {
         let seq = self.next_to_read();
         let keep = !self.abandoned.remove(&seq);
         self.slots.push_back(keep.then_some(reply));
@@ -470,7 +470,11 @@ impl Replies {
     }
 
     /// Takes the reply for `seq` if it has been read, else registers `cx` to be woken when it is.
-    pub(crate) fn poll_take(&mut self, seq: u64, cx: &mut std::task::Context<'_>) -> std::task::Poll<Reply> {
+    pub(crate) fn poll_take(
+        &mut self,
+        seq: u64,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<ChildReply> {
         match self.take(seq) {
             Some(reply) => std::task::Poll::Ready(reply),
             None => {
@@ -481,7 +485,7 @@ impl Replies {
     }
 
     /// Takes the reply for `seq`, if it has been read.
-    pub(crate) fn take(&mut self, seq: u64) -> Option<Reply> {
+    pub(crate) fn take(&mut self, seq: u64) -> Option<ChildReply> {
         self.wakers.remove(&seq);
         let index = usize::try_from(seq.checked_sub(self.first)?).ok()?;
         let reply = self.slots.get_mut(index)?.take();
@@ -533,7 +537,10 @@ impl<'a> Claim<'a> {
 
     /// The outcome of the wait for the reply: once it is taken (`Ok`) there is nothing to
     /// abandon; an error leaves the slot abandoned, so a late reply is dropped on arrival.
-    pub(crate) fn settle(mut self, reply: Result<Reply, ProcessError>) -> Result<Reply, ProcessError> {
+    pub(crate) fn settle(
+        mut self,
+        reply: Result<ChildReply, ProcessError>,
+    ) -> Result<ChildReply, ProcessError> {
         self.done = reply.is_ok();
         reply
     }
@@ -554,7 +561,7 @@ mod tests {
     fn page_reply(fill: u8) -> Vec<u8> {
         let mut out = Vec::new();
         protocol::encode_page_reply_header(&mut out);
-        out.extend_from_slice(&[fill; BLCKSZ]);
+        out.extend_from_slice(&[fill; PAGE_SIZE]);
         out
     }
 
@@ -565,7 +572,7 @@ mod tests {
     }
 
     /// Feeds `stream` to a reader in chunks of at most `chunk` bytes, collecting replies.
-    fn feed(stream: &[u8], chunk: usize) -> Vec<Reply> {
+    fn feed(stream: &[u8], chunk: usize) -> Vec<ChildReply> {
         let mut reader = ReplyReader::new();
         let mut replies = Vec::new();
         let mut pos = 0;
@@ -592,10 +599,10 @@ mod tests {
         for chunk in [1, 3, 5, 7, 100, 8197, 100_000] {
             let replies = feed(&stream, chunk);
             assert_eq!(replies.len(), 4, "chunk {chunk}");
-            assert_eq!(replies[0], Reply::Page(Bytes::from(vec![1; BLCKSZ])));
-            assert_eq!(replies[1], Reply::Error(ErrorCode::ApplyFailed, "bad".into()));
-            assert_eq!(replies[2], Reply::Error(ErrorCode::ApplyFailed, "worse".into()));
-            assert_eq!(replies[3], Reply::Page(Bytes::from(vec![2; BLCKSZ])));
+            assert_eq!(replies[0], ChildReply::Page(Bytes::from(vec![1; PAGE_SIZE])));
+            assert_eq!(replies[1], ChildReply::Error(ErrorCode::ApplyFailed, "bad".into()));
+            assert_eq!(replies[2], ChildReply::Error(ErrorCode::ApplyFailed, "worse".into()));
+            assert_eq!(replies[3], ChildReply::Page(Bytes::from(vec![2; PAGE_SIZE])));
         }
     }
 
@@ -608,8 +615,8 @@ mod tests {
         let spare_ptr = spare.chunk_mut().as_mut_ptr().cast_const();
         spare.put_slice(&stream);
         for n in 0..READ_CHUNK_REPLIES {
-            let Some(Reply::Page(page)) = reader.take().unwrap() else { panic!("expected a page") };
-            assert_eq!(page, vec![n as u8; BLCKSZ]);
+            let Some(ChildReply::Page(page)) = reader.take().unwrap() else { panic!("expected a page") };
+            assert_eq!(page, vec![n as u8; PAGE_SIZE]);
             // The page is the very buffer the read went into, past its header.
             assert_eq!(page.as_ptr(), spare_ptr.wrapping_add(n * LARGEST_REPLY + HEADER_LEN));
         }
@@ -632,8 +639,8 @@ mod tests {
             spare.put_slice(&stream_with_error[pos..pos + n]);
             pos += n;
             while let Some(reply) = reader.take().unwrap() {
-                if let Reply::Page(page) = reply {
-                    assert_eq!(page, vec![pages as u8; BLCKSZ]);
+                if let ChildReply::Page(page) = reply {
+                    assert_eq!(page, vec![pages as u8; PAGE_SIZE]);
                     pages += 1;
                 }
             }
@@ -653,7 +660,7 @@ mod tests {
         for seq in 0..3 {
             assert_eq!(
                 lock(&shared.replies).take(seq),
-                Some(Reply::Page(Bytes::from(vec![seq as u8; BLCKSZ])))
+                Some(ChildReply::Page(Bytes::from(vec![seq as u8; PAGE_SIZE])))
             );
         }
         assert!(reader.take().is_err(), "the bad header is left for the next reader to report");
@@ -669,11 +676,11 @@ mod tests {
     #[test]
     fn replies_go_to_their_own_sequence_numbers() {
         let mut replies = Replies::default();
-        replies.push(Reply::Error(ErrorCode::BadRequest, "0".into()));
-        replies.push(Reply::Error(ErrorCode::BadRequest, "1".into()));
-        assert_eq!(replies.take(1), Some(Reply::Error(ErrorCode::BadRequest, "1".into())));
+        replies.push(ChildReply::Error(ErrorCode::BadRequest, "0".into()));
+        replies.push(ChildReply::Error(ErrorCode::BadRequest, "1".into()));
+        assert_eq!(replies.take(1), Some(ChildReply::Error(ErrorCode::BadRequest, "1".into())));
         assert_eq!(replies.take(2), None);
-        assert_eq!(replies.take(0), Some(Reply::Error(ErrorCode::BadRequest, "0".into())));
+        assert_eq!(replies.take(0), Some(ChildReply::Error(ErrorCode::BadRequest, "0".into())));
         assert_eq!(replies.held(), 0);
         assert_eq!(replies.next_to_read(), 2);
     }
@@ -694,34 +701,34 @@ mod tests {
             let mut cx = std::task::Context::from_waker(&waker);
             assert!(replies.poll_take(seq as u64, &mut cx).is_pending());
         }
-        replies.push(Reply::Page(Bytes::from_static(b"for request 0")));
+        replies.push(ChildReply::Page(Bytes::from_static(b"for request 0")));
         let woken: Vec<usize> =
             counts.iter().map(|c| c.0.load(std::sync::atomic::Ordering::Relaxed)).collect();
         assert_eq!(woken, [1, 0, 0]);
-        assert_eq!(replies.take(0), Some(Reply::Page(Bytes::from_static(b"for request 0"))));
+        assert_eq!(replies.take(0), Some(ChildReply::Page(Bytes::from_static(b"for request 0"))));
     }
 
     #[test]
     fn stale_abandon_of_a_trimmed_slot_touches_no_other_reply() {
         let mut replies = Replies::default();
-        replies.push(Reply::Page(Bytes::from_static(b"for request 0")));
-        replies.push(Reply::Page(Bytes::from_static(b"for request 1")));
-        assert_eq!(replies.take(0), Some(Reply::Page(Bytes::from_static(b"for request 0"))));
+        replies.push(ChildReply::Page(Bytes::from_static(b"for request 0")));
+        replies.push(ChildReply::Page(Bytes::from_static(b"for request 1")));
+        assert_eq!(replies.take(0), Some(ChildReply::Page(Bytes::from_static(b"for request 0"))));
         replies.abandon(0); // late: its slot is gone already
-        assert_eq!(replies.take(1), Some(Reply::Page(Bytes::from_static(b"for request 1"))));
+        assert_eq!(replies.take(1), Some(ChildReply::Page(Bytes::from_static(b"for request 1"))));
     }
 
     #[test]
     fn abandoned_reply_is_dropped_not_handed_to_the_next_request() {
         let mut replies = Replies::default();
         replies.abandon(0); // gave up before its reply was read
-        replies.push(Reply::Page(Bytes::from_static(b"for request 0")));
-        replies.push(Reply::Page(Bytes::from_static(b"for request 1")));
-        assert_eq!(replies.take(1), Some(Reply::Page(Bytes::from_static(b"for request 1"))));
+        replies.push(ChildReply::Page(Bytes::from_static(b"for request 0")));
+        replies.push(ChildReply::Page(Bytes::from_static(b"for request 1")));
+        assert_eq!(replies.take(1), Some(ChildReply::Page(Bytes::from_static(b"for request 1"))));
         assert_eq!(replies.held(), 0);
 
         // Gave up after its reply was read: dropped at once.
-        replies.push(Reply::Page(Bytes::from_static(b"for request 2")));
+        replies.push(ChildReply::Page(Bytes::from_static(b"for request 2")));
         replies.abandon(2);
         assert_eq!(replies.held(), 0);
         assert_eq!(replies.take(2), None);

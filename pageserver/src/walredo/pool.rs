@@ -359,6 +359,8 @@ pub struct ControllerStatus {
     pub target_children: usize,
     pub spinning: usize,
     pub spin_us: u64,
+    /// How the children wait, by [`crate::worker_controller::Wait::as_str`]: `sync` (block) or
+    /// `async` (yield).
     pub path: &'static str,
 }
 
@@ -376,7 +378,7 @@ impl ControllerStatus {
             target_children: d.workers,
             spinning: d.spinning,
             spin_us: d.spin.as_micros() as u64,
-            path: d.path.as_str(),
+            path: d.wait.as_str(),
         }
     }
 }

@@ -34,8 +34,6 @@ mod round_trip;
 mod stderr;
 pub(crate) mod sync_pipes;
 
-use sync_pipes::Wait;
-
 use std::os::fd::AsFd;
 use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -49,12 +47,12 @@ use tokio_util::sync::CancellationToken;
 use walredo_proc::protocol;
 
 use super::metrics::{StopCause, WalRedoMetrics};
-use super::pipeline::{Patience, ProcessError, Progress, Reply};
+use super::pipeline::{ChildReply, Patience, ProcessError, Progress};
 use super::priority::WriteTicket;
 use super::request::Request;
 use super::{ProcessKind, WalRedoConf};
 use crate::util::lock;
-use crate::worker_controller::Path;
+use crate::worker_controller::Wait;
 
 /// Pipe buffer size asked for both directions, so that deep pipelines do not stall.
 const PIPE_SIZE: i32 = 1024 * 1024;
@@ -73,7 +71,7 @@ impl Pipes {
         ticket: WriteTicket<'_>,
         patience: Patience,
         on_broken_write: impl FnOnce() + Send,
-    ) -> Result<Reply, ProcessError> {
+    ) -> Result<ChildReply, ProcessError> {
         match self {
             Pipes::Sync(pipes) => {
                 round_trip::round_trip(pipes, request, ticket, patience, on_broken_write).await
@@ -321,7 +319,7 @@ impl Process {
             Pipes::Async(pipes) => pipes.read_first(timeout).await,
         }?;
         match reply {
-            Reply::Hello(hello) => Ok(hello),
+            ChildReply::Hello(hello) => Ok(hello),
             other => Err(ProcessError::Io(anyhow::anyhow!("expected a hello, got {other:?}"))),
         }
     }
@@ -338,7 +336,7 @@ impl Process {
         request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
-    ) -> Result<Reply, ProcessError> {
+    ) -> Result<ChildReply, ProcessError> {
         let reply = self.exchange(request, ticket, patience).await?;
         self.served.fetch_add(1, Ordering::Relaxed);
         Ok(reply)
@@ -351,7 +349,7 @@ impl Process {
         request: &Arc<Request>,
         ticket: WriteTicket<'_>,
         patience: Patience,
-    ) -> Result<Reply, ProcessError> {
+    ) -> Result<ChildReply, ProcessError> {
         self.pipes.round_trip(request, ticket, patience, || self.retire(StopCause::CancelledWrite)).await
     }
 
@@ -366,24 +364,20 @@ impl Process {
         self.stalled(now, Patience { timeout: period, stall: period })
     }
 
-    /// Sets how this child's round trips from now on reach it, if its kind lets the controller
-    /// choose (`auto`): blocking ([`Path::Sync`]) or yielding ([`Path::Async`]). Other kinds
-    /// keep their own path.
-    pub(crate) fn set_path(&self, path: Path) {
+    /// Sets how this child's round trips from now on wait for it, if its kind lets the
+    /// controller choose (`auto`): blocking ([`Wait::Block`]) or yielding ([`Wait::Yield`]).
+    /// Other kinds keep their own.
+    pub(crate) fn set_wait(&self, wait: Wait) {
         if let (ProcessKind::Auto, Pipes::Sync(pipes)) = (self.kind, &self.pipes) {
-            pipes.set_wait(match path {
-                Path::Sync => Wait::Block,
-                Path::Async => Wait::Yield,
-            });
+            pipes.set_wait(wait);
         }
     }
 
-    /// The path this child's round trips take now.
-    pub(crate) fn path(&self) -> Path {
+    /// How this child's round trips wait now.
+    pub(crate) fn wait(&self) -> Wait {
         match &self.pipes {
-            Pipes::Sync(pipes) if pipes.wait_mode() == Wait::Yield => Path::Async,
-            Pipes::Sync(_) => Path::Sync,
-            Pipes::Async(_) => Path::Async,
+            Pipes::Sync(pipes) => pipes.wait_mode(),
+            Pipes::Async(_) => Wait::Yield,
         }
     }
 
@@ -424,12 +418,12 @@ impl Process {
         // Not `round_trip`: a control frame is not a request served.
         let reply = self.exchange(&request, WriteTicket::none(), patience).await?;
         match reply {
-            Reply::Page(page) if page.iter().all(|&b| b == 0) => {}
+            ChildReply::Page(page) if page.iter().all(|&b| b == 0) => {}
             other => {
                 let what = match other {
-                    Reply::Error(code, message) => format!("{}: {message}", code.name()),
-                    Reply::Page(_) => "a page that is not zero".to_string(),
-                    Reply::Hello(_) => "a hello".to_string(),
+                    ChildReply::Error(code, message) => format!("{}: {message}", code.name()),
+                    ChildReply::Page(_) => "a page that is not zero".to_string(),
+                    ChildReply::Hello(_) => "a hello".to_string(),
                 };
                 return Err(ProcessError::Io(anyhow::anyhow!(
                     "walredo process {} answered a spin window of {micros} us with {what}",
@@ -661,7 +655,7 @@ mod tests {
             .round_trip(&request, WriteTicket::none(), Patience::of_timeout(Duration::from_secs(20)))
             .await
             .unwrap_or_else(|e| panic!("request {n}: {e}"));
-        assert!(reply == Reply::Page(expected_for(n)), "request {n} got {reply:?}");
+        assert!(reply == ChildReply::Page(expected_for(n)), "request {n} got {reply:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -718,7 +712,7 @@ mod tests {
         let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
         let process =
             Process::spawn(&conf, ProcessKind::Auto, "tenant", metrics, Reaping::new()).await.expect("spawn");
-        assert_eq!(process.path(), Path::Sync, "an auto child starts blocking");
+        assert_eq!(process.wait(), Wait::Block, "an auto child starts blocking");
         assert!(process
             .set_spin(Duration::from_micros(50), Patience::of_timeout(Duration::from_secs(20)))
             .await
@@ -732,9 +726,9 @@ mod tests {
                 let m = n + i;
                 tasks.spawn(async move { redo(&client, m).await });
                 if i % 12 == 5 {
-                    let path = if (round + i) % 2 == 0 { Path::Async } else { Path::Sync };
-                    process.set_path(path);
-                    assert_eq!(process.path(), path);
+                    let wait = if (round + i) % 2 == 0 { Wait::Yield } else { Wait::Block };
+                    process.set_wait(wait);
+                    assert_eq!(process.wait(), wait);
                 }
             }
             n += 48;
@@ -742,8 +736,8 @@ mod tests {
                 joined.expect("client task");
             }
             // And one at a time on each path.
-            for path in [Path::Async, Path::Sync] {
-                process.set_path(path);
+            for wait in [Wait::Yield, Wait::Block] {
+                process.set_wait(wait);
                 for _ in 0..5 {
                     redo(&process, n).await;
                     n += 1;
@@ -755,8 +749,8 @@ mod tests {
         let metrics = Arc::new(WalRedoMetrics::new(&prometheus::Registry::new()).expect("metrics"));
         let sync =
             Process::spawn(&conf, ProcessKind::Sync, "tenant", metrics, Reaping::new()).await.expect("spawn");
-        sync.set_path(Path::Async);
-        assert_eq!(sync.path(), Path::Sync);
+        sync.set_wait(Wait::Yield);
+        assert_eq!(sync.wait(), Wait::Block);
         process.retire_and_wait(StopCause::Shutdown).await;
         sync.retire_and_wait(StopCause::Shutdown).await;
     }

@@ -20,7 +20,8 @@ use std::io::IoSlice;
 use std::ops::Range;
 
 use bytes::Bytes;
-use walredo_proc::protocol::{self, BufferTag};
+use page_types::{BufferTag, Lsn, BUFFER_TAG_LEN, PAGE_SIZE};
+use walredo_proc::protocol;
 
 /// Slices handed to one vectored write; a longer request takes several writes (only records of
 /// at least [`COPY_BELOW`] bytes take slices of their own, so 32 of them are 32 KiB or more,
@@ -36,10 +37,10 @@ pub(crate) const COPY_BELOW: usize = 1024;
 const OVERHEAD_PER_RECORD: usize = protocol::HEADER_LEN + 8 + std::mem::size_of::<Part>();
 /// Bytes a request holds beyond its page and records, once (the `B`, `P` and `G` frames' own
 /// bytes and the request's bookkeeping).
-const OVERHEAD_FIXED: usize = 4 * (protocol::HEADER_LEN + protocol::BUFFER_TAG_LEN) + 256;
+const OVERHEAD_FIXED: usize = 4 * (protocol::HEADER_LEN + BUFFER_TAG_LEN) + 256;
 
 /// Bytes of the child's reply to a redo request (a page and its header).
-pub(crate) const REPLY_BYTES: u64 = (protocol::HEADER_LEN + walredo_proc::page::BLCKSZ) as u64;
+pub(crate) const REPLY_BYTES: u64 = (protocol::HEADER_LEN + PAGE_SIZE) as u64;
 
 /// One piece of a request.
 #[derive(Debug, Clone)]
@@ -83,11 +84,11 @@ impl Request {
         request
     }
 
-    /// The redo request `B [P] A* G` for `tag` from `base` (a page of `BLCKSZ` bytes, checked by
+    /// The redo request `B [P] A* G` for `tag` from `base` (a page of `PAGE_SIZE` bytes, checked by
     /// the caller) and `records` (each within [`protocol::check_record_len`], checked by the
     /// caller); the page and the records of [`COPY_BELOW`] bytes or more are referenced, not
     /// copied.
-    pub(crate) fn redo(tag: &BufferTag, base: Option<&Bytes>, records: &[(u64, Bytes)]) -> Request {
+    pub(crate) fn redo(tag: &BufferTag, base: Option<&Bytes>, records: &[(Lsn, Bytes)]) -> Request {
         let copied: usize = records.iter().map(|(_, r)| r.len()).filter(|&n| n < COPY_BELOW).sum();
         let long = records.iter().filter(|(_, r)| r.len() >= COPY_BELOW).count();
         let mut request = Request {
@@ -100,11 +101,12 @@ impl Request {
             request.push_head(|out| protocol::encode_push_page_head(out, tag));
             request.push_data(page.clone());
         }
-        for (lsn, record) in records {
+        // The wire form of an LSN is its integer (the protocol's one conversion).
+        for &(Lsn(lsn), ref record) in records {
             if record.len() < COPY_BELOW {
-                request.push_head(|out| protocol::encode_apply_raw(out, *lsn, record));
+                request.push_head(|out| protocol::encode_apply_raw(out, lsn, record));
             } else {
-                request.push_head(|out| protocol::encode_apply_head(out, *lsn, record.len()));
+                request.push_head(|out| protocol::encode_apply_head(out, lsn, record.len()));
                 request.push_data(record.clone());
             }
         }
@@ -191,14 +193,13 @@ impl Request {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use walredo_proc::page::BLCKSZ;
 
     fn tag() -> BufferTag {
         BufferTag { spcnode: 1663, dbnode: 5, relnode: 16384, forknum: 0, blknum: 7 }
     }
 
     /// The encoded form, made the old way: one buffer.
-    fn contiguous(base: Option<&Bytes>, records: &[(u64, Bytes)]) -> Vec<u8> {
+    fn contiguous(base: Option<&Bytes>, records: &[(Lsn, Bytes)]) -> Vec<u8> {
         let mut out = Vec::new();
         protocol::encode_begin(&mut out, &tag());
         if let Some(page) = base {
@@ -206,7 +207,7 @@ mod tests {
             protocol::encode_push_page(&mut out, &tag(), page);
         }
         for (lsn, record) in records {
-            protocol::encode_apply_raw(&mut out, *lsn, record);
+            protocol::encode_apply_raw(&mut out, lsn.0, record);
         }
         protocol::encode_get_page(&mut out, &tag());
         out
@@ -240,10 +241,10 @@ mod tests {
 
     #[test]
     fn a_request_written_in_any_pieces_is_its_encoded_frames() {
-        let page = Bytes::from(vec![7u8; BLCKSZ]);
+        let page = Bytes::from(vec![7u8; PAGE_SIZE]);
         // Short ones (copied) and long ones (sent from where they are), mixed.
-        let records: Vec<(u64, Bytes)> = (1..=40u64)
-            .map(|i| (i * 16, Bytes::from(vec![i as u8; 1 + (i as usize * 397) % 9000])))
+        let records: Vec<(Lsn, Bytes)> = (1..=40u64)
+            .map(|i| (Lsn(i * 16), Bytes::from(vec![i as u8; 1 + (i as usize * 397) % 9000])))
             .collect();
         for base in [None, Some(&page)] {
             for count in [0, 1, 2, 40] {
@@ -262,9 +263,10 @@ mod tests {
 
     #[test]
     fn a_redo_request_copies_no_page_or_long_record_bytes() {
-        let page = Bytes::from(vec![1u8; BLCKSZ]);
-        let mut records: Vec<(u64, Bytes)> = (1..=3u64).map(|i| (i, Bytes::from(vec![2u8; 5000]))).collect();
-        records.extend((4..=100u64).map(|i| (i, Bytes::from(vec![3u8; 100]))));
+        let page = Bytes::from(vec![1u8; PAGE_SIZE]);
+        let mut records: Vec<(Lsn, Bytes)> =
+            (1..=3u64).map(|i| (Lsn(i), Bytes::from(vec![2u8; 5000]))).collect();
+        records.extend((4..=100u64).map(|i| (Lsn(i), Bytes::from(vec![3u8; 100]))));
         let bytes: u64 = records.iter().map(|(_, r)| r.len() as u64).sum();
         let request = Request::redo(&tag(), Some(&page), &records);
         assert!(request.head.len() as u64 <= Request::overhead(records.len(), bytes));

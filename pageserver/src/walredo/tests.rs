@@ -44,7 +44,7 @@ pub(super) fn tag(blknum: u32) -> BufferTag {
 }
 
 /// Records of a request that builds a distinct page for `n` from nothing.
-pub(super) fn records_for(n: u32) -> Vec<(u64, Bytes)> {
+pub(super) fn records_for(n: u32) -> Vec<(Lsn, Bytes)> {
     let encode = |record: Record<'_>| {
         let mut out = Vec::new();
         record.encode(&mut out);
@@ -52,27 +52,27 @@ pub(super) fn records_for(n: u32) -> Vec<(u64, Bytes)> {
     };
     let tuple = format!("tuple of request {n} ").repeat(20);
     vec![
-        (0x100, encode(Record::InitPage { special_size: 0 })),
-        (0x200, encode(Record::InsertTuple { offnum: 0, data: tuple.as_bytes() })),
-        (0x300, encode(Record::PutBytes { offset: 8000, data: &n.to_be_bytes() })),
+        (Lsn(0x100), encode(Record::InitPage { special_size: 0 })),
+        (Lsn(0x200), encode(Record::InsertTuple { offnum: 0, data: tuple.as_bytes() })),
+        (Lsn(0x300), encode(Record::PutBytes { offset: 8000, data: &n.to_be_bytes() })),
     ]
 }
 
 /// The page those records make, computed here with the same apply code.
 pub(super) fn expected_for(n: u32) -> Bytes {
-    let mut page: Box<walredo_proc::page::Page> = Box::new([0; BLCKSZ]);
+    let mut page: Box<walredo_proc::page::Page> = Box::new([0; PAGE_SIZE]);
     for (lsn, record) in records_for(n) {
-        Record::decode(&record).expect("valid record").apply(&mut page, lsn).expect("record applies");
+        Record::decode(&record).expect("valid record").apply(&mut page, lsn.0).expect("record applies");
     }
     Bytes::copy_from_slice(&page[..])
 }
 
 async fn foreground(manager: &WalRedoManager, n: u32) -> Result<Bytes, RedoError> {
-    manager.request_redo(tag(n), 0x300, None, &records_for(n)).await
+    manager.request_redo(tag(n), Lsn(0x300), None, &records_for(n)).await
 }
 
 async fn background(manager: &WalRedoManager, n: u32) -> Result<Bytes, RedoError> {
-    manager.request_redo_background(tag(n), 0x300, None, &records_for(n)).await
+    manager.request_redo_background(tag(n), Lsn(0x300), None, &records_for(n)).await
 }
 
 fn check(result: Result<Bytes, RedoError>, n: u32, what: &str) {
@@ -160,12 +160,12 @@ async fn background_requests_alone_are_served() {
     for kind in KINDS {
         let (manager, registry) = manager_of(kind, DEFAULT_IDLE_TIMEOUT);
         // Without records: the base image, no child, not counted.
-        let base = Bytes::from(vec![7u8; BLCKSZ]);
-        let page = manager.request_redo_background(tag(1), 0x300, Some(base.clone()), &[]).await;
+        let base = Bytes::from(vec![7u8; PAGE_SIZE]);
+        let page = manager.request_redo_background(tag(1), Lsn(0x300), Some(base.clone()), &[]).await;
         assert_eq!(page.expect("base image"), base);
         assert_eq!(pid_of(&manager), None, "{kind}: a child for a request without records");
         // Invalid: rejected before anything else.
-        let invalid = manager.request_redo_background(tag(1), 0x100, None, &records_for(1)).await;
+        let invalid = manager.request_redo_background(tag(1), Lsn(0x100), None, &records_for(1)).await;
         assert!(matches!(invalid, Err(RedoError::InvalidRequest(_))), "{kind}: {invalid:?}");
 
         let tasks: Vec<_> = (0..8u32)

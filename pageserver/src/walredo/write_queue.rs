@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-use super::pipeline::{Patience, ProcessError, Shared, Writer};
+use super::pipeline::{Patience, PipeWriter, ProcessError, Shared};
 use super::request::{Cursor, Request, SLICES_PER_WRITE};
 use crate::util::lock;
 
@@ -188,10 +188,10 @@ impl Queued<'_> {
     /// when the lock is taken with no request on the child. Cancel-safe: it only waits.
     pub(crate) async fn turn<'m, W>(
         &mut self,
-        stdin: &'m tokio::sync::Mutex<Writer<W>>,
+        stdin: &'m tokio::sync::Mutex<PipeWriter<W>>,
         queue_deadline: Instant,
         patience: Patience,
-    ) -> Result<WriteTurn<tokio::sync::MutexGuard<'m, Writer<W>>>, ProcessError> {
+    ) -> Result<WriteTurn<tokio::sync::MutexGuard<'m, PipeWriter<W>>>, ProcessError> {
         loop {
             match self.stage() {
                 Stage::Written(seq) => {
@@ -258,7 +258,7 @@ impl Queued<'_> {
 
     /// With the stdin lock: the turn to write, if this request is still queued (else the lock
     /// goes back and the caller looks at the intent again).
-    fn holding<G: std::ops::Deref<Target = Writer<W>>, W>(&self, guard: G) -> Option<WriteTurn<G>> {
+    fn holding<G: std::ops::Deref<Target = PipeWriter<W>>, W>(&self, guard: G) -> Option<WriteTurn<G>> {
         if !matches!(self.stage(), Stage::Queued) {
             return None;
         }
@@ -292,7 +292,7 @@ impl Drop for Queued<'_> {
 
 /// The queue taken by the holder of the stdin lock, being written; see the module doc.
 pub(crate) struct Batch<'a, W, F: FnOnce()> {
-    pub(crate) writer: &'a mut Writer<W>,
+    pub(crate) writer: &'a mut PipeWriter<W>,
     shared: &'a Shared,
     queue: &'a WriteQueue,
     /// Not yet written whole, in order; the front is being written.
@@ -308,7 +308,7 @@ impl<'a, W, F: FnOnce()> Batch<'a, W, F> {
     /// earlier request broke fails them all. `on_cancel` runs if the batch is dropped with a
     /// request partly written.
     pub(crate) fn take(
-        writer: &'a mut Writer<W>,
+        writer: &'a mut PipeWriter<W>,
         shared: &'a Shared,
         queue: &'a WriteQueue,
         on_cancel: Option<F>,
@@ -431,7 +431,7 @@ impl<W, F: FnOnce()> Drop for Batch<'_, W, F> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::walredo::pipeline::Reply;
+    use crate::walredo::pipeline::ChildReply;
     use bytes::Bytes;
     use std::future::Future;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -469,10 +469,10 @@ mod tests {
         tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap()
     }
 
-    type Stdin = tokio::sync::Mutex<Writer<Sink>>;
+    type Stdin = tokio::sync::Mutex<PipeWriter<Sink>>;
 
     fn stdin(room: usize) -> Stdin {
-        tokio::sync::Mutex::new(Writer::new(Sink { writes: Vec::new(), room }))
+        tokio::sync::Mutex::new(PipeWriter::new(Sink { writes: Vec::new(), room }))
     }
 
     async fn written(queued: &mut Queued<'_>, stdin: &Stdin) -> Result<u64, ProcessError> {
@@ -486,7 +486,7 @@ mod tests {
     async fn take_lock<'m>(
         queued: &mut Queued<'_>,
         stdin: &'m Stdin,
-    ) -> tokio::sync::MutexGuard<'m, Writer<Sink>> {
+    ) -> tokio::sync::MutexGuard<'m, PipeWriter<Sink>> {
         match queued.turn(stdin, Instant::now() + Duration::from_secs(60), patience()).await.unwrap() {
             WriteTurn::Writer(writer) => writer,
             WriteTurn::Written(_) => panic!("expected the lock with the request still queued"),
@@ -537,10 +537,10 @@ mod tests {
             drop(writer);
             assert_eq!(written(&mut first, &stdin).await.unwrap(), 0);
             let mut replies = lock(&shared.replies);
-            replies.push(Reply::Page(Bytes::from_static(b"for 0")));
-            replies.push(Reply::Page(Bytes::from_static(b"for 1")));
+            replies.push(ChildReply::Page(Bytes::from_static(b"for 0")));
+            replies.push(ChildReply::Page(Bytes::from_static(b"for 1")));
             assert_eq!(replies.take(1), None, "the reply of the request that left is dropped");
-            assert_eq!(replies.take(0), Some(Reply::Page(Bytes::from_static(b"for 0"))));
+            assert_eq!(replies.take(0), Some(ChildReply::Page(Bytes::from_static(b"for 0"))));
             assert_eq!(replies.held(), 0);
         });
     }

@@ -47,11 +47,11 @@ use bytes::{Bytes, BytesMut};
 use nix::errno::Errno;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
+use page_types::PAGE_SIZE;
 use pageserver::page_service::proto::{
     self, ClientMessage, ErrorCode, ServerMessage, LSN_LATEST, MAX_FRAME_LEN, MAX_HELLO_FRAME_LEN,
     PROTOCOL_VERSION,
 };
-use pageserver::storage::PAGE_SIZE;
 
 /// The page of every reply.
 static PAGE: [u8; PAGE_SIZE] = [0; PAGE_SIZE];

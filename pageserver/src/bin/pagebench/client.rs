@@ -289,9 +289,9 @@ mod tests {
     }
 
     use super::*;
+    use page_types::PAGE_SIZE;
     use proto::ValueKind;
     use tokio::io::{duplex, split, DuplexStream, ReadHalf, WriteHalf};
-    use walredo_proc::page::BLCKSZ;
 
     fn key(blknum: u32) -> BufferTag {
         BufferTag { spcnode: 1663, dbnode: 1, relnode: 2, forknum: 0, blknum }
@@ -350,7 +350,7 @@ mod tests {
     }
 
     fn page(fill: u8) -> Bytes {
-        Bytes::from(vec![fill; BLCKSZ])
+        Bytes::from(vec![fill; PAGE_SIZE])
     }
 
     #[tokio::test]
@@ -406,7 +406,7 @@ mod tests {
                     ServerMessage::Page { request_id, lsn, page } => {
                         assert_eq!(request_id, u64::from(i));
                         assert_eq!(lsn, u64::from(i) + 1);
-                        assert_eq!(page.len(), BLCKSZ);
+                        assert_eq!(page.len(), PAGE_SIZE);
                         assert!(page.iter().all(|&b| b == i as u8));
                     }
                     other => panic!("unexpected {}", describe(&other)),
@@ -470,7 +470,7 @@ mod tests {
         };
         let use_client = async move {
             let (lsn, got) = client.get_page(key(1), proto::LSN_LATEST).await.unwrap();
-            assert_eq!((lsn, got.len()), (77, BLCKSZ));
+            assert_eq!((lsn, got.len()), (77, PAGE_SIZE));
             let error = client.get_page(key(2), 5).await.unwrap_err();
             assert_eq!(error.downcast_ref::<ServerError>().unwrap().code, ErrorCode::NotFound);
         };

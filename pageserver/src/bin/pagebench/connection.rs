@@ -17,12 +17,11 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use page_types::keys::RelTag;
-use page_types::Lsn;
+use page_types::{BufferTag, Lsn};
 use pageserver::page_service::proto::{ClientMessage, ServerMessage, LSN_LATEST};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
-use walredo_proc::protocol::BufferTag;
 
 use crate::dataset::{Shape, SplitMix64};
 use crate::keyspace::KeySpace;

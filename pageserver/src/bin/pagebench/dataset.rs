@@ -27,9 +27,9 @@
 //! same for a seed across versions of this tool, and `rand` does not promise stable streams.
 
 use bytes::Bytes;
+use page_types::BufferTag;
 use pageserver::page_service::proto::{IngestValue, ValueKind};
 use walredo_proc::page::{maxalign, Page, BLCKSZ};
-use walredo_proc::protocol::BufferTag;
 use walredo_proc::record::Record;
 
 /// LSN of the first value. Well above 0, so that a fresh tenant (last durable LSN 0) accepts it.

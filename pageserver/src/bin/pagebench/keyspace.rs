@@ -11,10 +11,9 @@
 
 use crate::client::{Client, ServerError};
 use anyhow::{bail, Context};
-use page_types::Lsn;
+use page_types::{BufferTag, Lsn};
 use pageserver::page_service::proto::ErrorCode;
 use serde::Deserialize;
-use walredo_proc::protocol::BufferTag;
 
 use crate::dataset::{Shape, FIRST_LSN, LSN_STEP};
 use crate::http;

@@ -4,11 +4,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use page_types::{Lsn, PAGE_SIZE};
 
 use crate::storage::test_support::*;
 use crate::storage::{
-    CompactionConf, DiskWait, GetError, Lsn, Pass, PassKind, PassStats, ReadLimits, ReconstructData, Step,
-    Timeline, PAGE_SIZE,
+    CompactionConf, DiskWait, GetError, Pass, PassKind, PassStats, ReadLimits, ReconstructData, Step,
+    Timeline,
 };
 
 /// A toy redo: the base image (zeros without one) with each record's bytes added into it at a

@@ -21,12 +21,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use anyhow::{bail, ensure, Context};
+use page_types::{BufferTag, Lsn};
 use prometheus::{IntCounter, IntGauge, Registry};
 
 use super::{decode_entry, decode_key_lsn, encode_entry, INDEX_ENTRY_LEN};
 use crate::storage::format::{put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
 use crate::storage::segment::{read_at, read_cached_at};
-use crate::storage::{Key, Lsn};
 
 /// Entries per index block: the most that fit in 8 KiB.
 pub(crate) const BLOCK_ENTRIES: usize = 8192 / INDEX_ENTRY_LEN;
@@ -44,7 +44,7 @@ pub(crate) const BLOCK_CACHE_BYTES: u64 = 64 << 20;
 
 /// What the footer of a block-indexed layer says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Footer {
+pub(crate) struct BlockIndexFooter {
     pub entry_count: u64,
     /// Distinct keys in the layer.
     pub key_count: u64,
@@ -52,14 +52,14 @@ pub(crate) struct Footer {
     pub index_offset: u64,
     pub first_lsn: Lsn,
     pub last_lsn: Lsn,
-    pub min_key: Key,
-    pub max_key: Key,
+    pub min_key: BufferTag,
+    pub max_key: BufferTag,
 }
 
 /// The first entry of an index block, and what the layer keeps in memory about the block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Fence {
-    pub key: Key,
+    pub key: BufferTag,
     pub lsn: Lsn,
     crc: u32,
     /// The most records one key has in this block (for finding long chains without reading
@@ -76,7 +76,10 @@ pub(crate) fn encoded_len(entries: usize) -> u64 {
 /// Encodes the block index, fences and footer of `entries` (sorted by `(key, lsn)`, unique,
 /// non-empty, all inside `data_end`), to be written at `data_end`. Returns the bytes and the
 /// decoded footer and fences (what [`BlockIndex::open`] would read back).
-pub(crate) fn encode(data_end: u64, entries: &[IndexEntry]) -> anyhow::Result<(Vec<u8>, Footer, Vec<Fence>)> {
+pub(crate) fn encode(
+    data_end: u64,
+    entries: &[IndexEntry],
+) -> anyhow::Result<(Vec<u8>, BlockIndexFooter, Vec<Fence>)> {
     let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
         bail!("an empty layer");
     };
@@ -120,7 +123,7 @@ pub(crate) fn encode(data_end: u64, entries: &[IndexEntry]) -> anyhow::Result<(V
         buf.extend_from_slice(&f.max_records.to_le_bytes());
     }
     let fence_crc = crc32c::crc32c(&buf[fence_start..]);
-    let footer = Footer {
+    let footer = BlockIndexFooter {
         entry_count: entries.len() as u64,
         key_count,
         index_offset: data_end,
@@ -154,13 +157,13 @@ pub(crate) fn has_block_footer(file: &File, file_len: u64) -> bool {
 }
 
 /// Reads and checks the footer and fences of a block-indexed layer of `file_len` bytes.
-fn read_footer_and_fences(file: &File, file_len: u64) -> anyhow::Result<(Footer, Vec<Fence>)> {
+fn read_footer_and_fences(file: &File, file_len: u64) -> anyhow::Result<(BlockIndexFooter, Vec<Fence>)> {
     ensure!(file_len >= FILE_HEADER_LEN + FOOTER_LEN, "file too short for a footer");
     let mut raw = [0u8; FOOTER_LEN as usize];
     read_at(file, &mut raw, file_len - FOOTER_LEN).context("read footer")?;
     ensure!(raw[..8] == FOOTER_MAGIC, "bad footer magic");
     let mut c = Cursor::new(&raw[8..]);
-    let footer = Footer {
+    let footer = BlockIndexFooter {
         entry_count: c.u64()?,
         key_count: c.u64()?,
         index_offset: c.u64()?,
@@ -205,7 +208,7 @@ pub(crate) struct Block {
 
 impl Block {
     /// The key and LSN of entry `i` (`i < len`).
-    fn at(&self, i: usize) -> (Key, Lsn) {
+    fn at(&self, i: usize) -> (BufferTag, Lsn) {
         decode_key_lsn(&self.entries[i])
     }
 
@@ -214,7 +217,7 @@ impl Block {
     }
 
     /// The first entry at or above `(key, lsn)` (`len` if none).
-    fn find(&self, key: Key, lsn: Lsn) -> usize {
+    fn find(&self, key: BufferTag, lsn: Lsn) -> usize {
         self.entries.partition_point(|r| decode_key_lsn(r) < (key, lsn))
     }
 
@@ -222,7 +225,7 @@ impl Block {
     /// when read). The end is found by walking on from the first: a key's entries lie side by
     /// side (a few cache lines the walk reads in order), where a second binary search of the
     /// block would miss the cache at most of its steps.
-    fn entries_of(&self, key: Key, lsn: Lsn) -> std::ops::Range<usize> {
+    fn entries_of(&self, key: BufferTag, lsn: Lsn) -> std::ops::Range<usize> {
         let start = self.find(key, Lsn(0));
         let taken = self.entries[start..].iter().take_while(|r| decode_key_lsn(r) <= (key, lsn)).count();
         start..start + taken
@@ -311,7 +314,7 @@ fn next_uid() -> u64 {
 pub(crate) struct BlockIndex {
     uid: u64,
     file: Arc<File>,
-    pub footer: Footer,
+    pub footer: BlockIndexFooter,
     fences: Box<[Fence]>,
     /// Index blocks handed out (from the cache or the file), for tests that bound a read's blocks.
     #[cfg(test)]
@@ -326,11 +329,11 @@ impl BlockIndex {
     }
 
     /// The index just written by [`encode`] (no read).
-    pub(crate) fn written(file: Arc<File>, footer: Footer, fences: Vec<Fence>) -> BlockIndex {
+    pub(crate) fn written(file: Arc<File>, footer: BlockIndexFooter, fences: Vec<Fence>) -> BlockIndex {
         BlockIndex::new(file, footer, fences)
     }
 
-    fn new(file: Arc<File>, footer: Footer, fences: Vec<Fence>) -> BlockIndex {
+    fn new(file: Arc<File>, footer: BlockIndexFooter, fences: Vec<Fence>) -> BlockIndex {
         BlockIndex {
             uid: next_uid(),
             file,
@@ -418,7 +421,7 @@ impl BlockIndex {
 
     /// The blocks that may hold entries of `key` at or below `lsn` (none outside the layer's
     /// keys and LSNs, as its footer says: no block is read for them).
-    fn blocks_of(&self, key: Key, lsn: Lsn) -> std::ops::Range<usize> {
+    fn blocks_of(&self, key: BufferTag, lsn: Lsn) -> std::ops::Range<usize> {
         if key < self.footer.min_key || key > self.footer.max_key || lsn < self.footer.first_lsn {
             return 0..0;
         }
@@ -430,7 +433,7 @@ impl BlockIndex {
 
     /// The entries of `key` at or below `lsn`, oldest first; index blocks are read waiting for
     /// the disk only where `wait` allows.
-    pub(crate) fn lookup(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
+    pub(crate) fn lookup(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
         let mut out = Vec::new();
         for i in self.blocks_of(key, lsn) {
             let block = self.block(i, wait)?;
@@ -444,7 +447,7 @@ impl BlockIndex {
     /// The LSN of the newest entry of `key` at or below `lsn`, if any: [`BlockIndex::lookup`]'s
     /// last, without collecting the others or decoding any (the page cache's version lookup).
     /// Reads the blocks from the last one that may hold it down, until one does.
-    pub(crate) fn newest_lsn(&self, key: Key, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
+    pub(crate) fn newest_lsn(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
         for i in self.blocks_of(key, lsn).rev() {
             let block = self.block(i, wait)?;
             if let Some(j) = block.entries_of(key, lsn).next_back() {
@@ -455,7 +458,7 @@ impl BlockIndex {
     }
 
     /// The first key above `after` (the layer's first key if `None`), if any.
-    pub(crate) fn next_key(&self, after: Option<Key>) -> anyhow::Result<Option<Key>> {
+    pub(crate) fn next_key(&self, after: Option<BufferTag>) -> anyhow::Result<Option<BufferTag>> {
         let Some(after) = after else {
             return Ok(Some(self.footer.min_key));
         };
@@ -495,8 +498,8 @@ mod tests {
 
     use super::*;
 
-    fn key(rel: u32, blk: u32) -> Key {
-        Key { spcnode: 1, dbnode: 2, relnode: rel, forknum: 0, blknum: blk }
+    fn key(rel: u32, blk: u32) -> BufferTag {
+        BufferTag { spcnode: 1, dbnode: 2, relnode: rel, forknum: 0, blknum: blk }
     }
 
     /// A layer file of `entries` (their values are not written: a data region of zeros).
@@ -539,7 +542,7 @@ mod tests {
             assert_eq!(idx.footer.entry_count, all.len() as u64);
             assert_eq!(idx.footer.key_count, u64::from(keys));
             assert_eq!(idx.fences().len(), all.len().div_ceil(BLOCK_ENTRIES));
-            let mut distinct: Vec<Key> = all.iter().map(|e| e.key).collect();
+            let mut distinct: Vec<BufferTag> = all.iter().map(|e| e.key).collect();
             distinct.dedup();
             for (n, k) in
                 distinct.iter().enumerate().step_by(7).chain([(distinct.len() - 1, distinct.last().unwrap())])

@@ -6,10 +6,12 @@
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
+use page_types::BufferTag;
+
 use super::*;
 use crate::storage::manifest::{ActiveMeta, CompactIntent, SealIntent};
 use crate::storage::test_support::*;
-use crate::storage::{format, GetError, Key, Timeline, Value};
+use crate::storage::{format, GetError, Timeline, Value};
 
 const BIG: u64 = 1 << 30;
 
@@ -539,7 +541,7 @@ const KILL9_DIR_ENV: &str = "PAGESERVER_STORAGE_KILL9_CHILD_DIR";
 const KILL9_LAYER_SIZE: u64 = 64 << 10;
 
 /// The value the kill -9 child ingests at `lsn` (one per batch): an image every 10th LSN.
-fn kill9_value(lsn: u64) -> (Key, Value) {
+fn kill9_value(lsn: u64) -> (BufferTag, Value) {
     let k = key((lsn % 50) as u32);
     if lsn % 10 == 0 {
         (k, image(lsn as u8))

@@ -33,11 +33,11 @@ use tokio::process::{ChildStdin, ChildStdout};
 
 use super::round_trip::{ChildPipes, KindPipes};
 use crate::walredo::pipeline::ProcessError;
-use crate::walredo::pipeline::{self, Patience, Reply, Waiter};
+use crate::walredo::pipeline::{self, ChildReply, Patience, Waiter};
 use crate::walredo::write_queue::Batch;
 
-type Writer = pipeline::Writer<ChildStdin>;
-type Reader = pipeline::Reader<ChildStdout>;
+type Stdin = pipeline::PipeWriter<ChildStdin>;
+type Stdout = pipeline::PipeReader<ChildStdout>;
 
 pub(crate) struct AsyncPipes {
     pipes: ChildPipes<ChildStdin, ChildStdout>,
@@ -57,7 +57,7 @@ impl AsyncPipes {
     ///
     /// Not cancel-safe: dropped mid-frame, the reader loses its place; the caller (spawn)
     /// discards the child on any failure or drop.
-    pub(crate) async fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
+    pub(crate) async fn read_first(&self, timeout: Duration) -> Result<ChildReply, ProcessError> {
         tokio::time::timeout(timeout, async { read_reply(&mut *self.pipes.stdout.lock().await).await })
             .await
             .unwrap_or(Err(ProcessError::Timeout(timeout)))
@@ -78,7 +78,7 @@ impl KindPipes for AsyncPipes {
 
     async fn write_queued<F: FnOnce() + Send>(
         &self,
-        writer: &mut Writer,
+        writer: &mut Stdin,
         on_broken_write: Option<F>,
         (): (),
         patience: Patience,
@@ -123,10 +123,10 @@ impl KindPipes for AsyncPipes {
 
     async fn read_own(
         &self,
-        stdout: &mut Reader,
+        stdout: &mut Stdout,
         waiter: &Waiter<'_>,
         (): (),
-    ) -> Result<Reply, ProcessError> {
+    ) -> Result<ChildReply, ProcessError> {
         loop {
             let at_head = match waiter.take() {
                 Ok(reply) => return Ok(reply),
@@ -149,7 +149,7 @@ fn io_error(message: &'static str) -> ProcessError {
     ProcessError::Io(anyhow::anyhow!(message))
 }
 
-async fn read_reply(stdout: &mut Reader) -> Result<Reply, ProcessError> {
+async fn read_reply(stdout: &mut Stdout) -> Result<ChildReply, ProcessError> {
     loop {
         if let Some(reply) = stdout.replies.take()? {
             return Ok(reply);

@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 
 use tokio::process::{ChildStdin, ChildStdout};
 
-use super::sync_pipes::{SyncPipes, Wait};
+use super::sync_pipes::SyncPipes;
 use super::{async_pipes::AsyncPipes, Pipes, ProcessError};
 use crate::walredo::pipeline::Patience;
 use crate::walredo::priority::WriteTicket;
 use crate::walredo::request::Request;
+use crate::worker_controller::Wait;
 
 /// The fake children never stall: the tests feed and drain them.
 const PATIENCE: Patience = Patience { timeout: Duration::from_secs(30), stall: Duration::from_secs(30) };

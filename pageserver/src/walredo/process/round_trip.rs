@@ -9,7 +9,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::walredo::pipeline::{self, Claim, Patience, ProcessError, Reply, Shared, Turn, Waiter};
+use crate::walredo::pipeline::{self, ChildReply, Claim, Patience, ProcessError, Shared, Turn, Waiter};
 use crate::walredo::priority::WriteTicket;
 use crate::walredo::request::Request;
 use crate::walredo::write_queue::{WriteQueue, WriteTurn};
@@ -19,19 +19,19 @@ use crate::walredo::write_queue::{WriteQueue, WriteTurn};
 pub(super) struct ChildPipes<I, O> {
     /// tokio mutexes: waiting for a pipe blocks no thread, and the guards are held across
     /// awaits.
-    pub(super) stdin: tokio::sync::Mutex<pipeline::Writer<I>>,
+    pub(super) stdin: tokio::sync::Mutex<pipeline::PipeWriter<I>>,
     /// Requests waiting to be written, by whichever of them holds `stdin`.
     pub(super) queue: WriteQueue,
-    pub(super) stdout: tokio::sync::Mutex<pipeline::Reader<O>>,
+    pub(super) stdout: tokio::sync::Mutex<pipeline::PipeReader<O>>,
     pub(super) shared: Shared,
 }
 
 impl<I, O> ChildPipes<I, O> {
     pub(super) fn new(stdin: I, stdout: O) -> ChildPipes<I, O> {
         ChildPipes {
-            stdin: tokio::sync::Mutex::new(pipeline::Writer::new(stdin)),
+            stdin: tokio::sync::Mutex::new(pipeline::PipeWriter::new(stdin)),
             queue: WriteQueue::default(),
-            stdout: tokio::sync::Mutex::new(pipeline::Reader::new(stdout)),
+            stdout: tokio::sync::Mutex::new(pipeline::PipeReader::new(stdout)),
             shared: Shared::new(),
         }
     }
@@ -55,7 +55,7 @@ pub(super) trait KindPipes: Sync {
     /// was taken.
     fn write_queued<F: FnOnce() + Send>(
         &self,
-        writer: &mut pipeline::Writer<Self::In>,
+        writer: &mut pipeline::PipeWriter<Self::In>,
         on_broken_write: Option<F>,
         mode: Self::Mode,
         patience: Patience,
@@ -65,10 +65,10 @@ pub(super) trait KindPipes: Sync {
     /// `waiter`'s comes or its wait fails.
     fn read_own(
         &self,
-        stdout: &mut pipeline::Reader<Self::Out>,
+        stdout: &mut pipeline::PipeReader<Self::Out>,
         waiter: &Waiter<'_>,
         mode: Self::Mode,
-    ) -> impl Future<Output = Result<Reply, ProcessError>> + Send;
+    ) -> impl Future<Output = Result<ChildReply, ProcessError>> + Send;
 }
 
 /// One request out, its reply back (see [`super::Process::round_trip`]); `on_broken_write`
@@ -80,7 +80,7 @@ pub(super) async fn round_trip<K: KindPipes>(
     ticket: WriteTicket<'_>,
     patience: Patience,
     on_broken_write: impl FnOnce() + Send,
-) -> Result<Reply, ProcessError> {
+) -> Result<ChildReply, ProcessError> {
     let mode = kind.mode();
     let ChildPipes { stdin, queue, stdout, shared } = kind.pipes();
     let queue_deadline = Instant::now() + patience.timeout;

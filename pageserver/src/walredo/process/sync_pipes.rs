@@ -61,20 +61,12 @@ use tokio::net::unix::pipe;
 use super::round_trip::{ChildPipes, KindPipes};
 use crate::util::lock;
 use crate::walredo::pipeline::ProcessError;
-use crate::walredo::pipeline::{self, Patience, Reply, Waiter};
+use crate::walredo::pipeline::{self, ChildReply, Patience, Waiter};
 use crate::walredo::write_queue::Batch;
+use crate::worker_controller::Wait;
 
-type Writer = pipeline::Writer<PipeFd>;
-type Reader = pipeline::Reader<PipeFd>;
-
-/// How a round trip waits for the pipes (see the module doc).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Wait {
-    /// `poll` on the calling thread, under `block_in_place`; the reader spins first.
-    Block,
-    /// Awaits on tokio's reactor; no spin.
-    Yield,
-}
+type Stdin = pipeline::PipeWriter<PipeFd>;
+type Stdout = pipeline::PipeReader<PipeFd>;
 
 /// Which end of a pipe a [`PipeFd`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,7 +194,9 @@ pub(crate) struct SyncPipes {
     pipes: ChildPipes<PipeFd, PipeFd>,
     /// The spin window of the reader, in microseconds (0: block at once).
     spin_us: AtomicU64,
-    /// Whether round trips wait by yielding ([`Wait::Yield`]) rather than blocking.
+    /// Whether round trips wait by yielding ([`Wait::Yield`]: awaits on tokio's reactor, no
+    /// spin) rather than blocking ([`Wait::Block`]: `poll` on the calling thread under
+    /// `block_in_place`, the reader spinning first).
     yields: AtomicBool,
 }
 
@@ -249,7 +243,7 @@ impl SyncPipes {
     /// Reads the first frame of the child (its hello), before any request is written.
     ///
     /// Cancel-safe while it waits for the stdout lock; the read itself runs to its end.
-    pub(crate) async fn read_first(&self, timeout: Duration) -> Result<Reply, ProcessError> {
+    pub(crate) async fn read_first(&self, timeout: Duration) -> Result<ChildReply, ProcessError> {
         let deadline = Instant::now() + timeout;
         let mut stdout = lock_until(&self.pipes.stdout, deadline, timeout).await?;
         blocking(|| read_reply(&mut stdout, deadline, timeout, Duration::ZERO))
@@ -319,7 +313,11 @@ impl SyncPipes {
     /// Reads replies (parking the others') until ours comes, yielding while the pipe is empty.
     ///
     /// Cancel-safe: dropped while it waits, the bytes read so far stay in the shared reader.
-    async fn read_yielding(&self, stdout: &mut Reader, waiter: &Waiter<'_>) -> Result<Reply, ProcessError> {
+    async fn read_yielding(
+        &self,
+        stdout: &mut Stdout,
+        waiter: &Waiter<'_>,
+    ) -> Result<ChildReply, ProcessError> {
         loop {
             if let Some(reply) = self.read_available(stdout, waiter.seq)? {
                 return Ok(reply);
@@ -344,10 +342,10 @@ impl SyncPipes {
     /// way; `None` if it did not come within it.
     fn spin_for_reply(
         &self,
-        stdout: &mut Reader,
+        stdout: &mut Stdout,
         seq: u64,
         window: Duration,
-    ) -> Result<Option<Reply>, ProcessError> {
+    ) -> Result<Option<ChildReply>, ProcessError> {
         if window.is_zero() {
             return Ok(None);
         }
@@ -362,7 +360,7 @@ impl SyncPipes {
     }
 
     /// Reads the replies that can be read without waiting; returns ours if it was among them.
-    fn read_available(&self, stdout: &mut Reader, seq: u64) -> Result<Option<Reply>, ProcessError> {
+    fn read_available(&self, stdout: &mut Stdout, seq: u64) -> Result<Option<ChildReply>, ProcessError> {
         loop {
             if let Some(reply) = lock(&self.pipes.shared.replies).take(seq) {
                 return Ok(Some(reply));
@@ -395,7 +393,7 @@ impl KindPipes for SyncPipes {
 
     async fn write_queued<F: FnOnce() + Send>(
         &self,
-        writer: &mut Writer,
+        writer: &mut Stdin,
         on_broken_write: Option<F>,
         wait: Wait,
         patience: Patience,
@@ -421,10 +419,10 @@ impl KindPipes for SyncPipes {
 
     async fn read_own(
         &self,
-        stdout: &mut Reader,
+        stdout: &mut Stdout,
         waiter: &Waiter<'_>,
         wait: Wait,
-    ) -> Result<Reply, ProcessError> {
+    ) -> Result<ChildReply, ProcessError> {
         if wait == Wait::Yield {
             return self.read_yielding(stdout, waiter).await;
         }
@@ -510,7 +508,7 @@ fn write_some<F: FnOnce()>(batch: &mut Batch<'_, PipeFd, F>) -> Result<(), Proce
 }
 
 /// One non-blocking read into the reply buffer: `None` when nothing is there yet.
-fn read_some(stdout: &mut Reader) -> Result<Option<usize>, ProcessError> {
+fn read_some(stdout: &mut Stdout) -> Result<Option<usize>, ProcessError> {
     loop {
         match stdout.pipe.read(&mut stdout.replies.spare()) {
             Ok(n) => return Ok(Some(n)),
@@ -524,11 +522,11 @@ fn read_some(stdout: &mut Reader) -> Result<Option<usize>, ProcessError> {
 /// Reads the next reply, waiting until `deadline`; each wait for bytes busy-polls for up to
 /// `spin` before it blocks in `poll`.
 fn read_reply(
-    stdout: &mut Reader,
+    stdout: &mut Stdout,
     deadline: Instant,
     timeout: Duration,
     spin: Duration,
-) -> Result<Reply, ProcessError> {
+) -> Result<ChildReply, ProcessError> {
     // When the current busy-poll ends; `None` while not spinning.
     let mut spin_until = None;
     loop {

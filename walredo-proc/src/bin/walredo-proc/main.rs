@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use walredo_proc::protocol::{self, decode_request, Hello, PROTOCOL_VERSION};
 use walredo_proc::record::MAX_RECORD_LEN;
 
-use serve::{RedoState, Reply};
+use serve::{Answer, RedoState};
 
 /// Read buffer: room for many pipelined requests, and always for the largest frame.
 const READ_BUF_LEN: usize = 256 * 1024;
@@ -176,11 +176,11 @@ fn run(options: &Options) -> Result<(), String> {
             if let Some(reply) = state.handle(request) {
                 reply_header.clear();
                 match reply {
-                    Reply::Page(page) => {
+                    Answer::Page(page) => {
                         protocol::encode_page_reply_header(&mut reply_header);
                         write_all(output, &[IoSlice::new(&reply_header), IoSlice::new(page)])?;
                     }
-                    Reply::Error(code, message) => {
+                    Answer::Error(code, message) => {
                         protocol::encode_error_reply(&mut reply_header, code, &message);
                         write_all(output, &[IoSlice::new(&reply_header)])?;
                     }

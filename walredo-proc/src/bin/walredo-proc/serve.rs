@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use page_types::Lsn;
 use walredo_proc::page::{Page, BLCKSZ};
 use walredo_proc::pg15;
 use walredo_proc::pg15::redo::RedoError;
@@ -19,9 +20,9 @@ use walredo_proc::record::Record;
 
 static ZERO_PAGE: Page = [0; BLCKSZ];
 
-/// What to send back for a request, if anything.
+/// What the child answers a request with (the reply frame it writes), if anything.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Reply<'a> {
+pub enum Answer<'a> {
     Page(&'a Page),
     Error(ErrorCode, String),
 }
@@ -49,7 +50,7 @@ impl RedoState {
     }
 
     /// Handles one request; returns the reply for `G` and `H`, nothing for the others.
-    pub fn handle(&mut self, request: Request<'_>) -> Option<Reply<'_>> {
+    pub fn handle(&mut self, request: Request<'_>) -> Option<Answer<'_>> {
         match request {
             Request::Begin(tag) => {
                 self.tag = Some(tag);
@@ -82,21 +83,16 @@ impl RedoState {
                                 RedoError::Malformed(_) => ErrorCode::BadRecord,
                                 RedoError::DoesNotFit(_) => ErrorCode::ApplyFailed,
                             };
-                            self.fail(code, format!("record at LSN {}: {e}", fmt_lsn(lsn)));
+                            self.fail(code, format!("record at LSN {}: {e}", Lsn(lsn)));
                         }
                         return None;
                     }
                     match Record::decode(record) {
-                        Err(e) => {
-                            self.fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", fmt_lsn(lsn)))
-                        }
+                        Err(e) => self.fail(ErrorCode::BadRecord, format!("record at LSN {}: {e}", Lsn(lsn))),
                         Ok(record) => {
                             if let Err(e) = record.apply(&mut self.page, lsn) {
                                 let kind = record.kind_name();
-                                self.fail(
-                                    ErrorCode::ApplyFailed,
-                                    format!("{kind} at LSN {}: {e}", fmt_lsn(lsn)),
-                                );
+                                self.fail(ErrorCode::ApplyFailed, format!("{kind} at LSN {}: {e}", Lsn(lsn)));
                             }
                         }
                     }
@@ -108,18 +104,18 @@ impl RedoState {
                 self.tag = None;
                 let failed = self.failed.take();
                 Some(match (problem, failed) {
-                    (Some(problem), _) => Reply::Error(ErrorCode::BadRequest, problem),
-                    (None, Some((code, message))) => Reply::Error(code, message),
-                    (None, None) => Reply::Page(&self.page),
+                    (Some(problem), _) => Answer::Error(ErrorCode::BadRequest, problem),
+                    (None, Some((code, message))) => Answer::Error(code, message),
+                    (None, None) => Answer::Page(&self.page),
                 })
             }
-            Request::Ping => Some(Reply::Page(&ZERO_PAGE)),
+            Request::Ping => Some(Answer::Page(&ZERO_PAGE)),
             Request::SetSpin(Ok(micros)) => {
                 self.spin_us = micros;
-                Some(Reply::Page(&ZERO_PAGE))
+                Some(Answer::Page(&ZERO_PAGE))
             }
             // The window stays as it was.
-            Request::SetSpin(Err(e)) => Some(Reply::Error(ErrorCode::BadRequest, format!("S: {e}"))),
+            Request::SetSpin(Err(e)) => Some(Answer::Error(ErrorCode::BadRequest, format!("S: {e}"))),
         }
     }
 
@@ -136,10 +132,6 @@ impl RedoState {
             self.failed = Some((code, message));
         }
     }
-}
-
-fn fmt_lsn(lsn: u64) -> String {
-    format!("{:X}/{:X}", lsn >> 32, lsn as u32)
 }
 
 #[cfg(test)]
@@ -162,7 +154,7 @@ mod tests {
         let put = record_bytes(Record::PutBytes { offset: 100, data: b"abc" });
         assert_eq!(state.handle(Request::Begin(tag(1))), None);
         assert_eq!(state.handle(Request::Apply { lsn: 0x10, record: &put }), None);
-        let Some(Reply::Page(page)) = state.handle(Request::GetPage(tag(1))) else {
+        let Some(Answer::Page(page)) = state.handle(Request::GetPage(tag(1))) else {
             panic!("expected a page")
         };
         assert_eq!(&page[100..103], b"abc");
@@ -175,14 +167,14 @@ mod tests {
         let bad = record_bytes(Record::PutBytes { offset: 8190, data: b"abcdef" });
         state.handle(Request::Begin(tag(1)));
         state.handle(Request::Apply { lsn: 0x20, record: &bad });
-        let Some(Reply::Error(code, message)) = state.handle(Request::GetPage(tag(1))) else {
+        let Some(Answer::Error(code, message)) = state.handle(Request::GetPage(tag(1))) else {
             panic!("expected an error")
         };
         assert_eq!(code, ErrorCode::ApplyFailed);
         assert!(message.contains("0/20"), "{message}");
 
         state.handle(Request::Begin(tag(2)));
-        assert!(matches!(state.handle(Request::GetPage(tag(2))), Some(Reply::Page(_))));
+        assert!(matches!(state.handle(Request::GetPage(tag(2))), Some(Answer::Page(_))));
     }
 
     #[test]
@@ -212,7 +204,7 @@ mod tests {
         let mut state = RedoState::new();
         state.handle(Request::Begin(tag(1)));
         state.handle(Request::Apply { lsn: 0x68, record: &bytes });
-        let Some(Reply::Error(code, message)) = state.handle(Request::GetPage(tag(1))) else {
+        let Some(Answer::Error(code, message)) = state.handle(Request::GetPage(tag(1))) else {
             panic!("expected an error")
         };
         assert_eq!(code, ErrorCode::UnsupportedRecord);
@@ -221,11 +213,11 @@ mod tests {
         state.handle(Request::Apply { lsn: 0x68, record: &bytes[..bytes.len() - 1] });
         assert!(matches!(
             state.handle(Request::GetPage(tag(2))),
-            Some(Reply::Error(ErrorCode::BadRecord, _))
+            Some(Answer::Error(ErrorCode::BadRecord, _))
         ));
         // The child serves on.
         state.handle(Request::Begin(tag(3)));
-        assert!(matches!(state.handle(Request::GetPage(tag(3))), Some(Reply::Page(_))));
+        assert!(matches!(state.handle(Request::GetPage(tag(3))), Some(Answer::Page(_))));
     }
 
     #[test]
@@ -235,7 +227,7 @@ mod tests {
         state.handle(Request::Apply { lsn: 1, record: &[0x7f] });
         assert!(matches!(
             state.handle(Request::GetPage(tag(1))),
-            Some(Reply::Error(ErrorCode::BadRecord, _))
+            Some(Answer::Error(ErrorCode::BadRecord, _))
         ));
     }
 
@@ -244,12 +236,12 @@ mod tests {
         let mut state = RedoState::new();
         assert!(matches!(
             state.handle(Request::GetPage(tag(1))),
-            Some(Reply::Error(ErrorCode::BadRequest, _))
+            Some(Answer::Error(ErrorCode::BadRequest, _))
         ));
         state.handle(Request::Begin(tag(1)));
         assert!(matches!(
             state.handle(Request::GetPage(tag(2))),
-            Some(Reply::Error(ErrorCode::BadRequest, _))
+            Some(Answer::Error(ErrorCode::BadRequest, _))
         ));
         let page = [0u8; BLCKSZ];
         state.handle(Request::Begin(tag(1)));
@@ -257,7 +249,7 @@ mod tests {
         state.handle(Request::PushPage { tag: tag(1), page: &page });
         assert!(matches!(
             state.handle(Request::GetPage(tag(1))),
-            Some(Reply::Error(ErrorCode::BadRequest, _))
+            Some(Answer::Error(ErrorCode::BadRequest, _))
         ));
     }
 
@@ -267,14 +259,14 @@ mod tests {
         assert_eq!(state.spin(), Duration::ZERO);
         let put = record_bytes(Record::PutBytes { offset: 100, data: b"abc" });
         state.handle(Request::Begin(tag(1)));
-        assert_eq!(state.handle(Request::SetSpin(Ok(250))), Some(Reply::Page(&ZERO_PAGE)));
+        assert_eq!(state.handle(Request::SetSpin(Ok(250))), Some(Answer::Page(&ZERO_PAGE)));
         assert_eq!(state.spin(), Duration::from_micros(250));
         state.handle(Request::Apply { lsn: 0x10, record: &put });
-        let Some(Reply::Page(page)) = state.handle(Request::GetPage(tag(1))) else {
+        let Some(Answer::Page(page)) = state.handle(Request::GetPage(tag(1))) else {
             panic!("the request around S must still succeed")
         };
         assert_eq!(&page[100..103], b"abc");
-        assert_eq!(state.handle(Request::SetSpin(Ok(0))), Some(Reply::Page(&ZERO_PAGE)));
+        assert_eq!(state.handle(Request::SetSpin(Ok(0))), Some(Answer::Page(&ZERO_PAGE)));
         assert_eq!(state.spin(), Duration::ZERO);
     }
 
@@ -284,7 +276,7 @@ mod tests {
         let mut state = RedoState::new();
         state.handle(Request::SetSpin(Ok(100)));
         for error in [SpinError::AboveMax(5000), SpinError::BadLength(3)] {
-            let Some(Reply::Error(code, message)) = state.handle(Request::SetSpin(Err(error))) else {
+            let Some(Answer::Error(code, message)) = state.handle(Request::SetSpin(Err(error))) else {
                 panic!("expected an error for {error:?}")
             };
             assert_eq!(code, ErrorCode::BadRequest);
@@ -296,6 +288,6 @@ mod tests {
     #[test]
     fn ping_replies_with_a_zero_page() {
         let mut state = RedoState::new();
-        assert_eq!(state.handle(Request::Ping), Some(Reply::Page(&ZERO_PAGE)));
+        assert_eq!(state.handle(Request::Ping), Some(Answer::Page(&ZERO_PAGE)));
     }
 }
