@@ -58,6 +58,19 @@ const RECONSTRUCT_LIMITS: ReadLimits = ReadLimits {
     max_bytes: page_types::MAX_RECONSTRUCT_BYTES,
 };
 
+/// A chain of records longer than one redo request takes ([`RECONSTRUCT_LIMITS`]) is rebuilt
+/// in pieces of at most this much, oldest first, each from the page the one before built: as a
+/// compaction pass rebuilds one ([`storage::IMAGE_PIECE_BYTES`]). Such a chain is one that
+/// compaction has not imaged yet, or cannot (a record the child refuses): its GetPage then fails
+/// only as its records do (`unsupported_record`), never for its length.
+const PIECE_LIMITS: ReadLimits =
+    ReadLimits { max_records: page_types::MAX_RECORDS_PER_REQUEST, max_bytes: storage::IMAGE_PIECE_BYTES };
+
+/// The longest chain rebuilt in pieces: the index entries of the whole chain are held while it
+/// is (about 100 bytes each), and its values are read a piece at a time. Past it a GetPage fails
+/// (`redo_failed`, "too expensive to rebuild").
+const PIECED_CHAIN_LIMITS: ReadLimits = ReadLimits { max_records: 1 << 18, max_bytes: 4 << 30 };
+
 /// Default of `wait_lsn_timeout`: the longest a GetPage waits for ingest to reach its LSN.
 pub const DEFAULT_WAIT_LSN_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -112,6 +125,23 @@ pub enum GetPageError {
 impl From<Overloaded> for GetPageError {
     fn from(Overloaded { bytes, waited }: Overloaded) -> GetPageError {
         GetPageError::Overloaded { bytes, waited }
+    }
+}
+
+/// The reads of a page: one plan, or a chain too long for one redo request in pieces, oldest
+/// first ([`PIECE_LIMITS`]).
+enum Planned {
+    Whole(ReadPlan),
+    Pieces(Vec<ReadPlan>),
+}
+
+impl Planned {
+    /// The page's version: the LSN of its newest value, the page cache's key.
+    fn version(&self) -> Lsn {
+        match self {
+            Planned::Whole(plan) => plan.newest_lsn(),
+            Planned::Pieces(pieces) => pieces.last().map_or(Lsn(0), ReadPlan::newest_lsn),
+        }
     }
 }
 
@@ -420,23 +450,19 @@ impl Tenant {
             // its version, which (for a tenant that follows PostgreSQL) is of the relation that
             // has the relfilenode then. The read goes on from that lookup.
             self.check_serving()?;
-            let plan = self
-                .timeline
-                .plan_read_from(start, RECONSTRUCT_LIMITS)
-                .await
-                .map_err(|e| read_error(key, lsn, e))?;
+            let plan = self.plan(key, lsn, Some(start)).await.map_err(|e| read_error(key, lsn, e))?;
             return self.build_page(key, lsn, plan).await;
         }
         let lsn = self.wait_for(lsn).await?;
         // One lookup of the index: the plan (the limits are checked there) names the page's
         // version, its newest value, which is what the page cache knows it by.
-        let plan = match self.timeline.plan_read_async(key, lsn, RECONSTRUCT_LIMITS).await {
+        let plan = match self.plan(key, lsn, None).await {
             Ok(plan) => Some(plan),
             Err(GetError::NotFound { .. }) => None,
             Err(e) => return Err(read_error(key, lsn, e)),
         };
         if self.follows_postgres.load(Ordering::Relaxed) {
-            let version = plan.as_ref().map(|p| p.newest_lsn());
+            let version = plan.as_ref().map(|p| p.version());
             if version.is_none()
                 || rel_sizes::dropped_incarnation(&self.timeline, key, version, lsn, DiskWait::Allowed)
                     .map_err(|e| read_error(key, lsn, e))?
@@ -449,35 +475,48 @@ impl Tenant {
             }
         }
         let plan = plan.ok_or(GetPageError::NotFound { key, lsn })?;
-        if let Some(page) = self.deps.cache.get(&(self.generation, key, plan.newest_lsn())) {
+        if let Some(page) = self.deps.cache.get(&(self.generation, key, plan.version())) {
             return Ok((lsn, page));
         }
         self.build_page(key, lsn, plan).await
     }
 
+    /// The reads of `key` at `lsn` (from what `start`, a lookup, found, or else a lookup now):
+    /// one plan within [`RECONSTRUCT_LIMITS`], or a longer chain in pieces ([`PIECE_LIMITS`]).
+    async fn plan(&self, key: BufferTag, lsn: Lsn, start: Option<ReadStart>) -> Result<Planned, GetError> {
+        let whole = match start {
+            Some(start) => self.timeline.plan_read_from(start, RECONSTRUCT_LIMITS).await,
+            None => self.timeline.plan_read_async(key, lsn, RECONSTRUCT_LIMITS).await,
+        };
+        match whole {
+            Ok(plan) => Ok(Planned::Whole(plan)),
+            Err(GetError::TooLarge(_)) => {
+                let pieces =
+                    self.timeline.plan_read_pieces(key, lsn, PIECED_CHAIN_LIMITS, PIECE_LIMITS).await?;
+                Ok(Planned::Pieces(pieces))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// The page `key` as of `lsn` built from `plan` (its values read, redone if they are more
-    /// than an image), and cached.
+    /// than an image; a chain in pieces, oldest first, each from the page before), and cached.
     async fn build_page(
         &self,
         key: BufferTag,
         lsn: Lsn,
-        plan: ReadPlan,
+        plan: Planned,
     ) -> Result<(Lsn, Bytes), GetPageError> {
-        let cache_key = (self.generation, key, plan.newest_lsn());
-        // Reserve the memory before reading; held until the page is built.
-        let holds = crate::walredo::reconstruction_bytes(plan.values(), plan.bytes());
-        // Biased: a budget with room answers at once, and then the cancellation is not
-        // polled (which would register with the tenant's token, a lock every request takes).
-        let _reserved = tokio::select! {
-            biased;
-            reserved = self.deps.redo_budget.reserve(holds) => reserved?,
-            () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
-        };
-        let data = self.timeline.read_planned(plan).await.map_err(|e| read_error(key, lsn, e))?;
-        let page = match (data.image, data.records.is_empty()) {
-            (Some((_, image)), true) => image,
-            (image, _) => {
-                self.walredo.request_redo(key, lsn, image.map(|(_, page)| page), &data.records).await?
+        let cache_key = (self.generation, key, plan.version());
+        let page = match plan {
+            Planned::Whole(plan) => self.rebuild(key, lsn, None, plan).await?,
+            Planned::Pieces(pieces) => {
+                let (mut page, last) = (None, pieces.len().saturating_sub(1));
+                for (i, piece) in pieces.into_iter().enumerate() {
+                    let at = if i == last { lsn } else { piece.newest_lsn() };
+                    page = Some(self.rebuild(key, at, page, piece).await?);
+                }
+                page.ok_or(GetPageError::NotFound { key, lsn })?
             }
         };
         // Only a PostgreSQL cluster's import stores a pg_control that can ask for checksums.
@@ -491,6 +530,36 @@ impl Tenant {
         };
         self.deps.cache.insert(cache_key, &page);
         Ok((lsn, page))
+    }
+
+    /// The page `key` as of `lsn` from `plan`'s values, on top of `base` (the page of the piece
+    /// before, if any): its image if that is all, else redone.
+    async fn rebuild(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        base: Option<Bytes>,
+        plan: ReadPlan,
+    ) -> Result<Bytes, GetPageError> {
+        // Reserve the memory before reading; held until the page is built.
+        let base_bytes = base.as_ref().map_or(0, |b| b.len() as u64);
+        let holds = crate::walredo::reconstruction_bytes(
+            plan.values() + usize::from(base.is_some()),
+            plan.bytes() + base_bytes,
+        );
+        // Biased: a budget with room answers at once, and then the cancellation is not
+        // polled (which would register with the tenant's token, a lock every request takes).
+        let _reserved = tokio::select! {
+            biased;
+            reserved = self.deps.redo_budget.reserve(holds) => reserved?,
+            () = self.cancel.cancelled() => return Err(GetPageError::ShuttingDown),
+        };
+        let data = self.timeline.read_planned(plan).await.map_err(|e| read_error(key, lsn, e))?;
+        let image = data.image.map(|(_, page)| page).or(base);
+        match (image, data.records.is_empty()) {
+            (Some(image), true) => Ok(image),
+            (image, _) => Ok(self.walredo.request_redo(key, lsn, image, &data.records).await?),
+        }
     }
 
     /// Queues a batch for durable storage, in call order; the returned future resolves once

@@ -87,6 +87,32 @@ impl Picked {
         self.values.push((self.files.len() - 1, *e, copy.cloned()));
     }
 
+    /// Cuts a list (oldest first) into consecutive pieces of at most `limits` each, oldest
+    /// first: the first keeps the image, if any; a value larger than `limits` alone is a piece
+    /// of its own. For a chain too long for one redo request, rebuilt piece by piece.
+    pub(crate) fn into_pieces(self, limits: ReadLimits) -> Vec<Picked> {
+        let mut pieces = Vec::new();
+        let mut piece = Picked::with_capacity(PICKED_CAPACITY);
+        let (mut bytes, mut records) = (0u64, 0usize);
+        for (f, e, copy) in self.values {
+            let len = u64::from(e.len);
+            let record = e.kind == Kind::Record;
+            if !piece.values.is_empty()
+                && (bytes.saturating_add(len) > limits.max_bytes || (record && records >= limits.max_records))
+            {
+                pieces.push(std::mem::replace(&mut piece, Picked::with_capacity(PICKED_CAPACITY)));
+                (bytes, records) = (0, 0);
+            }
+            bytes = bytes.saturating_add(len);
+            records += usize::from(record);
+            piece.push(&self.files[f], &e, copy.as_ref());
+        }
+        if !piece.values.is_empty() {
+            pieces.push(piece);
+        }
+        pieces
+    }
+
     /// Turns a list pushed newest first into one oldest first, in place.
     fn reverse(&mut self) {
         let last = self.files.len() - 1;
@@ -689,6 +715,32 @@ mod tests {
         assert_eq!(d.image.unwrap().1.len(), 8192);
         let want = [(20, &b"r20"[..]), (30, b"r30"), (40, b"r40")].map(|(l, b)| (Lsn(l), Bytes::from(b)));
         assert_eq!(d.records, want);
+    }
+
+    /// A chain too long for one plan, cut into pieces oldest first: the image starts the first,
+    /// each piece stays within the limits, a value larger than them is a piece alone, and the
+    /// pieces read back the chain's values in order.
+    #[test]
+    fn a_chain_cut_into_pieces_keeps_its_order_and_each_piece_within_the_limits() {
+        let mut vals = vec![(key(1), 10, Kind::Image, vec![7u8; 100])];
+        for lsn in 11..40 {
+            vals.push((key(1), lsn, Kind::Record, vec![lsn as u8; if lsn == 25 { 90 } else { 10 }]));
+        }
+        let idx =
+            active_with(&vals.iter().map(|(k, l, kind, b)| (*k, *l, *kind, &b[..])).collect::<Vec<_>>());
+        let picked =
+            idx.snapshot(key(1), Lsn(39)).pick(key(1), Lsn(39), NO_LIMITS, DiskWait::Allowed).unwrap();
+        let limits = ReadLimits { max_records: 4, max_bytes: 60 };
+        let pieces: Vec<_> = picked.unwrap().into_pieces(limits).into_iter().map(ReadPlan::new).collect();
+        let mut lsns = Vec::new();
+        for (i, piece) in pieces.into_iter().enumerate() {
+            let d = piece.execute().unwrap();
+            assert_eq!(d.image.is_some(), i == 0, "only the first piece has the image");
+            let bytes: usize = d.records.iter().map(|(_, r)| r.len()).sum();
+            assert!(d.records.len() <= 4 && (bytes <= 60 || d.records.len() == 1), "piece {i}: {d:?}");
+            lsns.extend(d.image.iter().map(|(l, _)| l.0).chain(d.records.iter().map(|(l, _)| l.0)));
+        }
+        assert_eq!(lsns, (10..40).collect::<Vec<_>>());
     }
 
     #[test]

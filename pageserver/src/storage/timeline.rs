@@ -408,6 +408,35 @@ impl Timeline {
         self.plan_snapshot(snapshot, key, lsn, limits).await
     }
 
+    /// The reads for `key` at `lsn` of a chain too long for one plan, as consecutive plans of
+    /// at most `piece` each, oldest first ([`super::read::Picked::into_pieces`]): the first starts from the
+    /// key's newest image (if any), each of the others from the page the one before rebuilds.
+    /// The index entries of the whole chain (not its values) are held at once: fails with
+    /// `TooLarge` past `chain`, with nothing read. Made on the blocking pool if an index block
+    /// would wait for the disk, as [`Timeline::plan_read_async`] is; cancel-safe as it is.
+    pub(crate) async fn plan_read_pieces(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        chain: ReadLimits,
+        piece: ReadLimits,
+    ) -> Result<Vec<ReadPlan>, GetError> {
+        self.count_lookup();
+        let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
+        let picked = match snapshot.pick(key, lsn, chain, DiskWait::Refused) {
+            Err(e) if would_wait(&e) => {
+                self.shared.metrics.plans_offloaded.inc();
+                tokio::task::spawn_blocking(move || snapshot.pick(key, lsn, chain, DiskWait::Allowed))
+                    .await
+                    .map_err(|e| GetError::Io(anyhow::anyhow!("storage plan task failed: {e}")))??
+            }
+            picked => picked?,
+        };
+        self.check_retained(lsn)?;
+        let picked = picked.ok_or(GetError::NotFound { key, lsn })?;
+        Ok(picked.into_pieces(piece).into_iter().map(ReadPlan::new).collect())
+    }
+
     /// The plan of a read that [`Timeline::lookup`] began, made from what the lookup found (the
     /// active segment's entries it copied out, or the layer it found the version in and the
     /// runs below it) without looking the key up again, as [`Timeline::plan_read_async`] makes
