@@ -8,9 +8,9 @@
 //! (28-55 us for a sleeping child on this machine, against about 3 us per round trip when both
 //! sides spin), and one that spins burns a CPU. Valkey's adaptive IO threads showed the shape of
 //! the fix: size the pool from a smoothed measure of the load, grow at once, shrink slowly. This
-//! module decides; the pool that will use it (not built yet: each tenant still has one redo
-//! child) measures one period at a time, calls [`WorkerController::update`], and spawns,
-//! retires, spins or parks workers to match.
+//! module decides; the pool that uses it (each tenant's pool of redo children, `walredo::pool`)
+//! measures one period at a time, calls [`WorkerController::update`], and spawns, retires,
+//! spins or parks workers to match.
 //!
 //! It is generic: a "worker" is anything that serves one request at a time (a redo child now,
 //! a socket writer thread later), and a "request" is one unit of its work.

@@ -24,9 +24,9 @@
 //! threads shared by all timelines, running any `pool::Task`), `recovery` (open-time repair),
 //! `metrics`.
 //!
-//! Dependencies point one way: `timeline` -> `commit`, `recovery` -> `shared`, `manifest`,
-//! `index` -> `read` -> `layer_map` -> `layer`, `segment`, `format`; `pool` depends on nothing
-//! in storage.
+//! Dependencies point one way: `timeline` -> `commit`, `recovery` -> `compact` -> `shared` ->
+//! `index`, `manifest` -> `read` -> `layer_map` -> `layer` -> `segment` -> `format`, `metrics`;
+//! `pool` depends on nothing in storage.
 //!
 //! **Invariants:**
 //! - ingested LSNs only grow: a batch's first LSN is above every LSN queued before it (after a

@@ -6,7 +6,7 @@
 //! What it drives lives in rooms of its own: the protocol client (`crate::postgres`:
 //! [`connstr`], libpq connection strings; [`pq`], the replication protocol client), the pure
 //! ingest steps (`crate::ingest`: [`import`], a base backup to values; [`wal_values`], a
-//! decoded record to values, and the size cache [`wal_wal_values::RelSizes`]), and the sizes and
+//! decoded record to values, and the size cache [`wal_values::RelSizes`]), and the sizes and
 //! drops read back from storage ([`rel_sizes`], beside it under `tenant`). This file: the
 //! source file of the tenant, the receiver task, its status.
 //!

@@ -4,7 +4,7 @@
 //! records one key has in it) and a footer (`docs/storage-format.md`, "Layer files").
 //!
 //! Opening a layer reads only the footer and the fences ([`BlockIndex::open`]): a layer costs
-//! memory in proportion to its blocks (about 36 bytes per 178 values), never to its values.
+//! memory in proportion to its blocks (a fence of 33 bytes per block of 195 values), never to its values.
 //! A lookup finds the blocks that can hold a key from the fences (binary search) and reads
 //! them through [`BlockCache`], a daemon-wide cache of checked blocks bounded in bytes; within
 //! a block it searches the encoded entries and decodes only those it returns.
