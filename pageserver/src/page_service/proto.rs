@@ -1,8 +1,8 @@
 //! The page service wire protocol (docs/page-service-protocol.md): frames and messages in both
 //! directions, encode and decode.
 //!
-//! Pure code: no I/O. Used by the server ([`super`]), the client ([`super::client`]) and
-//! `pagebench`. Decoding takes the payload as `Bytes`, so the data of ingested values is sliced
+//! Pure code: no I/O. Used by the server ([`super`]) and by `pagebench`'s client
+//! (`bin/pagebench/client.rs`, which the server's tests compile in too). Decoding takes the payload as `Bytes`, so the data of ingested values is sliced
 //! out of the read buffer, not copied.
 //!
 //! Invariant: no input makes a decoder panic; every length is checked against what is there
