@@ -15,9 +15,9 @@
 //! `target` is the block id the value is for; flags: [`FLAG_WILL_INIT`], [`FLAG_HAS_DATA`] (the
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
-//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gist`], [`visibilitymap`]); a record it
-//! does not apply yet fails its request with `unsupported_record`, naming the resource manager
-//! and record type.
+//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gin`], [`gist`],
+//! [`visibilitymap`]); a record it does not apply yet fails its request with
+//! `unsupported_record`, naming the resource manager and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
 //! (the record's target block). [`redo`] dispatches to the routines, so they do not import it
 //! (ARCHITECTURE.md, "Layers and imports").
@@ -27,6 +27,7 @@
 
 pub mod btree;
 pub mod bufpage;
+pub mod gin;
 pub mod gist;
 pub mod heap;
 pub mod mask;
@@ -274,9 +275,9 @@ impl<'a> Pg15Record<'a> {
     }
 }
 
-/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `Gist PAGE_SPLIT`, `XLOG FPI`, ...: the
-/// names of PostgreSQL 15's `heapdesc.c`, `nbtdesc.c`, `gistdesc.c` and `xlogdesc.c` for the
-/// families this project redoes, `<rmgr> info 0x..` for the others.
+/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `Gin INSERT`, `Gist PAGE_SPLIT`, `XLOG FPI`,
+/// ...: the names of PostgreSQL 15's `heapdesc.c`, `nbtdesc.c`, `gindesc.c`, `gistdesc.c` and
+/// `xlogdesc.c` for the families this project redoes, `<rmgr> info 0x..` for the others.
 pub fn record_type_name(rmid: u8, info: u8) -> String {
     let rmgr = page_types::wal::rmgr::rmgr_name(rmid).unwrap_or(std::borrow::Cow::Borrowed("invalid"));
     let op = info & 0x70;
@@ -315,6 +316,18 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
             0xC0 => Some("VACUUM"),
             0xD0 => Some("REUSE_PAGE"),
             0xE0 => Some("META_CLEANUP"),
+            _ => None,
+        },
+        redo::RM_GIN => match info & 0xF0 {
+            0x10 => Some("CREATE_PTREE"),
+            0x20 => Some("INSERT"),
+            0x30 => Some("SPLIT"),
+            0x40 => Some("VACUUM_PAGE"),
+            0x50 => Some("DELETE_PAGE"),
+            0x60 => Some("UPDATE_META_PAGE"),
+            0x70 => Some("INSERT_LISTPAGE"),
+            0x80 => Some("DELETE_LISTPAGE"),
+            0x90 => Some("VACUUM_DATA_LEAF_PAGE"),
             _ => None,
         },
         redo::RM_GIST => match info & 0xF0 {
@@ -498,7 +511,8 @@ mod tests {
         assert_eq!(record_type_name(11, 0x40), "Btree SPLIT_R");
         assert_eq!(record_type_name(0, 0xA0), "XLOG FPI");
         assert_eq!(record_type_name(14, 0x30), "Gist PAGE_SPLIT");
-        assert_eq!(record_type_name(13, 0x20), "Gin info 0x20");
+        assert_eq!(record_type_name(13, 0x90), "Gin VACUUM_DATA_LEAF_PAGE");
+        assert_eq!(record_type_name(13, 0xA0), "Gin info 0xa0");
     }
 
     #[test]

@@ -1,11 +1,11 @@
 //! Redo of the `pg15` family: a stored PostgreSQL 15 WAL record applied to the page of the
 //! block it is stored for, as PostgreSQL's own redo routines leave it (`heapam.c`'s
-//! `heap_redo`/`heap2_redo`, `nbtxlog.c`'s `btree_redo`, `gistxlog.c`'s `gist_redo`,
-//! `visibilitymap.c`).
+//! `heap_redo`/`heap2_redo`, `nbtxlog.c`'s `btree_redo`, `ginxlog.c`'s `gin_redo`,
+//! `gistxlog.c`'s `gist_redo`, `visibilitymap.c`).
 //!
 //! [`apply`] decodes the record and dispatches on its resource manager: [`super::heap`]
-//! (Heap and Heap2, with the heap side of VISIBLE), [`super::btree`] (Btree), [`super::gist`]
-//! (Gist), [`super::visibilitymap`] (the map page of VISIBLE, and the derived
+//! (Heap and Heap2, with the heap side of VISIBLE), [`super::btree`] (Btree), [`super::gin`]
+//! (Gin), [`super::gist`] (Gist), [`super::visibilitymap`] (the map page of VISIBLE, and the derived
 //! [`super::VmClear`] and [`super::VmTruncate`]). [`redo_restored_image`] is the part of a
 //! record's redo that PostgreSQL applies to a full-page image it restores (`BLK_RESTORED`).
 //! A record of another resource manager, or of a type not applied yet, is
@@ -63,6 +63,7 @@ fn apply_record(bytes: &[u8], page: &mut Page) -> Result<(), RedoError> {
         RM_HEAP2 => super::heap::redo_heap2(&target, page),
         RM_HEAP => super::heap::redo_heap(&target, page),
         RM_BTREE => super::btree::redo(&target, page),
+        RM_GIN => super::gin::redo(&target, page),
         RM_GIST => super::gist::redo(&target, page),
         _ => Err(RedoError::Unsupported(record.type_name())),
     }
@@ -79,5 +80,6 @@ pub fn redo_restored_image(rmid: u8, info: u8, block_id: u8, end_lsn: u64, page:
 
 /// Resource managers (PostgreSQL 15's `rmgrlist.h`).
 pub use page_types::wal::rmgr::{
-    RM_BTREE_ID as RM_BTREE, RM_GIST_ID as RM_GIST, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP,
+    RM_BTREE_ID as RM_BTREE, RM_GIN_ID as RM_GIN, RM_GIST_ID as RM_GIST, RM_HEAP2_ID as RM_HEAP2,
+    RM_HEAP_ID as RM_HEAP,
 };
