@@ -80,9 +80,9 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
     # The first change after the checkpoint logs the page's image; the second only a record.
     pg.sql("UPDATE pgbench_branches SET bbalance = bbalance + 1")
     pg.sql("UPDATE pgbench_branches SET bbalance = bbalance + 1")
-    # A GIN index's metapage changes by Gin records (each insert into its pending list), which
-    # the child does not apply yet.
-    gin_inserts(pg, 100)
+    # An SP-GiST index's root page changes by SPGist records (each insert adds a leaf tuple),
+    # which the child does not apply yet.
+    spgist_inserts(pg, 100)
     s = caught_up(ps, tenant, pg)
     durable = s["wal_source"]["durable_lsn"]
     assert s["wal_source"]["lag_bytes"] >= 0 and s["wal_source"]["last_message"]
@@ -129,11 +129,11 @@ def test_every_block_reference_is_stored_once_and_pages_are_served_or_fail_alone
         assert heap_mask(page) == heap_mask(path.read_bytes()[:8192])
         # A map page whose newest value is a derived clear is rebuilt too (VISIBLE, then clears).
         assert len(conn.get_page(sorted(last_vm, key=lambda k: k.blknum)[0], durable)) == 8192
-        # The GIN metapage fails alone, naming the record the child does not apply.
-        gin = int(pg.sql("select pg_relation_filenode('gin_a')"))
+        # The SP-GiST root page fails alone, naming the record the child does not apply.
+        spgist = int(pg.sql("select pg_relation_filenode('spgist_p')"))
         with pytest.raises(PageServiceError) as e:
-            conn.get_page(Key(1663, dbnode, gin, 0, 0), durable)
-        assert e.value.name == "unsupported_record" and "Gin" in str(e.value), e.value
+            conn.get_page(Key(1663, dbnode, spgist, 0, 1), durable)
+        assert e.value.name == "unsupported_record" and "SPGist" in str(e.value), e.value
         # The connection and the tenant serve on.
         start, next_start, key = fpis[0]
         assert len(conn.get_page(key, next_start)) == 8192
@@ -379,7 +379,7 @@ def test_compaction_and_gc_keep_what_the_child_cannot_redo_yet_and_every_page_ab
     # After a checkpoint, each page's first change logs its image: about 8 MiB of them.
     pg.sql("CHECKPOINT")
     pg.sql("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 100 = 0")
-    gin_inserts(pg, 200)
+    spgist_inserts(pg, 200)
     s = caught_up(ps, tenant, pg)
     durable = s["wal_source"]["durable_lsn"]
     cutoff = durable - (4 << 20)
@@ -416,13 +416,12 @@ def test_compaction_and_gc_keep_what_the_child_cannot_redo_yet_and_every_page_ab
     assert p2["image_failures"] == 0 and p2["images_skipped"] == p["image_failures"], (p, p2)
 
 
-def gin_inserts(pg: Postgres, rows: int) -> None:
-    """A GIN index (built empty: its pages logged as images) and `rows` inserts into it, each
-    one Gin records on its metapage (fast update: the pending list), which the redo child does
-    not apply yet."""
-    pg.sql("CREATE TABLE gin_t (a int[])")
-    pg.sql("CREATE INDEX gin_a ON gin_t USING gin (a)")
-    pg.sql(f"INSERT INTO gin_t SELECT array[i, i + 1] FROM generate_series(1, {rows}) i")
+def spgist_inserts(pg: Postgres, rows: int) -> None:
+    """An SP-GiST index (built empty: its pages logged as images) and `rows` inserts into it,
+    each an SPGist record on its root page (block 1), which the redo child does not apply yet."""
+    pg.sql("CREATE TABLE spgist_t (p point)")
+    pg.sql("CREATE INDEX spgist_p ON spgist_t USING spgist (p)")
+    pg.sql(f"INSERT INTO spgist_t SELECT point(i, i % 7) FROM generate_series(1, {rows}) i")
 
 
 def fork_sizes(pg: Postgres, where: str) -> dict:

@@ -14,6 +14,7 @@ pub const RM_RELMAP_ID: u8 = 7;
 pub const RM_HEAP2_ID: u8 = 9;
 pub const RM_HEAP_ID: u8 = 10;
 pub const RM_BTREE_ID: u8 = 11;
+pub const RM_GIN_ID: u8 = 13;
 pub const RM_GIST_ID: u8 = 14;
 pub const RM_SEQ_ID: u8 = 15;
 pub const RM_BRIN_ID: u8 = 17;

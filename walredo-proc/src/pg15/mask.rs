@@ -1,7 +1,7 @@
 //! PostgreSQL 15's page masks (`rm_mask`): what a page may differ in after redo without being
 //! wrong, as `wal_consistency_checking` compares a replayed page with the primary's.
 //!
-//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c), `gist_mask` (gistxlog.c), `hash_mask`
+//! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c), `gin_mask` (ginxlog.c), `gist_mask` (gistxlog.c), `hash_mask`
 //! (hash_xlog.c), `seq_mask`
 //! (sequence.c), `generic_mask` (generic_xlog.c) and `brin_mask` (brin_xlog.c), with the `bufmask.c` helpers they call.
 //! The redo child does not use them; they live beside the redo routines (as PostgreSQL keeps
@@ -14,7 +14,7 @@
 use crate::page::BLCKSZ;
 
 use super::brin::{BRIN_EVACUATE_PAGE, BRIN_PAGETYPE_META, BRIN_PAGETYPE_REGULAR};
-use super::redo::{RM_BRIN, RM_BTREE, RM_GENERIC, RM_GIST, RM_HASH, RM_HEAP, RM_HEAP2, RM_SEQ};
+use super::redo::{RM_BRIN, RM_BTREE, RM_GENERIC, RM_GIN, RM_GIST, RM_HASH, RM_HEAP, RM_HEAP2, RM_SEQ};
 
 /// Masks `page` as PostgreSQL masks the pages of `rmid`'s records (its `rm_mask`), LSN and
 /// checksum only for a resource manager without one here.
@@ -25,6 +25,7 @@ pub fn mask(rmid: u8, page: &mut [u8]) {
     match rmid {
         RM_HEAP | RM_HEAP2 => heap_mask(page),
         RM_BTREE => btree_mask(page),
+        RM_GIN => gin_mask(page),
         RM_GIST => gist_mask(page),
         RM_HASH => hash_mask(page),
         RM_SEQ => seq_mask(page),
@@ -145,6 +146,24 @@ fn mask_lp_flags(page: &mut [u8]) {
                 page[at..at + 4].copy_from_slice(&unused.to_le_bytes());
             }
         }
+    }
+}
+
+/// `gin_mask` (ginxlog.c): LSN, checksum, hint bits (a deleted page's delete xid is in
+/// `pd_prune_xid`); a deleted page's whole content and `pd_lower`/`pd_upper` (redo empties a
+/// deleted pending-list page the primary only flags), else the hole if `pd_lower` is set.
+pub fn gin_mask(page: &mut [u8]) {
+    mask_lsn_and_checksum(page);
+    mask_hint_bits(page);
+    let special = u16_at(page, 16);
+    let deleted = special >= 24
+        && special + 8 <= BLCKSZ
+        && u16_at(page, special + 6) as u16 & super::gin::GIN_DELETED != 0;
+    if deleted {
+        page[24..].fill(0);
+        page[12..16].fill(0);
+    } else if u16_at(page, 12) > 24 {
+        mask_unused_space(page);
     }
 }
 
@@ -358,9 +377,32 @@ mod tests {
     }
 
     #[test]
+    fn gin_mask_ignores_a_deleted_pages_content_and_the_hole_but_not_a_live_pages_data() {
+        let mut page = vec![0u8; BLCKSZ];
+        page[12..14].copy_from_slice(&80u16.to_le_bytes());
+        page[14..16].copy_from_slice(&8184u16.to_le_bytes());
+        page[16..18].copy_from_slice(&8184u16.to_le_bytes());
+        page[8184 + 6] = 0x08; // GIN_META
+        let mut other = page.clone();
+        other[20] = 9; // pd_prune_xid
+        other[100] = 5; // the hole
+        assert_eq!(first_difference(RM_GIN, &page, &other), None);
+        other[60] = 1; // the metadata
+        assert_eq!(first_difference(RM_GIN, &page, &other), Some(60));
+        // Deleted: everything after the header but pd_special, pd_pagesize_version.
+        page[8184 + 6] = 0x04;
+        other[8184 + 6] = 0x04 | 0x10;
+        other[12] = 24;
+        other[8000] = 3;
+        assert_eq!(first_difference(RM_GIN, &page, &other), None);
+        other[18] = 1; // pd_pagesize_version
+        assert_eq!(first_difference(RM_GIN, &page, &other), Some(18));
+    }
+
+    #[test]
     fn masks_never_panic_on_a_page_with_a_nonsense_header() {
         let mut page = vec![0xffu8; BLCKSZ];
-        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_GIST, RM_HASH, RM_SEQ, RM_GENERIC, RM_BRIN, 0] {
+        for rmid in [RM_HEAP, RM_HEAP2, RM_BTREE, RM_GIN, RM_GIST, RM_HASH, RM_SEQ, RM_GENERIC, RM_BRIN, 0] {
             mask(rmid, &mut page);
         }
         assert_eq!(&page[..10], &[0u8; 10]);

@@ -15,7 +15,7 @@
 //! `target` is the block id the value is for; flags: [`FLAG_WILL_INIT`], [`FLAG_HAS_DATA`] (the
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
-//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gist`], [`hash`], [`visibilitymap`],
+//! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gin`], [`gist`], [`hash`], [`visibilitymap`],
 //! [`sequence`], [`generic`], [`brin`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
@@ -29,6 +29,7 @@ pub mod brin;
 pub mod btree;
 pub mod bufpage;
 pub mod generic;
+pub mod gin;
 pub mod gist;
 pub mod hash;
 pub mod heap;
@@ -278,7 +279,7 @@ impl<'a> Pg15Record<'a> {
     }
 }
 
-/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `Gist PAGE_SPLIT`, `Sequence LOG`, ...: the
+/// `Heap INSERT+INIT`, `Heap2 PRUNE`, `Btree SPLIT_L`, `Gin INSERT`, `Gist PAGE_SPLIT`, `Sequence LOG`, ...: the
 /// resource manager and the operation as `pg_waldump` names them (PostgreSQL 15's `*desc.c`
 /// `rm_identify`; Generic WAL's one operation is `Generic`, so `Generic Generic`) for the
 /// families this project redoes, `<rmgr> info 0x..` for the others.
@@ -320,6 +321,18 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
             0xC0 => Some("VACUUM"),
             0xD0 => Some("REUSE_PAGE"),
             0xE0 => Some("META_CLEANUP"),
+            _ => None,
+        },
+        redo::RM_GIN => match info & 0xF0 {
+            0x10 => Some("CREATE_PTREE"),
+            0x20 => Some("INSERT"),
+            0x30 => Some("SPLIT"),
+            0x40 => Some("VACUUM_PAGE"),
+            0x50 => Some("DELETE_PAGE"),
+            0x60 => Some("UPDATE_META_PAGE"),
+            0x70 => Some("INSERT_LISTPAGE"),
+            0x80 => Some("DELETE_LISTPAGE"),
+            0x90 => Some("VACUUM_DATA_LEAF_PAGE"),
             _ => None,
         },
         redo::RM_GIST => match info & 0xF0 {
@@ -513,12 +526,13 @@ mod tests {
         assert_eq!(record_type_name(14, 0x30), "Gist PAGE_SPLIT");
         assert_eq!(record_type_name(12, 0xC0), "Hash VACUUM_ONE_PAGE");
         assert_eq!(record_type_name(12, 0xD0), "Hash info 0xd0");
-        assert_eq!(record_type_name(13, 0x20), "Gin info 0x20");
         assert_eq!(record_type_name(15, 0x02), "Sequence LOG");
         assert_eq!(record_type_name(20, 0x00), "Generic Generic");
         assert_eq!(record_type_name(17, 0xA2), "BRIN UPDATE+INIT");
         assert_eq!(record_type_name(17, 0x50), "BRIN DESUMMARIZE");
         assert_eq!(record_type_name(17, 0x02), "BRIN CREATE_INDEX");
+        assert_eq!(record_type_name(13, 0x90), "Gin VACUUM_DATA_LEAF_PAGE");
+        assert_eq!(record_type_name(13, 0xA0), "Gin info 0xa0");
     }
 
     #[test]

@@ -1,10 +1,10 @@
 //! Redo of the `pg15` family: a stored PostgreSQL 15 WAL record applied to the page of the
 //! block it is stored for, as PostgreSQL's own redo routines leave it (`heapam.c`'s
-//! `heap_redo`/`heap2_redo`, `nbtxlog.c`'s `btree_redo`, `hash_xlog.c`'s `hash_redo`, `gistxlog.c`'s `gist_redo`,
+//! `heap_redo`/`heap2_redo`, `nbtxlog.c`'s `btree_redo`, `ginxlog.c`'s `gin_redo`, `gistxlog.c`'s `gist_redo`, `hash_xlog.c`'s `hash_redo`,
 //! `visibilitymap.c`, `seq_redo`, `generic_redo`, `brin_redo`).
 //!
 //! [`apply`] decodes the record and dispatches on its resource manager: [`super::heap`]
-//! (Heap and Heap2, with the heap side of VISIBLE), [`super::btree`] (Btree), [`super::hash`] (Hash),
+//! (Heap and Heap2, with the heap side of VISIBLE), [`super::btree`] (Btree), [`super::gin`] (Gin),
 //! [`super::visibilitymap`] (the map page of VISIBLE, and the derived [`super::VmClear`] and
 //! [`super::VmTruncate`]), [`super::sequence`] (Sequence), [`super::generic`] (Generic WAL),
 //! [`super::brin`] (BRIN), [`super::gist`] (Gist), [`super::hash`] (Hash). [`redo_restored_image`] is the part of a
@@ -64,6 +64,7 @@ fn apply_record(bytes: &[u8], page: &mut Page) -> Result<(), RedoError> {
         RM_HEAP2 => super::heap::redo_heap2(&target, page),
         RM_HEAP => super::heap::redo_heap(&target, page),
         RM_BTREE => super::btree::redo(&target, page),
+        RM_GIN => super::gin::redo(&target, page),
         RM_GIST => super::gist::redo(&target, page),
         RM_SEQ => super::sequence::redo(&target, page),
         RM_GENERIC => super::generic::redo(&target, page),
@@ -84,6 +85,7 @@ pub fn redo_restored_image(rmid: u8, info: u8, block_id: u8, end_lsn: u64, page:
 
 /// Resource managers (PostgreSQL 15's `rmgrlist.h`).
 pub use page_types::wal::rmgr::{
-    RM_BRIN_ID as RM_BRIN, RM_BTREE_ID as RM_BTREE, RM_GENERIC_ID as RM_GENERIC, RM_GIST_ID as RM_GIST,
-    RM_HASH_ID as RM_HASH, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP, RM_SEQ_ID as RM_SEQ,
+    RM_BRIN_ID as RM_BRIN, RM_BTREE_ID as RM_BTREE, RM_GENERIC_ID as RM_GENERIC, RM_GIN_ID as RM_GIN,
+    RM_GIST_ID as RM_GIST, RM_HASH_ID as RM_HASH, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP,
+    RM_SEQ_ID as RM_SEQ,
 };
