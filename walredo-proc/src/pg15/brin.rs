@@ -31,7 +31,7 @@
 //! Invariants: pure; never panics on any record or page.
 
 use super::bufpage;
-use super::{RedoError, Target};
+use super::{BlockRedo, RedoError, Target};
 use crate::page::{self, maxalign, Page, BLCKSZ, PAGE_HEADER_SIZE};
 
 /// Operations (`info & XLOG_BRIN_OPMASK`).
@@ -64,7 +64,7 @@ const BRIN_META_SIZE: usize = 16;
 
 /// Applies a BRIN record to the page of its target block.
 pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
-    let rec = Rec { target, id: target.block.id };
+    let rec = Rec::new(target);
     let info = target.record.info;
     match (info & XLOG_BRIN_OPMASK, rec.id) {
         (XLOG_BRIN_CREATE_INDEX, 0) => rec.create_index(page),
@@ -81,41 +81,13 @@ pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
     }
 }
 
-/// The record and which of its blocks the page is.
-struct Rec<'t, 'r, 'a> {
-    target: &'t Target<'r, 'a>,
-    id: u8,
-}
+/// This module's redo of one block: [`BlockRedo`] with the helpers of Brin records.
+type Rec<'t, 'r, 'a> = BlockRedo<'t, 'r, 'a, Brin>;
+
+/// Marks [`Rec`]: the helpers below are Brin's alone.
+pub enum Brin {}
 
 impl Rec<'_, '_, '_> {
-    fn malformed(&self, what: &str) -> RedoError {
-        RedoError::Malformed(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn no_fit(&self, what: impl std::fmt::Display) -> RedoError {
-        RedoError::DoesNotFit(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn main_u16(&self, at: usize) -> Result<u16, RedoError> {
-        let b = self
-            .target
-            .record
-            .main_data
-            .get(at..at + 2)
-            .ok_or_else(|| self.malformed("main data too short"))?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
-    }
-
-    fn main_u32(&self, at: usize) -> Result<u32, RedoError> {
-        let b = self
-            .target
-            .record
-            .main_data
-            .get(at..at + 4)
-            .ok_or_else(|| self.malformed("main data too short"))?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-
     /// PostgreSQL initialises the block (`XLogInitBufferForRedo`) exactly when the record marks
     /// it `WILL_INIT`.
     fn expect_init(&self, init: bool) -> Result<(), RedoError> {
@@ -124,10 +96,6 @@ impl Rec<'_, '_, '_> {
             (false, true) => Err(self.malformed("a block redo reads is marked WILL_INIT")),
             _ => Ok(()),
         }
-    }
-
-    fn set_lsn(&self, page: &mut Page) {
-        page::set_page_lsn(page, self.target.record.end_lsn);
     }
 
     /// The new tuple: the block's data.

@@ -26,7 +26,7 @@
 mod tuple;
 
 use super::bufpage;
-use super::{RedoError, Target};
+use super::{BlockRedo, RedoError, Target};
 use crate::page::{self, Page, BLCKSZ, PAGE_HEADER_SIZE};
 use tuple::{Interval, INDEX_TUPLE_HEADER};
 
@@ -74,7 +74,7 @@ const MAX_INDEX_TUPLES: usize = (BLCKSZ - PAGE_HEADER_SIZE) / (8 + 4);
 
 /// Applies a Btree record to the page of its target block.
 pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
-    let rec = Rec { target, id: target.block.id };
+    let rec = Rec::new(target);
     match target.record.info & 0xF0 {
         XLOG_BTREE_INSERT_LEAF => rec.insert(page, true, false, false),
         XLOG_BTREE_INSERT_UPPER => rec.insert(page, false, false, false),
@@ -96,56 +96,16 @@ pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
     }
 }
 
-/// The record and which of its blocks the page is.
-struct Rec<'t, 'r, 'a> {
-    target: &'t Target<'r, 'a>,
-    id: u8,
-}
+/// This module's redo of one block: [`BlockRedo`] with the helpers of Btree records.
+type Rec<'t, 'r, 'a> = BlockRedo<'t, 'r, 'a, Btree>;
+
+/// Marks [`Rec`]: the helpers below are Btree's alone.
+pub enum Btree {}
 
 impl Rec<'_, '_, '_> {
-    fn malformed(&self, what: &str) -> RedoError {
-        RedoError::Malformed(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn no_fit(&self, what: impl std::fmt::Display) -> RedoError {
-        RedoError::DoesNotFit(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn only(&self, id: u8) -> Result<(), RedoError> {
-        if self.id == id {
-            Ok(())
-        } else {
-            Err(self.not_touched())
-        }
-    }
-
-    fn not_touched(&self) -> RedoError {
-        self.malformed("the record does not change this block")
-    }
-
-    fn main(&self) -> &[u8] {
-        self.target.record.main_data
-    }
-
-    fn data(&self) -> &[u8] {
-        self.target.data()
-    }
-
-    fn main_u16(&self, at: usize) -> Result<u16, RedoError> {
-        le_u16(self.main(), at).ok_or_else(|| self.malformed("main data too short"))
-    }
-
-    fn main_u32(&self, at: usize) -> Result<u32, RedoError> {
-        le_u32(self.main(), at).ok_or_else(|| self.malformed("main data too short"))
-    }
-
     /// Block number of the record's block `id`, if it references one.
     fn blkno(&self, id: u8) -> Option<u32> {
         self.target.record.blocks.iter().find(|b| b.id == id).map(|b| b.blkno)
-    }
-
-    fn set_lsn(&self, page: &mut Page) {
-        page::set_page_lsn(page, self.target.record.end_lsn);
     }
 
     /// `btree_xlog_insert`.
@@ -588,15 +548,6 @@ impl Rec<'_, '_, '_> {
 
     fn max_offset(&self, page: &Page) -> Result<u16, RedoError> {
         Ok(bufpage::page_get_max_offset(page))
-    }
-
-    /// A page primitive's error, with the record named.
-    fn wrap(&self, e: RedoError) -> RedoError {
-        match e {
-            RedoError::DoesNotFit(what) => self.no_fit(what),
-            RedoError::Malformed(what) => self.malformed(&what),
-            other => other,
-        }
     }
 }
 

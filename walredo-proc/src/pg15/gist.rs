@@ -32,7 +32,7 @@
 //! an error. Invariants: pure; never panics on any record or page.
 
 use super::bufpage;
-use super::{RedoError, Target};
+use super::{le_bytes, BlockRedo, RedoError, Target};
 use crate::page::{self, Page, BLCKSZ, PAGE_HEADER_SIZE};
 
 /// Record types (`info & 0xF0`).
@@ -67,7 +67,7 @@ const INDEX_SIZE_MASK: u16 = 0x1FFF;
 
 /// Applies a GiST record to the page of its target block.
 pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
-    let rec = Rec { target, id: target.block.id };
+    let rec = Rec::new(target);
     match target.record.info & 0xF0 {
         XLOG_GIST_PAGE_UPDATE => rec.page_update(page),
         XLOG_GIST_DELETE if rec.id == 0 => rec.delete(page),
@@ -104,46 +104,13 @@ fn clear_follow_right(page: &mut Page, end_lsn: u64) -> Option<()> {
     Some(())
 }
 
-/// The record and which of its blocks the page is.
-struct Rec<'t, 'r, 'a> {
-    target: &'t Target<'r, 'a>,
-    id: u8,
-}
+/// This module's redo of one block: [`BlockRedo`] with the helpers of Gist records.
+type Rec<'t, 'r, 'a> = BlockRedo<'t, 'r, 'a, Gist>;
+
+/// Marks [`Rec`]: the helpers below are Gist's alone.
+pub enum Gist {}
 
 impl Rec<'_, '_, '_> {
-    fn malformed(&self, what: &str) -> RedoError {
-        RedoError::Malformed(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn no_fit(&self, what: impl std::fmt::Display) -> RedoError {
-        RedoError::DoesNotFit(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn not_touched(&self) -> RedoError {
-        self.malformed("the record does not change this block")
-    }
-
-    fn main(&self) -> &[u8] {
-        self.target.record.main_data
-    }
-
-    fn main_at<const N: usize>(&self, at: usize) -> Result<[u8; N], RedoError> {
-        le_bytes(self.main(), at).ok_or_else(|| self.malformed("main data too short"))
-    }
-
-    fn set_lsn(&self, page: &mut Page) {
-        page::set_page_lsn(page, self.target.record.end_lsn);
-    }
-
-    /// A page primitive's error, with the record named.
-    fn wrap(&self, e: RedoError) -> RedoError {
-        match e {
-            RedoError::DoesNotFit(what) => self.no_fit(what),
-            RedoError::Malformed(what) => self.malformed(&what),
-            other => other,
-        }
-    }
-
     fn opaque(&self, page: &Page) -> Result<Opaque, RedoError> {
         Opaque::read(page).ok_or_else(|| self.no_fit("no room for the GiST special space"))
     }
@@ -387,11 +354,6 @@ impl Opaque {
 fn tuple_size(data: &[u8]) -> Option<usize> {
     let info: [u8; 2] = le_bytes(data.get(..INDEX_TUPLE_HEADER)?, 6)?;
     Some(usize::from(u16::from_le_bytes(info) & INDEX_SIZE_MASK))
-}
-
-/// The `N` bytes of `b` at `at`.
-fn le_bytes<const N: usize>(b: &[u8], at: usize) -> Option<[u8; N]> {
-    b.get(at..at.checked_add(N)?)?.try_into().ok()
 }
 
 #[cfg(test)]

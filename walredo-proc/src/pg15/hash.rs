@@ -41,8 +41,8 @@ pub mod layout;
 mod tests;
 
 use super::bufpage;
-use super::{RedoError, Target};
-use crate::page::{self, maxalign, Page, PAGE_HEADER_SIZE};
+use super::{BlockRedo, RedoError, Target};
+use crate::page::{maxalign, Page, PAGE_HEADER_SIZE};
 use layout::{get_f64, get_u16, get_u32, meta, put_f64, put_u32, Opaque};
 
 /// Record types (`info & 0xF0`).
@@ -87,7 +87,7 @@ const INDEX_SIZE_MASK: u16 = 0x1FFF;
 
 /// Applies a Hash record to the page of its target block.
 pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
-    let rec = Rec { target, id: target.block.id };
+    let rec = Rec::new(target);
     match target.record.info & 0xF0 {
         XLOG_HASH_INIT_META_PAGE => rec.only(0).and_then(|()| rec.init_meta_page(page)),
         XLOG_HASH_INIT_BITMAP_PAGE => rec.init_bitmap_page(page),
@@ -113,53 +113,13 @@ pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
     }
 }
 
-/// The record and which of its blocks the page is.
-struct Rec<'t, 'r, 'a> {
-    target: &'t Target<'r, 'a>,
-    id: u8,
-}
+/// This module's redo of one block: [`BlockRedo`] with the helpers of Hash records.
+type Rec<'t, 'r, 'a> = BlockRedo<'t, 'r, 'a, Hash>;
+
+/// Marks [`Rec`]: the helpers below are Hash's alone.
+pub enum Hash {}
 
 impl Rec<'_, '_, '_> {
-    fn malformed(&self, what: &str) -> RedoError {
-        RedoError::Malformed(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn no_fit(&self, what: impl std::fmt::Display) -> RedoError {
-        RedoError::DoesNotFit(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn only(&self, id: u8) -> Result<(), RedoError> {
-        if self.id == id {
-            Ok(())
-        } else {
-            Err(self.not_touched())
-        }
-    }
-
-    fn not_touched(&self) -> RedoError {
-        self.malformed("the record does not reference this block")
-    }
-
-    fn main(&self) -> &[u8] {
-        self.target.record.main_data
-    }
-
-    fn data(&self) -> &[u8] {
-        self.target.data()
-    }
-
-    fn main_u16(&self, at: usize) -> Result<u16, RedoError> {
-        get_u16(self.main(), at).ok_or_else(|| self.malformed("main data too short"))
-    }
-
-    fn main_u32(&self, at: usize) -> Result<u32, RedoError> {
-        get_u32(self.main(), at).ok_or_else(|| self.malformed("main data too short"))
-    }
-
-    fn main_bool(&self, at: usize) -> Result<bool, RedoError> {
-        self.main().get(at).map(|b| *b != 0).ok_or_else(|| self.malformed("main data too short"))
-    }
-
     fn main_f64(&self, at: usize) -> Result<f64, RedoError> {
         get_f64(self.main(), at).ok_or_else(|| self.malformed("main data too short"))
     }
@@ -183,14 +143,6 @@ impl Rec<'_, '_, '_> {
             .find(|b| b.id == id)
             .map(|b| b.blkno)
             .ok_or_else(|| self.malformed(&format!("no block {id}")))
-    }
-
-    fn has_block(&self, id: u8) -> bool {
-        self.target.record.blocks.iter().any(|b| b.id == id)
-    }
-
-    fn set_lsn(&self, page: &mut Page) {
-        page::set_page_lsn(page, self.target.record.end_lsn);
     }
 
     fn opaque(&self, page: &Page) -> Result<Opaque, RedoError> {
@@ -572,14 +524,5 @@ impl Rec<'_, '_, '_> {
     fn add_item(&self, page: &mut Page, item: &[u8], offnum: u16) -> Result<(), RedoError> {
         bufpage::page_add_item(page, item, offnum, false, false).map_err(|e| self.wrap(e))?;
         Ok(())
-    }
-
-    /// A page primitive's error, with the record named.
-    fn wrap(&self, e: RedoError) -> RedoError {
-        match e {
-            RedoError::DoesNotFit(what) => self.no_fit(what),
-            RedoError::Malformed(what) => self.malformed(&what),
-            other => other,
-        }
     }
 }

@@ -149,6 +149,94 @@ impl<'r, 'a> Target<'r, 'a> {
     }
 }
 
+/// One block's redo of a record: the record (its [`Target`]) and which of its blocks the page
+/// is, with what the redo of every resource manager shares: errors that name the record type
+/// and the block, bounds-checked reads of the main data, the page's LSN. `M` marks the resource
+/// manager whose module adds its own helpers (`impl BlockRedo<'_, '_, '_, Btree>` in
+/// `btree.rs`, ...), so that two modules' helpers of one name never meet.
+pub struct BlockRedo<'t, 'r, 'a, M> {
+    pub target: &'t Target<'r, 'a>,
+    pub id: u8,
+    marker: std::marker::PhantomData<M>,
+}
+
+impl<'t, 'r, 'a, M> BlockRedo<'t, 'r, 'a, M> {
+    /// The redo of the block `target` is for.
+    pub fn new(target: &'t Target<'r, 'a>) -> Self {
+        BlockRedo { target, id: target.block.id, marker: std::marker::PhantomData }
+    }
+
+    pub fn malformed(&self, what: &str) -> RedoError {
+        RedoError::Malformed(format!("{} (block {}): {what}", self.target.type_name(), self.id))
+    }
+
+    pub fn no_fit(&self, what: impl std::fmt::Display) -> RedoError {
+        RedoError::DoesNotFit(format!("{} (block {}): {what}", self.target.type_name(), self.id))
+    }
+
+    pub fn not_touched(&self) -> RedoError {
+        self.malformed("the record does not change this block")
+    }
+
+    /// `Ok` if the page is the record's block `id`; for a routine of one block.
+    pub fn only(&self, id: u8) -> Result<(), RedoError> {
+        if self.id == id {
+            Ok(())
+        } else {
+            Err(self.not_touched())
+        }
+    }
+
+    /// A page primitive's error, with the record named.
+    pub fn wrap(&self, e: RedoError) -> RedoError {
+        match e {
+            RedoError::DoesNotFit(what) => self.no_fit(what),
+            RedoError::Malformed(what) => self.malformed(&what),
+            other => other,
+        }
+    }
+
+    pub fn main(&self) -> &'a [u8] {
+        self.target.record.main_data
+    }
+
+    /// The block's data (empty if the record had none for it).
+    pub fn data(&self) -> &'a [u8] {
+        self.target.data()
+    }
+
+    /// Whether the record references block `id`.
+    pub fn has_block(&self, id: u8) -> bool {
+        self.target.record.blocks.iter().any(|b| b.id == id)
+    }
+
+    pub fn main_at<const N: usize>(&self, at: usize) -> Result<[u8; N], RedoError> {
+        le_bytes(self.main(), at).ok_or_else(|| self.malformed("main data too short"))
+    }
+
+    pub fn main_u16(&self, at: usize) -> Result<u16, RedoError> {
+        self.main_at(at).map(u16::from_le_bytes)
+    }
+
+    pub fn main_u32(&self, at: usize) -> Result<u32, RedoError> {
+        self.main_at(at).map(u32::from_le_bytes)
+    }
+
+    pub fn main_bool(&self, at: usize) -> Result<bool, RedoError> {
+        self.main_at::<1>(at).map(|[b]| b != 0)
+    }
+
+    /// The record's end LSN as the page's `pd_lsn`.
+    pub fn set_lsn(&self, page: &mut crate::page::Page) {
+        crate::page::set_page_lsn(page, self.target.record.end_lsn);
+    }
+}
+
+/// `N` little-endian bytes of `b` at `at`, if it has them.
+pub fn le_bytes<const N: usize>(b: &[u8], at: usize) -> Option<[u8; N]> {
+    b.get(at..at.checked_add(N)?)?.try_into().ok()
+}
+
 struct Reader<'a> {
     bytes: &'a [u8],
     at: usize,

@@ -50,7 +50,7 @@ pub mod leaf;
 pub mod posting;
 
 use super::bufpage;
-use super::{RedoError, Target};
+use super::{le_bytes, BlockRedo, RedoError, Target};
 use crate::page::{self, Page, BLCKSZ, PAGE_HEADER_SIZE};
 
 /// Record types (`info & 0xF0`).
@@ -105,7 +105,7 @@ const INDEX_SIZE_MASK: u16 = 0x1FFF;
 
 /// Applies a GIN record to the page of its target block.
 pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
-    let rec = Rec { target, id: target.block.id };
+    let rec = Rec::new(target);
     match target.record.info & 0xF0 {
         XLOG_GIN_CREATE_PTREE => rec.only(0).and_then(|()| rec.create_ptree(page)),
         XLOG_GIN_INSERT => rec.insert(page),
@@ -122,62 +122,13 @@ pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
     }
 }
 
-/// The record and which of its blocks the page is.
-struct Rec<'t, 'r, 'a> {
-    target: &'t Target<'r, 'a>,
-    id: u8,
-}
+/// This module's redo of one block: [`BlockRedo`] with the helpers of Gin records.
+type Rec<'t, 'r, 'a> = BlockRedo<'t, 'r, 'a, Gin>;
+
+/// Marks [`Rec`]: the helpers below are Gin's alone.
+pub enum Gin {}
 
 impl Rec<'_, '_, '_> {
-    fn malformed(&self, what: &str) -> RedoError {
-        RedoError::Malformed(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn no_fit(&self, what: impl std::fmt::Display) -> RedoError {
-        RedoError::DoesNotFit(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn not_touched(&self) -> RedoError {
-        self.malformed("the record does not change this block")
-    }
-
-    fn only(&self, id: u8) -> Result<(), RedoError> {
-        if self.id == id {
-            Ok(())
-        } else {
-            Err(self.not_touched())
-        }
-    }
-
-    /// A page primitive's error, with the record named.
-    fn wrap(&self, e: RedoError) -> RedoError {
-        match e {
-            RedoError::DoesNotFit(what) => self.no_fit(what),
-            RedoError::Malformed(what) => self.malformed(&what),
-            other => other,
-        }
-    }
-
-    fn main(&self) -> &[u8] {
-        self.target.record.main_data
-    }
-
-    fn main_at<const N: usize>(&self, at: usize) -> Result<[u8; N], RedoError> {
-        le_bytes(self.main(), at).ok_or_else(|| self.malformed("main data too short"))
-    }
-
-    fn main_u16(&self, at: usize) -> Result<u16, RedoError> {
-        self.main_at(at).map(u16::from_le_bytes)
-    }
-
-    fn main_u32(&self, at: usize) -> Result<u32, RedoError> {
-        self.main_at(at).map(u32::from_le_bytes)
-    }
-
-    fn set_lsn(&self, page: &mut Page) {
-        page::set_page_lsn(page, self.target.record.end_lsn);
-    }
-
     fn opaque(&self, page: &Page) -> Result<Opaque, RedoError> {
         Opaque::read(page).ok_or_else(|| self.no_fit("no room for the GIN special space"))
     }
@@ -512,11 +463,6 @@ fn block_id_bytes(blkno: u32) -> [u8; 4] {
 fn tuple_size(data: &[u8]) -> Option<usize> {
     let info: [u8; 2] = le_bytes(data.get(..INDEX_TUPLE_HEADER)?, 6)?;
     Some(usize::from(u16::from_le_bytes(info) & INDEX_SIZE_MASK))
-}
-
-/// The `N` bytes of `b` at `at`.
-fn le_bytes<const N: usize>(b: &[u8], at: usize) -> Option<[u8; N]> {
-    b.get(at..at.checked_add(N)?)?.try_into().ok()
 }
 
 #[cfg(test)]

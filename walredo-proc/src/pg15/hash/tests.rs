@@ -5,7 +5,7 @@
 
 use super::layout::{self, get_f64, get_u16, get_u32, meta, Opaque, HASHO_PAGE_ID, INVALID};
 use super::*;
-use crate::page::{ItemId, BLCKSZ, LP_DEAD, LP_NORMAL};
+use crate::page::{self, ItemId, BLCKSZ, LP_DEAD, LP_NORMAL};
 use crate::pg15::{BlockHeader, Pg15Record, FLAG_DATA_INCLUDED, FLAG_HAS_DATA, FLAG_WILL_INIT};
 use proptest::prelude::*;
 
