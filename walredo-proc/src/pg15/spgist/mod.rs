@@ -253,8 +253,8 @@ impl Rec<'_, '_, '_> {
         op.write(page).ok_or_else(|| self.no_fit("no room for the SP-GiST special space"))
     }
 
-    /// Adds one to (or, `up` false, takes one from) `nRedirection` (`redirect`) or
-    /// `nPlaceholder`, by `n`.
+    /// Adds `n` to (`up`), or takes `n` from, `nRedirection` (`redirect`) or `nPlaceholder`;
+    /// a count that would go below zero or past `u16::MAX` (PostgreSQL asserts) is `DoesNotFit`.
     fn count(&self, page: &mut Page, redirect: bool, n: u16, up: bool) -> Result<(), RedoError> {
         let mut op = self.opaque(page)?;
         let field = if redirect { &mut op.n_redirection } else { &mut op.n_placeholder };
