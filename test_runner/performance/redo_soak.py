@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The long form of test_pg15_redo.py's record-by-record check: a longer PostgreSQL 15 workload
 with `wal_consistency_checking = 'all'`, and every record of it that the child applies (not a
-sample: Heap, Heap2, Btree, Sequence, Generic, BRIN) applied with the child's redo and compared
+sample: every resource manager's, SPGist included) applied with the child's redo and compared
 with PostgreSQL's page.
 
 Not a test (pytest collects only test_*.py); it runs for minutes and writes gigabytes of WAL.

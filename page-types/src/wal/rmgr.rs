@@ -17,6 +17,7 @@ pub const RM_BTREE_ID: u8 = 11;
 pub const RM_GIN_ID: u8 = 13;
 pub const RM_GIST_ID: u8 = 14;
 pub const RM_SEQ_ID: u8 = 15;
+pub const RM_SPGIST_ID: u8 = 16;
 pub const RM_BRIN_ID: u8 = 17;
 pub const RM_GENERIC_ID: u8 = 20;
 pub const RM_HASH_ID: u8 = 12;

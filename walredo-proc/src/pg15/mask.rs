@@ -3,7 +3,7 @@
 //!
 //! `heap_mask` (heapam.c), `btree_mask` (nbtxlog.c), `gin_mask` (ginxlog.c), `gist_mask` (gistxlog.c), `hash_mask`
 //! (hash_xlog.c), `seq_mask`
-//! (sequence.c), `generic_mask` (generic_xlog.c) and `brin_mask` (brin_xlog.c), with the `bufmask.c` helpers they call.
+//! (sequence.c), `generic_mask` (generic_xlog.c), `brin_mask` (brin_xlog.c) and `spg_mask` (spgxlog.c), with the `bufmask.c` helpers they call.
 //! The redo child does not use them; they live beside the redo routines (as PostgreSQL keeps
 //! each `rm_mask` beside its `rm_redo`) so that every checker of this redo masks alike:
 //! `pagectl redocheck` and `pagectl chain`, and the `pg15-*` workloads of `bench_walredo`.
@@ -14,7 +14,9 @@
 use crate::page::BLCKSZ;
 
 use super::brin::{BRIN_EVACUATE_PAGE, BRIN_PAGETYPE_META, BRIN_PAGETYPE_REGULAR};
-use super::redo::{RM_BRIN, RM_BTREE, RM_GENERIC, RM_GIN, RM_GIST, RM_HASH, RM_HEAP, RM_HEAP2, RM_SEQ};
+use super::redo::{
+    RM_BRIN, RM_BTREE, RM_GENERIC, RM_GIN, RM_GIST, RM_HASH, RM_HEAP, RM_HEAP2, RM_SEQ, RM_SPGIST,
+};
 
 /// Masks `page` as PostgreSQL masks the pages of `rmid`'s records (its `rm_mask`), LSN and
 /// checksum only for a resource manager without one here.
@@ -31,6 +33,7 @@ pub fn mask(rmid: u8, page: &mut [u8]) {
         RM_SEQ => seq_mask(page),
         RM_GENERIC => generic_mask(page),
         RM_BRIN => brin_mask(page),
+        RM_SPGIST => spg_mask(page),
         _ => mask_lsn_and_checksum(page),
     }
 }
@@ -247,6 +250,24 @@ pub fn brin_mask(page: &mut [u8]) {
     }
     let flags = u16_at(page, special + 4) as u16 & !BRIN_EVACUATE_PAGE;
     page[special + 4..special + 6].copy_from_slice(&flags.to_le_bytes());
+}
+
+/// `spg_mask` (spgxlog.c): LSN, checksum, hint bits, the hole if `pd_lower` is set. And,
+/// beyond PostgreSQL's, the metapage's cache of last-used pages, which SP-GiST updates without
+/// WAL (no record touches the metapage, so `wal_consistency_checking` never compares it; a
+/// page served against the data file's would differ there).
+pub fn spg_mask(page: &mut [u8]) {
+    use super::spgist::{META_CACHE, SPGIST_META, SPGIST_PAGE_ID};
+    mask_lsn_and_checksum(page);
+    mask_hint_bits(page);
+    mask_unused_space(page);
+    let special = u16_at(page, 16);
+    if special >= 24 && special + 8 <= BLCKSZ {
+        let flags = u16_at(page, special) as u16;
+        if flags & SPGIST_META != 0 && u16_at(page, special + 6) as u16 == SPGIST_PAGE_ID {
+            page[META_CACHE].fill(0);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
 //! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gin`], [`gist`], [`hash`], [`visibilitymap`],
-//! [`sequence`], [`generic`], [`brin`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
+//! [`sequence`], [`generic`], [`brin`], [`spgist`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
 //! (the record's target block). [`redo`] dispatches to the routines, so they do not import it
@@ -36,6 +36,7 @@ pub mod heap;
 pub mod mask;
 pub mod redo;
 pub mod sequence;
+pub mod spgist;
 pub mod visibilitymap;
 
 use page_types::MAX_RECORD_LEN;
@@ -440,6 +441,7 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
                 .copied()
         }
         redo::RM_HASH => hash::TYPE_NAMES.get(usize::from(info >> 4)).copied(),
+        redo::RM_SPGIST => spgist::TYPE_NAMES.get(usize::from(info >> 4)).copied().flatten(),
         page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
             0xA0 => Some("FPI"),
             0xB0 => Some("FPI_FOR_HINT"),

@@ -1,13 +1,13 @@
 //! Redo of the `pg15` family: a stored PostgreSQL 15 WAL record applied to the page of the
 //! block it is stored for, as PostgreSQL's own redo routines leave it (`heapam.c`'s
-//! `heap_redo`/`heap2_redo`, `nbtxlog.c`'s `btree_redo`, `ginxlog.c`'s `gin_redo`, `gistxlog.c`'s `gist_redo`, `hash_xlog.c`'s `hash_redo`,
+//! `heap_redo`/`heap2_redo`, `nbtxlog.c`'s `btree_redo`, `ginxlog.c`'s `gin_redo`, `gistxlog.c`'s `gist_redo`, `hash_xlog.c`'s `hash_redo`, `spgxlog.c`'s `spg_redo`,
 //! `visibilitymap.c`, `seq_redo`, `generic_redo`, `brin_redo`).
 //!
 //! [`apply`] decodes the record and dispatches on its resource manager: [`super::heap`]
 //! (Heap and Heap2, with the heap side of VISIBLE), [`super::btree`] (Btree), [`super::gin`] (Gin),
 //! [`super::visibilitymap`] (the map page of VISIBLE, and the derived [`super::VmClear`] and
 //! [`super::VmTruncate`]), [`super::sequence`] (Sequence), [`super::generic`] (Generic WAL),
-//! [`super::brin`] (BRIN), [`super::gist`] (Gist), [`super::hash`] (Hash). [`redo_restored_image`] is the part of a
+//! [`super::brin`] (BRIN), [`super::gist`] (Gist), [`super::hash`] (Hash), [`super::spgist`] (SPGist). [`redo_restored_image`] is the part of a
 //! record's redo that PostgreSQL applies to a full-page image it restores (`BLK_RESTORED`).
 //! A record of another resource manager, or of a type not applied yet, is
 //! [`RedoError::Unsupported`] naming it.
@@ -70,6 +70,7 @@ fn apply_record(bytes: &[u8], page: &mut Page) -> Result<(), RedoError> {
         RM_GENERIC => super::generic::redo(&target, page),
         RM_BRIN => super::brin::redo(&target, page),
         RM_HASH => super::hash::redo(&target, page),
+        RM_SPGIST => super::spgist::redo(&target, page),
         _ => Err(RedoError::Unsupported(record.type_name())),
     }
 }
@@ -87,5 +88,5 @@ pub fn redo_restored_image(rmid: u8, info: u8, block_id: u8, end_lsn: u64, page:
 pub use page_types::wal::rmgr::{
     RM_BRIN_ID as RM_BRIN, RM_BTREE_ID as RM_BTREE, RM_GENERIC_ID as RM_GENERIC, RM_GIN_ID as RM_GIN,
     RM_GIST_ID as RM_GIST, RM_HASH_ID as RM_HASH, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP,
-    RM_SEQ_ID as RM_SEQ,
+    RM_SEQ_ID as RM_SEQ, RM_SPGIST_ID as RM_SPGIST,
 };

@@ -8,7 +8,8 @@
 //! had after its previous record (PostgreSQL's check image of that record, so that one wrong
 //! record does not hide or cause the next), then compares the result with this record's check
 //! image, both masked as PostgreSQL masks the record's resource manager's pages (its
-//! `rm_mask`: `heap_mask`, `btree_mask`, `seq_mask`, `generic_mask`, `brin_mask`;
+//! `rm_mask`: `heap_mask`, `btree_mask`, `gin_mask`, `gist_mask`, `hash_mask`, `spg_mask`, `seq_mask`,
+//! `generic_mask`, `brin_mask`;
 //! `walredo_proc::pg15::mask`). An applied full-page image becomes the block's page; a derived
 //! visibility-map clear is applied to the map page it is for (there is no check image of it:
 //! the map page's next record checks it).
