@@ -38,7 +38,7 @@
 //! any record or page.
 
 use super::bufpage;
-use super::{RedoError, Target};
+use super::{le_bytes, BlockRedo, RedoError, Target};
 use crate::page::{self, Page, BLCKSZ};
 
 /// Record types (`info & 0xF0`; 0x00 was CREATE_INDEX, no longer written).
@@ -106,7 +106,7 @@ const VACUUM_REDIRECT_SIZE: usize = 8;
 
 /// Applies an SP-GiST record to the page of its target block.
 pub fn redo(target: &Target<'_, '_>, page: &mut Page) -> Result<(), RedoError> {
-    let rec = Rec { target, id: target.block.id };
+    let rec = Rec::new(target);
     match target.record.info & 0xF0 {
         XLOG_SPGIST_ADD_LEAF => rec.add_leaf(page),
         XLOG_SPGIST_MOVE_LEAFS => rec.move_leafs(page),
@@ -174,35 +174,15 @@ fn inner_size(t: &[u8]) -> Option<usize> {
     Some(usize::from(u16::from_le_bytes(le_bytes(t, 4)?)))
 }
 
-/// The record and which of its blocks the page is.
-struct Rec<'t, 'r, 'a> {
-    target: &'t Target<'r, 'a>,
-    id: u8,
-}
+/// This module's redo of one block: [`BlockRedo`] with the helpers of SP-GiST records.
+type Rec<'t, 'r, 'a> = BlockRedo<'t, 'r, 'a, Spgist>;
+
+/// Marks [`Rec`]: the helpers below are SP-GiST's alone.
+pub enum Spgist {}
 
 impl Rec<'_, '_, '_> {
-    fn malformed(&self, what: &str) -> RedoError {
-        RedoError::Malformed(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn no_fit(&self, what: impl std::fmt::Display) -> RedoError {
-        RedoError::DoesNotFit(format!("{} (block {}): {what}", self.target.type_name(), self.id))
-    }
-
-    fn not_touched(&self) -> RedoError {
-        self.malformed("the record does not change this block")
-    }
-
-    /// A page primitive's error, with the record named.
-    fn wrap(&self, e: RedoError) -> RedoError {
-        match e {
-            RedoError::DoesNotFit(what) => self.no_fit(what),
-            RedoError::Malformed(what) => self.malformed(&what),
-            other => other,
-        }
-    }
-
-    fn main(&self) -> Main<'_> {
+    /// A reader of the main data from its start.
+    fn cursor(&self) -> Main<'_> {
         Main { data: self.target.record.main_data, at: 0 }
     }
 
@@ -215,10 +195,6 @@ impl Rec<'_, '_, '_> {
         self.malformed("main data cut short")
     }
 
-    fn has_block(&self, id: u8) -> bool {
-        self.target.record.blocks.iter().any(|b| b.id == id)
-    }
-
     /// The block number of the record's block `id`.
     fn blkno_of(&self, id: u8) -> Result<u32, RedoError> {
         self.target
@@ -228,10 +204,6 @@ impl Rec<'_, '_, '_> {
             .find(|b| b.id == id)
             .map(|b| b.blkno)
             .ok_or_else(|| self.malformed(&format!("no block {id}")))
-    }
-
-    fn set_lsn(&self, page: &mut Page) {
-        page::set_page_lsn(page, self.target.record.end_lsn);
     }
 
     /// `SpGistInitBuffer`.
@@ -388,7 +360,7 @@ impl Rec<'_, '_, '_> {
         let (leaf, head, parent, node_i) = (u16_at(h, 2), u16_at(h, 4), u16_at(h, 6), u16_at(h, 8));
         match self.id {
             0 => {
-                let mut main = self.main();
+                let mut main = self.cursor();
                 main.at = ADD_LEAF_SIZE;
                 let tuple = main.tuple(leaf_size).ok_or_else(|| self.cut())?;
                 if new_page {
@@ -428,7 +400,7 @@ impl Rec<'_, '_, '_> {
         let (parent, node_i) = (u16_at(h, 6), u16_at(h, 8));
         let state = state_at(h, 12);
         let n_insert = if replace_dead { 1 } else { n_moves + 1 };
-        let mut main = self.main();
+        let mut main = self.cursor();
         main.at = MOVE_LEAFS_SIZE;
         let to_delete = main.offsets(n_moves).ok_or_else(|| self.cut())?;
         let to_insert = main.offsets(n_insert).ok_or_else(|| self.cut())?;
@@ -475,7 +447,7 @@ impl Rec<'_, '_, '_> {
         let parent_blk = h[5] as i8;
         let (parent, node_i) = (u16_at(h, 6), u16_at(h, 8));
         let state = state_at(h, 12);
-        let mut main = self.main();
+        let mut main = self.cursor();
         main.at = ADD_NODE_SIZE;
         let tuple = main.tuple(inner_size).ok_or_else(|| self.cut())?;
         if !self.has_block(1) {
@@ -524,7 +496,7 @@ impl Rec<'_, '_, '_> {
         let h = self.header(SPLIT_TUPLE_SIZE)?;
         let (prefix_at, postfix_at) = (u16_at(h, 0), u16_at(h, 2));
         let (new_page, same) = (h[4] != 0, h[5] != 0);
-        let mut main = self.main();
+        let mut main = self.cursor();
         main.at = SPLIT_TUPLE_SIZE;
         let prefix = main.tuple(inner_size).ok_or_else(|| self.cut())?;
         let postfix = main.tuple(inner_size).ok_or_else(|| self.cut())?;
@@ -562,7 +534,7 @@ impl Rec<'_, '_, '_> {
         let (init_inner, stores_nulls, inner_is_parent) = (h[10] != 0, h[11] != 0, h[12] != 0);
         let (parent, node_i) = (u16_at(h, 14), u16_at(h, 16));
         let state = state_at(h, 20);
-        let mut main = self.main();
+        let mut main = self.cursor();
         main.at = PICKSPLIT_SIZE;
         let to_delete = main.offsets(n_delete).ok_or_else(|| self.cut())?;
         let to_insert = main.offsets(n_insert).ok_or_else(|| self.cut())?;
@@ -633,7 +605,7 @@ impl Rec<'_, '_, '_> {
         let h = self.header(VACUUM_LEAF_SIZE)?;
         let counts = [u16_at(h, 0), u16_at(h, 2), u16_at(h, 4), u16_at(h, 6)].map(usize::from);
         let state = state_at(h, 8);
-        let mut main = self.main();
+        let mut main = self.cursor();
         main.at = VACUUM_LEAF_SIZE;
         let mut list = |n: usize| main.offsets(n).ok_or_else(|| self.cut());
         let to_dead = list(counts[0])?;
@@ -671,7 +643,7 @@ impl Rec<'_, '_, '_> {
             return Err(self.not_touched());
         }
         let h = self.header(VACUUM_ROOT_SIZE)?;
-        let mut main = self.main();
+        let mut main = self.cursor();
         main.at = VACUUM_ROOT_SIZE;
         let to_delete = main.offsets(usize::from(u16_at(h, 0))).ok_or_else(|| self.cut())?;
         bufpage::page_index_multi_delete(page, &to_delete).map_err(|e| self.wrap(e))?;
@@ -689,7 +661,7 @@ impl Rec<'_, '_, '_> {
         let h = self.header(VACUUM_REDIRECT_SIZE)?;
         let n = u16_at(h, 0);
         let first_placeholder = u16_at(h, 2);
-        let mut main = self.main();
+        let mut main = self.cursor();
         main.at = VACUUM_REDIRECT_SIZE;
         let to_placeholder = main.offsets(usize::from(n)).ok_or_else(|| self.cut())?;
         for &off in &to_placeholder {
@@ -788,11 +760,6 @@ fn state_at(h: &[u8], at: usize) -> State {
         my_xid: le_bytes(h, at).map_or(0, u32::from_le_bytes),
         is_build: h.get(at + 4).is_some_and(|&b| b != 0),
     }
-}
-
-/// The `N` bytes of `b` at `at`.
-fn le_bytes<const N: usize>(b: &[u8], at: usize) -> Option<[u8; N]> {
-    b.get(at..at.checked_add(N)?)?.try_into().ok()
 }
 
 #[cfg(test)]
