@@ -36,6 +36,7 @@ from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.pgmask import gin_mask
 from fixtures.postgres import Postgres
+from fixtures.redo_check import pipelined
 from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
 from fixtures.waldump import lsn_text, record_types
 from fixtures.walreader import Wal
@@ -116,7 +117,7 @@ def test_every_gin_record_and_page_matches_postgres(tmp_path, pageserver_factory
         matched = collections.Counter()
         actions = collections.Counter()  # segment actions of posting-tree leaf records
         failures = []
-        with ps.connect(tenant) as conn:
+        def requests():
             for lsn in lsns:
                 kind = types[lsn]
                 if not kind.startswith("Gin ") or lsn < start:
@@ -129,18 +130,19 @@ def test_every_gin_record_and_page_matches_postgres(tmp_path, pageserver_factory
                         kinds.append(f"  {'child' if i == 1 else inserts[lsn]}")
                     if i == 0 and (kind == "Gin VACUUM_DATA_LEAF_PAGE" or kinds[1:] == ["  posting leaf"]):
                         actions.update(segment_actions(image.data))
+                    yield key, next_of[lsn], (kinds, lsn, key, image.page)
+
+        with ps.connect(tenant) as conn:
+            for (kinds, lsn, key, want), page in pipelined(conn, requests()):
+                for k in kinds:
+                    tally[k] += 1
+                if isinstance(page, PageServiceError):
+                    failures.append((kinds[0], lsn_text(lsn), str(key), str(page)))
+                elif gin_mask(page) == gin_mask(want):
                     for k in kinds:
-                        tally[k] += 1
-                    try:
-                        page = conn.get_page(key, next_of[lsn])
-                    except PageServiceError as e:
-                        failures.append((kind, lsn_text(lsn), str(key), str(e)))
-                        continue
-                    if gin_mask(page) == gin_mask(image.page):
-                        for k in kinds:
-                            matched[k] += 1
-                    else:
-                        failures.append((kind, lsn_text(lsn), str(key), "differs"))
+                        matched[k] += 1
+                else:
+                    failures.append((kinds[0], lsn_text(lsn), str(key), "differs"))
         print("\nmatched/total per record type (every GIN block of every GIN record):")
         for kind in sorted(tally, key=lambda k: (k.strip() != k, k)):
             print(f"  {kind:28} {matched[kind]:6}/{tally[kind]}")

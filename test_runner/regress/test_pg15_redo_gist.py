@@ -31,6 +31,7 @@ from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.pgmask import gist_mask
 from fixtures.postgres import Postgres
+from fixtures.redo_check import pipelined
 from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
 from fixtures.waldump import lsn_text, record_types
 from fixtures.walreader import Wal
@@ -79,23 +80,23 @@ def test_every_gist_record_and_page_matches_postgres(tmp_path, pageserver_factor
         tally = collections.Counter()
         matched = collections.Counter()
         failures = []
-        with ps.connect(tenant) as conn:
+        def requests():
             for lsn in lsns:
                 kind = types[lsn]
-                if not kind.startswith("Gist ") or lsn < start:
-                    continue
-                for image in wal.images(lsn):
-                    key = Key(image.spcnode, image.dbnode, image.relnode, image.fork, image.blkno)
-                    tally[kind] += 1
-                    try:
-                        page = conn.get_page(key, next_of[lsn])
-                    except PageServiceError as e:
-                        failures.append((kind, lsn_text(lsn), str(key), str(e)))
-                        continue
-                    if gist_mask(page) == gist_mask(image.page):
-                        matched[kind] += 1
-                    else:
-                        failures.append((kind, lsn_text(lsn), str(key), "differs"))
+                if kind.startswith("Gist ") and lsn >= start:
+                    for image in wal.images(lsn):
+                        key = Key(image.spcnode, image.dbnode, image.relnode, image.fork, image.blkno)
+                        yield key, next_of[lsn], (kind, lsn, key, image.page)
+
+        with ps.connect(tenant) as conn:
+            for (kind, lsn, key, want), page in pipelined(conn, requests()):
+                tally[kind] += 1
+                if isinstance(page, PageServiceError):
+                    failures.append((kind, lsn_text(lsn), str(key), str(page)))
+                elif gist_mask(page) == gist_mask(want):
+                    matched[kind] += 1
+                else:
+                    failures.append((kind, lsn_text(lsn), str(key), "differs"))
         print("\nmatched/total per record type (every GiST record):")
         for kind in sorted(tally):
             print(f"  {kind:20} {matched[kind]:6}/{tally[kind]}")
