@@ -20,44 +20,19 @@ would take minutes.
 
 from __future__ import annotations
 
-import collections
 import json
-import subprocess
 
 import pytest
 
 from fixtures import pg_workloads
-from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.pgmask import gist_mask
 from fixtures.postgres import Postgres
-from fixtures.redo_check import pipelined
+from fixtures.redo_check import check_every_record, pipelined, redocheck, relation_pages
 from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
-from fixtures.waldump import lsn_text, record_types
-from fixtures.walreader import Wal
 
 # The record types gist_mix makes, each of which must be checked at least once.
 MADE = ["Gist PAGE_UPDATE", "Gist PAGE_SPLIT", "Gist DELETE", "Gist PAGE_DELETE"]
-
-
-def gist_pages(pg: Postgres):
-    """(key, PostgreSQL's page) for every block of the main fork of every GiST index of
-    database `postgres`, from the data files."""
-    rows = pg.sql("""
-        select pg_relation_filenode(c.oid), coalesce(nullif(c.reltablespace, 0), 1663), d.oid,
-               pg_relation_filepath(c.oid)
-        from pg_class c cross join pg_database d join pg_am a on a.oid = c.relam
-        where d.datname = 'postgres' and a.amname = 'gist' and c.relkind = 'i'""")
-    for line in rows.splitlines():
-        rel, spc, db, path = line.split("|")
-        data = (pg.datadir / path).read_bytes()
-        for seg in range(1, 1000):
-            more = pg.datadir / f"{path}.{seg}"
-            if not more.exists():
-                break
-            data += more.read_bytes()
-        for blk in range(len(data) // 8192):
-            yield Key(int(spc), int(db), int(rel), 0, blk), data[blk * 8192:(blk + 1) * 8192]
 
 
 @pytest.mark.timeout(600)
@@ -73,61 +48,29 @@ def test_every_gist_record_and_page_matches_postgres(tmp_path, pageserver_factor
         start = attach(ps, tenant, pg)["resumed_at"]
         pg_workloads.gist_mix(pg)
         end = caught_up(ps, tenant, pg)["wal_source"]["durable_lsn"]
-        types = record_types(pg, start, end)
-        lsns = sorted(types)
-        next_of = dict(zip(lsns, lsns[1:] + [end]))
-        wal = Wal(pg.wal_dir)
-        tally = collections.Counter()
-        matched = collections.Counter()
-        failures = []
-        def requests():
-            for lsn in lsns:
-                kind = types[lsn]
-                if kind.startswith("Gist ") and lsn >= start:
-                    for image in wal.images(lsn):
-                        key = Key(image.spcnode, image.dbnode, image.relnode, image.fork, image.blkno)
-                        yield key, next_of[lsn], (kind, lsn, key, image.page)
-
-        with ps.connect(tenant) as conn:
-            for (kind, lsn, key, want), page in pipelined(conn, requests()):
-                tally[kind] += 1
-                if isinstance(page, PageServiceError):
-                    failures.append((kind, lsn_text(lsn), str(key), str(page)))
-                elif gist_mask(page) == gist_mask(want):
-                    matched[kind] += 1
-                else:
-                    failures.append((kind, lsn_text(lsn), str(key), "differs"))
-        print("\nmatched/total per record type (every GiST record):")
-        for kind in sorted(tally):
-            print(f"  {kind:20} {matched[kind]:6}/{tally[kind]}")
+        check = check_every_record(ps, tenant, pg, start, end, {"Gist": gist_mask})
+        tally = {kind: t for kind, (_, t) in check.tally.items()}
         for kind in MADE:
-            assert tally[kind] > 0, f"the workload makes {kind} records"
+            assert tally.get(kind, 0) > 0, f"the workload makes {kind} records"
         assert tally["Gist PAGE_SPLIT"] > 50 and tally["Gist PAGE_DELETE"] > 5
-        assert not failures, f"{len(failures)} pages differ from PostgreSQL's, e.g. {failures[:10]}"
+        assert not check.failures, f"{len(check.failures)} pages differ from PostgreSQL's, e.g. {check.failures[:10]}"
 
         # Every page at the end, against the data files.
         pg.sql("CHECKPOINT")
-        pages = list(gist_pages(pg))
+        pages = list(relation_pages(pg, "postgres", am="gist"))
         assert len(pages) > 150
         differ = []
         with ps.connect(tenant) as conn:
-            for key, want in pages:
-                try:
-                    page = conn.get_page(key, end)
-                except PageServiceError as e:
-                    differ.append((str(key), str(e)))
-                    continue
-                if gist_mask(page) != gist_mask(want):
+            for (key, _, want), page in pipelined(conn, ((p[0], end, p) for p in pages)):
+                if isinstance(page, PageServiceError):
+                    differ.append((str(key), str(page)))
+                elif gist_mask(page) != gist_mask(want):
                     differ.append((str(key), "differs"))
         print(f"every page at the end: {len(pages) - len(differ)}/{len(pages)} GiST pages match")
         assert not differ, f"{len(differ)} of {len(pages)} pages differ, e.g. {differ[:10]}"
 
         # The same WAL through pagectl redocheck.
-        out = subprocess.run([str(ps.bin.parent / "pagectl"), "redocheck", "--start", lsn_text(start),
-                              "--end", lsn_text(end), str(pg.wal_dir)], capture_output=True, text=True,
-                             timeout=600)
-        assert out.returncode in (0, 1) and out.stdout.strip(), out.stderr
-        report = json.loads(out.stdout)
+        report = redocheck(ps.bin.parent, pg, tmp_path / "wal", start, end)
         gist = {k: v for k, v in report["types"].items() if k.startswith("Gist ")}
         print("pagectl redocheck:", json.dumps(gist, indent=1))
         for kind in MADE:

@@ -16,7 +16,6 @@ native redo for every resource manager): a tenant follows a primary that runs
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import subprocess
 import time
@@ -25,9 +24,10 @@ import pytest
 
 from fixtures import pg_workloads
 from fixtures.oracle import Key
-from fixtures.page_client import Page, PageServiceError
+from fixtures.page_client import PageServiceError
 from fixtures.pgmask import hash_mask
 from fixtures.postgres import Postgres
+from fixtures.redo_check import pipelined
 from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
 from fixtures.waldump import lsn_text, record_types
 from fixtures.walreader import Wal
@@ -88,27 +88,24 @@ def test_every_hash_record_and_page_matches_postgres(tmp_path, pageserver_factor
             if types[lsn].startswith("Hash ") and lsn >= start:
                 by_type[types[lsn]].append(lsn)
         wal = Wal(pg.wal_dir)
-        # (type, LSN, key, PostgreSQL's page, whether it is an applied image), read as needed.
-        checks = ((kind, lsn, Key(im.spcnode, im.dbnode, im.relnode, im.fork, im.blkno), im.page, im.apply)
-                  for kind, records in sorted(by_type.items()) for lsn in records for im in wal.images(lsn))
+        # GetPage of each check image's block at the next record's LSN, with (type, LSN, key,
+        # PostgreSQL's page, whether it is an applied image), read as needed.
+        checks = ((key, next_of[lsn], (kind, lsn, key, im.page, im.apply))
+                  for kind, records in sorted(by_type.items()) for lsn in records for im in wal.images(lsn)
+                  for key in [Key(im.spcnode, im.dbnode, im.relnode, im.fork, im.blkno)])
         tally = collections.defaultdict(lambda: [0, 0])  # type: [matched, total]
         redone = collections.Counter()  # check images of blocks the record is redone on
         failures = []
         with ps.connect(tenant) as conn:
-            while window := list(itertools.islice(checks, WINDOW)):
-                rids = [conn.send_get_page(key, next_of[lsn]) for _, lsn, key, _, _ in window]
-                for rid, (kind, lsn, key, want, applied) in zip(rids, window):
-                    tally[kind][1] += 1
-                    redone[kind] += not applied
-                    try:
-                        page = conn.expect(rid, Page).page
-                    except PageServiceError as e:
-                        failures.append((kind, lsn_text(lsn), str(key), str(e)))
-                        continue
-                    if hash_mask(page, key.blknum) == hash_mask(want, key.blknum):
-                        tally[kind][0] += 1
-                    else:
-                        failures.append((kind, lsn_text(lsn), str(key), "differs"))
+            for (kind, lsn, key, want, applied), page in pipelined(conn, checks, WINDOW):
+                tally[kind][1] += 1
+                redone[kind] += not applied
+                if isinstance(page, PageServiceError):
+                    failures.append((kind, lsn_text(lsn), str(key), str(page)))
+                elif hash_mask(page, key.blknum) == hash_mask(want, key.blknum):
+                    tally[kind][0] += 1
+                else:
+                    failures.append((kind, lsn_text(lsn), str(key), "differs"))
         print(f"matched/total per record type ({time.monotonic() - began:.0f} s):")
         for kind, (m, t) in sorted(tally.items()):
             print(f"  {kind:28} {m:6}/{t}  ({redone[kind]} by redo, the others full-page images)")
