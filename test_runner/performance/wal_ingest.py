@@ -45,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.daemon import Pageserver  # noqa: E402
-from fixtures.postgres import Postgres, free_port  # noqa: E402
+from fixtures.postgres import Postgres  # noqa: E402
 
 
 def lsn_int(text: str) -> int:
@@ -73,16 +73,10 @@ def main() -> int:
     settings = {"autovacuum": "off", "max_wal_size": "'4GB'", "checkpoint_timeout": "'1h'"}
     primary = Postgres(base / "primary", settings=settings).init().start()
     ps = None
-    standby_dir = base / "standby"
     try:
         primary.sql("select pg_create_physical_replication_slot('bench', true)")
-        # The base backup the standby replays from (its own checkpoint, before the workload).
-        backup_owner = base / "backup"
-        backup_owner.mkdir()
-        if primary.user:
-            shutil.chown(backup_owner, primary.user, primary.user)
-        primary.run("pg_basebackup", "-h", str(primary.sockdir), "-p", str(primary.port), "-D",
-                    str(backup_owner / "data"), "-c", "fast", "-X", "none", "--no-sync")
+        # The base backup PostgreSQL replays from (its own checkpoint, before the workload).
+        replay = primary.backup_for_replay(base / "replay")
         start = primary.lsn("select pg_current_wal_flush_lsn()")
         print(f"workload: pgbench -i -s {args.scale}, then -c 4 -T {args.duration}", flush=True)
         primary.pgbench("-i", "-s", str(args.scale), "-q", timeout=900)
@@ -94,29 +88,10 @@ def main() -> int:
         print(f"WAL {start} .. {end}: {wal_bytes / 1e6:.1f} MB, {records} records", flush=True)
 
         # PostgreSQL's replay: the backup, with the workload's WAL in its pg_wal.
-        standby = Postgres(standby_dir, settings=settings)
-        standby.datadir = backup_owner / "data"
-        standby.logfile = backup_owner / "standby.log"
-        standby.port = free_port()
-        conf = standby.datadir / "postgresql.conf"
-        conf.write_text(conf.read_text() + f"\nport = {standby.port}\nunix_socket_directories = '{primary.sockdir}'\n")
-        for seg in sorted(primary.wal_dir.iterdir()):
-            if seg.is_file() and len(seg.name) == 24:
-                shutil.copy(seg, standby.datadir / "pg_wal" / seg.name)
-                if primary.user:
-                    shutil.chown(standby.datadir / "pg_wal" / seg.name, primary.user, primary.user)
         primary.stop()  # the machine's CPUs for the replay alone
         began = time.monotonic()
-        standby.start()
+        pg_elapsed, pg_cpu = replay.timed_replay(primary)
         pg_wall = time.monotonic() - began
-        standby.stop()
-        log = standby.logfile.read_text()
-        m = re.search(r"redo done at (\S+) system usage: CPU: user: ([\d.]+) s, system: ([\d.]+) s, elapsed: ([\d.]+) s", log)
-        if not m:
-            print(log[-3000:], file=sys.stderr)
-            raise SystemExit("no 'redo done' line in the standby's log")
-        pg_elapsed = float(m.group(4))
-        pg_cpu = float(m.group(2)) + float(m.group(3))
         primary.start()
 
         # The pageserver's ingest of the same WAL, from the same starting point.

@@ -17,7 +17,9 @@
 //! Prints one JSON object: per record type (`Heap INSERT`, ...) the block values `checked`,
 //! `matched`, `unsupported`, `failed` (the redo returned another error), `no_base` (no page
 //! known before the record: the first record of a block that is not a full-page image or an
-//! initialisation), and the median nanoseconds of one apply; then the first differences
+//! initialisation), `applied` (the values the redo applied without error), the median
+//! nanoseconds of one apply and their total (`total_apply_ns`; the page copy before each apply
+//! is not in it); then the first differences
 //! (record type, LSN, block, first differing byte), at most `--show` of them.
 //!
 //! This is a development and operator tool: the tests compare the daemon's pages with
@@ -88,11 +90,13 @@ pub fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
         .map(|(kind, s)| {
             s.nanos.sort_unstable();
             let median = s.nanos.get(s.nanos.len() / 2).copied();
+            let total: u64 = s.nanos.iter().sum();
             (
                 kind.clone(),
                 serde_json::json!({
                     "checked": s.checked, "matched": s.matched, "unsupported": s.unsupported,
-                    "failed": s.failed, "no_base": s.no_base, "median_apply_ns": median,
+                    "failed": s.failed, "no_base": s.no_base, "applied": s.nanos.len(),
+                    "median_apply_ns": median, "total_apply_ns": total,
                 }),
             )
         })
