@@ -64,15 +64,22 @@
 //! pool (one child per CPU, at least 2) sized by the controller, which also sets the children's
 //! spin windows and, for `auto`, their path; N in {1, 2, 8, 64}.
 //!
-//! Real PostgreSQL 15 records (since 2026-11-25): `sync/<pg15>/<N>`, `async/<pg15>/<N>` and
-//! `auto/<pg15>/<N>` with `<pg15>` one of `pg15-heap-1`, `pg15-heap-10`, `pg15-heap-100`,
-//! `pg15-btree-1`, `pg15-btree-10`, `pg15-btree-100` and N in {1, 8}: the same samples as
-//! above, each request a base image (8 KiB) and the next 1, 10 or 100 record values of that
-//! block as the daemon stores them (the `pg15` family; 8.3 KB on the wire with 1 record,
-//! 9.1 KB with 10, 16.6-17.4 KB with 100, the values 70-80 bytes each), cut out of WAL of
-//! `fixtures.pg_workloads.redo_mix` with `pagectl chain` (`benches/data/README.md`): a hot heap
-//! page (pgbench_branches block 0: HOT updates, row locks, one prune in 100) and a leaf of an
-//! index of duplicates (`mix_k`: inserts and posting-list splits). The child applies them with
+//! Real PostgreSQL 15 records (since 2026-11-25; GIN and GiST since 2026-11-28):
+//! `sync/<pg15>/<N>`, `async/<pg15>/<N>` and `auto/<pg15>/<N>` with `<pg15>` one of
+//! `pg15-heap-1`, `pg15-heap-10`, `pg15-heap-100`, `pg15-btree-1`, `pg15-btree-10`,
+//! `pg15-btree-100`, `pg15-gin-1`, `pg15-gin-10`, `pg15-gin-100`, `pg15-gist-1`,
+//! `pg15-gist-10`, `pg15-gist-100` and N in {1, 8}: the same samples as above, each request a
+//! base image (8 KiB) and the next 1, 10 or 100 record values of that block as the daemon
+//! stores them (the `pg15` family; 8.3-8.4 KB on the wire with 1 record, 9.0-9.3 KB with 10,
+//! 16.6-19.2 KB with 100, the values 65-95 bytes each, a few hundred for a prune or a VACUUM),
+//! cut out of WAL with `pagectl chain` (`benches/data/README.md`). From
+//! `fixtures.pg_workloads.redo_mix`: a hot heap page (pgbench_branches block 0: HOT updates,
+//! row locks, one prune in 100) and a leaf of an index of duplicates (`mix_k`: inserts and
+//! posting-list splits). From `gin_mix`: the rightmost leaf of a GIN posting tree (`garr_a`,
+//! fastupdate off, key 0's posting tree: INSERTs appending item pointers, and as the 70th of
+//! 100 the VACUUM_DATA_LEAF_PAGE of a VACUUM after a deleted range). From `gist_mix`: a GiST
+//! leaf of points (`gpt_p`: PAGE_UPDATEs inserting one entry each, and as the 68th of 100 the
+//! PAGE_UPDATE of a VACUUM removing 104 entries of deleted rows). The child applies them with
 //! its native redo (`walredo_proc::pg15::redo`); every reply is checked byte for byte against
 //! the same redo run here, which loading checked against PostgreSQL's own page (masked).
 //! `apply/<pg15>`: that redo in-process, no child, no pipes: criterion's plain sampling of

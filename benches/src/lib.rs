@@ -16,11 +16,13 @@
 //! The `pg15-*` workloads ([`Pg15Chain`]) are real PostgreSQL 15 WAL: a block's page and the
 //! next 1, 10 or 100 record values of that block as the daemon stores them, read from the
 //! fixtures in `benches/data/` (made with `pagectl chain`, see `benches/data/README.md`): a hot
-//! heap page (`pg15-heap-*`: HOT updates, locks, a prune) and a btree leaf (`pg15-btree-*`:
-//! inserts and posting-list splits). Their expected page is computed here with the child's own
-//! redo (`walredo_proc::pg15::redo::apply`), which is exactly what the child returns; loading
-//! checks that it equals PostgreSQL's page of the fixture once both are masked as PostgreSQL
-//! masks them (`walredo_proc::pg15::mask`), and fails otherwise.
+//! heap page (`pg15-heap-*`: HOT updates, locks, a prune), a btree leaf (`pg15-btree-*`:
+//! inserts and posting-list splits), a GIN posting-tree leaf (`pg15-gin-*`: item pointers
+//! inserted, one VACUUM) and a GiST leaf (`pg15-gist-*`: entries inserted, one VACUUM). Their
+//! expected page is computed here with the child's own redo (`walredo_proc::pg15::redo::apply`),
+//! which is exactly what the child returns; loading checks that it equals PostgreSQL's page of
+//! the fixture once both are masked as PostgreSQL masks them (`walredo_proc::pg15::mask`), and
+//! fails otherwise.
 //!
 //! [`contending_threads`] and [`at_once`] are shared by the benches of work that threads do at
 //! once on shared state (`bench_metrics`, `bench_shared_lines`).
@@ -75,16 +77,33 @@ pub enum Pg15Chain {
     Btree1,
     Btree10,
     Btree100,
+    /// The rightmost leaf of a GIN posting tree (`garr_a`, fastupdate off): item pointers
+    /// appended by inserts, and in the 100 a VACUUM that removes those of deleted rows.
+    Gin1,
+    Gin10,
+    Gin100,
+    /// A GiST leaf of points (`gpt_p`): entries inserted one by one, and in the 100 a VACUUM
+    /// that removes those of deleted rows.
+    Gist1,
+    Gist10,
+    Gist100,
 }
 
 impl Pg15Chain {
-    pub const ALL: [Pg15Chain; 6] = [
+    /// Every chain, by family (heap, btree, GIN, GiST), each family as 1, 10, 100 records.
+    pub const ALL: [Pg15Chain; 12] = [
         Pg15Chain::Heap1,
         Pg15Chain::Heap10,
         Pg15Chain::Heap100,
         Pg15Chain::Btree1,
         Pg15Chain::Btree10,
         Pg15Chain::Btree100,
+        Pg15Chain::Gin1,
+        Pg15Chain::Gin10,
+        Pg15Chain::Gin100,
+        Pg15Chain::Gist1,
+        Pg15Chain::Gist10,
+        Pg15Chain::Gist100,
     ];
 
     /// The name in benchmark ids.
@@ -96,15 +115,21 @@ impl Pg15Chain {
             Pg15Chain::Btree1 => "pg15-btree-1",
             Pg15Chain::Btree10 => "pg15-btree-10",
             Pg15Chain::Btree100 => "pg15-btree-100",
+            Pg15Chain::Gin1 => "pg15-gin-1",
+            Pg15Chain::Gin10 => "pg15-gin-10",
+            Pg15Chain::Gin100 => "pg15-gin-100",
+            Pg15Chain::Gist1 => "pg15-gist-1",
+            Pg15Chain::Gist10 => "pg15-gist-10",
+            Pg15Chain::Gist100 => "pg15-gist-100",
         }
     }
 
     /// Records in the chain.
     pub fn records(self) -> usize {
         match self {
-            Pg15Chain::Heap1 | Pg15Chain::Btree1 => 1,
-            Pg15Chain::Heap10 | Pg15Chain::Btree10 => 10,
-            Pg15Chain::Heap100 | Pg15Chain::Btree100 => 100,
+            Pg15Chain::Heap1 | Pg15Chain::Btree1 | Pg15Chain::Gin1 | Pg15Chain::Gist1 => 1,
+            Pg15Chain::Heap10 | Pg15Chain::Btree10 | Pg15Chain::Gin10 | Pg15Chain::Gist10 => 10,
+            Pg15Chain::Heap100 | Pg15Chain::Btree100 | Pg15Chain::Gin100 | Pg15Chain::Gist100 => 100,
         }
     }
 
@@ -117,6 +142,12 @@ impl Pg15Chain {
             Pg15Chain::Btree1 => "pg15-btree-chain-1.bin",
             Pg15Chain::Btree10 => "pg15-btree-chain-10.bin",
             Pg15Chain::Btree100 => "pg15-btree-chain-100.bin",
+            Pg15Chain::Gin1 => "pg15-gin-chain-1.bin",
+            Pg15Chain::Gin10 => "pg15-gin-chain-10.bin",
+            Pg15Chain::Gin100 => "pg15-gin-chain-100.bin",
+            Pg15Chain::Gist1 => "pg15-gist-chain-1.bin",
+            Pg15Chain::Gist10 => "pg15-gist-chain-10.bin",
+            Pg15Chain::Gist100 => "pg15-gist-chain-100.bin",
         };
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data").join(file)
     }
@@ -459,8 +490,8 @@ mod tests {
             assert_eq!(w.records.len(), chain.records(), "{}", chain.name());
             assert!(w.base.is_some());
             assert_eq!(w.lsn, w.records.last().expect("records").0);
-            // B + P (a page) + one A per record + G; pg15 values of these records are small (a
-            // prune carries its offsets: a few hundred bytes).
+            // B + P (a page) + one A per record + G; pg15 values of these records are small (65-95
+            // bytes; a prune or a VACUUM's removal carries its offsets or segments: a few hundred).
             let values: usize = w.records.iter().map(|(_, r)| r.len()).sum();
             assert!(values < 100 * chain.records(), "{}: {values} bytes of values", chain.name());
             assert!(
@@ -497,18 +528,28 @@ mod tests {
     }
 
     #[test]
-    fn pg15_heap_and_btree_chains_are_for_one_block_each_and_share_their_base() {
-        let heap: Vec<Workload> =
-            Pg15Chain::ALL[..3].iter().map(|&c| Workload::new(WorkloadKind::Pg15(c))).collect();
-        let btree: Vec<Workload> =
-            Pg15Chain::ALL[3..].iter().map(|&c| Workload::new(WorkloadKind::Pg15(c))).collect();
-        for family in [&heap, &btree] {
+    fn pg15_chains_of_a_family_are_for_one_block_and_share_their_base() {
+        let families: Vec<Vec<Workload>> = Pg15Chain::ALL
+            .chunks(3)
+            .map(|family| family.iter().map(|&c| Workload::new(WorkloadKind::Pg15(c))).collect())
+            .collect();
+        assert_eq!(families.len(), 4, "heap, btree, GIN, GiST");
+        for family in &families {
+            assert_eq!(family.iter().map(|w| w.records.len()).collect::<Vec<_>>(), [1, 10, 100]);
             assert!(family.iter().all(|w| w.tag == family[0].tag && w.base == family[0].base));
             // A shorter chain is the start of the longer one.
             assert!(family[2].records.starts_with(&family[1].records));
             assert!(family[1].records.starts_with(&family[0].records));
         }
-        assert_ne!(heap[0].tag, btree[0].tag);
+        // Four blocks, and each family's records are of its own access method.
+        let tags: std::collections::HashSet<BufferTag> = families.iter().map(|f| f[0].tag).collect();
+        assert_eq!(tags.len(), 4);
+        let rmids: Vec<u8> = families
+            .iter()
+            .map(|f| Pg15Record::decode(&f[2].records[0].1).expect("a pg15 record").rmid)
+            .collect();
+        use walredo_proc::pg15::redo::{RM_BTREE, RM_GIN, RM_GIST, RM_HEAP};
+        assert_eq!(rmids, [RM_HEAP, RM_BTREE, RM_GIN, RM_GIST]);
     }
 
     #[test]

@@ -18,10 +18,10 @@
 //! `benches/src/lib.rs` reads it.
 //!
 //! Before writing, the N values are applied to the base page again, and the result must equal
-//! the expected page once both are masked as PostgreSQL masks them (`heap_mask`,
-//! `btree_mask`: `walredo_proc::pg15::mask`); otherwise nothing is written and the command
-//! fails. Prints one JSON object: the block, the base, the LSN range, the record types, the
-//! sizes.
+//! the expected page once both are masked as PostgreSQL masks them (the `rm_mask` of the last
+//! record's resource manager: `walredo_proc::pg15::mask`, e.g. `heap_mask`, `btree_mask`,
+//! `gin_mask`, `gist_mask`); otherwise nothing is written and the command fails. Prints one
+//! JSON object: the block, the base, the LSN range, the record types, the sizes.
 //!
 //! Invariant: reads the WAL only; writes `--out` only, and only a checked chain.
 
