@@ -15,12 +15,10 @@ that resource manager; then
   (`SEQ_LOG_VALS`) and then changes the page without WAL, so the data file's `last_value` and
   `log_cnt` may differ from the replayed page's, and then they must satisfy
   logged `last_value` = file `last_value` + file `log_cnt` x increment (and the logged
-  `log_cnt` is 0); every other byte must be equal.
+  `log_cnt` is 0); every other byte must be equal (`fixtures.redo_check.sequence_logged_ahead`).
 """
 
 from __future__ import annotations
-
-import struct
 
 import pytest
 
@@ -90,7 +88,7 @@ def test_sequence_records_match_postgres_at_their_lsn_and_the_logged_state_at_th
                     if seq_mask(ours) == seq_mask(want):
                         exact += 1
                         continue
-                    why = logged_ahead(ours, want, int(increments[name]))
+                    why = redo_check.sequence_logged_ahead(ours, want, int(increments[name]))
                     if why is None:
                         ahead += 1
                     else:
@@ -101,32 +99,6 @@ def test_sequence_records_match_postgres_at_their_lsn_and_the_logged_state_at_th
         assert exact >= 1 and ahead >= 3, (exact, ahead)
     finally:
         pg.stop()
-
-
-def seq_fields(page: bytes) -> tuple[int, int, int]:
-    """(offset of the tuple's data, last_value, log_cnt) of a sequence page's one tuple."""
-    lp = struct.unpack_from("<I", page, 24)[0]
-    off = lp & 0x7FFF
-    data = off + page[off + 22]  # t_hoff
-    last_value, log_cnt = struct.unpack_from("<qq", page, data)
-    return data, last_value, log_cnt
-
-
-def logged_ahead(ours: bytes, file: bytes, increment: int) -> str | None:
-    """None if `ours` (the WAL-logged state) is `file` (the primary's page) advanced by the
-    values nextval logged ahead: equal but for last_value and log_cnt, with logged last_value =
-    file last_value + file log_cnt x increment and logged log_cnt 0; else what differs."""
-    o, f = bytearray(seq_mask(ours)), bytearray(seq_mask(file))
-    od, olast, olog = seq_fields(o)
-    fd, flast, flog = seq_fields(f)
-    if od != fd:
-        return f"the tuple's data at {od}, the file's at {fd}"
-    o[od:od + 16] = f[fd:fd + 16] = bytes(16)
-    if o != f:
-        return f"differs at byte {next(i for i in range(len(o)) if o[i] != f[i])}"
-    if olog != 0 or olast != flast + flog * increment:
-        return f"logged last_value {olast} log_cnt {olog}, file last_value {flast} log_cnt {flog}, increment {increment}"
-    return None
 
 
 def test_generic_records_of_bloom_match_postgres_at_their_lsn_and_at_the_end(

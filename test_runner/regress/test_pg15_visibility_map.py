@@ -23,12 +23,12 @@ from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.pgmask import lsn_mask
 from fixtures.postgres import Postgres
+from fixtures.redo_check import map_bits, map_bits_lacking
 from fixtures.util import wait_until
 from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
 from fixtures.waldump import lsn_int
 
 PAGE = 8192
-HEADER = 24
 
 
 def vm_files(pg: Postgres, db: str):
@@ -51,10 +51,6 @@ def blocks(datadir, path: str) -> list[bytes]:
         return []
     data = f.read_bytes()
     return [data[i:i + PAGE] for i in range(0, len(data) // PAGE * PAGE, PAGE)]
-
-
-def bits(page: bytes) -> int:
-    return sum(bin(b).count("1") for b in page[HEADER:])
 
 
 def test_map_pages_have_no_bit_the_primary_lacks_and_equal_postgres_own_standby(tmp_path, pageserver_factory):
@@ -100,25 +96,25 @@ def test_map_pages_have_no_bit_the_primary_lacks_and_equal_postgres_own_standby(
                         except PageServiceError as e:
                             # A map page PostgreSQL extended (zeros, without WAL) and no record
                             # set a bit in: no WAL names it.
-                            if e.name == "not_found" and bits(primary_page) == 0:
+                            if e.name == "not_found" and map_bits(primary_page) == 0:
                                 ours = bytes(PAGE)
                             else:
                                 failures.append((db, str(k), str(e)))
                                 continue
                         compared += 1
-                        served_bits += bits(ours)
-                        extra = [i for i in range(HEADER, PAGE) if ours[i] & ~primary_page[i]]
+                        served_bits += map_bits(ours)
+                        extra = map_bits_lacking(ours, primary_page)
                         if extra:
                             failures.append((db, str(k), f"bits the primary lacks at bytes {extra[:5]}"))
                         standby_page = standby_pages[blk] if blk < len(standby_pages) else bytes(PAGE)
                         if lsn_mask(ours) != lsn_mask(standby_page):
                             failures.append((db, str(k), "differs from the standby's page"))
-                        missing = bits(primary_page) - bits(ours)
+                        missing = map_bits(primary_page) - map_bits(ours)
                         if missing:
                             lost += missing
                             lost_pages += 1
                         if db == "app":
-                            primary_bits_in_app += bits(primary_page)
+                            primary_bits_in_app += map_bits(primary_page)
         print(f"\n{compared} map pages compared, {served_bits} bits served; {lost_pages} of them lack {lost} "
               "of the primary's bits (as the standby's do)")
         assert compared > 50, "both databases have map pages"
