@@ -109,7 +109,25 @@
 //!
 //! # Results
 //!
-//! (No figures of the `pg15-*` ids and `apply/*` yet: they come from a run on an idle machine.)
+//! The `pg15-*` ids and `apply/*`: docs/performance.md, "PostgreSQL 15 redo in the child" (heap
+//! and btree, 2026-11-25) and "Redo cost per resource manager" (GIN and GiST, 2026-11-28).
+//!
+//! ## 2026-11-28, GIN and GiST chains (the commit after b213a93, 2-vCPU machine shared with two builds)
+//!
+//! `'^(apply/pg15-(gin|gist)|(auto|sync)/pg15-(gin|gist)-(1|10|100)/1$|floor/echo/1$|auto/short/1$)'`
+//! with `--warm-up-time 1 --measurement-time 2`, criterion medians in microseconds (one run):
+//!
+//! | chain | `apply` (in process) | `sync`, 1 client | `auto`, 1 client |
+//! |---|---:|---:|---:|
+//! | GIN posting-tree leaf, 1 record | 3.35 | 28.1 | 27.4 |
+//! | GIN, 10 | 29.6 | 64.9 | 42.9 |
+//! | GIN, 100 | 204.7 | 238.2 | 184.6 |
+//! | GiST leaf, 1 | 0.25 | 22.0 | 21.1 |
+//! | GiST, 10 | 1.67 | 25.0 | 27.2 |
+//! | GiST, 100 | 13.1 | 38.4 | 35.4 |
+//!
+//! `floor/echo/1` 9.2, `auto/short/1` 22.1 in the same run.
+//!
 //!
 //! ## 2026-11-28, samples of 1000 requests, each request's own time (the commit after 4d8d0a1)
 //!

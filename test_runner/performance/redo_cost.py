@@ -22,6 +22,10 @@ taken before the workload):
 2. without it: the same workload again, and the backup's replay of that WAL, timed the same way:
    PostgreSQL's plain replay per record.
 
+PostgreSQL's replay with checks of `gist_mix` fails its own check at the first GiST DELETE
+whose page had F_TUPLES_DELETED set by the primary (PostgreSQL 15's `gistRedoDeleteRecord`
+does not set it, and `gist_mask` keeps it); the script records the failure and goes on.
+
 It prints one table per workload and writes everything as JSON with --out. Run it with nothing
 else on the machine: PostgreSQL's figures have a resolution of 10 ms, so give small workloads
 `--seconds` enough to replay for a second or more.
@@ -82,13 +86,22 @@ def run_workload(base: Path, workload: str, seconds: int, checking: bool) -> dic
         records = int(re.search(r"^Total\s+(\d+)", stats, re.M).group(1))
         primary.sql("select pg_switch_wal()")
         primary.stop()  # the machine's CPUs for the replay alone
-        elapsed, cpu = replay.timed_replay(primary)
+        elapsed = cpu = failed = None
+        try:
+            elapsed, cpu = replay.timed_replay(primary)
+        except RuntimeError as e:
+            # PostgreSQL's own replay can fail its own check (GiST DELETE: its redo leaves
+            # F_TUPLES_DELETED unset where the primary set it, and gist_mask keeps that flag).
+            fatal = [line for line in str(e).splitlines() if "FATAL" in line or "CONTEXT" in line]
+            if not fatal:
+                raise
+            failed = " / ".join(line.split(":  ", 1)[-1] for line in fatal)
         if checking:
             primary.copy_wal(base / "wal")
     finally:
         primary.stop()
     return {"start": start, "end": end, "wal_bytes": lsn_int(end) - lsn_int(start), "records": records,
-            "postgres_replay_seconds": elapsed, "postgres_replay_cpu_seconds": cpu}
+            "postgres_replay_seconds": elapsed, "postgres_replay_cpu_seconds": cpu, "postgres_replay_failed": failed}
 
 
 def redocheck(bin_dir: Path, wal: Path, start: str, end: str) -> dict:
@@ -136,9 +149,15 @@ def show(m: dict) -> None:
     us = lambda seconds, n: f"{seconds * 1e6 / n:7.2f}" if n else "      -"  # noqa: E731
     print(f"\n{m['workload']}: checked WAL {c['wal_bytes'] / 1e6:.1f} MB, {c['records']} records; "
           f"plain WAL {p['wal_bytes'] / 1e6:.1f} MB, {p['records']} records")
-    print(f"  PostgreSQL replay, plain WAL      {p['postgres_replay_seconds']:7.2f} s  {us(p['postgres_replay_seconds'], p['records'])} us/record")
-    print(f"  PostgreSQL replay + checks        {c['postgres_replay_seconds']:7.2f} s  {us(c['postgres_replay_seconds'], c['records'])} us/record")
-    print(f"  pagectl redocheck (decode+redo+check) {c['redocheck_wall_seconds']:7.2f} s  {us(c['redocheck_wall_seconds'], c['records'])} us/record")
+    print(f"  PostgreSQL replay, plain WAL      {p['postgres_replay_seconds']:7.2f} s  "
+          f"{us(p['postgres_replay_seconds'], p['records'])} us/record (CPU {p['postgres_replay_cpu_seconds']:.2f} s)")
+    if c["postgres_replay_failed"]:
+        print(f"  PostgreSQL replay + checks        failed: {c['postgres_replay_failed']}")
+    else:
+        print(f"  PostgreSQL replay + checks        {c['postgres_replay_seconds']:7.2f} s  "
+              f"{us(c['postgres_replay_seconds'], c['records'])} us/record (CPU {c['postgres_replay_cpu_seconds']:.2f} s)")
+    print(f"  pagectl redocheck (decode+redo+check) {c['redocheck_wall_seconds']:7.2f} s  "
+          f"{us(c['redocheck_wall_seconds'], c['records'])} us/record (CPU {c['redocheck_cpu_seconds']:.2f} s)")
     print(f"  child's redo alone                {c['apply_seconds']:7.3f} s  {us(c['apply_seconds'], c['values_applied'])} us/value "
           f"({c['values_applied']} values; not matched: {c['not_matched']})")
     for kind, t in sorted(m["types"].items()):
