@@ -23,8 +23,8 @@ taken before the workload):
    PostgreSQL's plain replay per record.
 
 PostgreSQL's replay with checks of `gist_mix` fails its own check at the first GiST DELETE
-whose page had F_TUPLES_DELETED set by the primary (PostgreSQL 15's `gistRedoDeleteRecord`
-does not set it, and `gist_mask` keeps it); the script records the failure and goes on.
+(PostgreSQL 15's `gistRedoDeleteRecord` sets F_TUPLES_DELETED, which the primary does not, and
+`gist_mask` keeps the flag); the script records the failure and goes on.
 
 It prints one table per workload and writes everything as JSON with --out. Run it with nothing
 else on the machine: PostgreSQL's figures have a resolution of 10 ms, so give small workloads
@@ -90,8 +90,8 @@ def run_workload(base: Path, workload: str, seconds: int, checking: bool) -> dic
         try:
             elapsed, cpu = replay.timed_replay(primary)
         except RuntimeError as e:
-            # PostgreSQL's own replay can fail its own check (GiST DELETE: its redo leaves
-            # F_TUPLES_DELETED unset where the primary set it, and gist_mask keeps that flag).
+            # PostgreSQL's own replay can fail its own check (GiST DELETE: its redo sets
+            # F_TUPLES_DELETED, which the primary does not, and gist_mask keeps that flag).
             fatal = [line for line in str(e).splitlines() if "FATAL" in line or "CONTEXT" in line]
             if not fatal:
                 raise
