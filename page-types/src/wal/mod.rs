@@ -1,7 +1,8 @@
 //! A pure decoder of PostgreSQL 15 write-ahead log: page headers ([`page`]), records and their
 //! block references ([`record`]), full-page image restore with PGLZ ([`pglz`]), the resource
 //! manager names `pg_waldump` prints ([`rmgr`]), and a streaming decoder that takes WAL bytes in
-//! any chunking and gives back whole records ([`reader`]).
+//! any chunking and gives back whole records ([`reader`]); and the one thing written here:
+//! checkpoints and the WAL segment that starts a cluster at a chosen LSN ([`checkpoint`]).
 //!
 //! It exists so that the pageserver can ingest real PostgreSQL WAL (and `pagectl waldump` can
 //! check it against `pg_waldump`) without linking PostgreSQL. The layouts follow PostgreSQL 15's
@@ -11,8 +12,10 @@
 //! **Invariants:** no I/O; no input makes anything here panic (every length is checked before
 //! it is used, arithmetic on input values is checked or saturating, slices are taken with
 //! `get`); no allocation is sized by an input value beyond the bytes actually fed (a record's
-//! claimed length only bounds how much is kept); an error names the LSN it was found at.
+//! claimed length only bounds how much is kept; the start segment is 16 MiB, the one segment
+//! size it is written for); an error names the LSN it was found at.
 
+pub mod checkpoint;
 pub mod page;
 pub mod pglz;
 pub mod reader;
@@ -24,6 +27,7 @@ mod testenc;
 
 use crate::Lsn;
 
+pub use checkpoint::{shutdown_checkpoint_segment, CheckPoint, StartSegment};
 pub use page::{LongPageHeader, PageHeader, WAL_PAGE_SIZE, XLOG_PAGE_MAGIC};
 pub use reader::WalDecoder;
 pub use record::{

@@ -26,6 +26,11 @@ pub const RM_MAX_BUILTIN_ID: u8 = 21;
 /// The first id for custom (extension) resource managers (`RM_MIN_CUSTOM_ID`).
 pub const RM_MIN_CUSTOM_ID: u8 = 128;
 
+/// `XLOG_CHECKPOINT_SHUTDOWN` in `xl_info` of an [`RM_XLOG_ID`] record: a checkpoint written at
+/// a clean shutdown (its main data is a `CheckPoint`, [`super::checkpoint`]).
+pub const XLOG_CHECKPOINT_SHUTDOWN: u8 = 0x00;
+/// `XLOG_CHECKPOINT_ONLINE`: a checkpoint written while the server runs.
+pub const XLOG_CHECKPOINT_ONLINE: u8 = 0x10;
 /// `XLOG_SWITCH` in `xl_info` of an [`RM_XLOG_ID`] record: the rest of the segment is unused.
 pub const XLOG_SWITCH: u8 = 0x40;
 

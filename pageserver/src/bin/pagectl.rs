@@ -30,6 +30,12 @@
 //!   page, and writes them with the base and expected pages as a `bench_walredo` fixture
 //!   ([`chain`]); prints one JSON object describing the chain.
 //!
+//! - `pagectl checkpoint-at --lsn X/X <datadir>` makes a cleanly shut-down PostgreSQL 15 data
+//!   directory start at X: one WAL segment with a shutdown checkpoint at X' (X taken to a
+//!   record position) and a `pg_control` that points at it, as `pg_resetwal -l` does at a
+//!   segment start ([`checkpoint_at`]); prints one JSON object: X', the record's end and the
+//!   files written and removed.
+//!
 //! This file only parses arguments and maps the outcome to an exit status: 0 when the WAL asked
 //! for was read to its end (the end of the range, or the end of readable WAL: zeros, a recycled
 //! segment, a record cut off by the end of the last file); 1 with the message on stderr for any
@@ -46,6 +52,8 @@ use page_types::Lsn;
 mod basebackup;
 #[path = "pagectl/chain.rs"]
 mod chain;
+#[path = "pagectl/checkpoint_at.rs"]
+mod checkpoint_at;
 #[path = "pagectl/receivewal.rs"]
 mod receivewal;
 #[path = "pagectl/redocheck.rs"]
@@ -149,6 +157,17 @@ enum Command {
         #[arg(long)]
         list: bool,
     },
+    /// Make a cleanly shut-down PostgreSQL 15 data directory start at an LSN: write one WAL
+    /// segment with a shutdown checkpoint there and point pg_control at it (pg_resetwal -l at
+    /// any LSN); prints a JSON summary.
+    CheckpointAt {
+        /// Where the cluster is to start: the end of a record at or above the cluster's
+        /// checkpoint (no page of the directory may have a higher LSN).
+        #[arg(long)]
+        lsn: Lsn,
+        /// The data directory (its WAL segments are replaced).
+        datadir: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -228,6 +247,20 @@ fn main() -> ExitCode {
                 Err(e) => {
                     use std::io::Write as _;
                     let _ = writeln!(std::io::stderr(), "pagectl chain: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Command::CheckpointAt { lsn, datadir } => {
+            let args = checkpoint_at::Args { lsn, datadir };
+            match checkpoint_at::run(&args) {
+                Ok(outcome) => {
+                    println!("{}", outcome.to_json());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    use std::io::Write as _;
+                    let _ = writeln!(std::io::stderr(), "pagectl checkpoint-at: {e:#}");
                     ExitCode::from(1)
                 }
             }
