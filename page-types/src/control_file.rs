@@ -225,8 +225,9 @@ impl ControlFile {
             None => Err(too_short()),
         };
         let state = u32_at(STATE)?;
-        let checkpoint_copy =
-            CheckPoint::decode(file.get(CHECKPOINT_COPY..CHECKPOINT_COPY + CHECKPOINT_LEN).ok_or_else(too_short)?)?;
+        let checkpoint_copy = CheckPoint::decode(
+            file.get(CHECKPOINT_COPY..CHECKPOINT_COPY + CHECKPOINT_LEN).ok_or_else(too_short)?,
+        )?;
         let mut mock_authentication_nonce = [0u8; MOCK_AUTH_NONCE_LEN];
         mock_authentication_nonce.copy_from_slice(
             file.get(MOCK_AUTHENTICATION_NONCE..MOCK_AUTHENTICATION_NONCE + MOCK_AUTH_NONCE_LEN)
@@ -475,7 +476,10 @@ mod tests {
 
     #[test]
     fn values_postgresql_never_writes_are_errors() {
-        assert_eq!(ControlFile::decode(&with_byte(SHUT_DOWN, STATE, 7)), Err(ControlFileError::State { found: 7 }));
+        assert_eq!(
+            ControlFile::decode(&with_byte(SHUT_DOWN, STATE, 7)),
+            Err(ControlFileError::State { found: 7 })
+        );
         assert_eq!(
             ControlFile::decode(&with_byte(SHUT_DOWN, WAL_LOG_HINTS, 2)),
             Err(ControlFileError::Bool { field: "wal_log_hints", value: 2 })

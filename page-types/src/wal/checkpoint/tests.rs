@@ -94,7 +94,7 @@ fn lsn_of(x: u64) -> Lsn {
 #[test]
 fn the_start_point_is_x_aligned_past_page_headers_and_inside_one_segment() {
     let s = 5 * SEG; // a segment start
-    // On a record boundary already, mid-page.
+                     // On a record boundary already, mid-page.
     assert_eq!(lsn_of(s + 3 * PAGE + 0x100), Lsn(s + 3 * PAGE + 0x100));
     // The end of a record: the next 8-byte boundary.
     assert_eq!(lsn_of(s + 3 * PAGE + 0x172), Lsn(s + 3 * PAGE + 0x178));
@@ -228,15 +228,15 @@ fn check_start_segment(x: u64) -> StartSegment {
 fn start_segments_at_every_kind_of_position_decode_back_to_the_checkpoint() {
     let s = 0x1_2300_0000; // a segment start above 4 GiB: the file name's middle part is 1
     for x in [
-        s + 3 * PAGE + 0x172,  // the end of a record mid-page
-        s + 40,                 // the first record position of a segment
-        s + 3 * PAGE,           // a page boundary
-        s + 3 * PAGE + 7,       // inside a page header
-        s,                      // a segment boundary
-        s + 5 * PAGE - 16,      // the record crosses a page
-        s + 5 * PAGE - 112,     // it ends exactly at a page end
-        s + SEG - 120,          // the last that fits in the segment
-        s + SEG - 60,           // does not fit: the next segment
+        s + 3 * PAGE + 0x172, // the end of a record mid-page
+        s + 40,               // the first record position of a segment
+        s + 3 * PAGE,         // a page boundary
+        s + 3 * PAGE + 7,     // inside a page header
+        s,                    // a segment boundary
+        s + 5 * PAGE - 16,    // the record crosses a page
+        s + 5 * PAGE - 112,   // it ends exactly at a page end
+        s + SEG - 120,        // the last that fits in the segment
+        s + SEG - 60,         // does not fit: the next segment
     ] {
         check_start_segment(x);
     }

@@ -83,7 +83,8 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
     let datadir = &args.datadir;
     let control_path = datadir.join(CONTROL_FILE);
     let old_bytes = fs::read(&control_path).with_context(|| format!("read {}", control_path.display()))?;
-    let old = ControlFile::decode(&old_bytes).with_context(|| format!("decode {}", control_path.display()))?;
+    let old =
+        ControlFile::decode(&old_bytes).with_context(|| format!("decode {}", control_path.display()))?;
     ensure!(
         old.state == DbState::Shutdowned,
         "{} was not shut down cleanly: pg_control says \"{}\", not \"shut down\" (start PostgreSQL on it and stop \
@@ -100,8 +101,14 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).context("read the clock")?.as_secs() as i64;
     let timeline = old.checkpoint_copy.this_timeline_id;
     let checkpoint = CheckPoint { time: now, ..old.checkpoint_copy };
-    let start = shutdown_checkpoint_segment(args.lsn, timeline, old.system_identifier, old.xlog_seg_size, &checkpoint)
-        .with_context(|| format!("write the start segment for {}", args.lsn))?;
+    let start = shutdown_checkpoint_segment(
+        args.lsn,
+        timeline,
+        old.system_identifier,
+        old.xlog_seg_size,
+        &checkpoint,
+    )
+    .with_context(|| format!("write the start segment for {}", args.lsn))?;
     let new = ControlFile {
         state: DbState::Shutdowned,
         time: now,
@@ -131,25 +138,31 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
     }
     let archive_status = pg_wal.join("archive_status");
     if archive_status.is_dir() {
-        for entry in fs::read_dir(&archive_status).with_context(|| format!("list {}", archive_status.display()))? {
+        for entry in
+            fs::read_dir(&archive_status).with_context(|| format!("list {}", archive_status.display()))?
+        {
             let entry = entry.with_context(|| format!("list {}", archive_status.display()))?;
             let name = entry.file_name().to_string_lossy().into_owned();
             let segment = name.strip_suffix(".ready").or_else(|| name.strip_suffix(".done"));
             if segment.is_some_and(is_wal_file) {
-                fs::remove_file(entry.path()).with_context(|| format!("remove {}", entry.path().display()))?;
+                fs::remove_file(entry.path())
+                    .with_context(|| format!("remove {}", entry.path().display()))?;
                 removed.push(format!("pg_wal/archive_status/{name}"));
             }
         }
     }
     removed.sort();
     let segment_path = pg_wal.join(&start.file_name);
-    fs::rename(&segment_tmp, &segment_path).with_context(|| format!("rename into {}", segment_path.display()))?;
+    fs::rename(&segment_tmp, &segment_path)
+        .with_context(|| format!("rename into {}", segment_path.display()))?;
     sync_dir(&pg_wal)?;
 
-    let control_owner = fs::metadata(&control_path).with_context(|| format!("stat {}", control_path.display()))?;
+    let control_owner =
+        fs::metadata(&control_path).with_context(|| format!("stat {}", control_path.display()))?;
     let control_tmp = control_path.with_extension("checkpoint-at");
     write_synced(&control_tmp, &new.encode(), (control_owner.uid(), control_owner.gid()))?;
-    fs::rename(&control_tmp, &control_path).with_context(|| format!("rename into {}", control_path.display()))?;
+    fs::rename(&control_tmp, &control_path)
+        .with_context(|| format!("rename into {}", control_path.display()))?;
     if let Some(global) = control_path.parent() {
         sync_dir(global)?;
     }
