@@ -19,7 +19,9 @@
 use std::fmt;
 
 use crate::keys::CONTROL_FILE_SIZE;
-use crate::wal::checkpoint::{CheckPoint, CheckPointError, CHECKPOINT_LEN};
+use crate::wal::checkpoint::{
+    shutdown_checkpoint_segment, CheckPoint, CheckPointError, StartPointError, StartSegment, CHECKPOINT_LEN,
+};
 use crate::Lsn;
 
 /// `PG_CONTROL_VERSION` of PostgreSQL 15.
@@ -269,6 +271,41 @@ impl ControlFile {
             data_checksum_version: u32_at(DATA_CHECKSUM_VERSION_OFFSET)?,
             mock_authentication_nonce,
         })
+    }
+
+    /// The control file and the WAL segment that start this cluster at `x` (see
+    /// [`crate::wal::checkpoint`]): a shutdown checkpoint of `counters` at X' (its `redo` and
+    /// `time` set), and this file with `state` shut down, `checkPoint` X', no minimum recovery
+    /// point and no backup in progress; every other field (the cluster's constants and
+    /// parameters) as it is. `now`: seconds since the epoch. The pages of the data directory
+    /// must be those of `x` (no page LSN above it).
+    pub fn started_at(
+        &self,
+        counters: &CheckPoint,
+        x: Lsn,
+        now: i64,
+    ) -> Result<(ControlFile, StartSegment), StartPointError> {
+        let checkpoint = CheckPoint { time: now, ..*counters };
+        let start = shutdown_checkpoint_segment(
+            x,
+            checkpoint.this_timeline_id,
+            self.system_identifier,
+            self.xlog_seg_size,
+            &checkpoint,
+        )?;
+        let control = ControlFile {
+            state: DbState::Shutdowned,
+            time: now,
+            checkpoint: start.lsn,
+            checkpoint_copy: start.checkpoint,
+            min_recovery_point: Lsn::INVALID,
+            min_recovery_point_tli: 0,
+            backup_start_point: Lsn::INVALID,
+            backup_end_point: Lsn::INVALID,
+            backup_end_required: false,
+            ..self.clone()
+        };
+        Ok((control, start))
     }
 
     /// The 8192 bytes of `global/pg_control`: the fields, the CRC-32C over them, zeros after.

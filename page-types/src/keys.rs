@@ -13,6 +13,7 @@
 //! | SLRU page | `0x90` | [`SlruKind`] | 0 | segment no. | page in segment | 8 KiB page |
 //! | `global/pg_control` | `0xA0` | 0 | 0 | 0 | 0 | the file |
 //! | `pg_filenode.map` | `0xA1` | spc | db (0: global) | 0 | 0 | the file (512 bytes) |
+//! | a configuration file ([`CONFIG_FILES`]) | `0xA4` | 0 | 0 | its index there | chunk | 8 KiB of the file; the last chunk is shorter (maybe empty) |
 //! | a dropped database | `0xB0` | spc | db | 0 | 0 | empty |
 //! | a dropped relation | `0xB1` | spc | db | rel | 0 | empty |
 //!
@@ -41,6 +42,7 @@ const REL_SIZE_FORK: u8 = 0x80;
 const SLRU_FORK: u8 = 0x90;
 const CONTROL_FILE_FORK: u8 = 0xA0;
 const RELMAP_FORK: u8 = 0xA1;
+const CONFIG_FILE_FORK: u8 = 0xA4;
 const DB_DROP_FORK: u8 = 0xB0;
 const REL_DROP_FORK: u8 = 0xB1;
 
@@ -50,6 +52,12 @@ pub const SLRU_PAGES_PER_SEGMENT: u32 = 32;
 pub const RELMAP_FILE_SIZE: usize = 512;
 /// Size of `global/pg_control`.
 pub const CONTROL_FILE_SIZE: usize = 8192;
+/// The configuration files of a data directory that a tenant keeps from its import, so that a
+/// base backup of it starts as the primary was configured (the index in this list is the key's).
+pub const CONFIG_FILES: [&str; 4] =
+    ["postgresql.conf", "postgresql.auto.conf", "pg_hba.conf", "pg_ident.conf"];
+/// The largest configuration file kept (PostgreSQL's sample `postgresql.conf` is 29 KB).
+pub const CONFIG_FILE_MAX_BYTES: usize = 1 << 20;
 
 /// A relation: tablespace, database, relfilenode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -148,6 +156,11 @@ pub fn relmap_key(spcnode: u32, dbnode: u32) -> BufferTag {
     BufferTag { spcnode, dbnode, relnode: 0, forknum: RELMAP_FORK, blknum: 0 }
 }
 
+/// The key of chunk `chunk` (8 KiB each) of configuration file `index` of [`CONFIG_FILES`].
+pub fn config_file_key(index: u32, chunk: u32) -> BufferTag {
+    BufferTag { spcnode: 0, dbnode: 0, relnode: index, forknum: CONFIG_FILE_FORK, blknum: chunk }
+}
+
 /// The key whose values mark the drops of a database in a tablespace.
 pub fn db_drop_key(spcnode: u32, dbnode: u32) -> BufferTag {
     BufferTag { spcnode, dbnode, relnode: 0, forknum: DB_DROP_FORK, blknum: 0 }
@@ -170,6 +183,11 @@ pub enum KeyKind {
     },
     ControlFile,
     RelMap,
+    /// A chunk of configuration file `index` of [`CONFIG_FILES`].
+    ConfigFile {
+        index: u32,
+        chunk: u32,
+    },
     DbDrop,
     RelDrop {
         rel: RelTag,
@@ -194,6 +212,11 @@ pub fn classify(key: &BufferTag) -> KeyKind {
         }
         CONTROL_FILE_FORK if *key == control_file_key() => KeyKind::ControlFile,
         RELMAP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::RelMap,
+        CONFIG_FILE_FORK
+            if key.spcnode == 0 && key.dbnode == 0 && (key.relnode as usize) < CONFIG_FILES.len() =>
+        {
+            KeyKind::ConfigFile { index: key.relnode, chunk: key.blknum }
+        }
         DB_DROP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::DbDrop,
         REL_DROP_FORK if key.blknum == 0 => KeyKind::RelDrop { rel },
         _ => KeyKind::Unknown,
@@ -255,6 +278,8 @@ mod tests {
         );
         assert_eq!(classify(&control_file_key()), KeyKind::ControlFile);
         assert_eq!(classify(&relmap_key(1664, 0)), KeyKind::RelMap);
+        assert_eq!(classify(&config_file_key(2, 3)), KeyKind::ConfigFile { index: 2, chunk: 3 });
+        assert_eq!(classify(&config_file_key(CONFIG_FILES.len() as u32, 0)), KeyKind::Unknown);
         assert_eq!(classify(&db_drop_key(1663, 5)), KeyKind::DbDrop);
         assert_eq!(classify(&rel.drop_key()), KeyKind::RelDrop { rel });
         assert!(!is_rel_page(&rel.drop_key()));

@@ -300,6 +300,7 @@ fn basebackup_json(b: &basebackup::Backup, list: bool) -> serde_json::Value {
             "slru": p.slru_pages,
             "control": p.control_files,
             "relmap": p.relmaps,
+            "config": p.config_files,
             "rel_size": p.rel_sizes,
         },
     });

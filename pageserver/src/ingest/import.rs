@@ -12,6 +12,10 @@
 //!   (4 to 6 upper-case hex digits): page `i` is `keys::slru_page_key(kind, segno, i)`;
 //! - `global/pg_control` (8192 bytes) and the relation mapper files `pg_filenode.map` (512
 //!   bytes: the shared one in `global/`, a database's own in its directory);
+//! - the configuration files of the data directory's root (`keys::CONFIG_FILES`:
+//!   `postgresql.conf`, `postgresql.auto.conf`, `pg_hba.conf`, `pg_ident.conf`, at most
+//!   `keys::CONFIG_FILE_MAX_BYTES` each), in 8 KiB chunks ending with a shorter one, for the
+//!   base backups built from the tenant;
 //! - at [`Importer::finish`], the size of each relation fork seen: the highest segment's
 //!   number times 131072 plus its whole blocks.
 //!
@@ -19,7 +23,7 @@
 //! backup's start), `backup_label` and `tablespace_map` (the start position comes from the
 //! protocol, the tablespaces from the archives), `pg_internal.init` (a relcache cache,
 //! rebuilt at start), temporary relations (`t<backend>_<relnode>`) and `pgsql_tmp`, `PG_VERSION`,
-//! configuration files (`postgresql*.conf`, `pg_hba.conf`, `pg_ident.conf`), logs, the
+//! other configuration files (included ones, in `conf.d/`), logs, the
 //! directories PostgreSQL sends empty (`pg_stat_tmp`, `pg_replslot`, `pg_dynshmem`,
 //! `pg_notify`, `pg_serial`, `pg_snapshots`, `pg_subtrans`), and the state that this key space
 //! does not hold yet: `pg_commit_ts/`, `pg_twophase/` (prepared transactions), `pg_logical/`,
@@ -66,18 +70,21 @@ pub enum ImportFile {
     ControlFile,
     /// A relation mapper file (`pg_filenode.map`).
     RelMap { spc: u32, db: u32 },
+    /// Configuration file `index` of `keys::CONFIG_FILES`.
+    Config { index: u32 },
     /// Not imported (see the module doc).
     Skip,
 }
 
 impl ImportFile {
-    /// A short name of the class: `rel`, `slru`, `control`, `relmap`, `skip`.
+    /// A short name of the class: `rel`, `slru`, `control`, `relmap`, `config`, `skip`.
     pub fn class(&self) -> &'static str {
         match self {
             ImportFile::RelSegment { .. } => "rel",
             ImportFile::Slru { .. } => "slru",
             ImportFile::ControlFile => "control",
             ImportFile::RelMap { .. } => "relmap",
+            ImportFile::Config { .. } => "config",
             ImportFile::Skip => "skip",
         }
     }
@@ -101,6 +108,10 @@ pub fn classify_path(archive_location: Option<&str>, spcoid: Option<u32>, path: 
     }
     match parts.as_slice() {
         ["global", "pg_control"] => ImportFile::ControlFile,
+        [file] => match keys::CONFIG_FILES.iter().position(|name| name == file) {
+            Some(index) => ImportFile::Config { index: index as u32 },
+            None => ImportFile::Skip,
+        },
         ["global", file] => db_file(GLOBALTABLESPACE_OID, 0, file),
         ["base", db, file] => match parse_oid(db) {
             Some(db) => db_file(DEFAULTTABLESPACE_OID, db, file),
@@ -207,6 +218,7 @@ pub struct ImportProgress {
     pub slru_pages: u64,
     pub control_files: u64,
     pub relmaps: u64,
+    pub config_files: u64,
     pub rel_sizes: u64,
     /// Relation and SLRU files whose size was not whole blocks (the tail was dropped).
     pub partial_tails: u64,
@@ -396,6 +408,9 @@ impl Importer {
                     ImportFile::RelMap { .. } if size != keys::RELMAP_FILE_SIZE as u64 => {
                         return Err(bad("not a relation mapper file (512 bytes)"))
                     }
+                    ImportFile::Config { .. } if size > keys::CONFIG_FILE_MAX_BYTES as u64 => {
+                        return Err(bad("more than a configuration file is kept (1 MiB)"))
+                    }
                     _ => {}
                 }
                 if let Some(listing) = self.listing.as_mut() {
@@ -408,7 +423,9 @@ impl Importer {
                 let Some(cur) = self.current.as_mut() else { return Ok(()) };
                 match cur.class {
                     ImportFile::Skip => {}
-                    ImportFile::ControlFile | ImportFile::RelMap { .. } => cur.carry.extend_from_slice(&data),
+                    ImportFile::ControlFile | ImportFile::RelMap { .. } | ImportFile::Config { .. } => {
+                        cur.carry.extend_from_slice(&data)
+                    }
                     ImportFile::RelSegment { .. } | ImportFile::Slru { .. } => {
                         // Complete the carried block, then whole blocks without a copy.
                         if !cur.carry.is_empty() {
@@ -441,6 +458,22 @@ impl Importer {
                     ImportFile::RelMap { spc, db } => {
                         self.out.push((keys::relmap_key(spc, db), cur.carry.freeze()));
                         self.progress.relmaps += 1;
+                    }
+                    ImportFile::Config { index } => {
+                        // Whole chunks, then a shorter one (empty when the size is a multiple):
+                        // a reader stops at the first chunk shorter than a page.
+                        let mut file = cur.carry.freeze();
+                        let mut chunk = 0u32;
+                        loop {
+                            let part = file.split_to(file.len().min(PAGE_SIZE));
+                            let last = part.len() < PAGE_SIZE;
+                            self.out.push((keys::config_file_key(index, chunk), part));
+                            chunk += 1;
+                            if last {
+                                break;
+                            }
+                        }
+                        self.progress.config_files += 1;
                     }
                     ImportFile::RelSegment { rel, fork, segno } => {
                         if !cur.carry.is_empty() {
@@ -481,7 +514,10 @@ fn push_block(
             out.push((keys::slru_page_key(kind, segno, i), block));
             progress.slru_pages += 1;
         }
-        ImportFile::ControlFile | ImportFile::RelMap { .. } | ImportFile::Skip => {}
+        ImportFile::ControlFile
+        | ImportFile::RelMap { .. }
+        | ImportFile::Config { .. }
+        | ImportFile::Skip => {}
     }
 }
 
@@ -533,7 +569,8 @@ mod tests {
             "backup_label",
             "tablespace_map",
             "PG_VERSION",
-            "postgresql.conf",
+            "conf.d/extra.conf",
+            "postgresql.conf.bak",
             "pg_wal/000000010000000000000001",
             "base/5/PG_VERSION",
             "base/5/pg_internal.init",
@@ -676,6 +713,40 @@ mod tests {
         }
         assert_eq!(sizes, vec![BATCH_VALUES, BATCH_VALUES, 3]);
         assert_eq!(imp.finish().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn configuration_files_are_kept_in_chunks_that_end_with_a_shorter_one() {
+        assert_eq!(classify_path(None, None, "postgresql.conf"), ImportFile::Config { index: 0 });
+        assert_eq!(classify_path(None, None, "pg_ident.conf"), ImportFile::Config { index: 3 });
+        for (size, chunks) in [
+            (0, vec![0]),
+            (100, vec![100]),
+            (PAGE_SIZE, vec![PAGE_SIZE, 0]),
+            (PAGE_SIZE * 2 + 7, vec![PAGE_SIZE, PAGE_SIZE, 7]),
+        ] {
+            let file: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            let mut t = Vec::new();
+            testtar::file(&mut t, "pg_hba.conf", &file);
+            testtar::end(&mut t);
+            let mut imp = Importer::new();
+            imp.begin_archive("base.tar", None).unwrap();
+            imp.feed(&t).unwrap();
+            let values = imp.finish().unwrap();
+            let keys: Vec<BufferTag> =
+                (0..chunks.len() as u32).map(|c| keys::config_file_key(2, c)).collect();
+            assert_eq!(values.iter().map(|(k, _)| *k).collect::<Vec<_>>(), keys, "{size}");
+            assert_eq!(values.iter().map(|(_, v)| v.len()).collect::<Vec<_>>(), chunks, "{size}");
+            assert_eq!(values.iter().flat_map(|(_, v)| v.iter().copied()).collect::<Vec<u8>>(), file);
+        }
+        let mut t = Vec::new();
+        testtar::file(&mut t, "postgresql.conf", &vec![b'#'; keys::CONFIG_FILE_MAX_BYTES + 1]);
+        testtar::end(&mut t);
+        let mut imp = Importer::new();
+        imp.begin_archive("base.tar", None).unwrap();
+        imp.feed(&t).unwrap();
+        let err = imp.next_batch().unwrap_err();
+        assert!(err.to_string().contains("postgresql.conf"), "{err}");
     }
 
     #[test]

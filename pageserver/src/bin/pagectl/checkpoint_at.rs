@@ -34,8 +34,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{ensure, Context};
 use page_types::control_file::{ControlFile, DbState};
-use page_types::wal::checkpoint::shutdown_checkpoint_segment;
-use page_types::wal::CheckPoint;
 use page_types::Lsn;
 
 /// `pg_control` relative to the data directory.
@@ -100,27 +98,9 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
     );
     let now = SystemTime::now().duration_since(UNIX_EPOCH).context("read the clock")?.as_secs() as i64;
     let timeline = old.checkpoint_copy.this_timeline_id;
-    let checkpoint = CheckPoint { time: now, ..old.checkpoint_copy };
-    let start = shutdown_checkpoint_segment(
-        args.lsn,
-        timeline,
-        old.system_identifier,
-        old.xlog_seg_size,
-        &checkpoint,
-    )
-    .with_context(|| format!("write the start segment for {}", args.lsn))?;
-    let new = ControlFile {
-        state: DbState::Shutdowned,
-        time: now,
-        checkpoint: start.lsn,
-        checkpoint_copy: start.checkpoint,
-        min_recovery_point: Lsn::INVALID,
-        min_recovery_point_tli: 0,
-        backup_start_point: Lsn::INVALID,
-        backup_end_point: Lsn::INVALID,
-        backup_end_required: false,
-        ..old
-    };
+    let (new, start) = old
+        .started_at(&old.checkpoint_copy, args.lsn, now)
+        .with_context(|| format!("write the start segment for {}", args.lsn))?;
 
     let pg_wal = datadir.join("pg_wal");
     let wal_owner = fs::metadata(&pg_wal).with_context(|| format!("stat {}", pg_wal.display()))?;
