@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
@@ -21,10 +21,11 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::basebackup::{self, BackupError};
 use crate::compaction::CompactError;
 use crate::process_metrics::{GIT_COMMIT, VERSION};
 use crate::tenant::wal_receiver::WalSource;
-use crate::tenant::TenantConfOverrides;
+use crate::tenant::{GetPageError, TenantConfOverrides};
 use crate::tenants::{TenantError, Tenants};
 
 pub mod listener;
@@ -96,6 +97,7 @@ pub async fn serve(
         .route("/v1/tenant/{id}/keyspace", get(get_keyspace))
         .route("/v1/tenant/{id}/compact", post(compact_tenant))
         .route("/v1/tenant/{id}/wal_source", put(put_wal_source).delete(delete_wal_source))
+        .route("/v1/tenant/{id}/timeline/{timeline}/basebackup", get(get_basebackup))
         .route("/metrics", get(metrics))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
@@ -235,6 +237,84 @@ async fn compact_tenant(State(state): State<Arc<AppState>>, Path(id): Path<Strin
         }
     };
     Ok(Json(serde_json::json!({ "tenant_id": tenant.id, "pass": pass })).into_response())
+}
+
+/// The one timeline a tenant has until branches are built.
+const MAIN_TIMELINE: &str = "main";
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BasebackupQuery {
+    lsn: Option<String>,
+    #[serde(default)]
+    standby: bool,
+}
+
+/// A base backup of the tenant's timeline at `lsn` (default: its last durable LSN), streamed as
+/// a tar as it is built (`basebackup`); `standby=true` adds `standby.signal`. What can fail
+/// before the first byte is an error status; a page that fails later cuts the stream short.
+async fn get_basebackup(
+    State(state): State<Arc<AppState>>,
+    Path((id, timeline)): Path<(String, String)>,
+    query: Result<Query<BasebackupQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult {
+    let Query(query) = query.map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let tenant = state.tenants.get(&id)?;
+    if timeline != MAIN_TIMELINE {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("tenant {id} has no timeline {timeline:?}: its one timeline is \"{MAIN_TIMELINE}\""),
+        ));
+    }
+    let lsn = match query.lsn.as_deref() {
+        None => Lsn::LATEST,
+        Some(text) => {
+            text.parse::<Lsn>().map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("lsn: {e}")))?
+        }
+    };
+    let contents = basebackup::prepare(&tenant, lsn).await.map_err(backup_error)?;
+    let (lsn, start_lsn) = (contents.lsn, contents.start_lsn);
+    tracing::info!(tenant_id = tenant.id, %lsn, %start_lsn, forks = contents.forks(), "base backup begins");
+    let (tx, rx) = tokio::sync::mpsc::channel(basebackup::CHUNKS_IN_FLIGHT);
+    let standby = query.standby;
+    tokio::spawn(async move {
+        match basebackup::send(&tenant, contents, standby, &tx).await {
+            Ok(bytes) => tracing::info!(tenant_id = tenant.id, %lsn, bytes, "base backup sent"),
+            Err(BackupError::Gone) => {
+                tracing::info!(tenant_id = tenant.id, %lsn, "base backup: the client went away")
+            }
+            Err(e) => {
+                tracing::error!(tenant_id = tenant.id, %lsn, "base backup failed, its stream is cut short: {e:#}");
+                let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+            }
+        }
+    });
+    let body =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|chunk| (chunk, rx)) });
+    let mut response = axum::body::Body::from_stream(body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/x-tar"));
+    for (name, value) in [("x-basebackup-lsn", lsn), ("x-basebackup-start-lsn", start_lsn)] {
+        if let Ok(value) = header::HeaderValue::from_str(&value.to_string()) {
+            headers.insert(name, value);
+        }
+    }
+    Ok(response)
+}
+
+/// The status of a base backup refused before its first byte.
+fn backup_error(e: BackupError) -> ApiError {
+    let status = match &e {
+        BackupError::Lsn(GetPageError::BelowGcCutoff { .. }) => StatusCode::GONE,
+        BackupError::Lsn(GetPageError::ShuttingDown) => StatusCode::SERVICE_UNAVAILABLE,
+        BackupError::Lsn(_) | BackupError::NoControlFile { .. } => StatusCode::CONFLICT,
+        BackupError::Tablespace { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+        BackupError::Page { .. } | BackupError::Internal(_) | BackupError::Gone => {
+            tracing::error!("base backup refused: {e:#}");
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+    };
+    ApiError(status, e.to_string())
 }
 
 /// The key space of a tenant: its keys as block ranges per relation fork, and the LSN range.

@@ -28,6 +28,7 @@
 //! - [`test_support`]: for tests and benchmarks: builds and finds the `walredo-proc` binary;
 //!   waits for a condition in unit tests.
 
+pub mod basebackup;
 pub mod compaction;
 pub mod compaction_controller;
 pub mod config;

@@ -173,7 +173,7 @@ pub struct PageRead {
 }
 
 /// A storage read's failure as a GetPage's, for `key` at `lsn`.
-fn read_error(key: BufferTag, lsn: Lsn, e: GetError) -> GetPageError {
+pub(crate) fn read_error(key: BufferTag, lsn: Lsn, e: GetError) -> GetPageError {
     match e {
         GetError::NotFound { .. } => GetPageError::NotFound { key, lsn },
         GetError::BelowGcCutoff { lsn, cutoff } => GetPageError::BelowGcCutoff { lsn, cutoff },
@@ -405,7 +405,7 @@ impl Tenant {
 
     /// `lsn` once it is durable here ([`Lsn::LATEST`]: the last durable LSN), waiting up to
     /// `wait_lsn_timeout` for it.
-    async fn wait_for(&self, lsn: Lsn) -> Result<Lsn, GetPageError> {
+    pub(crate) async fn wait_for(&self, lsn: Lsn) -> Result<Lsn, GetPageError> {
         self.check_serving()?;
         if lsn == Lsn::LATEST {
             return Ok(self.timeline.last_durable_lsn());

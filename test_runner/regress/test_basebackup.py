@@ -1,0 +1,110 @@
+"""The base backup (issue 48, docs/http-api.md): a tenant that followed a PostgreSQL 15 primary
+builds a tar that an unpatched PostgreSQL 15 starts on, as a primary and as a hot standby, with
+no WAL replay, and that answers as the primary does (`pg_dumpall`, the rows, the checksums of
+every page it reads). The state the WAL changes after the import (CLOG, the counters) is not
+followed yet, so the backups here are taken while the primary writes nothing after the import.
+"""
+
+from __future__ import annotations
+
+import tarfile
+
+import pytest
+
+from fixtures import basebackup
+from fixtures.postgres import Postgres
+from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def primary(tmp_path):
+    pg = Postgres(tmp_path / "primary", settings={"autovacuum": "off"}, initdb_args=["--data-checksums"]).init().start()
+    pg.pgbench("-i", "-s", "1", "-q")
+    pg.sql("CREATE TABLE items (id bigserial PRIMARY KEY, tags text[], body text)")
+    pg.sql("INSERT INTO items (tags, body) SELECT ARRAY['t' || (i % 7)], repeat('x', i % 3000) FROM generate_series(1, 2000) i")
+    pg.sql("CREATE INDEX items_tags ON items USING gin (tags)")
+    pg.sql("CREATE UNLOGGED TABLE scratch (id int PRIMARY KEY, v text)")
+    pg.sql("INSERT INTO scratch SELECT i, 'v' FROM generate_series(1, 500) i")
+    pg.sql("CREATE DATABASE app2")
+    pg.sql("CREATE TABLE other (id int, v text)", db="app2")
+    pg.sql("INSERT INTO other SELECT i, md5(i::text) FROM generate_series(1, 3000) i", db="app2")
+    pg.sql("CHECKPOINT")
+    yield pg
+    pg.stop()
+
+
+def test_postgres_starts_on_the_backup_and_answers_as_the_primary(primary, pageserver_factory, tmp_path):
+    ps = pageserver_factory()
+    ps.allowed_errors.append(".*WAL receiver.*")  # the primary stops before the daemon
+    tenant = ps.create_tenant()
+    attach(ps, tenant, primary)
+    durable = caught_up(ps, tenant, primary)["wal_source"]["durable_lsn"]
+
+    tar_path = tmp_path / "backup.tar"
+    status, headers, body = basebackup.fetch(ps, tenant, tar_path)
+    assert status == 200, body
+    assert headers["Content-Type"] == "application/x-tar"
+    served = headers["x-basebackup-lsn"]
+    hi, lo = (int(x, 16) for x in served.split("/"))
+    assert (hi << 32 | lo) >= durable
+    with tarfile.open(tar_path) as archive:
+        names = archive.getnames()
+    assert names[-1] == "global/pg_control", "pg_control comes last: a tar cut short is seen to be"
+    for name in ["PG_VERSION", "postgresql.conf", "pg_hba.conf", "global/pg_filenode.map", "pg_xact/0000",
+                 "pg_twophase", "pg_wal/archive_status"]:
+        assert name in names, name
+    assert sum(1 for n in names if n.startswith("pg_wal/0000")) == 1
+    assert not any(n.endswith("_fsm") for n in names), "the free space maps are left out"
+
+    ours = basebackup.start_on(tar_path, tmp_path / "ours")
+    try:
+        log = ours.logfile.read_text()
+        assert "database system was shut down at" in log, log
+        assert "redo starts" not in log, "no WAL replayed"
+        assert ours.sql("select pg_is_in_recovery()") == "f"
+        # Every page read is checked against its checksum (the cluster has data checksums).
+        assert ours.sql("select count(*), sum(abalance) from pgbench_accounts") == \
+            primary.sql("select count(*), sum(abalance) from pgbench_accounts")
+        assert ours.sql("select count(*) from items where tags @> ARRAY['t3']") == \
+            primary.sql("select count(*) from items where tags @> ARRAY['t3']")
+        assert ours.sql("select count(*) from scratch") == "0", "an unlogged table starts empty"
+        assert basebackup.dump(ours) == basebackup.dump(primary)
+        ours.sql("INSERT INTO scratch VALUES (1, 'new')")
+        ours.sql("INSERT INTO other VALUES (-1, 'new')", db="app2")
+        ours.sql("CHECKPOINT")
+    finally:
+        ours.stop()
+
+    standby_tar = tmp_path / "standby.tar"
+    status, _, body = basebackup.fetch(ps, tenant, standby_tar, lsn=served, standby=True)
+    assert status == 200, body
+    standby = basebackup.start_on(standby_tar, tmp_path / "standby", settings={"hot_standby": "on"})
+    try:
+        assert standby.sql("select pg_is_in_recovery()") == "t"
+        assert standby.sql("select count(*) from other", db="app2") == "3000"
+        standby.sql("select pg_promote()")
+        standby.sql("INSERT INTO other VALUES (-2, 'promoted')", db="app2")
+    finally:
+        standby.stop()
+
+
+def test_a_backup_that_cannot_be_built_is_refused_before_its_first_byte(primary, pageserver_factory, tmp_path):
+    ps = pageserver_factory()
+    ps.allowed_errors.append(".*WAL receiver.*")
+    tenant = ps.create_tenant()
+    attach(ps, tenant, primary)
+    out = tmp_path / "x.tar"
+    status, _, body = basebackup.fetch(ps, tenant, out, timeline="other")
+    assert status == 404 and b"main" in body, body
+    status, _, body = basebackup.fetch(ps, tenant, out, lsn="nonsense")
+    assert status == 400, body
+    status, _, body = basebackup.fetch(ps, tenant, out, lsn="0/1000000")
+    assert status == 410 and b"GC cutoff" in body, body
+    status, _, body = basebackup.fetch(ps, "no-such-tenant", out)
+    assert status == 404, body
+    # A tenant fed through the page service has no PostgreSQL cluster to back up.
+    plain = ps.create_tenant()
+    status, _, body = basebackup.fetch(ps, plain, out)
+    assert status == 409 and b"pg_control" in body, body
