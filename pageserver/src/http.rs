@@ -307,7 +307,9 @@ fn backup_error(e: BackupError) -> ApiError {
     let status = match &e {
         BackupError::Lsn(GetPageError::BelowGcCutoff { .. }) => StatusCode::GONE,
         BackupError::Lsn(GetPageError::ShuttingDown) => StatusCode::SERVICE_UNAVAILABLE,
-        BackupError::Lsn(_) | BackupError::NoControlFile { .. } => StatusCode::CONFLICT,
+        BackupError::Lsn(_) | BackupError::NoControlFile { .. } | BackupError::NoConfigFile { .. } => {
+            StatusCode::CONFLICT
+        }
         BackupError::Tablespace { .. } => StatusCode::UNPROCESSABLE_ENTITY,
         BackupError::Page { .. } | BackupError::Internal(_) | BackupError::Gone => {
             tracing::error!("base backup refused: {e:#}");

@@ -102,6 +102,12 @@ pub enum BackupError {
          stored one yet"
     )]
     NoControlFile { lsn: Lsn },
+    /// A tenant imported by a build that did not keep the configuration files.
+    #[error(
+        "the tenant kept no {name} from its import (imported by an older build): PostgreSQL cannot start without \
+         it; import the tenant again (a new tenant attached to the primary)"
+    )]
+    NoConfigFile { name: &'static str },
     #[error(
         "relation {rel} is in tablespace {}: base backups of clusters with tablespaces other than pg_default \
          and pg_global are not built yet",
@@ -273,6 +279,11 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
             let mut file = BytesMut::new();
             parts.iter().for_each(|p| file.extend_from_slice(p));
             config.push((*name, file.freeze()));
+        }
+    }
+    for name in ["postgresql.conf", "pg_hba.conf"] {
+        if !config.iter().any(|(n, _)| *n == name) {
+            return Err(BackupError::NoConfigFile { name });
         }
     }
     Ok(Contents {
