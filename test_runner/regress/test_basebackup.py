@@ -108,3 +108,44 @@ def test_a_backup_that_cannot_be_built_is_refused_before_its_first_byte(primary,
     plain = ps.create_tenant()
     status, _, body = basebackup.fetch(ps, plain, out)
     assert status == 409 and b"pg_control" in body, body
+
+
+def test_a_client_that_goes_away_and_a_daemon_killed_midway_leave_nothing_behind(primary, pageserver_factory, tmp_path):
+    """A client that stops reading and closes ends the backup's task (the daemon logs it and
+    serves the next backup whole); a kill -9 of the daemon during a stream leaves a tenant that
+    serves a whole backup after the restart."""
+    import urllib.request
+
+    from fixtures.util import wait_until
+
+    ps = pageserver_factory()
+    ps.allowed_errors.append(".*WAL receiver.*")
+    tenant = ps.create_tenant()
+    attach(ps, tenant, primary)
+    caught_up(ps, tenant, primary)
+    url = f"{ps.http.base}/v1/tenant/{tenant}/timeline/main/basebackup"
+
+    resp = urllib.request.urlopen(url, timeout=60)
+    assert len(resp.read(64 << 10)) == 64 << 10
+    resp.close()
+    wait_until(lambda: "the client went away" in ps.log_path.read_text(), timeout=60,
+               desc="the backup's task to see its client gone")
+
+    def whole_backup(name: str) -> list[str]:
+        status, _, body = basebackup.fetch(ps, tenant, tmp_path / name)
+        assert status == 200, body
+        with tarfile.open(tmp_path / name) as archive:
+            names = archive.getnames()
+        assert names[-1] == "global/pg_control"
+        return names
+
+    first = whole_backup("after-close.tar")
+
+    resp = urllib.request.urlopen(url, timeout=60)
+    assert len(resp.read(1 << 20)) == 1 << 20
+    ps.kill()
+    resp.close()
+    ps.start()
+    wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["state"] == "streaming", timeout=120,
+               desc="the tenant to stream again")
+    assert whole_backup("after-kill.tar") == first
