@@ -16,7 +16,7 @@
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
 //! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gin`], [`gist`], [`hash`], [`visibilitymap`],
-//! [`sequence`], [`generic`], [`brin`], [`spgist`], and the CLOG's [`slru`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
+//! [`sequence`], [`generic`], [`brin`], [`spgist`], and the SLRUs' [`slru`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
 //! (the record's target block). [`redo`] dispatches to the routines, so they do not import it
@@ -53,6 +53,9 @@ pub const KIND_PG15_VM_TRUNCATE: u8 = 0x12;
 /// The first byte of a [`slru::ClogSet`]: the status a transaction's commit or abort gives to
 /// the transactions of one CLOG page.
 pub const KIND_PG15_CLOG_SET: u8 = 0x13;
+/// The first byte of a [`slru::SlruWrite`]: bytes a MultiXact record writes at places of an
+/// SLRU page.
+pub const KIND_PG15_SLRU_WRITE: u8 = 0x14;
 /// `VISIBILITYMAP_ALL_VISIBLE` and `VISIBILITYMAP_ALL_FROZEN`: a heap block's two bits.
 pub const VM_ALL_VISIBLE: u8 = 0x01;
 pub const VM_ALL_FROZEN: u8 = 0x02;
@@ -459,6 +462,11 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
             0x10 => Some("TRUNCATE"),
             _ => None,
         },
+        page_types::wal::rmgr::RM_MULTIXACT_ID => {
+            ["ZERO_OFF_PAGE", "ZERO_MEM_PAGE", "CREATE_ID", "TRUNCATE_ID"]
+                .get(usize::from(info >> 4))
+                .copied()
+        }
         page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
             0xA0 => Some("FPI"),
             0xB0 => Some("FPI_FOR_HINT"),
@@ -643,6 +651,8 @@ mod tests {
         assert_eq!(record_type_name(1, 0xB0), "Transaction COMMIT_PREPARED");
         assert_eq!(record_type_name(1, 0x70), "Transaction info 0x70");
         assert_eq!(record_type_name(3, 0x10), "CLOG TRUNCATE");
+        assert_eq!(record_type_name(6, 0x20), "MultiXact CREATE_ID");
+        assert_eq!(record_type_name(6, 0x40), "MultiXact info 0x40");
     }
 
     #[test]

@@ -1,9 +1,15 @@
-//! SLRU pages: the commit log (`pg_xact`, PostgreSQL 15's `clog.c`). A [`ClogSet`] is what
-//! the daemon derives from a transaction's commit or abort (prepared or not) for one CLOG page
-//! it touches: the transactions of that page and the status they end with; the child sets
-//! their bits ([`apply_clog_set`]), as `TransactionIdSetTreeStatus` leaves them in redo.
+//! SLRU pages: the commit log (`pg_xact`, PostgreSQL 15's `clog.c`) and the MultiXact
+//! offsets and members (`pg_multixact/*`, `multixact.c`), as the daemon derives their changes
+//! from the WAL. A [`ClogSet`] is what a transaction's commit or abort (prepared or not) gives
+//! one CLOG page it touches: the transactions of that page and the status they end with; the
+//! child sets their bits ([`apply_clog_set`]), as `TransactionIdSetTreeStatus` leaves them in
+//! redo. An [`SlruWrite`] is bytes written at places of a page: what a MultiXact `CREATE_ID`
+//! writes to an offsets page (the new multixact's first member offset, 4 bytes at `4 *
+//! (multi % 2048)`) and to each members page (each member's xid and its status byte, in groups
+//! of 4 members: 4 status bytes, then 4 xids, 20 bytes a group, 409 groups a page), as
+//! `RecordNewMultiXact` writes them; the child copies them ([`apply_slru_write`]).
 //!
-//! **The page.** A CLOG page has no header: 2 status bits per transaction, 4 transactions a
+//! **The CLOG page.** A CLOG page has no header: 2 status bits per transaction, 4 transactions a
 //! byte (transaction `x` of the page in byte `x / 4`, bits `2 * (x % 4)`), so 32768 a page
 //! ([`CLOG_XACTS_PER_PAGE`]); `TRANSACTION_STATUS_COMMITTED` is 0x01,
 //! `TRANSACTION_STATUS_ABORTED` 0x02. A transaction's page is its xid / 32768 (the key's
@@ -11,25 +17,31 @@
 //! "subcommitted" state (0x03) is never logged: subtransactions end committed or aborted with
 //! their parent in the same record, so the value sets both at once.
 //!
-//! **No page yet.** A page the import did not bring and no `CLOG_ZEROPAGE` made has no image:
+//! **No page yet.** A page the import did not bring and no zero-page record made has no image:
 //! the daemon sends the records without a base page, and the child starts from zeros, which is
 //! what PostgreSQL's recovery reads for an SLRU page without a file (`SlruPhysicalReadPage`
-//! in recovery). So a [`ClogSet`] is applicable to any page, with no flag of its own.
+//! in recovery). So both values are applicable to any page, with no flag of their own.
 //!
-//! **Idempotent:** setting a status is the same whether or not the page already has it (a page
-//! copied by the base backup after the commit), so the page carries no LSN and none is
-//! checked.
+//! **Idempotent:** setting a status or writing bytes is the same whether or not the page
+//! already has them (a page copied by the base backup after the record), so SLRU pages carry
+//! no LSN and none is checked.
 //!
-//! Encoding, little-endian: `kind = 0x13 | version = 1 | rmid u8 | info u8 | lsn u64 |
-//! end_lsn u64 | status u8 | form u8 | body`; form 0: `n u16 | n x offset u16` (each below
-//! 32768: the transaction's place in the page); form 1: a bitmap of 4096 bytes (bit `o % 8` of
-//! byte `o / 8` for offset `o`), for a record with more than 2047 transactions on one page.
-//! Either way at most 4118 bytes, below `MAX_RECORD_LEN`.
+//! [`ClogSet`] encoding, little-endian: `kind = 0x13 | version = 1 | rmid u8 | info u8 | lsn
+//! u64 | end_lsn u64 | status u8 | form u8 | body`; form 0: `n u16 | n x offset u16` (each
+//! below 32768: the transaction's place in the page); form 1: a bitmap of 4096 bytes (bit `o %
+//! 8` of byte `o / 8` for offset `o`), for a record with more than 2047 transactions on one
+//! page. Either way at most 4118 bytes, below `MAX_RECORD_LEN`.
 //!
-//! Invariants: pure; [`ClogSet::decode`] checks every length and value; nothing panics on any
-//! value or page.
+//! [`SlruWrite`] encoding: `kind = 0x14 | version = 1 | rmid u8 | info u8 | lsn u64 | end_lsn
+//! u64 | n u16 | n x (offset u16 | len u8 | len bytes)`, each run of 1 to 255 bytes within the
+//! page; runs apply in order.
+//!
+//! Invariants: pure; decoding checks every length and value; nothing panics on any value or
+//! page.
 
-use super::{record_type_name, Pg15Error, Reader, RedoError, FORMAT_VERSION, KIND_PG15_CLOG_SET};
+use super::{
+    record_type_name, Pg15Error, Reader, RedoError, FORMAT_VERSION, KIND_PG15_CLOG_SET, KIND_PG15_SLRU_WRITE,
+};
 use crate::page::{Page, BLCKSZ};
 
 /// Transactions per CLOG page (`CLOG_XACTS_PER_PAGE`: 4 a byte).
@@ -156,6 +168,113 @@ pub fn apply_clog_set(set: &ClogSet, page: &mut Page) -> Result<(), RedoError> {
     Ok(())
 }
 
+/// Bytes written at places of an SLRU page by one WAL record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlruWrite {
+    /// The WAL record's resource manager and info bits (for errors).
+    pub rmid: u8,
+    pub info: u8,
+    pub lsn: u64,
+    pub end_lsn: u64,
+    /// (byte offset in the page, bytes), each within the page, 1 to 255 bytes.
+    pub runs: Vec<(u16, Vec<u8>)>,
+}
+
+/// The longest run of an [`SlruWrite`].
+const MAX_RUN: usize = u8::MAX as usize;
+
+impl SlruWrite {
+    /// The write of `bytes` (byte offset, value; ascending, each offset once, below the page
+    /// size), as runs of adjacent bytes.
+    pub fn from_bytes(
+        rmid: u8,
+        info: u8,
+        lsn: u64,
+        end_lsn: u64,
+        bytes: impl IntoIterator<Item = (u16, u8)>,
+    ) -> SlruWrite {
+        let mut runs: Vec<(u16, Vec<u8>)> = Vec::new();
+        for (at, b) in bytes {
+            match runs.last_mut() {
+                Some((start, run))
+                    if run.len() < MAX_RUN && usize::from(*start) + run.len() == usize::from(at) =>
+                {
+                    run.push(b)
+                }
+                _ => runs.push((at, vec![b])),
+            }
+        }
+        SlruWrite { rmid, info, lsn, end_lsn, runs }
+    }
+
+    /// Encodes the value; an error for a run that is empty, longer than 255 bytes or past the
+    /// page, or for a value past `MAX_RECORD_LEN` (nothing is written then).
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), Pg15Error> {
+        let len = 22 + self.runs.iter().map(|(_, r)| 3 + r.len()).sum::<usize>();
+        if len > page_types::MAX_RECORD_LEN || self.runs.len() > usize::from(u16::MAX) {
+            return Err(Pg15Error::TooLong { len });
+        }
+        if self
+            .runs
+            .iter()
+            .any(|(at, r)| r.is_empty() || r.len() > MAX_RUN || usize::from(*at) + r.len() > BLCKSZ)
+        {
+            return Err(Pg15Error::Invalid("runs of 1 to 255 bytes within the page"));
+        }
+        out.extend_from_slice(&[KIND_PG15_SLRU_WRITE, FORMAT_VERSION, self.rmid, self.info]);
+        out.extend_from_slice(&self.lsn.to_le_bytes());
+        out.extend_from_slice(&self.end_lsn.to_le_bytes());
+        out.extend_from_slice(&(self.runs.len() as u16).to_le_bytes());
+        for (at, run) in &self.runs {
+            out.extend_from_slice(&at.to_le_bytes());
+            out.push(run.len() as u8);
+            out.extend_from_slice(run);
+        }
+        Ok(())
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<SlruWrite, Pg15Error> {
+        let mut r = Reader { bytes, at: 0 };
+        let kind = r.u8()?;
+        if kind != KIND_PG15_SLRU_WRITE {
+            return Err(Pg15Error::NotPg15(kind));
+        }
+        let version = r.u8()?;
+        if version != FORMAT_VERSION {
+            return Err(Pg15Error::Version(version));
+        }
+        let (rmid, info, lsn, end_lsn, n) = (r.u8()?, r.u8()?, r.u64()?, r.u64()?, r.u16()?);
+        let mut runs = Vec::new();
+        for _ in 0..n {
+            let (at, len) = (r.u16()?, r.u8()?);
+            if len == 0 || usize::from(at) + usize::from(len) > BLCKSZ {
+                return Err(Pg15Error::Invalid("runs of 1 to 255 bytes within the page"));
+            }
+            runs.push((at, r.take(usize::from(len))?.to_vec()));
+        }
+        if r.at != bytes.len() {
+            return Err(Pg15Error::Trailing(bytes.len() - r.at));
+        }
+        Ok(SlruWrite { rmid, info, lsn, end_lsn, runs })
+    }
+
+    pub fn type_name(&self) -> String {
+        format!("{} (its SLRU page)", record_type_name(self.rmid, self.info))
+    }
+}
+
+/// Writes `write`'s runs into `page`, an SLRU page.
+pub fn apply_slru_write(write: &SlruWrite, page: &mut Page) -> Result<(), RedoError> {
+    for (at, run) in &write.runs {
+        let at = usize::from(*at);
+        let Some(dest) = page.get_mut(at..at + run.len()) else {
+            return Err(RedoError::DoesNotFit(format!("{}: bytes {at}.. past the page", write.type_name())));
+        };
+        dest.copy_from_slice(run);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -233,7 +352,68 @@ mod tests {
         assert!(matches!(redo::apply(&long, &mut page), Some(Err(RedoError::Malformed(_)))));
     }
 
+    fn write(runs: Vec<(u16, Vec<u8>)>) -> SlruWrite {
+        SlruWrite { rmid: 6, info: 0x20, lsn: 0x28, end_lsn: 0x60, runs }
+    }
+
+    #[test]
+    fn a_write_copies_its_runs_and_leaves_the_rest() {
+        let value = SlruWrite::from_bytes(6, 0x20, 0x28, 0x60, [(0, 1), (1, 2), (2, 3), (100, 9), (8191, 7)]);
+        assert_eq!(value.runs, vec![(0, vec![1, 2, 3]), (100, vec![9]), (8191, vec![7])]);
+        assert_eq!(value.type_name(), "MultiXact CREATE_ID (its SLRU page)");
+        let mut bytes = Vec::new();
+        value.encode(&mut bytes).unwrap();
+        assert_eq!(SlruWrite::decode(&bytes).unwrap(), value);
+        let mut page = Box::new([0xEEu8; BLCKSZ]);
+        redo::apply(&bytes, &mut page).unwrap().unwrap();
+        assert_eq!((&page[..4], page[100], page[101], page[8191]), (&[1, 2, 3, 0xEE][..], 9, 0xEE, 7));
+        // A whole page of bytes: runs of 255, within a record's bound.
+        let all = SlruWrite::from_bytes(6, 0x20, 0, 0, (0..BLCKSZ as u16).map(|i| (i, i as u8)));
+        assert_eq!(all.runs.len(), BLCKSZ.div_ceil(MAX_RUN));
+        let mut bytes = Vec::new();
+        all.encode(&mut bytes).unwrap();
+        let mut page = Box::new([0u8; BLCKSZ]);
+        redo::apply(&bytes, &mut page).unwrap().unwrap();
+        assert!(page.iter().enumerate().all(|(i, &b)| b == i as u8));
+    }
+
+    #[test]
+    fn broken_writes_are_errors_and_bad_ones_are_not_encoded() {
+        let mut bytes = Vec::new();
+        write(vec![(8, vec![1, 2])]).encode(&mut bytes).unwrap();
+        assert!(matches!(SlruWrite::decode(&bytes[..bytes.len() - 1]), Err(Pg15Error::Truncated(_))));
+        let mut past = bytes.clone();
+        past[22..24].copy_from_slice(&8191u16.to_le_bytes());
+        assert!(matches!(SlruWrite::decode(&past), Err(Pg15Error::Invalid(_))));
+        let mut empty = bytes.clone();
+        empty[24] = 0;
+        assert!(SlruWrite::decode(&empty).is_err());
+        let mut none = Vec::new();
+        for bad in [vec![(8191, vec![1, 2])], vec![(0, vec![])], vec![(0, vec![0; 256])]] {
+            assert!(write(bad).encode(&mut none).is_err());
+        }
+        assert!(matches!(
+            write((0..70).map(|i| (i * 100, vec![0; 255])).collect()).encode(&mut none),
+            Err(Pg15Error::TooLong { .. })
+        ));
+        assert!(none.is_empty());
+    }
+
     proptest! {
+        #[test]
+        fn writes_decode_and_apply_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let mut bytes = bytes;
+            if bytes.len() > 2 {
+                bytes[0] = KIND_PG15_SLRU_WRITE;
+                bytes[1] = FORMAT_VERSION;
+            }
+            let mut page = Box::new([0x55u8; BLCKSZ]);
+            if let Ok(write) = SlruWrite::decode(&bytes) {
+                prop_assert!(apply_slru_write(&write, &mut page).is_ok());
+            }
+            let _ = redo::apply(&bytes, &mut page);
+        }
+
         #[test]
         fn decode_and_apply_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200), bitmap in any::<bool>()) {
             let mut bytes = bytes;
