@@ -21,10 +21,10 @@
 //! Values of these keys are complete in themselves (storage keeps them as images of 0 to 8192
 //! bytes): the newest at or below an LSN is the answer, no redo; except SLRU pages, which are
 //! pages as relation pages are ([`holds_pages`]): an image, then records (the `pg15` family's
-//! CLOG status changes) that the redo child applies; a page with records and no image below
-//! them is built from zeros, as PostgreSQL's recovery reads an SLRU page it has no file for.
-//! An SLRU page whose newest value at or below an LSN is older than a drop of its segment at
-//! or below that LSN does not exist then. A relation fork exists at an
+//! CLOG status changes and MultiXact writes) that the redo child applies; a page with records
+//! and no image below them is built from zeros, as PostgreSQL's recovery reads an SLRU page it
+//! has no file for. An SLRU page whose newest value at or below an LSN is older than a drop of
+//! its segment at or below that LSN does not exist then. A relation fork exists at an
 //! LSN when its newest size value at or below it is not the dropped marker and no drop of its
 //! database is newer than that value. A relation page whose newest value at or below an LSN is
 //! older than a drop of its relation or database at or below that LSN belongs to a dropped

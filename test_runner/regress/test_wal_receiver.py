@@ -31,7 +31,7 @@ from fixtures.util import wait_until
 from fixtures.pgmask import heap_mask
 from fixtures.walreader import Wal, mask_lsn_and_checksum
 from fixtures.wal_source import attach, caught_up, counters_values, page_service_io  # noqa: F401 (a fixture)
-from fixtures.waldump import Sizes, lsn_int, lsn_text, waldump_records
+from fixtures.waldump import Sizes, lsn_int, lsn_text, record_types, waldump_records
 
 
 @pytest.fixture
@@ -82,6 +82,13 @@ def test_every_block_reference_is_stored_once_and_pages_are_served(pg, pageserve
     at_attach = fork_sizes(pg, "true")
     pg.pgbench("-i", "-s", "1", "-q")
     pg.pgbench("-c", "2", "-j", "2", "-T", "4", "-n")
+    # Multixacts (a row share-locked, then updated by a subtransaction of the same
+    # transaction): values for their offsets and members pages.
+    pg.sql("CREATE TABLE mx (i int PRIMARY KEY, v int); INSERT INTO mx SELECT g, 0 FROM generate_series(1, 3000) g")
+    pg.sql("""DO $$ BEGIN FOR r IN 1..3000 LOOP
+                PERFORM 1 FROM mx WHERE i = r FOR SHARE;
+                BEGIN UPDATE mx SET v = 1 WHERE i = r; EXCEPTION WHEN others THEN RAISE; END;
+              END LOOP; END $$""")
     # VACUUM sets pages all-visible; the UPDATEs then clear their visibility-map bits.
     pg.sql("VACUUM pgbench_accounts")
     pg.sql("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 997 = 0")
@@ -97,6 +104,8 @@ def test_every_block_reference_is_stored_once_and_pages_are_served(pg, pageserve
     assert vm_values > 0, "the UPDATEs after VACUUM cleared visibility-map bits"
     other = sum(o for _, _, _, o in records)
     assert other > 20, "pgbench -i creates relations and extends them"
+    types = record_types(pg, resumed, durable)
+    assert sum(t == "MultiXact CREATE_ID" for t in types.values()) >= 3000, "the multixacts are in the count"
     counters = counters_values(ps, tenant, [r[0] for r in records], durable)
     assert counters > 10, "the counters moved with the transactions"
     wal_values = sum(len(refs) for _, refs, _, _ in records) + vm_values + other + counters

@@ -13,8 +13,9 @@
 //! `xl_xid` and a commit's or abort's subtransactions move the next xid past them
 //! (`AdvanceNextFullTransactionIdPastXid`, the epoch counted on wraparound); a
 //! `CLOG_TRUNCATE` raises the oldest xid to its own (the primary's `SetTransactionIdLimit`
-//! follows it at once). Not yet: the MultiXact records' counters (`CREATE_ID`,
-//! `TRUNCATE_ID`), which a checkpoint record brings meanwhile.
+//! follows it at once); a MultiXact `CREATE_ID` moves the next multixact and member offset past
+//! its own (`MultiXactAdvanceNextMXact`) and the next xid past its members', a `TRUNCATE_ID`
+//! sets the oldest multixact (`SetMultiXactIdLimit`).
 //!
 //! This is the minimal decoding ingest needs; the full `CheckPoint`/`ControlFile` codec of
 //! step 1 of docs/rfcs/0008-postgresql-out.md lives in `page-types` (`wal::checkpoint`,
@@ -25,6 +26,7 @@
 use page_types::wal::rmgr::{RM_CLOG_ID, RM_XLOG_ID};
 use page_types::wal::DecodedRecord;
 
+use super::multixact;
 use super::xact::XactEnd;
 
 /// `sizeof(CheckPoint)` in PostgreSQL 15 (64-bit).
@@ -83,6 +85,12 @@ fn follows(a: u32, b: u32) -> bool {
         return a > b;
     }
     (a.wrapping_sub(b) as i32) > 0
+}
+
+/// Whether multixact id (or member offset) `a` comes before `b`, modulo 2^32
+/// (`MultiXactIdPrecedes`, `MultiXactOffsetPrecedes`).
+fn multi_precedes(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) < 0
 }
 
 impl Counters {
@@ -183,13 +191,13 @@ impl Counters {
                     next_oid: self.next_oid,
                     ..record
                 };
-                if (record.next_multi.wrapping_sub(self.next_multi) as i32) < 0 {
+                if multi_precedes(record.next_multi, self.next_multi) {
                     new.next_multi = self.next_multi;
                 }
-                if (record.next_multi_offset.wrapping_sub(self.next_multi_offset) as i32) < 0 {
+                if multi_precedes(record.next_multi_offset, self.next_multi_offset) {
                     new.next_multi_offset = self.next_multi_offset;
                 }
-                if (record.oldest_multi.wrapping_sub(self.oldest_multi) as i32) < 0 {
+                if multi_precedes(record.oldest_multi, self.oldest_multi) {
                     (new.oldest_multi, new.oldest_multi_db) = (self.oldest_multi, self.oldest_multi_db);
                 }
                 if !follows(record.oldest_xid, self.oldest_xid) {
@@ -210,6 +218,24 @@ impl Counters {
                 }
             }
             _ => {}
+        }
+        if let Some(create) = multixact::create(record) {
+            let create = create?;
+            for &(xid, _) in &create.members {
+                self.advance_next_xid(xid);
+            }
+            let (next, offset) =
+                (create.multi.wrapping_add(1), create.offset.wrapping_add(create.members.len() as u32));
+            if multi_precedes(self.next_multi, next) {
+                self.next_multi = next;
+            }
+            if multi_precedes(self.next_multi_offset, offset) {
+                self.next_multi_offset = offset;
+            }
+        }
+        if let Some(truncate) = multixact::truncate(record) {
+            let truncate = truncate?;
+            (self.oldest_multi, self.oldest_multi_db) = (truncate.end_multi, truncate.oldest_multi_db);
         }
         Ok(*self != before)
     }
@@ -302,6 +328,29 @@ mod tests {
         assert_eq!(c.apply(&truncate, None), Ok(false));
         // Other XLOG records leave them.
         assert_eq!(c.apply(&xlog(0x20, 0, Vec::new()), None), Ok(false));
+        // A multixact: the next one and the next member offset past it, the next xid past its
+        // members; an older one moves nothing.
+        let create = |multi: u32, offset: u32, xids: &[u32]| {
+            let mut main: Vec<u8> =
+                [multi, offset, xids.len() as u32].iter().flat_map(|w| w.to_le_bytes()).collect();
+            main.extend(xids.iter().flat_map(|x| [*x, 1]).flat_map(u32::to_le_bytes));
+            let mut rec = xlog(0x20, 0, main);
+            rec.rmid = 6;
+            rec
+        };
+        (c.next_multi, c.next_multi_offset) = (10, 100);
+        assert_eq!(c.apply(&create(10, 100, &[c.next_xid as u32 + 5, 7]), None), Ok(true));
+        assert_eq!((c.next_multi, c.next_multi_offset, c.next_xid), (11, 102, 856));
+        assert_eq!(c.apply(&create(4, 50, &[7]), None), Ok(false));
+        assert_eq!(c.apply(&create(11, 102, &[7]), None), Ok(true));
+        let mut short = create(12, 102, &[7]);
+        short.main_data = short.main_data.slice(..16);
+        assert!(c.apply(&short, None).is_err());
+        // A truncation sets the oldest multixact.
+        let mut truncate = xlog(0x30, 0, [9u32, 1, 8, 1, 90].iter().flat_map(|w| w.to_le_bytes()).collect());
+        truncate.rmid = 6;
+        assert_eq!(c.apply(&truncate, None), Ok(true));
+        assert_eq!((c.oldest_multi, c.oldest_multi_db), (8, 9));
     }
 
     #[test]
