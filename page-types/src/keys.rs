@@ -1,6 +1,6 @@
 //! The key space of a PostgreSQL cluster's tenant: which [`BufferTag`]s name relation pages and
-//! which name the cluster's other values (relation sizes, SLRU pages, the control file, the
-//! relation mapper files, dropped databases).
+//! which name the cluster's other values (relation sizes, SLRU pages and truncated segments, the
+//! control file, the relation mapper files, the checkpoint counters, dropped databases).
 //!
 //! A relation page keeps PostgreSQL's buffer tag: fork 0 (main), 1 (free space map), 2
 //! (visibility map) or 3 (init). Every other value lives at a fork number of 0x80 or more, a
@@ -10,15 +10,22 @@
 //! | what | forknum | spcnode | dbnode | relnode | blknum | value |
 //! |---|---|---|---|---|---|---|
 //! | size of a relation fork | `0x80 + fork` | spc | db | rel | 0 | `u32` LE blocks; empty: dropped |
-//! | SLRU page | `0x90` | [`SlruKind`] | 0 | segment no. | page in segment | 8 KiB page |
+//! | SLRU page | `0x90` | [`SlruKind`] | 0 | segment no. | page in segment | 8 KiB page; records too |
+//! | a truncated SLRU segment | `0x91` | [`SlruKind`] | 0 | segment no. | 0 | empty |
 //! | `global/pg_control` | `0xA0` | 0 | 0 | 0 | 0 | the file |
 //! | `pg_filenode.map` | `0xA1` | spc | db (0: global) | 0 | 0 | the file (512 bytes) |
+//! | the checkpoint counters | `0xA2` | 0 | 0 | 0 | 0 | PostgreSQL's `CheckPoint` (88 bytes) |
 //! | a configuration file ([`CONFIG_FILES`]) | `0xA4` | 0 | 0 | its index there | chunk | 8 KiB of the file; the last chunk is shorter (maybe empty) |
 //! | a dropped database | `0xB0` | spc | db | 0 | 0 | empty |
 //! | a dropped relation | `0xB1` | spc | db | rel | 0 | empty |
 //!
 //! Values of these keys are complete in themselves (storage keeps them as images of 0 to 8192
-//! bytes): the newest at or below an LSN is the answer, no redo. A relation fork exists at an
+//! bytes): the newest at or below an LSN is the answer, no redo; except SLRU pages, which are
+//! pages as relation pages are ([`holds_pages`]): an image, then records (the `pg15` family's
+//! CLOG status changes and MultiXact writes) that the redo child applies; a page with records
+//! and no image below them is built from zeros, as PostgreSQL's recovery reads an SLRU page it
+//! has no file for. An SLRU page whose newest value at or below an LSN is older than a drop of
+//! its segment at or below that LSN does not exist then. A relation fork exists at an
 //! LSN when its newest size value at or below it is not the dropped marker and no drop of its
 //! database is newer than that value. A relation page whose newest value at or below an LSN is
 //! older than a drop of its relation or database at or below that LSN belongs to a dropped
@@ -42,6 +49,8 @@ const REL_SIZE_FORK: u8 = 0x80;
 const SLRU_FORK: u8 = 0x90;
 const CONTROL_FILE_FORK: u8 = 0xA0;
 const RELMAP_FORK: u8 = 0xA1;
+const CHECKPOINT_FORK: u8 = 0xA2;
+const SLRU_SEGMENT_DROP_FORK: u8 = 0x91;
 const CONFIG_FILE_FORK: u8 = 0xA4;
 const DB_DROP_FORK: u8 = 0xB0;
 const REL_DROP_FORK: u8 = 0xB1;
@@ -145,6 +154,24 @@ pub fn slru_page_key(kind: SlruKind, segno: u32, page: u32) -> BufferTag {
     BufferTag { spcnode: kind.to_u32(), dbnode: 0, relnode: segno, forknum: SLRU_FORK, blknum: page }
 }
 
+/// The key whose values mark the truncations of SLRU segment `segno` (PostgreSQL removed its
+/// file): pages older than such a value are gone.
+pub fn slru_segment_drop_key(kind: SlruKind, segno: u32) -> BufferTag {
+    BufferTag {
+        spcnode: kind.to_u32(),
+        dbnode: 0,
+        relnode: segno,
+        forknum: SLRU_SEGMENT_DROP_FORK,
+        blknum: 0,
+    }
+}
+
+/// The key of the checkpoint counters: PostgreSQL's `CheckPoint` as the WAL left it (next
+/// transaction id, next OID, multixact counters, oldest transaction ids, ...).
+pub fn checkpoint_key() -> BufferTag {
+    BufferTag { spcnode: 0, dbnode: 0, relnode: 0, forknum: CHECKPOINT_FORK, blknum: 0 }
+}
+
 /// The key of `global/pg_control`.
 pub fn control_file_key() -> BufferTag {
     BufferTag { spcnode: 0, dbnode: 0, relnode: 0, forknum: CONTROL_FILE_FORK, blknum: 0 }
@@ -181,6 +208,11 @@ pub enum KeyKind {
         segno: u32,
         page: u32,
     },
+    /// The truncation marker of an SLRU segment.
+    SlruSegmentDrop {
+        kind: SlruKind,
+        segno: u32,
+    },
     ControlFile,
     RelMap,
     /// A chunk of configuration file `index` of [`CONFIG_FILES`].
@@ -188,6 +220,8 @@ pub enum KeyKind {
         index: u32,
         chunk: u32,
     },
+    /// The checkpoint counters.
+    Checkpoint,
     DbDrop,
     RelDrop {
         rel: RelTag,
@@ -210,7 +244,13 @@ pub fn classify(key: &BufferTag) -> KeyKind {
                 None => KeyKind::Unknown,
             }
         }
+        SLRU_SEGMENT_DROP_FORK if key.dbnode == 0 && key.blknum == 0 => match SlruKind::from_u32(key.spcnode)
+        {
+            Some(kind) => KeyKind::SlruSegmentDrop { kind, segno: key.relnode },
+            None => KeyKind::Unknown,
+        },
         CONTROL_FILE_FORK if *key == control_file_key() => KeyKind::ControlFile,
+        CHECKPOINT_FORK if *key == checkpoint_key() => KeyKind::Checkpoint,
         RELMAP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::RelMap,
         CONFIG_FILE_FORK
             if key.spcnode == 0 && key.dbnode == 0 && (key.relnode as usize) < CONFIG_FILES.len() =>
@@ -227,6 +267,12 @@ pub fn classify(key: &BufferTag) -> KeyKind {
 /// values, whose stored images may be shorter than a page.
 pub fn is_rel_page(key: &BufferTag) -> bool {
     key.forknum <= MAX_FORK
+}
+
+/// Whether `key`'s values are 8 KiB pages that redo builds (an image, then records above it):
+/// relation pages and SLRU pages. Every other key holds images only.
+pub fn holds_pages(key: &BufferTag) -> bool {
+    is_rel_page(key) || matches!(classify(key), KeyKind::Slru { .. })
 }
 
 /// Where a scan for the relation size keys in key order may go from `key` (any key): the
@@ -276,6 +322,17 @@ mod tests {
             classify(&slru_page_key(SlruKind::MultiXactMembers, 3, 31)),
             KeyKind::Slru { kind: SlruKind::MultiXactMembers, segno: 3, page: 31 }
         );
+        assert_eq!(
+            classify(&slru_segment_drop_key(SlruKind::Clog, 4095)),
+            KeyKind::SlruSegmentDrop { kind: SlruKind::Clog, segno: 4095 }
+        );
+        assert_eq!(classify(&checkpoint_key()), KeyKind::Checkpoint);
+        assert!(holds_pages(&slru_page_key(SlruKind::Clog, 0, 3)) && holds_pages(&rel.page(MAIN_FORK, 1)));
+        for other in
+            [checkpoint_key(), control_file_key(), slru_segment_drop_key(SlruKind::Clog, 0), rel.size_key(0)]
+        {
+            assert!(!holds_pages(&other), "{other:?}");
+        }
         assert_eq!(classify(&control_file_key()), KeyKind::ControlFile);
         assert_eq!(classify(&relmap_key(1664, 0)), KeyKind::RelMap);
         assert_eq!(classify(&config_file_key(2, 3)), KeyKind::ConfigFile { index: 2, chunk: 3 });

@@ -11,6 +11,10 @@
 //!    records is the page itself, else the redo manager reconstructs it; for a cluster with
 //!    data checksums it gets its checksum ([`data_checksums`]); the page is cached.
 //!
+//! Besides relation pages, GetPage serves the cluster's SLRU pages (built the same way; not
+//! found once their segment is truncated, [`cluster`]) and the checkpoint counters (their
+//! value, zero-padded to a page); the cluster's other keys are no GetPage's.
+//!
 //! Steps 2 to 4 look the key up in the index once and the page cache once: at a durable LSN,
 //! [`Tenant::get_page_now`] takes the version and the cache's page for it in one lookup, and on
 //! a miss [`Tenant::get_page_later`] plans the read from that lookup; a request that waits for
@@ -46,6 +50,7 @@ use crate::storage::{
 use crate::util::{lock, Signal};
 use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
+pub mod cluster;
 mod data_checksums;
 pub mod rel_sizes;
 pub mod wal_receiver;
@@ -349,7 +354,10 @@ impl Tenant {
     pub fn get_page_now(&self, key: BufferTag, lsn: Lsn) -> PageNow {
         let later = |begun| PageNow::Later(PageRead { key, lsn, begun });
         let started = Instant::now();
+        // The cluster's other values (SLRU pages, the counters) take the long way: their
+        // existence is checked otherwise (`read_page`).
         if !self.deps.cache.enabled()
+            || !page_types::keys::is_rel_page(&key)
             || self.stopping.is_raised()
             || self.import_incomplete.load(Ordering::Acquire)
         {
@@ -440,10 +448,7 @@ impl Tenant {
     async fn read_page(&self, read: PageRead) -> Result<(Lsn, Bytes), GetPageError> {
         let PageRead { key, lsn, begun } = read;
         if !page_types::keys::is_rel_page(&key) {
-            return Err(GetPageError::InvalidKey(format!(
-                "{key}: fork {} is not a relation fork (0 main, 1 fsm, 2 vm, 3 init)",
-                key.forknum
-            )));
+            return self.read_cluster_value(key, lsn).await;
         }
         if let Some((lsn, start)) = begun {
             // `get_page_now` looked the key up at a durable LSN: the page cache had no page of
@@ -475,6 +480,43 @@ impl Tenant {
             }
         }
         let plan = plan.ok_or(GetPageError::NotFound { key, lsn })?;
+        if let Some(page) = self.deps.cache.get(&(self.generation, key, plan.version())) {
+            return Ok((lsn, page));
+        }
+        self.build_page(key, lsn, plan).await
+    }
+
+    /// GetPage of a key that is no relation page: an SLRU page (not found if its segment was
+    /// truncated after its newest value) or the checkpoint counters (their value, zero-padded
+    /// to a page); any other key is no GetPage's.
+    async fn read_cluster_value(&self, key: BufferTag, lsn: Lsn) -> Result<(Lsn, Bytes), GetPageError> {
+        let slru = match page_types::keys::classify(&key) {
+            page_types::keys::KeyKind::Slru { kind, segno, .. } => Some((kind, segno)),
+            page_types::keys::KeyKind::Checkpoint => None,
+            _ => {
+                return Err(GetPageError::InvalidKey(format!(
+                    "{key}: fork {} is not a relation fork (0 main, 1 fsm, 2 vm, 3 init), an SLRU page \
+                     or the checkpoint counters",
+                    key.forknum
+                )))
+            }
+        };
+        let lsn = self.wait_for(lsn).await?;
+        let plan = self.plan(key, lsn, None).await.map_err(|e| read_error(key, lsn, e))?;
+        if let Some((kind, segno)) = slru {
+            if cluster::slru_segment_dropped(
+                &self.timeline,
+                kind,
+                segno,
+                plan.version(),
+                lsn,
+                DiskWait::Allowed,
+            )
+            .map_err(|e| read_error(key, lsn, e))?
+            {
+                return Err(GetPageError::NotFound { key, lsn });
+            }
+        }
         if let Some(page) = self.deps.cache.get(&(self.generation, key, plan.version())) {
             return Ok((lsn, page));
         }
@@ -519,14 +561,16 @@ impl Tenant {
                 page.ok_or(GetPageError::NotFound { key, lsn })?
             }
         };
-        // Only a PostgreSQL cluster's import stores a pg_control that can ask for checksums.
-        let page = match self.follows_postgres.load(Ordering::Relaxed) {
-            true => self
-                .data_checksums
-                .apply(&self.timeline, key, lsn, page)
-                .await
-                .map_err(GetPageError::Internal)?,
-            false => page,
+        // Only a PostgreSQL cluster's import stores a pg_control that can ask for checksums,
+        // and only relation pages have them; a shorter value (the counters) fills a page.
+        let page = if page.len() < page_types::PAGE_SIZE {
+            let mut padded = page.to_vec();
+            padded.resize(page_types::PAGE_SIZE, 0);
+            Bytes::from(padded)
+        } else if self.follows_postgres.load(Ordering::Relaxed) && page_types::keys::is_rel_page(&key) {
+            self.data_checksums.apply(&self.timeline, key, lsn, page).await.map_err(GetPageError::Internal)?
+        } else {
+            page
         };
         self.deps.cache.insert(cache_key, &page);
         Ok((lsn, page))

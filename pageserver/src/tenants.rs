@@ -690,6 +690,50 @@ mod tests {
         tenants.shutdown().await;
     }
 
+    /// GetPage of the cluster's other values: an SLRU page until its segment is truncated (and
+    /// again once a newer value comes), the checkpoint counters padded to a page, and no other
+    /// key of theirs.
+    #[tokio::test]
+    async fn get_page_serves_slru_pages_of_live_segments_and_the_counters_and_no_other_value() {
+        use page_types::keys::{self, SlruKind};
+        use page_types::{Lsn, PAGE_SIZE};
+        let workdir = tempfile::tempdir().unwrap();
+        let conf = conf(workdir.path());
+        let tenants = load_with_cache(&conf, 1 << 20).await;
+        let tenant = tenants.create("t", TenantConfOverrides::default()).await.unwrap();
+        let page = keys::slru_page_key(SlruKind::Clog, 2, 5);
+        let image = |fill| storage::Value::Image(bytes::Bytes::from(vec![fill; PAGE_SIZE]));
+        let empty = || storage::Value::Image(bytes::Bytes::new());
+        let counters = storage::Value::Image(bytes::Bytes::from(vec![9u8; 88]));
+        for (key, lsn, value) in [
+            (page, 10, image(1)),
+            (keys::checkpoint_key(), 11, counters),
+            (keys::slru_segment_drop_key(SlruKind::Clog, 2), 20, empty()),
+            (page, 30, image(3)),
+            (keys::control_file_key(), 31, image(4)),
+        ] {
+            let batch = storage::IngestBatch { values: vec![(key, Lsn(lsn), value)] };
+            tenant.submit_ingest(batch).await.unwrap().await.unwrap();
+        }
+        for (lsn, want) in [(15, Some(1)), (25, None), (31, Some(3))] {
+            match (tenant.get_page(page, Lsn(lsn)).await, want) {
+                (Ok((_, got)), Some(fill)) => assert_eq!(got[..], [fill; PAGE_SIZE][..], "at {lsn}"),
+                (Err(crate::tenant::GetPageError::NotFound { .. }), None) => {}
+                (other, _) => panic!("at {lsn}: {other:?}"),
+            }
+        }
+        let (_, got) = tenant.get_page(keys::checkpoint_key(), Lsn::LATEST).await.unwrap();
+        assert_eq!(
+            (got.len(), &got[..88], got[88..].iter().all(|&b| b == 0)),
+            (PAGE_SIZE, &[9u8; 88][..], true)
+        );
+        for other in [keys::control_file_key(), keys::slru_segment_drop_key(SlruKind::Clog, 2)] {
+            let err = tenant.get_page(other, Lsn::LATEST).await.unwrap_err();
+            assert!(matches!(err, crate::tenant::GetPageError::InvalidKey(_)), "{other:?}: {err:?}");
+        }
+        tenants.shutdown().await;
+    }
+
     /// t3's tenant.toml is a FIFO: reading it blocks until a task of the (single-threaded)
     /// runtime opens it and writes a damaged config. If loading ran on the runtime's thread,
     /// that task could never run: the load would hang, and the test fails on its deadline.

@@ -1,7 +1,9 @@
 """A tenant following a real PostgreSQL 15 primary (`PUT /v1/tenant/{id}/wal_source`): every
 block reference of the WAL it streams becomes exactly one value, and every visibility-map page a
 heap record clears bits of without referencing it one more (both counted from PostgreSQL's own
-`pg_waldump`: its block references and its record flags), also across a kill -9 of the daemon; a page whose newest value is an applied
+`pg_waldump`: its block references and its record flags), and so every size, file and CLOG page
+(the checkpoint counters, stored once per batch, are read back), also across a kill -9 of the
+daemon; a page whose newest value is an applied
 full-page image is served with the record's LSN; a page rebuilt by Heap redo is PostgreSQL's;
 bad sources and detaching behave.
 
@@ -28,8 +30,8 @@ from fixtures.postgres import Postgres
 from fixtures.util import wait_until
 from fixtures.pgmask import heap_mask
 from fixtures.walreader import Wal, mask_lsn_and_checksum
-from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
-from fixtures.waldump import Sizes, lsn_int, lsn_text, waldump_records
+from fixtures.wal_source import attach, caught_up, counters_values, page_service_io  # noqa: F401 (a fixture)
+from fixtures.waldump import Sizes, lsn_int, lsn_text, record_types, waldump_records
 
 
 @pytest.fixture
@@ -44,12 +46,13 @@ def pg(tmp_path):
     pg.stop()
 
 
-def expected_values(pg: Postgres, start: int, end: int, sizes: dict) -> int:
+def expected_values(pg: Postgres, start: int, end: int, sizes: dict, ps, tenant: str) -> int:
     """Values stored for the records in [start, end): block references, derived map clears,
-    relation sizes and files; `sizes`: the fork sizes at `start` (see `fork_sizes`)."""
-    return sum(len(refs) + len(vm) + other
-               for lsn, refs, vm, other in waldump_records(pg, start, end, Sizes(dict(sizes)))
-               if lsn >= start)
+    relation sizes, files and CLOG pages (`sizes`: the fork sizes at `start`, see `fork_sizes`),
+    and the checkpoint counters, once per batch that changed them (read back from the tenant)."""
+    records = [r for r in waldump_records(pg, start, end, Sizes(dict(sizes))) if r[0] >= start]
+    return sum(len(refs) + len(vm) + other for _, refs, vm, other in records) \
+        + counters_values(ps, tenant, [r[0] for r in records], end)
 
 
 @contextmanager
@@ -79,6 +82,13 @@ def test_every_block_reference_is_stored_once_and_pages_are_served(pg, pageserve
     at_attach = fork_sizes(pg, "true")
     pg.pgbench("-i", "-s", "1", "-q")
     pg.pgbench("-c", "2", "-j", "2", "-T", "4", "-n")
+    # Multixacts (a row share-locked, then updated by a subtransaction of the same
+    # transaction): values for their offsets and members pages.
+    pg.sql("CREATE TABLE mx (i int PRIMARY KEY, v int); INSERT INTO mx SELECT g, 0 FROM generate_series(1, 3000) g")
+    pg.sql("""DO $$ BEGIN FOR r IN 1..3000 LOOP
+                PERFORM 1 FROM mx WHERE i = r FOR SHARE;
+                BEGIN UPDATE mx SET v = 1 WHERE i = r; EXCEPTION WHEN others THEN RAISE; END;
+              END LOOP; END $$""")
     # VACUUM sets pages all-visible; the UPDATEs then clear their visibility-map bits.
     pg.sql("VACUUM pgbench_accounts")
     pg.sql("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 997 = 0")
@@ -94,7 +104,11 @@ def test_every_block_reference_is_stored_once_and_pages_are_served(pg, pageserve
     assert vm_values > 0, "the UPDATEs after VACUUM cleared visibility-map bits"
     other = sum(o for _, _, _, o in records)
     assert other > 20, "pgbench -i creates relations and extends them"
-    wal_values = sum(len(refs) for _, refs, _, _ in records) + vm_values + other
+    types = record_types(pg, resumed, durable)
+    assert sum(t == "MultiXact CREATE_ID" for t in types.values()) >= 3000, "the multixacts are in the count"
+    counters = counters_values(ps, tenant, [r[0] for r in records], durable)
+    assert counters > 10, "the counters moved with the transactions"
+    wal_values = sum(len(refs) for _, refs, _, _ in records) + vm_values + other + counters
     assert s["storage"]["values"] == imported + wal_values and wal_values > 10_000
     # The slot keeps only what is not durable here. The server goes on writing WAL (a running
     # transactions record every 15 s), which the receiver goes on making durable and reporting:
@@ -125,6 +139,8 @@ def test_every_block_reference_is_stored_once_and_pages_are_served(pg, pageserve
         # pgbench_branches' page changed again after its post-checkpoint image: Heap redo
         # rebuilds it, as PostgreSQL has it (its data file after a checkpoint, masked).
         pg.sql("CHECKPOINT")
+        # Its record moves the checkpoint counters: a value more, which the count below has.
+        s = caught_up(ps, tenant, pg)
         dbnode = int(pg.sql("select oid from pg_database where datname = 'postgres'"))
         path = pg.datadir / pg.sql("select pg_relation_filepath('pgbench_branches')")
         branches = int(pg.sql("select pg_relation_filenode('pgbench_branches')"))
@@ -160,7 +176,8 @@ def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pa
         ps.start()
     s = caught_up(ps, tenant, pg)
     assert s["wal_source"]["resumed_at"] > resumed, "the second connection resumed where the first stopped"
-    assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"], at_attach)
+    assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"],
+                                                                at_attach, ps, tenant)
     # A restart of PostgreSQL: the receiver sees the stream end, reconnects, and goes on.
     ps.allowed_errors.append(".*WAL receiver: .*")
     pg.stop()
@@ -169,7 +186,8 @@ def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pa
     s = caught_up(ps, tenant, pg)
     assert s["wal_source"]["reconnects"] >= 1 and s["wal_source"]["state"] == "streaming", s["wal_source"]
     assert s["wal_source"]["error"] is None, "streaming again clears the last error"
-    assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"], at_attach)
+    assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"],
+                                                                at_attach, ps, tenant)
 
 
 def test_a_write_failed_while_the_receiver_was_busy_leaves_no_gap(pg, pageserver_factory, tmp_path):
@@ -202,7 +220,8 @@ def test_a_write_failed_while_the_receiver_was_busy_leaves_no_gap(pg, pageserver
         < events["the persist fsync wakes"] - 1.0, faults.events()
     s = caught_up(ps, tenant, pg)
     assert s["wal_source"]["reconnects"] >= 1, "the failed batch ended the connection"
-    assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"], at_attach)
+    assert s["storage"]["values"] == imported + expected_values(pg, resumed, s["wal_source"]["durable_lsn"],
+                                                                at_attach, ps, tenant)
 
 
 def slot_restart_lsn(pg: Postgres) -> int:
@@ -299,7 +318,7 @@ def test_detach_keeps_the_position_and_the_cutoff_and_a_reattach_resumes(pg, pag
     assert w["import"]["attempts"] == 1, "no second import"
     s = caught_up(ps, tenant, pg)
     assert s["storage"]["values"] == imp["values"] + expected_values(pg, resumed, s["wal_source"]["durable_lsn"],
-                                                                      at_attach)
+                                                                      at_attach, ps, tenant)
     # Another cluster is refused, naming both system ids.
     ps.allowed_errors.append(r".*WAL receiver.*")
     other = Postgres(tmp_path / "other").init().start()

@@ -66,7 +66,7 @@ const NEWEST_COMMIT_TS_XID: usize = 76;
 const OLDEST_ACTIVE_XID: usize = 80; // then 4 bytes of padding to 88
 
 /// PostgreSQL 15's `CheckPoint`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CheckPoint {
     /// Where replay starts (`redo`); for a shutdown checkpoint, the record's own position.
     pub redo: Lsn,

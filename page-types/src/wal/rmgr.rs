@@ -9,7 +9,9 @@ pub const RM_XLOG_ID: u8 = 0;
 /// The resource managers whose records the pageserver reads beyond counting them.
 pub const RM_XACT_ID: u8 = 1;
 pub const RM_SMGR_ID: u8 = 2;
+pub const RM_CLOG_ID: u8 = 3;
 pub const RM_DBASE_ID: u8 = 4;
+pub const RM_MULTIXACT_ID: u8 = 6;
 pub const RM_RELMAP_ID: u8 = 7;
 pub const RM_HEAP2_ID: u8 = 9;
 pub const RM_HEAP_ID: u8 = 10;

@@ -35,7 +35,7 @@ use bytes::Bytes;
 use page_types::keys::{self, RelTag, FSM_FORK, MAIN_FORK, MAX_FORK, VM_FORK};
 use page_types::wal::rmgr::{
     RM_DBASE_ID as RM_DBASE, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP, RM_RELMAP_ID as RM_RELMAP,
-    RM_SMGR_ID as RM_SMGR, RM_XACT_ID as RM_XACT,
+    RM_SMGR_ID as RM_SMGR,
 };
 use page_types::wal::DecodedRecord;
 use page_types::{BufferTag, Lsn, PAGE_SIZE};
@@ -46,6 +46,8 @@ use walredo_proc::pg15::{
     FLAG_WILL_INIT, HEAPBLOCKS_PER_VM_PAGE, VM_ALL_FROZEN, VM_ALL_VISIBLE,
 };
 
+use super::counters::{Counters, Redo as _};
+use super::{multixact, slru, xact};
 use crate::storage::Value;
 
 /// Why a record could not become values.
@@ -211,12 +213,16 @@ fn rel_of(block: &page_types::wal::BlockRef) -> RelTag {
 }
 
 /// Appends the values of `record` to `out`: its blocks' in block id order, then the derived
-/// visibility-map clears, then the relation sizes and files it changes; `sizes` follows.
+/// visibility-map clears, then the relation sizes and files it changes, then its CLOG and
+/// MultiXact pages ([`slru`], [`multixact`]); `sizes` and `counters` follow. Whether the counters changed (the caller stores
+/// them once per batch, [`super::counters`]).
 pub fn record_values(
     record: &DecodedRecord,
     sizes: &mut RelSizes,
+    counters: &mut Counters,
     out: &mut Vec<(BufferTag, Lsn, Value)>,
-) -> Result<(), ValueError> {
+) -> Result<bool, ValueError> {
+    let xact = xact::parse(record).map_err(|what| malformed(record, what))?;
     block_values(record, out)?;
     let lsn = record.end_lsn;
     let mut slots = SizeSlots::new();
@@ -264,7 +270,7 @@ pub fn record_values(
         None => {}
     }
     let mut dropped = std::collections::HashSet::new();
-    for rel in dropped_relations(record)? {
+    for &rel in xact.as_ref().map_or(&[][..], |x| &x.dropped[..]) {
         for fork in 0..=MAX_FORK {
             sizes.set(rel, fork, None, lsn, out, &mut slots);
         }
@@ -312,7 +318,10 @@ pub fn record_values(
         }
         _ => {}
     }
-    Ok(())
+    slru::clog_values(record, xact.as_ref(), counters.oldest_xid, out)
+        .map_err(|what| malformed(record, &what))?;
+    multixact::multixact_values(record, out).map_err(|what| malformed(record, &what))?;
+    counters.apply(record, xact.as_ref()).map_err(|what| malformed(record, &what))
 }
 
 /// `xl_smgr_truncate.flags`.
@@ -360,37 +369,6 @@ fn smgr_op(record: &DecodedRecord) -> Option<Result<SmgrOp, ValueError>> {
         }),
         _ => None,
     }
-}
-
-/// The relations a commit or abort (prepared or not) drops: `xl_xact_commit`/`xl_xact_abort`
-/// (the timestamp), then with `XLOG_XACT_HAS_INFO` the `xinfo` word and, in this order, the
-/// database info, the subtransactions and the relations (`XACT_XINFO_HAS_RELFILENODES`).
-fn dropped_relations(record: &DecodedRecord) -> Result<Vec<RelTag>, ValueError> {
-    const HAS_INFO: u8 = 0x80;
-    const HAS_DBINFO: u32 = 1 << 0;
-    const HAS_SUBXACTS: u32 = 1 << 1;
-    const HAS_RELFILENODES: u32 = 1 << 2;
-    let op = record.info & 0x70;
-    // COMMIT 0x00, ABORT 0x20, COMMIT_PREPARED 0x30, ABORT_PREPARED 0x40.
-    if record.rmid != RM_XACT || !matches!(op, 0x00 | 0x20 | 0x30 | 0x40) || record.info & HAS_INFO == 0 {
-        return Ok(Vec::new());
-    }
-    let data = &record.main_data;
-    let short = || malformed(record, "short transaction record");
-    let xinfo = u32_at(data, 8).ok_or_else(short)?;
-    let mut at = 12usize;
-    if xinfo & HAS_DBINFO != 0 {
-        at += 8;
-    }
-    if xinfo & HAS_SUBXACTS != 0 {
-        let n = u32_at(data, at).ok_or_else(short)?;
-        at = (n as usize).checked_mul(4).and_then(|b| b.checked_add(at + 4)).ok_or_else(short)?;
-    }
-    if xinfo & HAS_RELFILENODES == 0 {
-        return Ok(Vec::new());
-    }
-    let n = u32_at(data, at).ok_or_else(short)? as usize;
-    (0..n).map(|i| rel_at(data, at + 4 + 12 * i).ok_or_else(short)).collect()
 }
 
 /// Blocks of the free space map after truncating its heap to `heap_blocks`
@@ -562,6 +540,7 @@ fn vm_clears(record: &DecodedRecord) -> Vec<(BufferTag, VmClear)> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use page_types::wal::rmgr::RM_XACT_ID as RM_XACT;
     use page_types::wal::{BlockImage, BlockRef, ImageCompression, RelFileNode};
     use walredo_proc::pg15::FLAG_DATA_INCLUDED;
 
@@ -716,7 +695,7 @@ mod tests {
 
     fn sized(sizes: &mut RelSizes, rec: &DecodedRecord) -> Vec<(BufferTag, Option<u32>)> {
         let mut out = Vec::new();
-        record_values(rec, sizes, &mut out).unwrap();
+        record_values(rec, sizes, &mut Counters::default(), &mut out).unwrap();
         out.into_iter()
             .filter(|(k, _, _)| matches!(keys::classify(k), keys::KeyKind::RelSize { .. }))
             .map(|(k, lsn, v)| {
@@ -784,13 +763,13 @@ mod tests {
         // cleared, while the map reaches it.
         sizes.insert(rel(), 2, Some(4));
         let mut out = Vec::new();
-        record_values(&truncate, &mut sizes, &mut out).unwrap();
+        record_values(&truncate, &mut sizes, &mut Counters::default(), &mut out).unwrap();
         let (key, _, Value::Record(bytes)) = &out[0] else { panic!("the map value first") };
         assert_eq!(*key, rel().page(2, 1));
         assert_eq!(VmTruncate::decode(bytes).unwrap().heap_blocks, 40_000);
         sizes.insert(rel(), 2, Some(1));
         let mut out = Vec::new();
-        record_values(&truncate, &mut sizes, &mut out).unwrap();
+        record_values(&truncate, &mut sizes, &mut Counters::default(), &mut out).unwrap();
         assert!(out.iter().all(|(k, _, _)| !keys::is_rel_page(k)), "a map that ends before page 1: nothing");
         // A commit dropping the relation: every fork dropped.
         let mut commit = vec![0u8; 8];
@@ -802,8 +781,13 @@ mod tests {
         // And the relation's drop marker, once, at the commit's LSN: its pages so far are of a
         // dropped incarnation of the relfilenode.
         let mut out = Vec::new();
-        record_values(&main_only(RM_XACT, 0x80, commit_dropping(&[rel(), rel()])), &mut sizes, &mut out)
-            .unwrap();
+        record_values(
+            &main_only(RM_XACT, 0x80, commit_dropping(&[rel(), rel()])),
+            &mut sizes,
+            &mut Counters::default(),
+            &mut out,
+        )
+        .unwrap();
         let markers: Vec<_> = out.iter().filter(|(k, _, _)| *k == rel().drop_key()).collect();
         assert_eq!(markers.len(), 1, "{out:?}");
         assert!(
@@ -812,17 +796,23 @@ mod tests {
         // Without XLOG_XACT_HAS_INFO there is nothing to drop; a short list is an error.
         assert_eq!(sized(&mut sizes, &main_only(RM_XACT, 0x00, commit.clone())), vec![]);
         commit.truncate(commit.len() - 1);
-        assert!(record_values(&main_only(RM_XACT, 0x80, commit), &mut sizes, &mut Vec::new()).is_err());
+        assert!(record_values(
+            &main_only(RM_XACT, 0x80, commit),
+            &mut sizes,
+            &mut Counters::default(),
+            &mut Vec::new()
+        )
+        .is_err());
         // A database drop: a marker, and the database's forks forgotten.
         sizes.insert(rel(), 0, Some(3));
         let mut out = Vec::new();
         let drop = main_only(RM_DBASE, 0x20, [5u32, 1, 1663].iter().flat_map(|w| w.to_le_bytes()).collect());
-        record_values(&drop, &mut sizes, &mut out).unwrap();
+        record_values(&drop, &mut sizes, &mut Counters::default(), &mut out).unwrap();
         assert_eq!(out.iter().map(|(k, _, _)| *k).collect::<Vec<_>>(), vec![keys::db_drop_key(1663, 5)]);
         assert_eq!(sizes.missing(&record(vec![block(0, None)])), vec![(rel(), 0)]);
         // FILE_COPY is refused by name.
         let copy = main_only(RM_DBASE, 0x00, vec![0; 16]);
-        let err = record_values(&copy, &mut sizes, &mut Vec::new()).unwrap_err();
+        let err = record_values(&copy, &mut sizes, &mut Counters::default(), &mut Vec::new()).unwrap_err();
         assert!(err.to_string().contains("FILE_COPY"), "{err}");
     }
 
@@ -874,8 +864,13 @@ mod tests {
             sizes.insert(rel_n(i), MAIN_FORK, Some(1));
         }
         let dropped: Vec<RelTag> = (live..live + max / 8 + 1000).map(rel_n).collect();
-        record_values(&main_only(RM_XACT, 0x80, commit_dropping(&dropped)), &mut sizes, &mut Vec::new())
-            .unwrap();
+        record_values(
+            &main_only(RM_XACT, 0x80, commit_dropping(&dropped)),
+            &mut sizes,
+            &mut Counters::default(),
+            &mut Vec::new(),
+        )
+        .unwrap();
         assert!(sizes.known.len() > max);
         sizes.trim();
         assert_eq!(sizes.known.len(), live, "only the dropped forks were forgotten");

@@ -54,15 +54,20 @@ impl Kind {
 
     /// Checks a stored length against the limits of this kind for `key`: an image of a
     /// relation page is a page; the cluster's other keys (`page_types::keys`: relation sizes,
-    /// SLRU pages, control and map files) hold images of 0 to [`PAGE_SIZE`] bytes and never
-    /// records (they are complete in themselves; nothing redoes them).
+    /// SLRU pages, control and map files, the checkpoint counters) hold images of 0 to
+    /// [`PAGE_SIZE`] bytes; records are for relation pages and SLRU pages only
+    /// (`keys::holds_pages`: the other keys' values are complete in themselves, nothing
+    /// redoes them).
     pub(crate) fn check_len(self, key: &BufferTag, len: usize) -> anyhow::Result<()> {
         let page = page_types::keys::is_rel_page(key);
         match self {
             Kind::Image if page => ensure!(len == PAGE_SIZE, "image of {len} bytes, want {PAGE_SIZE}"),
             Kind::Image => ensure!(len <= PAGE_SIZE, "value of {len} bytes, want at most {PAGE_SIZE}"),
             Kind::Record => {
-                ensure!(page, "a record for {key:?}, which is not a relation page (only images)");
+                ensure!(
+                    page_types::keys::holds_pages(key),
+                    "a record for {key:?}, which is not a relation or SLRU page (only images)"
+                );
                 ensure!(
                     (1..=MAX_RECORD_LEN).contains(&len),
                     "record of {len} bytes, want 1..={MAX_RECORD_LEN}"
@@ -236,6 +241,11 @@ mod tests {
         assert!(Kind::Image.check_len(&size, 4).is_ok());
         assert!(Kind::Image.check_len(&size, PAGE_SIZE + 1).is_err());
         assert!(Kind::Record.check_len(&size, 4).is_err());
+        assert!(Kind::Record.check_len(&page_types::keys::checkpoint_key(), 4).is_err());
+        // SLRU pages take records (the CLOG's status changes).
+        let clog = page_types::keys::slru_page_key(page_types::keys::SlruKind::Clog, 0, 1);
+        assert!(Kind::Record.check_len(&clog, 30).is_ok());
+        assert!(Kind::Image.check_len(&clog, PAGE_SIZE).is_ok());
         assert!(Kind::from_byte(7).is_err());
     }
 }

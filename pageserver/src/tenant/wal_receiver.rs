@@ -27,6 +27,13 @@
 //! storage takes any batch above its durable LSN, so each batch is queued only right after
 //! the one this receiver queued before it ([`InFlight`]); a refusal ends the connection.
 //!
+//! **The checkpoint counters** ([`Counters`], PostgreSQL's `CheckPoint`) are kept in memory
+//! while streaming: read from storage as each connection starts (the newest value, else the
+//! imported `pg_control`'s; `tenant::cluster::counters_at`), moved by every record, and stored
+//! as one value per message whose records changed them, at the end of the last such record.
+//! What storage holds at the position a connection resumes from is what the records below it
+//! left, so a reconnect, a restart or a failed batch starts again from the right counters.
+//!
 //! **Failures** are the source's, never the daemon's: a refused connection, a server that is
 //! not PostgreSQL 15, another cluster, a timeline switch, a WAL decode error or a failed ingest
 //! put the receiver in the `error` state with its reason and it tries again with backoff (100
@@ -68,7 +75,8 @@ use bytes::Bytes;
 use page_types::keys;
 use page_types::{BufferTag, Lsn};
 
-use super::rel_sizes;
+use super::{cluster, rel_sizes};
+use crate::ingest::counters::Counters;
 use crate::ingest::{import, wal_values};
 use crate::postgres::{connstr, pq};
 use crate::storage::{IngestBatch, IngestError, Timeline, Value};
@@ -346,6 +354,7 @@ impl WalReceiver {
         let source = file.source.clone();
         let task = Task {
             sizes: wal_values::RelSizes::default(),
+            counters: None,
             in_flight: InFlight::default(),
             dir,
             file,
@@ -528,6 +537,9 @@ struct Task {
     /// The relation sizes as this connection's records left them (cleared at each connection:
     /// a failed batch may have lost what they say; bounded between messages).
     sizes: wal_values::RelSizes,
+    /// The checkpoint counters as this connection's records left them: read from storage when
+    /// a connection starts streaming (what the batches before it stored), then kept here.
+    counters: Option<Counters>,
     /// This connection's batches not yet known durable; settled before the next connection
     /// resumes, so that it resumes after them.
     in_flight: InFlight,
@@ -588,6 +600,7 @@ impl Task {
     /// One connection: from connecting to the first error (or cancellation: `Ok`).
     async fn stream_once(&mut self) -> anyhow::Result<()> {
         self.sizes = wal_values::RelSizes::default();
+        self.counters = None;
         let config =
             connstr::parse(&self.file.source.postgres).map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
         let mut conn = tokio::select! {
@@ -631,6 +644,11 @@ impl Task {
         // Nothing is in flight (the last connection's batches were settled): what storage holds
         // is contiguous (see `InFlight`), and the next batch follows it.
         let durable_storage = self.timeline.last_durable_lsn();
+        self.counters = Some(
+            cluster::counters_at(&self.timeline, Lsn::LATEST)
+                .await
+                .context("load the checkpoint counters")?,
+        );
         self.in_flight.queued = durable_storage;
         let resume = self.file.position.unwrap_or(Lsn::INVALID).max(durable_storage);
         // Streaming resumes at the start of a WAL page.
@@ -719,6 +737,9 @@ impl Task {
                     .with_context(|| format!("the primary sent WAL past the last LSN, at {at}"))?;
                 self.metrics.received_bytes.inc_by(data.len() as u64);
                 let mut last_end = None;
+                // The counters change with most transactions: one value per message, at the
+                // end of the last record that changed them, where that record's values end.
+                let mut counters_at = None;
                 let mut decoded = Vec::new();
                 while let Some(record) = decoder.next_record().map_err(decode_error)? {
                     if record.end_lsn > resume {
@@ -727,9 +748,16 @@ impl Task {
                 }
                 self.load_sizes(&decoded, processed).await?;
                 let records = decoded.len() as u64;
+                let counters = self.counters.as_mut().context("the checkpoint counters are not loaded")?;
                 for record in &decoded {
-                    wal_values::record_values(record, &mut self.sizes, &mut values)?;
+                    if wal_values::record_values(record, &mut self.sizes, counters, &mut values)? {
+                        counters_at = Some((values.len(), record.end_lsn));
+                    }
                     last_end = Some(record.end_lsn);
+                }
+                if let Some((at, lsn)) = counters_at {
+                    let value = Value::Image(Bytes::copy_from_slice(&counters.encode()));
+                    values.insert(at, (keys::checkpoint_key(), lsn, value));
                 }
                 // Between messages: what it forgets is loaded again (`load_sizes`) once this
                 // message's batch, which holds the sizes it set, is durable.

@@ -16,7 +16,7 @@
 //! record had data for the block), [`FLAG_DATA_INCLUDED`] (and it is here), [`FLAG_HAD_IMAGE`].
 //!
 //! [`redo`] applies the family to pages ([`heap`], [`btree`], [`gin`], [`gist`], [`hash`], [`visibilitymap`],
-//! [`sequence`], [`generic`], [`brin`], [`spgist`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
+//! [`sequence`], [`generic`], [`brin`], [`spgist`], and the SLRUs' [`slru`]); a record it does not apply yet fails its request with `unsupported_record`, naming the resource manager
 //! and record type.
 //! What those routines share is defined here, below all of them: [`RedoError`] and [`Target`]
 //! (the record's target block). [`redo`] dispatches to the routines, so they do not import it
@@ -36,6 +36,7 @@ pub mod heap;
 pub mod mask;
 pub mod redo;
 pub mod sequence;
+pub mod slru;
 pub mod spgist;
 pub mod visibilitymap;
 
@@ -49,6 +50,12 @@ pub const KIND_PG15_VM_CLEAR: u8 = 0x11;
 /// The first byte of a [`VmTruncate`]: the map bits an SMGR truncate clears on the map page
 /// that keeps part of its bits.
 pub const KIND_PG15_VM_TRUNCATE: u8 = 0x12;
+/// The first byte of a [`slru::ClogSet`]: the status a transaction's commit or abort gives to
+/// the transactions of one CLOG page.
+pub const KIND_PG15_CLOG_SET: u8 = 0x13;
+/// The first byte of a [`slru::SlruWrite`]: bytes a MultiXact record writes at places of an
+/// SLRU page.
+pub const KIND_PG15_SLRU_WRITE: u8 = 0x14;
 /// `VISIBILITYMAP_ALL_VISIBLE` and `VISIBILITYMAP_ALL_FROZEN`: a heap block's two bits.
 pub const VM_ALL_VISIBLE: u8 = 0x01;
 pub const VM_ALL_FROZEN: u8 = 0x02;
@@ -112,6 +119,9 @@ pub enum Pg15Error {
     NoTarget { target: u8 },
     #[error("pg15 record of {len} bytes is longer than {MAX_RECORD_LEN}")]
     TooLong { len: usize },
+    /// A field out of its range: what it must be.
+    #[error("pg15 record field out of range: want {0}")]
+    Invalid(&'static str),
 }
 
 /// Why a record was not applied (by [`redo::apply`], and by the routines it dispatches to).
@@ -442,6 +452,21 @@ pub fn record_type_name(rmid: u8, info: u8) -> String {
         }
         redo::RM_HASH => hash::TYPE_NAMES.get(usize::from(info >> 4)).copied(),
         redo::RM_SPGIST => spgist::TYPE_NAMES.get(usize::from(info >> 4)).copied().flatten(),
+        page_types::wal::rmgr::RM_XACT_ID => {
+            ["COMMIT", "PREPARE", "ABORT", "COMMIT_PREPARED", "ABORT_PREPARED", "ASSIGNMENT", "INVALIDATIONS"]
+                .get(usize::from(op >> 4))
+                .copied()
+        }
+        page_types::wal::rmgr::RM_CLOG_ID => match info & 0xF0 {
+            0x00 => Some("ZEROPAGE"),
+            0x10 => Some("TRUNCATE"),
+            _ => None,
+        },
+        page_types::wal::rmgr::RM_MULTIXACT_ID => {
+            ["ZERO_OFF_PAGE", "ZERO_MEM_PAGE", "CREATE_ID", "TRUNCATE_ID"]
+                .get(usize::from(info >> 4))
+                .copied()
+        }
         page_types::wal::rmgr::RM_XLOG_ID => match info & 0xF0 {
             0xA0 => Some("FPI"),
             0xB0 => Some("FPI_FOR_HINT"),
@@ -623,6 +648,11 @@ mod tests {
         assert_eq!(record_type_name(17, 0x02), "BRIN CREATE_INDEX");
         assert_eq!(record_type_name(13, 0x90), "Gin VACUUM_DATA_LEAF_PAGE");
         assert_eq!(record_type_name(13, 0xA0), "Gin info 0xa0");
+        assert_eq!(record_type_name(1, 0xB0), "Transaction COMMIT_PREPARED");
+        assert_eq!(record_type_name(1, 0x70), "Transaction info 0x70");
+        assert_eq!(record_type_name(3, 0x10), "CLOG TRUNCATE");
+        assert_eq!(record_type_name(6, 0x20), "MultiXact CREATE_ID");
+        assert_eq!(record_type_name(6, 0x40), "MultiXact info 0x40");
     }
 
     #[test]

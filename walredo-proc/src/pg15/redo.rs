@@ -7,8 +7,11 @@
 //! (Heap and Heap2, with the heap side of VISIBLE), [`super::btree`] (Btree), [`super::gin`] (Gin),
 //! [`super::visibilitymap`] (the map page of VISIBLE, and the derived [`super::VmClear`] and
 //! [`super::VmTruncate`]), [`super::sequence`] (Sequence), [`super::generic`] (Generic WAL),
-//! [`super::brin`] (BRIN), [`super::gist`] (Gist), [`super::hash`] (Hash), [`super::spgist`] (SPGist). [`redo_restored_image`] is the part of a
-//! record's redo that PostgreSQL applies to a full-page image it restores (`BLK_RESTORED`).
+//! [`super::brin`] (BRIN), [`super::gist`] (Gist), [`super::hash`] (Hash), [`super::spgist`] (SPGist),
+//! [`super::slru`] (the derived [`ClogSet`] of a transaction's commit or abort, on a CLOG page:
+//! `clog.c`'s `TransactionIdSetTreeStatus` in `xact_redo`; the derived [`SlruWrite`] of a
+//! MultiXact `CREATE_ID`, on its offsets and members pages: `RecordNewMultiXact`). [`redo_restored_image`] is the part
+//! of a record's redo that PostgreSQL applies to a full-page image it restores (`BLK_RESTORED`).
 //! A record of another resource manager, or of a type not applied yet, is
 //! [`RedoError::Unsupported`] naming it.
 //!
@@ -25,7 +28,11 @@
 //! (corrupt input, or a page that is not what the WAL expects), never a page silently made
 //! different.
 
-use super::{Pg15Record, Target, VmClear, VmTruncate, KIND_PG15, KIND_PG15_VM_CLEAR, KIND_PG15_VM_TRUNCATE};
+use super::slru::{ClogSet, SlruWrite};
+use super::{
+    Pg15Record, Target, VmClear, VmTruncate, KIND_PG15, KIND_PG15_CLOG_SET, KIND_PG15_SLRU_WRITE,
+    KIND_PG15_VM_CLEAR, KIND_PG15_VM_TRUNCATE,
+};
 use crate::page::Page;
 
 /// The error of [`apply`]. It is defined in the parent, beside [`Target`]: the routines this
@@ -46,6 +53,16 @@ pub fn apply(bytes: &[u8], page: &mut Page) -> Option<Result<(), RedoError>> {
             VmTruncate::decode(bytes)
                 .map_err(|e| RedoError::Malformed(e.to_string()))
                 .and_then(|t| super::visibilitymap::apply_truncate(&t, page)),
+        ),
+        Some(&KIND_PG15_CLOG_SET) => Some(
+            ClogSet::decode(bytes)
+                .map_err(|e| RedoError::Malformed(e.to_string()))
+                .and_then(|set| super::slru::apply_clog_set(&set, page)),
+        ),
+        Some(&KIND_PG15_SLRU_WRITE) => Some(
+            SlruWrite::decode(bytes)
+                .map_err(|e| RedoError::Malformed(e.to_string()))
+                .and_then(|write| super::slru::apply_slru_write(&write, page)),
         ),
         _ => None,
     }
