@@ -149,3 +149,51 @@ def test_a_client_that_goes_away_and_a_daemon_killed_midway_leave_nothing_behind
     wait_until(lambda: ps.http.tenant_status(tenant)["wal_source"]["state"] == "streaming", timeout=120,
                desc="the tenant to stream again")
     assert whole_backup("after-kill.tar") == first
+
+
+def test_a_backup_at_each_commit_has_exactly_the_transactions_committed_before_it(primary, pageserver_factory,
+                                                                                   tmp_path):
+    """What the WAL changes after the import (the CLOG, the counters, MultiXacts) is in a backup
+    at any LSN: after each of several transactions (one with 70 subtransactions, some rolled
+    back; rows locked by several sessions), a backup at the insert position holds exactly what
+    PostgreSQL counted then, and the server started on it takes new transactions whose xids do
+    not collide with any the primary used (a new row is visible, old ones unchanged)."""
+    ps = pageserver_factory()
+    ps.allowed_errors.append(".*WAL receiver.*")
+    tenant = ps.create_tenant()
+    attach(ps, tenant, primary)
+    primary.sql("CREATE TABLE ledger (id int PRIMARY KEY, note text)")
+    points = []
+    for i in range(4):
+        first = i * 1000
+        subxacts = "".join(
+            f"SAVEPOINT s{j}; INSERT INTO ledger VALUES ({first + 500 + j}, 'sub'); "
+            + (f"ROLLBACK TO SAVEPOINT s{j}; " if j % 3 == 0 else "")
+            for j in range(70)
+        ) if i == 2 else ""
+        primary.sql(f"BEGIN; INSERT INTO ledger SELECT g, 'row' FROM generate_series({first}, {first + 99}) g; "
+                    f"{subxacts}COMMIT;")
+        primary.sql(f"BEGIN; INSERT INTO ledger VALUES ({first + 400}, 'aborted'); ROLLBACK;")
+        # Rows share-locked by two transactions at once: a MultiXact on them.
+        primary.sql(f"BEGIN; SELECT * FROM ledger WHERE id < {first + 10} FOR SHARE; "
+                    f"SELECT count(*) FROM (SELECT * FROM ledger WHERE id < {first + 10} FOR KEY SHARE) s; COMMIT;")
+        points.append((primary.lsn(), primary.sql("select count(*), sum(id) from ledger")))
+    caught_up(ps, tenant, primary)
+
+    for n, (lsn, counted) in enumerate(points):
+        tar_path = tmp_path / f"at-{n}.tar"
+        status, _, body = basebackup.fetch(ps, tenant, tar_path, lsn=lsn)
+        assert status == 200, body
+        ours = basebackup.start_on(tar_path, tmp_path / f"ours-{n}")
+        try:
+            assert ours.sql("select count(*), sum(id) from ledger") == counted, lsn
+            ours.sql("INSERT INTO ledger VALUES (-1, 'after the backup')")
+            assert ours.sql("select count(*), sum(id) from ledger where id >= 0") == counted
+            assert ours.sql("select note from ledger where id = -1") == "after the backup"
+        finally:
+            ours.stop()
+    ours = basebackup.start_on(tar_path, tmp_path / "last")
+    try:
+        assert basebackup.dump(ours) == basebackup.dump(primary)
+    finally:
+        ours.stop()

@@ -28,10 +28,13 @@
 //! cut before the archive's end), never with a tar that lacks the page; the log names the
 //! page.
 //!
-//! Not yet (issue 48's later steps): the cluster state the WAL changes after the import (CLOG,
-//! MultiXact, the counters, two-phase files; the SLRU segments and `pg_control`'s counters are
-//! the import's), tablespaces other than `pg_default` and `pg_global` (refused), timelines
-//! other than `main`.
+//! The cluster state comes from the WAL as the tenant followed it (`tenant::cluster`): the SLRU
+//! pages by GetPage at X (CLOG statuses and MultiXact writes redone), the segments truncated by
+//! X left out, and `pg_control`'s counters (next xid, OID, multixact, the oldest ones) as of X.
+//!
+//! Not yet (issue 48's later steps): two-phase state files (a transaction prepared at X is
+//! lost), the parameters of `XLOG_PARAMETER_CHANGE` (`pg_control` keeps the import's),
+//! tablespaces other than `pg_default` and `pg_global` (refused), timelines other than `main`.
 //!
 //! Layer: above `tenant` (it reads through [`Tenant`]), below `http`.
 
@@ -50,8 +53,8 @@ use page_types::{BufferTag, Lsn, PAGE_SIZE};
 use tokio::sync::mpsc;
 
 use crate::ingest::import::{DEFAULTTABLESPACE_OID, GLOBALTABLESPACE_OID, RELSEG_BLOCKS};
-use crate::storage::{DiskWait, GetError, ReadLimits, Timeline};
-use crate::tenant::rel_sizes;
+use crate::storage::{DiskWait, GetError, Timeline};
+use crate::tenant::{cluster, rel_sizes};
 use crate::tenant::{read_error, GetPageError, Tenant};
 
 use self::tar::Entry;
@@ -174,12 +177,11 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
         return Err(BackupError::Lsn(GetPageError::BelowGcCutoff { lsn, cutoff }));
     }
     let control_bytes = value_at(&timeline, keys::control_file_key(), lsn)
-        .await
-        .map_err(|source| BackupError::Page { what: "pg_control".into(), lsn, source })?
+        .await?
         .ok_or(BackupError::NoControlFile { lsn })?;
     let control = ControlFile::decode(&control_bytes)
         .map_err(|e| BackupError::Internal(anyhow::anyhow!("the tenant's pg_control: {e}")))?;
-    let counters = control.checkpoint_copy;
+    let counters = backup_counters(&timeline, lsn).await?;
     let start_lsn = shutdown_checkpoint_lsn(lsn, control.xlog_seg_size)
         .map_err(|e| BackupError::Internal(anyhow::anyhow!("the start point at {lsn}: {e}")))?;
 
@@ -227,18 +229,9 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
     let mut config = Vec::new();
     let mut config_parts: BTreeMap<u32, Vec<Bytes>> = BTreeMap::new();
     for key in meta_keys {
-        let read = |what: String| {
-            let timeline = &timeline;
-            async move {
-                value_at(timeline, key, lsn).await.map_err(|source| BackupError::Page { what, lsn, source })
-            }
-        };
         match keys::classify(&key) {
             KeyKind::RelMap => {
-                let Some(map) = read(format!("the relation map of {}/{}", key.spcnode, key.dbnode)).await?
-                else {
-                    continue;
-                };
+                let Some(map) = value_at(&timeline, key, lsn).await? else { continue };
                 if key.dbnode != 0 {
                     if key.spcnode != DEFAULTTABLESPACE_OID {
                         return Err(BackupError::Tablespace {
@@ -253,10 +246,17 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
                 relmaps.push((key.spcnode, key.dbnode, map));
             }
             KeyKind::Slru { kind, segno, page } => {
-                // A page first written after X is not in the backup.
+                // A page first written after X, or of a segment truncated since its newest
+                // value, is not in the backup.
                 let version =
                     timeline.version_at(key, lsn, DiskWait::Allowed).map_err(|e| page_error(key, lsn, e))?;
-                let Some(_) = version else { continue };
+                let Some(version) = version else { continue };
+                let truncated =
+                    cluster::slru_segment_dropped(&timeline, kind, segno, version, lsn, DiskWait::Allowed)
+                        .map_err(|e| page_error(key, lsn, e))?;
+                if truncated {
+                    continue;
+                }
                 let pages = slru.entry((kind, segno)).or_insert(0);
                 *pages = (*pages).max(page + 1);
             }
@@ -266,7 +266,7 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
                 if parts.len() as u32 != chunk || parts.last().is_some_and(|p| p.len() < PAGE_SIZE) {
                     continue;
                 }
-                if let Some(part) = read(format!("configuration file {index} chunk {chunk}")).await? {
+                if let Some(part) = value_at(&timeline, key, lsn).await? {
                     parts.push(part);
                 }
             }
@@ -280,6 +280,12 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
             parts.iter().for_each(|p| file.extend_from_slice(p));
             config.push((*name, file.freeze()));
         }
+    }
+    // The SLRU pages PostgreSQL's startup reads at the next xid, multixact and member offset
+    // (to zero the rest of them) must exist, also where the counters are ahead of X's pages.
+    for (kind, segno, page) in next_slru_pages(&counters) {
+        let pages = slru.entry((kind, segno)).or_insert(0);
+        *pages = (*pages).max(page + 1);
     }
     for name in ["postgresql.conf", "pg_hba.conf"] {
         if !config.iter().any(|(n, _)| *n == name) {
@@ -297,6 +303,50 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
         slru: slru.into_iter().map(|((kind, segno), pages)| (kind, segno, pages)).collect(),
         config,
     })
+}
+
+/// The counters `pg_control` gets for a start at `lsn`. The receiver stores them once per
+/// message of the primary's, at the end of the last record in it that moved them, so the value
+/// at or below `lsn` may lag records of the same message at or below `lsn`: its oldest xid and
+/// multixact are kept (lower bounds, which are safe: nothing older is read), and its next xid,
+/// OID, multixact and member offset are raised to the newest value's (upper bounds: every xid
+/// at or below `lsn` is below them; the ones between were used by transactions after `lsn`,
+/// which the backup's CLOG leaves uncommitted, so a server started on it reads them as
+/// aborted and never assigns them again).
+async fn backup_counters(timeline: &Timeline, lsn: Lsn) -> Result<CheckPoint, BackupError> {
+    let at = cluster::counters_at(timeline, lsn).await.map_err(BackupError::Internal)?;
+    let newest = cluster::counters_at(timeline, Lsn::LATEST).await.map_err(BackupError::Internal)?;
+    let mut counters = at;
+    counters.next_xid = at.next_xid.max(newest.next_xid);
+    counters.next_oid = at.next_oid.max(newest.next_oid);
+    if (newest.next_multi.wrapping_sub(at.next_multi) as i32) > 0 {
+        counters.next_multi = newest.next_multi;
+    }
+    if (newest.next_multi_offset.wrapping_sub(at.next_multi_offset) as i32) > 0 {
+        counters.next_multi_offset = newest.next_multi_offset;
+    }
+    Ok(counters)
+}
+
+/// Xids a CLOG page holds (2 bits each).
+const CLOG_XACTS_PER_PAGE: u64 = PAGE_SIZE as u64 * 4;
+/// Multixact offsets an offsets page holds (4 bytes each).
+const MULTIXACT_OFFSETS_PER_PAGE: u32 = PAGE_SIZE as u32 / 4;
+/// Members a members page holds: groups of 4 (4 flag bytes and 4 xids, 20 bytes).
+const MULTIXACT_MEMBERS_PER_PAGE: u32 = (PAGE_SIZE as u32 / 20) * 4;
+
+/// (kind, segment, page) of the CLOG page of the next xid, the offsets page of the next
+/// multixact and the members page of the next member offset: PostgreSQL's startup
+/// (`TrimCLOG`, `TrimMultiXact`) reads each to zero what follows the next one in it.
+fn next_slru_pages(counters: &CheckPoint) -> [(SlruKind, u32, u32); 3] {
+    let per_segment = keys::SLRU_PAGES_PER_SEGMENT;
+    let split = |kind, pageno: u32| (kind, pageno / per_segment, pageno % per_segment);
+    let clog_page = (u64::from(counters.next_xid as u32) / CLOG_XACTS_PER_PAGE) as u32;
+    [
+        split(SlruKind::Clog, clog_page),
+        split(SlruKind::MultiXactOffsets, counters.next_multi / MULTIXACT_OFFSETS_PER_PAGE),
+        split(SlruKind::MultiXactMembers, counters.next_multi_offset / MULTIXACT_MEMBERS_PER_PAGE),
+    ]
 }
 
 /// Where a scan for the keys [`prepare`] lists goes from `key` (see `Timeline::scan_keys`):
@@ -332,20 +382,10 @@ fn page_error(key: BufferTag, lsn: Lsn, e: GetError) -> BackupError {
 }
 
 /// The newest value of a key whose values are whole (no redo: `pg_control`, relation maps,
-/// configuration chunks, SLRU pages the import or a zeroing wrote) at or below `lsn`, `None`
-/// if it has none.
-async fn value_at(timeline: &Timeline, key: BufferTag, lsn: Lsn) -> Result<Option<Bytes>, GetPageError> {
-    let limits = ReadLimits { max_records: 0, max_bytes: PAGE_SIZE as u64 };
-    let plan = match timeline.plan_read_async(key, lsn, limits).await {
-        Ok(plan) => plan,
-        Err(GetError::NotFound { .. }) => return Ok(None),
-        Err(e) => return Err(read_error(key, lsn, e)),
-    };
-    let data = timeline.read_planned(plan).await.map_err(|e| read_error(key, lsn, e))?;
-    match data.image {
-        Some((_, bytes)) if data.records.is_empty() => Ok(Some(bytes)),
-        _ => Err(GetPageError::Internal(anyhow::anyhow!("{key} holds records, not a whole value"))),
-    }
+/// configuration chunks) at or below `lsn`, `None` if it has none.
+async fn value_at(timeline: &Timeline, key: BufferTag, lsn: Lsn) -> Result<Option<Bytes>, BackupError> {
+    let value = cluster::image_at(timeline, key, lsn).await.map_err(BackupError::Internal)?;
+    Ok(value.map(|(_, bytes)| bytes))
 }
 
 /// The tar stream's writer: chunks of about [`CHUNK`] bytes into the channel.
@@ -431,27 +471,25 @@ pub async fn send(
         }
     }
 
-    let timeline = Arc::clone(&tenant.timeline);
     for &(kind, segno, pages) in &contents.slru {
         let path = format!("{}/{segno:04X}", kind.dir());
         out.header(&path, Entry::File(u64::from(pages) * PAGE_SIZE as u64)).await?;
         for page in 0..pages {
             let key = keys::slru_page_key(kind, segno, page);
-            let bytes = value_at(&timeline, key, lsn).await.map_err(|source| BackupError::Page {
-                what: format!("{path} page {page}"),
-                lsn,
-                source,
-            })?;
-            match bytes {
-                Some(bytes) if bytes.len() == PAGE_SIZE => out.put(&bytes).await?,
-                Some(bytes) => {
+            // GetPage: an SLRU page may hold records (CLOG statuses, MultiXact writes).
+            match tenant.get_page(key, lsn).await {
+                Ok((_, bytes)) if bytes.len() == PAGE_SIZE => out.put(&bytes).await?,
+                Ok((_, bytes)) => {
                     return Err(BackupError::Internal(anyhow::anyhow!(
                         "{path} page {page} is {} bytes, not a page",
                         bytes.len()
                     )))
                 }
                 // A page between two the tenant has: PostgreSQL zeroes a page before it uses it.
-                None => out.put(&[0u8; PAGE_SIZE]).await?,
+                Err(GetPageError::NotFound { .. }) => out.put(&[0u8; PAGE_SIZE]).await?,
+                Err(source) => {
+                    return Err(BackupError::Page { what: format!("{path} page {page}"), lsn, source })
+                }
             }
         }
     }
@@ -526,6 +564,20 @@ async fn write_fork(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pages_startup_reads_are_those_of_the_next_ids() {
+        let counters = CheckPoint {
+            next_xid: (3 << 32) | 32_768 * 33 + 5,
+            next_multi: 2048 * 40 + 1,
+            next_multi_offset: 1636 * 2,
+            ..CheckPoint::default()
+        };
+        assert_eq!(
+            next_slru_pages(&counters),
+            [(SlruKind::Clog, 1, 1), (SlruKind::MultiXactOffsets, 1, 8), (SlruKind::MultiXactMembers, 0, 2)]
+        );
+    }
 
     #[test]
     fn the_meta_scan_skips_no_key_it_keeps() {

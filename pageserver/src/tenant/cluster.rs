@@ -17,7 +17,7 @@ use crate::storage::{DiskWait, GetError, ReadLimits, Timeline};
 
 /// The image of `key` (a key whose values are images) as of `lsn`, with its LSN; `None` if it
 /// has none.
-async fn image_at(
+pub(crate) async fn image_at(
     timeline: &Timeline,
     key: BufferTag,
     lsn: Lsn,
