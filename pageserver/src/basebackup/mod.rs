@@ -568,7 +568,7 @@ mod tests {
     #[test]
     fn the_pages_startup_reads_are_those_of_the_next_ids() {
         let counters = CheckPoint {
-            next_xid: (3 << 32) | 32_768 * 33 + 5,
+            next_xid: (3 << 32) | (32_768 * 33 + 5),
             next_multi: 2048 * 40 + 1,
             next_multi_offset: 1636 * 2,
             ..CheckPoint::default()
