@@ -360,15 +360,7 @@ mod tests {
     /// The control data (the first 296 bytes; the rest of the 8192 are zeros) of two clusters
     /// made by PostgreSQL 15's `initdb`, the first with `--data-checksums` ("Data page checksum
     /// version: 1" says `pg_controldata`), the second without ("0").
-    const WITH_CHECKSUMS: &str = concat!(
-        "5fcd6e10c3e40a6b1405000025770d0c0600000000000000cae40a6b00000000f814740100000000f814740100000000",
-        "01000000010000000100000000000000d402000000000000043500000100000000000000cc0200000100000001000000",
-        "0100000000000000c3e40a6b0000000000000000000000000000000000000000e8030000000000000000000000000000",
-        "00000000000000000000000000000000000000000000000000000000010000000000000064000000080000000a000000",
-        "000000004000000000000000080000000000000087d63241002000000000020000200000000000014000000020000000",
-        "cc0700000008000001000000010000002fce0081ae76c5bcaf627eb279f55b7581305bfd0e60dfa81c8f895dd8ca1bbf",
-        "fb2997df00000000",
-    );
+    const WITH_CHECKSUMS: &str = include_str!("../testdata/pg_control-initdb-checksums.hex");
     const WITHOUT_CHECKSUMS: &str = concat!(
         "7e3da59ac3e40a6b1405000025770d0c0100000000000000c4e40a6b0000000018075001000000001807500100000000",
         "01000000010000000100000000000000d402000000000000043500000100000000000000cc0200000100000001000000",
@@ -392,6 +384,7 @@ mod tests {
     );
 
     fn control_file(hex: &str) -> Vec<u8> {
+        let hex: String = hex.split_whitespace().collect();
         let mut file: Vec<u8> =
             (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex")).collect();
         file.resize(crate::keys::CONTROL_FILE_SIZE, 0);

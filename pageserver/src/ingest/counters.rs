@@ -176,24 +176,16 @@ mod tests {
     use bytes::Bytes;
     use proptest::prelude::*;
 
-    /// The control data of a PostgreSQL 15 `initdb` (the first 296 bytes of its `pg_control`),
-    /// `pg_controldata`: NextXID 0:724, NextOID 13572, NextMultiXactId 1, NextMultiOffset 0,
+    /// The control data of a PostgreSQL 15 `initdb` (the first 296 bytes of its `pg_control`;
+    /// page-types' test vector of a cluster with data checksums), `pg_controldata`: NextXID 0:724, NextOID 13572, NextMultiXactId 1, NextMultiOffset 0,
     /// oldestXID 716 in database 1, oldestMultiXid 1 in database 1.
-    const CONTROL: &str = concat!(
-        "5fcd6e10c3e40a6b1405000025770d0c0600000000000000cae40a6b00000000f814740100000000f814740100000000",
-        "01000000010000000100000000000000d402000000000000043500000100000000000000cc0200000100000001000000",
-        "0100000000000000c3e40a6b0000000000000000000000000000000000000000e8030000000000000000000000000000",
-        "00000000000000000000000000000000000000000000000000000000010000000000000064000000080000000a000000",
-        "000000004000000000000000080000000000000087d63241002000000000020000200000000000014000000020000000",
-        "cc0700000008000001000000010000002fce0081ae76c5bcaf627eb279f55b7581305bfd0e60dfa81c8f895dd8ca1bbf",
-        "fb2997df00000000",
-    );
+    const CONTROL: &str = include_str!("../../../page-types/testdata/pg_control-initdb-checksums.hex");
 
+    /// The file of the test vector (hex lines).
     fn control() -> Vec<u8> {
-        let mut file: Vec<u8> = (0..CONTROL.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&CONTROL[i..i + 2], 16).unwrap())
-            .collect();
+        let hex: String = CONTROL.split_whitespace().collect();
+        let mut file: Vec<u8> =
+            (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
         file.resize(8192, 0);
         file
     }
