@@ -1,6 +1,7 @@
 //! The key space of a PostgreSQL cluster's tenant: which [`BufferTag`]s name relation pages and
 //! which name the cluster's other values (relation sizes, SLRU pages and truncated segments, the
-//! control file, the relation mapper files, the checkpoint counters, dropped databases).
+//! control file, the relation mapper files, the checkpoint counters, dropped databases, prepared
+//! transactions' state files).
 //!
 //! A relation page keeps PostgreSQL's buffer tag: fork 0 (main), 1 (free space map), 2
 //! (visibility map) or 3 (init). Every other value lives at a fork number of 0x80 or more, a
@@ -18,6 +19,7 @@
 //! | a configuration file ([`CONFIG_FILES`]) | `0xA4` | 0 | 0 | its index there | chunk | 8 KiB of the file; the last chunk is shorter (maybe empty) |
 //! | a dropped database | `0xB0` | spc | db | 0 | 0 | empty |
 //! | a dropped relation | `0xB1` | spc | db | rel | 0 | empty |
+//! | a prepared transaction's state file (`pg_twophase/<xid>`) | `0xC0` | 0 | 0 | the xid | chunk | 8 KiB of the file (the PREPARE record's data and its CRC-32C); the last chunk is shorter (maybe empty); chunk 0 empty: committed or rolled back (no file) |
 //!
 //! Values of these keys are complete in themselves (storage keeps them as images of 0 to 8192
 //! bytes): the newest at or below an LSN is the answer, no redo; except SLRU pages, which are
@@ -54,6 +56,7 @@ const SLRU_SEGMENT_DROP_FORK: u8 = 0x91;
 const CONFIG_FILE_FORK: u8 = 0xA4;
 const DB_DROP_FORK: u8 = 0xB0;
 const REL_DROP_FORK: u8 = 0xB1;
+const TWO_PHASE_FORK: u8 = 0xC0;
 
 /// Pages per SLRU segment (PostgreSQL's `SLRU_PAGES_PER_SEGMENT`).
 pub const SLRU_PAGES_PER_SEGMENT: u32 = 32;
@@ -188,6 +191,13 @@ pub fn config_file_key(index: u32, chunk: u32) -> BufferTag {
     BufferTag { spcnode: 0, dbnode: 0, relnode: index, forknum: CONFIG_FILE_FORK, blknum: chunk }
 }
 
+/// The key of chunk `chunk` (8 KiB each, as [`config_file_key`]'s) of the two-phase state file
+/// of prepared transaction `xid` (`pg_twophase/<xid>`); an empty chunk 0 means the transaction
+/// was committed or rolled back, its file removed.
+pub fn two_phase_key(xid: u32, chunk: u32) -> BufferTag {
+    BufferTag { spcnode: 0, dbnode: 0, relnode: xid, forknum: TWO_PHASE_FORK, blknum: chunk }
+}
+
 /// The key whose values mark the drops of a database in a tablespace.
 pub fn db_drop_key(spcnode: u32, dbnode: u32) -> BufferTag {
     BufferTag { spcnode, dbnode, relnode: 0, forknum: DB_DROP_FORK, blknum: 0 }
@@ -226,6 +236,11 @@ pub enum KeyKind {
     RelDrop {
         rel: RelTag,
     },
+    /// A chunk of the two-phase state file of prepared transaction `xid`.
+    TwoPhase {
+        xid: u32,
+        chunk: u32,
+    },
     /// A key that names nothing of the above.
     Unknown,
 }
@@ -259,6 +274,9 @@ pub fn classify(key: &BufferTag) -> KeyKind {
         }
         DB_DROP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::DbDrop,
         REL_DROP_FORK if key.blknum == 0 => KeyKind::RelDrop { rel },
+        TWO_PHASE_FORK if key.spcnode == 0 && key.dbnode == 0 => {
+            KeyKind::TwoPhase { xid: key.relnode, chunk: key.blknum }
+        }
         _ => KeyKind::Unknown,
     }
 }
@@ -341,6 +359,12 @@ mod tests {
         assert_eq!(classify(&rel.drop_key()), KeyKind::RelDrop { rel });
         assert!(!is_rel_page(&rel.drop_key()));
         assert_eq!(
+            classify(&two_phase_key(0xDEAD_BEEF, 2)),
+            KeyKind::TwoPhase { xid: 0xDEAD_BEEF, chunk: 2 }
+        );
+        assert!(!is_rel_page(&two_phase_key(7, 0)) && !holds_pages(&two_phase_key(7, 0)));
+        assert_eq!(classify(&BufferTag { spcnode: 1663, ..two_phase_key(7, 0) }), KeyKind::Unknown);
+        assert_eq!(
             classify(&BufferTag { forknum: 0x90, spcnode: 9, ..control_file_key() }),
             KeyKind::Unknown
         );
@@ -353,7 +377,7 @@ mod tests {
         let mut all = Vec::new();
         for (spcnode, dbnode) in [(0, 0), (1663, 5)] {
             for relnode in [0, 1, 16384, u32::MAX] {
-                for forknum in [0, 3, 4, 0x7F, 0x80, 0x81, 0x83, 0x84, 0x90, 0xA0, 0xFF] {
+                for forknum in [0, 3, 4, 0x7F, 0x80, 0x81, 0x83, 0x84, 0x90, 0xA0, 0xC0, 0xFF] {
                     for blknum in [0, 1, u32::MAX] {
                         all.push(BufferTag { spcnode, dbnode, relnode, forknum, blknum });
                     }
