@@ -9,8 +9,8 @@
 //!   clears, relation sizes and drops, CLOG and MultiXact pages), and [`wal_values::RelSizes`], the
 //!   receiver's cache of relation sizes; with the parts it calls on: [`xact`] (a transaction's
 //!   end as its record says it), [`slru`] (the CLOG's values), [`multixact`] (the MultiXact
-//!   SLRUs' values) and [`counters`] (the checkpoint counters, which the receiver keeps and
-//!   stores once per batch).
+//!   SLRUs' values), [`twophase`] (prepared transactions' state files) and [`counters`] (the
+//!   checkpoint counters, which the receiver keeps and stores once per batch).
 //!
 //! Invariant: pure, no I/O (each file's doc gives its own invariants). Layer: above `storage` (it speaks its `Value`), below `tenant`; it reads nothing
 //! back from a timeline (that is `tenant::rel_sizes`).
@@ -20,5 +20,6 @@ pub mod import;
 pub mod multixact;
 pub mod slru;
 pub mod tar;
+pub mod twophase;
 pub mod wal_values;
 pub mod xact;

@@ -47,7 +47,7 @@ use walredo_proc::pg15::{
 };
 
 use super::counters::{Counters, Redo as _};
-use super::{multixact, slru, xact};
+use super::{multixact, slru, twophase, xact};
 use crate::storage::Value;
 
 /// Why a record could not become values.
@@ -214,7 +214,8 @@ fn rel_of(block: &page_types::wal::BlockRef) -> RelTag {
 
 /// Appends the values of `record` to `out`: its blocks' in block id order, then the derived
 /// visibility-map clears, then the relation sizes and files it changes, then its CLOG and
-/// MultiXact pages ([`slru`], [`multixact`]); `sizes` and `counters` follow. Whether the counters changed (the caller stores
+/// MultiXact pages ([`slru`], [`multixact`]), then its two-phase state file ([`twophase`]);
+/// `sizes` and `counters` follow. Whether the counters changed (the caller stores
 /// them once per batch, [`super::counters`]).
 pub fn record_values(
     record: &DecodedRecord,
@@ -321,6 +322,7 @@ pub fn record_values(
     slru::clog_values(record, xact.as_ref(), counters.oldest_xid, out)
         .map_err(|what| malformed(record, &what))?;
     multixact::multixact_values(record, out).map_err(|what| malformed(record, &what))?;
+    twophase::two_phase_values(record, xact.as_ref(), out).map_err(|what| malformed(record, what))?;
     counters.apply(record, xact.as_ref()).map_err(|what| malformed(record, &what))
 }
 

@@ -46,6 +46,12 @@ pub struct XactEnd {
     pub dropped: Vec<RelTag>,
 }
 
+/// Whether `record` is a COMMIT PREPARED or ABORT PREPARED: the end of a prepared transaction,
+/// whose [`XactEnd::xid`] is the two-phase id.
+pub fn ends_prepared(record: &DecodedRecord) -> bool {
+    record.rmid == RM_XACT_ID && matches!(record.info & OPMASK, COMMIT_PREPARED | ABORT_PREPARED)
+}
+
 /// The transaction `record` ends, if it ends one (`Ok(None)`: another record); an error names
 /// what of its main data is missing.
 pub fn parse(record: &DecodedRecord) -> Result<Option<XactEnd>, &'static str> {
@@ -200,7 +206,9 @@ pub(crate) mod tests {
         // A prepared transaction's end: the two-phase id, not the record's xid (0).
         let prepared = xact_record(0xB0, 0, xact_main(&[], &[], Some(777), 1));
         assert_eq!(parse(&prepared).unwrap().map(|e| (e.committed, e.xid)), Some((true, 777)));
+        assert!(ends_prepared(&prepared) && !ends_prepared(&commit) && !ends_prepared(&plain));
         let aborted = xact_record(0xC0, 0, xact_main(&[778], &[], Some(777), 0));
+        assert!(ends_prepared(&aborted));
         assert_eq!(
             parse(&aborted).unwrap().map(|e| (e.committed, e.xid, e.subxacts)),
             Some((false, 777, vec![778]))
