@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture
 def primary(tmp_path):
-    pg = Postgres(tmp_path / "primary", settings={"autovacuum": "off"}, initdb_args=["--data-checksums"]).init().start()
+    pg = Postgres(tmp_path / "primary", settings={"autovacuum": "off", "max_prepared_transactions": "5"}, initdb_args=["--data-checksums"]).init().start()
     pg.pgbench("-i", "-s", "1", "-q")
     pg.sql("CREATE TABLE items (id bigserial PRIMARY KEY, tags text[], body text)")
     pg.sql("INSERT INTO items (tags, body) SELECT ARRAY['t' || (i % 7)], repeat('x', i % 3000) FROM generate_series(1, 2000) i")
@@ -197,3 +197,51 @@ def test_a_backup_at_each_commit_has_exactly_the_transactions_committed_before_i
         assert basebackup.dump(ours) == basebackup.dump(primary)
     finally:
         ours.stop()
+
+
+def test_a_backup_holds_the_transactions_prepared_at_its_lsn(primary, pageserver_factory, tmp_path):
+    """A transaction prepared at X and not yet committed or rolled back is in a backup at X
+    (`pg_twophase/<xid>`): PostgreSQL started on it lists it and can commit it; one committed
+    or rolled back by X is not there (its changes as the CLOG says), nor one prepared after X."""
+    ps = pageserver_factory()
+    ps.allowed_errors.append(".*WAL receiver.*")
+    tenant = ps.create_tenant()
+    attach(ps, tenant, primary)
+    primary.sql("CREATE TABLE twophase (id int PRIMARY KEY, note text)")
+    before = primary.lsn()
+    primary.sql("BEGIN; INSERT INTO twophase VALUES (1, 'prepared'); PREPARE TRANSACTION 'a'")
+    primary.sql("BEGIN; INSERT INTO twophase VALUES (2, 'committed'); PREPARE TRANSACTION 'b'")
+    primary.sql("COMMIT PREPARED 'b'")
+    primary.sql("BEGIN; INSERT INTO twophase VALUES (3, 'rolled back'); PREPARE TRANSACTION 'c'")
+    primary.sql("ROLLBACK PREPARED 'c'")
+    xid = int(primary.sql("select transaction from pg_prepared_xacts where gid = 'a'"))
+    caught_up(ps, tenant, primary)
+
+    tar_path = tmp_path / "latest.tar"
+    status, _, body = basebackup.fetch(ps, tenant, tar_path)
+    assert status == 200, body
+    with tarfile.open(tar_path) as archive:
+        twophase = [n for n in archive.getnames() if n.startswith("pg_twophase/")]
+    assert twophase == [f"pg_twophase/{xid:08X}"], twophase
+    ours = basebackup.start_on(tar_path, tmp_path / "latest")
+    try:
+        assert ours.sql("select gid from pg_prepared_xacts") == "a"
+        assert ours.sql("select string_agg(id::text, ',' order by id) from twophase") == "2"
+        ours.sql("COMMIT PREPARED 'a'")
+        assert ours.sql("select string_agg(id::text, ',' order by id) from twophase") == "1,2"
+        assert ours.sql("select count(*) from pg_prepared_xacts") == "0"
+    finally:
+        ours.stop()
+
+    tar_path = tmp_path / "before.tar"
+    status, _, body = basebackup.fetch(ps, tenant, tar_path, lsn=before)
+    assert status == 200, body
+    with tarfile.open(tar_path) as archive:
+        assert not any(n.startswith("pg_twophase/") for n in archive.getnames())
+    ours = basebackup.start_on(tar_path, tmp_path / "before")
+    try:
+        assert ours.sql("select count(*) from pg_prepared_xacts") == "0"
+        assert ours.sql("select count(*) from twophase") == "0"
+    finally:
+        ours.stop()
+    primary.sql("COMMIT PREPARED 'a'")

@@ -5,7 +5,8 @@
 //! Two steps. [`prepare`] decides everything that can fail before a byte is sent: X durable
 //! (waiting up to `wait_lsn_timeout`) and not below the GC cutoff, the cluster's `pg_control`
 //! as of X, and the lists of what the directory holds at X (relation forks and their sizes,
-//! databases, relation maps, SLRU segments, configuration files). [`send`] then writes the tar
+//! databases, relation maps, SLRU segments, configuration files, prepared transactions' state
+//! files). [`send`] then writes the tar
 //! as it builds it, into a channel of [`CHUNK`]-byte chunks that the HTTP body drains: memory
 //! is a few chunks whatever the database's size, and a client that goes away ends it at its
 //! next chunk. What it writes:
@@ -18,6 +19,8 @@
 //!   fork and a main fork copied from it, as PostgreSQL's own reset after a crash makes it (a
 //!   start without recovery does not reset unlogged relations);
 //! - the SLRU segments (`pg_xact`, `pg_multixact`) as the tenant holds them at X;
+//! - `pg_twophase/<xid>` (8 upper-case hex digits) for each transaction prepared at X and not
+//!   committed or rolled back by X: the state file its PREPARE record made (`ingest::twophase`);
 //! - `pg_wal/` with one segment holding a shutdown checkpoint record at X' (X moved past a page
 //!   header and 8-aligned: `page_types::wal::checkpoint`), `standby.signal` when asked, and
 //!   `global/pg_control` last (`state` shut down, `checkPoint` X'), so that a tar cut short is
@@ -32,9 +35,9 @@
 //! pages by GetPage at X (CLOG statuses and MultiXact writes redone), the segments truncated by
 //! X left out, and `pg_control`'s counters (next xid, OID, multixact, the oldest ones) as of X.
 //!
-//! Not yet (issue 48's later steps): two-phase state files (a transaction prepared at X is
-//! lost), the parameters of `XLOG_PARAMETER_CHANGE` (`pg_control` keeps the import's),
-//! tablespaces other than `pg_default` and `pg_global` (refused), timelines other than `main`.
+//! Not yet (issue 48's later steps): the parameters of `XLOG_PARAMETER_CHANGE` (`pg_control`
+//! keeps the import's), tablespaces other than `pg_default` and `pg_global` (refused),
+//! timelines other than `main`.
 //!
 //! Layer: above `tenant` (it reads through [`Tenant`]), below `http`.
 
@@ -158,6 +161,8 @@ pub struct Contents {
     slru: Vec<(SlruKind, u32, u32)>,
     /// (name, the file).
     config: Vec<(&'static str, Bytes)>,
+    /// (xid, the state file) of the transactions prepared at X.
+    two_phase: Vec<(u32, Bytes)>,
 }
 
 impl Contents {
@@ -193,7 +198,10 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
             &|key| {
                 matches!(
                     keys::classify(key),
-                    KeyKind::Slru { .. } | KeyKind::RelMap | KeyKind::ConfigFile { .. }
+                    KeyKind::Slru { .. }
+                        | KeyKind::RelMap
+                        | KeyKind::ConfigFile { .. }
+                        | KeyKind::TwoPhase { .. }
                 )
             },
             &meta_skip,
@@ -228,6 +236,7 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
     let mut slru: BTreeMap<(SlruKind, u32), u32> = BTreeMap::new();
     let mut config = Vec::new();
     let mut config_parts: BTreeMap<u32, Vec<Bytes>> = BTreeMap::new();
+    let mut two_phase_parts: BTreeMap<u32, Vec<Bytes>> = BTreeMap::new();
     for key in meta_keys {
         match keys::classify(&key) {
             KeyKind::RelMap => {
@@ -270,6 +279,16 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
                     parts.push(part);
                 }
             }
+            // The same chunks for a prepared transaction's state file (empty chunk 0: none).
+            KeyKind::TwoPhase { xid, chunk } => {
+                let parts = two_phase_parts.entry(xid).or_default();
+                if parts.len() as u32 != chunk || parts.last().is_some_and(|p| p.len() < PAGE_SIZE) {
+                    continue;
+                }
+                if let Some(part) = value_at(&timeline, key, lsn).await? {
+                    parts.push(part);
+                }
+            }
             _ => {}
         }
     }
@@ -281,6 +300,16 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
             config.push((*name, file.freeze()));
         }
     }
+    let two_phase: Vec<(u32, Bytes)> = two_phase_parts
+        .into_iter()
+        .filter(|(_, parts)| parts.last().is_some_and(|p| p.len() < PAGE_SIZE))
+        .map(|(xid, parts)| {
+            let mut file = BytesMut::new();
+            parts.iter().for_each(|p| file.extend_from_slice(p));
+            (xid, file.freeze())
+        })
+        .filter(|(_, file)| !file.is_empty())
+        .collect();
     // The SLRU pages PostgreSQL's startup reads at the next xid, multixact and member offset
     // (to zero the rest of them) must exist, also where the counters are ahead of X's pages.
     for (kind, segno, page) in next_slru_pages(&counters) {
@@ -302,6 +331,7 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
         relmaps,
         slru: slru.into_iter().map(|((kind, segno), pages)| (kind, segno, pages)).collect(),
         config,
+        two_phase,
     })
 }
 
@@ -350,9 +380,10 @@ fn next_slru_pages(counters: &CheckPoint) -> [(SlruKind, u32, u32); 3] {
 }
 
 /// Where a scan for the keys [`prepare`] lists goes from `key` (see `Timeline::scan_keys`):
-/// the cluster-wide values (SLRU pages, pg_control, configuration files) live at tablespace
-/// numbers below 16 and are read one by one; in a real tablespace, a relation's keys are
-/// skipped to the end of its database (a database's relation map is at relation 0, before them).
+/// the cluster-wide values (SLRU pages, pg_control, configuration files, two-phase state files)
+/// live at tablespace numbers below 16 and are read one by one; in a real tablespace, a
+/// relation's keys are skipped to the end of its database (a database's relation map is at
+/// relation 0, before them).
 fn meta_skip(key: &BufferTag) -> BufferTag {
     if key.spcnode < 16 || key.relnode == 0 {
         *key
@@ -494,6 +525,11 @@ pub async fn send(
         }
     }
 
+    // Prepared transactions: PostgreSQL's startup reads them back (`restoreTwoPhaseData`).
+    for (xid, file) in &contents.two_phase {
+        out.file(&format!("pg_twophase/{xid:08X}"), file).await?;
+    }
+
     let unix_now = i64::try_from(now).unwrap_or(i64::MAX);
     let (control, start) = contents
         .control
@@ -585,7 +621,7 @@ mod tests {
         for spcnode in [0, 1, 2, 1663, 1664] {
             for dbnode in [0, 5, 16384] {
                 for relnode in [0, 1, 16385, u32::MAX] {
-                    for forknum in [0, 2, 0x80, 0x90, 0xA0, 0xA1, 0xA4, 0xB0, 0xFF] {
+                    for forknum in [0, 2, 0x80, 0x90, 0xA0, 0xA1, 0xA4, 0xB0, 0xC0, 0xFF] {
                         for blknum in [0, 1, 31, u32::MAX] {
                             all.push(BufferTag { spcnode, dbnode, relnode, forknum, blknum });
                         }
@@ -594,9 +630,19 @@ mod tests {
             }
         }
         let keep = |k: &BufferTag| {
-            matches!(keys::classify(k), KeyKind::Slru { .. } | KeyKind::RelMap | KeyKind::ConfigFile { .. })
+            matches!(
+                keys::classify(k),
+                KeyKind::Slru { .. }
+                    | KeyKind::RelMap
+                    | KeyKind::ConfigFile { .. }
+                    | KeyKind::TwoPhase { .. }
+            )
         };
         assert!(all.iter().filter(|k| keep(k)).count() > 10);
+        assert!(all.iter().any(|k| matches!(keys::classify(k), KeyKind::TwoPhase { .. })));
+        for key in [keys::two_phase_key(0, 0), keys::two_phase_key(u32::MAX, 3)] {
+            assert!(keep(&key) && meta_skip(&key) == key, "{key:?}");
+        }
         for key in &all {
             let skip = meta_skip(key);
             assert!(skip >= *key);
