@@ -31,7 +31,7 @@ from fixtures.util import wait_until
 from fixtures.pgmask import heap_mask
 from fixtures.walreader import Wal, mask_lsn_and_checksum
 from fixtures.wal_source import attach, caught_up, counters_values, page_service_io  # noqa: F401 (a fixture)
-from fixtures.waldump import Sizes, lsn_int, lsn_text, record_types, waldump_records
+from fixtures.waldump import Sizes, lsn_int, lsn_text, record_types, twophase_chunks, waldump_records
 
 
 @pytest.fixture
@@ -39,7 +39,8 @@ def pg(tmp_path):
     # No autovacuum: the WAL is the tests' own, so counts taken a moment apart agree.
     # Images compressed with PGLZ, so that the image path the daemon and the reader take is the
     # harder one.
-    pg = Postgres(tmp_path / "pg", settings={"autovacuum": "off", "wal_compression": "pglz"}).init().start()
+    pg = Postgres(tmp_path / "pg", settings={"autovacuum": "off", "wal_compression": "pglz",
+                                             "max_prepared_transactions": "2"}).init().start()
     # The test's own slot keeps the WAL that pg_waldump reads after the tenant's slot moved on.
     pg.sql("select pg_create_physical_replication_slot('keep', true)")
     yield pg
@@ -89,6 +90,13 @@ def test_every_block_reference_is_stored_once_and_pages_are_served(pg, pageserve
                 PERFORM 1 FROM mx WHERE i = r FOR SHARE;
                 BEGIN UPDATE mx SET v = 1 WHERE i = r; EXCEPTION WHEN others THEN RAISE; END;
               END LOOP; END $$""")
+    # Prepared transactions: a state file each (one of 3000 subtransactions, 12 KB of it, in
+    # chunks), emptied by COMMIT PREPARED and ROLLBACK PREPARED.
+    pg.sql("BEGIN; INSERT INTO mx VALUES (0, 0); PREPARE TRANSACTION 'small'")
+    pg.sql("BEGIN; DO $$ BEGIN FOR r IN 3001..6000 LOOP BEGIN INSERT INTO mx VALUES (r, 0); "
+           "EXCEPTION WHEN others THEN RAISE; END; END LOOP; END $$; PREPARE TRANSACTION 'big'")
+    pg.sql("COMMIT PREPARED 'small'")
+    pg.sql("ROLLBACK PREPARED 'big'")
     # VACUUM sets pages all-visible; the UPDATEs then clear their visibility-map bits.
     pg.sql("VACUUM pgbench_accounts")
     pg.sql("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 997 = 0")
@@ -106,6 +114,9 @@ def test_every_block_reference_is_stored_once_and_pages_are_served(pg, pageserve
     assert other > 20, "pgbench -i creates relations and extends them"
     types = record_types(pg, resumed, durable)
     assert sum(t == "MultiXact CREATE_ID" for t in types.values()) >= 3000, "the multixacts are in the count"
+    assert sum(t == "Transaction PREPARE" for t in types.values()) == 2, "the prepares are in the count"
+    prepares = [line for line in pg.waldump(lsn_text(resumed), lsn_text(durable)).splitlines() if "desc: PREPARE" in line]
+    assert sorted(twophase_chunks(line) for line in prepares) == [1, 2], "a state file of two chunks is in it"
     counters = counters_values(ps, tenant, [r[0] for r in records], durable)
     assert counters > 10, "the counters moved with the transactions"
     wal_values = sum(len(refs) for _, refs, _, _ in records) + vm_values + other + counters
