@@ -1,8 +1,8 @@
 """The base backup (issue 48, docs/http-api.md): a tenant that followed a PostgreSQL 15 primary
 builds a tar that an unpatched PostgreSQL 15 starts on, as a primary and as a hot standby, with
 no WAL replay, and that answers as the primary does (`pg_dumpall`, the rows, the checksums of
-every page it reads). The state the WAL changes after the import (CLOG, the counters) is not
-followed yet, so the backups here are taken while the primary writes nothing after the import.
+every page it reads), at the LSN asked for: the cluster state the WAL changes (the CLOG,
+MultiXacts, the counters, prepared transactions) is the tenant's as of that LSN.
 """
 
 from __future__ import annotations
@@ -245,3 +245,28 @@ def test_a_backup_holds_the_transactions_prepared_at_its_lsn(primary, pageserver
     finally:
         ours.stop()
     primary.sql("COMMIT PREPARED 'a'")
+
+
+def test_a_transaction_prepared_before_the_import_is_in_the_backup(primary, pageserver_factory, tmp_path):
+    """A transaction prepared, and checkpointed into `pg_twophase/`, before the tenant imported
+    its primary comes with the import's files: PostgreSQL started on a backup lists it and
+    commits it."""
+    primary.sql("CREATE TABLE early (id int)")
+    primary.sql("BEGIN; INSERT INTO early VALUES (7); PREPARE TRANSACTION 'early'")
+    primary.sql("CHECKPOINT")
+    ps = pageserver_factory()
+    ps.allowed_errors.append(".*WAL receiver.*")
+    tenant = ps.create_tenant()
+    attach(ps, tenant, primary)
+    caught_up(ps, tenant, primary)
+    tar_path = tmp_path / "backup.tar"
+    status, _, body = basebackup.fetch(ps, tenant, tar_path)
+    assert status == 200, body
+    ours = basebackup.start_on(tar_path, tmp_path / "ours")
+    try:
+        assert ours.sql("select gid from pg_prepared_xacts") == "early"
+        ours.sql("COMMIT PREPARED 'early'")
+        assert ours.sql("select id from early") == "7"
+    finally:
+        ours.stop()
+    primary.sql("COMMIT PREPARED 'early'")

@@ -301,6 +301,7 @@ fn basebackup_json(b: &basebackup::Backup, list: bool) -> serde_json::Value {
             "control": p.control_files,
             "relmap": p.relmaps,
             "config": p.config_files,
+            "twophase": p.two_phase_files,
             "rel_size": p.rel_sizes,
         },
     });

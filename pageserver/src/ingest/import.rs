@@ -16,6 +16,10 @@
 //!   `postgresql.conf`, `postgresql.auto.conf`, `pg_hba.conf`, `pg_ident.conf`, at most
 //!   `keys::CONFIG_FILE_MAX_BYTES` each), in 8 KiB chunks ending with a shorter one, for the
 //!   base backups built from the tenant;
+//! - the state files of prepared transactions, `pg_twophase/<xid>` (8 upper-case hex digits, at
+//!   most [`TWO_PHASE_FILE_MAX_BYTES`]), in 8 KiB chunks the same way (`keys::two_phase_key`): a
+//!   transaction prepared before the backup's checkpoint is there, one prepared after it comes
+//!   with the WAL (`ingest::twophase`);
 //! - at [`Importer::finish`], the size of each relation fork seen: the highest segment's
 //!   number times 131072 plus its whole blocks.
 //!
@@ -26,7 +30,7 @@
 //! other configuration files (included ones, in `conf.d/`), logs, the
 //! directories PostgreSQL sends empty (`pg_stat_tmp`, `pg_replslot`, `pg_dynshmem`,
 //! `pg_notify`, `pg_serial`, `pg_snapshots`, `pg_subtrans`), and the state that this key space
-//! does not hold yet: `pg_commit_ts/`, `pg_twophase/` (prepared transactions), `pg_logical/`,
+//! does not hold yet: `pg_commit_ts/`, `pg_logical/`,
 //! `pg_stat/`. The server itself leaves out the non-init forks of unlogged relations.
 //!
 //! **Partial blocks:** the server writes each file's size as `stat()` saw it before reading
@@ -51,6 +55,9 @@ use super::tar::{TarError, TarEvent, TarReader};
 
 /// Most values in one batch of [`Importer::next_batch`].
 pub const BATCH_VALUES: usize = 256;
+/// The largest prepared transaction's state file imported (PostgreSQL's own bound is 1 GiB; a
+/// transaction with a hundred thousand locks writes a few MiB).
+pub const TWO_PHASE_FILE_MAX_BYTES: u64 = 64 << 20;
 /// Blocks in a relation segment file (`RELSEG_SIZE`, 1 GiB).
 pub const RELSEG_BLOCKS: u32 = 131_072;
 /// `pg_global` and `pg_default`.
@@ -72,12 +79,14 @@ pub enum ImportFile {
     RelMap { spc: u32, db: u32 },
     /// Configuration file `index` of `keys::CONFIG_FILES`.
     Config { index: u32 },
+    /// The state file of the prepared transaction `xid`.
+    TwoPhase { xid: u32 },
     /// Not imported (see the module doc).
     Skip,
 }
 
 impl ImportFile {
-    /// A short name of the class: `rel`, `slru`, `control`, `relmap`, `config`, `skip`.
+    /// A short name of the class: `rel`, `slru`, `control`, `relmap`, `config`, `twophase`, `skip`.
     pub fn class(&self) -> &'static str {
         match self {
             ImportFile::RelSegment { .. } => "rel",
@@ -85,6 +94,7 @@ impl ImportFile {
             ImportFile::ControlFile => "control",
             ImportFile::RelMap { .. } => "relmap",
             ImportFile::Config { .. } => "config",
+            ImportFile::TwoPhase { .. } => "twophase",
             ImportFile::Skip => "skip",
         }
     }
@@ -118,6 +128,14 @@ pub fn classify_path(archive_location: Option<&str>, spcoid: Option<u32>, path: 
             None => ImportFile::Skip,
         },
         ["pg_xact", seg] => slru(SlruKind::Clog, seg),
+        ["pg_twophase", name]
+            if name.len() == 8 && name.bytes().all(|b| b.is_ascii_digit() || (b'A'..=b'F').contains(&b)) =>
+        {
+            match u32::from_str_radix(name, 16) {
+                Ok(xid) if xid != 0 => ImportFile::TwoPhase { xid },
+                _ => ImportFile::Skip,
+            }
+        }
         ["pg_multixact", "offsets", seg] => slru(SlruKind::MultiXactOffsets, seg),
         ["pg_multixact", "members", seg] => slru(SlruKind::MultiXactMembers, seg),
         _ => ImportFile::Skip,
@@ -219,6 +237,7 @@ pub struct ImportProgress {
     pub control_files: u64,
     pub relmaps: u64,
     pub config_files: u64,
+    pub two_phase_files: u64,
     pub rel_sizes: u64,
     /// Relation and SLRU files whose size was not whole blocks (the tail was dropped).
     pub partial_tails: u64,
@@ -411,6 +430,9 @@ impl Importer {
                     ImportFile::Config { .. } if size > keys::CONFIG_FILE_MAX_BYTES as u64 => {
                         return Err(bad("more than a configuration file is kept (1 MiB)"))
                     }
+                    ImportFile::TwoPhase { .. } if size > TWO_PHASE_FILE_MAX_BYTES => {
+                        return Err(bad("more than a prepared transaction's state file is kept (64 MiB)"))
+                    }
                     _ => {}
                 }
                 if let Some(listing) = self.listing.as_mut() {
@@ -423,9 +445,10 @@ impl Importer {
                 let Some(cur) = self.current.as_mut() else { return Ok(()) };
                 match cur.class {
                     ImportFile::Skip => {}
-                    ImportFile::ControlFile | ImportFile::RelMap { .. } | ImportFile::Config { .. } => {
-                        cur.carry.extend_from_slice(&data)
-                    }
+                    ImportFile::ControlFile
+                    | ImportFile::RelMap { .. }
+                    | ImportFile::Config { .. }
+                    | ImportFile::TwoPhase { .. } => cur.carry.extend_from_slice(&data),
                     ImportFile::RelSegment { .. } | ImportFile::Slru { .. } => {
                         // Complete the carried block, then whole blocks without a copy.
                         if !cur.carry.is_empty() {
@@ -460,20 +483,18 @@ impl Importer {
                         self.progress.relmaps += 1;
                     }
                     ImportFile::Config { index } => {
-                        // Whole chunks, then a shorter one (empty when the size is a multiple):
-                        // a reader stops at the first chunk shorter than a page.
-                        let mut file = cur.carry.freeze();
-                        let mut chunk = 0u32;
-                        loop {
-                            let part = file.split_to(file.len().min(PAGE_SIZE));
-                            let last = part.len() < PAGE_SIZE;
-                            self.out.push((keys::config_file_key(index, chunk), part));
-                            chunk += 1;
-                            if last {
-                                break;
-                            }
+                        let file = cur.carry.freeze();
+                        for (chunk, part) in (0u32..).zip(super::twophase::chunks(&file)) {
+                            self.out.push((keys::config_file_key(index, chunk), file.slice(part)));
                         }
                         self.progress.config_files += 1;
+                    }
+                    ImportFile::TwoPhase { xid } => {
+                        let file = cur.carry.freeze();
+                        for (chunk, part) in (0u32..).zip(super::twophase::chunks(&file)) {
+                            self.out.push((keys::two_phase_key(xid, chunk), file.slice(part)));
+                        }
+                        self.progress.two_phase_files += 1;
                     }
                     ImportFile::RelSegment { rel, fork, segno } => {
                         if !cur.carry.is_empty() {
@@ -517,6 +538,7 @@ fn push_block(
         ImportFile::ControlFile
         | ImportFile::RelMap { .. }
         | ImportFile::Config { .. }
+        | ImportFile::TwoPhase { .. }
         | ImportFile::Skip => {}
     }
 }
@@ -588,7 +610,8 @@ mod tests {
             "pg_xact/00g0",
             "pg_xact/00a0",
             "pg_commit_ts/0000",
-            "pg_twophase/00000300",
+            "pg_twophase/00000300.tmp",
+            "pg_twophase/00000000",
             "pg_tblspc/16385",
         ] {
             assert_eq!(main(skipped), ImportFile::Skip, "{skipped}");
@@ -719,6 +742,7 @@ mod tests {
     fn configuration_files_are_kept_in_chunks_that_end_with_a_shorter_one() {
         assert_eq!(classify_path(None, None, "postgresql.conf"), ImportFile::Config { index: 0 });
         assert_eq!(classify_path(None, None, "pg_ident.conf"), ImportFile::Config { index: 3 });
+        assert_eq!(classify_path(None, None, "pg_twophase/0000030A"), ImportFile::TwoPhase { xid: 0x30A });
         for (size, chunks) in [
             (0, vec![0]),
             (100, vec![100]),

@@ -76,8 +76,9 @@ fn state_file(data: &[u8]) -> Result<(u32, Bytes), &'static str> {
 }
 
 /// The byte ranges of a file's chunks: each [`PAGE_SIZE`] bytes, the last one shorter (empty
-/// when the file is a multiple of a page).
-fn chunks(file: &[u8]) -> impl Iterator<Item = std::ops::Range<usize>> {
+/// when the file is a multiple of a page). The import's configuration and state files are cut
+/// the same way.
+pub(crate) fn chunks(file: &[u8]) -> impl Iterator<Item = std::ops::Range<usize>> {
     let len = file.len();
     (0..=len / PAGE_SIZE).map(move |i| i * PAGE_SIZE..((i + 1) * PAGE_SIZE).min(len))
 }
