@@ -23,9 +23,7 @@ import signal
 import threading
 import time
 
-import pytest
-
-from fixtures import pg_workloads
+from fixtures import pg_workloads, redo_check
 from fixtures.oracle import Key
 from fixtures.page_client import PageServiceError
 from fixtures.pgmask import btree_mask, heap_mask, lsn_mask
@@ -130,17 +128,8 @@ def relation_pages(pg: Postgres):
             continue
         for fork, suffix, mask in [(0, "", heap_mask if am == "heap" else btree_mask), (2, "_vm", lsn_mask),
                                    (3, "_init", heap_mask if am == "heap" else btree_mask)]:
-            f = pg.datadir / (path + suffix)
-            if not f.exists():
-                continue
-            data = f.read_bytes()
-            for seg in range(1, 1000):
-                more = pg.datadir / f"{path}{suffix}.{seg}"
-                if not more.exists():
-                    break
-                data += more.read_bytes()
-            for blk in range(len(data) // 8192):
-                yield Key(int(spc), int(db), int(rel), fork, blk), mask, data[blk * 8192:(blk + 1) * 8192]
+            for blk, page in enumerate(redo_check.file_pages(pg, path + suffix)):
+                yield Key(int(spc), int(db), int(rel), fork, blk), mask, page
 
 
 def test_every_page_at_the_end_matches_the_data_files_also_after_kill_9(tmp_path, pageserver_factory):

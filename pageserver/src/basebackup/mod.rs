@@ -270,44 +270,24 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
                 *pages = (*pages).max(page + 1);
             }
             KeyKind::ConfigFile { index, chunk } => {
-                let parts = config_parts.entry(index).or_default();
-                // Chunks come in order; a file ends at its first short chunk.
-                if parts.len() as u32 != chunk || parts.last().is_some_and(|p| p.len() < PAGE_SIZE) {
-                    continue;
-                }
-                if let Some(part) = value_at(&timeline, key, lsn).await? {
-                    parts.push(part);
-                }
+                collect_chunk(config_parts.entry(index).or_default(), chunk, &timeline, key, lsn).await?
             }
             // The same chunks for a prepared transaction's state file (empty chunk 0: none).
             KeyKind::TwoPhase { xid, chunk } => {
-                let parts = two_phase_parts.entry(xid).or_default();
-                if parts.len() as u32 != chunk || parts.last().is_some_and(|p| p.len() < PAGE_SIZE) {
-                    continue;
-                }
-                if let Some(part) = value_at(&timeline, key, lsn).await? {
-                    parts.push(part);
-                }
+                collect_chunk(two_phase_parts.entry(xid).or_default(), chunk, &timeline, key, lsn).await?
             }
             _ => {}
         }
     }
     for (index, parts) in config_parts {
         let Some(name) = keys::CONFIG_FILES.get(index as usize) else { continue };
-        if parts.last().is_some_and(|p| p.len() < PAGE_SIZE) {
-            let mut file = BytesMut::new();
-            parts.iter().for_each(|p| file.extend_from_slice(p));
-            config.push((*name, file.freeze()));
+        if let Some(file) = whole_file(&parts) {
+            config.push((*name, file));
         }
     }
     let two_phase: Vec<(u32, Bytes)> = two_phase_parts
         .into_iter()
-        .filter(|(_, parts)| parts.last().is_some_and(|p| p.len() < PAGE_SIZE))
-        .map(|(xid, parts)| {
-            let mut file = BytesMut::new();
-            parts.iter().for_each(|p| file.extend_from_slice(p));
-            (xid, file.freeze())
-        })
+        .filter_map(|(xid, parts)| whole_file(&parts).map(|file| (xid, file)))
         .filter(|(_, file)| !file.is_empty())
         .collect();
     // The SLRU pages PostgreSQL's startup reads at the next xid, multixact and member offset
@@ -333,6 +313,35 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
         config,
         two_phase,
     })
+}
+
+/// Adds chunk `chunk` of a file kept in 8 KiB chunks (configuration files, two-phase state
+/// files) to `parts`, read at `lsn`: chunks come in key order, and a file ends at its first
+/// short chunk (a chunk past it, left by a longer file of earlier, is not read).
+async fn collect_chunk(
+    parts: &mut Vec<Bytes>,
+    chunk: u32,
+    timeline: &Timeline,
+    key: BufferTag,
+    lsn: Lsn,
+) -> Result<(), BackupError> {
+    if parts.len() as u32 != chunk || parts.last().is_some_and(|p| p.len() < PAGE_SIZE) {
+        return Ok(());
+    }
+    if let Some(part) = value_at(timeline, key, lsn).await? {
+        parts.push(part);
+    }
+    Ok(())
+}
+
+/// The file of `parts` ([`collect_chunk`]) if it is whole (it ends with a short chunk).
+fn whole_file(parts: &[Bytes]) -> Option<Bytes> {
+    if parts.last().is_none_or(|p| p.len() >= PAGE_SIZE) {
+        return None;
+    }
+    let mut file = BytesMut::new();
+    parts.iter().for_each(|p| file.extend_from_slice(p));
+    Some(file.freeze())
 }
 
 /// The counters `pg_control` gets for a start at `lsn`. The receiver stores them once per
