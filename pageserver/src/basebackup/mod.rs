@@ -6,10 +6,9 @@
 //! (waiting up to `wait_lsn_timeout`) and not below the GC cutoff, the cluster's `pg_control`
 //! as of X, and the lists of what the directory holds at X (relation forks and their sizes,
 //! databases, relation maps, SLRU segments, configuration files, prepared transactions' state
-//! files). [`send`] then writes the tar
-//! as it builds it, into a channel of [`CHUNK`]-byte chunks that the HTTP body drains: memory
-//! is a few chunks whatever the database's size, and a client that goes away ends it at its
-//! next chunk. What it writes:
+//! files). [`send`] then writes the tar as it builds it, into a channel of [`CHUNK`]-byte chunks
+//! that the HTTP body drains: memory is a few chunks whatever the database's size, and a client
+//! that goes away ends it at its next chunk. What it writes:
 //!
 //! - the directories `initdb` makes, `PG_VERSION` at the root and in each `base/<db>`, the
 //!   configuration files kept from the import (`keys::CONFIG_FILES`);
@@ -33,7 +32,9 @@
 //!
 //! The cluster state comes from the WAL as the tenant followed it (`tenant::cluster`): the SLRU
 //! pages by GetPage at X (CLOG statuses and MultiXact writes redone), the segments truncated by
-//! X left out, and `pg_control`'s counters (next xid, OID, multixact, the oldest ones) as of X.
+//! X left out, and `pg_control`'s counters: the oldest xid and multixact as of X, the next xid,
+//! OID, multixact and member offset raised to the newest stored (`backup_counters`: the
+//! receiver stores them once per message), with the SLRU pages startup reads at them.
 //!
 //! Not yet (issue 48's later steps): the parameters of `XLOG_PARAMETER_CHANGE` (`pg_control`
 //! keeps the import's), tablespaces other than `pg_default` and `pg_global` (refused),
