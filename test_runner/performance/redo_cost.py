@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures import pg_workloads  # noqa: E402
 from fixtures.postgres import Postgres  # noqa: E402
+from fixtures.waldump import lsn_int  # noqa: E402
 
 WORKLOADS = ["redo_mix", "sequences", "bloom", "brin", "gist_mix", "gin_mix", "spgist_mix", "hash_index"]
 # The resource managers (pg_waldump's names, the first word of a record type) each workload is for.
@@ -61,11 +62,6 @@ RMGRS = {
     "spgist_mix": ("SPGist",),
     "hash_index": ("Hash",),
 }
-
-
-def lsn_int(text: str) -> int:
-    hi, lo = text.split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)
 
 
 def run_workload(base: Path, workload: str, seconds: int, checking: bool) -> dict:

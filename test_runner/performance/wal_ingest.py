@@ -46,11 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.daemon import Pageserver  # noqa: E402
 from fixtures.postgres import Postgres  # noqa: E402
-
-
-def lsn_int(text: str) -> int:
-    hi, lo = text.split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)
+from fixtures.waldump import lsn_int  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float:

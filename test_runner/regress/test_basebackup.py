@@ -14,6 +14,7 @@ import pytest
 from fixtures import basebackup
 from fixtures.postgres import Postgres
 from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
+from fixtures.waldump import lsn_int
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,8 +48,7 @@ def test_postgres_starts_on_the_backup_and_answers_as_the_primary(primary, pages
     assert status == 200, body
     assert headers["Content-Type"] == "application/x-tar"
     served = headers["x-basebackup-lsn"]
-    hi, lo = (int(x, 16) for x in served.split("/"))
-    assert (hi << 32 | lo) >= durable
+    assert lsn_int(served) >= durable
     with tarfile.open(tar_path) as archive:
         names = archive.getnames()
     assert names[-1] == "global/pg_control", "pg_control comes last: a tar cut short is seen to be"

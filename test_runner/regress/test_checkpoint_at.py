@@ -27,20 +27,12 @@ import pytest
 
 from fixtures.postgres import WAL_SEGMENT_BYTES, Postgres
 from fixtures.util import all_processes, proc_info, wait_until
+from fixtures.waldump import lsn_int, lsn_text
 
 PAGE = 8192
 SEG = WAL_SEGMENT_BYTES
 RECORD_LEN = 114  # a checkpoint record: 24-byte header, 2-byte data header, 88-byte CheckPoint
 ROWS = 1000
-
-
-def parse_lsn(text: str) -> int:
-    hi, lo = text.split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)
-
-
-def fmt_lsn(lsn: int) -> str:
-    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
 
 
 def segment_name(lsn: int, timeline: int = 1) -> str:
@@ -66,16 +58,15 @@ def stopped(tmp_path_factory):
         pg.stop()
     before = controldata(pg)
     assert before["Database cluster state"] == "shut down"
-    s = parse_lsn(before["Latest checkpoint location"])
-    assert parse_lsn(before["Latest checkpoint's REDO location"]) == s
+    s = lsn_int(before["Latest checkpoint location"])
+    assert lsn_int(before["Latest checkpoint's REDO location"]) == s
     return pg, s, before
 
 
 def copy_of(stopped_pg: Postgres, base: Path, **settings: str) -> Postgres:
     """A copy of the stopped cluster in `base`, with its own port and socket. Commits are
     flushed before they return: the tests kill -9 the server after an INSERT."""
-    own = {k: v for k, v in stopped_pg.settings.items() if k not in ("port", "unix_socket_directories")}
-    copy = Postgres(base, settings={**own, "synchronous_commit": "on", **settings})
+    copy = Postgres(base, settings={**stopped_pg.settings_elsewhere(), "synchronous_commit": "on", **settings})
     copy._make_dirs()
     subprocess.run(["cp", "-a", str(stopped_pg.datadir), str(copy.datadir)], check=True, timeout=60)
     copy._write_settings()  # the copied postgresql.conf names the origin's port: later lines win
@@ -83,7 +74,7 @@ def copy_of(stopped_pg: Postgres, base: Path, **settings: str) -> Postgres:
 
 
 def checkpoint_at(bin_dir: Path, pg: Postgres, x: int) -> subprocess.CompletedProcess:
-    return subprocess.run([str(bin_dir / "pagectl"), "checkpoint-at", "--lsn", fmt_lsn(x), str(pg.datadir)],
+    return subprocess.run([str(bin_dir / "pagectl"), "checkpoint-at", "--lsn", lsn_text(x), str(pg.datadir)],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -151,10 +142,10 @@ def check_start_point(bin_dir: Path, pg: Postgres, x: int, expected: int, before
     out = checkpoint_at(bin_dir, pg, x)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["requested"] == fmt_lsn(x)
-    assert result["checkpoint"] == fmt_lsn(expected), f"X {fmt_lsn(x)}"
+    assert result["requested"] == lsn_text(x)
+    assert result["checkpoint"] == lsn_text(expected), f"X {lsn_text(x)}"
     assert start_lsn(x) == expected
-    end = parse_lsn(result["end"])
+    end = lsn_int(result["end"])
     crosses = page_start(expected) != page_start(end - 1)
     assert end == expected + RECORD_LEN + (24 if crosses else 0)
     assert result["segment"] == f"pg_wal/{segment_name(expected)}"
@@ -164,17 +155,17 @@ def check_start_point(bin_dir: Path, pg: Postgres, x: int, expected: int, before
     # pg_waldump finds the record at X', and from the start of X''s page (the continuation the
     # page header claims leads to it).
     for start in (expected, page_start(expected)):
-        dump = pg.run("pg_waldump", "-p", str(pg.wal_dir), "-s", fmt_lsn(start), "-e", fmt_lsn(end)).stdout
+        dump = pg.run("pg_waldump", "-p", str(pg.wal_dir), "-s", lsn_text(start), "-e", lsn_text(end)).stdout
         lines = [line for line in dump.splitlines() if line.startswith("rmgr:")]
         assert len(lines) == 1, dump
         assert f"lsn: {expected >> 32:X}/{expected & 0xFFFFFFFF:08X}, prev 0/00000000" in lines[0], lines[0]
-        assert f"CHECKPOINT_SHUTDOWN redo {fmt_lsn(expected)}; tli 1; prev tli 1;" in lines[0], lines[0]
+        assert f"CHECKPOINT_SHUTDOWN redo {lsn_text(expected)}; tli 1; prev tli 1;" in lines[0], lines[0]
         assert lines[0].endswith("; shutdown"), lines[0]
 
     # pg_control: X', and what it said before but for the times.
     after = controldata(pg)
-    assert after["Latest checkpoint location"] == fmt_lsn(expected)
-    assert after["Latest checkpoint's REDO location"] == fmt_lsn(expected)
+    assert after["Latest checkpoint location"] == lsn_text(expected)
+    assert after["Latest checkpoint's REDO location"] == lsn_text(expected)
     assert after["Latest checkpoint's REDO WAL file"] == segment_name(expected)
     changed = {"Latest checkpoint location", "Latest checkpoint's REDO location", "Latest checkpoint's REDO WAL file",
                "pg_control last modified", "Time of latest checkpoint"}
@@ -196,7 +187,7 @@ def test_postgresql_starts_at_x_and_recovers_its_own_wal_after_a_crash(stopped, 
         assert "database system was shut down at" in log, log
         assert pg.sql("SELECT count(*), sum(i) FROM t") == f"{ROWS}|{ROWS * (ROWS + 1) // 2}"
         pg.sql("INSERT INTO t VALUES (-1, 'after X')")
-        assert parse_lsn(pg.lsn("SELECT pg_current_wal_flush_lsn()")) > expected + RECORD_LEN
+        assert lsn_int(pg.lsn("SELECT pg_current_wal_flush_lsn()")) > expected + RECORD_LEN
 
         kill_postmaster(pg)
         # A directory that was not shut down cleanly is refused, and left as it was.
@@ -250,7 +241,7 @@ def test_an_x_below_the_checkpoint_is_refused_and_nothing_changes(stopped, bin_d
     segments = sorted(p.name for p in pg.wal_dir.iterdir())
     out = checkpoint_at(bin_dir, pg, s - 8)
     assert out.returncode == 1, out
-    assert f"below the cluster's checkpoint redo {fmt_lsn(s)}" in out.stderr, out.stderr
+    assert f"below the cluster's checkpoint redo {lsn_text(s)}" in out.stderr, out.stderr
     assert (pg.datadir / "global" / "pg_control").read_bytes() == control
     assert sorted(p.name for p in pg.wal_dir.iterdir()) == segments
     shutil.rmtree(pg.base, ignore_errors=True)
