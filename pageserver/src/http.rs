@@ -25,8 +25,8 @@ use crate::basebackup::{self, BackupError};
 use crate::compaction::CompactError;
 use crate::process_metrics::{GIT_COMMIT, VERSION};
 use crate::tenant::wal_receiver::WalSource;
-use crate::tenant::{GetPageError, TenantConfOverrides};
-use crate::tenants::{TenantError, Tenants};
+use crate::tenant::{GetPageError, Tenant, TenantConfOverrides};
+use crate::tenants::{TenantError, Tenants, TimelineError};
 
 pub mod listener;
 
@@ -97,7 +97,11 @@ pub async fn serve(
         .route("/v1/tenant/{id}/keyspace", get(get_keyspace))
         .route("/v1/tenant/{id}/compact", post(compact_tenant))
         .route("/v1/tenant/{id}/wal_source", put(put_wal_source).delete(delete_wal_source))
+        .route("/v1/tenant/{id}/timeline", get(list_timelines).post(create_timeline))
+        .route("/v1/tenant/{id}/timeline/{timeline}", get(get_timeline).delete(delete_timeline))
         .route("/v1/tenant/{id}/timeline/{timeline}/basebackup", get(get_basebackup))
+        .route("/v1/tenant/{id}/timeline/{timeline}/keyspace", get(get_timeline_keyspace))
+        .route("/v1/tenant/{id}/timeline/{timeline}/compact", post(compact_timeline))
         .route("/metrics", get(metrics))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
@@ -182,7 +186,10 @@ async fn put_tenant_config(
 ) -> ApiResult {
     let Json(overrides) = body?;
     let tenant = state.tenants.get(&id)?;
-    tenant.set_overrides(overrides).map_err(TenantError::Other)?;
+    tenant.set_overrides(overrides.clone()).map_err(TenantError::Other)?;
+    for branch in state.tenants.timelines(&id)?.iter().skip(1) {
+        branch.apply_overrides(overrides.clone());
+    }
     tracing::info!(tenant_id = tenant.id, config = ?tenant.overrides(), "tenant config changed");
     Ok(Json(tenant.status()).into_response())
 }
@@ -220,7 +227,18 @@ async fn delete_wal_source(State(state): State<Arc<AppState>>, Path(id): Path<St
 /// pass asked for earlier waits already behind the running one, `429` with `Retry-After` at
 /// once: a tenant's compact calls hold at most two API connections.
 async fn compact_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
-    let tenant = state.tenants.get(&id)?;
+    compact(state.tenants.get(&id)?).await
+}
+
+/// [`compact_tenant`] of one timeline; the answer names it.
+async fn compact_timeline(
+    State(state): State<Arc<AppState>>,
+    Path((id, timeline)): Path<(String, String)>,
+) -> ApiResult {
+    compact(state.tenants.timeline(&id, &timeline)?).await
+}
+
+async fn compact(tenant: Arc<Tenant>) -> ApiResult {
     let pass = match tenant.compact().await {
         Ok(pass) => pass,
         Err(e @ CompactError::Busy { retry_after }) => {
@@ -236,11 +254,84 @@ async fn compact_tenant(State(state): State<Arc<AppState>>, Path(id): Path<Strin
             return Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
         }
     };
-    Ok(Json(serde_json::json!({ "tenant_id": tenant.id, "pass": pass })).into_response())
+    let body = serde_json::json!({ "tenant_id": tenant.id, "timeline_id": tenant.timeline_id, "pass": pass });
+    Ok(Json(body).into_response())
 }
 
-/// The one timeline a tenant has until branches are built.
-const MAIN_TIMELINE: &str = "main";
+impl From<TimelineError> for ApiError {
+    fn from(e: TimelineError) -> ApiError {
+        let status = match e {
+            TimelineError::Tenant(e) => return e.into(),
+            TimelineError::NotFound { .. } => StatusCode::NOT_FOUND,
+            TimelineError::Exists { .. } | TimelineError::Refused(_) => StatusCode::CONFLICT,
+            TimelineError::BelowGcCutoff { .. } => StatusCode::GONE,
+            TimelineError::Invalid(_) => StatusCode::BAD_REQUEST,
+        };
+        ApiError(status, e.to_string())
+    }
+}
+
+async fn list_timelines(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
+    let statuses: Vec<_> = state.tenants.timelines(&id)?.iter().map(|t| t.timeline_status()).collect();
+    Ok(Json(statuses).into_response())
+}
+
+/// An LSN as JSON: PostgreSQL's text (`"0/16B3748"`) or the integer the API shows.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum LsnParam {
+    Number(u64),
+    Text(String),
+}
+
+impl LsnParam {
+    fn lsn(&self, what: &str) -> Result<Lsn, ApiError> {
+        match self {
+            LsnParam::Number(n) => Ok(Lsn(*n)),
+            LsnParam::Text(text) => {
+                text.parse::<Lsn>().map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{what}: {e}")))
+            }
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateTimeline {
+    new_timeline_id: String,
+    ancestor_timeline_id: String,
+    ancestor_start_lsn: Option<LsnParam>,
+}
+
+/// Branches a timeline (docs/http-api.md): 201 with the new timeline's status.
+async fn create_timeline(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: Result<Json<CreateTimeline>, JsonRejection>,
+) -> ApiResult {
+    let Json(request) = body?;
+    let lsn = request.ancestor_start_lsn.as_ref().map(|l| l.lsn("ancestor_start_lsn")).transpose()?;
+    let branch = state
+        .tenants
+        .create_branch(&id, &request.new_timeline_id, &request.ancestor_timeline_id, lsn)
+        .await?;
+    Ok((StatusCode::CREATED, Json(branch.timeline_status())).into_response())
+}
+
+async fn get_timeline(
+    State(state): State<Arc<AppState>>,
+    Path((id, timeline)): Path<(String, String)>,
+) -> ApiResult {
+    Ok(Json(state.tenants.timeline(&id, &timeline)?.timeline_status()).into_response())
+}
+
+async fn delete_timeline(
+    State(state): State<Arc<AppState>>,
+    Path((id, timeline)): Path<(String, String)>,
+) -> ApiResult {
+    state.tenants.delete_branch(&id, &timeline).await?;
+    Ok(Json(serde_json::json!({})).into_response())
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -259,13 +350,7 @@ async fn get_basebackup(
     query: Result<Query<BasebackupQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult {
     let Query(query) = query.map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.body_text()))?;
-    let tenant = state.tenants.get(&id)?;
-    if timeline != MAIN_TIMELINE {
-        return Err(ApiError(
-            StatusCode::NOT_FOUND,
-            format!("tenant {id} has no timeline {timeline:?}: its one timeline is \"{MAIN_TIMELINE}\""),
-        ));
-    }
+    let tenant = state.tenants.timeline(&id, &timeline)?;
     let lsn = match query.lsn.as_deref() {
         None => Lsn::LATEST,
         Some(text) => {
@@ -321,7 +406,19 @@ fn backup_error(e: BackupError) -> ApiError {
 
 /// The key space of a tenant: its keys as block ranges per relation fork, and the LSN range.
 async fn get_keyspace(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
-    let tenant = state.tenants.get(&id)?;
+    keyspace(state.tenants.get(&id)?).await
+}
+
+/// [`get_keyspace`] of one timeline: a branch's keys are its own and those its ancestor has at
+/// or below the branch point.
+async fn get_timeline_keyspace(
+    State(state): State<Arc<AppState>>,
+    Path((id, timeline)): Path<(String, String)>,
+) -> ApiResult {
+    keyspace(state.tenants.timeline(&id, &timeline)?).await
+}
+
+async fn keyspace(tenant: Arc<Tenant>) -> ApiResult {
     let timeline = Arc::clone(&tenant.timeline);
     // Read the durable LSN first: every key listed is durable at or below it.
     let last_durable_lsn = timeline.last_durable_lsn();

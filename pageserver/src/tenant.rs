@@ -211,6 +211,24 @@ pub struct TenantStatus {
     pub wal_source: Option<WalSourceStatus>,
 }
 
+/// What `GET /v1/tenant/{id}/timeline/{timeline}` shows of a timeline.
+#[derive(Debug, Clone, Serialize)]
+pub struct TimelineStatus {
+    pub tenant_id: String,
+    pub timeline_id: String,
+    /// The timeline it branched from (`null` for `main`).
+    pub ancestor_timeline_id: Option<String>,
+    /// Its branch point: what it reads of its ancestor is as of this LSN.
+    pub ancestor_lsn: Option<Lsn>,
+    pub durable_lsn: Lsn,
+    /// Reads below it are refused; a branch below it is refused.
+    pub gc_cutoff: Lsn,
+    /// The branch points of the timelines branched from it: GC keeps what they read.
+    pub branch_points: Vec<Lsn>,
+    pub storage: StorageStatus,
+    pub wal_source: Option<WalSourceStatus>,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct StorageStatus {
     pub keys: u64,
@@ -256,9 +274,20 @@ pub struct TenantDeps {
     pub default_process_kind: ProcessKind,
 }
 
-/// A tenant; built by [`crate::tenants::Tenants`], which owns the directory layout.
+/// The id of a tenant's first timeline, the one it is created with (its other timelines are
+/// branches: [`crate::tenants`]).
+pub const MAIN_TIMELINE: &str = "main";
+
+/// One timeline of a tenant, served: its storage, redo manager, compactor and WAL receiver. The
+/// tenant's `main` timeline carries the tenant's settings (`tenant.toml`); a branch is built
+/// with them. Built by [`crate::tenants::Tenants`], which owns the directory layout.
 pub struct Tenant {
     pub id: String,
+    /// Which of the tenant's timelines this is: [`MAIN_TIMELINE`], or a branch's id.
+    pub timeline_id: String,
+    /// A branch's ancestor (what serves it) and branch point; its storage reads the
+    /// ancestor's at or below that point ([`storage::Ancestor`]).
+    pub(crate) ancestor: Option<(Arc<Tenant>, Lsn)>,
     /// Unique per process, so that a re-created tenant never sees its predecessor's cache.
     pub(crate) generation: u64,
     pub(crate) dir: PathBuf,
@@ -655,29 +684,54 @@ impl Tenant {
         Ok(())
     }
 
-    pub fn status(&self) -> TenantStatus {
+    /// Puts overrides in force without storing them: a branch takes its tenant's
+    /// ([`Tenant::set_overrides`] on `main` stores them).
+    pub(crate) fn apply_overrides(&self, overrides: TenantConfOverrides) {
+        *lock(&self.overrides) = overrides;
+        self.walredo.set_process_kind(self.effective_conf().walredo_process_kind);
+    }
+
+    fn storage_status(&self) -> StorageStatus {
         let stats = self.timeline.stats();
+        StorageStatus {
+            keys: stats.keys,
+            values: stats.values,
+            layers: stats.layers,
+            runs: stats.runs,
+            disk_bytes: stats.on_disk_bytes,
+            record_copy_bytes: stats.record_copy_bytes,
+            write_error: self.timeline.write_error().map(|e| StorageWriteErrorStatus {
+                error: e.error,
+                since: humantime::format_rfc3339_seconds(e.since).to_string(),
+                fatal: e.fatal,
+            }),
+        }
+    }
+
+    pub fn timeline_status(&self) -> TimelineStatus {
+        TimelineStatus {
+            tenant_id: self.id.clone(),
+            timeline_id: self.timeline_id.clone(),
+            ancestor_timeline_id: self.ancestor.as_ref().map(|(a, _)| a.timeline_id.clone()),
+            ancestor_lsn: self.ancestor.as_ref().map(|(_, lsn)| *lsn),
+            durable_lsn: self.timeline.last_durable_lsn(),
+            gc_cutoff: self.timeline.gc_cutoff(),
+            branch_points: self.timeline.branch_points(),
+            storage: self.storage_status(),
+            wal_source: lock(&self.wal_receiver).as_ref().map(|r| r.status()),
+        }
+    }
+
+    pub fn status(&self) -> TenantStatus {
         TenantStatus {
             id: self.id.clone(),
             state: TenantState::Active,
-            last_durable_lsn: stats.last_durable_lsn,
+            last_durable_lsn: self.timeline.last_durable_lsn(),
             config: self.overrides(),
             effective_config: self.effective_conf(),
             walredo: self.walredo.status(),
             compaction: self.compactor.status(),
-            storage: StorageStatus {
-                keys: stats.keys,
-                values: stats.values,
-                layers: stats.layers,
-                runs: stats.runs,
-                disk_bytes: stats.on_disk_bytes,
-                record_copy_bytes: stats.record_copy_bytes,
-                write_error: self.timeline.write_error().map(|e| StorageWriteErrorStatus {
-                    error: e.error,
-                    since: humantime::format_rfc3339_seconds(e.since).to_string(),
-                    fatal: e.fatal,
-                }),
-            },
+            storage: self.storage_status(),
             wal_source: lock(&self.wal_receiver).as_ref().map(|r| r.status()),
             counters: TenantCounters {
                 get_page_requests: self.counters.get_page_requests.sum(0),

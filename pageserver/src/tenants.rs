@@ -1,7 +1,7 @@
 //! The tenants of this daemon: load at start-up, create, look up, delete, shut down.
 //!
-//! On disk, a tenant is `<workdir>/tenants/<id>/` with its storage in `timeline/` and its
-//! overrides in `tenant.toml`. Creation writes `tenant.toml` last, so a directory without it is
+//! On disk, a tenant is `<workdir>/tenants/<id>/` with its `main` timeline's storage in
+//! `timeline/`, its overrides in `tenant.toml` and its branches in `branches/` ([`timelines`]). Creation writes `tenant.toml` last, so a directory without it is
 //! an interrupted creation and is removed at start-up. Deletion first renames the directory to
 //! `.deleted-<id>-<n>` (atomic), then removes it; leftovers of an interrupted deletion are
 //! removed at start-up.
@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
+use page_types::Lsn;
 use prometheus::{IntGaugeVec, Opts, Registry};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -36,10 +37,14 @@ use crate::storage::{self, StorageConf, StorageMetrics, Timeline};
 use crate::tenant::wal_receiver;
 use crate::tenant::{
     read_overrides, write_overrides, Tenant, TenantConfOverrides, TenantDeps, TenantState, TenantStatus,
-    DEFAULT_WAIT_LSN_TIMEOUT,
+    DEFAULT_WAIT_LSN_TIMEOUT, MAIN_TIMELINE,
 };
 use crate::util::lock;
 use crate::walredo::{WalRedoConf, WalRedoManager, WalRedoMetrics};
+
+mod timelines;
+
+pub use timelines::TimelineError;
 
 const TENANTS_DIR: &str = "tenants";
 const TIMELINE_DIR: &str = "timeline";
@@ -182,14 +187,22 @@ impl TenantsConf {
 
 /// What loading found in one tenant's directory.
 enum Loaded {
-    Opened(TenantConfOverrides, Arc<Timeline>, Option<wal_receiver::SourceFile>),
+    Opened(
+        TenantConfOverrides,
+        Arc<Timeline>,
+        Option<wal_receiver::SourceFile>,
+        Vec<timelines::LoadedBranch>,
+    ),
     /// An interrupted creation, now removed.
     Incomplete,
 }
 
 pub struct Tenants {
     dir: PathBuf,
+    /// Their `main` timelines.
     tenants: Mutex<BTreeMap<String, TenantSlot>>,
+    /// The branches of each active tenant, by tenant id, then timeline id ([`timelines`]).
+    branches: Mutex<BTreeMap<String, BTreeMap<String, Arc<Tenant>>>>,
     /// Serializes creations and deletions (they touch the disk); lookups do not wait for it.
     change_lock: tokio::sync::Mutex<()>,
     deps: Arc<TenantDeps>,
@@ -222,6 +235,7 @@ impl Tenants {
         let tenants = Tenants {
             dir: workdir.join(TENANTS_DIR),
             tenants: Mutex::new(BTreeMap::new()),
+            branches: Mutex::new(BTreeMap::new()),
             change_lock: tokio::sync::Mutex::new(()),
             deps: Arc::new(TenantDeps {
                 cache,
@@ -272,11 +286,13 @@ impl Tenants {
             };
             let slot = match loaded {
                 Ok(Loaded::Incomplete) => continue,
-                Ok(Loaded::Opened(overrides, timeline, source)) => {
-                    let tenant = tenants.assemble(&id, &path, overrides, timeline);
+                Ok(Loaded::Opened(overrides, timeline, source, branches)) => {
+                    let tenant =
+                        tenants.assemble(&id, MAIN_TIMELINE, &path, overrides.clone(), timeline, None);
                     if let Some(source) = source {
                         tenant.load_wal_source(source);
                     }
+                    tenants.serve_branches(&tenant, overrides, branches);
                     tracing::info!(
                         tenant_id = id,
                         last_durable_lsn = %tenant.last_durable_lsn(),
@@ -299,12 +315,48 @@ impl Tenants {
         Ok(tenants)
     }
 
+    /// Serves the branches loaded with the tenant whose `main` is `main` (ancestors first).
+    fn serve_branches(
+        &self,
+        main: &Arc<Tenant>,
+        overrides: TenantConfOverrides,
+        branches: Vec<timelines::LoadedBranch>,
+    ) {
+        let mut served: BTreeMap<String, Arc<Tenant>> = BTreeMap::new();
+        for b in branches {
+            let ancestor = match served.get(&b.ancestor_id) {
+                Some(a) => Arc::clone(a),
+                // Opened in ancestry order: a branch's ancestor is `main` or served already.
+                None => Arc::clone(main),
+            };
+            let branch = self.assemble(
+                &main.id,
+                &b.id,
+                &b.dir,
+                overrides.clone(),
+                b.timeline,
+                Some((ancestor, b.lsn)),
+            );
+            if let Some(source) = b.source {
+                branch.load_wal_source(source);
+            }
+            tracing::info!(tenant_id = main.id, timeline_id = b.id, ancestor = b.ancestor_id, lsn = %b.lsn, "loaded branch");
+            served.insert(b.id, branch);
+        }
+        if !served.is_empty() {
+            lock(&self.branches).insert(main.id.clone(), served);
+        }
+    }
+
+    /// Builds what serves one timeline of tenant `id` from its opened storage.
     fn assemble(
         &self,
         id: &str,
+        timeline_id: &str,
         dir: &Path,
         overrides: TenantConfOverrides,
         timeline: Arc<Timeline>,
+        ancestor: Option<(Arc<Tenant>, Lsn)>,
     ) -> Arc<Tenant> {
         let mut walredo_conf = self.walredo_conf.clone();
         walredo_conf.process_kind = overrides.walredo_process_kind.unwrap_or(self.deps.default_process_kind);
@@ -319,8 +371,14 @@ impl Tenants {
             Arc::clone(&self.deps.compaction_metrics),
             cancel.clone(),
         );
+        let follows_postgres =
+            ancestor.as_ref().is_some_and(|(a, _)| a.follows_postgres.load(Ordering::Relaxed));
+        let series_label =
+            if timeline_id == MAIN_TIMELINE { id.to_string() } else { format!("{id}/{timeline_id}") };
         Arc::new(Tenant {
             id: id.to_string(),
+            timeline_id: timeline_id.to_string(),
+            ancestor,
             generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
             dir: dir.to_path_buf(),
             timeline,
@@ -331,11 +389,11 @@ impl Tenants {
             cancel,
             stopping: Arc::default(),
             counters: Default::default(),
-            get_page_series: RequestSeries::get_page(id),
+            get_page_series: RequestSeries::get_page(&series_label),
             wal_receiver: Mutex::new(None),
             wal_source_change: tokio::sync::Mutex::new(()),
             import_incomplete: Arc::default(),
-            follows_postgres: Default::default(),
+            follows_postgres: follows_postgres.into(),
             data_checksums: Default::default(),
         })
     }
@@ -427,7 +485,7 @@ impl Tenants {
         })
         .await
         .context("create tenant storage")??;
-        let tenant = self.assemble(id, &dir, overrides, timeline);
+        let tenant = self.assemble(id, MAIN_TIMELINE, &dir, overrides, timeline, None);
         lock(&self.tenants).insert(id.to_string(), TenantSlot::Active(Arc::clone(&tenant)));
         self.update_metrics();
         tracing::info!(tenant_id = id, "created tenant");
@@ -462,6 +520,12 @@ impl Tenants {
         let _changing = self.change_lock.lock().await;
         let slot = lock(&self.tenants).remove(id).ok_or_else(|| TenantError::NotFound(id.to_string()))?;
         self.update_metrics();
+        let branches = lock(&self.branches).remove(id).unwrap_or_default();
+        // Branches first, newest first: a branch reads its ancestor until it stops.
+        for branch in branches.values().rev() {
+            branch.shutdown().await;
+        }
+        drop(branches);
         if let TenantSlot::Active(tenant) = &slot {
             tenant.shutdown().await;
         }
@@ -486,11 +550,13 @@ impl Tenants {
     /// tenant is cancelled first, so none serves new requests). Call it once, at the end.
     pub async fn shutdown(&self) {
         let _changing = self.change_lock.lock().await;
+        let branches: Vec<Arc<Tenant>> =
+            lock(&self.branches).values().flat_map(|b| b.values().cloned()).collect();
         let tenants = self.active();
-        for tenant in &tenants {
+        for tenant in branches.iter().chain(&tenants) {
             tenant.stop_serving();
         }
-        for tenant in tenants {
+        for tenant in branches.into_iter().chain(tenants) {
             tenant.shutdown().await;
         }
     }
@@ -540,8 +606,10 @@ fn load_tenant_dir(
         Some(overrides) => {
             // Read first: a damaged source file makes the tenant broken before storage opens.
             let source = wal_receiver::read_source_file(dir)?;
-            let timeline = Timeline::open(&dir.join(TIMELINE_DIR), storage_conf, storage_metrics)?;
-            Ok(Loaded::Opened(overrides, timeline, source))
+            let timeline =
+                Timeline::open(&dir.join(TIMELINE_DIR), storage_conf.clone(), Arc::clone(&storage_metrics))?;
+            let branches = timelines::open_branches(dir, &timeline, &storage_conf, &storage_metrics)?;
+            Ok(Loaded::Opened(overrides, timeline, source, branches))
         }
     }
 }

@@ -97,7 +97,7 @@ def test_a_backup_that_cannot_be_built_is_refused_before_its_first_byte(primary,
     attach(ps, tenant, primary)
     out = tmp_path / "x.tar"
     status, _, body = basebackup.fetch(ps, tenant, out, timeline="other")
-    assert status == 404 and b"main" in body, body
+    assert status == 404 and b"other" in body, body
     status, _, body = basebackup.fetch(ps, tenant, out, lsn="nonsense")
     assert status == 400, body
     status, _, body = basebackup.fetch(ps, tenant, out, lsn="0/1000000")

@@ -64,7 +64,8 @@ use super::manifest::{CompactIntent, LayerMeta, RenamedNotSynced};
 use super::read::{read_run, Picked, ReadPlan, ReadSize};
 use super::segment::open_data_file;
 use super::shared::Shared;
-use super::ReconstructData;
+use super::{GetError, ReadLimits, ReconstructData};
+use crate::util::lock;
 
 /// Prefix of an output's temporary name (`.compact_<generation>_<n>.tmp`); recovery removes such files.
 pub(crate) const TMP_PREFIX: &str = ".compact_";
@@ -442,8 +443,16 @@ impl Pass {
             return Ok(None);
         };
         let durable = *shared.durable.borrow();
-        let horizon = Lsn(durable.0.saturating_sub(conf.gc_horizon));
-        let cutoff = Lsn(shared.gc_cutoff.load(Ordering::Relaxed)).max(horizon.min(top));
+        let horizon = Lsn(durable.0.saturating_sub(conf.gc_horizon)).min(top);
+        let cutoff = {
+            // Chosen and raised under the branch points' lock: a branch is made at or above
+            // the cutoff, and the cutoff stays at or below every branch point.
+            let points = lock(&shared.branch_points);
+            let lowest = points.keys().next().map_or(horizon, |&point| horizon.min(point));
+            let cutoff = Lsn(shared.gc_cutoff.load(Ordering::Relaxed)).max(lowest);
+            shared.gc_cutoff.fetch_max(cutoff.0, Ordering::Relaxed);
+            cutoff
+        };
         let dir_file = File::open(&shared.dir).context("open timeline directory")?;
         let mut generation = 0;
         shared
@@ -457,7 +466,6 @@ impl Pass {
             })
             .context("record compaction intent")
             .inspect_err(|e| shared.record_if_fatal(e))?;
-        shared.gc_cutoff.fetch_max(cutoff.0, Ordering::Relaxed);
         if kind != PassKind::Gc {
             // Records ingested from here on are the next pass's debt (also the few that reached
             // the active segment since the caller sealed it, which this pass does not take).
@@ -714,14 +722,37 @@ impl Pass {
             w.piece_start = None;
             return Ok(None);
         }
-        w.asked = Some(end);
         let lsn = w.values.get(end)?.1.lsn;
-        let from = match &w.base {
+        let mut from = match &w.base {
             Some((at, _)) => Some(*at),
             // The first piece: from the key's newest image, if it has one.
             None if start > 0 => Some(w.values.get(start - 1)?.1.lsn),
             None => None,
         };
+        if let (None, None, Some(a)) = (from, &w.base, &self.shared.ancestor) {
+            // A branch's chain with no image of its own: it begins in the ancestor, whose values
+            // for the key at the branch point come first, within what the piece leaves.
+            let rest = ReadLimits {
+                max_records: page_types::MAX_RECORDS_PER_REQUEST.saturating_sub(records),
+                max_bytes: IMAGE_PIECE_BYTES.saturating_sub(size.bytes()),
+            };
+            match a.shared.pick_at(w.key, a.lsn, rest, DiskWait::Allowed) {
+                Ok(None) | Err(GetError::NotFound { .. }) => {}
+                Ok(Some(below)) => {
+                    from = below.starts_with_image().then(|| below.oldest_lsn()).flatten();
+                    picked = below.followed_by(picked);
+                }
+                Err(GetError::TooLarge(_) | GetError::BelowGcCutoff { .. }) => {
+                    // Too long a chain there for one request (the ancestor's compaction will
+                    // image it): no image of the key this pass, as for a chain in the context.
+                    self.stats.images_skipped += 1;
+                    w.piece_start = None;
+                    return Ok(None);
+                }
+                Err(GetError::Io(e)) => return Err(e.context(format!("read {:?} in the ancestor", w.key))),
+            }
+        }
+        w.asked = Some(end);
         Ok(Some(ImageRequest { key: w.key, lsn, from, base: w.base.clone(), plan: ReadPlan::new(picked) }))
     }
 

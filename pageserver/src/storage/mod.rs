@@ -69,7 +69,7 @@ pub use compact::{CompactionConf, ImageRequest, Pass, PassKind, PassStats, Step,
 pub use layer::DiskWait;
 pub use metrics::{FsyncFailed, StorageMetrics};
 pub(crate) use read::{Lookup, ReadPlan, ReadStart};
-pub use timeline::Timeline;
+pub use timeline::{Ancestor, Timeline};
 
 /// Creates the storage metrics and registers them in `registry`, with the counters of the
 /// process's index block cache (which registers its own: `metrics` knows nothing of layers).

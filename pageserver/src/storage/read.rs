@@ -113,6 +113,30 @@ impl Picked {
         pieces
     }
 
+    /// Whether its oldest value is an image (a chain that needs nothing older).
+    pub(crate) fn starts_with_image(&self) -> bool {
+        self.values.first().is_some_and(|(_, e, _)| e.kind == Kind::Image)
+    }
+
+    /// Its records and bytes (as [`Snapshot::pick`] counts them against its limits).
+    pub(crate) fn size(&self) -> (usize, u64) {
+        let records = self.values.iter().filter(|(_, e, _)| e.kind == Kind::Record).count();
+        (records, self.values.iter().map(|(_, e, _)| u64::from(e.len)).sum())
+    }
+
+    /// The LSN of its oldest value.
+    pub(crate) fn oldest_lsn(&self) -> Option<Lsn> {
+        self.values.first().map(|(_, e, _)| e.lsn)
+    }
+
+    /// This list (older values, of an ancestor) followed by `newer`.
+    pub(crate) fn followed_by(mut self, newer: Picked) -> Picked {
+        let shift = self.files.len();
+        self.files.extend(newer.files);
+        self.values.extend(newer.values.into_iter().map(|(f, e, copy)| (f + shift, e, copy)));
+        self
+    }
+
     /// Turns a list pushed newest first into one oldest first, in place.
     fn reverse(&mut self) {
         let last = self.files.len() - 1;
@@ -533,11 +557,20 @@ pub(crate) struct ReadStart {
     pub(super) lsn: Lsn,
     version: Lsn,
     pub(super) snapshot: Snapshot,
+    /// How many ancestors down the timeline whose index `snapshot` is of lies, when the lookup
+    /// went on in an ancestor: the plan is made there (0: in the timeline looked up).
+    pub(super) depth: usize,
 }
 
 impl ReadStart {
     pub(super) fn new(key: BufferTag, lsn: Lsn, version: Lsn, snapshot: Snapshot) -> ReadStart {
-        ReadStart { key, lsn, version, snapshot }
+        ReadStart { key, lsn, version, snapshot, depth: 0 }
+    }
+
+    /// This read, begun in the ancestor of the timeline it was begun in, seen from the branch.
+    pub(super) fn in_ancestor(mut self) -> ReadStart {
+        self.depth += 1;
+        self
     }
 
     /// The page's version: the LSN of the newest value of the key at or below the LSN.

@@ -17,8 +17,13 @@ use page_types::{BufferTag, Lsn};
 use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use super::layer::DiskWait;
 use super::manifest::{self, Manifest};
-use super::{index, FsyncFailed, IngestError, StorageConf, StorageMetrics, StorageWriteError, Value};
+use super::read::Picked;
+use super::{
+    index, FsyncFailed, GetError, IngestError, ReadLimits, StorageConf, StorageMetrics, StorageWriteError,
+    Value,
+};
 
 /// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
 pub(super) const QUEUE_BUDGET_KIB: usize = 256 << 10;
@@ -100,9 +105,90 @@ pub(super) struct Shared {
     /// Test hook: the next manifest write renames its file into place, then its directory
     /// fsync fails.
     pub(super) fail_next_manifest_sync: AtomicBool,
+    /// The timeline this one branched from, and the branch point: what it holds at or below
+    /// that LSN is this one's history too (the handle's [`super::Ancestor`], as the modules
+    /// below the handle see it).
+    pub(super) ancestor: Option<Below>,
+    /// The branch points of the timelines open with this one as their ancestor, with how many
+    /// at each: no GC cutoff goes above the lowest ([`super::Timeline::hold_branch_point`]).
+    /// Its lock is held while a cutoff is chosen and raised.
+    pub(super) branch_points: Mutex<std::collections::BTreeMap<Lsn, usize>>,
     /// Test hook: the lookups of a key in the index so far (`Timeline::key_lookups`).
     #[cfg(test)]
     pub(super) key_lookups: AtomicU64,
+}
+
+/// A branch's ancestor below the handle: its shared state and the branch point.
+#[derive(Clone)]
+pub(super) struct Below {
+    pub(super) shared: Arc<Shared>,
+    pub(super) lsn: Lsn,
+}
+
+impl Shared {
+    /// Fails for an LSN below the GC cutoff. Checked after a lookup: the cutoff is raised before
+    /// compaction drops anything, so a lookup it does not refuse saw every value it needs.
+    pub(super) fn check_retained(&self, lsn: Lsn) -> Result<(), GetError> {
+        let cutoff = Lsn(self.gc_cutoff.load(Ordering::Relaxed));
+        if lsn < cutoff {
+            return Err(GetError::BelowGcCutoff { lsn, cutoff });
+        }
+        Ok(())
+    }
+
+    /// Counts a lookup of a key in the index, for tests (`Timeline::key_lookups`).
+    pub(super) fn count_lookup(&self) {
+        #[cfg(test)]
+        self.key_lookups.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The values to read for `key` as of `lsn` (`Snapshot::pick`), going on in the ancestor
+    /// where this timeline's own values do not begin with an image ([`extend_below`]).
+    /// Blocking where `wait` allows.
+    pub(super) fn pick_at(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        limits: ReadLimits,
+        wait: DiskWait,
+    ) -> Result<Option<Picked>, GetError> {
+        self.count_lookup();
+        let snapshot = self.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
+        let picked = snapshot.pick(key, lsn, limits, wait)?;
+        self.check_retained(lsn)?;
+        extend_below(self.ancestor.as_ref(), picked, key, lsn, limits, wait)
+    }
+}
+
+/// `picked` (the values of `key` at or below `lsn` in one timeline, oldest first, or none), with
+/// the values the timeline's `ancestor` has for `key` at the branch point (or at `lsn` below it)
+/// before them, when they do not begin with an image: the ancestor's history below its own
+/// values, within what `limits` leaves. Reads index blocks waiting for the disk only where
+/// `wait` allows.
+pub(super) fn extend_below(
+    ancestor: Option<&Below>,
+    picked: Option<Picked>,
+    key: BufferTag,
+    lsn: Lsn,
+    limits: ReadLimits,
+    wait: DiskWait,
+) -> Result<Option<Picked>, GetError> {
+    let Some(a) = ancestor else {
+        return Ok(picked);
+    };
+    if picked.as_ref().is_some_and(Picked::starts_with_image) {
+        return Ok(picked);
+    }
+    let (records, bytes) = picked.as_ref().map_or((0, 0), Picked::size);
+    let rest = ReadLimits {
+        max_records: limits.max_records.saturating_sub(records),
+        max_bytes: limits.max_bytes.saturating_sub(bytes),
+    };
+    let below = a.shared.pick_at(key, lsn.min(a.lsn), rest, wait)?;
+    Ok(match (below, picked) {
+        (Some(below), Some(picked)) => Some(below.followed_by(picked)),
+        (below, picked) => below.or(picked),
+    })
 }
 
 /// How long ingests are refused after a failed round before the next group may retry.

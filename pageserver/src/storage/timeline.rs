@@ -10,6 +10,7 @@
 //! `stopping` is set, nor while `failure` is set and its retry is not due; the directory lock is
 //! held until the handle is dropped, which waits for the committer to stop.
 
+use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -22,15 +23,26 @@ use page_types::{BufferTag, Lsn};
 use tokio::sync::{oneshot, watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use crate::util::lock;
+
 use super::format::LOCK_NAME;
 use super::index::Version;
 use super::layer::DiskWait;
 use super::read::{would_wait, Lookup, ReadPlan, ReadStart, Snapshot};
-use super::shared::{Pending, Queue, Shared, QUEUE_BUDGET_KIB};
+use super::shared::{extend_below, Below, Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
     commit, recovery, validate, GetError, IngestBatch, IngestError, ReadLimits, ReconstructData, StorageConf,
     StorageMetrics, StorageWriteError, TimelineStats, WaitLsnError,
 };
+
+/// What a branch reads below its branch point: the timeline it branched from and the branch
+/// point. A branch's history is its own values (all above `lsn`) over its ancestor's history at
+/// or below `lsn` (which is, in turn, the ancestor's own values over its ancestor's, and so on).
+#[derive(Clone)]
+pub struct Ancestor {
+    pub timeline: Arc<Timeline>,
+    pub lsn: Lsn,
+}
 
 /// The storage of one timeline. See the module doc.
 pub struct Timeline {
@@ -40,6 +52,9 @@ pub struct Timeline {
     /// The directory lock, released when the handle is dropped (after the committer stopped;
     /// a pool worker may hold `shared` a moment longer, but writes nothing any more).
     _lock: Flock<File>,
+    /// A branch's ancestor (the same link as `shared`'s, at the handle's level: its handle is
+    /// kept open while this one is, and its branch point held).
+    ancestor: Option<Ancestor>,
 }
 
 impl Timeline {
@@ -51,6 +66,40 @@ impl Timeline {
         dir: &Path,
         conf: StorageConf,
         metrics: Arc<StorageMetrics>,
+    ) -> anyhow::Result<Arc<Timeline>> {
+        Timeline::open_branch(dir, conf, metrics, None)
+    }
+
+    /// [`Timeline::open`] of a branch of `ancestor` (of a timeline of its own with `None`). The
+    /// branch point is held in the ancestor while the handle lives ([`Timeline::hold_branch_point`]:
+    /// fails, opening nothing, if the ancestor's GC cutoff is above it, with a
+    /// [`GetError::BelowGcCutoff`] inside), and the last durable LSN starts at it: what is
+    /// ingested comes above it. Blocking, as [`Timeline::open`].
+    pub fn open_branch(
+        dir: &Path,
+        conf: StorageConf,
+        metrics: Arc<StorageMetrics>,
+        ancestor: Option<Ancestor>,
+    ) -> anyhow::Result<Arc<Timeline>> {
+        if let Some(a) = &ancestor {
+            a.timeline.hold_branch_point(a.lsn).map_err(anyhow::Error::new)?;
+        }
+        let opened = Timeline::open_storage(dir, conf, metrics, ancestor.clone());
+        match (&opened, &ancestor) {
+            (Ok(timeline), Some(a)) => {
+                timeline.advance_durable(a.lsn);
+            }
+            (Err(_), Some(a)) => a.timeline.release_branch_point(a.lsn),
+            _ => {}
+        }
+        opened
+    }
+
+    fn open_storage(
+        dir: &Path,
+        conf: StorageConf,
+        metrics: Arc<StorageMetrics>,
+        ancestor: Option<Ancestor>,
     ) -> anyhow::Result<Arc<Timeline>> {
         anyhow::ensure!(conf.layer_size > 0, "layer_size must be positive");
         let span = tracing::info_span!("timeline", dir = %dir.display());
@@ -95,13 +144,15 @@ impl Timeline {
             next_file_id: AtomicU32::new(rec.next_file_id),
             seals: watch::Sender::new(0),
             fail_next_manifest_sync: AtomicBool::new(false),
+            ancestor: ancestor.as_ref().map(|a| Below { shared: Arc::clone(&a.timeline.shared), lsn: a.lsn }),
+            branch_points: Mutex::new(BTreeMap::new()),
             #[cfg(test)]
             key_lookups: AtomicU64::new(0),
         });
         let job = commit::start(&shared, dir_file, rec.segment)?;
         // Added only once `Drop` (which subtracts the timeline's layers) can run.
         shared.metrics.layer_files.add(layers as i64);
-        Ok(Arc::new(Timeline { shared, _job: job, _lock: lock }))
+        Ok(Arc::new(Timeline { shared, _job: job, _lock: lock, ancestor }))
     }
 
     /// Queues `batch` and returns its last LSN once it is durable (written and fdatasync'd,
@@ -268,12 +319,17 @@ impl Timeline {
     /// sees. Reads only the index: the layers' index blocks (through the block cache), waiting
     /// for the disk only where `wait` allows (else an error, with nothing read). `Ok(None)` if
     /// the key has nothing at or below `lsn`; `BelowGcCutoff` if `lsn` is below the GC cutoff.
+    /// On a branch, a key it holds no value of is looked up in its ancestor at the branch point
+    /// (or at `lsn` below it).
     pub fn version_at(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> Result<Option<Lsn>, GetError> {
-        self.count_lookup();
+        self.shared.count_lookup();
         let version = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).version(key, lsn);
         let found = version.newest(key, lsn, wait)?;
-        self.check_retained(lsn)?;
-        Ok(found)
+        self.shared.check_retained(lsn)?;
+        match (found, &self.ancestor) {
+            (None, Some(a)) => a.timeline.version_at(key, lsn.min(a.lsn), wait),
+            (found, _) => Ok(found),
+        }
     }
 
     /// One lookup of `key` at `lsn` for a page read: the page's version (the LSN of the newest
@@ -284,17 +340,21 @@ impl Timeline {
     /// and only on a miss: a hit copies nothing): it must be quick and must not call into this
     /// timeline. Never waits for the disk: an index block the kernel's page cache does not hold
     /// fails the lookup with an error that `would_wait` tells, nothing read. `BelowGcCutoff` if
-    /// `lsn` is below the GC cutoff.
+    /// `lsn` is below the GC cutoff. On a branch, a key it holds no value of is looked up in
+    /// its ancestor at the branch point (or at `lsn` below it), and the read begun there is
+    /// planned there.
     pub(crate) fn lookup<T>(
         &self,
         key: BufferTag,
         lsn: Lsn,
         cached: impl FnOnce(Lsn) -> Option<T>,
     ) -> Result<Lookup<T>, GetError> {
-        self.count_lookup();
+        self.shared.count_lookup();
+        let mut cached = Some(cached);
+        let mut ask = |version: Lsn| cached.take().and_then(|f| f(version));
         let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
         let found = match index.version(key, lsn) {
-            Version::Found(version) => match cached(version) {
+            Version::Found(version) => match ask(version) {
                 Some(value) => Lookup::Cached { version, value },
                 None => Lookup::Read(ReadStart::new(key, lsn, version, index.snapshot(key, lsn))),
             },
@@ -302,7 +362,7 @@ impl Timeline {
                 drop(index);
                 match layers.newest(key, lsn, DiskWait::Refused).map_err(GetError::Io)? {
                     None => Lookup::NotFound,
-                    Some(found) => match cached(found.lsn) {
+                    Some(found) => match ask(found.lsn) {
                         Some(value) => Lookup::Cached { version: found.lsn, value },
                         None => {
                             let snapshot = Snapshot::in_layers(layers, found);
@@ -312,14 +372,16 @@ impl Timeline {
                 }
             }
         };
-        self.check_retained(lsn)?;
-        Ok(found)
-    }
-
-    /// Counts a lookup of a key in the index, for tests ([`Timeline::key_lookups`]).
-    fn count_lookup(&self) {
-        #[cfg(test)]
-        self.shared.key_lookups.fetch_add(1, Ordering::Relaxed);
+        self.shared.check_retained(lsn)?;
+        match (found, &self.ancestor, cached) {
+            (Lookup::NotFound, Some(a), Some(cached)) => {
+                Ok(match a.timeline.lookup(key, lsn.min(a.lsn), cached)? {
+                    Lookup::Read(start) => Lookup::Read(start.in_ancestor()),
+                    other => other,
+                })
+            }
+            (found, _, _) => Ok(found),
+        }
     }
 
     /// Test hook: how many times a key was looked up in the index (each call of
@@ -342,14 +404,35 @@ impl Timeline {
         self.shared.gc_cutoff.fetch_max(lsn.0, Ordering::Relaxed);
     }
 
-    /// Fails for an LSN below the GC cutoff. Checked after a lookup: the cutoff is raised before
-    /// compaction drops anything, so a lookup it does not refuse saw every value it needs.
-    fn check_retained(&self, lsn: Lsn) -> Result<(), GetError> {
-        let cutoff = self.gc_cutoff();
-        if lsn < cutoff {
-            return Err(GetError::BelowGcCutoff { lsn, cutoff });
-        }
+    /// Holds `lsn` as the branch point of a timeline branched from this one: until
+    /// [`Timeline::release_branch_point`], no GC cutoff goes above it, so every version a read
+    /// at or below it needs is kept. Fails with `BelowGcCutoff` if the cutoff already is.
+    pub fn hold_branch_point(&self, lsn: Lsn) -> Result<(), GetError> {
+        let mut points = lock(&self.shared.branch_points);
+        self.shared.check_retained(lsn)?;
+        *points.entry(lsn).or_default() += 1;
         Ok(())
+    }
+
+    /// Lets go of a branch point [`Timeline::hold_branch_point`] held.
+    pub fn release_branch_point(&self, lsn: Lsn) {
+        let mut points = lock(&self.shared.branch_points);
+        if let Some(n) = points.get_mut(&lsn) {
+            *n -= 1;
+            if *n == 0 {
+                points.remove(&lsn);
+            }
+        }
+    }
+
+    /// The branch points held in this timeline, lowest first.
+    pub fn branch_points(&self) -> Vec<Lsn> {
+        lock(&self.shared.branch_points).keys().copied().collect()
+    }
+
+    /// The ancestor of a branch.
+    pub fn ancestor(&self) -> Option<&Ancestor> {
+        self.ancestor.as_ref()
     }
 
     /// The newest image of `key` at or below `lsn` and the records above it up to `lsn`, oldest
@@ -376,9 +459,7 @@ impl Timeline {
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
-        self.count_lookup();
-        let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
-        let plan = snapshot.pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new);
+        let plan = self.shared.pick_at(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new);
         self.planned(key, lsn, plan)
     }
 
@@ -403,7 +484,7 @@ impl Timeline {
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
-        self.count_lookup();
+        self.shared.count_lookup();
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
         self.plan_snapshot(snapshot, key, lsn, limits).await
     }
@@ -421,18 +502,23 @@ impl Timeline {
         chain: ReadLimits,
         piece: ReadLimits,
     ) -> Result<Vec<ReadPlan>, GetError> {
-        self.count_lookup();
+        self.shared.count_lookup();
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
-        let picked = match snapshot.pick(key, lsn, chain, DiskWait::Refused) {
+        let ancestor = self.shared.ancestor.clone();
+        let pick = move |wait| {
+            let picked = snapshot.pick(key, lsn, chain, wait)?;
+            extend_below(ancestor.as_ref(), picked, key, lsn, chain, wait)
+        };
+        let picked = match pick(DiskWait::Refused) {
             Err(e) if would_wait(&e) => {
                 self.shared.metrics.plans_offloaded.inc();
-                tokio::task::spawn_blocking(move || snapshot.pick(key, lsn, chain, DiskWait::Allowed))
+                tokio::task::spawn_blocking(move || pick(DiskWait::Allowed))
                     .await
                     .map_err(|e| GetError::Io(anyhow::anyhow!("storage plan task failed: {e}")))??
             }
             picked => picked?,
         };
-        self.check_retained(lsn)?;
+        self.shared.check_retained(lsn)?;
         let picked = picked.ok_or(GetError::NotFound { key, lsn })?;
         Ok(picked.into_pieces(piece).into_iter().map(ReadPlan::new).collect())
     }
@@ -450,7 +536,19 @@ impl Timeline {
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
         let (key, lsn) = (start.key, start.lsn);
-        self.plan_snapshot(start.snapshot, key, lsn, limits).await
+        // Begun in an ancestor: planned there, against its own ancestors.
+        let mut owner = self;
+        for _ in 0..start.depth {
+            owner = match &owner.ancestor {
+                Some(a) => &a.timeline,
+                None => {
+                    return Err(GetError::Io(anyhow::anyhow!(
+                        "a read begun in an ancestor this timeline lacks"
+                    )))
+                }
+            };
+        }
+        owner.plan_snapshot(start.snapshot, key, lsn, limits).await
     }
 
     /// The plan for `key` at `lsn` from `snapshot` (see [`Timeline::plan_read_async`]).
@@ -461,11 +559,16 @@ impl Timeline {
         lsn: Lsn,
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
-        let plan = match snapshot.pick(key, lsn, limits, DiskWait::Refused) {
+        let ancestor = self.shared.ancestor.clone();
+        let pick = move |wait| {
+            let picked = snapshot.pick(key, lsn, limits, wait)?;
+            extend_below(ancestor.as_ref(), picked, key, lsn, limits, wait)
+        };
+        let plan = match pick(DiskWait::Refused) {
             Err(e) if would_wait(&e) => {
                 self.shared.metrics.plans_offloaded.inc();
                 tokio::task::spawn_blocking(move || {
-                    let plan = snapshot.pick(key, lsn, limits, DiskWait::Allowed)?.map(ReadPlan::new);
+                    let plan = pick(DiskWait::Allowed)?.map(ReadPlan::new);
                     if let Some(plan) = &plan {
                         plan.warm_values();
                     }
@@ -481,7 +584,7 @@ impl Timeline {
 
     /// The plan for `key` at `lsn`, if the index snapshot picked any values.
     fn planned(&self, key: BufferTag, lsn: Lsn, plan: Option<ReadPlan>) -> Result<ReadPlan, GetError> {
-        self.check_retained(lsn)?;
+        self.shared.check_retained(lsn)?;
         plan.ok_or(GetError::NotFound { key, lsn })
     }
 
@@ -598,9 +701,19 @@ impl Timeline {
     /// Every key, in key order, with the LSN of its oldest value (the key space, for
     /// `GET /v1/tenant/{id}/keyspace`). Reads every layer's whole index (the lock held only to
     /// copy the active segment's entries): O(values), blocking; call it from a blocking thread.
+    /// On a branch, with the keys its ancestor has at or below the branch point.
     pub fn keyspace(&self) -> anyhow::Result<Vec<(BufferTag, Lsn)>> {
         let (active, layers) = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).all();
-        super::layer_map::first_lsns(&active, layers.layers())
+        let own = super::layer_map::first_lsns(&active, layers.layers())?;
+        let Some(a) = &self.ancestor else {
+            return Ok(own);
+        };
+        let mut all: BTreeMap<BufferTag, Lsn> =
+            a.timeline.keyspace()?.into_iter().filter(|(_, first)| *first <= a.lsn).collect();
+        for (key, first) in own {
+            all.entry(key).or_insert(first);
+        }
+        Ok(all.into_iter().collect())
     }
 
     /// The keys that `keep` accepts, in key order, without reading the whole key space: a skip
@@ -618,6 +731,9 @@ impl Timeline {
             self.shared.index.read().unwrap_or_else(PoisonError::into_inner).keys_where(keep);
         let mut kept = super::layer_map::skip_scan(layers.layers(), keep, skip)?;
         kept.extend(active);
+        if let Some(a) = &self.ancestor {
+            kept.extend(a.timeline.scan_keys(keep, skip)?);
+        }
         Ok(kept.into_iter().collect())
     }
 
@@ -698,6 +814,9 @@ impl Drop for Timeline {
         }
         let layers = self.shared.layers.load(Ordering::Relaxed);
         self.shared.metrics.layer_files.sub(layers as i64);
+        if let Some(a) = &self.ancestor {
+            a.timeline.release_branch_point(a.lsn);
+        }
     }
 }
 

@@ -763,3 +763,156 @@ async fn a_crash_during_a_gc_pass_loses_nothing() {
     assert!(snapshots > 4, "{snapshots}");
     check(snapshot(dir.path()), "after a GC install");
 }
+
+// Branches: a timeline opened with an ancestor reads its own values over the ancestor's history
+// at the branch point. The oracle is a timeline of its own holding both (flat).
+
+/// [`fill`] with records marked `tag`, so that two timelines given the same rounds differ.
+async fn fill_as(tl: &Timeline, tag: char, from_round: u64, rounds: u64) -> u64 {
+    let mut last = 0;
+    for round in from_round..from_round + rounds {
+        let values = (0..KEYS)
+            .map(|k| {
+                last = round * 100 + u64::from(k) + 1;
+                (key(k), last, record(&format!("{tag}k{k}r{round}")))
+            })
+            .collect();
+        tl.ingest(batch(values)).await.unwrap();
+    }
+    last
+}
+
+fn branch(
+    dir: &std::path::Path,
+    m: &std::sync::Arc<crate::storage::StorageMetrics>,
+    of: &std::sync::Arc<Timeline>,
+    lsn: u64,
+) -> std::sync::Arc<Timeline> {
+    let ancestor = crate::storage::Ancestor { timeline: std::sync::Arc::clone(of), lsn: Lsn(lsn) };
+    Timeline::open_branch(dir, crate::storage::StorageConf { layer_size: 2000 }, m.clone(), Some(ancestor))
+        .unwrap()
+}
+
+/// The page of `k` at `lsn` through the daemon's path: one lookup, its plan, its read.
+async fn page_via_lookup(tl: &Timeline, k: u32, lsn: u64) -> Option<Bytes> {
+    match tl.lookup(key(k), Lsn(lsn), |_| None::<()>).unwrap() {
+        crate::storage::Lookup::NotFound => None,
+        crate::storage::Lookup::Cached { .. } => unreachable!("nothing is cached"),
+        crate::storage::Lookup::Read(start) => {
+            let plan = tl.plan_read_from(start, NO_LIMITS).await.unwrap();
+            Some(toy_redo(&tl.read_planned(plan).await.unwrap()))
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_branch_reads_its_ancestor_below_its_point_and_its_own_writes_above_and_gc_keeps_the_point() {
+    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+    let m = metrics();
+    let (parent, flat) = (open(dirs[0].path(), 2000, &m), open(dirs[1].path(), 2000, &m));
+    let point = fill(&parent, 0, 11).await;
+    fill(&flat, 0, 11).await;
+    parent.freeze().await.unwrap();
+    let child = branch(dirs[2].path(), &m, &parent, point);
+    assert_eq!(child.last_durable_lsn(), Lsn(point), "a branch starts at its point");
+    assert_eq!(parent.branch_points(), vec![Lsn(point)]);
+    // Writes go on in both, differently; the child's are above the point.
+    let err = child.ingest(batch(vec![(key(0), point, record("x"))])).await.unwrap_err();
+    assert!(matches!(err, crate::storage::IngestError::LsnWentBackwards { .. }), "{err}");
+    let parent_last = fill(&parent, 11, 10).await;
+    let parent_pages = pages(&parent, KEYS, &[point, parent_last]);
+    let last = fill_as(&child, 'c', 11, 12).await;
+    fill_as(&flat, 'c', 11, 12).await;
+    // A key only the child has, and one only the parent has after the point.
+    child.ingest(batch(vec![(key(KEYS), last + 1, image(7))])).await.unwrap();
+    flat.ingest(batch(vec![(key(KEYS), last + 1, image(7))])).await.unwrap();
+    parent.ingest(batch(vec![(key(KEYS + 1), parent_last + 1, image(8))])).await.unwrap();
+    let last = last + 1;
+    let lsns: Vec<u64> = (0..=last).step_by(97).chain([point, point + 1, last]).collect();
+    let want = pages(&flat, KEYS + 2, &lsns);
+    assert_eq!(pages(&child, KEYS + 2, &lsns), want);
+    assert_eq!(pages(&parent, KEYS, &[point, parent_last]), parent_pages, "the parent is untouched");
+    for (k, lsn) in [(0, point), (3, last), (KEYS, last), (KEYS + 1, last), (5, 388)] {
+        assert_eq!(
+            page_via_lookup(&child, k, lsn).await,
+            want[&(k, lsn)].clone().unwrap(),
+            "key {k} at {lsn}"
+        );
+    }
+    assert_eq!(child.version_at(key(KEYS + 1), Lsn(last), DiskWait::Allowed).unwrap(), None);
+    assert_eq!(
+        child.version_at(key(1), Lsn(point + 5), DiskWait::Allowed).unwrap(),
+        Some(Lsn(point - KEYS as u64 + 2))
+    );
+    let keys: Vec<u32> = child.keyspace().unwrap().iter().map(|(k, _)| k.blknum).collect();
+    assert_eq!(
+        keys,
+        (0..=KEYS).collect::<Vec<_>>(),
+        "the parent's key made after the point is not the child's"
+    );
+
+    // GC on the parent with no horizon stops at the branch point, and the child reads on.
+    let parent_retained: Vec<u64> = vec![point, point + 50, parent_last];
+    let parent_pages = pages(&parent, KEYS, &parent_retained);
+    parent.freeze().await.unwrap();
+    let stats = run(parent.begin_compaction(conf(3, 0)).unwrap().unwrap(), Duration::from_millis(1));
+    assert_eq!(parent.gc_cutoff(), Lsn(point), "{stats:?}");
+    assert!(stats.values_dropped > 0, "{stats:?}");
+    assert_eq!(pages(&parent, KEYS, &parent_retained), parent_pages);
+    let at_or_above: Vec<u64> = lsns.iter().copied().filter(|&l| l >= point).collect();
+    let want_above = pages(&flat, KEYS + 2, &at_or_above);
+    assert_eq!(pages(&child, KEYS + 2, &at_or_above), want_above);
+    // A branch below the cutoff is refused, naming it.
+    let err = Timeline::open_branch(
+        dirs[3].path(),
+        crate::storage::StorageConf { layer_size: 2000 },
+        m.clone(),
+        Some(crate::storage::Ancestor { timeline: std::sync::Arc::clone(&parent), lsn: Lsn(point - 1) }),
+    )
+    .err()
+    .unwrap();
+    assert!(matches!(err.downcast_ref::<GetError>(), Some(GetError::BelowGcCutoff { .. })), "{err:#}");
+    assert_eq!(parent.branch_points(), vec![Lsn(point)]);
+
+    // The child's compaction images its chains from the parent's page at the point.
+    child.freeze().await.unwrap();
+    let stats = run(child.begin_compaction(conf(3, u64::MAX)).unwrap().unwrap(), Duration::from_millis(1));
+    assert_eq!(stats.images_created, u64::from(KEYS), "{stats:?}");
+    assert_eq!(pages(&child, KEYS + 2, &at_or_above), want_above);
+    let d = child.get_reconstruct_data(key(3), Lsn(last), NO_LIMITS).unwrap();
+    assert!(d.image.is_some() && d.records.is_empty(), "one image of the child's own");
+
+    // Reopened (the parent first), the same; dropped, the point is let go.
+    drop(child);
+    assert!(parent.branch_points().is_empty());
+    let child = branch(dirs[2].path(), &m, &parent, point);
+    assert_eq!(pages(&child, KEYS + 2, &at_or_above), want_above);
+    drop(child);
+    parent.ingest(batch(vec![(key(0), parent_last + 10, image(1))])).await.unwrap();
+    parent.freeze().await.unwrap();
+    run(parent.begin_compaction(conf(3, 0)).unwrap().unwrap(), Duration::from_millis(1));
+    assert!(parent.gc_cutoff() > Lsn(point), "without the branch, GC goes on: {}", parent.gc_cutoff());
+}
+
+#[tokio::test]
+async fn a_branch_of_a_branch_reads_three_levels() {
+    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+    let m = metrics();
+    let (root, flat) = (open(dirs[0].path(), 2000, &m), open(dirs[1].path(), 2000, &m));
+    let p1 = fill(&root, 0, 5).await;
+    fill(&flat, 0, 5).await;
+    let mid = branch(dirs[2].path(), &m, &root, p1);
+    let p2 = fill_as(&mid, 'm', 5, 5).await;
+    fill_as(&flat, 'm', 5, 5).await;
+    fill_as(&root, 'r', 5, 9).await;
+    let leaf = branch(dirs[3].path(), &m, &mid, p2);
+    let last = fill_as(&leaf, 'l', 10, 4).await;
+    fill_as(&flat, 'l', 10, 4).await;
+    fill_as(&mid, 'n', 10, 2).await;
+    let lsns: Vec<u64> = (0..=last).step_by(53).chain([p1, p2, last]).collect();
+    assert_eq!(pages(&leaf, KEYS, &lsns), pages(&flat, KEYS, &lsns));
+    for (k, lsn) in [(1, p1), (2, p2), (4, last), (6, 30)] {
+        let want = pages(&flat, KEYS, &[lsn])[&(k, lsn)].clone().unwrap();
+        assert_eq!(page_via_lookup(&leaf, k, lsn).await, want, "key {k} at {lsn}");
+    }
+}
