@@ -70,7 +70,14 @@ impl Floor {
     /// A connection past Hello.
     fn hello(&self) -> TcpStream {
         let mut stream = self.connect();
-        send(&mut stream, &[ClientMessage::Hello { version: PROTOCOL_VERSION, tenant_id: "bench".into() }]);
+        send(
+            &mut stream,
+            &[ClientMessage::Hello {
+                version: PROTOCOL_VERSION,
+                tenant_id: "bench".into(),
+                timeline_id: "main".into(),
+            }],
+        );
         match recv(&mut stream) {
             ServerMessage::HelloOk { version, last_durable_lsn } => {
                 assert_eq!((version, last_durable_lsn), (PROTOCOL_VERSION, END_LSN));
@@ -200,7 +207,14 @@ fn ingest_a_second_hello_and_requests_before_hello_get_an_error_and_a_close() {
     assert_closed(&mut stream);
 
     let mut stream = floor.hello();
-    send(&mut stream, &[ClientMessage::Hello { version: PROTOCOL_VERSION, tenant_id: "again".into() }]);
+    send(
+        &mut stream,
+        &[ClientMessage::Hello {
+            version: PROTOCOL_VERSION,
+            tenant_id: "again".into(),
+            timeline_id: "main".into(),
+        }],
+    );
     expect_error(&mut stream, ErrorCode::BadFrame);
     assert_closed(&mut stream);
 
@@ -210,7 +224,14 @@ fn ingest_a_second_hello_and_requests_before_hello_get_an_error_and_a_close() {
     assert_closed(&mut stream);
 
     let mut stream = floor.connect();
-    send(&mut stream, &[ClientMessage::Hello { version: PROTOCOL_VERSION + 1, tenant_id: "t".into() }]);
+    send(
+        &mut stream,
+        &[ClientMessage::Hello {
+            version: PROTOCOL_VERSION + 1,
+            tenant_id: "t".into(),
+            timeline_id: "main".into(),
+        }],
+    );
     expect_error(&mut stream, ErrorCode::UnsupportedVersion);
     assert_closed(&mut stream);
 

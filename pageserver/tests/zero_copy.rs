@@ -353,7 +353,12 @@ fn client(pg: SocketAddr) -> Counts {
     EXCLUDED.with(|excluded| excluded.set(true));
     let mut conn = Connection::connect(pg);
     let mut out = BytesMut::with_capacity(64 << 10);
-    ClientMessage::Hello { version: PROTOCOL_VERSION, tenant_id: TENANT.to_string() }.encode(&mut out);
+    ClientMessage::Hello {
+        version: PROTOCOL_VERSION,
+        tenant_id: TENANT.to_string(),
+        timeline_id: "main".into(),
+    }
+    .encode(&mut out);
     conn.send(&out);
     match conn.recv() {
         ServerMessage::HelloOk { .. } => {}

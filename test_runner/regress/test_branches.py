@@ -15,6 +15,8 @@ import time
 import pytest
 
 from fixtures import basebackup
+from fixtures.oracle import Key
+from fixtures.page_client import PageConnection
 from fixtures.postgres import Postgres
 from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
 from fixtures.waldump import lsn_text
@@ -83,6 +85,21 @@ def test_branches_answer_as_the_primary_did_at_their_point(primary, pageserver_f
     ps.http.request("POST", f"/v1/tenant/{tenant}/timeline/main/compact")
     gc_cutoff = ps.http.timeline_status(tenant, "main")["gc_cutoff"]
     assert gc_cutoff == point, (gc_cutoff, point)
+
+    # The page service serves a branch named in its Hello (protocol version 2); version 1 means main.
+    db = int(primary.sql("select oid from pg_database where datname = 'postgres'"))
+    notes = Key(1663, db, int(primary.sql("select pg_relation_filenode('notes')")), 0, 0)
+    main_conn, leaf_conn, v1_conn = ps.connect(tenant), ps.connect(tenant, timeline="b3"), PageConnection(ps.pg_addr)
+    try:
+        v1_conn.hello(tenant, version=1)
+        assert v1_conn.hello_ok.last_durable_lsn == ps.http.timeline_status(tenant, "main")["durable_lsn"]
+        assert leaf_conn.hello_ok.last_durable_lsn == point
+        at_point_page = main_conn.get_page(notes, point)
+        assert leaf_conn.get_page(notes) == at_point_page
+        assert v1_conn.get_page(notes) == main_conn.get_page(notes) != at_point_page, "rows of it were updated"
+    finally:
+        for conn in (main_conn, leaf_conn, v1_conn):
+            conn.close()
 
     assert dump_of_backup(ps, tenant, "b3", tmp_path, "on-b3") == at_point
     assert dump_of_backup(ps, tenant, "main", tmp_path, "on-main") == at_end

@@ -55,7 +55,10 @@ BAD_FRAMES = {
     "zero_len": (lambda t: struct.pack(">I", 0), True, "frame_too_large"),
     "oversized_len": (lambda t: struct.pack(">IB", MAX_FRAME_LEN + 1, T_INGEST), True, "frame_too_large"),
     "oversized_len_before_hello": (lambda t: struct.pack(">IB", 0xFFFF_FFFF, T_GET_PAGE), False, "frame_too_large"),
-    "hello_version_2": (lambda t: frame(T_HELLO, hello_payload(t, version=2)), False, "unsupported_version"),
+    "hello_version_3": (lambda t: frame(T_HELLO, hello_payload(t, version=3)), False, "unsupported_version"),
+    "hello_v1_trailing_timeline": (lambda t: frame(T_HELLO, hello_payload(t, version=1) + b"\x00\x04main"), False, "bad_frame"),
+    "hello_v2_without_timeline": (lambda t: frame(T_HELLO, struct.pack(">IH", 2, len(t)) + t.encode()), False, "bad_frame"),
+    "hello_unknown_timeline": (lambda t: frame(T_HELLO, hello_payload(t, timeline="nope")), False, "no_such_tenant"),
     "hello_version_0": (lambda t: frame(T_HELLO, hello_payload(t, version=0)), False, "unsupported_version"),
     "hello_unknown_tenant": (lambda t: _hello("no-such-tenant"), False, "no_such_tenant"),
 }
@@ -184,11 +187,13 @@ def test_connection_limit(pageserver_factory):
 
 
 def test_hello_ok_reports_version(pageserver, tenant):
-    conn = pageserver.raw_connection()
-    try:
-        conn.send_raw(_hello(tenant))
-        frame_type, payload = conn.read_frame()
-        assert frame_type == 0x81
-        assert struct.unpack(">IQ", payload) == (1, 0)
-    finally:
-        conn.close()
+    """HelloOk repeats the Hello's version: 2 (naming the timeline), or 1 (meaning `main`)."""
+    for version in (2, 1):
+        conn = pageserver.raw_connection()
+        try:
+            conn.send_raw(frame(T_HELLO, hello_payload(tenant, version=version)))
+            frame_type, payload = conn.read_frame()
+            assert frame_type == 0x81
+            assert struct.unpack(">IQ", payload) == (version, 0)
+        finally:
+            conn.close()

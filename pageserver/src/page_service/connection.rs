@@ -21,12 +21,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::io_choice::IoChoice;
-use super::proto::{self, ClientMessage, DecodeError, ErrorCode, ServerMessage, PROTOCOL_VERSION};
+use super::proto::{
+    self, ClientMessage, DecodeError, ErrorCode, ServerMessage, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
 use super::writer::{OutgoingReply, Pending, Queued, Replies, SocketWriter};
 use super::{ConnectionSlot, PageServiceMetrics, HELLO_TIMEOUT, MAX_IN_FLIGHT};
 use crate::storage::{IngestError, WaitLsnError};
 use crate::tenant::{GetPageError, PageNow, Tenant};
-use crate::tenants::{TenantError, Tenants};
+use crate::tenants::{TenantError, Tenants, TimelineError};
 use crate::util::Signal;
 use crate::walredo::RedoError;
 
@@ -90,11 +92,8 @@ pub(crate) async fn handle_connection(
         let mut buf = BytesMut::with_capacity(proto::MAX_HELLO_FRAME_LEN as usize + 4);
         let mut replies = Replies::new();
         match hello(&stream, &mut buf, tenants, metrics, &stop).await {
-            Ok(tenant) => {
-                let ok = ServerMessage::HelloOk {
-                    version: PROTOCOL_VERSION,
-                    last_durable_lsn: tenant.last_durable_lsn().0,
-                };
+            Ok((tenant, version)) => {
+                let ok = ServerMessage::HelloOk { version, last_durable_lsn: tenant.last_durable_lsn().0 };
                 replies.push(Queued { pending: Pending::Ready(OutgoingReply::message(&ok)), slot: None });
                 let span = tracing::info_span!("tenant", tenant_id = tenant.id);
                 let connection = Connection { tenant: &tenant, metrics, stop: &stop, conf: &conf };
@@ -118,14 +117,15 @@ pub(crate) async fn handle_connection(
     }
 }
 
-/// Reads and checks the Hello; an `Err` is the reply that refuses the connection.
+/// Reads and checks the Hello: the timeline it names (`main` for a version 1 Hello) and the
+/// version, which HelloOk repeats; an `Err` is the reply that refuses the connection.
 async fn hello(
     reader: &TcpStream,
     buf: &mut BytesMut,
     tenants: &Tenants,
     metrics: &PageServiceMetrics,
     stop: &Arc<Signal>,
-) -> Result<Arc<Tenant>, OutgoingReply> {
+) -> Result<(Arc<Tenant>, u32), OutgoingReply> {
     let refuse = |code, message: String| OutgoingReply::error(metrics, 0, code, message);
     let mut stop = stop.watch();
     let frame = tokio::select! {
@@ -139,20 +139,27 @@ async fn hello(
         Ok(Ok(Some(frame))) => frame,
     };
     match proto::decode_client(frame) {
-        Ok(ClientMessage::Hello { version, tenant_id }) => {
-            if version != PROTOCOL_VERSION {
+        Ok(ClientMessage::Hello { version, tenant_id, timeline_id }) => {
+            if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
                 return Err(refuse(
                     ErrorCode::UnsupportedVersion,
                     format!(
-                        "protocol version {version} is not supported, this daemon speaks {PROTOCOL_VERSION}"
+                        "protocol version {version} is not supported, this daemon speaks \
+                         {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
                     ),
                 ));
             }
-            tenants.get(&tenant_id).map_err(|e| match e {
-                TenantError::NotFound(_) => refuse(ErrorCode::NoSuchTenant, format!("no tenant {tenant_id}")),
-                TenantError::Broken { .. } => refuse(ErrorCode::TenantBroken, e.to_string()),
+            let tenant = tenants.timeline(&tenant_id, &timeline_id).map_err(|e| match e {
+                TimelineError::Tenant(TenantError::NotFound(_)) => {
+                    refuse(ErrorCode::NoSuchTenant, format!("no tenant {tenant_id}"))
+                }
+                e @ TimelineError::NotFound { .. } => refuse(ErrorCode::NoSuchTenant, e.to_string()),
+                TimelineError::Tenant(e @ TenantError::Broken { .. }) => {
+                    refuse(ErrorCode::TenantBroken, e.to_string())
+                }
                 other => refuse(ErrorCode::Internal, other.to_string()),
-            })
+            })?;
+            Ok((tenant, version))
         }
         Ok(_) => Err(refuse(ErrorCode::BadFrame, "the first message must be Hello".into())),
         Err(e) => Err(refuse(e.code(), e.to_string())),

@@ -14,7 +14,13 @@ use page_types::{BufferTag, Lsn, BUFFER_TAG_LEN, PAGE_SIZE};
 
 use crate::storage::{IngestBatch, Value};
 
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The newest protocol version: 2, whose Hello names a timeline. Version 1 (a Hello without
+/// one, for the tenant's `main`) is still spoken.
+pub const PROTOCOL_VERSION: u32 = 2;
+/// The oldest protocol version the daemon speaks.
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
+/// The timeline a version 1 Hello means.
+pub const DEFAULT_TIMELINE: &str = "main";
 /// Largest `len` of a frame (type and payload).
 pub const MAX_FRAME_LEN: u32 = 8 << 20;
 /// Largest `len` of a frame before Hello: a Hello is under 100 bytes, and a connection that has
@@ -90,6 +96,8 @@ pub enum ClientMessage {
     Hello {
         version: u32,
         tenant_id: String,
+        /// Sent from version 2 on; a version 1 Hello means [`DEFAULT_TIMELINE`].
+        timeline_id: String,
     },
     GetPage {
         request_id: u64,
@@ -368,10 +376,20 @@ pub fn decode_client(frame: Bytes) -> Result<ClientMessage, DecodeError> {
                 return malformed(format!("tenant id of {len} bytes, allowed 1..={MAX_TENANT_ID_LEN}"));
             }
             let raw = r.bytes(len)?;
-            r.finish()?;
             let tenant_id =
                 String::from_utf8(raw.to_vec()).or_else(|_| malformed("tenant id is not UTF-8"))?;
-            Ok(ClientMessage::Hello { version, tenant_id })
+            let timeline_id = if version >= 2 {
+                let len = r.u16()? as usize;
+                if len == 0 || len > MAX_TENANT_ID_LEN {
+                    return malformed(format!("timeline id of {len} bytes, allowed 1..={MAX_TENANT_ID_LEN}"));
+                }
+                let raw = r.bytes(len)?;
+                String::from_utf8(raw.to_vec()).or_else(|_| malformed("timeline id is not UTF-8"))?
+            } else {
+                DEFAULT_TIMELINE.to_string()
+            };
+            r.finish()?;
+            Ok(ClientMessage::Hello { version, tenant_id, timeline_id })
         }
         GET_PAGE => {
             let mut r = Reader { payload, what: "GetPage" };
@@ -498,11 +516,17 @@ impl ClientMessage {
     /// Appends the frame. The caller keeps an Ingest within [`MAX_FRAME_LEN`].
     pub fn encode(&self, out: &mut BytesMut) {
         match self {
-            ClientMessage::Hello { version, tenant_id } => {
-                put_frame(out, HELLO, 4 + 2 + tenant_id.len(), |out| {
+            ClientMessage::Hello { version, tenant_id, timeline_id } => {
+                let timeline = (*version >= 2).then_some(timeline_id);
+                let len = 4 + 2 + tenant_id.len() + timeline.map_or(0, |t| 2 + t.len());
+                put_frame(out, HELLO, len, |out| {
                     out.put_u32(*version);
                     out.put_u16(tenant_id.len() as u16);
                     out.put_slice(tenant_id.as_bytes());
+                    if let Some(timeline) = timeline {
+                        out.put_u16(timeline.len() as u16);
+                        out.put_slice(timeline.as_bytes());
+                    }
                 });
             }
             ClientMessage::GetPage { request_id, key, lsn } => {
@@ -626,7 +650,16 @@ mod tests {
 
     #[test]
     fn every_message_round_trips() {
-        round_trip_client(ClientMessage::Hello { version: 1, tenant_id: "t-1".into() });
+        round_trip_client(ClientMessage::Hello {
+            version: 1,
+            tenant_id: "t-1".into(),
+            timeline_id: "main".into(),
+        });
+        round_trip_client(ClientMessage::Hello {
+            version: 2,
+            tenant_id: "t-1".into(),
+            timeline_id: "b-2".into(),
+        });
         round_trip_client(ClientMessage::GetPage { request_id: 7, key: key(), lsn: LSN_LATEST });
         round_trip_client(ClientMessage::Ingest {
             request_id: 8,
@@ -717,6 +750,10 @@ mod tests {
         assert!(matches!(bad(b"\0\0\0\x0e\x03\0\0\0\0\0\0\0\x01\x40\0\0\0\0"), DecodeError::Malformed(_)));
         // Hello with an empty tenant id.
         assert!(matches!(bad(b"\0\0\0\x07\x01\0\0\0\x01\0\0"), DecodeError::Malformed(_)));
+        // Version 2 without a timeline id, with an empty one, and version 1 with one.
+        assert!(matches!(bad(b"\0\0\0\x08\x01\0\0\0\x02\0\x01t"), DecodeError::Malformed(_)));
+        assert!(matches!(bad(b"\0\0\0\x0a\x01\0\0\0\x02\0\x01t\0\0"), DecodeError::Malformed(_)));
+        assert!(matches!(bad(b"\0\0\0\x0b\x01\0\0\0\x01\0\x01t\0\x01b"), DecodeError::Malformed(_)));
     }
 
     #[test]

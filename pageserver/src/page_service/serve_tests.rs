@@ -249,7 +249,12 @@ async fn the_connections_gauge_counts_a_slot_that_a_ring_holds_after_its_connect
         let (read, mut write) = socket.connect(served.addr).await.unwrap().into_split();
         let mut reader = ClientReader::new(read);
         let mut hello = BytesMut::new();
-        ClientMessage::Hello { version: PROTOCOL_VERSION, tenant_id: TENANT.into() }.encode(&mut hello);
+        ClientMessage::Hello {
+            version: PROTOCOL_VERSION,
+            tenant_id: TENANT.into(),
+            timeline_id: "main".into(),
+        }
+        .encode(&mut hello);
         write.write_all(&hello).await.unwrap();
         match reader.recv().await.unwrap() {
             ServerMessage::HelloOk { .. } => break (reader, write),
@@ -323,7 +328,12 @@ async fn a_client_that_sent_fin_and_reads_nothing_is_disconnected_at_the_write_t
         let (read, mut write) = socket.connect(served.addr).await.unwrap().into_split();
         let mut reader = ClientReader::new(read);
         let mut requests = BytesMut::new();
-        ClientMessage::Hello { version: PROTOCOL_VERSION, tenant_id: TENANT.into() }.encode(&mut requests);
+        ClientMessage::Hello {
+            version: PROTOCOL_VERSION,
+            tenant_id: TENANT.into(),
+            timeline_id: "main".into(),
+        }
+        .encode(&mut requests);
         write.write_all(&requests).await.unwrap();
         match reader.recv().await.unwrap() {
             ServerMessage::HelloOk { .. } => {}

@@ -50,7 +50,7 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use page_types::PAGE_SIZE;
 use pageserver::page_service::proto::{
     self, ClientMessage, ErrorCode, ServerMessage, LSN_LATEST, MAX_FRAME_LEN, MAX_HELLO_FRAME_LEN,
-    PROTOCOL_VERSION,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 
 /// The page of every reply.
@@ -396,14 +396,18 @@ impl Conn {
             Ok(ClientMessage::Hello { .. }) if self.hello => {
                 (ErrorCode::BadFrame, 0, "Hello may come only once".into())
             }
-            Ok(ClientMessage::Hello { version, .. }) if version != PROTOCOL_VERSION => (
-                ErrorCode::UnsupportedVersion,
-                0,
-                format!("protocol version {version}, this server speaks {PROTOCOL_VERSION}"),
-            ),
-            Ok(ClientMessage::Hello { .. }) => {
+            Ok(ClientMessage::Hello { version, .. })
+                if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) =>
+            {
+                (
+                    ErrorCode::UnsupportedVersion,
+                    0,
+                    format!("protocol version {version}, this server speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"),
+                )
+            }
+            Ok(ClientMessage::Hello { version, .. }) => {
                 self.hello = true;
-                let ok = ServerMessage::HelloOk { version: PROTOCOL_VERSION, last_durable_lsn: lsn };
+                let ok = ServerMessage::HelloOk { version, last_durable_lsn: lsn };
                 self.push_head(|out| ok.encode(out));
                 return true;
             }

@@ -161,6 +161,7 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Client<R, W> {
         writer.send(&ClientMessage::Hello {
             version: proto::PROTOCOL_VERSION,
             tenant_id: tenant_id.to_string(),
+            timeline_id: proto::DEFAULT_TIMELINE.to_string(),
         });
         writer.flush().await.context("send Hello")?;
         match reader.recv().await.context("read the reply to Hello")? {
@@ -327,8 +328,15 @@ mod tests {
 
         async fn expect_hello(&mut self, last_durable_lsn: u64) {
             let hello = self.read_message().await.unwrap();
-            assert_eq!(hello, ClientMessage::Hello { version: 1, tenant_id: "t1".into() });
-            self.write(&ServerMessage::HelloOk { version: 1, last_durable_lsn }).await;
+            assert_eq!(
+                hello,
+                ClientMessage::Hello {
+                    version: proto::PROTOCOL_VERSION,
+                    tenant_id: "t1".into(),
+                    timeline_id: "main".into()
+                }
+            );
+            self.write(&ServerMessage::HelloOk { version: proto::PROTOCOL_VERSION, last_durable_lsn }).await;
         }
     }
 
