@@ -102,6 +102,10 @@ pub async fn serve(
         .route("/v1/tenant/{id}/timeline/{timeline}/basebackup", get(get_basebackup))
         .route("/v1/tenant/{id}/timeline/{timeline}/keyspace", get(get_timeline_keyspace))
         .route("/v1/tenant/{id}/timeline/{timeline}/compact", post(compact_timeline))
+        .route(
+            "/v1/tenant/{id}/timeline/{timeline}/wal_source",
+            put(put_timeline_wal_source).delete(delete_timeline_wal_source),
+        )
         .route("/metrics", get(metrics))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
@@ -203,8 +207,21 @@ async fn put_wal_source(
     body: Result<Json<WalSource>, JsonRejection>,
 ) -> ApiResult {
     let Json(source) = body?;
+    attach(state.tenants.get(&id)?, source).await
+}
+
+/// [`put_wal_source`] of one timeline: a branch's is the PostgreSQL started on its base backup.
+async fn put_timeline_wal_source(
+    State(state): State<Arc<AppState>>,
+    Path((id, timeline)): Path<(String, String)>,
+    body: Result<Json<WalSource>, JsonRejection>,
+) -> ApiResult {
+    let Json(source) = body?;
+    attach(state.tenants.timeline(&id, &timeline)?, source).await
+}
+
+async fn attach(tenant: Arc<Tenant>, source: WalSource) -> ApiResult {
     source.validate().map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("invalid WAL source: {e}")))?;
-    let tenant = state.tenants.get(&id)?;
     if tenant.cancel.is_cancelled() {
         return Err(TenantError::ShuttingDown.into());
     }
@@ -214,11 +231,26 @@ async fn put_wal_source(
 
 /// Detaches the tenant from its WAL source (what was stored stays); 404 if it has none.
 async fn delete_wal_source(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
-    let tenant = state.tenants.get(&id)?;
+    detach(state.tenants.get(&id)?).await
+}
+
+async fn delete_timeline_wal_source(
+    State(state): State<Arc<AppState>>,
+    Path((id, timeline)): Path<(String, String)>,
+) -> ApiResult {
+    detach(state.tenants.timeline(&id, &timeline)?).await
+}
+
+async fn detach(tenant: Arc<Tenant>) -> ApiResult {
     if !tenant.detach_wal_source().await.map_err(TenantError::Other)? {
-        return Err(ApiError(StatusCode::NOT_FOUND, format!("tenant {id} has no WAL source")));
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("timeline {} of tenant {} has no WAL source", tenant.timeline_id, tenant.id),
+        ));
     }
-    Ok(Json(serde_json::json!({ "tenant_id": tenant.id, "wal_source": null })).into_response())
+    let body =
+        serde_json::json!({ "tenant_id": tenant.id, "timeline_id": tenant.timeline_id, "wal_source": null });
+    Ok(Json(body).into_response())
 }
 
 /// Runs a compaction pass of the tenant now; answers with what it did once it is done

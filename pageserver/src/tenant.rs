@@ -802,6 +802,9 @@ impl Tenant {
     /// Attaches the tenant to `source` (made durable first), replacing the source it had; the
     /// cluster it follows, its timeline and position are kept (a new connection string of the
     /// same cluster resumes where the old one stopped; another cluster is refused at connect).
+    /// A branch's first source is the PostgreSQL started on the branch's base backup at its last
+    /// durable LSN: no import, its WAL is streamed from that backup's start point (the
+    /// checkpoint record the backup wrote, [`cluster::start_point`]).
     /// Cancel-safe: the change is made or not; the caller may not see which.
     pub async fn attach_wal_source(&self, source: WalSource) -> anyhow::Result<WalSourceStatus> {
         source.validate().map_err(|e| anyhow::anyhow!("invalid WAL source: {e}"))?;
@@ -814,6 +817,15 @@ impl Tenant {
             }
         }
         self.stop_wal_receiver().await;
+        // Where a branch's first primary starts (unused once it has a source file).
+        let branch_start = match &self.ancestor {
+            Some(_) => Some(
+                cluster::start_point(&self.timeline, self.timeline.last_durable_lsn())
+                    .await
+                    .context("the branch's start point")?,
+            ),
+            None => None,
+        };
         let dir = self.dir.clone();
         let file = tokio::task::spawn_blocking(move || -> anyhow::Result<SourceFile> {
             let previous = wal_receiver::read_source_file(&dir)?;
@@ -824,7 +836,7 @@ impl Tenant {
                     detached: false,
                     system_id: None,
                     timeline: None,
-                    position: None,
+                    position: branch_start,
                     import: None,
                 },
             };

@@ -19,7 +19,8 @@ from fixtures.oracle import Key
 from fixtures.page_client import PageConnection
 from fixtures.postgres import Postgres
 from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture)
-from fixtures.waldump import lsn_text
+from fixtures.util import wait_until
+from fixtures.waldump import lsn_int, lsn_text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -173,3 +174,42 @@ def test_a_kill_during_branch_creation_leaves_no_branch_or_a_whole_one(primary, 
             assert ps.http.create_timeline(tenant, name).status == 201
     # Every branch made (before or after a kill) is whole: PostgreSQL starts on the last.
     assert dump_of_backup(ps, tenant, "k2", tmp_path, "on-k2") == at_point
+
+
+def test_a_branch_takes_writes_from_the_postgresql_started_on_it(primary, pageserver_factory, tmp_path):
+    """The PostgreSQL started on a branch's backup is the branch's primary: attached as the
+    branch's WAL source, its writes are in the branch's later backups (and survive a restart of
+    the daemon), and never in the parent's."""
+    ps = pageserver_factory()
+    ps.allowed_errors.append(".*WAL receiver.*")  # the primaries stop before the daemon
+    tenant = ps.create_tenant()
+    attach(ps, tenant, primary)
+    caught_up(ps, tenant, primary)
+    assert ps.http.create_timeline(tenant, "dev").status == 201
+    dev_pg, start = started_on_backup(ps, tenant, "dev", tmp_path, "dev")
+    try:
+        resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/timeline/dev/wal_source",
+                               {"postgres": dev_pg.connstr(), "slot": "pageserver"})
+        assert resp.status == 200, resp
+        dev_pg.sql("CREATE TABLE on_dev (id int PRIMARY KEY, v text)")
+        dev_pg.sql("INSERT INTO on_dev SELECT i, md5(i::text) FROM generate_series(1, 5000) i")
+        dev_pg.sql("UPDATE notes SET body = 'dev' WHERE id < 500")
+        dev_pg.sql("DELETE FROM pgbench_accounts WHERE aid % 10 = 0")
+        primary.sql("INSERT INTO notes (body) VALUES ('main only')")
+
+        def branch_caught_up(end=lsn_int(dev_pg.lsn())):
+            s = ps.http.timeline_status(tenant, "dev")
+            return s["wal_source"] and s["wal_source"]["durable_lsn"] >= end and s
+        status = wait_until(branch_caught_up, timeout=120, desc="the branch to catch up with its primary")
+        assert status["wal_source"]["resumed_at"] == lsn_int(start), "streamed from the backup's start point"
+        on_dev = basebackup.dump(dev_pg)
+    finally:
+        dev_pg.stop()
+    caught_up(ps, tenant, primary)
+    on_main = basebackup.dump(primary)
+    assert "on_dev" in on_dev and "on_dev" not in on_main and "main only" not in on_dev
+    assert dump_of_backup(ps, tenant, "dev", tmp_path, "dev-again") == on_dev
+    assert dump_of_backup(ps, tenant, "main", tmp_path, "main-now") == on_main
+    ps.stop()
+    ps.start()
+    assert dump_of_backup(ps, tenant, "dev", tmp_path, "dev-restarted") == on_dev

@@ -1,6 +1,6 @@
 //! The base backup of a tenant at an LSN X: a tar of a PostgreSQL 15 data directory that an
 //! unpatched PostgreSQL 15 starts on at exactly X, with no WAL replay (docs/http-api.md,
-//! `GET /v1/tenant/{t}/timeline/main/basebackup`; the design is docs/rfcs/0008).
+//! `GET /v1/tenant/{t}/timeline/{tl}/basebackup`; the design is docs/rfcs/0008).
 //!
 //! Two steps. [`prepare`] decides everything that can fail before a byte is sent: X durable
 //! (waiting up to `wait_lsn_timeout`) and not below the GC cutoff, the cluster's `pg_control`
@@ -52,7 +52,7 @@ use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use page_types::control_file::ControlFile;
 use page_types::keys::{self, KeyKind, RelTag, SlruKind, FSM_FORK, INIT_FORK, MAIN_FORK, VM_FORK};
-use page_types::wal::checkpoint::{shutdown_checkpoint_lsn, CheckPoint};
+use page_types::wal::checkpoint::CheckPoint;
 use page_types::{BufferTag, Lsn, PAGE_SIZE};
 use tokio::sync::mpsc;
 
@@ -188,8 +188,7 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
     let control = ControlFile::decode(&control_bytes)
         .map_err(|e| BackupError::Internal(anyhow::anyhow!("the tenant's pg_control: {e}")))?;
     let counters = backup_counters(&timeline, lsn).await?;
-    let start_lsn = shutdown_checkpoint_lsn(lsn, control.xlog_seg_size)
-        .map_err(|e| BackupError::Internal(anyhow::anyhow!("the start point at {lsn}: {e}")))?;
+    let start_lsn = cluster::start_point(&timeline, lsn).await.map_err(BackupError::Internal)?;
 
     // The key lists, off the executor (index blocks may be read from disk).
     let listed = Arc::clone(&timeline);
