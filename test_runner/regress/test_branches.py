@@ -178,8 +178,8 @@ def test_a_kill_during_branch_creation_leaves_no_branch_or_a_whole_one(primary, 
 
 def test_a_branch_takes_writes_from_the_postgresql_started_on_it(primary, pageserver_factory, tmp_path):
     """The PostgreSQL started on a branch's backup is the branch's primary: attached as the
-    branch's WAL source, its writes are in the branch's later backups (and survive a restart of
-    the daemon), and never in the parent's."""
+    branch's WAL source, its writes (before and after a crash of it) are in the branch's later
+    backups (and survive a restart of the daemon), and never in the parent's."""
     ps = pageserver_factory()
     ps.allowed_errors.append(".*WAL receiver.*")  # the primaries stop before the daemon
     tenant = ps.create_tenant()
@@ -197,11 +197,20 @@ def test_a_branch_takes_writes_from_the_postgresql_started_on_it(primary, pagese
         dev_pg.sql("DELETE FROM pgbench_accounts WHERE aid % 10 = 0")
         primary.sql("INSERT INTO notes (body) VALUES ('main only')")
 
-        def branch_caught_up(end=lsn_int(dev_pg.lsn())):
+        def branch_caught_up(end: int):
             s = ps.http.timeline_status(tenant, "dev")
             return s["wal_source"] and s["wal_source"]["durable_lsn"] >= end and s
-        status = wait_until(branch_caught_up, timeout=120, desc="the branch to catch up with its primary")
+        status = wait_until(lambda: branch_caught_up(lsn_int(dev_pg.lsn())), timeout=120,
+                            desc="the branch to catch up with its primary")
         assert status["wal_source"]["resumed_at"] == lsn_int(start), "streamed from the backup's start point"
+        # A crash of the branch's primary: it restarts by replaying its own WAL, and the
+        # branch goes on following it.
+        dev_pg.stop("immediate")
+        dev_pg.start()
+        assert "redo starts at" in dev_pg.logfile.read_text(), "crash recovery replayed its WAL"
+        dev_pg.sql("INSERT INTO on_dev SELECT i, 'after the crash' FROM generate_series(5001, 6000) i")
+        wait_until(lambda: branch_caught_up(lsn_int(dev_pg.lsn())), timeout=120,
+                   desc="the branch to catch up with its restarted primary")
         on_dev = basebackup.dump(dev_pg)
     finally:
         dev_pg.stop()
