@@ -41,11 +41,6 @@ def segment_name(lsn: int, timeline: int = 1) -> str:
     return f"{timeline:08X}{segno // per_id:08X}{segno % per_id:08X}"
 
 
-def controldata(pg: Postgres) -> dict[str, str]:
-    out = pg.run("pg_controldata", "-D", str(pg.datadir)).stdout
-    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
-
-
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
     """A PostgreSQL 15 cluster with a table of ROWS rows, stopped cleanly; with S, its shutdown
@@ -56,7 +51,7 @@ def stopped(tmp_path_factory):
                f"INSERT INTO t SELECT g, repeat('x', 100) FROM generate_series(1, {ROWS}) g")
     finally:
         pg.stop()
-    before = controldata(pg)
+    before = pg.controldata()
     assert before["Database cluster state"] == "shut down"
     s = lsn_int(before["Latest checkpoint location"])
     assert lsn_int(before["Latest checkpoint's REDO location"]) == s
@@ -163,7 +158,7 @@ def check_start_point(bin_dir: Path, pg: Postgres, x: int, expected: int, before
         assert lines[0].endswith("; shutdown"), lines[0]
 
     # pg_control: X', and what it said before but for the times.
-    after = controldata(pg)
+    after = pg.controldata()
     assert after["Latest checkpoint location"] == lsn_text(expected)
     assert after["Latest checkpoint's REDO location"] == lsn_text(expected)
     assert after["Latest checkpoint's REDO WAL file"] == segment_name(expected)

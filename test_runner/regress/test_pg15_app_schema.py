@@ -32,8 +32,7 @@ import pytest
 
 from fixtures import pg_workloads
 from fixtures.page_client import PageServiceError
-from fixtures.pgmask import (brin_mask, btree_mask, generic_mask, gin_mask, gist_mask, hash_mask, heap_mask, seq_mask,
-                             spg_mask)
+from fixtures.pgmask import BY_ACCESS_METHOD, seq_mask
 from fixtures.postgres import Postgres
 from fixtures.redo_check import (fork_pages, map_bits, map_bits_lacking, pipelined, relations,
                                  sequence_logged_ahead)
@@ -42,8 +41,7 @@ from fixtures.waldump import lsn_int
 
 pytestmark = pytest.mark.timeout(300)
 
-MASKS = {"heap": heap_mask, "btree": btree_mask, "gin": gin_mask, "gist": gist_mask, "spgist": spg_mask,
-         "hash": hash_mask, "brin": brin_mask, "bloom": generic_mask}
+MASKS = BY_ACCESS_METHOD
 DATABASES = ["postgres", "app2"]
 # What each database's blocks must include: (access method, fork) and the kinds of relation.
 COVERED = [(kind, "main") for kind in [*MASKS, "sequence"]] + \

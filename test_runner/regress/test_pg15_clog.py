@@ -85,11 +85,6 @@ def tenant_counters(conn) -> tuple[int, int, int]:
     return full_xid, next_multi, next_offset
 
 
-def controldata(pg: Postgres) -> dict[str, str]:
-    out = pg.run("pg_controldata", "-D", str(pg.datadir)).stdout
-    return dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-
-
 def test_clog_pages_and_counters_match_postgres_after_a_clean_shutdown(tmp_path, pageserver_factory):
     pg = Postgres(tmp_path / "pg", settings={"autovacuum": "off", "max_prepared_transactions": "4"}).init().start()
     ps = pageserver_factory()
@@ -129,7 +124,7 @@ def test_clog_pages_and_counters_match_postgres_after_a_clean_shutdown(tmp_path,
         assert next_multi > 5000 and next_offset > 10_000, (next_multi, next_offset)
     finally:
         pg.stop()
-    control = controldata(pg)
+    control = pg.controldata()
     assert control["Database cluster state"].strip() == "shut down", control
     checkpoint = lsn_int(control["Latest checkpoint location"].strip())
     # The shutdown checkpoint record starts there: once the tenant holds anything past it, it

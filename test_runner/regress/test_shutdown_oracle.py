@@ -20,9 +20,7 @@ import tarfile
 import pytest
 
 from fixtures import basebackup
-from fixtures.pgmask import (
-    brin_mask, btree_mask, generic_mask, gin_mask, gist_mask, hash_mask, heap_mask, seq_mask, spg_mask,
-)
+from fixtures.pgmask import BY_ACCESS_METHOD, seq_mask
 from fixtures.postgres import Postgres
 from fixtures.redo_check import FORK_SUFFIX, file_pages, map_bits_lacking, relations, sequence_logged_ahead
 from fixtures.util import wait_until
@@ -31,8 +29,6 @@ from fixtures.waldump import lsn_int
 
 pytestmark = pytest.mark.timeout(300)
 
-MASKS = {"heap": heap_mask, "btree": btree_mask, "gin": gin_mask, "gist": gist_mask, "spgist": spg_mask,
-         "hash": hash_mask, "brin": brin_mask, "bloom": generic_mask}
 COUNTERS = ["NextXID", "NextOID", "NextMultiXactId", "NextMultiOffset", "oldestXID", "oldestXID's DB",
             "oldestMultiXid", "oldestMulti's DB", "full_page_writes", "TimeLineID"]
 SLRU_DIRS = ["pg_xact", "pg_multixact/offsets", "pg_multixact/members", "pg_twophase"]
@@ -43,11 +39,6 @@ class Dir:
 
     def __init__(self, datadir):
         self.datadir = datadir
-
-
-def controldata(pg: Postgres, datadir) -> dict[str, str]:
-    out = pg.run("pg_controldata", "-D", str(datadir)).stdout
-    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
 
 
 def workload(pg: Postgres) -> None:
@@ -96,7 +87,7 @@ def block_differs(rel, fork: int, blk: int, ours: bytes, theirs: bytes) -> str |
         if seq_mask(ours) == seq_mask(theirs):
             return None
         return sequence_logged_ahead(ours, theirs, 1)
-    mask = MASKS.get(rel.kind)
+    mask = BY_ACCESS_METHOD.get(rel.kind)
     if mask is None:
         return f"no mask for access method {rel.kind}"
     return None if mask(ours, blk) == mask(theirs, blk) else "differs"
@@ -114,7 +105,7 @@ def test_a_backup_at_the_shutdown_checkpoint_is_the_primarys_data_directory(page
         rels = {db: relations(pg, db) for db in ["postgres", "app2"]}
     finally:
         pg.stop()
-    control = controldata(pg, pg.datadir)
+    control = pg.controldata()
     assert control["Database cluster state"] == "shut down", control
     checkpoint = lsn_int(control["Latest checkpoint location"])
     durable = wait_until(lambda: (d := ps.http.tenant_status(tenant)["last_durable_lsn"]) > checkpoint and d,
@@ -173,7 +164,7 @@ def test_a_backup_at_the_shutdown_checkpoint_is_the_primarys_data_directory(page
     assert blocks > 1000, blocks
 
     # The checkpoint counters.
-    ours_control = controldata(pg, ours_dir)
+    ours_control = pg.controldata(ours_dir)
     for field in COUNTERS:
         key = f"Latest checkpoint's {field}"
         assert ours_control[key] == control[key], (key, ours_control[key], control[key])
