@@ -817,13 +817,17 @@ impl Tenant {
             }
         }
         self.stop_wal_receiver().await;
-        // Where a branch's first primary starts (unused once it has a source file).
+        // Where a branch's first primary starts, and the cluster it is (unused once the branch
+        // has a source file).
         let branch_start = match &self.ancestor {
-            Some(_) => Some(
-                cluster::start_point(&self.timeline, self.timeline.last_durable_lsn())
+            Some(_) => {
+                let durable = self.timeline.last_durable_lsn();
+                let start = cluster::start_point(&self.timeline, durable)
                     .await
-                    .context("the branch's start point")?,
-            ),
+                    .context("the branch's start point")?;
+                let control = cluster::control_file_at(&self.timeline, durable).await?;
+                Some((start, control.system_identifier))
+            }
             None => None,
         };
         let dir = self.dir.clone();
@@ -834,10 +838,11 @@ impl Tenant {
                 None => SourceFile {
                     source,
                     detached: false,
-                    system_id: None,
+                    system_id: branch_start.map(|(_, id)| id.to_string()),
                     timeline: None,
-                    position: branch_start,
+                    position: branch_start.map(|(start, _)| start),
                     import: None,
+                    start_checkpoint: branch_start.map(|(start, _)| start),
                 },
             };
             wal_receiver::write_source_file(&dir, &file)?;

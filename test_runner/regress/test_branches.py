@@ -186,6 +186,19 @@ def test_a_branch_takes_writes_from_the_postgresql_started_on_it(primary, pagese
     attach(ps, tenant, primary)
     caught_up(ps, tenant, primary)
     assert ps.http.create_timeline(tenant, "dev").status == 201
+    # A PostgreSQL not started on a branch's backup is refused as its source: main's primary
+    # has other WAL where the branch's backup would start.
+    assert ps.http.create_timeline(tenant, "wrong").status == 201
+    resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/timeline/wrong/wal_source",
+                           {"postgres": primary.connstr(), "slot": "wrong"})
+    assert resp.status == 200, resp
+    primary.sql("INSERT INTO notes (body) VALUES ('after the branch point')")
+    refused = wait_until(lambda: (w := ps.http.timeline_status(tenant, "wrong")["wal_source"])["state"] == "error"
+                         and w, timeout=60, desc="the wrong source to be refused")
+    assert "was not started on the branch's base backup" in refused["error"], refused
+    assert ps.http.timeline_status(tenant, "wrong")["storage"]["values"] == 0, "nothing of it was stored"
+    assert ps.http.delete_timeline(tenant, "wrong").status == 200
+    primary.sql("select pg_drop_replication_slot('wrong')")
     dev_pg, start = started_on_backup(ps, tenant, "dev", tmp_path, "dev")
     try:
         resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/timeline/dev/wal_source",

@@ -9,6 +9,7 @@
 //! `tenant.rs` and the WAL receiver; it imports `storage` and `ingest` only.
 
 use anyhow::Context;
+use page_types::control_file::ControlFile;
 use page_types::keys::{self, SlruKind};
 use page_types::wal::checkpoint::shutdown_checkpoint_lsn;
 use page_types::{BufferTag, Lsn, PAGE_SIZE};
@@ -49,13 +50,17 @@ pub async fn counters_at(timeline: &Timeline, lsn: Lsn) -> anyhow::Result<Counte
 /// shutdown checkpoint record lies (`page_types::wal::checkpoint`), for the cluster's WAL
 /// segment size (its `pg_control`'s).
 pub async fn start_point(timeline: &Timeline, lsn: Lsn) -> anyhow::Result<Lsn> {
+    let control = control_file_at(timeline, lsn).await?;
+    shutdown_checkpoint_lsn(lsn, control.xlog_seg_size)
+        .map_err(|e| anyhow::anyhow!("the start point at {lsn}: {e}"))
+}
+
+/// The cluster's `pg_control` as the import stored it (nothing rewrites it), as of `lsn`.
+pub async fn control_file_at(timeline: &Timeline, lsn: Lsn) -> anyhow::Result<ControlFile> {
     let (at, file) = image_at(timeline, keys::control_file_key(), lsn)
         .await?
         .context("no pg_control stored (the import stores it)")?;
-    let control = page_types::control_file::ControlFile::decode(&file)
-        .map_err(|e| anyhow::anyhow!("pg_control at {at}: {e}"))?;
-    shutdown_checkpoint_lsn(lsn, control.xlog_seg_size)
-        .map_err(|e| anyhow::anyhow!("the start point at {lsn}: {e}"))
+    ControlFile::decode(&file).map_err(|e| anyhow::anyhow!("pg_control at {at}: {e}"))
 }
 
 /// Whether SLRU segment `segno` of `kind` was truncated after `version` (the LSN of a page's

@@ -65,7 +65,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
-use page_types::wal::{WalDecodeError, WalDecoder, MAXALIGN, WAL_PAGE_SIZE};
+use page_types::wal::{rmgr, WalDecodeError, WalDecoder, MAXALIGN, WAL_PAGE_SIZE};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -153,6 +153,11 @@ pub struct SourceFile {
     /// The initial import, from the moment it begins.
     #[serde(default)]
     pub import: Option<ImportRecord>,
+    /// A branch's first source, until its first record is seen: the LSN of the shutdown
+    /// checkpoint that the branch's base backup wrote, which must be the first record the
+    /// PostgreSQL started on that backup streams (else it is not the branch's primary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_checkpoint: Option<Lsn>,
 }
 
 /// The initial import of a source's tenant (`wal_source.json`).
@@ -746,6 +751,21 @@ impl Task {
                         decoded.push(record);
                     }
                 }
+                if let (Some(start), Some(first)) = (self.file.start_checkpoint, decoded.first()) {
+                    let is_ours = first.lsn == start
+                        && first.rmid == rmgr::RM_XLOG_ID
+                        && first.info & 0xF0 == rmgr::XLOG_CHECKPOINT_SHUTDOWN;
+                    anyhow::ensure!(
+                        is_ours,
+                        "this PostgreSQL was not started on the branch's base backup: its WAL must begin \
+                         with the backup's shutdown checkpoint at {start}, it has a {} record (info {:#04x}) \
+                         at {}",
+                        rmgr::rmgr_name(first.rmid).unwrap_or_default(),
+                        first.info,
+                        first.lsn
+                    );
+                    self.update_file(|f| f.start_checkpoint = None).await?;
+                }
                 self.load_sizes(&decoded, processed).await?;
                 let records = decoded.len() as u64;
                 let counters = self.counters.as_mut().context("the checkpoint counters are not loaded")?;
@@ -1016,6 +1036,7 @@ mod tests {
                 start_lsn: Some(Lsn(0x1_0000_0000)),
                 end_lsn: Some(Lsn(0x1_0000_0100)),
             }),
+            start_checkpoint: Some(Lsn(0x1_0000_0028)),
         };
         write_source_file(dir.path(), &file).unwrap();
         assert_eq!(read_source_file(dir.path()).unwrap().as_ref(), Some(&file));
