@@ -52,6 +52,7 @@ use crate::walredo::{ProcessKind, RedoError, WalRedoManager, WalRedoStatus};
 
 pub mod cluster;
 mod data_checksums;
+pub mod database_copy;
 pub mod rel_sizes;
 pub mod wal_receiver;
 
@@ -282,6 +283,8 @@ pub const MAIN_TIMELINE: &str = "main";
 /// tenant's `main` timeline carries the tenant's settings (`tenant.toml`); a branch is built
 /// with them. Built by [`crate::tenants::Tenants`], which owns the directory layout.
 pub struct Tenant {
+    /// Itself, for what it hands out that calls back into it (its WAL receiver's GetPage).
+    pub(crate) me: std::sync::Weak<Tenant>,
     pub id: String,
     /// Which of the tenant's timelines this is: [`MAIN_TIMELINE`], or a branch's id.
     pub timeline_id: String,
@@ -789,6 +792,7 @@ impl Tenant {
                 metrics: Arc::clone(&self.deps.wal_receiver_metrics),
                 import_incomplete: Arc::clone(&self.import_incomplete),
                 max_record_size: self.deps.wal_max_record_size,
+                pages: self.page_source(),
             },
             &self.cancel,
         );
@@ -797,6 +801,22 @@ impl Tenant {
             tracing::error!(tenant_id = self.id, "a WAL receiver was replaced while running");
             drop(old);
         }
+    }
+
+    /// Its GetPage as a database copy reads the template's pages ([`database_copy`]).
+    fn page_source(&self) -> database_copy::PageSource {
+        let me = self.me.clone();
+        Arc::new(move |key, lsn| {
+            let me = me.clone();
+            Box::pin(async move {
+                let tenant = me.upgrade().context("the tenant is gone")?;
+                match tenant.get_page(key, lsn).await {
+                    Ok((_, page)) => Ok(Some(page)),
+                    Err(GetPageError::NotFound { .. }) => Ok(None),
+                    Err(e) => Err(anyhow::Error::new(e)),
+                }
+            })
+        })
     }
 
     /// Attaches the tenant to `source` (made durable first), replacing the source it had; the

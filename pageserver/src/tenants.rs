@@ -375,7 +375,8 @@ impl Tenants {
             ancestor.as_ref().is_some_and(|(a, _)| a.follows_postgres.load(Ordering::Relaxed));
         let series_label =
             if timeline_id == MAIN_TIMELINE { id.to_string() } else { format!("{id}/{timeline_id}") };
-        Arc::new(Tenant {
+        Arc::new_cyclic(|me| Tenant {
+            me: me.clone(),
             id: id.to_string(),
             timeline_id: timeline_id.to_string(),
             ancestor,

@@ -4,7 +4,8 @@ answers as PostgreSQL's own point-in-time recovery to X does (`recovery_target_l
 primary's WAL): `pg_dumpall` (schema and data) of both is the same, at 20 LSNs spread over a
 workload of pgbench, DDL, a transaction with more than 64 subtransactions, multixacts (rows
 locked FOR SHARE by several sessions at once), prepared transactions (one still prepared at some
-LSNs), CREATE DATABASE and DROP DATABASE, TRUNCATE, an unlogged table, and a transaction in
+LSNs), CREATE DATABASE with both strategies (WAL_LOG, and FILE_COPY of template1 and of a
+database with rows) and DROP DATABASE, TRUNCATE, an unlogged table, and a transaction in
 progress at several LSNs; among the LSNs: one on a segment boundary (after `pg_switch_wal()`), the
 end of a record that crossed a WAL page, the start of a page (right after its header), and
 mid-page ones.
@@ -116,6 +117,11 @@ def workload(pg: Postgres, tmp_path) -> list[int]:
     mark()
     pg.sql("CREATE DATABASE gone")
     pg.sql("CREATE TABLE g (id int)", db="gone")
+    mark()
+    # Both strategies: the template's files copied without WAL for their blocks.
+    pg.sql("CREATE DATABASE copied TEMPLATE app2 STRATEGY FILE_COPY")
+    pg.sql("INSERT INTO t2 SELECT i, 'in the copy' FROM generate_series(3001, 3500) i", db="copied")
+    pg.sql("CREATE DATABASE plain STRATEGY FILE_COPY")
     mark()
     pg.sql("DROP DATABASE gone")
     pg.sql("DELETE FROM docs WHERE id % 3 = 0")

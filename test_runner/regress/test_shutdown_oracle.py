@@ -77,6 +77,8 @@ def workload(pg: Postgres) -> None:
     pg.sql("INSERT INTO t2 SELECT i, md5(i::text) FROM generate_series(1, 4000) i", db="app2")
     pg.sql("CREATE SEQUENCE s2", db="app2")
     pg.sql("SELECT nextval('s2') FROM generate_series(1, 50)", db="app2")
+    pg.sql("CREATE DATABASE app3 TEMPLATE app2 STRATEGY FILE_COPY")
+    pg.sql("INSERT INTO t2 SELECT i, 'in the copy' FROM generate_series(4001, 4500) i", db="app3")
 
 
 def block_differs(rel, fork: int, blk: int, ours: bytes, theirs: bytes) -> str | None:
@@ -102,7 +104,7 @@ def test_a_backup_at_the_shutdown_checkpoint_is_the_primarys_data_directory(page
         attach(ps, tenant, pg)
         workload(pg)
         caught_up(ps, tenant, pg)
-        rels = {db: relations(pg, db) for db in ["postgres", "app2"]}
+        rels = {db: relations(pg, db) for db in ["postgres", "app2", "app3"]}
     finally:
         pg.stop()
     control = pg.controldata()
@@ -134,7 +136,7 @@ def test_a_backup_at_the_shutdown_checkpoint_is_the_primarys_data_directory(page
             compared += 1
     assert len(list((pg.datadir / "pg_twophase").iterdir())) == 1, "the one transaction left prepared"
     maps = [p.relative_to(pg.datadir) for p in pg.datadir.rglob("pg_filenode.map")]
-    assert len(maps) == 5, maps  # global, template0, template1, postgres and app2
+    assert len(maps) == 6, maps  # global, template0, template1, postgres, app2 and app3
     for path in maps:
         assert (ours_dir / path).read_bytes() == (pg.datadir / path).read_bytes(), str(path)
 

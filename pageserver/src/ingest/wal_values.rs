@@ -188,6 +188,51 @@ impl RelSizes {
 /// all lie at its end LSN (no two records share one), and that only appends to `out`.
 type SizeSlots = HashMap<BufferTag, usize>;
 
+/// A `CREATE DATABASE ... STRATEGY FILE_COPY` (`XLOG_DBASE_CREATE_FILE_COPY`): the database
+/// `db` in tablespace `spc` is a copy of `src_db` in `src_spc` as of the record, files copied
+/// without WAL for their blocks. Its values are the template's, read back from storage: the
+/// WAL receiver makes them (`tenant::database_copy`), not [`record_values`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DatabaseCopy {
+    pub db: u32,
+    pub spc: u32,
+    pub src_db: u32,
+    pub src_spc: u32,
+}
+
+/// The database copy `record` is, if it is one (`xl_dbase_create_file_copy_rec`: db_id,
+/// tablespace_id, src_db_id, src_tablespace_id), with the checkpoint counters moved by it as
+/// [`record_values`] moves them by any record.
+pub fn database_copy(
+    record: &DecodedRecord,
+    counters: &mut Counters,
+) -> Result<Option<DatabaseCopy>, ValueError> {
+    if (record.rmid, record.info & 0xF0) != (RM_DBASE, 0x00) {
+        return Ok(None);
+    }
+    let field =
+        |at: usize| u32_at(&record.main_data, at).ok_or_else(|| malformed(record, "short database copy"));
+    let copy = DatabaseCopy { db: field(0)?, spc: field(4)?, src_db: field(8)?, src_spc: field(12)? };
+    let xact = xact::parse(record).map_err(|what| malformed(record, what))?;
+    counters.apply(record, xact.as_ref()).map_err(|what| malformed(record, &what))?;
+    Ok(Some(copy))
+}
+
+impl RelSizes {
+    /// Sets the size of a fork a database copy made (`None`: it has none), and its value at
+    /// `lsn` in `out`.
+    pub fn set_copied(
+        &mut self,
+        rel: RelTag,
+        fork: u8,
+        blocks: Option<u32>,
+        lsn: Lsn,
+        out: &mut Vec<(BufferTag, Lsn, Value)>,
+    ) {
+        self.set(rel, fork, blocks, lsn, out, &mut SizeSlots::new());
+    }
+}
+
 /// page is new (`pd_upper` 0, which PostgreSQL leaves as it is).
 fn set_page_lsn(page: &mut [u8], lsn: Lsn) {
     if let Ok(page) = <&mut Page>::try_from(page) {
@@ -293,13 +338,14 @@ pub fn record_values(
                 out.push((keys::db_drop_key(spc, db), lsn, Value::Image(Bytes::new())));
             }
         }
-        // XLOG_DBASE_CREATE_FILE_COPY copies a database's files without WAL for their blocks.
+        // XLOG_DBASE_CREATE_FILE_COPY copies a database's files without WAL for their blocks:
+        // its values are read back from storage ([`database_copy`]), which this cannot do.
         (RM_DBASE, 0x00) => {
             return Err(ValueError::Unsupported {
                 lsn: record.lsn,
                 kind: record_type_name(record.rmid, record.info),
-                what: "CREATE DATABASE with STRATEGY FILE_COPY copies files the WAL does not carry; \
-                       use the default STRATEGY WAL_LOG"
+                what: "CREATE DATABASE with STRATEGY FILE_COPY copies files the WAL does not carry: \
+                       its values are the template's, read back from storage by the WAL receiver"
                     .into(),
             })
         }

@@ -75,7 +75,7 @@ use bytes::Bytes;
 use page_types::keys;
 use page_types::{BufferTag, Lsn};
 
-use super::{cluster, rel_sizes};
+use super::{cluster, database_copy, rel_sizes};
 use crate::ingest::counters::Counters;
 use crate::ingest::{import, wal_values};
 use crate::postgres::{connstr, pq};
@@ -317,6 +317,8 @@ pub struct ReceiverDeps {
     pub import_incomplete: Arc<AtomicBool>,
     /// `wal_max_record_size`: a longer record stops the stream with an error.
     pub max_record_size: u32,
+    /// The tenant's GetPage, for the template's pages of a database copy.
+    pub pages: database_copy::PageSource,
 }
 
 impl WalReceiver {
@@ -329,7 +331,7 @@ impl WalReceiver {
         deps: ReceiverDeps,
         tenant_cancel: &CancellationToken,
     ) -> Arc<WalReceiver> {
-        let ReceiverDeps { timeline, metrics, import_incomplete, max_record_size } = deps;
+        let ReceiverDeps { timeline, metrics, import_incomplete, max_record_size, pages } = deps;
         let postgres = connstr::parse(&file.source.postgres).map(|c| c.to_string()).unwrap_or_default();
         let durable = file.position.unwrap_or(Lsn::INVALID);
         let shared = Arc::new(Mutex::new(Shared {
@@ -367,6 +369,7 @@ impl WalReceiver {
             metrics,
             import_incomplete,
             max_record_size,
+            pages,
             shared: Arc::clone(&shared),
             cancel: cancel.clone(),
         };
@@ -557,6 +560,7 @@ struct Task {
     import_incomplete: Arc<AtomicBool>,
     /// `wal_max_record_size`.
     max_record_size: u32,
+    pages: database_copy::PageSource,
     shared: Arc<Mutex<Shared>>,
     cancel: CancellationToken,
 }
@@ -768,33 +772,44 @@ impl Task {
                 }
                 self.load_sizes(&decoded, processed).await?;
                 let records = decoded.len() as u64;
-                let counters = self.counters.as_mut().context("the checkpoint counters are not loaded")?;
+                let mut counters = self.counters.take().context("the checkpoint counters are not loaded")?;
                 for record in &decoded {
-                    if wal_values::record_values(record, &mut self.sizes, counters, &mut values)? {
+                    if let Some(copy) = wal_values::database_copy(record, &mut counters)? {
+                        // The values of the records before it stored first: the copy reads
+                        // them back.
+                        self.submit_values(&mut values, &counters, counters_at.take(), last_end.take())
+                            .await?;
+                        self.in_flight.settle(&self.timeline, processed, true).await?;
+                        let read_at = self.timeline.last_durable_lsn();
+                        values = database_copy::values(
+                            &self.timeline,
+                            &self.pages,
+                            &copy,
+                            read_at,
+                            record.end_lsn,
+                            &mut self.sizes,
+                        )
+                        .await
+                        .with_context(|| {
+                            format!("copy database {} (FILE_COPY at {})", copy.src_db, record.lsn)
+                        })?;
+                        counters_at = Some((values.len(), record.end_lsn));
+                        tracing::info!(
+                            db = copy.db, template = copy.src_db, lsn = %record.lsn, values = values.len(),
+                            "copied a database (CREATE DATABASE ... STRATEGY FILE_COPY)"
+                        );
+                    } else if wal_values::record_values(record, &mut self.sizes, &mut counters, &mut values)?
+                    {
                         counters_at = Some((values.len(), record.end_lsn));
                     }
                     last_end = Some(record.end_lsn);
                 }
-                if let Some((at, lsn)) = counters_at {
-                    let value = Value::Image(Bytes::copy_from_slice(&counters.encode()));
-                    values.insert(at, (keys::checkpoint_key(), lsn, value));
-                }
+                self.submit_values(&mut values, &counters, counters_at, last_end).await?;
+                self.counters = Some(counters);
                 // Between messages: what it forgets is loaded again (`load_sizes`) once this
                 // message's batch, which holds the sizes it set, is durable.
                 self.sizes.trim();
                 self.metrics.records.inc_by(records);
-                self.metrics.values.inc_by(values.len() as u64);
-                let durable = match values.is_empty() {
-                    true => None,
-                    false => Some(self.in_flight.submit(&self.timeline, values).await?),
-                };
-                if let Some(end) = last_end {
-                    // The padding to the next 8-byte boundary is processed too: no record
-                    // starts in it (PostgreSQL's flush position counts it as well).
-                    let end =
-                        end.checked_align_up(MAXALIGN).with_context(|| format!("a record ends at {end}"))?;
-                    self.in_flight.queue.push_back((durable, end));
-                }
                 let mut shared = lock(&self.shared);
                 shared.status.received_lsn = *received;
                 shared.status.server_wal_end = wal_end.max(*received);
@@ -811,6 +826,35 @@ impl Task {
                 self.file.timeline.unwrap_or(0)
             ),
         }
+    }
+
+    /// Submits `values` (taken), with the counters' value inserted where `counters_at` says,
+    /// as one batch completing the WAL up to `last_end` (the end of the last record it holds
+    /// the values of; `None`: no record, nothing to do).
+    async fn submit_values(
+        &mut self,
+        values: &mut Vec<(BufferTag, Lsn, Value)>,
+        counters: &Counters,
+        counters_at: Option<(usize, Lsn)>,
+        last_end: Option<Lsn>,
+    ) -> anyhow::Result<()> {
+        let mut values = std::mem::take(values);
+        if let Some((at, lsn)) = counters_at {
+            let value = Value::Image(Bytes::copy_from_slice(&counters.encode()));
+            values.insert(at, (keys::checkpoint_key(), lsn, value));
+        }
+        self.metrics.values.inc_by(values.len() as u64);
+        let durable = match values.is_empty() {
+            true => None,
+            false => Some(self.in_flight.submit(&self.timeline, values).await?),
+        };
+        if let Some(end) = last_end {
+            // The padding to the next 8-byte boundary is processed too: no record starts in it
+            // (PostgreSQL's flush position counts it as well).
+            let end = end.checked_align_up(MAXALIGN).with_context(|| format!("a record ends at {end}"))?;
+            self.in_flight.queue.push_back((durable, end));
+        }
+        Ok(())
     }
 
     /// Learns the sizes of the relation forks `records` touch that this connection has not
