@@ -116,6 +116,60 @@ impl fmt::Display for DbState {
     }
 }
 
+/// The parameters a primary logs when they change (`XLOG_PARAMETER_CHANGE`'s
+/// `xl_parameter_change`): what `pg_control` holds of its settings, which a hot standby needs at
+/// least.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Parameters {
+    pub max_connections: i32,
+    pub max_worker_processes: i32,
+    pub max_wal_senders: i32,
+    pub max_prepared_xacts: i32,
+    pub max_locks_per_xact: i32,
+    pub wal_level: i32,
+    pub wal_log_hints: bool,
+    pub track_commit_timestamp: bool,
+}
+
+impl Parameters {
+    /// The bytes of `xl_parameter_change`: six `int`s, then two `bool`s (26 bytes; the record
+    /// carries it padded to 28).
+    pub fn decode(data: &[u8]) -> Result<Parameters, String> {
+        if data.len() < 26 {
+            return Err(format!("xl_parameter_change of {} bytes, expected 26 or more", data.len()));
+        }
+        let int =
+            |i: usize| i32::from_le_bytes([data[4 * i], data[4 * i + 1], data[4 * i + 2], data[4 * i + 3]]);
+        let flag = |at: usize| match data[at] {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(format!("xl_parameter_change: a bool of {other} at byte {at}")),
+        };
+        Ok(Parameters {
+            max_connections: int(0),
+            max_worker_processes: int(1),
+            max_wal_senders: int(2),
+            max_prepared_xacts: int(3),
+            max_locks_per_xact: int(4),
+            wal_level: int(5),
+            wal_log_hints: flag(24)?,
+            track_commit_timestamp: flag(25)?,
+        })
+    }
+
+    /// The settings a hot standby must have at least these values of (`CheckRequiredParameterValues`),
+    /// by their names in `postgresql.conf`.
+    pub fn standby_minimums(&self) -> [(&'static str, i32); 5] {
+        [
+            ("max_connections", self.max_connections),
+            ("max_worker_processes", self.max_worker_processes),
+            ("max_wal_senders", self.max_wal_senders),
+            ("max_prepared_transactions", self.max_prepared_xacts),
+            ("max_locks_per_transaction", self.max_locks_per_xact),
+        ]
+    }
+}
+
 /// PostgreSQL 15's `ControlFileData`, every field, in its order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ControlFile {
@@ -212,6 +266,21 @@ pub fn data_checksum_version(file: &[u8]) -> Result<u32, ControlFileError> {
 }
 
 impl ControlFile {
+    /// This file with `parameters` in place of its own.
+    pub fn with_parameters(&self, p: &Parameters) -> ControlFile {
+        ControlFile {
+            max_connections: p.max_connections,
+            max_worker_processes: p.max_worker_processes,
+            max_wal_senders: p.max_wal_senders,
+            max_prepared_xacts: p.max_prepared_xacts,
+            max_locks_per_xact: p.max_locks_per_xact,
+            wal_level: p.wal_level,
+            wal_log_hints: p.wal_log_hints,
+            track_commit_timestamp: p.track_commit_timestamp,
+            ..self.clone()
+        }
+    }
+
     /// Reads `global/pg_control` (the whole file, or at least its first 292 bytes): the
     /// version and the CRC are checked, then every field.
     pub fn decode(file: &[u8]) -> Result<ControlFile, ControlFileError> {

@@ -16,6 +16,7 @@
 //! | `global/pg_control` | `0xA0` | 0 | 0 | 0 | 0 | the file |
 //! | `pg_filenode.map` | `0xA1` | spc | db (0: global) | 0 | 0 | the file (512 bytes) |
 //! | the checkpoint counters | `0xA2` | 0 | 0 | 0 | 0 | PostgreSQL's `CheckPoint` (88 bytes) |
+//! | the control file's parameters | `0xA3` | 0 | 0 | 0 | 0 | the data of the last `XLOG_PARAMETER_CHANGE` (`xl_parameter_change`) |
 //! | a configuration file ([`CONFIG_FILES`]) | `0xA4` | 0 | 0 | its index there | chunk | 8 KiB of the file; the last chunk is shorter (maybe empty) |
 //! | a dropped database | `0xB0` | spc | db | 0 | 0 | empty |
 //! | a dropped relation | `0xB1` | spc | db | rel | 0 | empty |
@@ -52,6 +53,7 @@ const SLRU_FORK: u8 = 0x90;
 const CONTROL_FILE_FORK: u8 = 0xA0;
 const RELMAP_FORK: u8 = 0xA1;
 const CHECKPOINT_FORK: u8 = 0xA2;
+const PARAMETERS_FORK: u8 = 0xA3;
 const SLRU_SEGMENT_DROP_FORK: u8 = 0x91;
 const CONFIG_FILE_FORK: u8 = 0xA4;
 const DB_DROP_FORK: u8 = 0xB0;
@@ -175,6 +177,12 @@ pub fn checkpoint_key() -> BufferTag {
     BufferTag { spcnode: 0, dbnode: 0, relnode: 0, forknum: CHECKPOINT_FORK, blknum: 0 }
 }
 
+/// The key of the control file's parameters as the WAL changed them (`XLOG_PARAMETER_CHANGE`:
+/// `max_connections`, `max_prepared_transactions`, `wal_level`, ...).
+pub fn parameters_key() -> BufferTag {
+    BufferTag { spcnode: 0, dbnode: 0, relnode: 0, forknum: PARAMETERS_FORK, blknum: 0 }
+}
+
 /// The key of `global/pg_control`.
 pub fn control_file_key() -> BufferTag {
     BufferTag { spcnode: 0, dbnode: 0, relnode: 0, forknum: CONTROL_FILE_FORK, blknum: 0 }
@@ -232,6 +240,8 @@ pub enum KeyKind {
     },
     /// The checkpoint counters.
     Checkpoint,
+    /// The control file's parameters.
+    Parameters,
     DbDrop,
     RelDrop {
         rel: RelTag,
@@ -266,6 +276,7 @@ pub fn classify(key: &BufferTag) -> KeyKind {
         },
         CONTROL_FILE_FORK if *key == control_file_key() => KeyKind::ControlFile,
         CHECKPOINT_FORK if *key == checkpoint_key() => KeyKind::Checkpoint,
+        PARAMETERS_FORK if *key == parameters_key() => KeyKind::Parameters,
         RELMAP_FORK if key.relnode == 0 && key.blknum == 0 => KeyKind::RelMap,
         CONFIG_FILE_FORK
             if key.spcnode == 0 && key.dbnode == 0 && (key.relnode as usize) < CONFIG_FILES.len() =>
@@ -345,6 +356,7 @@ mod tests {
             KeyKind::SlruSegmentDrop { kind: SlruKind::Clog, segno: 4095 }
         );
         assert_eq!(classify(&checkpoint_key()), KeyKind::Checkpoint);
+        assert_eq!(classify(&parameters_key()), KeyKind::Parameters);
         assert!(holds_pages(&slru_page_key(SlruKind::Clog, 0, 3)) && holds_pages(&rel.page(MAIN_FORK, 1)));
         for other in
             [checkpoint_key(), control_file_key(), slru_segment_drop_key(SlruKind::Clog, 0), rel.size_key(0)]

@@ -270,3 +270,43 @@ def test_a_transaction_prepared_before_the_import_is_in_the_backup(primary, page
     finally:
         ours.stop()
     primary.sql("COMMIT PREPARED 'early'")
+
+
+def test_settings_the_primary_raised_after_the_import_are_the_backups(pageserver_factory, tmp_path):
+    """A primary that raised `max_prepared_transactions` after the tenant's import (ALTER SYSTEM
+    and a restart: `XLOG_PARAMETER_CHANGE`) and then left more transactions prepared than the
+    old setting allowed: PostgreSQL starts on the backup (as a primary, and as a hot standby
+    then promoted) with all of them, and pg_control has the primary's parameters as of X. (The
+    kept configuration files are the import's: the backup raises the settings there.)"""
+    pg = Postgres(tmp_path / "primary", settings={"autovacuum": "off", "max_prepared_transactions": "2"}).init().start()
+    ps = pageserver_factory()
+    ps.allowed_errors.append(".*WAL receiver.*")  # the primary restarts, and stops before the daemon
+    tenant = ps.create_tenant()
+    try:
+        attach(ps, tenant, pg)
+        pg.sql("ALTER SYSTEM SET max_prepared_transactions = 6")
+        pg.sql("ALTER SYSTEM SET max_locks_per_transaction = 128")
+        pg.stop()
+        pg.start()
+        for i in range(4):
+            pg.sql(f"BEGIN; CREATE TABLE p{i} (id int); PREPARE TRANSACTION 'p{i}'")
+        caught_up(ps, tenant, pg)
+    finally:
+        pg.stop()
+    for standby in (False, True):
+        tar = tmp_path / f"backup-{standby}.tar"
+        status, _, body = basebackup.fetch(ps, tenant, tar, standby=standby)
+        assert status == 200, body
+        ours = basebackup.start_on(tar, tmp_path / f"ours-{standby}", settings={"hot_standby": "on"})
+        try:
+            if standby:
+                # A standby lists prepared transactions once it is promoted.
+                assert ours.sql("select pg_is_in_recovery()") == "t"
+                assert ours.sql("select pg_promote()") == "t"
+            assert ours.sql("select count(*) from pg_prepared_xacts") == "4"
+            assert ours.sql("show max_prepared_transactions") == "6"
+            control = ours.controldata()
+            assert control["max_prepared_xacts setting"] == "6", control
+            assert control["max_locks_per_xact setting"] == "128", control
+        finally:
+            ours.stop()

@@ -51,6 +51,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use page_types::control_file::ControlFile;
+use page_types::control_file::Parameters;
 use page_types::keys::{self, KeyKind, RelTag, SlruKind, FSM_FORK, INIT_FORK, MAIN_FORK, VM_FORK};
 use page_types::wal::checkpoint::CheckPoint;
 use page_types::{BufferTag, Lsn, PAGE_SIZE};
@@ -187,6 +188,14 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
         .ok_or(BackupError::NoControlFile { lsn })?;
     let control = ControlFile::decode(&control_bytes)
         .map_err(|e| BackupError::Internal(anyhow::anyhow!("the tenant's pg_control: {e}")))?;
+    // The parameters as the WAL last changed them (else the import's, in its pg_control).
+    let parameters = match value_at(&timeline, keys::parameters_key(), lsn).await? {
+        Some(bytes) => Some(Parameters::decode(&bytes).map_err(|e| {
+            BackupError::Internal(anyhow::anyhow!("the control file's parameters at {lsn}: {e}"))
+        })?),
+        None => None,
+    };
+    let control = parameters.as_ref().map_or(control.clone(), |p| control.with_parameters(p));
     let counters = backup_counters(&timeline, lsn).await?;
     let start_lsn = cluster::start_point(&timeline, lsn).await.map_err(BackupError::Internal)?;
 
@@ -301,6 +310,9 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
             return Err(BackupError::NoConfigFile { name });
         }
     }
+    if let Some(p) = &parameters {
+        raise_settings(&mut config, p);
+    }
     Ok(Contents {
         lsn,
         start_lsn,
@@ -312,6 +324,64 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
         slru: slru.into_iter().map(|((kind, segno), pages)| (kind, segno, pages)).collect(),
         config,
         two_phase,
+    })
+}
+
+/// PostgreSQL's defaults of the settings [`Parameters::standby_minimums`] names.
+const SETTING_DEFAULTS: [(&str, i32); 5] = [
+    ("max_connections", 100),
+    ("max_worker_processes", 8),
+    ("max_wal_senders", 10),
+    ("max_prepared_transactions", 0),
+    ("max_locks_per_transaction", 64),
+];
+
+/// Appends to `postgresql.auto.conf` each setting the kept configuration files set lower than
+/// the primary had it at X (`p`, its `XLOG_PARAMETER_CHANGE`): those files are the import's,
+/// and a primary raises these settings with `ALTER SYSTEM` and a restart; a server started on
+/// the backup needs at least the primary's (prepared transactions to restore, a hot standby's
+/// `CheckRequiredParameterValues`). Settings are read as PostgreSQL reads them, the last line
+/// naming one winning, `postgresql.auto.conf` after `postgresql.conf`; `include` directives are
+/// not followed. Never lowers a setting.
+fn raise_settings(config: &mut Vec<(&'static str, Bytes)>, p: &Parameters) {
+    let text = |name: &str| {
+        config.iter().find(|(n, _)| *n == name).map(|(_, b)| String::from_utf8_lossy(b).into_owned())
+    };
+    let (conf, auto) = (text("postgresql.conf").unwrap_or_default(), text("postgresql.auto.conf"));
+    let mut raised = String::new();
+    for (name, at_least) in p.standby_minimums() {
+        let default = SETTING_DEFAULTS.iter().find(|(n, _)| *n == name).map_or(0, |(_, v)| *v);
+        let set = [conf.as_str(), auto.as_deref().unwrap_or("")].iter().rev().find_map(|t| setting(t, name));
+        let current = set.and_then(|v| v.parse::<i32>().ok()).unwrap_or(default);
+        if current < at_least {
+            raised.push_str(&format!("{name} = {at_least}\n"));
+        }
+    }
+    if raised.is_empty() {
+        return;
+    }
+    let mut file = auto.unwrap_or_default();
+    if !file.is_empty() && !file.ends_with('\n') {
+        file.push('\n');
+    }
+    file.push_str("# Raised by the pageserver's base backup to the primary's settings at its LSN\n");
+    file.push_str(&raised);
+    config.retain(|(n, _)| *n != "postgresql.auto.conf");
+    config.push(("postgresql.auto.conf", Bytes::from(file)));
+}
+
+/// The value the last line of configuration file `text` that sets `name` gives it (quotes
+/// taken off), if one does: `name = value` or `name value`, comments after `#`.
+fn setting(text: &str, name: &str) -> Option<String> {
+    text.lines().rev().find_map(|line| {
+        let line = line.split('#').next().unwrap_or("").trim();
+        let rest =
+            line.get(..name.len()).filter(|n| n.eq_ignore_ascii_case(name)).map(|_| &line[name.len()..])?;
+        if !rest.starts_with(|c: char| c == '=' || c.is_whitespace()) {
+            return None;
+        }
+        let value = rest.trim_start().trim_start_matches('=').trim();
+        Some(value.trim_matches('\'').to_string())
     })
 }
 
@@ -609,6 +679,47 @@ async fn write_fork(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_setting_is_what_its_last_line_says() {
+        let text = "max_connections = 100\n#max_connections = 5\nmax_connections_x = 1\n\
+                    MAX_CONNECTIONS 50 # a comment\nmax_prepared_transactions = '7'\n";
+        assert_eq!(setting(text, "max_connections").as_deref(), Some("50"));
+        assert_eq!(setting(text, "max_prepared_transactions").as_deref(), Some("7"));
+        assert_eq!(setting(text, "max_wal_senders"), None);
+    }
+
+    #[test]
+    fn settings_below_the_primarys_are_raised_in_the_auto_conf_and_none_is_lowered() {
+        let p = Parameters {
+            max_connections: 40,
+            max_worker_processes: 8,
+            max_wal_senders: 10,
+            max_prepared_xacts: 6,
+            max_locks_per_xact: 128,
+            wal_level: 1,
+            wal_log_hints: false,
+            track_commit_timestamp: false,
+        };
+        let conf = "max_connections = 100\nmax_prepared_transactions = 20\n";
+        let auto = "max_prepared_transactions = '3'";
+        let mut config = vec![
+            ("postgresql.conf", Bytes::from_static(conf.as_bytes())),
+            ("postgresql.auto.conf", Bytes::from_static(auto.as_bytes())),
+        ];
+        raise_settings(&mut config, &p);
+        let (_, file) = config.iter().find(|(n, _)| *n == "postgresql.auto.conf").unwrap();
+        let file = std::str::from_utf8(file).unwrap();
+        assert!(file.starts_with("max_prepared_transactions = '3'\n"), "{file}");
+        assert_eq!(setting(file, "max_prepared_transactions").as_deref(), Some("6"));
+        // Unset: PostgreSQL's default of 64, below the primary's.
+        assert_eq!(setting(file, "max_locks_per_transaction").as_deref(), Some("128"));
+        assert_eq!(setting(file, "max_connections"), None, "100 is not lowered to 40");
+        // At the primary's settings already: nothing to add.
+        let before = config.clone();
+        raise_settings(&mut config, &p);
+        assert_eq!(config, before);
+    }
 
     #[test]
     fn the_pages_startup_reads_are_those_of_the_next_ids() {

@@ -35,7 +35,7 @@ use bytes::Bytes;
 use page_types::keys::{self, RelTag, FSM_FORK, MAIN_FORK, MAX_FORK, VM_FORK};
 use page_types::wal::rmgr::{
     RM_DBASE_ID as RM_DBASE, RM_HEAP2_ID as RM_HEAP2, RM_HEAP_ID as RM_HEAP, RM_RELMAP_ID as RM_RELMAP,
-    RM_SMGR_ID as RM_SMGR,
+    RM_SMGR_ID as RM_SMGR, RM_XLOG_ID as RM_XLOG,
 };
 use page_types::wal::DecodedRecord;
 use page_types::{BufferTag, Lsn, PAGE_SIZE};
@@ -348,6 +348,12 @@ pub fn record_values(
                        its values are the template's, read back from storage by the WAL receiver"
                     .into(),
             })
+        }
+        // XLOG_PARAMETER_CHANGE: xl_parameter_change, what pg_control holds of the settings.
+        (RM_XLOG, 0x60) => {
+            page_types::control_file::Parameters::decode(&record.main_data)
+                .map_err(|what| malformed(record, &what))?;
+            out.push((keys::parameters_key(), lsn, Value::Image(record.main_data.clone())));
         }
         // XLOG_RELMAP_UPDATE: xl_relmap_update { dbid, tsid, nbytes, data[nbytes] }: the file.
         (RM_RELMAP, 0x00) => {
