@@ -8,7 +8,7 @@ Not a test (pytest collects only test_*.py): the measurement behind docs/perform
 
     cargo build --release --bin pageserver
     python3 test_runner/performance/branch_cost.py --bin-dir target/release [--scale 100] \\
-        [--branches 20] [--repeat 3] [--config page_cache_size=0] [--out FILE.json]
+        [--branches 20] [--repeat 3] [--config page_cache_size=0] [--discard] [--out FILE.json]
 
 One PostgreSQL 15 primary (`pgbench -i -s 1` into a database `small`, `-s SCALE` into `postgres`
 after it), two tenants of one daemon: `small`, which imported the primary before `postgres` was
@@ -29,9 +29,11 @@ loaded and was detached then (its history is small), and `large`, imported once 
 Run it with nothing else on the machine. It prints a table and writes everything as JSON with
 --out.
 
-Last run: 2026-11-28, the project's 2-vCPU VM, commit `c1ba896`, scale 100: branch creation
+Last runs: 2026-11-28, the project's 2-vCPU VM, commit `c1ba896`, scale 100: branch creation
 3-4 ms on a 44 MiB and on a 1.5 GiB tenant; our backup 0.7-0.9 of `pg_basebackup`'s time; the
-stream's memory 5-23 MiB (docs/performance.md, "Branches and base backups";
+stream's memory 5-23 MiB. 2026-11-29, scale 1300 (`--discard`): 2.7 ms on a 19.2 GiB tenant;
+our backup 1.04 of `pg_basebackup`'s time (one sample); 63 MiB of growth, the index block
+cache filling (docs/performance.md, "Branches and base backups";
 results/2026-11-28-branch-cost.json).
 """
 
@@ -39,7 +41,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -87,8 +91,9 @@ def time_branch(http: HttpClient, tenant: str, name: str) -> float:
     return took
 
 
-def our_backup(daemon: measure.Daemon, tenant: str, dest: Path) -> dict:
-    """The daemon's backup of `tenant` into `dest`, with its memory growth sampled meanwhile."""
+def our_backup(daemon: measure.Daemon, tenant: str, dest: Path | None) -> dict:
+    """The daemon's backup of `tenant` into `dest` (`None`: counted and dropped), with its memory
+    growth sampled meanwhile."""
     before = rss_kib(daemon.pid)
     peak = [before]
     done = threading.Event()
@@ -101,16 +106,33 @@ def our_backup(daemon: measure.Daemon, tenant: str, dest: Path) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     began = time.perf_counter()
+    size = 0
     with urllib.request.urlopen(f"http://{daemon.http}/v1/tenant/{tenant}/timeline/main/basebackup",
-                                timeout=3600) as resp, open(dest, "wb") as out:
-        shutil.copyfileobj(resp, out, 1 << 20)
+                                timeout=3600) as resp:
+        with (open(dest, "wb") if dest is not None else open(os.devnull, "wb")) as out:
+            while chunk := resp.read(1 << 20):
+                out.write(chunk)
+                size += len(chunk)
     took = time.perf_counter() - began
     done.set()
     sampler.join()
-    return {"seconds": took, "bytes": dest.stat().st_size, "rss_growth_kib": peak[0] - before}
+    return {"seconds": took, "bytes": size, "rss_growth_kib": peak[0] - before}
 
 
-def their_backup(primary: Postgres, dest: Path) -> dict:
+def their_backup(primary: Postgres, dest: Path | None) -> dict:
+    """`pg_basebackup` of `primary` into the directory `dest` (`None`: its tar to standard
+    output, counted and dropped)."""
+    if dest is None:
+        began = time.perf_counter()
+        cmd = primary._cmd("pg_basebackup", "-h", str(primary.sockdir), "-p", str(primary.port), "-U", "postgres",
+                           "-D", "-", "-Ft", "-X", "none", "-c", "fast", "--no-manifest")
+        size = 0
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE) as proc:
+            assert proc.stdout is not None
+            while chunk := proc.stdout.read(1 << 20):
+                size += len(chunk)
+        assert proc.returncode == 0, proc.returncode
+        return {"seconds": time.perf_counter() - began, "bytes": size}
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir()
     if primary.user is not None:
@@ -129,13 +151,16 @@ def main() -> int:
     ap.add_argument("--branches", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--config", action="append", default=[], help="extra daemon setting k=v")
+    ap.add_argument("--discard", action="store_true",
+                    help="count the backups' bytes and drop them, writing no file (for databases the disk "
+                         "has no room to hold twice more)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.bin_dir = args.bin_dir.resolve()
 
     base = Path(tempfile.mkdtemp(prefix="branch-cost-"))
     base.chmod(0o755)
-    primary = Postgres(base / "primary", settings={"autovacuum": "off", "max_wal_size": "'8GB'",
+    primary = Postgres(base / "primary", settings={"autovacuum": "off", "max_wal_size": "'4GB'",
                                                     "checkpoint_timeout": "'1h'"}).init().start()
     daemon = None
     try:
@@ -165,8 +190,8 @@ def main() -> int:
 
         ours, theirs = [], []
         for i in range(args.repeat):
-            ours.append(our_backup(daemon, "large", base / "ours.tar"))
-            theirs.append(their_backup(primary, base / "theirs"))
+            ours.append(our_backup(daemon, "large", None if args.discard else base / "ours.tar"))
+            theirs.append(their_backup(primary, None if args.discard else base / "theirs"))
             print(f"run {i}: ours {ours[-1]['seconds']:.2f} s ({ours[-1]['bytes'] >> 20} MiB), "
                   f"pg_basebackup {theirs[-1]['seconds']:.2f} s ({theirs[-1]['bytes'] >> 20} MiB)", flush=True)
 
