@@ -1,9 +1,10 @@
 //! The tenants of this daemon: load at start-up, create, look up, delete, shut down.
 //!
 //! On disk, a tenant is `<workdir>/tenants/<id>/` with its `main` timeline's storage in
-//! `timeline/`, its overrides in `tenant.toml` and its branches in `branches/` ([`timelines`]). Creation writes `tenant.toml` last, so a directory without it is
-//! an interrupted creation and is removed at start-up. Deletion first renames the directory to
-//! `.deleted-<id>-<n>` (atomic), then removes it; leftovers of an interrupted deletion are
+//! `timeline/`, its overrides in `tenant.toml` and its branches in `branches/` (`timelines`).
+//! Creation writes `tenant.toml` last, so a directory without it is an interrupted creation and
+//! is removed at start-up. Deletion first renames the directory to `.deleted-<id>-<n>`
+//! (atomic), then removes it (its branches with it); leftovers of an interrupted deletion are
 //! removed at start-up.
 //!
 //! Loading opens the tenants' storage on the blocking pool, [`LOAD_PARALLELISM`] at a time,
