@@ -20,7 +20,8 @@ use std::fmt;
 
 use crate::keys::CONTROL_FILE_SIZE;
 use crate::wal::checkpoint::{
-    shutdown_checkpoint_segment, CheckPoint, CheckPointError, StartPointError, StartSegment, CHECKPOINT_LEN,
+    shutdown_checkpoint_lsn, shutdown_checkpoint_segment, CheckPoint, CheckPointError, StartPointError,
+    StartSegment, CHECKPOINT_LEN,
 };
 use crate::Lsn;
 
@@ -340,6 +341,13 @@ impl ControlFile {
             data_checksum_version: u32_at(DATA_CHECKSUM_VERSION_OFFSET)?,
             mock_authentication_nonce,
         })
+    }
+
+    /// X', where a cluster started at `x` has its shutdown checkpoint record (see
+    /// [`crate::wal::checkpoint`]), for this cluster's WAL segment size: what
+    /// [`ControlFile::started_at`] puts in `checkPoint`.
+    pub fn start_point(&self, x: Lsn) -> Result<Lsn, StartPointError> {
+        shutdown_checkpoint_lsn(x, self.xlog_seg_size)
     }
 
     /// The control file and the WAL segment that start this cluster at `x` (see

@@ -824,7 +824,7 @@ impl Tenant {
     /// same cluster resumes where the old one stopped; another cluster is refused at connect).
     /// A branch's first source is the PostgreSQL started on the branch's base backup at its last
     /// durable LSN: no import, its WAL is streamed from that backup's start point (the
-    /// checkpoint record the backup wrote, [`cluster::start_point`]).
+    /// checkpoint record the backup wrote, `ControlFile::start_point`).
     /// Cancel-safe: the change is made or not; the caller may not see which.
     pub async fn attach_wal_source(&self, source: WalSource) -> anyhow::Result<WalSourceStatus> {
         source.validate().map_err(|e| anyhow::anyhow!("invalid WAL source: {e}"))?;
@@ -842,10 +842,10 @@ impl Tenant {
         let branch_start = match &self.ancestor {
             Some(_) => {
                 let durable = self.timeline.last_durable_lsn();
-                let start = cluster::start_point(&self.timeline, durable)
-                    .await
-                    .context("the branch's start point")?;
                 let control = cluster::control_file_at(&self.timeline, durable).await?;
+                let start = control
+                    .start_point(durable)
+                    .map_err(|e| anyhow::anyhow!("the branch's start point at {durable}: {e}"))?;
                 Some((start, control.system_identifier))
             }
             None => None,

@@ -195,9 +195,14 @@ pub async fn prepare(tenant: &Tenant, lsn: Lsn) -> Result<Contents, BackupError>
         })?),
         None => None,
     };
-    let control = parameters.as_ref().map_or(control.clone(), |p| control.with_parameters(p));
+    let control = match &parameters {
+        Some(p) => control.with_parameters(p),
+        None => control,
+    };
     let counters = backup_counters(&timeline, lsn).await?;
-    let start_lsn = cluster::start_point(&timeline, lsn).await.map_err(BackupError::Internal)?;
+    let start_lsn = control
+        .start_point(lsn)
+        .map_err(|e| BackupError::Internal(anyhow::anyhow!("the start point at {lsn}: {e}")))?;
 
     // The key lists, off the executor (index blocks may be read from disk).
     let listed = Arc::clone(&timeline);

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::layer::DiskWait;
 use super::manifest::{self, Manifest};
-use super::read::Picked;
+use super::read::{Picked, Snapshot};
 use super::{
     index, FsyncFailed, GetError, IngestError, ReadLimits, StorageConf, StorageMetrics, StorageWriteError,
     Value,
@@ -142,9 +142,8 @@ impl Shared {
         self.key_lookups.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The values to read for `key` as of `lsn` (`Snapshot::pick`), going on in the ancestor
-    /// where this timeline's own values do not begin with an image ([`extend_below`]).
-    /// Blocking where `wait` allows.
+    /// The values to read for `key` as of `lsn` from a snapshot of the index taken now
+    /// ([`pick_through`]). Blocking where `wait` allows.
     pub(super) fn pick_at(
         &self,
         key: BufferTag,
@@ -154,25 +153,26 @@ impl Shared {
     ) -> Result<Option<Picked>, GetError> {
         self.count_lookup();
         let snapshot = self.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
-        let picked = snapshot.pick(key, lsn, limits, wait)?;
+        let picked = pick_through(&snapshot, self.ancestor.as_ref(), key, lsn, limits, wait)?;
         self.check_retained(lsn)?;
-        extend_below(self.ancestor.as_ref(), picked, key, lsn, limits, wait)
+        Ok(picked)
     }
 }
 
-/// `picked` (the values of `key` at or below `lsn` in one timeline, oldest first, or none), with
-/// the values the timeline's `ancestor` has for `key` at the branch point (or at `lsn` below it)
-/// before them, when they do not begin with an image: the ancestor's history below its own
-/// values, within what `limits` leaves. Reads index blocks waiting for the disk only where
-/// `wait` allows.
-pub(super) fn extend_below(
+/// The values of `key` at or below `lsn` that one timeline's `snapshot` picks (`Snapshot::pick`,
+/// oldest first, or none), with the values the timeline's `ancestor` has for `key` at the branch
+/// point (or at `lsn` below it) before them, when they do not begin with an image: the
+/// ancestor's history below its own values, within what `limits` leaves. Reads index blocks
+/// waiting for the disk only where `wait` allows.
+pub(super) fn pick_through(
+    snapshot: &Snapshot,
     ancestor: Option<&Below>,
-    picked: Option<Picked>,
     key: BufferTag,
     lsn: Lsn,
     limits: ReadLimits,
     wait: DiskWait,
 ) -> Result<Option<Picked>, GetError> {
+    let picked = snapshot.pick(key, lsn, limits, wait)?;
     let Some(a) = ancestor else {
         return Ok(picked);
     };

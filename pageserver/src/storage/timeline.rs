@@ -29,7 +29,7 @@ use super::format::LOCK_NAME;
 use super::index::Version;
 use super::layer::DiskWait;
 use super::read::{would_wait, Lookup, ReadPlan, ReadStart, Snapshot};
-use super::shared::{extend_below, Below, Pending, Queue, Shared, QUEUE_BUDGET_KIB};
+use super::shared::{pick_through, Below, Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
     commit, recovery, validate, GetError, IngestBatch, IngestError, ReadLimits, ReconstructData, StorageConf,
     StorageMetrics, StorageWriteError, TimelineStats, WaitLsnError,
@@ -505,10 +505,7 @@ impl Timeline {
         self.shared.count_lookup();
         let snapshot = self.shared.index.read().unwrap_or_else(PoisonError::into_inner).snapshot(key, lsn);
         let ancestor = self.shared.ancestor.clone();
-        let pick = move |wait| {
-            let picked = snapshot.pick(key, lsn, chain, wait)?;
-            extend_below(ancestor.as_ref(), picked, key, lsn, chain, wait)
-        };
+        let pick = move |wait| pick_through(&snapshot, ancestor.as_ref(), key, lsn, chain, wait);
         let picked = match pick(DiskWait::Refused) {
             Err(e) if would_wait(&e) => {
                 self.shared.metrics.plans_offloaded.inc();
@@ -560,10 +557,7 @@ impl Timeline {
         limits: ReadLimits,
     ) -> Result<ReadPlan, GetError> {
         let ancestor = self.shared.ancestor.clone();
-        let pick = move |wait| {
-            let picked = snapshot.pick(key, lsn, limits, wait)?;
-            extend_below(ancestor.as_ref(), picked, key, lsn, limits, wait)
-        };
+        let pick = move |wait| pick_through(&snapshot, ancestor.as_ref(), key, lsn, limits, wait);
         let plan = match pick(DiskWait::Refused) {
             Err(e) if would_wait(&e) => {
                 self.shared.metrics.plans_offloaded.inc();

@@ -11,7 +11,6 @@
 use anyhow::Context;
 use page_types::control_file::ControlFile;
 use page_types::keys::{self, SlruKind};
-use page_types::wal::checkpoint::shutdown_checkpoint_lsn;
 use page_types::{BufferTag, Lsn, PAGE_SIZE};
 
 use crate::ingest::counters::{self, Counters};
@@ -44,15 +43,6 @@ pub async fn counters_at(timeline: &Timeline, lsn: Lsn) -> anyhow::Result<Counte
         .await?
         .context("no pg_control stored (the import stores it)")?;
     counters::from_control_file(&file).map_err(|e| anyhow::anyhow!("pg_control at {at}: {e}"))
-}
-
-/// The start point X' of a PostgreSQL started on a base backup at `lsn`: where the backup's
-/// shutdown checkpoint record lies (`page_types::wal::checkpoint`), for the cluster's WAL
-/// segment size (its `pg_control`'s).
-pub async fn start_point(timeline: &Timeline, lsn: Lsn) -> anyhow::Result<Lsn> {
-    let control = control_file_at(timeline, lsn).await?;
-    shutdown_checkpoint_lsn(lsn, control.xlog_seg_size)
-        .map_err(|e| anyhow::anyhow!("the start point at {lsn}: {e}"))
 }
 
 /// The cluster's `pg_control` as the import stored it (nothing rewrites it), as of `lsn`.
