@@ -11,6 +11,9 @@
   writer (the daemon gets `page_service_io` unless the test sets it). The default, "auto",
   picks one of the two by load: test_page_service_io.py covers its switches.
 - `tenant`: a fresh tenant on `pageserver`.
+- `s3_server`: a started S3 server (versitygw, `fixtures/s3.py`) in `<tmp_path>/s3`, with the
+  bucket `pageserver-test`; stopped at teardown (resumed first when paused). It must still be
+  running then, unless the test stopped it.
 
 The binary is `$PAGESERVER_BIN_DIR/pageserver` (default `<repo>/target/debug`).
 """
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import pytest
 
+from fixtures import log_check
 from fixtures.daemon import IO_MODES, PROCESS_KINDS, Pageserver, default_bin_dir, new_tenant_id
+from fixtures.s3 import S3Server
 from fixtures.util import wait_until
 
 
@@ -91,3 +96,14 @@ def pageserver(request, pageserver_factory):
 @pytest.fixture
 def tenant(pageserver):
     return pageserver.create_tenant(new_tenant_id())
+
+
+@pytest.fixture
+def s3_server(tmp_path):
+    server = S3Server(tmp_path / "s3").start()
+    yield server
+    died = server.proc is not None and server.proc.poll() is not None
+    server.stop()  # SIGCONT first when paused
+    if died:
+        pytest.fail(f"versitygw exited during the test; log tail ({server.log_path}):\n"
+                    + log_check.tail(server.log_path), pytrace=False)

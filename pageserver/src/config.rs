@@ -23,6 +23,7 @@ use crate::logging::LogFormat;
 use crate::page_cache::{DEFAULT_PAGE_CACHE_SIZE, MAX_PAGE_CACHE_SIZE, MIN_PAGE_CACHE_SIZE};
 use crate::page_service::{self, PageServiceIo, PageServiceSettings, MAX_MAX_CONNECTIONS};
 use crate::redo_budget::DEFAULT_REDO_MEMORY_BUDGET;
+use crate::remote::{self, RemoteStorageConfig};
 use crate::storage::{StorageConf, DEFAULT_LAYER_SIZE, MAX_LAYER_SIZE, MIN_LAYER_SIZE};
 use crate::tenant::wal_receiver::DEFAULT_WAL_MAX_RECORD_SIZE;
 use crate::tenant::DEFAULT_WAIT_LSN_TIMEOUT;
@@ -68,6 +69,9 @@ struct ConfigFile {
     compaction_image_threshold: usize,
     compaction_cpu_floor: f64,
     compaction_cpu_cap: f64,
+    remote_storage: Option<RemoteStorageConfig>,
+    #[serde(with = "humantime_serde")]
+    checkpoint_timeout: Duration,
 }
 
 impl Default for ConfigFile {
@@ -94,6 +98,8 @@ impl Default for ConfigFile {
             compaction_image_threshold: compaction::DEFAULT_IMAGE_THRESHOLD,
             compaction_cpu_floor: compaction_controller::DEFAULT_FLOOR,
             compaction_cpu_cap: compaction_controller::DEFAULT_CAP,
+            remote_storage: None,
+            checkpoint_timeout: remote::DEFAULT_CHECKPOINT_TIMEOUT,
         }
     }
 }
@@ -135,13 +141,22 @@ impl PageServerConf {
         // Round-trip through text: toml's errors then name the offending key.
         let text = toml::to_string(&table).context("re-encode settings")?;
         let file: ConfigFile = toml::from_str(&text).map_err(|e| {
-            // Name the key: the error's span points into the line `key = value`.
-            let key = e
-                .span()
-                .and_then(|span| text[..span.start.min(text.len())].rsplit('\n').next())
-                .and_then(|line| line.split('=').next())
-                .map(str::trim)
-                .filter(|key| !key.is_empty());
+            // Name the key: the error's span points into the line `key = value`, or into a
+            // table's section (`[remote_storage]`, as the re-encoding writes an inline table),
+            // whose name is the setting's.
+            let before = e.span().map(|span| &text[..span.start.min(text.len())]);
+            let section = before
+                .and_then(|b| b.lines().rev().find(|l| l.trim_start().starts_with('[')))
+                .map(|l| l.trim().trim_matches(|c| c == '[' || c == ']').to_string());
+            let key = match section {
+                Some(section) => Some(section),
+                None => before
+                    .and_then(|b| b.rsplit('\n').next())
+                    .and_then(|line| line.split('=').next())
+                    .map(str::trim)
+                    .filter(|key| !key.is_empty())
+                    .map(str::to_string),
+            };
             match key {
                 Some(key) => anyhow::anyhow!("invalid setting {key}: {}", e.message()),
                 None => anyhow::anyhow!("invalid setting: {}", e.message()),
@@ -169,6 +184,8 @@ impl PageServerConf {
             compaction_image_threshold,
             compaction_cpu_floor,
             compaction_cpu_cap,
+            remote_storage,
+            checkpoint_timeout,
         } = file;
         let addr = |key: &str, value: &str| resolve_addr(key, value);
         let duration = |key: &str, d: Duration| -> anyhow::Result<Duration> {
@@ -225,6 +242,9 @@ impl PageServerConf {
                 "invalid setting compaction_cpu_floor = {compaction_cpu_floor} or compaction_cpu_cap = {compaction_cpu_cap}: {e:#}"
             )
         })?;
+        if let Some(remote) = &remote_storage {
+            remote.validate().map_err(|e| anyhow::anyhow!("invalid setting remote_storage: {e:#}"))?;
+        }
         let binary = match walredo_proc_path {
             Some(path) => path,
             None => walredo::default_binary_path()?,
@@ -258,6 +278,8 @@ impl PageServerConf {
                 wait_lsn_timeout: duration("wait_lsn_timeout", wait_lsn_timeout)?,
                 walredo_memory_budget: walredo_memory_budget.bytes,
                 wal_max_record_size,
+                remote_storage,
+                checkpoint_timeout: duration("checkpoint_timeout", checkpoint_timeout)?,
             },
         })
     }
@@ -488,6 +510,30 @@ mod tests {
         assert_eq!(conf.listen_http_addr.port(), 7);
         let err = load(&["listen_pg_addr=\"localhost\""]).unwrap_err();
         assert!(format!("{err:#}").contains("listen_pg_addr"), "{err:#}");
+    }
+
+    #[test]
+    fn remote_storage_takes_either_form_on_the_command_line_and_names_itself_when_wrong() {
+        let conf = load(&[
+            r#"remote_storage={bucket_name="b", bucket_region="eu-west-1", endpoint="http://127.0.0.1:7070"}"#,
+            "checkpoint_timeout=\"5 s\"",
+        ])
+        .unwrap();
+        let remote = conf.tenants.remote_storage.unwrap();
+        assert_eq!(
+            (remote.bucket_name.as_deref(), remote.endpoint.as_deref()),
+            (Some("b"), Some("http://127.0.0.1:7070"))
+        );
+        assert_eq!(conf.tenants.checkpoint_timeout, Duration::from_secs(5));
+        let local = load(&[r#"remote_storage={local_path="/var/lib/bucket"}"#]).unwrap();
+        assert_eq!(local.tenants.remote_storage.unwrap().local_path, Some(PathBuf::from("/var/lib/bucket")));
+        assert!(load(&[]).unwrap().tenants.remote_storage.is_none());
+        for bad in
+            [r#"remote_storage={bucket_name="b"}"#, r#"remote_storage={bucket="b"}"#, "remote_storage=3"]
+        {
+            let err = format!("{:#}", load(&[bad]).unwrap_err());
+            assert!(err.contains("remote_storage"), "{bad}: {err}");
+        }
     }
 
     #[test]

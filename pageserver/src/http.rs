@@ -54,6 +54,8 @@ impl From<TenantError> for ApiError {
             TenantError::Broken { .. } => StatusCode::CONFLICT,
             TenantError::InvalidId(_) => StatusCode::BAD_REQUEST,
             TenantError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            TenantError::NoRemoteStorage => StatusCode::BAD_REQUEST,
+            TenantError::NotInBucket(_) => StatusCode::NOT_FOUND,
             TenantError::Other(_) => {
                 tracing::error!("management request failed: {e:#}");
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -94,6 +96,8 @@ pub async fn serve(
         .route("/v1/tenant", get(list_tenants).post(create_tenant))
         .route("/v1/tenant/{id}", get(get_tenant).delete(delete_tenant))
         .route("/v1/tenant/{id}/config", put(put_tenant_config))
+        .route("/v1/tenant/{id}/attach", post(attach_tenant))
+        .route("/v1/tenant/{id}/detach", post(detach_tenant))
         .route("/v1/tenant/{id}/keyspace", get(get_keyspace))
         .route("/v1/tenant/{id}/compact", post(compact_tenant))
         .route("/v1/tenant/{id}/wal_source", put(put_wal_source).delete(delete_wal_source))
@@ -180,6 +184,16 @@ async fn get_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) 
 
 async fn delete_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
     state.tenants.delete(&id).await?;
+    Ok(Json(serde_json::json!({})).into_response())
+}
+
+async fn attach_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
+    let tenant = state.tenants.attach(&id).await?;
+    Ok((StatusCode::CREATED, Json(tenant.status())).into_response())
+}
+
+async fn detach_tenant(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult {
+    state.tenants.detach(&id).await?;
     Ok(Json(serde_json::json!({})).into_response())
 }
 

@@ -44,6 +44,7 @@ pub mod page_service;
 pub mod postgres;
 pub mod process_metrics;
 pub mod redo_budget;
+pub mod remote;
 pub mod server;
 pub mod storage;
 pub mod tenant;

@@ -43,6 +43,7 @@ use crate::metrics::sharded::{ShardedSums, TENANT_SHARDS};
 use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{Overloaded, RedoBudget};
+use crate::remote::{self, RemoteStatus, RemoteTimeline};
 use crate::storage::{
     self, DiskWait, GetError, IngestBatch, IngestError, Lookup, ReadLimits, ReadPlan, ReadStart, Timeline,
     WaitLsnError,
@@ -210,6 +211,8 @@ pub struct TenantStatus {
     pub counters: TenantCounters,
     /// Its WAL source (`PUT /v1/tenant/{id}/wal_source`), if it has one.
     pub wal_source: Option<WalSourceStatus>,
+    /// With remote storage, its uploads.
+    pub remote: Option<RemoteStatus>,
 }
 
 /// What `GET /v1/tenant/{id}/timeline/{timeline}` shows of a timeline.
@@ -228,6 +231,8 @@ pub struct TimelineStatus {
     pub branch_points: Vec<Lsn>,
     pub storage: StorageStatus,
     pub wal_source: Option<WalSourceStatus>,
+    /// With remote storage, its uploads.
+    pub remote: Option<RemoteStatus>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -322,6 +327,8 @@ pub struct Tenant {
     pub(crate) follows_postgres: AtomicBool,
     /// Whether its cluster has data checksums, which pages get as they are built.
     pub(crate) data_checksums: data_checksums::DataChecksums,
+    /// With remote storage, the timeline's uploader.
+    pub(crate) remote: Option<Arc<RemoteTimeline>>,
 }
 
 /// Request counters of a tenant (GetPage's in shards: every executor thread counts it).
@@ -722,6 +729,7 @@ impl Tenant {
             branch_points: self.timeline.branch_points(),
             storage: self.storage_status(),
             wal_source: lock(&self.wal_receiver).as_ref().map(|r| r.status()),
+            remote: self.remote.as_ref().map(|r| r.status()),
         }
     }
 
@@ -736,6 +744,7 @@ impl Tenant {
             compaction: self.compactor.status(),
             storage: self.storage_status(),
             wal_source: lock(&self.wal_receiver).as_ref().map(|r| r.status()),
+            remote: self.remote.as_ref().map(|r| r.status()),
             counters: TenantCounters {
                 get_page_requests: self.counters.get_page_requests.sum(0),
                 ingest_batches: self.counters.ingest_batches.load(Ordering::Relaxed),
@@ -763,8 +772,30 @@ impl Tenant {
             receiver.stop().await;
         }
         self.compactor.stopped().await;
+        if let Some(remote) = &self.remote {
+            remote.shutdown().await;
+        }
         self.timeline.shutdown().await;
         self.walredo.shutdown().await;
+    }
+
+    /// Before a detach: seals what storage holds and waits until the bucket has all of it,
+    /// first while serving (the bulk), then with the tenant stopped (ingest refused, the WAL
+    /// receiver stopped: what it streamed after is still in the primary's slot, which was told
+    /// no more than was uploaded). Each wait at most `timeout`; on a failure of the first the
+    /// tenant serves on.
+    pub(crate) async fn upload_all(&self, timeout: Duration) -> anyhow::Result<()> {
+        let remote = self.remote.as_ref().context("no remote storage")?;
+        self.timeline.freeze().await?;
+        remote.wait_uploaded(self.timeline.layer_files().last_lsn(), timeout).await?;
+        self.stop_serving();
+        let receiver = lock(&self.wal_receiver).take();
+        if let Some(receiver) = receiver {
+            receiver.stop().await;
+        }
+        self.compactor.stopped().await;
+        self.timeline.freeze().await?;
+        remote.wait_uploaded(self.timeline.layer_files().last_lsn(), timeout).await
     }
 
     /// Takes up the tenant's source file at load: what it says of storage (the position the
@@ -793,6 +824,7 @@ impl Tenant {
                 import_incomplete: Arc::clone(&self.import_incomplete),
                 max_record_size: self.deps.wal_max_record_size,
                 pages: self.page_source(),
+                uploaded: self.remote.as_ref().map(|r| r.subscribe()),
             },
             &self.cancel,
         );
@@ -918,6 +950,44 @@ impl Tenant {
     pub async fn compact(&self) -> Result<Option<PassSummary>, CompactError> {
         self.compactor.compact_now().await
     }
+}
+
+/// What a timeline's index in the bucket says besides its layers ([`remote::MetadataFn`]): the
+/// tenant's `tenant.toml` (in `tenant_dir`), the branch's ancestor, and its WAL source file (in
+/// `meta_dir`) with the position at most the index's `disk_consistent_lsn`. `None` (no index
+/// yet) while the layers cannot serve the timeline on their own: an import not complete, or a
+/// source whose layers hold no value of its WAL yet (the import's values, or a branch's, are
+/// not known to be all in the layers before one does).
+pub(crate) fn remote_metadata(
+    tenant_dir: &Path,
+    meta_dir: &Path,
+    ancestor: Option<(String, Lsn)>,
+) -> remote::MetadataFn {
+    let (tenant_dir, meta_dir) = (tenant_dir.to_path_buf(), meta_dir.to_path_buf());
+    Arc::new(move |disk_consistent: Lsn| {
+        let tenant_conf = std::fs::read_to_string(tenant_dir.join(TENANT_CONFIG_FILE)).ok()?;
+        let wal_source = match wal_receiver::read_source_file(&meta_dir).ok()? {
+            None => None,
+            Some(mut file) => {
+                let floor = match (&file.import, &ancestor) {
+                    (Some(import), _) => import.start_lsn?,
+                    (None, Some((_, lsn))) => *lsn,
+                    // Values from WAL only: any layer is a start.
+                    (None, None) => file.position.map(|_| Lsn(0))?,
+                };
+                if disk_consistent <= floor {
+                    return None;
+                }
+                file.position = file.position.map(|p| p.min(disk_consistent));
+                Some(serde_json::to_value(&file).ok()?)
+            }
+        };
+        Some(remote::TimelineMetadata {
+            ancestor: ancestor.clone().map(|(timeline, lsn)| remote::AncestorMeta { timeline, lsn }),
+            tenant_conf,
+            wal_source,
+        })
+    })
 }
 
 /// Reads a tenant's overrides; `Ok(None)` if the file is missing (an incomplete tenant).

@@ -34,6 +34,7 @@ use crate::metrics::sharded::ReadGauge;
 use crate::metrics::RequestSeries;
 use crate::page_cache::PageCache;
 use crate::redo_budget::{RedoBudget, DEFAULT_REDO_MEMORY_BUDGET};
+use crate::remote::{self, RemoteMetrics, RemoteStorage, RemoteStorageConfig, RemoteTenant, RemoteTimeline};
 use crate::storage::{self, StorageConf, StorageMetrics, Timeline};
 use crate::tenant::wal_receiver;
 use crate::tenant::{
@@ -50,6 +51,10 @@ pub use timelines::TimelineError;
 const TENANTS_DIR: &str = "tenants";
 const TIMELINE_DIR: &str = "timeline";
 const DELETED_PREFIX: &str = ".deleted-";
+/// A tenant being attached is written here first, then renamed to its id.
+const ATTACHING_PREFIX: &str = ".attaching-";
+/// How long a detach waits for the bucket to hold everything (each of its two waits).
+const DETACH_UPLOAD_TIMEOUT: Duration = Duration::from_secs(120);
 /// Tenants opened at once at start-up (each open reads its storage's indexes from disk).
 pub const LOAD_PARALLELISM: usize = 8;
 
@@ -65,6 +70,10 @@ pub enum TenantError {
     InvalidId(String),
     #[error("the daemon is shutting down")]
     ShuttingDown,
+    #[error("no remote_storage is configured: attach and detach need a bucket")]
+    NoRemoteStorage,
+    #[error("the bucket holds no tenant {0}")]
+    NotInBucket(String),
     #[error("{0:#}")]
     Other(#[from] anyhow::Error),
 }
@@ -130,6 +139,7 @@ pub struct TenantsMetrics {
     redo_budget_used: Arc<AtomicU64>,
     pub(crate) compaction: Arc<CompactionMetrics>,
     pub(crate) wal_receiver: Arc<wal_receiver::WalReceiverMetrics>,
+    pub(crate) remote: Arc<RemoteMetrics>,
 }
 
 impl TenantsMetrics {
@@ -152,7 +162,8 @@ impl TenantsMetrics {
         )?))?;
         let compaction = Arc::new(CompactionMetrics::new(registry)?);
         let wal_receiver = Arc::new(wal_receiver::WalReceiverMetrics::new(registry)?);
-        Ok(TenantsMetrics { tenants, redo_budget_used, compaction, wal_receiver })
+        let remote = Arc::new(RemoteMetrics::new(registry)?);
+        Ok(TenantsMetrics { tenants, redo_budget_used, compaction, wal_receiver, remote })
     }
 }
 
@@ -170,6 +181,12 @@ pub struct TenantsConf {
     pub walredo_memory_budget: u64,
     /// `wal_max_record_size`: the longest WAL record a tenant's receiver takes.
     pub wal_max_record_size: u32,
+    /// `remote_storage`: the bucket (or directory) the layers are uploaded to; `None`: local
+    /// disk only.
+    pub remote_storage: Option<RemoteStorageConfig>,
+    /// `checkpoint_timeout`: with remote storage, how long values may wait in the active
+    /// segment before it is sealed and uploaded.
+    pub checkpoint_timeout: Duration,
 }
 
 impl TenantsConf {
@@ -182,6 +199,8 @@ impl TenantsConf {
             wait_lsn_timeout: DEFAULT_WAIT_LSN_TIMEOUT,
             walredo_memory_budget: DEFAULT_REDO_MEMORY_BUDGET,
             wal_max_record_size: wal_receiver::DEFAULT_WAL_MAX_RECORD_SIZE,
+            remote_storage: None,
+            checkpoint_timeout: remote::DEFAULT_CHECKPOINT_TIMEOUT,
         }
     }
 }
@@ -214,6 +233,13 @@ pub struct Tenants {
     metrics: Arc<TenantsMetrics>,
     next_generation: AtomicU64,
     cancel: CancellationToken,
+    /// `remote_storage`, if set.
+    remote: Option<Arc<RemoteStorage>>,
+    /// The remote side of each tenant (its generation), shared by its timelines' uploaders.
+    remote_tenants: Mutex<BTreeMap<String, Arc<RemoteTenant>>>,
+    checkpoint_timeout: Duration,
+    /// Who this daemon is, in the generation objects it writes.
+    node: String,
 }
 
 impl Tenants {
@@ -233,7 +259,20 @@ impl Tenants {
         metrics: Arc<TenantsMetrics>,
         cancel: CancellationToken,
     ) -> anyhow::Result<Tenants> {
+        let remote = match &conf.remote_storage {
+            None => None,
+            Some(remote_conf) => {
+                let storage = RemoteStorage::connect(remote_conf, Arc::clone(&metrics.remote))?;
+                storage.check().await?;
+                tracing::info!("layers are uploaded to remote storage {}", remote_conf.describe());
+                Some(Arc::new(storage))
+            }
+        };
         let tenants = Tenants {
+            remote,
+            remote_tenants: Mutex::new(BTreeMap::new()),
+            checkpoint_timeout: conf.checkpoint_timeout,
+            node: format!("pid {} in {}", std::process::id(), workdir.display()),
             dir: workdir.join(TENANTS_DIR),
             tenants: Mutex::new(BTreeMap::new()),
             branches: Mutex::new(BTreeMap::new()),
@@ -374,6 +413,35 @@ impl Tenants {
         );
         let follows_postgres =
             ancestor.as_ref().is_some_and(|(a, _)| a.follows_postgres.load(Ordering::Relaxed));
+        let remote = self.remote.as_ref().map(|storage| {
+            // The tenant's directory is `main`'s, at the root of the ancestry.
+            let mut main_dir = dir.to_path_buf();
+            let mut up = ancestor.as_ref().map(|(a, _)| Arc::clone(a));
+            while let Some(a) = up {
+                main_dir = a.dir.clone();
+                up = a.ancestor.as_ref().map(|(b, _)| Arc::clone(b));
+            }
+            let tenant = Arc::clone(lock(&self.remote_tenants).entry(id.to_string()).or_insert_with(|| {
+                // Once per tenant (load, create, attach): a file of a few bytes, read
+                // here so that the status shows the generation from the start. An
+                // unreadable one is taken up again by the uploader, which reports it.
+                let known = remote::read_generation_file(&main_dir).ok().flatten();
+                RemoteTenant::new(Arc::clone(storage), id, &main_dir, &self.node, known)
+            }));
+            let ancestor_meta = ancestor.as_ref().map(|(a, lsn)| (a.timeline_id.clone(), *lsn));
+            RemoteTimeline::start(
+                remote::Uploader {
+                    tenant,
+                    timeline_id: timeline_id.to_string(),
+                    timeline: Arc::clone(&timeline),
+                    meta_dir: dir.to_path_buf(),
+                    metadata: crate::tenant::remote_metadata(&main_dir, dir, ancestor_meta),
+                    checkpoint_timeout: self.checkpoint_timeout,
+                },
+                // Not the tenant's token: a detach stops serving and goes on uploading.
+                self.cancel.child_token(),
+            )
+        });
         let series_label =
             if timeline_id == MAIN_TIMELINE { id.to_string() } else { format!("{id}/{timeline_id}") };
         Arc::new_cyclic(|me| Tenant {
@@ -397,6 +465,7 @@ impl Tenants {
             import_incomplete: Arc::default(),
             follows_postgres: follows_postgres.into(),
             data_checksums: Default::default(),
+            remote,
         })
     }
 
@@ -519,7 +588,12 @@ impl Tenants {
     /// The body of [`Tenants::delete`]; not cancel-safe (dropped after the tenant left the map
     /// and before the rename, the tenant would come back at the next start).
     async fn delete_now(&self, id: &str) -> Result<(), TenantError> {
-        let _changing = self.change_lock.lock().await;
+        let changing = self.change_lock.lock().await;
+        self.remove(id, changing).await
+    }
+
+    /// Takes tenant `id` out of memory and off the disk (its objects in the bucket stay).
+    async fn remove(&self, id: &str, _changing: tokio::sync::MutexGuard<'_, ()>) -> Result<(), TenantError> {
         let slot = lock(&self.tenants).remove(id).ok_or_else(|| TenantError::NotFound(id.to_string()))?;
         self.update_metrics();
         let branches = lock(&self.branches).remove(id).unwrap_or_default();
@@ -542,7 +616,134 @@ impl Tenants {
         })
         .await
         .context("remove tenant data")??;
+        lock(&self.remote_tenants).remove(id);
         tracing::info!(tenant_id = id, "deleted tenant");
+        Ok(())
+    }
+
+    /// Attaches tenant `id` from the bucket (`POST /v1/tenant/{id}/attach`): takes a new
+    /// generation, copies every timeline's newest index and layers into a new directory
+    /// (`.attaching-<id>`, renamed to the tenant's once complete, `tenant.toml` written last),
+    /// uploads the indexes under the new generation, and serves it. An object missing or
+    /// damaged fails it, naming the object, and leaves nothing on disk.
+    pub async fn attach(&self, id: &str) -> Result<Arc<Tenant>, TenantError> {
+        validate_tenant_id(id)?;
+        let storage = self.remote.clone().ok_or(TenantError::NoRemoteStorage)?;
+        let _changing = self.change_lock.lock().await;
+        if self.cancel.is_cancelled() {
+            return Err(TenantError::ShuttingDown);
+        }
+        if self.slot(id).is_some() {
+            return Err(TenantError::Exists(id.to_string()));
+        }
+        let mut found = Vec::new();
+        for timeline_id in storage.list_timelines(id).await? {
+            if let Some((_, index)) = storage.newest_index(id, &timeline_id).await? {
+                found.push(remote::AttachedTimeline { timeline_id, index });
+            }
+        }
+        let Some(main) = found.iter().find(|t| t.timeline_id == MAIN_TIMELINE) else {
+            return Err(TenantError::NotInBucket(id.to_string()));
+        };
+        let tenant_conf = main.index.metadata.tenant_conf.clone();
+        let generation = storage.take_generation(id, &self.node).await?;
+        let span = tracing::info_span!("attach_tenant", tenant_id = id, generation = %generation);
+        let staging = self.dir.join(format!("{ATTACHING_PREFIX}{id}"));
+        let built = async {
+            if tokio::fs::try_exists(&staging).await.unwrap_or(false) {
+                tokio::fs::remove_dir_all(&staging).await.context("remove an earlier attach's leftovers")?;
+            }
+            for t in &found {
+                let meta_dir = match t.timeline_id.as_str() {
+                    MAIN_TIMELINE => staging.clone(),
+                    branch => staging.join(timelines::BRANCHES_DIR).join(branch),
+                };
+                remote::attach_copy(&storage, id, t, &meta_dir.join(TIMELINE_DIR), &self.storage_metrics)
+                    .await?;
+                let (meta_dir, metadata) = (meta_dir.clone(), t.index.metadata.clone());
+                tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+                    if let Some(a) = &metadata.ancestor {
+                        timelines::write_timeline_file(&meta_dir, &a.timeline, a.lsn)?;
+                    }
+                    if let Some(source) = &metadata.wal_source {
+                        let raw = serde_json::to_vec_pretty(source).context("encode the WAL source file")?;
+                        storage::durable_write(&meta_dir, wal_receiver::SOURCE_FILE, &raw)?;
+                    }
+                    Ok(())
+                })
+                .await??;
+            }
+            for t in &found {
+                let mut index = t.index.clone();
+                index.generation = generation;
+                storage.put_index(id, &t.timeline_id, &index).await?;
+            }
+            let (staging, target, tenants_dir) = (staging.clone(), self.dir.join(id), self.dir.clone());
+            tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+                // The directories the copies made, inner first (the files are synced).
+                let branches_dir = staging.join(timelines::BRANCHES_DIR);
+                if branches_dir.is_dir() {
+                    for entry in std::fs::read_dir(&branches_dir).context("list the copied branches")? {
+                        storage::fsync_dir(&entry.context("list the copied branches")?.path())?;
+                    }
+                    storage::fsync_dir(&branches_dir)?;
+                }
+                remote::write_generation_file(&staging, generation)?;
+                storage::durable_write(&staging, crate::tenant::TENANT_CONFIG_FILE, tenant_conf.as_bytes())?;
+                std::fs::rename(&staging, &target)
+                    .with_context(|| format!("rename to {}", target.display()))?;
+                storage::fsync_dir(&tenants_dir)
+            })
+            .await?
+        }
+        .instrument(span.clone())
+        .await;
+        if let Err(e) = built {
+            let _ = tokio::fs::remove_dir_all(&staging).await;
+            return Err(TenantError::Other(e.context("attach")));
+        }
+        let path = self.dir.join(id);
+        let (storage_conf, storage_metrics, load_path) =
+            (self.storage_conf.clone(), Arc::clone(&self.storage_metrics), path.clone());
+        let loaded =
+            tokio::task::spawn_blocking(move || load_tenant_dir(&load_path, storage_conf, storage_metrics))
+                .await
+                .context("load the attached tenant")??;
+        let Loaded::Opened(overrides, timeline, source, branches) = loaded else {
+            return Err(TenantError::Other(anyhow::anyhow!("the attached tenant has no tenant.toml")));
+        };
+        let tenant = self.assemble(id, MAIN_TIMELINE, &path, overrides.clone(), timeline, None);
+        if let Some(source) = source {
+            tenant.load_wal_source(source);
+        }
+        self.serve_branches(&tenant, overrides, branches);
+        lock(&self.tenants).insert(id.to_string(), TenantSlot::Active(Arc::clone(&tenant)));
+        self.update_metrics();
+        span.in_scope(|| {
+            tracing::info!(timelines = found.len(), last_durable_lsn = %tenant.last_durable_lsn(), "attached tenant")
+        });
+        Ok(tenant)
+    }
+
+    /// Detaches tenant `id` (`POST /v1/tenant/{id}/detach`): waits until the bucket holds
+    /// everything durable here (its branches' too), then drops it from memory and disk. A
+    /// bucket that does not take the uploads in time fails it (the tenant serves on if the
+    /// first wait failed).
+    pub async fn detach(&self, id: &str) -> Result<(), TenantError> {
+        if self.remote.is_none() {
+            return Err(TenantError::NoRemoteStorage);
+        }
+        let changing = self.change_lock.lock().await;
+        let tenant = self.get(id)?;
+        let branches: Vec<Arc<Tenant>> =
+            lock(&self.branches).get(id).map(|b| b.values().cloned().collect()).unwrap_or_default();
+        for t in branches.iter().rev().chain(std::iter::once(&tenant)) {
+            t.upload_all(DETACH_UPLOAD_TIMEOUT)
+                .await
+                .with_context(|| format!("upload timeline {} before the detach", t.timeline_id))?;
+        }
+        self.remove(id, changing).await?;
+        tracing::info!(tenant_id = id, "detached tenant");
         Ok(())
     }
 
@@ -576,7 +777,7 @@ fn list_tenant_dirs(dir: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
     for entry in entries {
         let name = entry.file_name().to_string_lossy().into_owned();
         let path = entry.path();
-        if name.starts_with(DELETED_PREFIX) {
+        if name.starts_with(DELETED_PREFIX) || name.starts_with(ATTACHING_PREFIX) {
             tracing::info!(path = %path.display(), "removing the rest of a deleted tenant");
             if let Err(e) = std::fs::remove_dir_all(&path) {
                 // It is no tenant any more; try again at the next start.

@@ -98,6 +98,50 @@ impl Default for StorageConf {
     }
 }
 
+/// A timeline's layer files as its manifest lists them ([`Timeline::layer_files`]), or as a copy
+/// of the timeline lists them ([`create_from_copy`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerFiles {
+    /// The manifest's generation: every layer's name carries one at most this.
+    pub generation: u64,
+    /// In the manifest's order (the layer map's runs, oldest first).
+    pub layers: Vec<LayerFile>,
+    pub gc_cutoff: Lsn,
+}
+
+/// One layer file of [`LayerFiles`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerFile {
+    /// The file name (`layer_L...layer`, docs/storage-format.md).
+    pub name: String,
+    pub first_lsn: Lsn,
+    pub last_lsn: Lsn,
+    pub size: u64,
+    /// The crc32c of the whole file; `None` for a layer listed before manifests had it.
+    pub crc32c: Option<u32>,
+}
+
+impl LayerFiles {
+    /// The layers' last LSN (0/0 without layers): everything durable at or below it when the
+    /// manifest was written is in these layers.
+    pub fn last_lsn(&self) -> Lsn {
+        self.layers.iter().map(|l| l.last_lsn).max().unwrap_or(Lsn(0))
+    }
+}
+
+/// Makes `dir`, which holds exactly the layer files `files` lists (copied from elsewhere, each
+/// checked against its size and crc32c, fsynced), a timeline directory that
+/// [`Timeline::open`] opens: writes its manifest (a generation above `files.generation`, so no
+/// later seal or pass gives an existing name to other bytes) and an empty active segment.
+/// Blocking.
+pub fn create_from_copy(
+    dir: &std::path::Path,
+    files: &LayerFiles,
+    metrics: &StorageMetrics,
+) -> anyhow::Result<()> {
+    recovery::create_from_copy(dir, files, metrics)
+}
+
 /// A value stored at a (key, lsn).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Value {

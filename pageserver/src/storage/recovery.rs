@@ -75,6 +75,35 @@ pub(crate) fn recover(dir: &Path, dir_file: &File, metrics: &StorageMetrics) -> 
     }
 }
 
+/// [`super::create_from_copy`]: the manifest of a directory whose layer files were copied in
+/// (each name parsed and its range checked against the listing), and an empty active segment.
+pub(crate) fn create_from_copy(
+    dir: &Path,
+    files: &super::LayerFiles,
+    metrics: &StorageMetrics,
+) -> anyhow::Result<()> {
+    let mut m = Manifest::empty();
+    for l in &files.layers {
+        let name =
+            layer::parse_file_name(&l.name).with_context(|| format!("not a layer file name: {}", l.name))?;
+        ensure!(
+            (name.first, name.last) == (l.first_lsn, l.last_lsn),
+            "layer {} is listed with LSNs {}..={}",
+            l.name,
+            l.first_lsn,
+            l.last_lsn
+        );
+        m.layers.push(LayerMeta::new(&name, l.size, l.crc32c));
+    }
+    m.generation = files.generation;
+    // Opening checks the rest (runs, LSN overlaps between layers that share keys).
+    m.active = manifest::ActiveMeta { seq: 1, base_lsn: files.last_lsn().0 };
+    m.gc_cutoff = files.gc_cutoff.0;
+    let dir_file = File::open(dir).context("open timeline directory")?;
+    ActiveSegment::create(dir, &dir_file, 0, metrics)?;
+    manifest::write(dir, &dir_file, &mut m, metrics)
+}
+
 fn list(dir: &Path) -> anyhow::Result<Listing> {
     let mut listing = Listing { layers: Vec::new(), active: false };
     for entry in std::fs::read_dir(dir).context("list timeline directory")? {

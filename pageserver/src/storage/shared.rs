@@ -96,6 +96,9 @@ pub(super) struct Shared {
     /// The manifest as last written. Its lock serializes manifest writes (the committer's seals
     /// and compaction's installs); held only for the write.
     pub(super) manifest: Mutex<Manifest>,
+    /// The generation of the manifest as last written, sent after every write (what a copy of
+    /// the timeline elsewhere, the remote uploader, follows).
+    pub(super) manifest_written: watch::Sender<u64>,
     /// Next in-memory file id (the index's name for a file).
     pub(super) next_file_id: AtomicU32,
     /// GetPage below this LSN is refused (see [`Manifest::gc_cutoff`]); only grows.
@@ -262,6 +265,7 @@ impl Shared {
         let written = manifest::write_with(&self.dir, dir_file, &mut next, &self.metrics, fail_sync);
         if written.is_ok() || written.as_ref().is_err_and(manifest::RenamedNotSynced::is_in) {
             *m = next;
+            self.manifest_written.send_replace(m.generation);
         }
         written
     }

@@ -140,6 +140,7 @@ impl Timeline {
             budget: Arc::new(Semaphore::new(QUEUE_BUDGET_KIB)),
             span: span.clone(),
             gc_cutoff: AtomicU64::new(rec.manifest.gc_cutoff),
+            manifest_written: watch::Sender::new(rec.manifest.generation),
             manifest: Mutex::new(rec.manifest),
             next_file_id: AtomicU32::new(rec.next_file_id),
             seals: watch::Sender::new(0),
@@ -685,6 +686,43 @@ impl Timeline {
     pub async fn shutdown(&self) {
         self.shared.begin_stop();
         self.shared.stopped.cancelled().await;
+    }
+
+    /// The timeline's files as its manifest last listed them: what a copy of the timeline
+    /// elsewhere (the remote uploader) copies. Layers listed here exist in the directory until a
+    /// later manifest drops them.
+    pub fn layer_files(&self) -> super::LayerFiles {
+        let m = self.shared.manifest.lock().unwrap_or_else(PoisonError::into_inner);
+        super::LayerFiles {
+            generation: m.generation,
+            layers: m
+                .layers
+                .iter()
+                .map(|l| super::LayerFile {
+                    name: l.name.clone(),
+                    first_lsn: Lsn(l.first_lsn),
+                    last_lsn: Lsn(l.last_lsn),
+                    size: l.size,
+                    crc32c: l.crc32c,
+                })
+                .collect(),
+            gc_cutoff: Lsn(m.gc_cutoff),
+        }
+    }
+
+    /// Sends the manifest's generation after every manifest write (see [`Timeline::layer_files`]).
+    pub fn manifest_changes(&self) -> watch::Receiver<u64> {
+        self.shared.manifest_written.subscribe()
+    }
+
+    /// Whether the active segment holds values not yet sealed into a layer.
+    pub fn holds_unsealed_values(&self) -> bool {
+        self.shared.active_len.load(Ordering::Relaxed) > super::format::FILE_HEADER_LEN
+    }
+
+    /// The timeline's directory.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
     }
 
     /// Why storage writes are failing, if they are (`None` when healthy).

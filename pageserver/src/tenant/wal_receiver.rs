@@ -67,6 +67,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context;
 use page_types::wal::{rmgr, WalDecodeError, WalDecoder, MAXALIGN, WAL_PAGE_SIZE};
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use prometheus::{IntCounter, Registry};
@@ -79,6 +80,7 @@ use super::{cluster, database_copy, rel_sizes};
 use crate::ingest::counters::Counters;
 use crate::ingest::{import, wal_values};
 use crate::postgres::{connstr, pq};
+use crate::remote::RemoteStatus;
 use crate::storage::{IngestBatch, IngestError, Timeline, Value};
 use crate::util::lock;
 use pq::{BackupMessage, ReplicationConn, ReplicationMessage};
@@ -319,6 +321,10 @@ pub struct ReceiverDeps {
     pub max_record_size: u32,
     /// The tenant's GetPage, for the template's pages of a database copy.
     pub pages: database_copy::PageSource,
+    /// With remote storage, the timeline's uploads: no more than their
+    /// `remote_consistent_lsn` is reported to the primary as flushed, so that the slot keeps
+    /// what a node that lost this disk must stream again.
+    pub uploaded: Option<watch::Receiver<RemoteStatus>>,
 }
 
 impl WalReceiver {
@@ -331,7 +337,7 @@ impl WalReceiver {
         deps: ReceiverDeps,
         tenant_cancel: &CancellationToken,
     ) -> Arc<WalReceiver> {
-        let ReceiverDeps { timeline, metrics, import_incomplete, max_record_size, pages } = deps;
+        let ReceiverDeps { timeline, metrics, import_incomplete, max_record_size, pages, uploaded } = deps;
         let postgres = connstr::parse(&file.source.postgres).map(|c| c.to_string()).unwrap_or_default();
         let durable = file.position.unwrap_or(Lsn::INVALID);
         let shared = Arc::new(Mutex::new(Shared {
@@ -370,6 +376,7 @@ impl WalReceiver {
             import_incomplete,
             max_record_size,
             pages,
+            uploaded,
             shared: Arc::clone(&shared),
             cancel: cancel.clone(),
         };
@@ -561,6 +568,8 @@ struct Task {
     /// `wal_max_record_size`.
     max_record_size: u32,
     pages: database_copy::PageSource,
+    /// See [`ReceiverDeps::uploaded`].
+    uploaded: Option<watch::Receiver<RemoteStatus>>,
     shared: Arc<Mutex<Shared>>,
     cancel: CancellationToken,
 }
@@ -719,7 +728,11 @@ impl Task {
             if reply_now || last_status.elapsed() >= STATUS_INTERVAL {
                 self.persist(processed, &mut persisted).await?;
                 let written = self.in_flight.written(processed);
-                conn.send_status(written, persisted, persisted).await.context("status update")?;
+                let flushed = match &self.uploaded {
+                    Some(uploaded) => persisted.min(uploaded.borrow().remote_consistent_lsn),
+                    None => persisted,
+                };
+                conn.send_status(written, flushed, flushed).await.context("status update")?;
                 last_status = Instant::now();
             }
         }

@@ -256,6 +256,13 @@ fn make_branch(
     )
 }
 
+/// Writes a branch's `timeline.json` into `dir` (an attach's copy), durably.
+pub(super) fn write_timeline_file(dir: &Path, ancestor_id: &str, lsn: Lsn) -> anyhow::Result<()> {
+    let file = TimelineFile { ancestor_timeline_id: ancestor_id.to_string(), ancestor_lsn: lsn };
+    let text = serde_json::to_vec_pretty(&file).context("encode timeline.json")?;
+    storage::durable_write(dir, TIMELINE_FILE, &text)
+}
+
 /// Renames a branch directory to a tombstone, makes that durable, and removes it.
 fn remove_dir(dir: &Path, generation: u64) -> anyhow::Result<()> {
     let parent = dir.parent().context("a branch directory has a parent")?;

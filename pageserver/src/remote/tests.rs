@@ -1,0 +1,295 @@
+//! The uploader, generations and attach's copy on `object_store`'s in-memory store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use object_store::memory::InMemory;
+use object_store::ObjectStore;
+use page_types::{BufferTag, Lsn};
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+use crate::storage::{
+    CompactionConf, IngestBatch, PassKind, ReadLimits, Step, StorageConf, StorageMetrics, Timeline, Value,
+};
+
+fn storage_with(store: Arc<dyn ObjectStore>) -> Arc<RemoteStorage> {
+    Arc::new(RemoteStorage::with_store(store, "pfx", Arc::new(RemoteMetrics::unregistered())))
+}
+
+fn key(blk: u32) -> BufferTag {
+    BufferTag { spcnode: 1663, dbnode: 1, relnode: 1, forknum: 0, blknum: blk }
+}
+
+fn page(fill: u8) -> Value {
+    Value::Image(Bytes::from(vec![fill; page_types::PAGE_SIZE]))
+}
+
+async fn open(dir: &std::path::Path) -> Arc<Timeline> {
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        Timeline::open(&dir, StorageConf { layer_size: 64 << 10 }, Arc::new(StorageMetrics::unregistered()))
+    })
+    .await
+    .unwrap()
+    .unwrap()
+}
+
+/// Ingests `n` batches of 4 pages at LSNs from `first` on.
+async fn ingest(t: &Timeline, first: u64, n: u64, fill: u8) {
+    for i in 0..n {
+        let lsn = Lsn(first + i);
+        let values = (0..4).map(|b| (key(b), lsn, page(fill))).collect();
+        t.ingest(IngestBatch { values }).await.unwrap();
+    }
+}
+
+/// A full compaction pass (the values are images: no redo).
+async fn compact_fully(t: &Arc<Timeline>) {
+    t.freeze().await.unwrap();
+    let t = Arc::clone(t);
+    tokio::task::spawn_blocking(move || {
+        let conf = CompactionConf { image_threshold: 10, gc_horizon: 0, layer_size: 64 << 10 };
+        let mut pass = t.begin_pass(conf, PassKind::Full).unwrap().unwrap();
+        loop {
+            match pass.run_slice(Duration::from_millis(50)).unwrap() {
+                Step::Done(_) => break,
+                Step::Continue => {}
+                Step::NeedImage(_) => panic!("images only: nothing to redo"),
+            }
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// The newest image of `key` at `lsn` (they are all images).
+fn page_at(t: &Timeline, key: BufferTag, lsn: Lsn) -> Option<Bytes> {
+    let limits = ReadLimits { max_records: 1000, max_bytes: 1 << 30 };
+    t.get_reconstruct_data(key, lsn, limits).ok().and_then(|d| d.image.map(|(_, b)| b))
+}
+
+/// Waits until `condition` holds, at most `within`.
+async fn wait_until<F, Fut>(within: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + within;
+    while !condition().await {
+        assert!(std::time::Instant::now() < deadline, "timed out");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn start_uploader(
+    remote: &Arc<RemoteTenant>,
+    t: &Arc<Timeline>,
+    meta_dir: &std::path::Path,
+) -> Arc<RemoteTimeline> {
+    RemoteTimeline::start(
+        Uploader {
+            tenant: Arc::clone(remote),
+            timeline_id: "main".into(),
+            timeline: Arc::clone(t),
+            meta_dir: meta_dir.to_path_buf(),
+            metadata: Arc::new(|_| {
+                Some(TimelineMetadata { tenant_conf: "x = 1\n".into(), ..Default::default() })
+            }),
+            checkpoint_timeout: Duration::from_millis(200),
+        },
+        CancellationToken::new(),
+    )
+}
+
+async fn objects(store: &Arc<dyn ObjectStore>) -> Vec<String> {
+    use futures_util::StreamExt;
+    let mut out: Vec<String> = store.list(None).map(|m| m.unwrap().location.to_string()).collect().await;
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn generations_are_taken_one_above_the_highest_and_never_twice() {
+    let storage = storage_with(Arc::new(InMemory::new()));
+    assert_eq!(storage.current_generation("t").await.unwrap(), None);
+    assert_eq!(storage.take_generation("t", "a").await.unwrap(), Generation(1));
+    assert_eq!(storage.take_generation("t", "b").await.unwrap(), Generation(2));
+    assert_eq!(storage.current_generation("t").await.unwrap(), Some(Generation(2)));
+    // Ten nodes at once: ten distinct generations.
+    let mut takes = Vec::new();
+    for i in 0..10 {
+        let s = Arc::clone(&storage);
+        takes.push(tokio::spawn(async move { s.take_generation("t", &format!("n{i}")).await.unwrap() }));
+    }
+    let mut got: Vec<u32> = Vec::new();
+    for t in takes {
+        got.push(t.await.unwrap().0);
+    }
+    got.sort();
+    assert_eq!(got, (3..13).collect::<Vec<_>>());
+    assert_eq!(storage.current_generation("other").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn uploads_follow_seals_and_compaction_and_a_copy_serves_the_same_pages() {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let storage = storage_with(Arc::clone(&store));
+    let dir = tempfile::tempdir().unwrap();
+    let t = open(&dir.path().join("timeline")).await;
+    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
+    let up = start_uploader(&remote, &t, dir.path());
+    // Nine layers' worth (64 KiB each) and a tail in the active segment.
+    ingest(&t, 10, 20, 1).await;
+    ingest(&t, 100, 3, 2).await;
+    let durable = t.last_durable_lsn();
+    // The tail is sealed by the checkpoint timer and uploaded.
+    up.wait_uploaded(durable, Duration::from_secs(20)).await.unwrap();
+    let status = up.status();
+    assert_eq!(status.generation.as_deref(), Some("00000001"));
+    assert_eq!(read_generation_file(dir.path()).unwrap(), Some(Generation(1)));
+    let (g, index) = storage.newest_index("t1", "main").await.unwrap().unwrap();
+    assert_eq!(g, Generation(1));
+    assert_eq!(index.disk_consistent_lsn, durable);
+    assert_eq!(index.metadata.tenant_conf, "x = 1\n");
+    let listed: Vec<String> = t.layer_files().layers.iter().map(|l| l.name.clone()).collect();
+    assert_eq!(index.layers.iter().map(|l| l.name.clone()).collect::<Vec<_>>(), listed);
+    for l in &index.layers {
+        assert!(objects(&store)
+            .await
+            .contains(&format!("pfx/tenants/t1/timelines/main/{}-00000001", l.name)));
+    }
+
+    // A full compaction replaces the layers: the new index lists the outputs, and the inputs'
+    // objects are deleted once it is uploaded.
+    let before: Vec<String> = index.layers.iter().map(|l| l.name.clone()).collect();
+    compact_fully(&t).await;
+    let after: Vec<String> = t.layer_files().layers.iter().map(|l| l.name.clone()).collect();
+    assert_ne!(after, before);
+    wait_until(Duration::from_secs(20), || async {
+        let objs = objects(&store).await;
+        let layers: Vec<&String> = objs.iter().filter(|o| o.contains("/layer_")).collect();
+        layers.len() == after.len() && after.iter().all(|a| objs.iter().any(|o| o.contains(a.as_str())))
+    })
+    .await;
+    assert_eq!(up.status().queued_deletions, 0);
+    assert!(
+        !dir.path().join(upload::DELETIONS_FILE).exists()
+            || std::fs::read_to_string(dir.path().join(upload::DELETIONS_FILE)).unwrap().contains("[]")
+    );
+    up.shutdown().await;
+
+    // A copy made from the bucket serves every page as the original.
+    let (g, index) = storage.newest_index("t1", "main").await.unwrap().unwrap();
+    let copy_dir = tempfile::tempdir().unwrap();
+    let attached = AttachedTimeline { timeline_id: "main".into(), index };
+    attach_copy(
+        &storage,
+        "t1",
+        &attached,
+        &copy_dir.path().join("timeline"),
+        &Arc::new(StorageMetrics::unregistered()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(g, Generation(1));
+    let copy = open(&copy_dir.path().join("timeline")).await;
+    assert_eq!(copy.last_durable_lsn(), durable);
+    for lsn in [Lsn(10), Lsn(29), Lsn(101), durable] {
+        for b in 0..4 {
+            assert_eq!(page_at(&copy, key(b), lsn), page_at(&t, key(b), lsn), "block {b} at {lsn}");
+        }
+    }
+    // The copy goes on above what it copied, with names of its own.
+    ingest(&copy, durable.0 + 1, 30, 3).await;
+}
+
+#[tokio::test]
+async fn a_damaged_or_missing_object_fails_the_copy_naming_it() {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let storage = storage_with(Arc::clone(&store));
+    let dir = tempfile::tempdir().unwrap();
+    let t = open(&dir.path().join("timeline")).await;
+    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
+    let up = start_uploader(&remote, &t, dir.path());
+    ingest(&t, 10, 12, 1).await;
+    up.wait_uploaded(t.last_durable_lsn(), Duration::from_secs(20)).await.unwrap();
+    up.shutdown().await;
+    let (_, index) = storage.newest_index("t1", "main").await.unwrap().unwrap();
+    let victim = &index.layers[0];
+    let path = storage.layer_path("t1", "main", &victim.name, victim.generation);
+    let mut bytes = store.get(&path).await.unwrap().bytes().await.unwrap().to_vec();
+    bytes[100] ^= 0xff;
+    store.put(&path, object_store::PutPayload::from(bytes)).await.unwrap();
+    let attached = AttachedTimeline { timeline_id: "main".into(), index: index.clone() };
+    let copy_dir = tempfile::tempdir().unwrap();
+    let metrics = Arc::new(StorageMetrics::unregistered());
+    let e = format!(
+        "{:#}",
+        attach_copy(&storage, "t1", &attached, &copy_dir.path().join("a"), &metrics).await.unwrap_err()
+    );
+    assert!(e.contains("crc32c") && e.contains(&victim.name), "{e}");
+    store.delete(&path).await.unwrap();
+    let e = format!(
+        "{:#}",
+        attach_copy(&storage, "t1", &attached, &copy_dir.path().join("b"), &metrics).await.unwrap_err()
+    );
+    assert!(e.contains(&victim.name), "{e}");
+}
+
+#[tokio::test]
+async fn a_stale_generation_deletes_nothing_and_its_index_is_not_the_newest() {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let storage = storage_with(Arc::clone(&store));
+    let dir = tempfile::tempdir().unwrap();
+    let t = open(&dir.path().join("timeline")).await;
+    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
+    let up = start_uploader(&remote, &t, dir.path());
+    ingest(&t, 10, 12, 1).await;
+    up.wait_uploaded(t.last_durable_lsn(), Duration::from_secs(20)).await.unwrap();
+    // Another node attaches: takes generation 2 and uploads its index.
+    let g2 = storage.take_generation("t1", "node-b").await.unwrap();
+    let (_, mut index) = storage.newest_index("t1", "main").await.unwrap().unwrap();
+    index.generation = g2;
+    storage.put_index("t1", "main", &index).await.unwrap();
+    let objects_then = objects(&store).await;
+    // The stale node compacts: it uploads (under generation 1) but deletes nothing.
+    compact_fully(&t).await;
+    ingest(&t, 100, 12, 2).await;
+    up.wait_uploaded(t.last_durable_lsn(), Duration::from_secs(20)).await.unwrap();
+    wait_until(Duration::from_secs(20), || async { up.status().stale }).await;
+    let objects_now = objects(&store).await;
+    for o in &objects_then {
+        assert!(objects_now.contains(o), "{o} was deleted by a stale node");
+    }
+    let (newest, _) = storage.newest_index("t1", "main").await.unwrap().unwrap();
+    assert_eq!(newest, g2);
+    assert!(up.status().queued_deletions > 0);
+    up.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_damaged_local_layer_is_never_uploaded() {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let storage = storage_with(Arc::clone(&store));
+    let dir = tempfile::tempdir().unwrap();
+    let t = open(&dir.path().join("timeline")).await;
+    ingest(&t, 10, 12, 1).await;
+    t.freeze().await.unwrap();
+    let victim = t.layer_files().layers[0].clone();
+    assert!(victim.crc32c.is_some());
+    let path = dir.path().join("timeline").join(&victim.name);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[4096] ^= 0xff;
+    std::fs::write(&path, bytes).unwrap();
+    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
+    let up = start_uploader(&remote, &t, dir.path());
+    wait_until(Duration::from_secs(20), || async {
+        up.status().last_error.is_some_and(|e| e.contains("damaged") && e.contains(&victim.name))
+    })
+    .await;
+    assert!(!objects(&store).await.iter().any(|o| o.contains(&victim.name)));
+    assert!(storage.newest_index("t1", "main").await.unwrap().is_none());
+    up.shutdown().await;
+}

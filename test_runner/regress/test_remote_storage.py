@@ -1,0 +1,228 @@
+"""Layers in S3-compatible object storage (docs/rfcs/0009-remote-storage.md), against a real S3
+server (versitygw) and against a directory (`local_path`): uploads follow seals, a node with an
+empty disk attaches a tenant from the bucket and serves every page, a detached tenant's writes
+are all in the bucket, a stale node deletes nothing, a damaged object fails the attach, and
+wrong credentials stop the daemon at start; a tenant that follows PostgreSQL moves to a new node
+and goes on streaming."""
+
+import json
+import time
+
+import pytest
+
+from fixtures import basebackup
+from fixtures.postgres import Postgres
+from fixtures.util import wait_until
+from fixtures.wal_source import attach, caught_up, page_service_io  # noqa: F401 (a fixture: one writer is enough here)
+from fixtures.waldump import lsn_int
+from fixtures.workload import HistoryBuilder, make_keys, query_lsns, verify
+
+# Small layers and a short seal timer, so that a few batches make several uploads.
+REMOTE = {"layer_size": "64 KiB", "checkpoint_timeout": "300 ms", "compaction": "off"}
+
+
+def _requests(rs, keys, limit=12):
+    return [(k, lsn) for k in keys for lsn in query_lsns(rs, k, limit=limit)]
+
+
+def _remote_args(kind, s3_server, tmp_path):
+    if kind == "s3":
+        return [s3_server.remote_storage_setting("pfx/")], s3_server.env()
+    return [f'remote_storage={{local_path="{tmp_path / "bucket"}"}}'], {}
+
+
+def _uploaded(ps, tenant, lsn, timeout=30):
+    """Waits until the bucket's index covers `lsn`; returns the tenant's remote status."""
+    wait_until(lambda: ps.http.tenant_status(tenant)["remote"]["remote_consistent_lsn"] >= lsn,
+               timeout=timeout)
+    return ps.http.tenant_status(tenant)["remote"]
+
+
+@pytest.mark.parametrize("kind", ["s3", "local_path"])
+def test_a_tenant_outlives_its_node_and_a_detach_keeps_every_write(pageserver_factory, s3_server, tmp_path, kind):
+    raw, env = _remote_args(kind, s3_server, tmp_path)
+    a = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    t = a.create_tenant()
+    keys = make_keys(24)
+    b = HistoryBuilder(seed=7)
+    with a.connect(t) as conn:
+        for _ in range(12):
+            conn.ingest(b.batch(keys, 40))
+    remote = _uploaded(a, t, b.rs.last_lsn)
+    assert remote["generation"] == "00000001"
+    assert remote["queued_uploads"] == 0 and remote["remote_layers"] >= 2, remote
+    metrics = a.http.metrics()
+    assert metrics.value("pageserver_remote_uploaded_layers_total") >= remote["remote_layers"]
+    if kind == "s3":
+        objects = s3_server.list_objects(f"pfx/tenants/{t}/")
+        assert f"pfx/tenants/{t}/generations/00000001" in objects
+        assert f"pfx/tenants/{t}/timelines/main/index_part.json-00000001" in objects
+        index = json.loads(s3_server.object_path(f"pfx/tenants/{t}/timelines/main/index_part.json-00000001").read_text())
+        assert index["disk_consistent_lsn"] == b.rs.last_lsn
+        for layer in index["layers"]:
+            name = f"pfx/tenants/{t}/timelines/main/{layer['name']}-00000001"
+            assert name in objects
+            assert s3_server.object_path(name).stat().st_size == layer["size"]
+
+    # The node's disk is lost: kill -9, and a node with an empty disk attaches the tenant.
+    a.kill()
+    c = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    resp = c.http.request("POST", f"/v1/tenant/{t}/attach")
+    assert resp.status == 201, resp
+    status = c.http.tenant_status(t)
+    assert status["last_durable_lsn"] == b.rs.last_lsn
+    assert status["remote"]["generation"] == "00000002"
+    with c.connect(t) as conn:
+        verify(conn, b.rs, _requests(b.rs, keys))
+        for _ in range(4):
+            conn.ingest(b.batch(keys, 40))
+    # Attaching again where it is attached is refused.
+    assert c.http.request("POST", f"/v1/tenant/{t}/attach").status == 409
+
+    # Detach: everything durable is uploaded first, then the tenant is gone from the node.
+    resp = c.http.request("POST", f"/v1/tenant/{t}/detach")
+    assert resp.status == 200, resp
+    assert c.http.request("GET", f"/v1/tenant/{t}").status == 404
+    assert not (c.workdir / "tenants" / t).exists()
+    d = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    assert d.http.request("POST", f"/v1/tenant/{t}/attach").status == 201
+    assert d.http.tenant_status(t)["remote"]["generation"] == "00000003"
+    with d.connect(t) as conn:
+        verify(conn, b.rs, _requests(b.rs, keys))
+    # A restart keeps the generation (it is no attach).
+    d.restart()
+    assert d.http.tenant_status(t)["remote"]["generation"] == "00000003"
+    # A tenant the bucket does not hold, and attach without a bucket, are refused.
+    assert d.http.request("POST", "/v1/tenant/nosuch/attach").status == 404
+    plain = pageserver_factory()
+    assert plain.http.request("POST", f"/v1/tenant/{t}/attach").status == 400
+
+
+def test_a_stale_node_deletes_nothing_the_newer_node_reads(pageserver_factory, s3_server):
+    raw, env = [s3_server.remote_storage_setting()], s3_server.env()
+    old = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    old.allowed_errors.append("another node attached this tenant")
+    t = old.create_tenant()
+    keys = make_keys(16)
+    b = HistoryBuilder(seed=11)
+    with old.connect(t) as conn:
+        for _ in range(8):
+            conn.ingest(b.batch(keys, 40))
+    _uploaded(old, t, b.rs.last_lsn)
+
+    # A newer node attaches while the old one runs on.
+    new = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    assert new.http.request("POST", f"/v1/tenant/{t}/attach").status == 201
+    objects_at_attach = set(s3_server.list_objects(f"tenants/{t}/timelines/"))
+    newer = HistoryBuilder(seed=12, rs=b.rs.copy())
+    with new.connect(t) as conn:
+        for _ in range(4):
+            conn.ingest(newer.batch(keys, 40))
+    _uploaded(new, t, newer.rs.last_lsn)
+
+    # The old node keeps writing and compacts: its uploads carry its generation, and the
+    # layers its compaction replaced are not deleted (the newer node's index lists them).
+    stale_history = HistoryBuilder(seed=13, rs=b.rs.copy())
+    with old.connect(t) as conn:
+        for _ in range(4):
+            conn.ingest(stale_history.batch(keys, 40))
+    assert old.http.request("POST", f"/v1/tenant/{t}/compact").status == 200
+    wait_until(lambda: old.http.tenant_status(t)["remote"]["stale"], timeout=30)
+    remaining = set(s3_server.list_objects(f"tenants/{t}/timelines/"))
+    assert objects_at_attach <= remaining, objects_at_attach - remaining
+    assert old.http.tenant_status(t)["remote"]["queued_deletions"] > 0
+
+    # A third node reads everything the newer node wrote, and nothing of the stale one's.
+    third = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    assert third.http.request("POST", f"/v1/tenant/{t}/attach").status == 201
+    with third.connect(t) as conn:
+        verify(conn, newer.rs, _requests(newer.rs, keys))
+
+
+def test_a_damaged_object_fails_the_attach_naming_it(pageserver_factory, s3_server):
+    raw, env = [s3_server.remote_storage_setting()], s3_server.env()
+    a = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    t = a.create_tenant()
+    keys = make_keys(8)
+    b = HistoryBuilder(seed=21)
+    with a.connect(t) as conn:
+        for _ in range(6):
+            conn.ingest(b.batch(keys, 40))
+    _uploaded(a, t, b.rs.last_lsn)
+    a.stop()
+    layer = next(o for o in s3_server.list_objects(f"tenants/{t}/timelines/main/") if "/layer_" in o)
+    path = s3_server.object_path(layer)
+    raw_bytes = bytearray(path.read_bytes())
+    raw_bytes[len(raw_bytes) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw_bytes))
+
+    c = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    c.allowed_errors.append("management request failed")
+    resp = c.http.request("POST", f"/v1/tenant/{t}/attach")
+    assert resp.status == 500, resp
+    error = resp.body["error"]
+    assert "crc32c" in error and layer.rsplit("/", 1)[1] in error, error
+    assert c.http.request("GET", f"/v1/tenant/{t}").status == 404
+    assert list((c.workdir / "tenants").iterdir()) == []
+
+
+def test_wrong_credentials_stop_the_daemon_at_start(pageserver_factory, s3_server):
+    env = dict(s3_server.env(), AWS_SECRET_ACCESS_KEY="wrong")
+    d = pageserver_factory(start=False, raw_args=[s3_server.remote_storage_setting()], env=env)
+    d.allowed_errors.append("pageserver failed: load tenants: remote storage")
+    code, out = d.run_expect_failure()
+    assert code != 0
+    assert "remote storage" in out and "refused a listing" in out, out
+
+
+def test_a_tenant_following_postgres_moves_to_a_node_with_an_empty_disk(pageserver_factory, s3_server, tmp_path):
+    """The slot is told no more than the bucket holds; after the node's disk is lost, a new
+    node attaches, streams the rest from the slot, and a PostgreSQL started on its base backup
+    answers as the primary does."""
+    pg = Postgres(tmp_path / "primary", settings={"autovacuum": "off"}).init().start()
+    try:
+        pg.pgbench("-i", "-s", "1", "-q")
+        raw, env = [s3_server.remote_storage_setting("p")], s3_server.env()
+        # No seal by time: nothing is uploaded until the compaction asked for below.
+        a = pageserver_factory(raw_args=raw, env=env, checkpoint_timeout="1 h", compaction="off")
+        a.allowed_errors.append(".*WAL receiver.*")
+        t = a.create_tenant()
+        attach(a, t, pg)
+        pg.pgbench("-t", "300", "-c", "2", "-n")
+        caught_up(a, t, pg)
+        assert a.http.tenant_status(t)["remote"]["remote_consistent_lsn"] == 0
+
+        def reported():
+            row = pg.sql("select coalesce(flush_lsn, '0/0') from pg_stat_replication").strip()
+            return lsn_int(row) if row else 0
+        # Streamed and durable here, but not in the bucket: the slot is not told.
+        time.sleep(2.5)
+        assert reported() == 0
+        mark = lsn_int(pg.lsn())
+        pg.sql("INSERT INTO pgbench_history (tid, bid, aid, delta) VALUES (1, 1, 1, 1)")
+        caught_up(a, t, pg)
+        assert a.http.request("POST", f"/v1/tenant/{t}/compact").status == 200
+        _uploaded(a, t, mark)
+        uploaded = a.http.tenant_status(t)["remote"]["remote_consistent_lsn"]
+        wait_until(lambda: reported() >= mark, timeout=30, desc="the slot to be told")
+        assert reported() <= a.http.tenant_status(t)["remote"]["remote_consistent_lsn"], uploaded
+
+        # The node's disk is lost; the primary goes on.
+        a.kill()
+        pg.pgbench("-t", "200", "-c", "2", "-n")
+        b = pageserver_factory(raw_args=raw, env=env, checkpoint_timeout="1 s")
+        b.allowed_errors.append(".*WAL receiver.*")
+        assert b.http.request("POST", f"/v1/tenant/{t}/attach").status == 201
+        wait_until(lambda: b.http.tenant_status(t)["wal_source"]["state"] == "streaming", timeout=60)
+        caught_up(b, t, pg)
+        expected = basebackup.dump(pg)
+        tar = tmp_path / "b.tar"
+        status, _, body = basebackup.fetch(b, t, tar)
+        assert status == 200, body
+        copy = basebackup.start_on(tar, tmp_path / "copy")
+        try:
+            assert basebackup.dump(copy) == expected
+        finally:
+            copy.stop()
+    finally:
+        pg.stop()
