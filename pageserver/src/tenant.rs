@@ -691,7 +691,16 @@ impl Tenant {
         write_overrides(&self.dir, &overrides)?;
         *lock(&self.overrides) = overrides;
         self.walredo.set_process_kind(self.effective_conf().walredo_process_kind);
+        self.metadata_changed();
         Ok(())
+    }
+
+    /// Tells the uploader that what the bucket's index says of the timeline besides its layers
+    /// changed (its overrides, its WAL source), so that the index is uploaded again.
+    fn metadata_changed(&self) {
+        if let Some(remote) = &self.remote {
+            remote.metadata_changed();
+        }
     }
 
     /// Puts overrides in force without storing them: a branch takes its tenant's
@@ -904,6 +913,7 @@ impl Tenant {
         .context("write task")??;
         tracing::info!(tenant_id = self.id, slot = file.source.slot, "attached a WAL source");
         self.follows_postgres.store(true, Ordering::Relaxed);
+        self.metadata_changed();
         self.start_wal_receiver(file);
         let status = lock(&self.wal_receiver).as_ref().map(|r| r.status());
         status.context("the receiver just started")
@@ -930,6 +940,7 @@ impl Tenant {
         .context("write task")??;
         if had || was_attached {
             tracing::info!(tenant_id = self.id, "detached the WAL source");
+            self.metadata_changed();
         }
         Ok(had || was_attached)
     }

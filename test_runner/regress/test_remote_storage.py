@@ -226,3 +226,40 @@ def test_a_tenant_following_postgres_moves_to_a_node_with_an_empty_disk(pageserv
             copy.stop()
     finally:
         pg.stop()
+
+
+def test_branches_move_with_their_tenant(pageserver_factory, s3_server):
+    """A branch's index carries its ancestor and branch point: the attached tenant serves the
+    branch (its own writes over its parent's history at the point) beside `main`."""
+    raw, env = [s3_server.remote_storage_setting()], s3_server.env()
+    a = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    t = a.create_tenant()
+    keys = make_keys(16)
+    main = HistoryBuilder(seed=31)
+    with a.connect(t) as conn:
+        for _ in range(6):
+            conn.ingest(main.batch(keys, 40))
+        at_point = main.rs.copy()
+        for _ in range(3):
+            conn.ingest(main.batch(keys, 40))
+    point = at_point.last_lsn
+    resp = a.http.create_timeline(t, "dev", ancestor_start_lsn=point)
+    assert resp.status == 201, resp
+    dev = HistoryBuilder(seed=32, rs=at_point)
+    with a.connect(t, timeline="dev") as conn:
+        for _ in range(4):
+            conn.ingest(dev.batch(keys, 40))
+    _uploaded(a, t, main.rs.last_lsn)
+    wait_until(lambda: a.http.timeline_status(t, "dev")["remote"]["remote_consistent_lsn"] >= dev.rs.last_lsn,
+               timeout=30)
+    assert f"tenants/{t}/timelines/dev/index_part.json-00000001" in s3_server.list_objects(f"tenants/{t}/")
+
+    a.kill()
+    c = pageserver_factory(raw_args=raw, env=env, **REMOTE)
+    assert c.http.request("POST", f"/v1/tenant/{t}/attach").status == 201
+    status = c.http.timeline_status(t, "dev")
+    assert (status["ancestor_timeline_id"], status["ancestor_lsn"]) == ("main", point)
+    with c.connect(t) as conn:
+        verify(conn, main.rs, _requests(main.rs, keys))
+    with c.connect(t, timeline="dev") as conn:
+        verify(conn, dev.rs, _requests(dev.rs, keys))

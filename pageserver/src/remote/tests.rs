@@ -293,3 +293,39 @@ async fn a_damaged_local_layer_is_never_uploaded() {
     assert!(storage.newest_index("t1", "main").await.unwrap().is_none());
     up.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_metadata_change_alone_uploads_the_index_again() {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let storage = storage_with(Arc::clone(&store));
+    let dir = tempfile::tempdir().unwrap();
+    let t = open(&dir.path().join("timeline")).await;
+    ingest(&t, 10, 12, 1).await;
+    let conf = Arc::new(std::sync::Mutex::new("a = 1\n".to_string()));
+    let read_conf = Arc::clone(&conf);
+    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
+    let up = RemoteTimeline::start(
+        Uploader {
+            tenant: remote,
+            timeline_id: "main".into(),
+            timeline: Arc::clone(&t),
+            meta_dir: dir.path().to_path_buf(),
+            metadata: Arc::new(move |_| {
+                Some(TimelineMetadata {
+                    tenant_conf: read_conf.lock().unwrap().clone(),
+                    ..Default::default()
+                })
+            }),
+            checkpoint_timeout: Duration::from_millis(100),
+        },
+        CancellationToken::new(),
+    );
+    up.wait_uploaded(t.last_durable_lsn(), Duration::from_secs(20)).await.unwrap();
+    let conf_of_index =
+        || async { storage.newest_index("t1", "main").await.unwrap().unwrap().1.metadata.tenant_conf };
+    assert_eq!(conf_of_index().await, "a = 1\n");
+    *conf.lock().unwrap() = "a = 2\n".to_string();
+    up.metadata_changed();
+    wait_until(Duration::from_secs(20), || async { conf_of_index().await == "a = 2\n" }).await;
+    up.shutdown().await;
+}

@@ -32,7 +32,7 @@ use crate::util::lock;
 /// `checkpoint_timeout`).
 pub const DEFAULT_CHECKPOINT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Layers of one timeline uploaded at once.
-const UPLOAD_CONCURRENCY: usize = 2;
+const UPLOAD_CONCURRENCY: usize = 4;
 /// A layer up to this size is one PUT; a larger one a multipart upload of parts this size.
 const PART_SIZE: usize = 8 << 20;
 /// Backoff between retries of a failed operation: doubling from the first to the last.
@@ -167,6 +167,8 @@ pub struct RemoteStatus {
 /// A timeline's uploads: the task and what it reports.
 pub struct RemoteTimeline {
     status: watch::Sender<RemoteStatus>,
+    /// Woken when the timeline's metadata changed ([`RemoteTimeline::metadata_changed`]).
+    metadata_changed: Arc<tokio::sync::Notify>,
     cancel: CancellationToken,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -194,6 +196,7 @@ impl RemoteTimeline {
         let known = uploader.tenant.known_generation().map(|g| g.to_string());
         let remote = Arc::new(RemoteTimeline {
             status: watch::Sender::new(RemoteStatus { generation: known, ..RemoteStatus::default() }),
+            metadata_changed: Arc::new(tokio::sync::Notify::new()),
             cancel: cancel.clone(),
             task: Mutex::new(None),
         });
@@ -205,6 +208,8 @@ impl RemoteTimeline {
         let state = State {
             u: uploader,
             status: remote.status.clone(),
+            metadata_changed: Arc::clone(&remote.metadata_changed),
+            metadata_dirty: false,
             cancel,
             remote: BTreeMap::new(),
             orphans: BTreeMap::new(),
@@ -218,6 +223,12 @@ impl RemoteTimeline {
 
     pub fn status(&self) -> RemoteStatus {
         self.status.borrow().clone()
+    }
+
+    /// The timeline's metadata (the files its index carries) changed: the index is uploaded
+    /// again even if its layers did not change.
+    pub fn metadata_changed(&self) {
+        self.metadata_changed.notify_one();
     }
 
     /// Follows [`RemoteTimeline::status`] (the WAL receiver reports no more than its
@@ -263,6 +274,9 @@ impl RemoteTimeline {
 struct State {
     u: Uploader,
     status: watch::Sender<RemoteStatus>,
+    metadata_changed: Arc<tokio::sync::Notify>,
+    /// The metadata may differ from the uploaded index's.
+    metadata_dirty: bool,
     cancel: CancellationToken,
     /// The layers the uploaded index lists, by name.
     remote: BTreeMap<String, IndexLayer>,
@@ -288,8 +302,10 @@ impl State {
             if self.sync().await.is_err() || self.delete_queued().await.is_err() {
                 break;
             }
+            let nudged = Arc::clone(&self.metadata_changed);
             tokio::select! {
                 _ = changes.changed() => {}
+                () = nudged.notified() => self.metadata_dirty = true,
                 () = tokio::time::sleep(TICK) => {}
                 () = self.cancel.cancelled() => break,
             }
@@ -336,6 +352,7 @@ impl State {
             let g = self.u.tenant.known_generation().unwrap_or(Generation(0));
             let listed: Vec<&str> = files.layers.iter().map(|l| l.name.as_str()).collect();
             if missing.is_empty()
+                && !self.metadata_dirty
                 && self.last_index.as_ref().is_some_and(|i| {
                     i.layers.iter().map(|l| l.name.as_str()).eq(listed.iter().copied())
                         && i.gc_cutoff == files.gc_cutoff
@@ -343,6 +360,7 @@ impl State {
             {
                 return Ok(());
             }
+            let none_missing = missing.is_empty();
             let mut gone = false;
             let uploads = futures_util::stream::iter(missing.into_iter().map(|l| self.upload_layer(l, g)))
                 .buffer_unordered(UPLOAD_CONCURRENCY)
@@ -368,6 +386,16 @@ impl State {
             let Some(metadata) = metadata else {
                 return Ok(());
             };
+            self.metadata_dirty = false;
+            if none_missing
+                && self.last_index.as_ref().is_some_and(|i| {
+                    i.layers.iter().map(|l| l.name.as_str()).eq(listed.iter().copied())
+                        && i.gc_cutoff == files.gc_cutoff
+                        && i.metadata == metadata
+                })
+            {
+                return Ok(());
+            }
             let layers: Vec<IndexLayer> = files
                 .layers
                 .iter()
@@ -554,7 +582,7 @@ impl State {
 }
 
 /// Uploads `file` to `path`: one PUT up to [`PART_SIZE`], else a multipart upload of such parts
-/// (at most two in flight). Returns its crc32c, checked against `layer`'s when it has one, and
+/// (at most three in flight). Returns its crc32c, checked against `layer`'s when it has one, and
 /// `None` if the file is gone.
 async fn upload_file(
     storage: &RemoteStorage,
@@ -606,7 +634,7 @@ async fn upload_file(
             }
         };
         crc = crc32c::crc32c_append(crc, &bytes);
-        writer.wait_for_capacity(1).await.with_context(|| format!("upload part of {path}"))?;
+        writer.wait_for_capacity(2).await.with_context(|| format!("upload part of {path}"))?;
         writer.put(bytes);
         offset += len as u64;
     }
