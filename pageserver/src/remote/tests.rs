@@ -83,14 +83,32 @@ where
     }
 }
 
+/// A bucket in memory and a timeline (tenant `t1`) with its directory.
+struct Setup {
+    store: Arc<dyn ObjectStore>,
+    storage: Arc<RemoteStorage>,
+    dir: tempfile::TempDir,
+    t: Arc<Timeline>,
+}
+
+async fn setup() -> Setup {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let storage = storage_with(Arc::clone(&store));
+    let dir = tempfile::tempdir().unwrap();
+    let t = open(&dir.path().join("timeline")).await;
+    Setup { store, storage, dir, t }
+}
+
+/// The uploader of `t` as `main` of tenant `t1` (a new generation), with a fixed metadata.
 fn start_uploader(
-    remote: &Arc<RemoteTenant>,
+    storage: &Arc<RemoteStorage>,
     t: &Arc<Timeline>,
     meta_dir: &std::path::Path,
 ) -> Arc<RemoteTimeline> {
+    let tenant = RemoteTenant::new(Arc::clone(storage), "t1", meta_dir, "node-a", None);
     RemoteTimeline::start(
         Uploader {
-            tenant: Arc::clone(remote),
+            tenant,
             timeline_id: "main".into(),
             timeline: Arc::clone(t),
             meta_dir: meta_dir.to_path_buf(),
@@ -134,12 +152,8 @@ async fn generations_are_taken_one_above_the_highest_and_never_twice() {
 
 #[tokio::test]
 async fn uploads_follow_seals_and_compaction_and_a_copy_serves_the_same_pages() {
-    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
-    let storage = storage_with(Arc::clone(&store));
-    let dir = tempfile::tempdir().unwrap();
-    let t = open(&dir.path().join("timeline")).await;
-    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
-    let up = start_uploader(&remote, &t, dir.path());
+    let Setup { store, storage, dir, t } = setup().await;
+    let up = start_uploader(&storage, &t, dir.path());
     // Nine layers' worth (64 KiB each) and a tail in the active segment.
     ingest(&t, 10, 20, 1).await;
     ingest(&t, 100, 3, 2).await;
@@ -207,12 +221,8 @@ async fn uploads_follow_seals_and_compaction_and_a_copy_serves_the_same_pages() 
 
 #[tokio::test]
 async fn a_damaged_or_missing_object_fails_the_copy_naming_it() {
-    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
-    let storage = storage_with(Arc::clone(&store));
-    let dir = tempfile::tempdir().unwrap();
-    let t = open(&dir.path().join("timeline")).await;
-    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
-    let up = start_uploader(&remote, &t, dir.path());
+    let Setup { store, storage, dir, t } = setup().await;
+    let up = start_uploader(&storage, &t, dir.path());
     ingest(&t, 10, 12, 1).await;
     up.wait_uploaded(t.last_durable_lsn(), Duration::from_secs(20)).await.unwrap();
     up.shutdown().await;
@@ -240,12 +250,8 @@ async fn a_damaged_or_missing_object_fails_the_copy_naming_it() {
 
 #[tokio::test]
 async fn a_stale_generation_deletes_nothing_and_its_index_is_not_the_newest() {
-    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
-    let storage = storage_with(Arc::clone(&store));
-    let dir = tempfile::tempdir().unwrap();
-    let t = open(&dir.path().join("timeline")).await;
-    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
-    let up = start_uploader(&remote, &t, dir.path());
+    let Setup { store, storage, dir, t } = setup().await;
+    let up = start_uploader(&storage, &t, dir.path());
     ingest(&t, 10, 12, 1).await;
     up.wait_uploaded(t.last_durable_lsn(), Duration::from_secs(20)).await.unwrap();
     // Another node attaches: takes generation 2 and uploads its index.
@@ -271,10 +277,7 @@ async fn a_stale_generation_deletes_nothing_and_its_index_is_not_the_newest() {
 
 #[tokio::test]
 async fn a_damaged_local_layer_is_never_uploaded() {
-    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
-    let storage = storage_with(Arc::clone(&store));
-    let dir = tempfile::tempdir().unwrap();
-    let t = open(&dir.path().join("timeline")).await;
+    let Setup { store, storage, dir, t } = setup().await;
     ingest(&t, 10, 12, 1).await;
     t.freeze().await.unwrap();
     let victim = t.layer_files().layers[0].clone();
@@ -283,8 +286,7 @@ async fn a_damaged_local_layer_is_never_uploaded() {
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[4096] ^= 0xff;
     std::fs::write(&path, bytes).unwrap();
-    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
-    let up = start_uploader(&remote, &t, dir.path());
+    let up = start_uploader(&storage, &t, dir.path());
     wait_until(Duration::from_secs(20), || async {
         up.status().last_error.is_some_and(|e| e.contains("damaged") && e.contains(&victim.name))
     })
@@ -296,17 +298,13 @@ async fn a_damaged_local_layer_is_never_uploaded() {
 
 #[tokio::test]
 async fn a_metadata_change_alone_uploads_the_index_again() {
-    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
-    let storage = storage_with(Arc::clone(&store));
-    let dir = tempfile::tempdir().unwrap();
-    let t = open(&dir.path().join("timeline")).await;
+    let Setup { storage, dir, t, .. } = setup().await;
     ingest(&t, 10, 12, 1).await;
     let conf = Arc::new(std::sync::Mutex::new("a = 1\n".to_string()));
     let read_conf = Arc::clone(&conf);
-    let remote = RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None);
     let up = RemoteTimeline::start(
         Uploader {
-            tenant: remote,
+            tenant: RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None),
             timeline_id: "main".into(),
             timeline: Arc::clone(&t),
             meta_dir: dir.path().to_path_buf(),
