@@ -184,10 +184,12 @@ async fn uploads_follow_seals_and_compaction_and_a_copy_serves_the_same_pages() 
     wait_until(Duration::from_secs(20), || async {
         let objs = objects(&store).await;
         let layers: Vec<&String> = objs.iter().filter(|o| o.contains("/layer_")).collect();
-        layers.len() == after.len() && after.iter().all(|a| objs.iter().any(|o| o.contains(a.as_str())))
+        layers.len() == after.len()
+            && after.iter().all(|a| objs.iter().any(|o| o.contains(a.as_str())))
+            // The queue is emptied (and the count lowered) after the objects are gone.
+            && up.status().queued_deletions == 0
     })
     .await;
-    assert_eq!(up.status().queued_deletions, 0);
     assert!(
         !dir.path().join(upload::DELETIONS_FILE).exists()
             || std::fs::read_to_string(dir.path().join(upload::DELETIONS_FILE)).unwrap().contains("[]")

@@ -326,6 +326,16 @@ impl State {
         let (id, tl) = (self.u.tenant.tenant_id.clone(), self.u.timeline_id.clone());
         let storage = Arc::clone(&self.u.tenant.storage);
         let index = self.retry("read the index", || storage.index_of(&id, &tl, g)).await?;
+        let dir = self.u.meta_dir.clone();
+        let queued = self
+            .retry("read the deletion queue", || {
+                let dir = dir.clone();
+                async move { tokio::task::spawn_blocking(move || read_deletions(&dir)).await? }
+            })
+            .await?
+            .objects
+            .len();
+        self.status.send_modify(|s| s.queued_deletions = queued);
         if let Some(index) = index {
             self.remote = index.layers.iter().map(|l| (l.name.clone(), l.clone())).collect();
             let lsn = index.disk_consistent_lsn;
@@ -484,6 +494,11 @@ impl State {
     /// Deletes the queued objects, after checking that our generation is still the highest
     /// (a stale node deletes nothing: the objects may be the newer node's layers too).
     async fn delete_queued(&mut self) -> Result<(), Cancelled> {
+        // The count kept in the status (read from the file at start, raised as objects are
+        // queued) spares a read of the file at every turn.
+        if self.status.borrow().queued_deletions == 0 || self.u.tenant.is_stale() {
+            return Ok(());
+        }
         let dir = self.u.meta_dir.clone();
         let queue = self
             .retry("read the deletion queue", || {
