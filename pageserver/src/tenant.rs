@@ -965,31 +965,46 @@ impl Tenant {
 
 /// What a timeline's index in the bucket says besides its layers ([`remote::MetadataFn`]): the
 /// tenant's `tenant.toml` (in `tenant_dir`), the branch's ancestor, and its WAL source file (in
-/// `meta_dir`) with the position at most the index's `disk_consistent_lsn`. `None` (no index
-/// yet) while the layers cannot serve the timeline on their own: an import not complete, or a
-/// source whose layers hold no value of its WAL yet (the import's values, or a branch's, are
-/// not known to be all in the layers before one does).
+/// `meta_dir`) with the position a node that has only these layers resumes from. `None` (no
+/// index yet) while the layers alone cannot serve the timeline: an import not complete, or
+/// values durable here and not in the layers yet (the active segment held some when the layers
+/// were listed) and none of the source's WAL in the layers (its values are not known to be all
+/// there before one is).
 pub(crate) fn remote_metadata(
     tenant_dir: &Path,
     meta_dir: &Path,
     ancestor: Option<(String, Lsn)>,
 ) -> remote::MetadataFn {
     let (tenant_dir, meta_dir) = (tenant_dir.to_path_buf(), meta_dir.to_path_buf());
-    Arc::new(move |disk_consistent: Lsn| {
+    Arc::new(move |disk_consistent: Lsn, all_in_layers: bool| {
         let tenant_conf = std::fs::read_to_string(tenant_dir.join(TENANT_CONFIG_FILE)).ok()?;
         let wal_source = match wal_receiver::read_source_file(&meta_dir).ok()? {
             None => None,
             Some(mut file) => {
-                let floor = match (&file.import, &ancestor) {
-                    (Some(import), _) => import.start_lsn?,
-                    (None, Some((_, lsn))) => *lsn,
-                    // Values from WAL only: any layer is a start.
-                    (None, None) => file.position.map(|_| Lsn(0))?,
-                };
-                if disk_consistent <= floor {
-                    return None;
-                }
-                file.position = file.position.map(|p| p.min(disk_consistent));
+                let position = file.position?;
+                file.position = Some(match (&file.import, &ancestor) {
+                    // The import's values are below its start; the WAL's above it.
+                    (Some(import), _) => {
+                        let start = import.start_lsn?;
+                        match (disk_consistent > start, all_in_layers) {
+                            (true, _) => position.min(disk_consistent),
+                            (false, true) => position.min(start),
+                            (false, false) => return None,
+                        }
+                    }
+                    // A branch's values are above its point; until its first record is seen
+                    // (`start_checkpoint`) it has none, and streams from its start point.
+                    (None, Some((_, point))) => match (disk_consistent > *point, file.start_checkpoint) {
+                        (true, _) => position.min(disk_consistent),
+                        (false, Some(_)) if all_in_layers => position,
+                        (false, _) => return None,
+                    },
+                    (None, None) => match (all_in_layers, disk_consistent > Lsn(0)) {
+                        (true, _) => position,
+                        (false, true) => position.min(disk_consistent),
+                        (false, false) => return None,
+                    },
+                });
                 Some(serde_json::to_value(&file).ok()?)
             }
         };
@@ -1015,4 +1030,70 @@ pub(crate) fn read_overrides(dir: &Path) -> anyhow::Result<Option<TenantConfOver
 pub(crate) fn write_overrides(dir: &Path, overrides: &TenantConfOverrides) -> anyhow::Result<()> {
     let text = toml::to_string(overrides).context("encode tenant config")?;
     storage::durable_write(dir, TENANT_CONFIG_FILE, text.as_bytes()).context("write tenant config")
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod remote_metadata_tests {
+    use super::*;
+    use wal_receiver::ImportRecord;
+
+    fn source(position: u64, import: Option<(u64, u64)>, start_checkpoint: Option<u64>) -> SourceFile {
+        SourceFile {
+            source: WalSource { postgres: "host=db".into(), slot: "s".into() },
+            detached: false,
+            system_id: Some("1".into()),
+            timeline: Some(1),
+            position: Some(Lsn(position)),
+            import: import.map(|(start, end)| ImportRecord {
+                attempts: 1,
+                start_lsn: Some(Lsn(start)),
+                end_lsn: Some(Lsn(end)),
+            }),
+            start_checkpoint: start_checkpoint.map(Lsn),
+        }
+    }
+
+    /// The position the index carries for `file`, or `None` when no index is due.
+    fn position_in_index(
+        file: &SourceFile,
+        ancestor: Option<(String, Lsn)>,
+        disk_consistent: u64,
+        all_in_layers: bool,
+    ) -> Option<u64> {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(TENANT_CONFIG_FILE), "").unwrap();
+        wal_receiver::write_source_file(dir.path(), file).unwrap();
+        let metadata =
+            remote_metadata(dir.path(), dir.path(), ancestor)(Lsn(disk_consistent), all_in_layers)?;
+        let file: SourceFile = serde_json::from_value(metadata.wal_source.unwrap()).unwrap();
+        Some(file.position.unwrap().0)
+    }
+
+    #[test]
+    fn the_index_resumes_where_the_layers_end_and_waits_while_they_cannot_tell() {
+        // An imported tenant (values at 1.., WAL from 1000): the position is lowered to the
+        // layers' end once they hold WAL values; with only the import's values in the layers,
+        // an index is due only if nothing is left in the active segment, and resumes at the start.
+        let imported = source(5000, Some((1000, 1200)), None);
+        assert_eq!(position_in_index(&imported, None, 3000, false), Some(3000));
+        assert_eq!(position_in_index(&imported, None, 7000, false), Some(5000));
+        assert_eq!(position_in_index(&imported, None, 40, false), None);
+        assert_eq!(position_in_index(&imported, None, 40, true), Some(1000));
+        let mut incomplete = imported.clone();
+        incomplete.import = Some(ImportRecord { attempts: 1, start_lsn: None, end_lsn: None });
+        assert_eq!(position_in_index(&incomplete, None, 3000, true), None);
+        // A branch at 800: its own values are above its point; before its first record it has
+        // none and resumes at its start point.
+        let branch = Some(("main".to_string(), Lsn(800)));
+        let fresh = source(900, None, Some(900));
+        assert_eq!(position_in_index(&fresh, branch.clone(), 0, true), Some(900));
+        assert_eq!(position_in_index(&fresh, branch.clone(), 0, false), None);
+        let streaming = source(5000, None, None);
+        assert_eq!(position_in_index(&streaming, branch.clone(), 2000, false), Some(2000));
+        assert_eq!(position_in_index(&streaming, branch, 0, true), None);
+        // No index without the tenant's overrides.
+        let dir = tempfile::tempdir().unwrap();
+        assert!(remote_metadata(dir.path(), dir.path(), None)(Lsn(1), true).is_none());
+    }
 }

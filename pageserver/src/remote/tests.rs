@@ -112,7 +112,7 @@ fn start_uploader(
             timeline_id: "main".into(),
             timeline: Arc::clone(t),
             meta_dir: meta_dir.to_path_buf(),
-            metadata: Arc::new(|_| {
+            metadata: Arc::new(|_, _| {
                 Some(TimelineMetadata { tenant_conf: "x = 1\n".into(), ..Default::default() })
             }),
             checkpoint_timeout: Duration::from_millis(200),
@@ -310,7 +310,7 @@ async fn a_metadata_change_alone_uploads_the_index_again() {
             timeline_id: "main".into(),
             timeline: Arc::clone(&t),
             meta_dir: dir.path().to_path_buf(),
-            metadata: Arc::new(move |_| {
+            metadata: Arc::new(move |_, _| {
                 Some(TimelineMetadata {
                     tenant_conf: read_conf.lock().unwrap().clone(),
                     ..Default::default()

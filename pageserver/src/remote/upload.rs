@@ -173,10 +173,11 @@ pub struct RemoteTimeline {
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
-/// What the metadata of a timeline's index is made of, given the index's `disk_consistent_lsn`;
-/// `None` while the timeline cannot be served from what the layers hold yet (an index is then
-/// not uploaded).
-pub type MetadataFn = Arc<dyn Fn(Lsn) -> Option<TimelineMetadata> + Send + Sync>;
+/// What the metadata of a timeline's index is made of, given the index's `disk_consistent_lsn`
+/// and whether the layers held every value durable when they were listed (the active segment
+/// held none just before); `None` while the timeline cannot be served from what the layers hold
+/// yet (an index is then not uploaded).
+pub type MetadataFn = Arc<dyn Fn(Lsn, bool) -> Option<TimelineMetadata> + Send + Sync>;
 
 /// What starts a timeline's uploader.
 pub struct Uploader {
@@ -351,6 +352,9 @@ impl State {
     /// Uploads until the bucket's index lists what the manifest lists (with the metadata of now).
     async fn sync(&mut self) -> Result<(), Cancelled> {
         loop {
+            // Read before the layers: if the active segment was empty then, every value durable
+            // then is in the layers listed after.
+            let all_in_layers = !self.u.timeline.holds_unsealed_values();
             let files = self.u.timeline.layer_files();
             let missing: Vec<LayerFile> = files
                 .layers
@@ -392,7 +396,10 @@ impl State {
             // Read from files (small ones) off the executor; only when an index is due. Until the
             // timeline can be served from its layers, they are uploaded and no index is.
             let (metadata_fn, last_lsn) = (Arc::clone(&self.u.metadata), files.last_lsn());
-            let metadata = tokio::task::spawn_blocking(move || metadata_fn(last_lsn)).await.ok().flatten();
+            let metadata = tokio::task::spawn_blocking(move || metadata_fn(last_lsn, all_in_layers))
+                .await
+                .ok()
+                .flatten();
             let Some(metadata) = metadata else {
                 return Ok(());
             };
