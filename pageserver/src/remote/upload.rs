@@ -327,15 +327,7 @@ impl State {
         let (id, tl) = (self.u.tenant.tenant_id.clone(), self.u.timeline_id.clone());
         let storage = Arc::clone(&self.u.tenant.storage);
         let index = self.retry("read the index", || storage.index_of(&id, &tl, g)).await?;
-        let dir = self.u.meta_dir.clone();
-        let queued = self
-            .retry("read the deletion queue", || {
-                let dir = dir.clone();
-                async move { tokio::task::spawn_blocking(move || read_deletions(&dir)).await? }
-            })
-            .await?
-            .objects
-            .len();
+        let queued = self.read_deletions().await?.objects.len();
         self.status.send_modify(|s| s.queued_deletions = queued);
         if let Some(index) = index {
             self.remote = index.layers.iter().map(|l| (l.name.clone(), l.clone())).collect();
@@ -364,14 +356,15 @@ impl State {
                 .collect();
             self.count_queued(missing.len());
             let g = self.u.tenant.known_generation().unwrap_or(Generation(0));
-            let listed: Vec<&str> = files.layers.iter().map(|l| l.name.as_str()).collect();
-            if missing.is_empty()
-                && !self.metadata_dirty
-                && self.last_index.as_ref().is_some_and(|i| {
-                    i.layers.iter().map(|l| l.name.as_str()).eq(listed.iter().copied())
+            // Whether the uploaded index lists these layers and GC cutoff (and this metadata).
+            let indexed = |last: &Option<IndexPart>, metadata: Option<&TimelineMetadata>| {
+                last.as_ref().is_some_and(|i| {
+                    i.layers.iter().map(|l| &l.name).eq(files.layers.iter().map(|l| &l.name))
                         && i.gc_cutoff == files.gc_cutoff
+                        && metadata.is_none_or(|m| *m == i.metadata)
                 })
-            {
+            };
+            if missing.is_empty() && !self.metadata_dirty && indexed(&self.last_index, None) {
                 return Ok(());
             }
             let none_missing = missing.is_empty();
@@ -404,13 +397,7 @@ impl State {
                 return Ok(());
             };
             self.metadata_dirty = false;
-            if none_missing
-                && self.last_index.as_ref().is_some_and(|i| {
-                    i.layers.iter().map(|l| l.name.as_str()).eq(listed.iter().copied())
-                        && i.gc_cutoff == files.gc_cutoff
-                        && i.metadata == metadata
-                })
-            {
+            if none_missing && indexed(&self.last_index, Some(&metadata)) {
                 return Ok(());
             }
             let layers: Vec<IndexLayer> = files
@@ -507,12 +494,7 @@ impl State {
             return Ok(());
         }
         let dir = self.u.meta_dir.clone();
-        let queue = self
-            .retry("read the deletion queue", || {
-                let dir = dir.clone();
-                async move { tokio::task::spawn_blocking(move || read_deletions(&dir)).await? }
-            })
-            .await?;
+        let queue = self.read_deletions().await?;
         if queue.objects.is_empty() || self.u.tenant.is_stale() {
             return Ok(());
         }
@@ -536,6 +518,16 @@ impl State {
         .await?;
         self.status.send_modify(|s| s.queued_deletions = 0);
         Ok(())
+    }
+
+    /// Reads the deletion queue's file (retried as every operation).
+    async fn read_deletions(&self) -> Result<Deletions, Cancelled> {
+        let dir = self.u.meta_dir.clone();
+        self.retry("read the deletion queue", || {
+            let dir = dir.clone();
+            async move { tokio::task::spawn_blocking(move || read_deletions(&dir)).await? }
+        })
+        .await
     }
 
     /// Seals the active segment once it has held values for `checkpoint_timeout`.
