@@ -327,12 +327,7 @@ impl Tenants {
             let slot = match loaded {
                 Ok(Loaded::Incomplete) => continue,
                 Ok(Loaded::Opened(overrides, timeline, source, branches)) => {
-                    let tenant =
-                        tenants.assemble(&id, MAIN_TIMELINE, &path, overrides.clone(), timeline, None);
-                    if let Some(source) = source {
-                        tenant.load_wal_source(source);
-                    }
-                    tenants.serve_branches(&tenant, overrides, branches);
+                    let tenant = tenants.serve_opened(&id, &path, overrides, timeline, source, branches);
                     tracing::info!(
                         tenant_id = id,
                         last_durable_lsn = %tenant.last_durable_lsn(),
@@ -353,6 +348,25 @@ impl Tenants {
         tenants.update_metrics();
         tracing::info!(active, broken, "loaded tenants");
         Ok(tenants)
+    }
+
+    /// Serves a tenant whose directory was opened ([`load_tenant_dir`]): its `main`, its WAL
+    /// source, its branches. At start-up and after an attach.
+    fn serve_opened(
+        &self,
+        id: &str,
+        path: &Path,
+        overrides: TenantConfOverrides,
+        timeline: Arc<Timeline>,
+        source: Option<wal_receiver::SourceFile>,
+        branches: Vec<timelines::LoadedBranch>,
+    ) -> Arc<Tenant> {
+        let tenant = self.assemble(id, MAIN_TIMELINE, path, overrides.clone(), timeline, None);
+        if let Some(source) = source {
+            tenant.load_wal_source(source);
+        }
+        self.serve_branches(&tenant, overrides, branches);
+        tenant
     }
 
     /// Serves the branches loaded with the tenant whose `main` is `main` (ancestors first).
@@ -712,11 +726,7 @@ impl Tenants {
         let Loaded::Opened(overrides, timeline, source, branches) = loaded else {
             return Err(TenantError::Other(anyhow::anyhow!("the attached tenant has no tenant.toml")));
         };
-        let tenant = self.assemble(id, MAIN_TIMELINE, &path, overrides.clone(), timeline, None);
-        if let Some(source) = source {
-            tenant.load_wal_source(source);
-        }
-        self.serve_branches(&tenant, overrides, branches);
+        let tenant = self.serve_opened(id, &path, overrides, timeline, source, branches);
         lock(&self.tenants).insert(id.to_string(), TenantSlot::Active(Arc::clone(&tenant)));
         self.update_metrics();
         span.in_scope(|| {
