@@ -39,6 +39,8 @@ pub const DEFAULT_HTTP_ADDR: &str = "127.0.0.1:9898";
 /// `Instant + Duration`, and longer than any timeout a person means.
 pub const MIN_DURATION: Duration = Duration::from_millis(1);
 pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+/// `max_local_disk` is at least this (bytes): a bare number of this size or less is a mistake.
+pub const MIN_MAX_LOCAL_DISK: u64 = 1 << 20;
 
 /// `pageserver.toml` as written; see docs/settings.md.
 #[derive(Debug, Deserialize)]
@@ -72,6 +74,7 @@ struct ConfigFile {
     remote_storage: Option<RemoteStorageConfig>,
     #[serde(with = "humantime_serde")]
     checkpoint_timeout: Duration,
+    max_local_disk: Option<ByteSize>,
 }
 
 impl Default for ConfigFile {
@@ -100,6 +103,7 @@ impl Default for ConfigFile {
             compaction_cpu_cap: compaction_controller::DEFAULT_CAP,
             remote_storage: None,
             checkpoint_timeout: remote::DEFAULT_CHECKPOINT_TIMEOUT,
+            max_local_disk: None,
         }
     }
 }
@@ -186,6 +190,7 @@ impl PageServerConf {
             compaction_cpu_cap,
             remote_storage,
             checkpoint_timeout,
+            max_local_disk,
         } = file;
         let addr = |key: &str, value: &str| resolve_addr(key, value);
         let duration = |key: &str, d: Duration| -> anyhow::Result<Duration> {
@@ -245,6 +250,13 @@ impl PageServerConf {
         if let Some(remote) = &remote_storage {
             remote.validate().map_err(|e| anyhow::anyhow!("invalid setting remote_storage: {e:#}"))?;
         }
+        if let Some(max) = max_local_disk {
+            anyhow::ensure!(
+                max.bytes >= MIN_MAX_LOCAL_DISK,
+                "invalid setting max_local_disk = {}: must be at least 1 MiB (a size with a unit, e.g. \"100 GiB\")",
+                max.bytes
+            );
+        }
         let binary = match walredo_proc_path {
             Some(path) => path,
             None => walredo::default_binary_path()?,
@@ -268,7 +280,7 @@ impl PageServerConf {
                     max_pool_size,
                     ..WalRedoConf::with_binary(binary)
                 },
-                storage: StorageConf { layer_size: layer_size.bytes },
+                storage: StorageConf { layer_size: layer_size.bytes, ..Default::default() },
                 compaction: CompactionSettings {
                     mode: compaction,
                     gc_horizon,
@@ -280,6 +292,7 @@ impl PageServerConf {
                 wal_max_record_size,
                 remote_storage,
                 checkpoint_timeout: duration("checkpoint_timeout", checkpoint_timeout)?,
+                max_local_disk: max_local_disk.map(|m| m.bytes),
             },
         })
     }
@@ -500,6 +513,16 @@ mod tests {
         ] {
             let err = format!("{:#}", load(&[item]).unwrap_err());
             assert!(err.contains("wal_max_record_size"), "{item}: {err}");
+        }
+    }
+
+    #[test]
+    fn max_local_disk_is_a_size_of_at_least_a_mib_and_absent_by_default() {
+        assert_eq!(load(&[]).unwrap().tenants.max_local_disk, None);
+        assert_eq!(load(&["max_local_disk=\"100 GiB\""]).unwrap().tenants.max_local_disk, Some(100 << 30));
+        for item in ["max_local_disk=\"512 KiB\"", "max_local_disk=4096", "max_local_disk=\"much\""] {
+            let err = format!("{:#}", load(&[item]).unwrap_err());
+            assert!(err.contains("max_local_disk"), "{item}: {err}");
         }
     }
 

@@ -78,6 +78,7 @@ pub async fn run(conf: PageServerConf, shutdown: CancellationToken) -> anyhow::R
         .context("load tenants")?,
     );
     registry.register(Box::new(TenantSeriesCollector::new(Arc::downgrade(&tenants))?))?;
+    tenants.start_evictor();
 
     let pg_listener = tokio::net::TcpListener::bind(conf.listen_pg_addr)
         .await

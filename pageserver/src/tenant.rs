@@ -243,6 +243,10 @@ pub struct StorageStatus {
     /// Groups of layers a lookup looks at (one layer in each): what a GetPage may read below
     /// the active segment.
     pub runs: u64,
+    /// Layers whose files are on local disk (with remote storage, the others are fetched from
+    /// the bucket when read).
+    pub resident_layers: u64,
+    /// Bytes on local disk: the resident layers and the active segment.
     pub disk_bytes: u64,
     /// Bytes of the active segment's small records kept in memory for reads (at most 16 MiB):
     /// see docs/storage-format.md, "Reading".
@@ -717,6 +721,7 @@ impl Tenant {
             values: stats.values,
             layers: stats.layers,
             runs: stats.runs,
+            resident_layers: stats.resident_layers,
             disk_bytes: stats.on_disk_bytes,
             record_copy_bytes: stats.record_copy_bytes,
             write_error: self.timeline.write_error().map(|e| StorageWriteErrorStatus {

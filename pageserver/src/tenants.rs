@@ -44,6 +44,7 @@ use crate::tenant::{
 use crate::util::lock;
 use crate::walredo::{WalRedoConf, WalRedoManager, WalRedoMetrics};
 
+pub(crate) mod eviction;
 mod timelines;
 
 pub use timelines::TimelineError;
@@ -187,6 +188,9 @@ pub struct TenantsConf {
     /// `checkpoint_timeout`: with remote storage, how long values may wait in the active
     /// segment before it is sealed and uploaded.
     pub checkpoint_timeout: Duration,
+    /// `max_local_disk`: the bound on the bytes of layer files on local disk, over all tenants
+    /// (`tenants::eviction`); `None`: no bound.
+    pub max_local_disk: Option<u64>,
 }
 
 impl TenantsConf {
@@ -201,6 +205,7 @@ impl TenantsConf {
             wal_max_record_size: wal_receiver::DEFAULT_WAL_MAX_RECORD_SIZE,
             remote_storage: None,
             checkpoint_timeout: remote::DEFAULT_CHECKPOINT_TIMEOUT,
+            max_local_disk: None,
         }
     }
 }
@@ -227,7 +232,7 @@ pub struct Tenants {
     change_lock: tokio::sync::Mutex<()>,
     deps: Arc<TenantDeps>,
     walredo_conf: WalRedoConf,
-    storage_conf: StorageConf,
+    confs: TimelineConfs,
     storage_metrics: Arc<StorageMetrics>,
     walredo_metrics: Arc<WalRedoMetrics>,
     metrics: Arc<TenantsMetrics>,
@@ -238,6 +243,7 @@ pub struct Tenants {
     /// The remote side of each tenant (its generation), shared by its timelines' uploaders.
     remote_tenants: Mutex<BTreeMap<String, Arc<RemoteTenant>>>,
     checkpoint_timeout: Duration,
+    max_local_disk: Option<u64>,
     /// Who this daemon is, in the generation objects it writes.
     node: String,
 }
@@ -268,10 +274,12 @@ impl Tenants {
                 Some(Arc::new(storage))
             }
         };
+        let remote_for_confs = remote.clone();
         let tenants = Tenants {
             remote,
             remote_tenants: Mutex::new(BTreeMap::new()),
             checkpoint_timeout: conf.checkpoint_timeout,
+            max_local_disk: conf.max_local_disk,
             node: format!("pid {} in {}", std::process::id(), workdir.display()),
             dir: workdir.join(TENANTS_DIR),
             tenants: Mutex::new(BTreeMap::new()),
@@ -292,7 +300,10 @@ impl Tenants {
                 default_process_kind: conf.walredo.process_kind,
             }),
             walredo_conf: conf.walredo.clone(),
-            storage_conf: conf.storage.clone(),
+            confs: TimelineConfs {
+                base: conf.storage.clone(),
+                remote: remote_for_confs.map(|r| (r, tokio::runtime::Handle::current())),
+            },
             storage_metrics,
             walredo_metrics,
             metrics,
@@ -307,14 +318,13 @@ impl Tenants {
         let mut opening = Vec::with_capacity(candidates.len());
         for (id, path) in candidates {
             let permit = Arc::clone(&limit).acquire_owned().await.context("load tenants")?;
-            let (storage_conf, storage_metrics) =
-                (tenants.storage_conf.clone(), Arc::clone(&tenants.storage_metrics));
+            let (confs, storage_metrics) = (tenants.confs.clone(), Arc::clone(&tenants.storage_metrics));
             let tenant_dir = path.clone();
             let span = tracing::info_span!("load_tenant", tenant_id = id);
             let job = tokio::task::spawn_blocking(move || {
                 let _permit = permit;
                 let _entered = span.enter();
-                load_tenant_dir(&tenant_dir, storage_conf, storage_metrics)
+                load_tenant_dir(&tenant_dir, &confs, storage_metrics)
             });
             opening.push((id, path, job));
         }
@@ -421,7 +431,7 @@ impl Tenants {
             Arc::clone(&walredo),
             Arc::clone(&self.deps.redo_budget),
             self.deps.compaction.clone(),
-            self.storage_conf.layer_size,
+            self.confs.base.layer_size,
             Arc::clone(&self.deps.compaction_metrics),
             cancel.clone(),
         );
@@ -528,6 +538,27 @@ impl Tenants {
             .collect()
     }
 
+    /// Every timeline served: the active tenants' `main` and their branches.
+    pub(crate) fn serving(&self) -> Vec<Arc<Tenant>> {
+        let mut all = self.active();
+        all.extend(lock(&self.branches).values().flat_map(|b| b.values().cloned()));
+        all
+    }
+
+    /// Starts the evictor (`tenants::eviction`) when `max_local_disk` is set; it stops with
+    /// the tenants.
+    pub fn start_evictor(self: &Arc<Self>) {
+        if let Some(max) = self.max_local_disk {
+            tracing::info!(max_local_disk = max, "layer files on local disk are kept under max_local_disk");
+            tokio::spawn(eviction::run(
+                Arc::downgrade(self),
+                max,
+                Arc::clone(&self.storage_metrics),
+                self.cancel.clone(),
+            ));
+        }
+    }
+
     /// Tenants, active and broken.
     pub fn len(&self) -> usize {
         lock(&self.tenants).len()
@@ -554,7 +585,8 @@ impl Tenants {
         }
         let dir = self.dir.join(id);
         // Everything here waits on the disk: keep it off the executor.
-        let (storage_conf, storage_metrics) = (self.storage_conf.clone(), Arc::clone(&self.storage_metrics));
+        let (storage_conf, storage_metrics) =
+            (self.confs.of(id, MAIN_TIMELINE), Arc::clone(&self.storage_metrics));
         let (tenant_dir, tenants_dir, written) = (dir.clone(), self.dir.clone(), overrides.clone());
         let timeline = tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<Timeline>> {
             if tenant_dir.exists() {
@@ -672,7 +704,7 @@ impl Tenants {
                     MAIN_TIMELINE => staging.clone(),
                     branch => staging.join(timelines::BRANCHES_DIR).join(branch),
                 };
-                remote::attach_copy(&storage, id, t, &meta_dir.join(TIMELINE_DIR), &self.storage_metrics)
+                remote::attach_timeline(&storage, id, t, &meta_dir.join(TIMELINE_DIR), &self.storage_metrics)
                     .await?;
                 let (meta_dir, metadata) = (meta_dir.clone(), t.index.metadata.clone());
                 tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
@@ -717,10 +749,10 @@ impl Tenants {
             return Err(TenantError::Other(e.context("attach")));
         }
         let path = self.dir.join(id);
-        let (storage_conf, storage_metrics, load_path) =
-            (self.storage_conf.clone(), Arc::clone(&self.storage_metrics), path.clone());
+        let (confs, storage_metrics, load_path) =
+            (self.confs.clone(), Arc::clone(&self.storage_metrics), path.clone());
         let loaded =
-            tokio::task::spawn_blocking(move || load_tenant_dir(&load_path, storage_conf, storage_metrics))
+            tokio::task::spawn_blocking(move || load_tenant_dir(&load_path, &confs, storage_metrics))
                 .await
                 .context("load the attached tenant")??;
         let Loaded::Opened(overrides, timeline, source, branches) = loaded else {
@@ -775,6 +807,27 @@ impl Tenants {
     }
 }
 
+/// The storage configuration of each timeline: the daemon's, with the bucket as the source of
+/// the layers that are not on local disk when remote storage is configured (downloads run on
+/// the runtime the tenants were loaded on).
+#[derive(Clone)]
+pub(crate) struct TimelineConfs {
+    base: StorageConf,
+    remote: Option<(Arc<RemoteStorage>, tokio::runtime::Handle)>,
+}
+
+impl TimelineConfs {
+    /// The configuration of timeline `timeline` of tenant `tenant`.
+    pub(crate) fn of(&self, tenant: &str, timeline: &str) -> StorageConf {
+        let mut conf = self.base.clone();
+        if let Some((storage, runtime)) = &self.remote {
+            let fetcher = remote::LayerFetcher::new(storage, tenant, timeline, runtime.clone());
+            conf.source = Some(storage::SourceRef(Arc::new(fetcher)));
+        }
+        conf
+    }
+}
+
 /// Lists the tenant directories to load, removing the leftovers of interrupted deletions.
 fn list_tenant_dirs(dir: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
     std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
@@ -807,9 +860,10 @@ fn list_tenant_dirs(dir: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
 /// Opens one tenant's directory (blocking): its overrides, then its storage.
 fn load_tenant_dir(
     dir: &Path,
-    storage_conf: StorageConf,
+    confs: &TimelineConfs,
     storage_metrics: Arc<StorageMetrics>,
 ) -> anyhow::Result<Loaded> {
+    let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     match read_overrides(dir)? {
         None => {
             tracing::warn!("removing a tenant whose creation did not finish");
@@ -819,9 +873,10 @@ fn load_tenant_dir(
         Some(overrides) => {
             // Read first: a damaged source file makes the tenant broken before storage opens.
             let source = wal_receiver::read_source_file(dir)?;
-            let timeline =
-                Timeline::open(&dir.join(TIMELINE_DIR), storage_conf.clone(), Arc::clone(&storage_metrics))?;
-            let branches = timelines::open_branches(dir, &timeline, &storage_conf, &storage_metrics)?;
+            let conf = confs.of(&id, MAIN_TIMELINE);
+            let timeline = Timeline::open(&dir.join(TIMELINE_DIR), conf, Arc::clone(&storage_metrics))?;
+            let confs = |branch: &str| confs.of(&id, branch);
+            let branches = timelines::open_branches(dir, &timeline, &confs, &storage_metrics)?;
             Ok(Loaded::Opened(overrides, timeline, source, branches))
         }
     }

@@ -1,9 +1,9 @@
 """Layers in S3-compatible object storage (docs/rfcs/0009-remote-storage.md), against a real S3
 server (versitygw) and against a directory (`local_path`): uploads follow seals, a node with an
 empty disk attaches a tenant from the bucket and serves every page, a detached tenant's writes
-are all in the bucket, a stale node deletes nothing, a damaged object fails the attach, and
-wrong credentials stop the daemon at start; a tenant that follows PostgreSQL moves to a new node
-and goes on streaming."""
+are all in the bucket, a stale node deletes nothing, and wrong credentials stop the daemon at
+start; a tenant that follows PostgreSQL moves to a new node and goes on streaming. (A missing or
+damaged object, and eviction: test_remote_eviction.py.)"""
 
 import json
 import time
@@ -137,33 +137,6 @@ def test_a_stale_node_deletes_nothing_the_newer_node_reads(pageserver_factory, s
     assert third.http.request("POST", f"/v1/tenant/{t}/attach").status == 201
     with third.connect(t) as conn:
         verify(conn, newer.rs, _requests(newer.rs, keys))
-
-
-def test_a_damaged_object_fails_the_attach_naming_it(pageserver_factory, s3_server):
-    raw, env = [s3_server.remote_storage_setting()], s3_server.env()
-    a = pageserver_factory(raw_args=raw, env=env, **REMOTE)
-    t = a.create_tenant()
-    keys = make_keys(8)
-    b = HistoryBuilder(seed=21)
-    with a.connect(t) as conn:
-        for _ in range(6):
-            conn.ingest(b.batch(keys, 40))
-    _uploaded(a, t, b.rs.last_lsn)
-    a.stop()
-    layer = next(o for o in s3_server.list_objects(f"tenants/{t}/timelines/main/") if "/layer_" in o)
-    path = s3_server.object_path(layer)
-    raw_bytes = bytearray(path.read_bytes())
-    raw_bytes[len(raw_bytes) // 2] ^= 0xFF
-    path.write_bytes(bytes(raw_bytes))
-
-    c = pageserver_factory(raw_args=raw, env=env, **REMOTE)
-    c.allowed_errors.append("management request failed")
-    resp = c.http.request("POST", f"/v1/tenant/{t}/attach")
-    assert resp.status == 500, resp
-    error = resp.body["error"]
-    assert "crc32c" in error and layer.rsplit("/", 1)[1] in error, error
-    assert c.http.request("GET", f"/v1/tenant/{t}").status == 404
-    assert list((c.workdir / "tenants").iterdir()) == []
 
 
 def test_wrong_credentials_stop_the_daemon_at_start(pageserver_factory, s3_server):

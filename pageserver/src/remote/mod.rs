@@ -1,11 +1,13 @@
 //! Layers in S3-compatible object storage (docs/rfcs/0009-remote-storage.md): the bucket is the
-//! durable home of a timeline's layers, the local disk holds the same files.
+//! durable home of a timeline's layers, the local disk a cache of it (with `max_local_disk`,
+//! `tenants::eviction`).
 //!
 //! Code map: this file is the client (`RemoteStorage`: an `object_store` store and the prefix
 //! in it, the object names, the generations of a tenant); `config` the `remote_storage`
 //! setting; `index` the per-timeline index (`index_part.json-<GEN>`); `upload` the uploader of a
-//! timeline (layers, then the index, then the deletions the index allows); `download` what
-//! attach copies into an empty directory.
+//! timeline (layers, then the index, then the deletions the index allows); `download` what a
+//! node reads of the bucket (attach's checks, and one layer at a time as reads need it:
+//! `LayerFetcher`, storage's `LayerSource`).
 //!
 //! **Invariants:** an index is uploaded only after every layer it lists; a layer object is
 //! deleted only after an index without it was uploaded, and only by a node that has just seen
@@ -28,7 +30,7 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload}
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 pub use config::RemoteStorageConfig;
-pub use download::{attach_copy, AttachedTimeline};
+pub use download::{attach_timeline, AttachedTimeline, LayerFetcher};
 pub use index::{AncestorMeta, IndexLayer, IndexPart, TimelineMetadata};
 pub use upload::{
     read_generation_file, write_generation_file, MetadataFn, RemoteStatus, RemoteTenant, RemoteTimeline,

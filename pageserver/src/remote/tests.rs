@@ -1,4 +1,5 @@
-//! The uploader, generations and attach's copy on `object_store`'s in-memory store.
+//! The uploader, generations, attach and on-demand downloads on `object_store`'s in-memory
+//! store.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,9 +28,20 @@ fn page(fill: u8) -> Value {
 }
 
 async fn open(dir: &std::path::Path) -> Arc<Timeline> {
+    open_fetching(dir, None).await
+}
+
+/// [`open`] with the bucket of `storage` as the source of the layers not on local disk (as
+/// `main` of tenant `t1`).
+async fn open_fetching(dir: &std::path::Path, storage: Option<&Arc<RemoteStorage>>) -> Arc<Timeline> {
     let dir = dir.to_path_buf();
+    let source = storage.map(|s| {
+        let fetcher = LayerFetcher::new(s, "t1", "main", tokio::runtime::Handle::current());
+        crate::storage::SourceRef(Arc::new(fetcher))
+    });
     tokio::task::spawn_blocking(move || {
-        Timeline::open(&dir, StorageConf { layer_size: 64 << 10 }, Arc::new(StorageMetrics::unregistered()))
+        let conf = StorageConf { layer_size: 64 << 10, source };
+        Timeline::open(&dir, conf, Arc::new(StorageMetrics::unregistered()))
     })
     .await
     .unwrap()
@@ -150,8 +162,8 @@ async fn generations_are_taken_one_above_the_highest_and_never_twice() {
     assert_eq!(storage.current_generation("other").await.unwrap(), None);
 }
 
-#[tokio::test]
-async fn uploads_follow_seals_and_compaction_and_a_copy_serves_the_same_pages() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_follow_seals_and_compaction_and_an_attached_copy_serves_the_same_pages() {
     let Setup { store, storage, dir, t } = setup().await;
     let up = start_uploader(&storage, &t, dir.path());
     // Nine layers' worth (64 KiB each) and a tail in the active segment.
@@ -196,11 +208,12 @@ async fn uploads_follow_seals_and_compaction_and_a_copy_serves_the_same_pages() 
     );
     up.shutdown().await;
 
-    // A copy made from the bucket serves every page as the original.
+    // A timeline attached from the bucket (no layer on its disk) serves every page as the
+    // original, downloading each layer the first time a read needs it.
     let (g, index) = storage.newest_index("t1", "main").await.unwrap().unwrap();
     let copy_dir = tempfile::tempdir().unwrap();
     let attached = AttachedTimeline { timeline_id: "main".into(), index };
-    attach_copy(
+    attach_timeline(
         &storage,
         "t1",
         &attached,
@@ -210,8 +223,9 @@ async fn uploads_follow_seals_and_compaction_and_a_copy_serves_the_same_pages() 
     .await
     .unwrap();
     assert_eq!(g, Generation(1));
-    let copy = open(&copy_dir.path().join("timeline")).await;
+    let copy = open_fetching(&copy_dir.path().join("timeline"), Some(&storage)).await;
     assert_eq!(copy.last_durable_lsn(), durable);
+    assert_eq!(copy.resident_layers().len(), 0);
     for lsn in [Lsn(10), Lsn(29), Lsn(101), durable] {
         for b in 0..4 {
             assert_eq!(page_at(&copy, key(b), lsn), page_at(&t, key(b), lsn), "block {b} at {lsn}");
@@ -221,8 +235,8 @@ async fn uploads_follow_seals_and_compaction_and_a_copy_serves_the_same_pages() 
     ingest(&copy, durable.0 + 1, 30, 3).await;
 }
 
-#[tokio::test]
-async fn a_damaged_or_missing_object_fails_the_copy_naming_it() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_object_fails_the_attach_and_a_damaged_one_the_read_naming_it() {
     let Setup { store, storage, dir, t } = setup().await;
     let up = start_uploader(&storage, &t, dir.path());
     ingest(&t, 10, 12, 1).await;
@@ -231,23 +245,83 @@ async fn a_damaged_or_missing_object_fails_the_copy_naming_it() {
     let (_, index) = storage.newest_index("t1", "main").await.unwrap().unwrap();
     let victim = &index.layers[0];
     let path = storage.layer_path("t1", "main", &victim.name, victim.generation);
-    let mut bytes = store.get(&path).await.unwrap().bytes().await.unwrap().to_vec();
-    bytes[100] ^= 0xff;
-    store.put(&path, object_store::PutPayload::from(bytes)).await.unwrap();
+    let good = store.get(&path).await.unwrap().bytes().await.unwrap();
     let attached = AttachedTimeline { timeline_id: "main".into(), index: index.clone() };
     let copy_dir = tempfile::tempdir().unwrap();
     let metrics = Arc::new(StorageMetrics::unregistered());
-    let e = format!(
-        "{:#}",
-        attach_copy(&storage, "t1", &attached, &copy_dir.path().join("a"), &metrics).await.unwrap_err()
-    );
-    assert!(e.contains("crc32c") && e.contains(&victim.name), "{e}");
+
     store.delete(&path).await.unwrap();
     let e = format!(
         "{:#}",
-        attach_copy(&storage, "t1", &attached, &copy_dir.path().join("b"), &metrics).await.unwrap_err()
+        attach_timeline(&storage, "t1", &attached, &copy_dir.path().join("a"), &metrics).await.unwrap_err()
     );
     assert!(e.contains(&victim.name), "{e}");
+
+    // Damaged, of the right size: the attach cannot tell; the read that downloads it fails,
+    // naming it, and keeps nothing of it. Once the object is whole again, the read succeeds.
+    let mut bytes = good.to_vec();
+    bytes[100] ^= 0xff;
+    store.put(&path, object_store::PutPayload::from(bytes)).await.unwrap();
+    let copy_path = copy_dir.path().join("b");
+    attach_timeline(&storage, "t1", &attached, &copy_path, &metrics).await.unwrap();
+    let copy = open_fetching(&copy_path, Some(&storage)).await;
+    let lsn = t.last_durable_lsn();
+    let limits = ReadLimits { max_records: 1000, max_bytes: 1 << 30 };
+    let e = copy.get_reconstruct_data(key(0), Lsn(10), limits).unwrap_err().to_string();
+    let e = format!("{e} / {:#}", copy.get_reconstruct_data(key(0), Lsn(10), limits).unwrap_err());
+    assert!(e.contains("crc32c") && e.contains(&victim.name), "{e}");
+    assert!(!copy_path.join(&victim.name).exists());
+    store.put(&path, object_store::PutPayload::from(good)).await.unwrap();
+    for b in 0..4 {
+        assert_eq!(page_at(&copy, key(b), lsn), page_at(&t, key(b), lsn), "block {b}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uploaded_layer_evicted_is_downloaded_again_by_the_first_read() {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let storage = storage_with(Arc::clone(&store));
+    let dir = tempfile::tempdir().unwrap();
+    let t = open_fetching(&dir.path().join("timeline"), Some(&storage)).await;
+    let up = start_uploader(&storage, &t, dir.path());
+    ingest(&t, 10, 40, 1).await;
+    ingest(&t, 50, 40, 2).await;
+    t.freeze().await.unwrap();
+    up.wait_uploaded(t.last_durable_lsn(), Duration::from_secs(20)).await.unwrap();
+    let lsns = [Lsn(20), Lsn(49), Lsn(60), t.last_durable_lsn()];
+    let before: Vec<Option<Bytes>> = lsns
+        .iter()
+        .flat_map(|&lsn| (0..4).map(move |b| (b, lsn)))
+        .map(|(b, lsn)| page_at(&t, key(b), lsn))
+        .collect();
+    let resident = t.resident_layers();
+    assert!(resident.len() >= 2, "{resident:?}");
+    for l in &resident {
+        assert!(up.is_uploaded(&l.name), "{} is not in the uploaded index", l.name);
+        let t = Arc::clone(&t);
+        let name = l.name.clone();
+        assert!(tokio::task::spawn_blocking(move || t.evict(&name)).await.unwrap().unwrap());
+    }
+    assert!(t.resident_layers().is_empty());
+    let t2 = Arc::clone(&t);
+    let after: Vec<Option<Bytes>> = tokio::task::spawn_blocking(move || {
+        lsns.iter()
+            .flat_map(|&lsn| (0..4).map(move |b| (b, lsn)))
+            .map(|(b, lsn)| page_at(&t2, key(b), lsn))
+            .collect()
+    })
+    .await
+    .unwrap();
+    assert_eq!(after, before);
+    assert!(!t.resident_layers().is_empty());
+    // The uploader does not upload what it evicted again, and the index still lists it.
+    ingest(&t, 100, 10, 3).await;
+    up.wait_uploaded(t.last_durable_lsn(), Duration::from_secs(20)).await.unwrap();
+    let (_, index) = storage.newest_index("t1", "main").await.unwrap().unwrap();
+    for l in &resident {
+        assert!(index.layers.iter().any(|i| i.name == l.name), "{} left the index", l.name);
+    }
+    up.shutdown().await;
 }
 
 #[tokio::test]

@@ -6,7 +6,7 @@
 //! seals the active segment when it has held values for `checkpoint_timeout`, so that what is
 //! durable here reaches the bucket within about that long.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -167,6 +167,8 @@ pub struct RemoteStatus {
 /// A timeline's uploads: the task and what it reports.
 pub struct RemoteTimeline {
     status: watch::Sender<RemoteStatus>,
+    /// The names of the layers the index uploaded last lists (what may be evicted).
+    uploaded: Arc<Mutex<BTreeSet<String>>>,
     /// Woken when the timeline's metadata changed ([`RemoteTimeline::metadata_changed`]).
     metadata_changed: Arc<tokio::sync::Notify>,
     cancel: CancellationToken,
@@ -195,8 +197,10 @@ impl RemoteTimeline {
     /// [`RemoteTimeline::shutdown`].
     pub fn start(uploader: Uploader, cancel: CancellationToken) -> Arc<RemoteTimeline> {
         let known = uploader.tenant.known_generation().map(|g| g.to_string());
+        let uploaded = Arc::new(Mutex::new(BTreeSet::new()));
         let remote = Arc::new(RemoteTimeline {
             status: watch::Sender::new(RemoteStatus { generation: known, ..RemoteStatus::default() }),
+            uploaded: Arc::clone(&uploaded),
             metadata_changed: Arc::new(tokio::sync::Notify::new()),
             cancel: cancel.clone(),
             task: Mutex::new(None),
@@ -209,6 +213,7 @@ impl RemoteTimeline {
         let state = State {
             u: uploader,
             status: remote.status.clone(),
+            uploaded,
             metadata_changed: Arc::clone(&remote.metadata_changed),
             metadata_dirty: false,
             cancel,
@@ -224,6 +229,11 @@ impl RemoteTimeline {
 
     pub fn status(&self) -> RemoteStatus {
         self.status.borrow().clone()
+    }
+
+    /// Whether the index this node uploaded last lists layer `name` (the bucket holds it).
+    pub fn is_uploaded(&self, name: &str) -> bool {
+        lock(&self.uploaded).contains(name)
     }
 
     /// The timeline's metadata (the files its index carries) changed: the index is uploaded
@@ -275,6 +285,8 @@ impl RemoteTimeline {
 struct State {
     u: Uploader,
     status: watch::Sender<RemoteStatus>,
+    /// [`RemoteTimeline::is_uploaded`]'s names: those of `remote`.
+    uploaded: Arc<Mutex<BTreeSet<String>>>,
     metadata_changed: Arc<tokio::sync::Notify>,
     /// The metadata may differ from the uploaded index's.
     metadata_dirty: bool,
@@ -331,6 +343,7 @@ impl State {
         self.status.send_modify(|s| s.queued_deletions = queued);
         if let Some(index) = index {
             self.remote = index.layers.iter().map(|l| (l.name.clone(), l.clone())).collect();
+            *lock(&self.uploaded) = self.remote.keys().cloned().collect();
             let lsn = index.disk_consistent_lsn;
             self.status.send_modify(|s| {
                 s.remote_consistent_lsn = lsn;
@@ -428,6 +441,7 @@ impl State {
                 }
             }
             self.remote = listed;
+            *lock(&self.uploaded) = self.remote.keys().cloned().collect();
             self.orphans.clear();
             let lsn = index.disk_consistent_lsn;
             let count = index.layers.len();

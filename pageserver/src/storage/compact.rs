@@ -251,9 +251,10 @@ impl KeyValues {
     fn of(inputs: &[Arc<Frozen>], below: &[Arc<Frozen>], key: BufferTag) -> anyhow::Result<KeyValues> {
         let mut runs = Vec::new();
         for l in inputs {
-            let entries = l.lookup(key, Lsn(u64::MAX), DiskWait::Allowed)?;
+            let r = l.resident(DiskWait::Allowed)?;
+            let entries = r.lookup(key, Lsn(u64::MAX), DiskWait::Allowed)?;
             if !entries.is_empty() {
-                runs.push((Arc::clone(&l.file), entries));
+                runs.push((Arc::clone(&r.file), entries));
             }
         }
         let has_image = runs.iter().any(|(_, r)| r.iter().any(|e| e.kind == Kind::Image));
@@ -261,14 +262,15 @@ impl KeyValues {
         if !has_image {
             // Newest layer first, down to the newest image.
             for l in below.iter().rev() {
-                let mut entries = l.lookup(key, Lsn(u64::MAX), DiskWait::Allowed)?;
+                let r = l.resident(DiskWait::Allowed)?;
+                let mut entries = r.lookup(key, Lsn(u64::MAX), DiskWait::Allowed)?;
                 if let Some(i) = entries.iter().rposition(|e| e.kind == Kind::Image) {
                     entries.drain(..i);
-                    context.push((Arc::clone(&l.file), entries));
+                    context.push((Arc::clone(&r.file), entries));
                     break;
                 }
                 if !entries.is_empty() {
-                    context.push((Arc::clone(&l.file), entries));
+                    context.push((Arc::clone(&r.file), entries));
                 }
             }
         }
@@ -874,8 +876,6 @@ impl Pass {
         let (before, after) = (self.inputs.len() as u64, self.outputs.len() as u64);
         sh.layers.fetch_add(after, Ordering::Relaxed);
         sh.layers.fetch_sub(before, Ordering::Relaxed);
-        sh.sealed_bytes.fetch_add(self.stats.bytes_written, Ordering::Relaxed);
-        sh.sealed_bytes.fetch_sub(self.stats.bytes_before, Ordering::Relaxed);
         sh.metrics.layer_files.add(after as i64 - before as i64);
         self.inputs.clear();
         self.stats.files_deleted = delete_files(sh, &self.dir_file);

@@ -350,7 +350,9 @@ async fn an_output_missing_at_open_keeps_the_compaction_inputs_it_replaced() {
 
     let err = format!(
         "{:#}",
-        Timeline::open(dir.path(), super::StorageConf { layer_size: LAYER_SIZE }, m).err().unwrap()
+        Timeline::open(dir.path(), super::StorageConf { layer_size: LAYER_SIZE, ..Default::default() }, m)
+            .err()
+            .unwrap()
     );
     assert!(err.contains(&output) && err.contains("kept"), "{err}");
     let files = layer_files(dir.path());
@@ -404,8 +406,12 @@ async fn a_failed_cut_stops_seals_and_compaction_and_the_reopen_serves_every_ack
     let layers = tl.stats().layers;
     drop(tl);
 
-    let tl = Timeline::open(dir.path(), super::StorageConf { layer_size: 1 << 30 }, m.clone())
-        .unwrap_or_else(|e| panic!("the timeline no longer opens: {e:#}"));
+    let tl = Timeline::open(
+        dir.path(),
+        super::StorageConf { layer_size: 1 << 30, ..Default::default() },
+        m.clone(),
+    )
+    .unwrap_or_else(|e| panic!("the timeline no longer opens: {e:#}"));
     assert!((1..=5).all(|lsn| has_image(&tl, lsn)), "an acknowledged batch was lost");
     assert!(frozen.is_err(), "a seal ran after the failed cut");
     assert!(begun.is_err(), "a compaction pass began after the failed cut: {begun:?}");

@@ -259,6 +259,18 @@ impl Index {
         Ok(next)
     }
 
+    /// Puts `twin` in the place of `layer` (the same object) in a new layer map: eviction's
+    /// swap ([`Frozen::evicted`]). Whether `layer` was there.
+    pub(crate) fn swap_twin(&mut self, layer: &Arc<Frozen>, twin: Frozen) -> bool {
+        let Some(at) = self.layers().iter().position(|l| Arc::ptr_eq(l, layer)) else {
+            return false;
+        };
+        let mut next = self.layers().to_vec();
+        next[at] = Arc::new(twin);
+        self.layers = Arc::new(LayerMap::new(next));
+        true
+    }
+
     /// Replaces the layers, as [`Index::replaced`] does; changes nothing if that fails.
     pub(crate) fn replace_layers(&mut self, inputs: &[u32], outputs: &[Arc<Frozen>]) -> anyhow::Result<()> {
         self.layers = Arc::new(LayerMap::new(self.replaced(inputs, outputs)?));

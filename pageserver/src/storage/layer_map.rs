@@ -21,33 +21,53 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use anyhow::{ensure, Context};
 
 use super::format::{IndexEntry, Kind};
-use super::layer::{BlockIndex, DiskWait, LayerIndex, OpenLayer};
+use super::layer::{BlockIndex, DiskWait, LayerIndex, OpenLayer, WouldWait};
+use super::residence::{self, Fetch};
 use page_types::{BufferTag, Lsn};
 
 use super::Overwritten;
 
 /// An immutable layer file and its index, sorted by `(key, lsn)`: loaded whole (a layer of
 /// format version 1 or 2) or as a block index (version 3: fences in memory, blocks read on
-/// demand, `layer::block_index`).
+/// demand, `layer::block_index`). What its name says (key and LSN ranges, size) is always here;
+/// its file and index only while it is resident (`storage::residence`): a non-resident layer is
+/// fetched by the first read that needs it, and stays resident (this object never loses its
+/// file: eviction puts a non-resident twin in its place in a new layer map).
 pub(crate) struct Frozen {
-    /// The file's id in this map (not stored on disk).
+    /// The file's id in this map (not stored on disk; a twin keeps it).
     pub id: u32,
     pub name: String,
-    pub file: Arc<File>,
-    index: FrozenIndex,
     pub first_lsn: Lsn,
     pub last_lsn: Lsn,
     /// File length in bytes.
     pub size: u64,
+    /// The smallest and the largest key.
+    keys: (BufferTag, BufferTag),
+    /// Values and distinct keys, where known (not for a layer never resident here).
+    counts: Option<(u64, u64)>,
+    resident: OnceLock<Resident>,
+    /// How a non-resident layer becomes resident, and the crc32c its file must have.
+    remote: Option<(Arc<Fetch>, Option<u32>)>,
+    /// Held by the one fetch of this layer at a time.
+    fetching: Mutex<()>,
+    /// The read clock at the last read (`residence::now`).
+    last_read: AtomicU64,
+}
+
+/// A resident layer's open file and index.
+pub(crate) struct Resident {
+    pub file: Arc<File>,
+    index: FrozenIndex,
 }
 
 enum FrozenIndex {
-    Flat { entries: Vec<IndexEntry>, keys: u64 },
+    Flat { entries: Vec<IndexEntry> },
     Blocks(BlockIndex),
 }
 
@@ -58,19 +78,19 @@ impl Frozen {
         id: u32,
         name: String,
         file: Arc<File>,
-        mut entries: Vec<IndexEntry>,
+        entries: Vec<IndexEntry>,
         size: u64,
     ) -> anyhow::Result<Frozen> {
-        if !entries.windows(2).all(|w| (w[0].key, w[0].lsn) < (w[1].key, w[1].lsn)) {
-            entries.sort_by_key(|e| (e.key, e.lsn));
-            if let Some(w) = entries.windows(2).find(|w| (w[0].key, w[0].lsn) == (w[1].key, w[1].lsn)) {
-                anyhow::bail!("{name}: duplicate value for {:?} at lsn {}", w[0].key, w[0].lsn);
-            }
-        }
+        let entries = sorted(&name, entries)?;
         let first_lsn = entries.iter().map(|e| e.lsn).min().with_context(|| format!("{name} is empty"))?;
         let last_lsn = entries.iter().map(|e| e.lsn).max().unwrap_or(first_lsn);
-        let keys = 1 + entries.windows(2).filter(|w| w[0].key != w[1].key).count() as u64;
-        Ok(Frozen { id, name, file, index: FrozenIndex::Flat { entries, keys }, first_lsn, last_lsn, size })
+        let key_count = 1 + entries.windows(2).filter(|w| w[0].key != w[1].key).count() as u64;
+        let (Some(min), Some(max)) = (entries.first().map(|e| e.key), entries.last().map(|e| e.key)) else {
+            anyhow::bail!("{name} is empty");
+        };
+        let counts = Some((entries.len() as u64, key_count));
+        let index = FrozenIndex::Flat { entries };
+        Ok(Frozen::resident_with(id, name, (min, max), (first_lsn, last_lsn), size, counts, file, index))
     }
 
     /// A layer with a block index, on `index`'s file.
@@ -81,8 +101,45 @@ impl Frozen {
         index: BlockIndex,
         size: u64,
     ) -> Frozen {
-        let (first_lsn, last_lsn) = (index.footer.first_lsn, index.footer.last_lsn);
-        Frozen { id, name, file, index: FrozenIndex::Blocks(index), first_lsn, last_lsn, size }
+        let f = index.footer;
+        let counts = Some((f.entry_count, f.key_count));
+        let index = FrozenIndex::Blocks(index);
+        Frozen::resident_with(
+            id,
+            name,
+            (f.min_key, f.max_key),
+            (f.first_lsn, f.last_lsn),
+            size,
+            counts,
+            file,
+            index,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn resident_with(
+        id: u32,
+        name: String,
+        keys: (BufferTag, BufferTag),
+        (first_lsn, last_lsn): (Lsn, Lsn),
+        size: u64,
+        counts: Option<(u64, u64)>,
+        file: Arc<File>,
+        index: FrozenIndex,
+    ) -> Frozen {
+        Frozen {
+            id,
+            name,
+            first_lsn,
+            last_lsn,
+            size,
+            keys,
+            counts,
+            resident: OnceLock::from(Resident { file, index }),
+            remote: None,
+            fetching: Mutex::new(()),
+            last_read: AtomicU64::new(residence::now()),
+        }
     }
 
     /// A layer opened by `layer::open`.
@@ -93,116 +150,179 @@ impl Frozen {
         }
     }
 
+    /// A layer whose file is not on local disk: what its name says, `size` and `crc32c` from the
+    /// manifest, fetched through `fetch` by the first read that needs it. Fails for a name that
+    /// does not carry its key range (such a layer is fetched at once: [`Frozen::fetched`]).
+    pub(crate) fn non_resident(
+        id: u32,
+        name: &str,
+        size: u64,
+        crc32c: Option<u32>,
+        fetch: &Arc<Fetch>,
+    ) -> anyhow::Result<Frozen> {
+        let parsed =
+            super::layer::parse_file_name(name).with_context(|| format!("not a layer file name: {name}"))?;
+        let keys = parsed.keys.with_context(|| format!("layer {name} is named without its key range"))?;
+        Ok(Frozen {
+            id,
+            name: name.to_string(),
+            first_lsn: parsed.first,
+            last_lsn: parsed.last,
+            size,
+            keys,
+            counts: None,
+            resident: OnceLock::new(),
+            remote: Some((Arc::clone(fetch), crc32c)),
+            fetching: Mutex::new(()),
+            last_read: AtomicU64::new(residence::now()),
+        })
+    }
+
+    /// A layer fetched through `fetch` now and opened (recovery, for a layer that cannot wait).
+    pub(crate) fn fetched(
+        id: u32,
+        name: &str,
+        size: u64,
+        crc32c: Option<u32>,
+        fetch: &Fetch,
+    ) -> anyhow::Result<Frozen> {
+        Frozen::opened(id, name.to_string(), fetch.layer(name, size, crc32c)?)
+    }
+
+    /// This layer's non-resident twin (same id, name and ranges), fetched through `fetch` when
+    /// read: what eviction puts in its place. `crc32c`: the manifest's.
+    pub(crate) fn evicted(&self, crc32c: Option<u32>, fetch: &Arc<Fetch>) -> Frozen {
+        Frozen {
+            id: self.id,
+            name: self.name.clone(),
+            first_lsn: self.first_lsn,
+            last_lsn: self.last_lsn,
+            size: self.size,
+            keys: self.keys,
+            counts: self.counts,
+            resident: OnceLock::new(),
+            remote: Some((Arc::clone(fetch), crc32c)),
+            fetching: Mutex::new(()),
+            last_read: AtomicU64::new(self.last_read()),
+        }
+    }
+
+    /// The open file and index, fetching the layer first if it is not resident and `wait`
+    /// allows (else failing with [`WouldWait`], as a cold index block does). One fetch at a
+    /// time: a concurrent caller waits for it and shares it.
+    pub(crate) fn resident(&self, wait: DiskWait) -> anyhow::Result<&Resident> {
+        let now = residence::now();
+        if self.last_read.load(Ordering::Relaxed) != now {
+            self.last_read.store(now, Ordering::Relaxed);
+        }
+        if let Some(r) = self.resident.get() {
+            return Ok(r);
+        }
+        ensure!(wait == DiskWait::Allowed, WouldWait);
+        let Some((fetch, crc32c)) = &self.remote else {
+            anyhow::bail!("layer {} is not open", self.name);
+        };
+        let _one = self.fetching.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(r) = self.resident.get() {
+            return Ok(r);
+        }
+        let opened = fetch.layer(&self.name, self.size, *crc32c)?;
+        let index = match opened.index {
+            LayerIndex::Blocks(index) => FrozenIndex::Blocks(index),
+            LayerIndex::Flat(entries) => FrozenIndex::Flat { entries: sorted(&self.name, entries)? },
+        };
+        Ok(self.resident.get_or_init(|| Resident { file: opened.file, index }))
+    }
+
+    /// Whether the file is on local disk and open.
+    pub(crate) fn is_resident(&self) -> bool {
+        self.resident.get().is_some()
+    }
+
+    /// Whether eviction may make this layer non-resident: it can be fetched again (its name
+    /// carries its key range, and `fetch` is the timeline's).
+    pub(crate) fn can_be_fetched(&self) -> bool {
+        super::layer::parse_file_name(&self.name).is_some_and(|n| n.keys.is_some())
+    }
+
+    /// The read clock at the last read.
+    pub(crate) fn last_read(&self) -> u64 {
+        self.last_read.load(Ordering::Relaxed)
+    }
+
     /// Whether the index is a block index (format version 3).
     #[cfg(test)]
     pub(crate) fn block_indexed(&self) -> bool {
-        matches!(self.index, FrozenIndex::Blocks(_))
+        self.resident.get().is_some_and(|r| matches!(r.index, FrozenIndex::Blocks(_)))
     }
 
-    /// Test hook: index blocks read so far and blocks in all (a flat index has none).
+    /// Test hook: index blocks read so far and blocks in all (a flat index, or a layer not
+    /// resident, has none).
     #[cfg(test)]
     pub(crate) fn blocks_read(&self) -> (u64, u64) {
-        match &self.index {
-            FrozenIndex::Flat { .. } => (0, 0),
-            FrozenIndex::Blocks(b) => b.blocks_read(),
+        match self.resident.get().map(|r| &r.index) {
+            Some(FrozenIndex::Blocks(b)) => b.blocks_read(),
+            _ => (0, 0),
         }
     }
 
     pub(super) fn min_key(&self) -> Option<BufferTag> {
-        match &self.index {
-            FrozenIndex::Flat { entries, .. } => entries.first().map(|e| e.key),
-            FrozenIndex::Blocks(b) => Some(b.footer.min_key),
-        }
+        Some(self.keys.0)
     }
 
     pub(super) fn max_key(&self) -> Option<BufferTag> {
-        match &self.index {
-            FrozenIndex::Flat { entries, .. } => entries.last().map(|e| e.key),
-            FrozenIndex::Blocks(b) => Some(b.footer.max_key),
-        }
+        Some(self.keys.1)
     }
 
-    /// Number of values.
+    /// Number of values (0 for a layer never resident here).
     pub(crate) fn values(&self) -> u64 {
-        match &self.index {
-            FrozenIndex::Flat { entries, .. } => entries.len() as u64,
-            FrozenIndex::Blocks(b) => b.footer.entry_count,
-        }
+        self.counts.map_or(0, |c| c.0)
     }
 
-    /// Number of distinct keys.
+    /// Number of distinct keys (0 for a layer never resident here).
     pub(crate) fn key_count(&self) -> u64 {
-        match &self.index {
-            FrozenIndex::Flat { keys, .. } => *keys,
-            FrozenIndex::Blocks(b) => b.footer.key_count,
-        }
+        self.counts.map_or(0, |c| c.1)
     }
 
     /// The entries of `key` at or below `lsn`, oldest first. Reads index blocks (through the
-    /// block cache) for a block index, waiting for the disk only where `wait` allows.
+    /// block cache) for a block index, waiting for the disk (and fetching the layer) only where
+    /// `wait` allows.
     pub(crate) fn lookup(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
-        match &self.index {
-            FrozenIndex::Flat { entries, .. } => {
-                let start = entries.partition_point(|e| e.key < key);
-                let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
-                Ok(entries[start..end.max(start)].to_vec())
-            }
-            FrozenIndex::Blocks(b) => {
-                b.lookup(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
-            }
-        }
+        self.resident(wait)?.lookup(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
     }
 
     /// The LSN of the newest entry of `key` at or below `lsn`, if any ([`Frozen::lookup`]'s
     /// last, without the list).
     pub(crate) fn newest_lsn(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
-        match &self.index {
-            FrozenIndex::Flat { entries, .. } => {
-                let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
-                Ok(end.checked_sub(1).map(|i| &entries[i]).filter(|e| e.key == key).map(|e| e.lsn))
-            }
-            FrozenIndex::Blocks(b) => {
-                b.newest_lsn(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
-            }
-        }
+        let r = self.resident(wait)?;
+        r.newest_lsn(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
     }
 
     /// The first key above `after` (from the first key if `None`), if any.
     pub(crate) fn next_key(&self, after: Option<BufferTag>) -> anyhow::Result<Option<BufferTag>> {
-        match &self.index {
-            FrozenIndex::Flat { entries, .. } => {
-                let at = match after {
-                    Some(k) => entries.partition_point(|e| e.key <= k),
-                    None => 0,
-                };
-                Ok(entries.get(at).map(|e| e.key))
-            }
-            FrozenIndex::Blocks(b) => {
-                b.next_key(after).with_context(|| format!("index of layer {}", self.name))
-            }
-        }
+        let r = self.resident(DiskWait::Allowed)?;
+        r.next_key(after).with_context(|| format!("index of layer {}", self.name))
     }
 
     /// Calls `f` with every entry, in `(key, lsn)` order.
     pub(crate) fn for_each(&self, f: &mut dyn FnMut(&IndexEntry)) -> anyhow::Result<()> {
-        match &self.index {
-            FrozenIndex::Flat { entries, .. } => {
-                entries.iter().for_each(f);
-                Ok(())
-            }
-            FrozenIndex::Blocks(b) => b.for_each(f).with_context(|| format!("index of layer {}", self.name)),
-        }
+        let r = self.resident(DiskWait::Allowed)?;
+        r.for_each(f).with_context(|| format!("index of layer {}", self.name))
     }
 
     /// About how many of this layer's bytes hold keys of `lo..=hi`: its size times the share of
     /// its index blocks whose keys meet that range (of a flat index: of its entries). An
     /// estimate from what is in memory (at most one block too many at each end), for the
-    /// compactor's choice of a layer to collect ([`LayerMap::overwritten`]).
+    /// compactor's choice of a layer to collect ([`LayerMap::overwritten`]); 0 for a layer that
+    /// is not resident (its fences are not in memory; an evicted layer is a cold one).
     pub(crate) fn bytes_in(&self, lo: BufferTag, hi: BufferTag) -> u64 {
-        if self.max_key().is_none_or(|k| k < lo) || self.min_key().is_none_or(|k| k > hi) {
+        if self.keys.1 < lo || self.keys.0 > hi {
             return 0;
         }
-        let (part, whole) = match &self.index {
+        let Some(r) = self.resident.get() else {
+            return 0;
+        };
+        let (part, whole) = match &r.index {
             FrozenIndex::Flat { entries, .. } => {
                 let (a, b) =
                     (entries.partition_point(|e| e.key < lo), entries.partition_point(|e| e.key <= hi));
@@ -224,6 +344,65 @@ impl Frozen {
     /// Whether this layer was written by compaction (its values are sorted by key).
     pub(crate) fn compacted(&self) -> bool {
         super::layer::parse_file_name(&self.name).is_some_and(|n| n.level == super::layer::Level::Compacted)
+    }
+}
+
+/// `entries` sorted by `(key, lsn)` (sorted here if they are not); fails on a `(key, lsn)`
+/// twice.
+fn sorted(name: &str, mut entries: Vec<IndexEntry>) -> anyhow::Result<Vec<IndexEntry>> {
+    if !entries.windows(2).all(|w| (w[0].key, w[0].lsn) < (w[1].key, w[1].lsn)) {
+        entries.sort_by_key(|e| (e.key, e.lsn));
+        if let Some(w) = entries.windows(2).find(|w| (w[0].key, w[0].lsn) == (w[1].key, w[1].lsn)) {
+            anyhow::bail!("{name}: duplicate value for {:?} at lsn {}", w[0].key, w[0].lsn);
+        }
+    }
+    Ok(entries)
+}
+
+impl Resident {
+    /// The entries of `key` at or below `lsn`, oldest first ([`Frozen::lookup`]).
+    pub(crate) fn lookup(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => {
+                let start = entries.partition_point(|e| e.key < key);
+                let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
+                Ok(entries[start..end.max(start)].to_vec())
+            }
+            FrozenIndex::Blocks(b) => b.lookup(key, lsn, wait),
+        }
+    }
+
+    fn newest_lsn(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => {
+                let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
+                Ok(end.checked_sub(1).map(|i| &entries[i]).filter(|e| e.key == key).map(|e| e.lsn))
+            }
+            FrozenIndex::Blocks(b) => b.newest_lsn(key, lsn, wait),
+        }
+    }
+
+    fn next_key(&self, after: Option<BufferTag>) -> anyhow::Result<Option<BufferTag>> {
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => {
+                let at = match after {
+                    Some(k) => entries.partition_point(|e| e.key <= k),
+                    None => 0,
+                };
+                Ok(entries.get(at).map(|e| e.key))
+            }
+            FrozenIndex::Blocks(b) => b.next_key(after),
+        }
+    }
+
+    fn for_each(&self, f: &mut dyn FnMut(&IndexEntry)) -> anyhow::Result<()> {
+        match &self.index {
+            FrozenIndex::Flat { entries, .. } => {
+                entries.iter().for_each(f);
+                Ok(())
+            }
+            FrozenIndex::Blocks(b) => b.for_each(f),
+        }
     }
 }
 

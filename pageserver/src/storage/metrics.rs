@@ -34,6 +34,14 @@ pub struct StorageMetrics {
     /// GetPage plans that needed an index block the kernel's page cache did not hold, made on
     /// the blocking pool instead.
     pub plans_offloaded: IntCounter,
+    /// Layers fetched on demand (`storage::residence`): count, bytes, seconds each.
+    pub layer_downloads: IntCounter,
+    pub layer_download_bytes: IntCounter,
+    pub layer_download_seconds: Histogram,
+    /// Layers evicted from local disk ([`super::Timeline::evict`]).
+    pub layer_evictions: IntCounter,
+    /// Bytes of resident layer files over all timelines, as the evictor last counted them.
+    pub resident_layer_bytes: IntGauge,
 }
 
 /// An fsync-like call failed. Marks the error as one that is not retried: after a failed
@@ -127,6 +135,27 @@ impl StorageMetrics {
             plans_offloaded: counter(
                 "pageserver_storage_plans_offloaded_total",
                 "GetPage plans that needed an index block not in the kernel's page cache, made on the blocking pool instead",
+            )?,
+            layer_downloads: counter(
+                "pageserver_storage_layer_downloads_total",
+                "Layers downloaded from remote storage on demand (a read needed a layer not on local disk)",
+            )?,
+            layer_download_bytes: counter(
+                "pageserver_storage_layer_download_bytes_total",
+                "Bytes of layers downloaded from remote storage on demand",
+            )?,
+            layer_download_seconds: histogram(
+                "pageserver_storage_layer_download_seconds",
+                "Duration of one on-demand layer download (download, check, fsync, open)",
+                prometheus::exponential_buckets(0.001, 2.0, 16).context("layer_download_seconds buckets")?,
+            )?,
+            layer_evictions: counter(
+                "pageserver_storage_layer_evictions_total",
+                "Layers evicted from local disk (their file deleted; the bucket holds them)",
+            )?,
+            resident_layer_bytes: gauge(
+                "pageserver_storage_resident_layer_bytes",
+                "Bytes of layer files on local disk over all timelines (counted by the evictor, under max_local_disk)",
             )?,
         })
     }

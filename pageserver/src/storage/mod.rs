@@ -22,10 +22,12 @@
 //! (the handle: ingest queue, reads, waits, shutdown), `commit` (the committer: group commit,
 //! failure episodes; `commit/seal` holds sealing as retryable steps), `pool` (the commit
 //! threads shared by all timelines, running any `pool::Task`), `recovery` (open-time repair),
+//! `residence` (layers not on local disk: the source they are fetched from, eviction's clock),
 //! `metrics`.
 //!
 //! Dependencies point one way: `timeline` -> `commit`, `recovery` -> `compact` -> `shared` ->
-//! `index`, `manifest` -> `read` -> `layer_map` -> `layer` -> `segment` -> `format`, `metrics`;
+//! `index`, `manifest` -> `read` -> `layer_map` -> `residence` -> `layer` -> `segment` -> `format`,
+//! `metrics`;
 //! `pool` depends on nothing in storage.
 //!
 //! **Invariants:**
@@ -39,7 +41,8 @@
 //!   fsync for good (not retryable: the page cache may have dropped the dirty pages; reopening
 //!   recovers);
 //! - one `Timeline` per directory at a time, enforced by an exclusive `flock` on `lock`;
-//! - the directory holds exactly the files its manifest lists (checked at every open).
+//! - the directory holds exactly the files its manifest lists (checked at every open), but for
+//!   layers that are not resident, where the timeline has a source to fetch them from.
 
 mod commit;
 mod compact;
@@ -54,6 +57,7 @@ mod metrics;
 mod pool;
 mod read;
 mod recovery;
+mod residence;
 mod segment;
 mod shared;
 #[cfg(test)]
@@ -69,6 +73,7 @@ pub use compact::{CompactionConf, ImageRequest, Pass, PassKind, PassStats, Step,
 pub use layer::DiskWait;
 pub use metrics::{FsyncFailed, StorageMetrics};
 pub(crate) use read::{Lookup, ReadPlan, ReadStart};
+pub use residence::{tick as tick_read_clock, LayerSource, ResidentLayer, SourceRef, DOWNLOAD_PREFIX};
 pub use timeline::{Ancestor, Timeline};
 
 /// Creates the storage metrics and registers them in `registry`, with the counters of the
@@ -90,11 +95,15 @@ pub const MAX_LAYER_SIZE: u64 = 16 << 30;
 pub struct StorageConf {
     /// The active segment is sealed into a layer once it is at least this large (bytes).
     pub layer_size: u64,
+    /// Where layers not on local disk come from (remote storage): with one, a layer the
+    /// manifest lists and the directory lacks is fetched when read, and layers can be evicted
+    /// ([`Timeline::evict`]); without, such a layer fails the open.
+    pub source: Option<SourceRef>,
 }
 
 impl Default for StorageConf {
     fn default() -> Self {
-        StorageConf { layer_size: DEFAULT_LAYER_SIZE }
+        StorageConf { layer_size: DEFAULT_LAYER_SIZE, source: None }
     }
 }
 
@@ -221,6 +230,9 @@ pub struct TimelineStats {
     pub layers: u64,
     /// Groups of layers a lookup looks at, one layer in each (see `layer_map::LayerMap`).
     pub runs: u64,
+    /// Layers whose files are on local disk (the others are in the bucket only).
+    pub resident_layers: u64,
+    /// Bytes on local disk: the resident layers and the active segment.
     pub on_disk_bytes: u64,
     /// Bytes of the active segment's record copies (`format::COPIES_MAX` at most).
     pub record_copy_bytes: u64,
@@ -372,7 +384,7 @@ mod tests {
         m.fsync(|| Ok(())).unwrap();
         assert!(register_metrics(&registry).is_err());
         let families = registry.gather();
-        assert_eq!(families.len(), 16);
+        assert_eq!(families.len(), 21);
         assert!(families.iter().all(|f| f.name().starts_with("pageserver_storage_")));
         assert_eq!(m.fsyncs.get(), 1);
     }

@@ -223,8 +223,10 @@ impl Snapshot {
             }
         }
         for l in self.layers.walk(self.from, key, lsn) {
-            for e in l.lookup(key, lsn, wait).map_err(GetError::Io)?.iter().rev() {
-                if !f(&l.file, e, None)? {
+            let r = l.resident(wait).map_err(GetError::Io)?;
+            let entries = r.lookup(key, lsn, wait).with_context(|| format!("index of layer {}", l.name));
+            for e in entries.map_err(GetError::Io)?.iter().rev() {
+                if !f(&r.file, e, None)? {
                     return Ok(());
                 }
             }

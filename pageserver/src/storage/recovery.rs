@@ -38,6 +38,7 @@ use super::index::Index;
 use super::layer::{LayerName, Level};
 use super::layer_map::Frozen;
 use super::manifest::{self, LayerMeta, Manifest, MANIFEST_NAME, MANIFEST_TMP_NAME};
+use super::residence::{Fetch, DOWNLOAD_PREFIX};
 use super::segment::{self, open_data_file, read_at, ActiveSegment, ACTIVE_NAME};
 use super::{compact, layer, StorageMetrics};
 
@@ -48,7 +49,6 @@ pub(crate) struct Recovered {
     pub next_file_id: u32,
     pub last_lsn: Lsn,
     pub layers: u64,
-    pub sealed_bytes: u64,
     pub manifest: Manifest,
 }
 
@@ -59,14 +59,21 @@ struct Listing {
 }
 
 /// Recovers the timeline directory `dir` (already created and locked).
-pub(crate) fn recover(dir: &Path, dir_file: &File, metrics: &StorageMetrics) -> anyhow::Result<Recovered> {
+/// With `fetch`, a layer the manifest lists and the directory lacks is not resident
+/// (`storage::residence`); without, it is an error.
+pub(crate) fn recover(
+    dir: &Path,
+    dir_file: &File,
+    metrics: &StorageMetrics,
+    fetch: Option<&Arc<Fetch>>,
+) -> anyhow::Result<Recovered> {
     let mut listing = list(dir)?;
     match manifest::read(dir)? {
         Some(mut m) => {
             resolve_seal(dir, dir_file, &mut m, &mut listing, metrics)?;
-            resolve_compaction(dir, dir_file, &mut m, &mut listing, metrics)?;
-            check_files(&m, &listing)?;
-            let opened = open_layers(dir, &m.layers)?;
+            resolve_compaction(dir, dir_file, &mut m, &mut listing, metrics, fetch.is_some())?;
+            check_files(&m, &listing, fetch.is_some())?;
+            let opened = open_layers(dir, &m.layers, &listing, fetch)?;
             let floor = opened.last_lsn.max(Lsn(m.active.base_lsn));
             let (segment, copies) = open_active(dir, dir_file, opened.next_file_id, floor, metrics)?;
             opened.finish(segment, copies, floor, m)
@@ -117,6 +124,9 @@ fn list(dir: &Path) -> anyhow::Result<Listing> {
         } else if name.starts_with(compact::TMP_PREFIX) && name.ends_with(".tmp") {
             tracing::info!(file = %name, "removing an output of an unfinished compaction");
             std::fs::remove_file(entry.path()).context("remove unfinished compaction output")?;
+        } else if name.starts_with(DOWNLOAD_PREFIX) {
+            tracing::info!(file = %name, "removing an unfinished download");
+            std::fs::remove_file(entry.path()).context("remove unfinished download")?;
         } else if name == MANIFEST_TMP_NAME {
             tracing::info!(file = %name, "removing a manifest that was never put in place");
             std::fs::remove_file(entry.path()).context("remove temporary manifest")?;
@@ -181,6 +191,7 @@ fn resolve_compaction(
     m: &mut Manifest,
     listing: &mut Listing,
     metrics: &StorageMetrics,
+    fetchable: bool,
 ) -> anyhow::Result<()> {
     if m.compacting.is_none() && m.deleting.is_empty() {
         return Ok(());
@@ -189,7 +200,10 @@ fn resolve_compaction(
     // listed layer is missing (the open fails, naming it, with the data still there).
     let missing: Vec<&str> =
         m.layers.iter().map(|l| l.name.as_str()).filter(|n| !listing.layers.iter().any(|f| f == n)).collect();
-    if !missing.is_empty() && !m.deleting.is_empty() {
+    // Missing layers may be evicted ones, which the bucket holds (`fetchable`): then the inputs
+    // stay, still to be deleted, until a pass or an open finds every listed layer here.
+    let keep_inputs = !missing.is_empty() && fetchable;
+    if !missing.is_empty() && !m.deleting.is_empty() && !fetchable {
         bail!(
             "layer file {} listed in {MANIFEST_NAME} is missing; the compaction inputs it replaced are \
              kept ({})",
@@ -205,7 +219,7 @@ fn resolve_compaction(
                 && (matches!((n.generation, intent.first_generation), (Some(g), Some(first)) if g >= first)
                     || matches!((n.id, intent.first_layer_id), (Some(id), Some(first)) if id >= first))
         });
-        unlisted && (m.deleting.contains(name) || output)
+        unlisted && ((m.deleting.contains(name) && !keep_inputs) || output)
     };
     let (gone, kept): (Vec<String>, Vec<String>) = listing.layers.drain(..).partition(leftover);
     listing.layers = kept;
@@ -215,22 +229,25 @@ fn resolve_compaction(
     }
     metrics.fsync(|| dir_file.sync_all()).context("fsync timeline directory")?;
     m.compacting = None;
-    m.deleting.clear();
+    if !keep_inputs {
+        m.deleting.clear();
+    }
     manifest::write(dir, dir_file, m, metrics).context("record the compaction cleanup")
 }
 
-/// Checks that the directory holds exactly the files the manifest lists.
-fn check_files(m: &Manifest, listing: &Listing) -> anyhow::Result<()> {
+/// Checks that the directory holds exactly the files the manifest lists (some of its layers
+/// may be absent where they can be fetched: `fetchable`).
+fn check_files(m: &Manifest, listing: &Listing, fetchable: bool) -> anyhow::Result<()> {
     for l in &m.layers {
         ensure!(
-            listing.layers.contains(&l.name),
+            fetchable || listing.layers.contains(&l.name),
             "layer file {} listed in {MANIFEST_NAME} is missing",
             l.name
         );
     }
     for name in &listing.layers {
         ensure!(
-            m.layers.iter().any(|l| &l.name == name),
+            m.layers.iter().any(|l| &l.name == name) || m.deleting.contains(name),
             "unexpected layer file {name}: it is not listed in {MANIFEST_NAME}"
         );
     }
@@ -248,20 +265,32 @@ struct OpenedLayers {
     layers: Vec<Frozen>,
     next_file_id: u32,
     last_lsn: Lsn,
-    sealed_bytes: u64,
     metas: Vec<LayerMeta>,
 }
 
-/// Opens the layers `metas` (in LSN order), checking each file's size against its entry.
-fn open_layers(dir: &Path, metas: &[LayerMeta]) -> anyhow::Result<OpenedLayers> {
-    let mut o = OpenedLayers {
-        layers: Vec::new(),
-        next_file_id: 0,
-        last_lsn: Lsn(0),
-        sealed_bytes: 0,
-        metas: Vec::new(),
-    };
+/// Opens the layers `metas` (in LSN order), checking each file's size against its entry; one
+/// the directory lacks (`listing`) is not resident, fetched through `fetch` when read (at once
+/// if its name does not carry its key range).
+fn open_layers(
+    dir: &Path,
+    metas: &[LayerMeta],
+    listing: &Listing,
+    fetch: Option<&Arc<Fetch>>,
+) -> anyhow::Result<OpenedLayers> {
+    let mut o = OpenedLayers { layers: Vec::new(), next_file_id: 0, last_lsn: Lsn(0), metas: Vec::new() };
     for meta in metas {
+        if let (Some(fetch), false) = (fetch, listing.layers.contains(&meta.name)) {
+            let id = o.next_file_id;
+            let frozen = match Frozen::non_resident(id, &meta.name, meta.size, meta.crc32c, fetch) {
+                Ok(f) => f,
+                Err(_) => Frozen::fetched(id, &meta.name, meta.size, meta.crc32c, fetch)?,
+            };
+            o.next_file_id += 1;
+            o.last_lsn = o.last_lsn.max(frozen.last_lsn);
+            o.layers.push(frozen);
+            o.metas.push(meta.clone());
+            continue;
+        }
         let path = dir.join(&meta.name);
         let len = std::fs::metadata(&path).with_context(|| format!("stat layer {}", path.display()))?.len();
         ensure!(
@@ -272,13 +301,12 @@ fn open_layers(dir: &Path, metas: &[LayerMeta]) -> anyhow::Result<OpenedLayers> 
         );
         let l = layer::open(&path).with_context(|| format!("open layer {}", path.display()))?;
         let id = o.next_file_id;
-        let (last_lsn, len) = (l.last_lsn, l.len);
+        let last_lsn = l.last_lsn;
         let frozen = Frozen::opened(id, meta.name.clone(), l)
             .with_context(|| format!("index layer {}", path.display()))?;
         o.layers.push(frozen);
         o.next_file_id += 1;
         o.last_lsn = o.last_lsn.max(last_lsn);
-        o.sealed_bytes += len;
         o.metas.push(meta.clone());
     }
     Ok(o)
@@ -307,7 +335,6 @@ impl OpenedLayers {
             next_file_id: self.next_file_id + 1,
             last_lsn,
             layers: self.metas.len() as u64,
-            sealed_bytes: self.sealed_bytes,
             manifest,
         })
     }
@@ -335,7 +362,7 @@ fn recover_v1(
         metas.push(LayerMeta { name: name.clone(), ..LayerMeta::new(&parsed, size, None) });
     }
     metas.sort_by_key(|l| l.first_lsn);
-    let opened = open_layers(dir, &metas)?;
+    let opened = open_layers(dir, &metas, &listing, None)?;
     let (segment, copies) = match listing.active {
         true => open_active(dir, dir_file, opened.next_file_id, opened.last_lsn, metrics)?,
         false => (ActiveSegment::create(dir, dir_file, opened.next_file_id, metrics)?, Bytes::new()),

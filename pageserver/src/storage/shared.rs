@@ -55,6 +55,8 @@ pub(super) struct Queue {
     /// Seal the active segment at the next round whatever its size (for compaction); cleared
     /// when the seal is done. Watch `seals` for it.
     pub(super) seal_now: bool,
+    /// Ingests are refused with this reason while it is set ([`super::Timeline::refuse_ingest`]).
+    pub(super) refused: Option<String>,
 }
 
 /// A failing storage: the public part, and when the next group may try again.
@@ -87,7 +89,6 @@ pub(super) struct Shared {
     /// The failure of storage writes, if they are failing (set and cleared with `queue.failure`).
     pub(super) health: watch::Sender<Option<StorageWriteError>>,
     pub(super) layers: AtomicU64,
-    pub(super) sealed_bytes: AtomicU64,
     pub(super) active_len: AtomicU64,
     /// Cancelled when the committer has stopped: nothing becomes durable after that.
     pub(super) stopped: CancellationToken,
@@ -116,6 +117,8 @@ pub(super) struct Shared {
     /// at each: no GC cutoff goes above the lowest ([`super::Timeline::hold_branch_point`]).
     /// Its lock is held while a cutoff is chosen and raised.
     pub(super) branch_points: Mutex<std::collections::BTreeMap<Lsn, usize>>,
+    /// How layers that are not on local disk are fetched (`storage::residence`), if they can be.
+    pub(super) fetch: Option<Arc<super::residence::Fetch>>,
     /// Test hook: the lookups of a key in the index so far (`Timeline::key_lookups`).
     #[cfg(test)]
     pub(super) key_lookups: AtomicU64,

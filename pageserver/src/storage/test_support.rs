@@ -66,7 +66,7 @@ pub(crate) fn metrics() -> Arc<StorageMetrics> {
 }
 
 pub(crate) fn open(dir: &Path, layer_size: u64, metrics: &Arc<StorageMetrics>) -> Arc<Timeline> {
-    Timeline::open(dir, StorageConf { layer_size }, metrics.clone()).unwrap()
+    Timeline::open(dir, StorageConf { layer_size, ..Default::default() }, metrics.clone()).unwrap()
 }
 
 /// The bytes of `v`, for comparing with what a read returns.

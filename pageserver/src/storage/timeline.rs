@@ -29,6 +29,7 @@ use super::format::LOCK_NAME;
 use super::index::Version;
 use super::layer::DiskWait;
 use super::read::{would_wait, Lookup, ReadPlan, ReadStart, Snapshot};
+use super::residence::{Fetch, ResidentLayer};
 use super::shared::{pick_through, Below, Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
     commit, recovery, validate, GetError, IngestBatch, IngestError, ReadLimits, ReconstructData, StorageConf,
@@ -107,7 +108,8 @@ impl Timeline {
         create_dir_durably(dir)?;
         let dir_file = File::open(dir).context("open timeline directory")?;
         let lock = lock_dir(dir)?;
-        let rec = recovery::recover(dir, &dir_file, &metrics)?;
+        let fetch = conf.source.as_ref().map(|source| Arc::new(Fetch::new(dir, source, &metrics)));
+        let rec = recovery::recover(dir, &dir_file, &metrics, fetch.as_ref())?;
         tracing::info!(
             last_lsn = %rec.last_lsn, layers = rec.layers, values = rec.index.values(),
             "opened timeline storage"
@@ -126,6 +128,7 @@ impl Timeline {
                 fail_next_fsync: false,
                 fail_next_cut: false,
                 seal_now: false,
+                refused: None,
             }),
             wake: OnceLock::new(),
             exited: Mutex::new(false),
@@ -134,7 +137,6 @@ impl Timeline {
             durable: watch::Sender::new(rec.last_lsn),
             health: watch::Sender::new(None),
             layers: AtomicU64::new(rec.layers),
-            sealed_bytes: AtomicU64::new(rec.sealed_bytes),
             active_len: AtomicU64::new(rec.segment.len),
             stopped: CancellationToken::new(),
             budget: Arc::new(Semaphore::new(QUEUE_BUDGET_KIB)),
@@ -147,6 +149,7 @@ impl Timeline {
             fail_next_manifest_sync: AtomicBool::new(false),
             ancestor: ancestor.as_ref().map(|a| Below { shared: Arc::clone(&a.timeline.shared), lsn: a.lsn }),
             branch_points: Mutex::new(BTreeMap::new()),
+            fetch,
             #[cfg(test)]
             key_lookups: AtomicU64::new(0),
         });
@@ -222,6 +225,9 @@ impl Timeline {
             }
             if q.stopping {
                 return Err(IngestError::ShuttingDown);
+            }
+            if let Some(why) = &q.refused {
+                return Err(IngestError::StorageUnavailable { error: why.clone(), fatal: false });
             }
             if let Some(after) = after.filter(|a| *a != q.last_queued) {
                 return Err(IngestError::NotContiguous { after, last: q.last_queued });
@@ -690,7 +696,8 @@ impl Timeline {
 
     /// The timeline's files as its manifest last listed them: what a copy of the timeline
     /// elsewhere (the remote uploader) copies. Layers listed here exist in the directory until a
-    /// later manifest drops them.
+    /// later manifest drops them, unless they were evicted ([`Timeline::evict`]: the bucket holds
+    /// them).
     pub fn layer_files(&self) -> super::LayerFiles {
         let m = self.shared.manifest.lock().unwrap_or_else(PoisonError::into_inner);
         super::LayerFiles {
@@ -708,6 +715,68 @@ impl Timeline {
                 .collect(),
             gc_cutoff: Lsn(m.gc_cutoff),
         }
+    }
+
+    /// Refuses ingests with `why` as a storage failure that is not fatal (the daemon's bound on
+    /// local disk is reached), until called with `None`.
+    pub fn refuse_ingest(&self, why: Option<String>) {
+        self.shared.queue().refused = why;
+    }
+
+    /// The layers whose files are on local disk, with their last read: what eviction chooses
+    /// from.
+    pub fn resident_layers(&self) -> Vec<ResidentLayer> {
+        let map = Arc::clone(self.shared.index.read().unwrap_or_else(PoisonError::into_inner).layer_map());
+        let fetchable = self.shared.fetch.is_some();
+        map.layers()
+            .iter()
+            .filter(|l| l.is_resident())
+            .map(|l| ResidentLayer {
+                name: l.name.clone(),
+                size: l.size,
+                last_read: l.last_read(),
+                evictable: fetchable && l.can_be_fetched(),
+            })
+            .collect()
+    }
+
+    /// Evicts layer `name` from local disk: deletes its file and puts a non-resident twin in its
+    /// place in the layer map, which a read fetches again (`storage::residence`); readers
+    /// holding the old map keep its open file. The caller makes sure the source can give it
+    /// back (the bucket's index lists it). Whether it was evicted: not when the timeline has no
+    /// source, or the layer is not listed, not resident, or named without its key range.
+    /// Blocking (an unlink).
+    pub fn evict(&self, name: &str) -> anyhow::Result<bool> {
+        let Some(fetch) = &self.shared.fetch else {
+            return Ok(false);
+        };
+        let map = Arc::clone(self.shared.index.read().unwrap_or_else(PoisonError::into_inner).layer_map());
+        let Some(layer) = map.layers().iter().find(|l| l.name == name) else {
+            return Ok(false);
+        };
+        if !layer.is_resident() || !layer.can_be_fetched() {
+            return Ok(false);
+        }
+        let crc32c = {
+            let m = self.shared.manifest.lock().unwrap_or_else(PoisonError::into_inner);
+            match m.layers.iter().find(|l| l.name == name) {
+                Some(l) => l.crc32c,
+                None => return Ok(false),
+            }
+        };
+        // Deleted first: a twin in the map may be fetched at once, into the same name.
+        match std::fs::remove_file(self.shared.dir.join(name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("delete evicted layer {name}")),
+        }
+        let twin = layer.evicted(crc32c, fetch);
+        let swapped =
+            self.shared.index.write().unwrap_or_else(PoisonError::into_inner).swap_twin(layer, twin);
+        if swapped {
+            self.shared.metrics.layer_evictions.inc();
+        }
+        Ok(swapped)
     }
 
     /// Sends the manifest's generation after every manifest write (see [`Timeline::layer_files`]).
@@ -771,17 +840,20 @@ impl Timeline {
 
     /// Keys, values, layers, bytes on disk, last durable LSN.
     pub fn stats(&self) -> TimelineStats {
-        let (keys, values, runs, record_copy_bytes) = {
+        let (keys, values, runs, record_copy_bytes, map) = {
             let index = self.shared.index.read().unwrap_or_else(PoisonError::into_inner);
-            (index.keys(), index.values(), index.layer_map().lookup_runs() as u64, index.copied_bytes())
+            let map = Arc::clone(index.layer_map());
+            (index.keys(), index.values(), map.lookup_runs() as u64, index.copied_bytes(), map)
         };
+        let resident = map.layers().iter().filter(|l| l.is_resident());
+        let (resident_layers, resident_bytes) = resident.fold((0, 0), |(n, b), l| (n + 1, b + l.size));
         TimelineStats {
             keys,
             values,
             layers: self.shared.layers.load(Ordering::Relaxed),
             runs,
-            on_disk_bytes: self.shared.sealed_bytes.load(Ordering::Relaxed)
-                + self.shared.active_len.load(Ordering::Relaxed),
+            resident_layers,
+            on_disk_bytes: resident_bytes + self.shared.active_len.load(Ordering::Relaxed),
             record_copy_bytes,
             last_durable_lsn: self.last_durable_lsn(),
         }
@@ -1155,6 +1227,7 @@ mod tests {
                 values: 6,
                 layers: 0,
                 runs: 0,
+                resident_layers: 0,
                 on_disk_bytes: std::fs::metadata(dir.path().join("active.seg")).unwrap().len(),
                 record_copy_bytes: 13,
                 last_durable_lsn: Lsn(50),

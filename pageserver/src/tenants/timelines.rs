@@ -140,7 +140,7 @@ impl Tenants {
         let main = self.get(id)?;
         let branches_dir = main.dir().join(BRANCHES_DIR);
         let dir = branches_dir.join(new_id);
-        let (storage_conf, storage_metrics) = (self.storage_conf.clone(), Arc::clone(&self.storage_metrics));
+        let (storage_conf, storage_metrics) = (self.confs.of(id, new_id), Arc::clone(&self.storage_metrics));
         let (parent, file) = (
             Arc::clone(&ancestor.timeline),
             TimelineFile { ancestor_timeline_id: ancestor_id.to_string(), ancestor_lsn: lsn },
@@ -279,7 +279,7 @@ fn remove_dir(dir: &Path, generation: u64) -> anyhow::Result<()> {
 pub(super) fn open_branches(
     tenant_dir: &Path,
     main: &Arc<Timeline>,
-    storage_conf: &StorageConf,
+    storage_conf: &dyn Fn(&str) -> StorageConf,
     storage_metrics: &Arc<StorageMetrics>,
 ) -> anyhow::Result<Vec<LoadedBranch>> {
     let branches_dir = tenant_dir.join(BRANCHES_DIR);
@@ -334,7 +334,7 @@ pub(super) fn open_branches(
             };
             let timeline = Timeline::open_branch(
                 &dir.join(TIMELINE_DIR),
-                storage_conf.clone(),
+                storage_conf(&name),
                 Arc::clone(storage_metrics),
                 Some(ancestor),
             )

@@ -109,7 +109,6 @@ impl Committer {
     fn install(&mut self, intent: &SealIntent, index: layer::BlockIndex, next: ActiveSegment) {
         let len = intent.layer.size;
         self.shared.layers.fetch_add(1, Ordering::Relaxed);
-        self.shared.sealed_bytes.fetch_add(len, Ordering::Relaxed);
         self.shared.metrics.layer_files.inc();
         tracing::info!(
             layer = %intent.layer.name, values = self.segment.entries.len(), bytes = len, "sealed layer"

@@ -789,8 +789,13 @@ fn branch(
     lsn: u64,
 ) -> std::sync::Arc<Timeline> {
     let ancestor = crate::storage::Ancestor { timeline: std::sync::Arc::clone(of), lsn: Lsn(lsn) };
-    Timeline::open_branch(dir, crate::storage::StorageConf { layer_size: 2000 }, m.clone(), Some(ancestor))
-        .unwrap()
+    Timeline::open_branch(
+        dir,
+        crate::storage::StorageConf { layer_size: 2000, ..Default::default() },
+        m.clone(),
+        Some(ancestor),
+    )
+    .unwrap()
 }
 
 /// The page of `k` at `lsn` through the daemon's path: one lookup, its plan, its read.
@@ -865,7 +870,7 @@ async fn a_branch_reads_its_ancestor_below_its_point_and_its_own_writes_above_an
     // A branch below the cutoff is refused, naming it.
     let err = Timeline::open_branch(
         dirs[3].path(),
-        crate::storage::StorageConf { layer_size: 2000 },
+        crate::storage::StorageConf { layer_size: 2000, ..Default::default() },
         m.clone(),
         Some(crate::storage::Ancestor { timeline: std::sync::Arc::clone(&parent), lsn: Lsn(point - 1) }),
     )
