@@ -284,15 +284,10 @@ impl Frozen {
         self.counts.map_or(0, |c| c.1)
     }
 
-    /// The entries of `key` at or below `lsn`, oldest first. Reads index blocks (through the
-    /// block cache) for a block index, waiting for the disk (and fetching the layer) only where
-    /// `wait` allows.
-    pub(crate) fn lookup(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
-        self.resident(wait)?.lookup(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
-    }
-
-    /// The LSN of the newest entry of `key` at or below `lsn`, if any ([`Frozen::lookup`]'s
-    /// last, without the list).
+    /// The LSN of the newest entry of `key` at or below `lsn`, if any (the first of
+    /// [`Resident::newest_to_image`], without the list). Reads index blocks (through the block
+    /// cache) for a block index, waiting for the disk (and fetching the layer) only where `wait`
+    /// allows.
     pub(crate) fn newest_lsn(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
         let r = self.resident(wait)?;
         r.newest_lsn(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
@@ -360,7 +355,7 @@ fn sorted(name: &str, mut entries: Vec<IndexEntry>) -> anyhow::Result<Vec<IndexE
 }
 
 impl Resident {
-    /// The entries of `key` at or below `lsn`, oldest first ([`Frozen::lookup`]).
+    /// The entries of `key` at or below `lsn`, oldest first (compaction's: every value of a key).
     pub(crate) fn lookup(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Vec<IndexEntry>> {
         match &self.index {
             FrozenIndex::Flat { entries, .. } => {
@@ -369,6 +364,31 @@ impl Resident {
                 Ok(entries[start..end.max(start)].to_vec())
             }
             FrozenIndex::Blocks(b) => b.lookup(key, lsn, wait),
+        }
+    }
+
+    /// The entries of `key` at or below `lsn`, newest first, down to the newest image (the last
+    /// one given; all of them without one): what a read of the page needs of this layer,
+    /// whatever lies below the image.
+    pub(crate) fn newest_to_image(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        wait: DiskWait,
+    ) -> anyhow::Result<Vec<IndexEntry>> {
+        match &self.index {
+            FrozenIndex::Flat { entries } => {
+                let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
+                let mut out = Vec::new();
+                for e in entries[..end].iter().rev().take_while(|e| e.key == key) {
+                    out.push(*e);
+                    if e.kind == Kind::Image {
+                        break;
+                    }
+                }
+                Ok(out)
+            }
+            FrozenIndex::Blocks(b) => b.newest_to_image(key, lsn, wait),
         }
     }
 
@@ -450,7 +470,10 @@ impl LayerMap {
     /// blocks, waiting for the disk).
     pub(crate) fn has_image(&self, key: BufferTag, lsn: Lsn) -> anyhow::Result<bool> {
         for l in self.candidates(key, lsn) {
-            if l.lookup(key, lsn, DiskWait::Allowed)?.iter().any(|e| e.kind == Kind::Image) {
+            let r = l.resident(DiskWait::Allowed)?;
+            let newest = r.newest_to_image(key, lsn, DiskWait::Allowed);
+            let newest = newest.with_context(|| format!("index of layer {}", l.name))?;
+            if newest.last().is_some_and(|e| e.kind == Kind::Image) {
                 return Ok(true);
             }
         }

@@ -224,8 +224,9 @@ impl Snapshot {
         }
         for l in self.layers.walk(self.from, key, lsn) {
             let r = l.resident(wait).map_err(GetError::Io)?;
-            let entries = r.lookup(key, lsn, wait).with_context(|| format!("index of layer {}", l.name));
-            for e in entries.map_err(GetError::Io)?.iter().rev() {
+            let entries =
+                r.newest_to_image(key, lsn, wait).with_context(|| format!("index of layer {}", l.name));
+            for e in entries.map_err(GetError::Io)?.iter() {
                 if !f(&r.file, e, None)? {
                     return Ok(());
                 }

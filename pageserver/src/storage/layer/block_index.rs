@@ -221,6 +221,11 @@ impl Block {
         self.entries.partition_point(|r| decode_key_lsn(r) < (key, lsn))
     }
 
+    /// The first entry above `(key, lsn)` (`len` if none).
+    fn end_of(&self, key: BufferTag, lsn: Lsn) -> usize {
+        self.entries.partition_point(|r| decode_key_lsn(r) <= (key, lsn))
+    }
+
     /// The entries of `key` at or below `lsn`, oldest first (the block is in order: checked
     /// when read). The end is found by walking on from the first: a key's entries lie side by
     /// side (a few cache lines the walk reads in order), where a second binary search of the
@@ -444,15 +449,48 @@ impl BlockIndex {
         Ok(out)
     }
 
+    /// The entries of `key` at or below `lsn`, newest first, down to the newest image (the
+    /// last one given; all of them if there is none): what a read of the page needs of this
+    /// layer. Reads the blocks from the last one that may hold them down, and decodes entries
+    /// from the newest down, until the image: however long the key's history below it, a read
+    /// costs what lies above the image.
+    pub(crate) fn newest_to_image(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        wait: DiskWait,
+    ) -> anyhow::Result<Vec<IndexEntry>> {
+        let mut out = Vec::new();
+        for i in self.blocks_of(key, lsn).rev() {
+            let block = self.block(i, wait)?;
+            for j in (0..block.end_of(key, lsn)).rev() {
+                if block.at(j).0 != key {
+                    return Ok(out);
+                }
+                let e = self.decode(&block, j)?;
+                let image = e.kind == Kind::Image;
+                out.push(e);
+                if image {
+                    return Ok(out);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The LSN of the newest entry of `key` at or below `lsn`, if any: [`BlockIndex::lookup`]'s
     /// last, without collecting the others or decoding any (the page cache's version lookup).
     /// Reads the blocks from the last one that may hold it down, until one does.
     pub(crate) fn newest_lsn(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
         for i in self.blocks_of(key, lsn).rev() {
             let block = self.block(i, wait)?;
-            if let Some(j) = block.entries_of(key, lsn).next_back() {
-                return Ok(Some(block.at(j).1));
-            }
+            // A binary search for the end, not a walk of the key's entries: a long history
+            // costs nothing here.
+            let Some(j) = block.end_of(key, lsn).checked_sub(1) else {
+                continue;
+            };
+            let (k, found) = block.at(j);
+            return Ok((k == key).then_some(found));
         }
         Ok(None)
     }
@@ -573,6 +611,36 @@ mod tests {
             idx.for_each(&mut |e| seen.push(*e)).unwrap();
             assert_eq!(seen, all);
         }
+    }
+
+    #[test]
+    fn newest_to_image_is_the_newest_entries_down_to_the_image_and_reads_no_block_below_it() {
+        // 3 keys of 600 values, an image every 100th: a key spans several blocks.
+        let mut all = entries(3, 600);
+        let mut offset = FILE_HEADER_LEN;
+        for (i, e) in all.iter_mut().enumerate() {
+            (e.kind, e.len) = if i % 100 == 0 { (Kind::Image, 8192) } else { (Kind::Record, 40) };
+            e.offset = offset;
+            offset += u64::from(e.len);
+        }
+        let (file, len) = layer_of(&all);
+        let idx = BlockIndex::open(file, len).unwrap();
+        for k in [key(1, 0), key(1, 1), key(1, 2)] {
+            for lsn in [0, 10, 12, 300, 1000, 1500, u64::MAX] {
+                let mut want: Vec<_> =
+                    all.iter().filter(|e| e.key == k && e.lsn <= Lsn(lsn)).rev().copied().collect();
+                if let Some(i) = want.iter().position(|e| e.kind == Kind::Image) {
+                    want.truncate(i + 1);
+                }
+                let (before, blocks) = idx.blocks_read();
+                assert_eq!(idx.newest_to_image(k, Lsn(lsn), DiskWait::Allowed).unwrap(), want, "{k:?}@{lsn}");
+                let read = idx.blocks_read().0 - before;
+                // At most the blocks the entries down to the image lie in (and the one after).
+                let span = 100usize.div_ceil(BLOCK_ENTRIES) as u64 + 2;
+                assert!(read <= span, "{k:?}@{lsn}: {read} of {blocks} blocks");
+            }
+        }
+        assert!(idx.newest_to_image(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap().is_empty());
     }
 
     #[test]
