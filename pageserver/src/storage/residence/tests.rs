@@ -226,25 +226,61 @@ async fn a_damaged_download_fails_the_read_naming_the_layer_and_is_not_kept() {
     assert_eq!(tl.get_reconstruct_data(key(2), Lsn(last), NO_LIMITS).unwrap(), expected);
 }
 
-#[tokio::test]
-async fn compaction_reads_evicted_inputs_and_ingest_can_be_refused() {
-    let Filled { dir: _dir, _bucket, source, tl, last, .. } = filled(24, plain).await;
-    let before = pages(&tl, last);
-    evict_all(&tl);
+/// A full compaction pass (no image made: a pass that cannot get one skips it), with `busy`
+/// (a file name) made impossible to delete meanwhile; returns the pass's inputs.
+fn compact(tl: &Timeline, busy: Option<&str>) -> Vec<String> {
     let conf =
         crate::storage::CompactionConf { image_threshold: 3, gc_horizon: u64::MAX, layer_size: LAYER_SIZE };
+    let inputs: Vec<String> = tl.layer_files().layers.into_iter().map(|l| l.name).collect();
     let mut pass = tl.begin_compaction(conf).unwrap().unwrap();
+    let _busy = busy.map(|name| BindMount::over(&tl.dir().join(name)));
     loop {
         match pass.run_slice(Duration::from_millis(10)).unwrap() {
-            crate::storage::Step::Done(_) => break,
+            crate::storage::Step::Done(_) => return inputs,
             crate::storage::Step::NeedImage(req) => {
-                // Any page will do: the pages compared below are read at LSNs the images are not.
                 let _ = req.read().unwrap();
                 pass.provide_image(None)
             }
             crate::storage::Step::Continue => {}
         }
     }
+}
+
+#[tokio::test]
+async fn compaction_inputs_left_to_delete_are_kept_at_open_while_a_listed_layer_is_evicted() {
+    let Filled { dir, _bucket, m, source, tl, last } = filled(24, plain).await;
+    let before = pages(&tl, last);
+    let victim = tl.layer_files().layers[0].name.clone();
+    // The pass installs its outputs; one input cannot be deleted and stays to be deleted.
+    let inputs = compact(&tl, Some(&victim));
+    assert!(inputs.contains(&victim) && dir.path().join(&victim).exists());
+    for l in tl.layer_files().layers {
+        std::fs::copy(dir.path().join(&l.name), source.bucket.join(&l.name)).unwrap();
+    }
+    assert!(evict_all(&tl) > 0);
+    tl.shutdown().await;
+    drop(tl);
+    let manifest = crate::storage::manifest::read(dir.path()).unwrap().unwrap();
+    assert_eq!(manifest.deleting, vec![victim.clone()]);
+
+    // Without a source the open fails, keeping the input that holds the missing layers' data.
+    let conf = StorageConf { layer_size: LAYER_SIZE, ..Default::default() };
+    let err = format!("{:#}", Timeline::open(dir.path(), conf, Arc::clone(&m)).err().unwrap());
+    assert!(err.contains("is missing") && err.contains(&victim), "{err}");
+    // With it, the open takes the missing layers as evicted and keeps the input, still to delete.
+    let tl = open_with(dir.path(), &source, &m);
+    assert!(dir.path().join(&victim).exists());
+    assert_eq!(pages(&tl, last), before);
+    let manifest = crate::storage::manifest::read(dir.path()).unwrap().unwrap();
+    assert_eq!(manifest.deleting, vec![victim.clone()]);
+}
+
+#[tokio::test]
+async fn compaction_reads_evicted_inputs_and_ingest_can_be_refused() {
+    let Filled { dir: _dir, _bucket, source, tl, last, .. } = filled(24, plain).await;
+    let before = pages(&tl, last);
+    evict_all(&tl);
+    compact(&tl, None);
     assert!(!source.fetches().is_empty());
     assert_eq!(pages(&tl, last), before);
 
