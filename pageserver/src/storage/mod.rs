@@ -86,6 +86,11 @@ pub fn register_metrics(registry: &prometheus::Registry) -> anyhow::Result<Stora
 
 /// Default size at which the active segment is sealed into a layer (`layer_size`).
 pub const DEFAULT_LAYER_SIZE: u64 = 64 << 20;
+/// The active segment is also sealed once it holds this many values, whatever its size: its
+/// index is in memory (each value's entry in the committer's list and in the index's map, about
+/// 100 bytes together), and `layer_size` of small records would be a million of them. At most
+/// about 25 MiB a timeline.
+pub(crate) const MAX_ACTIVE_VALUES: usize = 1 << 18;
 /// `layer_size` lies in `MIN_LAYER_SIZE..=MAX_LAYER_SIZE`.
 pub const MIN_LAYER_SIZE: u64 = 64 << 10;
 pub const MAX_LAYER_SIZE: u64 = 16 << 30;

@@ -1040,6 +1040,37 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_segment_of_small_records_is_sealed_at_its_value_bound_far_below_layer_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = metrics();
+        let tl = open(dir.path(), 1 << 30, &m);
+        const BATCH: usize = 8192;
+        let mut lsn = 0;
+        for _ in 0..crate::storage::MAX_ACTIVE_VALUES / BATCH {
+            let values = (0..BATCH)
+                .map(|i| {
+                    lsn += 1;
+                    (key(i as u32), lsn, record("r"))
+                })
+                .collect();
+            tl.ingest(batch(values)).await.unwrap();
+        }
+        // The seal runs after the round that filled the segment: one more commit, and a moment.
+        lsn += 1;
+        tl.ingest(batch(vec![(key(7), lsn, record("r"))])).await.unwrap();
+        for _ in 0..500 {
+            if tl.stats().layers > 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // The segment is some 10 MB, of a 1 GiB `layer_size`: only its count of values sealed it.
+        assert_eq!(tl.stats().layers, 1, "{:?}", tl.stats());
+        assert!(tl.stats().on_disk_bytes < 64 << 20, "{:?}", tl.stats());
+        assert_eq!(tl.get_reconstruct_data(key(7), Lsn(lsn), NO_LIMITS).unwrap().records.len(), 33);
+    }
+
+    #[tokio::test]
     async fn a_read_that_would_wait_for_the_disk_runs_on_the_blocking_pool_and_a_cached_one_inline() {
         let dir = tempfile::tempdir().unwrap();
         let m = metrics();

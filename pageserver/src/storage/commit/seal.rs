@@ -32,7 +32,9 @@ impl Committer {
     /// no seal is in progress any more: frames may be appended.
     pub(super) fn advance_seal(&mut self) -> anyhow::Result<()> {
         if matches!(self.seal, SealState::Idle) {
-            let full = self.segment.len >= self.shared.conf.layer_size || self.shared.queue().seal_now;
+            let full = self.segment.len >= self.shared.conf.layer_size
+                || self.segment.entries.len() >= crate::storage::MAX_ACTIVE_VALUES
+                || self.shared.queue().seal_now;
             if !full || self.segment.entries.is_empty() {
                 return Ok(());
             }
