@@ -34,9 +34,9 @@ pub struct StorageMetrics {
     /// GetPage plans that needed an index block the kernel's page cache did not hold, made on
     /// the blocking pool instead.
     pub plans_offloaded: IntCounter,
-    /// Layers fetched on demand (`storage::residence`): count, bytes, seconds each.
+    /// Layers fetched on demand (`storage::residence`): count, seconds each (their bytes are
+    /// the source's to count: `pageserver_remote_downloaded_bytes_total`).
     pub layer_downloads: IntCounter,
-    pub layer_download_bytes: IntCounter,
     pub layer_download_seconds: Histogram,
     /// Layers evicted from local disk ([`super::Timeline::evict`]).
     pub layer_evictions: IntCounter,
@@ -139,10 +139,6 @@ impl StorageMetrics {
             layer_downloads: counter(
                 "pageserver_storage_layer_downloads_total",
                 "Layers downloaded from remote storage on demand (a read needed a layer not on local disk)",
-            )?,
-            layer_download_bytes: counter(
-                "pageserver_storage_layer_download_bytes_total",
-                "Bytes of layers downloaded from remote storage on demand",
             )?,
             layer_download_seconds: histogram(
                 "pageserver_storage_layer_download_seconds",

@@ -389,7 +389,7 @@ mod tests {
         m.fsync(|| Ok(())).unwrap();
         assert!(register_metrics(&registry).is_err());
         let families = registry.gather();
-        assert_eq!(families.len(), 21);
+        assert_eq!(families.len(), 20);
         assert!(families.iter().all(|f| f.name().starts_with("pageserver_storage_")));
         assert_eq!(m.fsyncs.get(), 1);
     }

@@ -279,37 +279,38 @@ fn open_layers(
 ) -> anyhow::Result<OpenedLayers> {
     let mut o = OpenedLayers { layers: Vec::new(), next_file_id: 0, last_lsn: Lsn(0), metas: Vec::new() };
     for meta in metas {
-        if let (Some(fetch), false) = (fetch, listing.layers.contains(&meta.name)) {
-            let id = o.next_file_id;
-            let frozen = match Frozen::non_resident(id, &meta.name, meta.size, meta.crc32c, fetch) {
-                Ok(f) => f,
-                Err(_) => Frozen::fetched(id, &meta.name, meta.size, meta.crc32c, fetch)?,
-            };
-            o.next_file_id += 1;
-            o.last_lsn = o.last_lsn.max(frozen.last_lsn);
-            o.layers.push(frozen);
-            o.metas.push(meta.clone());
-            continue;
-        }
-        let path = dir.join(&meta.name);
-        let len = std::fs::metadata(&path).with_context(|| format!("stat layer {}", path.display()))?.len();
-        ensure!(
-            len == meta.size,
-            "layer file {} has {len} bytes, {MANIFEST_NAME} says {}",
-            meta.name,
-            meta.size
-        );
-        let l = layer::open(&path).with_context(|| format!("open layer {}", path.display()))?;
         let id = o.next_file_id;
-        let last_lsn = l.last_lsn;
-        let frozen = Frozen::opened(id, meta.name.clone(), l)
-            .with_context(|| format!("index layer {}", path.display()))?;
-        o.layers.push(frozen);
+        // The last LSN: the footer's (for a layer not here, its manifest entry's, from its name,
+        // which opening checks against the footer).
+        let (frozen, last_lsn) = match fetch.filter(|_| !listing.layers.contains(&meta.name)) {
+            Some(fetch) => {
+                let f = match Frozen::non_resident(id, &meta.name, meta.size, meta.crc32c, fetch) {
+                    Ok(f) => f,
+                    Err(_) => Frozen::fetched(id, &meta.name, meta.size, meta.crc32c, fetch)?,
+                };
+                (f, Lsn(meta.last_lsn))
+            }
+            None => open_listed(dir, id, meta)?,
+        };
         o.next_file_id += 1;
         o.last_lsn = o.last_lsn.max(last_lsn);
+        o.layers.push(frozen);
         o.metas.push(meta.clone());
     }
     Ok(o)
+}
+
+/// Opens the layer file of `meta`, checking its size against the entry's; with its footer's last
+/// LSN.
+fn open_listed(dir: &Path, id: u32, meta: &LayerMeta) -> anyhow::Result<(Frozen, Lsn)> {
+    let path = dir.join(&meta.name);
+    let len = std::fs::metadata(&path).with_context(|| format!("stat layer {}", path.display()))?.len();
+    ensure!(len == meta.size, "layer file {} has {len} bytes, {MANIFEST_NAME} says {}", meta.name, meta.size);
+    let l = layer::open(&path).with_context(|| format!("open layer {}", path.display()))?;
+    let last_lsn = l.last_lsn;
+    let frozen = Frozen::opened(id, meta.name.clone(), l)
+        .with_context(|| format!("index layer {}", path.display()))?;
+    Ok((frozen, last_lsn))
 }
 
 impl OpenedLayers {

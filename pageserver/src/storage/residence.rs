@@ -89,7 +89,6 @@ impl Fetch {
             }
         };
         self.metrics.layer_downloads.inc();
-        self.metrics.layer_download_bytes.inc_by(size);
         self.metrics.layer_download_seconds.observe(begun.elapsed().as_secs_f64());
         tracing::debug!(layer = name, size, elapsed = ?begun.elapsed(), "downloaded a layer on demand");
         Ok(opened)
