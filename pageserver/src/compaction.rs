@@ -75,8 +75,9 @@ pub const RUNS_DUE: f64 = 8.0;
 pub const FULL_PASS_RATIO: f64 = 1.0;
 /// A pass is due when one key has this many times `compaction_image_threshold` new records,
 /// whatever the average: a hot key's chain stays bounded, and under uniform writes (where the
-/// longest chain is about twice the average) the average decides.
-pub const HOT_CHAIN_FACTOR: f64 = 4.0;
+/// longest chain is about twice the average) the average decides. The pass's chain cap
+/// ([`crate::storage::CHAIN_CAP_FACTOR`]): that key gets its image, whatever its bytes.
+pub const HOT_CHAIN_FACTOR: f64 = crate::storage::CHAIN_CAP_FACTOR as f64;
 /// GC of one compaction output is due once the layers above it took this many times its size of
 /// its key range since it was written or last collected: by then many of its keys likely have
 /// a newer image, and what a GC pass costs (reading the layer, writing what stays of it)
@@ -551,6 +552,7 @@ impl Worker {
         }
         let conf = CompactionConf {
             image_threshold: self.settings.image_threshold,
+            image_bytes: page_types::PAGE_SIZE as u64,
             gc_horizon: self.settings.gc_horizon,
             layer_size: self.layer_size,
         };
@@ -890,14 +892,15 @@ mod tests {
         for key in [a, b] {
             values.push((key, Lsn(2), unredoable(key, 2)));
         }
-        // Records the child can redo, on both keys at each LSN of `lsns`.
+        // Records the child can redo, on both keys at each LSN of `lsns`; of 2 KiB, so that
+        // `threshold` of them hold a page's bytes and make an image worth writing.
         let put_bytes = |values: &mut Vec<_>, lsns: std::ops::RangeInclusive<u64>, offset: u16| {
             for lsn in lsns {
                 for key in [a, b] {
                     values.push((
                         key,
                         Lsn(lsn),
-                        encode(Record::PutBytes { offset, data: &lsn.to_be_bytes() }),
+                        encode(Record::PutBytes { offset, data: &[lsn as u8; 2048] }),
                     ));
                 }
             }
@@ -957,12 +960,13 @@ mod tests {
         let timeline =
             Timeline::open(dir.path(), StorageConf::default(), Arc::new(StorageMetrics::unregistered()))
                 .unwrap();
-        // One key, a chain of exactly `compaction_image_threshold` records: the debt is 1.0, so
-        // a pass starts at the floor share (a gap 19 times the work), and it needs one image.
+        // One key, a chain of exactly `compaction_image_threshold` records of 2 KiB (more than
+        // a page's bytes): the debt is 1.0, so a pass starts at the floor share (a gap 19 times
+        // the work), and it needs one image.
         let settings = CompactionSettings::default();
         let mut values = vec![(KEY, Lsn(1), encode(Record::InitPage { special_size: 0 }))];
         for lsn in 2..=settings.image_threshold as u64 {
-            values.push((KEY, Lsn(lsn), encode(Record::PutBytes { offset: 100, data: &lsn.to_be_bytes() })));
+            values.push((KEY, Lsn(lsn), encode(Record::PutBytes { offset: 100, data: &[lsn as u8; 2048] })));
         }
         timeline.ingest(IngestBatch { values }).await.unwrap();
 

@@ -723,8 +723,9 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn compact_call_while_a_pass_runs_and_another_is_queued_is_refused_with_429_at_once() {
-        // Every key's chain asks the pass for an image; its redo waits for its turn behind a
-        // GetPage that never leaves the queue (until `held` is dropped, or the redo timeout).
+        // Every key's chain (16 short records: the chain cap at this threshold) asks the pass
+        // for an image; its redo waits for its turn behind a GetPage that never leaves the
+        // queue (until `held` is dropped, or the redo timeout).
         let settings = [
             ("compaction", "off".into()),
             ("compaction_image_threshold", 4.into()),
@@ -732,7 +733,7 @@ mod tests {
             ("layer_size", "64 KiB".into()),
         ];
         let api = Api::start(&settings, listener::HTTP_IDLE_TIMEOUT).await;
-        tenant_with_records(&api, 4, 8).await;
+        tenant_with_records(&api, 4, 16).await;
         let tenant = api.tenants.get("t").unwrap();
         let held = tenant.walredo.hold_foreground_queue();
         let addr = api.addr;

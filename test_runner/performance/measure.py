@@ -95,6 +95,22 @@ SCENARIOS = {
 }
 
 
+def scenario_of(name: str) -> dict:
+    """The scenario `name`: one of SCENARIOS, or `chain<N>-redo` (`chain10-redo` with chains of N
+    records), or `chain<N>-compacted` (the same after one compaction pass that makes no images:
+    each page's values adjacent in one layer, as passes leave a chain they do not image): what a
+    GetPage's redo costs against the chain's length."""
+    m = re.fullmatch(r"chain(\d+)-(redo|compacted)", name)
+    if name in SCENARIOS or not m:
+        return SCENARIOS[name]
+    shape = list(SCENARIOS["chain10-redo"]["shape"])
+    shape[shape.index("--chain-length") + 1] = m.group(1)
+    if m.group(2) == "redo":
+        return {**SCENARIOS["chain10-redo"], "shape": shape}
+    config = [*SCENARIOS["chain10-redo"]["config"], "compaction_image_threshold=65536"]
+    return {**SCENARIOS["chain10-redo"], "shape": shape, "config": config, "compact": True}
+
+
 def read_cpu_split(pid: int) -> tuple[int, int] | None:
     """The user and the kernel CPU ticks of `pid` (utime and stime, fields 14 and 15)."""
     try:
@@ -491,7 +507,9 @@ def main() -> int:
                              "a variable of the daemon's environment); "
                              "or `floor` (page-floor, the "
                              "loopback floor, with its flags after colons, e.g. floor:--threads=2)")
-    parser.add_argument("--scenarios", default="cached,chain10")
+    parser.add_argument("--scenarios", default="cached,chain10",
+                        help="comma separated: " + ", ".join(SCENARIOS)
+                        + ", or chain<N>-redo / chain<N>-compacted (scenario_of)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per point; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="pagebench --threads")
     parser.add_argument("--strace", default="8x1", help="point traced with strace -c, or 'none'")
@@ -513,7 +531,7 @@ def main() -> int:
     kinds = opts.kinds.split(",")
     results = []
     for scenario_name in opts.scenarios.split(","):
-        scenario = SCENARIOS[scenario_name]
+        scenario = scenario_of(scenario_name)
         daemons: dict[str, Daemon] = {}
         try:
             # One daemon per kind, alive together; runs alternate between them (ABAB...), so that
@@ -539,6 +557,10 @@ def main() -> int:
                 ingest = finish(pagebench(opts.bin_dir, daemon, ["ingest", *TENANT_ARGS, *scenario["shape"]]),
                                 600)
                 print(f"   ingest {ingest}", file=sys.stderr)
+                if scenario.get("compact"):
+                    url = f"http://{daemon.http}/v1/tenant/bench/compact"
+                    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=600) as r:
+                        print(f"   compacted: {json.loads(r.read())['pass']}", file=sys.stderr)
                 if scenario["warmup"]:
                     finish(pagebench(opts.bin_dir, daemon, ["get-page", *TENANT_ARGS, *scenario["shape"],
                                                             "--lsn", scenario["lsn"], "--connections", "8",

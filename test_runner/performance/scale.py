@@ -29,8 +29,9 @@ then:
   the page) on random pages of the first `--update-relations` relations (the working set), in
   batches of 200, at `--update-rate` records/s for S seconds, with the daemon's automatic
   compaction; then, once the compactor has caught up, the bytes compaction wrote over the bytes
-  ingested in that window (its write amplification), the passes by kind, and the disk used
-  against all the data ingested.
+  ingested in that window (its write amplification), the passes by kind, the disk used
+  against all the data ingested, and the chains a GetPage of the working set then redoes
+  (`chain_lengths`: records per redo request, p50 and p99).
 
 Prints one JSON line per size, a table, and writes JSON with --out.
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -247,6 +249,7 @@ def update_load(args, daemon, loaded: float, compacted: int) -> dict:
         time.sleep(0.5)
     m1 = measure.metrics(daemon.http)
     after = http.tenant_status("bench")["compaction"]
+    chains = chain_lengths(args, daemon)
     ingested = measure.delta(m1, m0, "pageserver_storage_ingested_bytes_total")
     written = measure.delta(m1, m0, "pageserver_compaction_written_bytes_total")
     disk = du(daemon.workdir / "tenants")
@@ -270,6 +273,40 @@ def update_load(args, daemon, loaded: float, compacted: int) -> dict:
         "disk_median_second_half_over_compacted": median_over(
             [b for t, b in samples if t >= load_s / 2], compacted),
         "disk_samples": samples,
+        "chains": chains,
+    }
+
+
+def chain_lengths(args, daemon, pages: int = 4000) -> dict:
+    """What a GetPage of the working set redoes once the load is compacted: `pages` distinct
+    random pages of it read once each at the latest LSN, and the records of each redo request
+    (the chain above the page's newest image) from the daemon's histogram
+    (`pageserver_wal_redo_request_records`, buckets of powers of 2: the percentiles are bucket
+    bounds), with the share of the reads that needed a redo."""
+    m0 = measure.metrics(daemon.http)
+    rng = random.Random(50)
+    picked = rng.sample(range(args.update_relations * BLOCKS), pages)
+    with connect(addr(daemon.pg), "bench", timeout=60) as conn:
+        for n in picked:
+            conn.get_page(Key(1663, 1, 16384 + n // BLOCKS, 0, n % BLOCKS))
+    m1 = measure.metrics(daemon.http)
+    family = "pageserver_wal_redo_request_records_bucket{"
+    buckets = sorted(
+        (float(re.search(r'le="([^"]+)"', name).group(1)), measure.delta(m1, m0, name))
+        for name in m1 if name.startswith(family))
+    redos = buckets[-1][1] if buckets else 0.0
+
+    def percentile(q: float):
+        for le, count in buckets:
+            if count >= q * redos:
+                return le
+        return None
+
+    return {
+        "pages": pages, "redo_share": round(redos / pages, 3),
+        "records_p50_at_most": percentile(0.5), "records_p99_at_most": percentile(0.99),
+        "records_per_redo": round(measure.delta(m1, m0, "pageserver_wal_redo_request_records_sum")
+                                  / max(redos, 1), 1),
     }
 
 

@@ -62,7 +62,8 @@ async fn compact_fully(t: &Arc<Timeline>) {
     t.freeze().await.unwrap();
     let t = Arc::clone(t);
     tokio::task::spawn_blocking(move || {
-        let conf = CompactionConf { image_threshold: 10, gc_horizon: 0, layer_size: 64 << 10 };
+        let conf =
+            CompactionConf { image_threshold: 10, image_bytes: 0, gc_horizon: 0, layer_size: 64 << 10 };
         let mut pass = t.begin_pass(conf, PassKind::Full).unwrap().unwrap();
         loop {
             match pass.run_slice(Duration::from_millis(50)).unwrap() {

@@ -10,8 +10,9 @@
 //! hold no image of it, its values below them from its newest image there on, read to rebuild
 //! pages and never written):
 //! - **GC**: values older than the newest image at or below the cutoff are dropped;
-//! - **image creation**: if at least `image_threshold` records sit above the key's newest
-//!   image (or more than one redo request can take), the pass asks its caller for the page at
+//! - **image creation**: if at least `image_threshold` records holding `image_bytes` sit
+//!   above the key's newest image, or [`CHAIN_CAP_FACTOR`] times that many records of any
+//!   size, or more than one redo request can take, the pass asks its caller for the page at
 //!   the key's newest LSN ([`Step::NeedImage`]: storage knows nothing of redo) and writes that
 //!   image in place of the record at that LSN (and, if that LSN is at or below the cutoff, in
 //!   place of everything older). A chain of more than [`IMAGE_PIECE_BYTES`] (or
@@ -77,16 +78,39 @@ const WRITE_BUFFER: usize = 256 << 10;
 /// image per MiB of records.
 pub const IMAGE_PIECE_BYTES: u64 = 1 << 20;
 
+/// A chain of this many times `image_threshold` records above a key's newest image gets an
+/// image whatever its bytes: bounds the records a GetPage redoes after a pass (the compactor's
+/// hot-key debt counts in the same unit, so the key that makes a pass due gets its image there).
+pub const CHAIN_CAP_FACTOR: usize = 4;
+
 /// What a pass does; see the module doc.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CompactionConf {
-    /// Records above a key's newest image from which the pass creates an image.
+    /// Records above a key's newest image from which the pass creates an image, once they
+    /// also hold `image_bytes` ([`CompactionConf::wants_image`]).
     pub image_threshold: usize,
+    /// Bytes of records above a key's newest image that make an image worth writing (the
+    /// daemon: a page, so that an 8 KiB image is not written for a few short records; 0: the
+    /// record count alone decides).
+    pub image_bytes: u64,
     /// GetPage stays possible at LSNs at most this far below the last durable LSN; older
     /// versions may be dropped.
     pub gc_horizon: u64,
     /// Outputs are cut at a key boundary once they reach this size (bytes).
     pub layer_size: u64,
+}
+
+impl CompactionConf {
+    /// Whether a chain of `records` records holding `bytes` bytes above a key's newest image
+    /// gets an image: at least `image_threshold` records that hold `image_bytes`, or
+    /// [`CHAIN_CAP_FACTOR`] times `image_threshold` records of any size. So the bytes a pass
+    /// writes in images follow the bytes of records ingested (8 records of 51 bytes make no
+    /// 8 KiB image), and a GetPage's chain stays bounded.
+    pub fn wants_image(&self, records: usize, bytes: u64) -> bool {
+        let threshold = self.image_threshold.max(1);
+        (records >= threshold && bytes >= self.image_bytes)
+            || records >= threshold.saturating_mul(CHAIN_CAP_FACTOR)
+    }
 }
 
 /// Which layers a pass takes: the frozen layers from a point of the list up (the newest). The
@@ -619,10 +643,12 @@ impl Pass {
         }
         let start = base.map_or(0, |i| i + 1);
         let chain = values.len - start;
-        let bytes: u64 = values.iter_from(base.unwrap_or(0)).map(|(_, e)| u64::from(e.len)).sum();
-        let fits = chain <= page_types::MAX_RECORDS_PER_REQUEST && bytes <= page_types::MAX_RECONSTRUCT_BYTES;
+        let record_bytes: u64 = values.iter_from(start).map(|(_, e)| u64::from(e.len)).sum();
+        let base_bytes = base.map_or(Ok(0), |i| values.get(i).map(|(_, e)| u64::from(e.len)))?;
+        let fits = chain <= page_types::MAX_RECORDS_PER_REQUEST
+            && base_bytes + record_bytes <= page_types::MAX_RECONSTRUCT_BYTES;
         let imaging =
-            self.above.is_none() && chain > 0 && (chain >= self.conf.image_threshold.max(1) || !fits);
+            self.above.is_none() && chain > 0 && (!fits || self.conf.wants_image(chain, record_bytes));
         Ok(KeyWork {
             key,
             values,

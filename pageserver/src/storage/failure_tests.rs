@@ -240,7 +240,7 @@ fn descriptor_limit_during_a_seal_is_retried_once_descriptors_are_free() {
 /// A pass that creates no image and drops nothing: every read gives the same answer before and
 /// after it, so no redo is needed to compare. Outputs of 4 KiB: several of them.
 const KEEP_ALL: CompactionConf =
-    CompactionConf { image_threshold: usize::MAX, gc_horizon: u64::MAX, layer_size: 4096 };
+    CompactionConf { image_threshold: usize::MAX, image_bytes: 0, gc_horizon: u64::MAX, layer_size: 4096 };
 const KEYS: u32 = 16;
 const LAYER_SIZE: u64 = 2000;
 

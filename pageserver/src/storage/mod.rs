@@ -69,7 +69,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use page_types::{BufferTag, Lsn};
 
-pub use compact::{CompactionConf, ImageRequest, Pass, PassKind, PassStats, Step, IMAGE_PIECE_BYTES};
+pub use compact::{
+    CompactionConf, ImageRequest, Pass, PassKind, PassStats, Step, CHAIN_CAP_FACTOR, IMAGE_PIECE_BYTES,
+};
 pub use layer::DiskWait;
 pub use metrics::{FsyncFailed, StorageMetrics};
 pub(crate) use read::{Lookup, ReadPlan, ReadStart};

@@ -83,7 +83,7 @@ async fn fill(tl: &Timeline, from_round: u64, rounds: u64) -> u64 {
 }
 
 fn conf(image_threshold: usize, gc_horizon: u64) -> CompactionConf {
-    CompactionConf { image_threshold, gc_horizon, layer_size: 64 << 10 }
+    CompactionConf { image_threshold, image_bytes: 0, gc_horizon, layer_size: 64 << 10 }
 }
 
 fn layer_files(dir: &std::path::Path) -> Vec<String> {
@@ -503,6 +503,46 @@ async fn a_level0_pass_makes_images_of_chains_that_start_below_it() {
         let d = tl.get_reconstruct_data(key(k), Lsn(last), NO_LIMITS).unwrap();
         assert!(d.image.is_some() && d.records.is_empty(), "key {k}: {} records", d.records.len());
     }
+}
+
+#[tokio::test]
+async fn a_chain_of_short_records_gets_an_image_once_it_holds_a_page_of_bytes_or_the_cap_of_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = metrics();
+    let tl = open(dir.path(), 1 << 20, &m);
+    // Above an image each: (key, records, bytes of each record).
+    let chains = [(0, 5, 10), (1, 5, 2048), (2, 16, 10), (3, 15, 10)];
+    let (mut lsn, mut newest, mut values) = (0, Vec::new(), Vec::new());
+    for (k, n, len) in chains {
+        lsn += 1;
+        values.push((key(k), lsn, image(k as u8)));
+        for i in 0..n {
+            lsn += 1;
+            values.push((key(k), lsn, record(&format!("{}", (b'a' + i as u8) as char).repeat(len))));
+        }
+        newest.push(lsn);
+    }
+    tl.ingest(batch(values)).await.unwrap();
+    tl.freeze().await.unwrap();
+    let lsns: Vec<u64> = (1..=lsn).collect();
+    let before = pages(&tl, 4, &lsns);
+
+    let conf = CompactionConf {
+        image_threshold: 4,
+        image_bytes: PAGE_SIZE as u64,
+        gc_horizon: u64::MAX,
+        layer_size: 64 << 10,
+    };
+    let stats = run(tl.begin_compaction(conf).unwrap().unwrap(), Duration::from_millis(1));
+    // Key 0: 5 records of 10 bytes, over the threshold but far from a page: no image. Key 1:
+    // 5 records of 2 KiB (10 KiB): an image. Key 2: 16 short records, the cap (4 x 4): an image. Key
+    // 3: 15 short records: none.
+    assert_eq!(stats.images_created, 2, "{stats:?}");
+    for (k, imaged) in [(0, false), (1, true), (2, true), (3, false)] {
+        let d = tl.get_reconstruct_data(key(k), Lsn(newest[k as usize]), NO_LIMITS).unwrap();
+        assert_eq!(d.records.is_empty(), imaged, "key {k}: {} records above its image", d.records.len());
+    }
+    assert_eq!(pages(&tl, 4, &lsns), before);
 }
 
 #[tokio::test]

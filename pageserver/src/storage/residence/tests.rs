@@ -229,8 +229,12 @@ async fn a_damaged_download_fails_the_read_naming_the_layer_and_is_not_kept() {
 /// A full compaction pass (no image made: a pass that cannot get one skips it), with `busy`
 /// (a file name) made impossible to delete meanwhile; returns the pass's inputs.
 fn compact(tl: &Timeline, busy: Option<&str>) -> Vec<String> {
-    let conf =
-        crate::storage::CompactionConf { image_threshold: 3, gc_horizon: u64::MAX, layer_size: LAYER_SIZE };
+    let conf = crate::storage::CompactionConf {
+        image_threshold: 3,
+        image_bytes: 0,
+        gc_horizon: u64::MAX,
+        layer_size: LAYER_SIZE,
+    };
     let inputs: Vec<String> = tl.layer_files().layers.into_iter().map(|l| l.name).collect();
     let mut pass = tl.begin_compaction(conf).unwrap().unwrap();
     let _busy = busy.map(|name| BindMount::over(&tl.dir().join(name)));
