@@ -72,7 +72,7 @@ pub enum ValueError {
 /// again.
 #[derive(Debug, Default)]
 pub struct RelSizes {
-    known: HashMap<(RelTag, u8), Option<u32>>,
+    known: HashMap<(RelTag, u8), Option<u32>, ahash::RandomState>,
     /// Slots probed to find where a size goes in `out` (tests assert one per size).
     #[cfg(test)]
     probes: u64,
@@ -186,7 +186,7 @@ impl RelSizes {
 
 /// Where one record's size values are in `out`, by key: made for each record, whose values
 /// all lie at its end LSN (no two records share one), and that only appends to `out`.
-type SizeSlots = HashMap<BufferTag, usize>;
+type SizeSlots = HashMap<BufferTag, usize, ahash::RandomState>;
 
 /// A `CREATE DATABASE ... STRATEGY FILE_COPY` (`XLOG_DBASE_CREATE_FILE_COPY`): the database
 /// `db` in tablespace `spc` is a copy of `src_db` in `src_spc` as of the record, files copied
@@ -229,7 +229,7 @@ impl RelSizes {
         lsn: Lsn,
         out: &mut Vec<(BufferTag, Lsn, Value)>,
     ) {
-        self.set(rel, fork, blocks, lsn, out, &mut SizeSlots::new());
+        self.set(rel, fork, blocks, lsn, out, &mut SizeSlots::default());
     }
 }
 
@@ -271,7 +271,7 @@ pub fn record_values(
     let xact = xact::parse(record).map_err(|what| malformed(record, what))?;
     block_values(record, out)?;
     let lsn = record.end_lsn;
-    let mut slots = SizeSlots::new();
+    let mut slots = SizeSlots::default();
     for block in &record.blocks {
         let rel = rel_of(block);
         if sizes.get(rel, block.fork).is_none_or(|n| block.blkno >= n) {

@@ -38,14 +38,17 @@ pub(crate) fn frame_len(values: &[(BufferTag, Lsn, Value)]) -> usize {
 }
 
 /// Encodes one batch as a frame into `out` (cleared first) and appends the index entries of its
-/// values, with absolute offsets assuming the frame is written at `frame_offset`.
+/// values, with absolute offsets assuming the frame is written at `frame_offset`; returns the
+/// crc32c of the whole frame (what the file's checksum takes in). The value bytes are read
+/// twice (each value's checksum, then the body's), the frame's and the file's checksums made
+/// from the body's.
 /// The batch must have been validated: its length fits [`MAX_FRAME_BODY`].
 pub(crate) fn encode_frame(
     values: &[(BufferTag, Lsn, Value)],
     frame_offset: u64,
     out: &mut Vec<u8>,
     entries: &mut Vec<IndexEntry>,
-) {
+) -> u32 {
     out.clear();
     out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
     for (key, lsn, value) in values {
@@ -70,8 +73,10 @@ pub(crate) fn encode_frame(
     out[0..4].copy_from_slice(&BATCH_MAGIC.to_le_bytes());
     out[4..8].copy_from_slice(&body_len.to_le_bytes());
     out[8..12].copy_from_slice(&(values.len() as u32).to_le_bytes());
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[..12]), &out[FRAME_HEADER_LEN..]);
+    let body_crc = crc32c::crc32c(&out[FRAME_HEADER_LEN..]);
+    let crc = crc32c::crc32c_combine(crc32c::crc32c(&out[..12]), body_crc, body_len as usize);
     out[12..16].copy_from_slice(&crc.to_le_bytes());
+    crc32c::crc32c_combine(crc32c::crc32c(&out[..FRAME_HEADER_LEN]), body_crc, body_len as usize)
 }
 
 /// The active segment as the committer sees it.
@@ -123,13 +128,13 @@ impl ActiveSegment {
         buf: &mut Vec<u8>,
     ) -> anyhow::Result<usize> {
         let first_entry = self.entries.len();
-        encode_frame(values, self.len, buf, &mut self.entries);
+        let frame_crc = encode_frame(values, self.len, buf, &mut self.entries);
         if let Err(e) = self.file.write_all_at(buf, self.len) {
             self.entries.truncate(first_entry);
             return Err(e).context("write batch frame");
         }
         self.len += buf.len() as u64;
-        self.crc = crc32c::crc32c_append(self.crc, buf);
+        self.crc = crc32c::crc32c_combine(self.crc, frame_crc, buf.len());
         Ok(first_entry)
     }
 }

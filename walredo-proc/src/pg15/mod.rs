@@ -337,6 +337,9 @@ impl<'a> Pg15Record<'a> {
         if len > MAX_RECORD_LEN || self.blocks.len() > usize::from(u8::MAX) {
             return Err(Pg15Error::TooLong { len });
         }
+        // One allocation: at most every block's data (those that do not fit are left out).
+        let all_data: usize = self.blocks.iter().map(|b| b.data.len()).sum();
+        out.reserve((len - target_data + all_data).min(MAX_RECORD_LEN));
         let start = out.len();
         out.extend_from_slice(&[KIND_PG15, FORMAT_VERSION, self.rmid, self.info]);
         out.extend_from_slice(&self.xid.to_le_bytes());
