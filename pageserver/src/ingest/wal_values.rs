@@ -73,6 +73,9 @@ pub enum ValueError {
 #[derive(Debug, Default)]
 pub struct RelSizes {
     known: HashMap<(RelTag, u8), Option<u32>, ahash::RandomState>,
+    /// The keys of each record's [`SizeSlots`] (made once: a state per record costs more than
+    /// its few probes).
+    slot_keys: ahash::RandomState,
     /// Slots probed to find where a size goes in `out` (tests assert one per size).
     #[cfg(test)]
     probes: u64,
@@ -148,6 +151,11 @@ impl RelSizes {
     /// Records what storage says of a fork.
     pub fn insert(&mut self, rel: RelTag, fork: u8, blocks: Option<u32>) {
         self.known.insert((rel, fork), blocks);
+    }
+
+    /// An empty [`SizeSlots`] for one record.
+    fn slots(&self) -> SizeSlots {
+        SizeSlots::with_hasher(self.slot_keys.clone())
     }
 
     fn get(&self, rel: RelTag, fork: u8) -> Option<u32> {
@@ -229,7 +237,8 @@ impl RelSizes {
         lsn: Lsn,
         out: &mut Vec<(BufferTag, Lsn, Value)>,
     ) {
-        self.set(rel, fork, blocks, lsn, out, &mut SizeSlots::default());
+        let mut slots = self.slots();
+        self.set(rel, fork, blocks, lsn, out, &mut slots);
     }
 }
 
@@ -271,7 +280,7 @@ pub fn record_values(
     let xact = xact::parse(record).map_err(|what| malformed(record, what))?;
     block_values(record, out)?;
     let lsn = record.end_lsn;
-    let mut slots = SizeSlots::default();
+    let mut slots = sizes.slots();
     for block in &record.blocks {
         let rel = rel_of(block);
         if sizes.get(rel, block.fork).is_none_or(|n| block.blkno >= n) {

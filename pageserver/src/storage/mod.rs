@@ -348,7 +348,7 @@ pub(crate) fn validate(values: &[(BufferTag, Lsn, Value)]) -> Result<(Lsn, Lsn, 
         (Some(f), Some(l)) => (f.1, l.1),
         _ => return Err(IngestError::Invalid("empty batch".to_string())),
     };
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = std::collections::HashSet::<BufferTag, ahash::RandomState>::default();
     for (i, (key, lsn, value)) in values.iter().enumerate() {
         value.kind().check_len(key, value.bytes().len()).map_err(|e| invalid(i, format!("{e}")))?;
         if i > 0 && *lsn < values[i - 1].1 {
