@@ -222,7 +222,7 @@ pub(crate) fn append_index_and_footer(
     } else {
         sorted = entries.to_vec();
         // No two entries share a `(key, lsn)` (the index refuses a second), so an unstable
-        // sort gives the one order, quicker than a stable one (the seal's largest cost).
+        // sort gives the one order, and quicker than a stable one.
         sorted.sort_unstable_by_key(|e| (e.key, e.lsn));
         &sorted[..]
     };
