@@ -74,9 +74,11 @@ pub(crate) fn encode_frame(
     out[4..8].copy_from_slice(&body_len.to_le_bytes());
     out[8..12].copy_from_slice(&(values.len() as u32).to_le_bytes());
     let body_crc = crc32c::crc32c(&out[FRAME_HEADER_LEN..]);
-    let crc = crc32c::crc32c_combine(crc32c::crc32c(&out[..12]), body_crc, body_len as usize);
+    let head_crc = crc32c::crc32c(&out[..12]);
+    let crc = crc32c::crc32c_combine(head_crc, body_crc, body_len as usize);
     out[12..16].copy_from_slice(&crc.to_le_bytes());
-    crc32c::crc32c_combine(crc32c::crc32c(&out[..FRAME_HEADER_LEN]), body_crc, body_len as usize)
+    let header_crc = crc32c::crc32c_append(head_crc, &out[12..FRAME_HEADER_LEN]);
+    crc32c::crc32c_combine(header_crc, body_crc, body_len as usize)
 }
 
 /// The active segment as the committer sees it.
