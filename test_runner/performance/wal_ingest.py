@@ -64,6 +64,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_seconds() -> tuple[float, float]:
+    """The machine's busy and iowait CPU seconds so far, all CPUs together (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle, iowait = fields[3], fields[4]
+    busy = sum(fields[:8]) - idle - iowait
+    tick = os.sysconf("SC_CLK_TCK")
+    return busy / tick, iowait / tick
+
+
 def ingest(ps, tenant: str, source: dict, end: int, perf_file: Path | None, call_graph: str) -> dict:
     """Attaches `tenant` again (it resumes from its position, with no import) and times its
     ingest of the WAL up to `end`: seconds and the daemon's CPU seconds."""
@@ -74,6 +83,8 @@ def ingest(ps, tenant: str, source: dict, end: int, perf_file: Path | None, call
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1)
     cpu0 = cpu_seconds(ps.pid)
+    busy0, iowait0 = machine_seconds()
+    m0 = ps.http.metrics()
     began = time.monotonic()
     resp = ps.http.request("PUT", f"/v1/tenant/{tenant}/wal_source", source)
     assert resp.status == 200, resp
@@ -89,12 +100,24 @@ def ingest(ps, tenant: str, source: dict, end: int, perf_file: Path | None, call
         time.sleep(0.01)
     elapsed = time.monotonic() - began
     cpu = cpu_seconds(ps.pid) - cpu0
+    busy, iowait = (a - b for a, b in zip(machine_seconds(), (busy0, iowait0)))
+    m1 = ps.http.metrics()
+
+    def delta(name: str) -> float:
+        return (m1.value(name) or 0.0) - (m0.value(name) or 0.0)
+
     if perf is not None:
         perf.send_signal(signal.SIGINT)
         perf.wait(timeout=60)
     assert ps.http.request("DELETE", f"/v1/tenant/{tenant}/wal_source").status == 200
     values = ps.http.tenant_status(tenant)["storage"]["values"]
-    return {"seconds": round(elapsed, 3), "cpu_seconds": round(cpu, 3), "values": values}
+    # What the machine's CPUs did meanwhile: the daemon's share of `busy`, the rest is the
+    # primary's walsender, the kernel's writeback and whatever else runs (this script's polls).
+    return {"seconds": round(elapsed, 3), "cpu_seconds": round(cpu, 3), "values": values,
+            "machine_busy_cpu_seconds": round(busy, 3), "machine_iowait_seconds": round(iowait, 3),
+            "cpus": os.cpu_count(), "fsyncs": int(delta("pageserver_storage_fsyncs_total")),
+            "fsync_seconds": round(delta("pageserver_storage_fsync_seconds_sum"), 3),
+            "batches": int(delta("pageserver_storage_ingested_batches_total"))}
 
 
 def main() -> int:

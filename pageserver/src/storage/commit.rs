@@ -36,16 +36,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::Context;
-use bytes::Bytes;
-use page_types::{BufferTag, Lsn};
 
-use super::format::{self, IndexEntry};
 use super::layer::BlockIndex;
 use super::manifest::SealIntent;
 use super::pool::{self, Pool};
 use super::segment::ActiveSegment;
 use super::shared::{fail_all, Pending, Shared, Unrecoverable};
-use super::{IngestError, Value};
+use super::IngestError;
 
 /// A timeline's committer as the commit pool sees it: the committer state, and whether the
 /// timeline is in the pool's run queue (or being run).
@@ -64,8 +61,7 @@ pub(super) fn start(
     dir_file: File,
     segment: ActiveSegment,
 ) -> anyhow::Result<Arc<Job>> {
-    let committer =
-        Committer { shared: Arc::clone(shared), dir_file, segment, seal: SealState::Idle, buf: Vec::new() };
+    let committer = Committer { shared: Arc::clone(shared), dir_file, segment, seal: SealState::Idle };
     let job = Arc::new(Job {
         shared: Arc::clone(shared),
         committer: Mutex::new(Some(committer)),
@@ -151,8 +147,6 @@ pub(super) struct Committer {
     /// The active segment (during a seal: the one being sealed).
     pub(super) segment: ActiveSegment,
     pub(super) seal: SealState,
-    /// Reused frame encoding buffer.
-    buf: Vec<u8>,
 }
 
 /// How far a seal has got; the manifest records the intent from `Intent` on.
@@ -276,7 +270,7 @@ impl Committer {
             });
         }
         let m = &self.shared.metrics;
-        let bytes: u64 = group.iter().flat_map(|p| &p.values).map(|(_, _, v)| v.bytes().len() as u64).sum();
+        let bytes: u64 = group.iter().map(|p| p.frame.value_bytes).sum();
         m.group_commit_batches.observe(group.len() as f64);
         m.ingested_batches.inc_by(group.len() as u64);
         let values = (self.segment.entries.len() - first_entry) as u64;
@@ -284,12 +278,11 @@ impl Committer {
         m.ingested_bytes.inc_by(bytes);
 
         let entries = &self.segment.entries[first_entry..];
-        let copies = record_copies(entries, group.iter().flat_map(|p| &p.values));
         self.shared
             .index
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert_active(entries, copies)
+            .insert_frames(entries, group.iter().map(|p| (p.frame.entries.len(), &p.frame.copies)))
             .context("index committed values")?;
         self.shared.active_len.store(self.segment.len, Ordering::Relaxed);
         if let Some(last) = group.last() {
@@ -300,7 +293,7 @@ impl Committer {
 
     fn append_and_sync(&mut self, group: &[Pending], fail_fsync: bool) -> anyhow::Result<()> {
         for p in group {
-            self.segment.append(&p.values, &mut self.buf)?;
+            self.segment.append(&p.frame)?;
         }
         self.shared
             .metrics
@@ -328,24 +321,6 @@ impl Committer {
         self.shared.metrics.fsync(|| file.sync_data()).context("fdatasync truncated active segment")?;
         Ok(())
     }
-}
-
-/// The bytes of the values (`values`, in the order of their `entries`) that the active segment
-/// keeps copies of ([`format::is_copied`]), back to back, as `Index::insert_active` takes them
-/// with the entries; none if they are more than it keeps.
-fn record_copies<'a>(
-    entries: &[IndexEntry],
-    values: impl Iterator<Item = &'a (BufferTag, Lsn, Value)>,
-) -> Bytes {
-    let len: u64 = entries.iter().filter(|e| format::is_copied(e)).map(|e| u64::from(e.len)).sum();
-    if len == 0 || len > format::COPIES_MAX {
-        return Bytes::new();
-    }
-    let mut out = Vec::with_capacity(len as usize);
-    for (_, (_, _, v)) in entries.iter().zip(values).filter(|(e, _)| format::is_copied(e)) {
-        out.extend_from_slice(v.bytes());
-    }
-    Bytes::from(out)
 }
 
 #[cfg(test)]

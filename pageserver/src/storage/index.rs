@@ -57,11 +57,21 @@ struct Active {
     chunks: Vec<Bytes>,
     /// Bytes in `chunks`, at most [`COPIES_MAX`].
     copied: u64,
+    /// The highest LSN in `keys`: a value above it is new without a look at its key.
+    newest_lsn: Lsn,
 }
 
 impl Active {
     fn new(id: u32, file: Arc<File>) -> Active {
-        Active { id, file, keys: HashMap::default(), values: 0, chunks: Vec::new(), copied: 0 }
+        Active {
+            id,
+            file,
+            keys: HashMap::default(),
+            values: 0,
+            chunks: Vec::new(),
+            copied: 0,
+            newest_lsn: Lsn(0),
+        }
     }
 
     /// The values of `key` at or below `lsn`, oldest first.
@@ -92,6 +102,7 @@ impl Active {
 
     /// Adds `v` in its key's LSN order (replacing a value of the same key and LSN).
     fn insert(&mut self, v: ActiveValue) {
+        self.newest_lsn = self.newest_lsn.max(v.e.lsn);
         // Most keys get one value or a few: room for one at first, not the four a push makes.
         let values = self.keys.entry(v.e.key).or_insert_with(|| Vec::with_capacity(1));
         if values.last().is_none_or(|newest| newest.e.lsn < v.e.lsn) {
@@ -145,21 +156,46 @@ impl Index {
         Ok(())
     }
 
-    /// Adds committed values of the active segment, with `copies`: the bytes of [`is_copied`]
-    /// records among `entries`, back to back in entry order: all of them, none, or those taken
-    /// in order while they fit in a size (a record whose bytes would go past the end of
-    /// `copies` has none, and the next one's are at the same place). They are kept for reads
-    /// while the segment is active, unless the segment's copies would pass [`COPIES_MAX`].
-    /// Fails, without adding any, if a `(key, lsn)` is already present. The copies are the
-    /// batch's own values in entry order (`commit::record_copies`): a debug build checks each
-    /// one's checksum against its entry's, a release build does not read them again.
-    pub(crate) fn insert_active(&mut self, entries: &[IndexEntry], copies: Bytes) -> anyhow::Result<()> {
-        if let Some(e) = entries.iter().find(|e| self.active.contains(e.key, e.lsn)) {
+    /// Adds committed values of the active segment: `entries`, in frames of the sizes `frames`
+    /// gives, each frame with its `copies`: the bytes of its [`is_copied`] records, back to back
+    /// in entry order (all of them or none, `segment::EncodedFrame::copies`). They are kept
+    /// for reads while the segment is active, unless the segment's copies would pass
+    /// [`COPIES_MAX`]. Fails, without adding any, if a `(key, lsn)` is already present. A debug
+    /// build checks each copy's checksum against its entry's, a release build does not read
+    /// them again.
+    pub(crate) fn insert_frames<'a>(
+        &mut self,
+        entries: &[IndexEntry],
+        frames: impl IntoIterator<Item = (usize, &'a Bytes)>,
+    ) -> anyhow::Result<()> {
+        // The committer's values are above every one before them: no probe of their keys.
+        let newest = self.active.newest_lsn;
+        if let Some(e) =
+            entries.iter().filter(|e| e.lsn <= newest).find(|e| self.active.contains(e.key, e.lsn))
+        {
             anyhow::bail!("duplicate value for {:?} at lsn {}", e.key, e.lsn);
         }
+        let mut rest = entries;
+        for (n, copies) in frames {
+            let (frame, after) = rest.split_at(n.min(rest.len()));
+            self.insert_frame(frame, copies);
+            rest = after;
+        }
+        debug_assert!(rest.is_empty(), "{} entries without a frame", rest.len());
+        self.insert_frame(rest, &Bytes::new());
+        Ok(())
+    }
+
+    /// [`Index::insert_frames`] of one frame, whose `copies` may also be those of its records
+    /// taken in order while they fit in a size (a record whose bytes would go past the end of
+    /// `copies` has none, and the next one's are at the same place): the recovery scan's.
+    pub(crate) fn insert_active(&mut self, entries: &[IndexEntry], copies: Bytes) -> anyhow::Result<()> {
+        self.insert_frames(entries, [(entries.len(), &copies)])
+    }
+
+    fn insert_frame(&mut self, entries: &[IndexEntry], copies: &Bytes) {
         let keep = !copies.is_empty() && self.active.copied + copies.len() as u64 <= COPIES_MAX;
         let chunk = self.active.chunks.len() as u64;
-        let mut values = Vec::with_capacity(entries.len());
         let mut at = 0;
         for e in entries {
             let mut copy = NO_COPY;
@@ -173,13 +209,7 @@ impl Index {
                 copy = (chunk << 32) | at as u64;
                 at += e.len as usize;
             }
-            values.push(ActiveValue { e: *e, copy });
-        }
-        if keep {
-            self.active.copied += copies.len() as u64;
-            self.active.chunks.push(copies);
-        }
-        for v in values {
+            let v = ActiveValue { e: *e, copy };
             self.active.insert(v);
             if v.e.kind == Kind::Record {
                 self.new_records += 1;
@@ -188,7 +218,10 @@ impl Index {
                 self.longest_new_chain = self.longest_new_chain.max(*chain);
             }
         }
-        Ok(())
+        if keep {
+            self.active.copied += copies.len() as u64;
+            self.active.chunks.push(copies.clone());
+        }
     }
 
     /// Records committed since the last [`Index::reset_new_records`].

@@ -457,7 +457,7 @@ mod tests {
     use page_types::BufferTag;
 
     use super::*;
-    use crate::storage::segment::ActiveSegment;
+    use crate::storage::segment::{ActiveSegment, EncodedFrame};
     use crate::storage::{StorageMetrics, Value};
     use bytes::Bytes;
 
@@ -533,9 +533,8 @@ mod tests {
     ) -> (ActiveSegment, u64) {
         let dir_file = File::open(dir).unwrap();
         let mut seg = ActiveSegment::create(dir, &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
-        let mut buf = Vec::new();
         for batch in batches {
-            seg.append(batch, &mut buf).unwrap();
+            seg.append(&EncodedFrame::encode(batch)).unwrap();
         }
         let end = if flat {
             append_flat_index_and_footer(&seg.file, seg.len, &seg.entries).unwrap()

@@ -46,6 +46,7 @@
 
 mod commit;
 mod compact;
+mod crc;
 #[cfg(test)]
 mod failure_tests;
 mod format;

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use anyhow::{ensure, Context};
 use page_types::{BufferTag, Lsn};
 
+use super::crc;
 use super::format::{self, put_key, Cursor, IndexEntry, Kind, FILE_HEADER_LEN, KEY_LEN};
 use super::{StorageMetrics, Value};
 
@@ -37,48 +38,79 @@ pub(crate) fn frame_len(values: &[(BufferTag, Lsn, Value)]) -> usize {
     FRAME_HEADER_LEN + values.iter().map(|(_, _, v)| VALUE_HEADER_LEN + v.bytes().len()).sum::<usize>()
 }
 
-/// Encodes one batch as a frame into `out` (cleared first) and appends the index entries of its
-/// values, with absolute offsets assuming the frame is written at `frame_offset`; returns the
-/// crc32c of the whole frame (what the file's checksum takes in). The value bytes are read
-/// twice (each value's checksum, then the body's), the frame's and the file's checksums made
-/// from the body's.
-/// The batch must have been validated: its length fits [`MAX_FRAME_BODY`].
-pub(crate) fn encode_frame(
-    values: &[(BufferTag, Lsn, Value)],
-    frame_offset: u64,
-    out: &mut Vec<u8>,
-    entries: &mut Vec<IndexEntry>,
-) -> u32 {
-    out.clear();
-    out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
-    for (key, lsn, value) in values {
-        let bytes = value.bytes();
-        let crc = crc32c::crc32c(bytes);
-        put_key(out, key);
-        out.extend_from_slice(&lsn.0.to_le_bytes());
-        out.push(value.kind().to_byte());
-        out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-        out.extend_from_slice(&crc.to_le_bytes());
-        entries.push(IndexEntry {
-            key: *key,
-            lsn: *lsn,
-            kind: value.kind(),
-            offset: frame_offset + out.len() as u64,
-            len: bytes.len() as u32,
-            crc,
-        });
-        out.extend_from_slice(bytes);
+/// One batch encoded as a frame, ready to append: made by the task that submits the batch
+/// ([`super::Timeline::submit`]), so that the committer, the one thread a timeline's ingest
+/// funnels through, only writes it, syncs it and indexes it.
+pub(crate) struct EncodedFrame {
+    /// Header and body.
+    pub bytes: Vec<u8>,
+    /// The crc32c of `bytes` (what the file's checksum takes in).
+    pub crc: u32,
+    /// The index entries of its values, with offsets from the frame's start.
+    pub entries: Vec<IndexEntry>,
+    /// The bytes of its [`format::is_copied`] records, back to back in entry order (what the
+    /// index keeps of them while the segment is active); empty if they pass
+    /// [`format::COPIES_MAX`].
+    pub copies: bytes::Bytes,
+    /// Its values' bytes (no framing).
+    pub value_bytes: u64,
+}
+
+impl EncodedFrame {
+    /// Encodes a batch. The value bytes are read twice (each value's checksum, then the
+    /// body's); the frame's and the file's checksums are made from the body's.
+    /// The batch must have been validated: its length fits [`MAX_FRAME_BODY`].
+    pub(crate) fn encode(values: &[(BufferTag, Lsn, Value)]) -> EncodedFrame {
+        let mut out = Vec::with_capacity(frame_len(values));
+        let mut entries = Vec::with_capacity(values.len());
+        out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
+        let (mut value_bytes, mut copied) = (0u64, 0u64);
+        for (key, lsn, value) in values {
+            let bytes = value.bytes();
+            let crc = crc32c::crc32c(bytes);
+            put_key(&mut out, key);
+            out.extend_from_slice(&lsn.0.to_le_bytes());
+            out.push(value.kind().to_byte());
+            out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+            out.extend_from_slice(&crc.to_le_bytes());
+            let entry = IndexEntry {
+                key: *key,
+                lsn: *lsn,
+                kind: value.kind(),
+                offset: out.len() as u64,
+                len: bytes.len() as u32,
+                crc,
+            };
+            if format::is_copied(&entry) {
+                copied += bytes.len() as u64;
+            }
+            entries.push(entry);
+            value_bytes += bytes.len() as u64;
+            out.extend_from_slice(bytes);
+        }
+        let body_len = (out.len() - FRAME_HEADER_LEN) as u32;
+        out[0..4].copy_from_slice(&BATCH_MAGIC.to_le_bytes());
+        out[4..8].copy_from_slice(&body_len.to_le_bytes());
+        out[8..12].copy_from_slice(&(values.len() as u32).to_le_bytes());
+        let body_crc = crc32c::crc32c(&out[FRAME_HEADER_LEN..]);
+        let head_crc = crc32c::crc32c(&out[..12]);
+        let frame_crc = crc::combine(head_crc, body_crc, body_len as usize);
+        out[12..16].copy_from_slice(&frame_crc.to_le_bytes());
+        let header_crc = crc32c::crc32c_append(head_crc, &out[12..FRAME_HEADER_LEN]);
+        let crc = crc::combine(header_crc, body_crc, body_len as usize);
+        let copies = match copied {
+            0 => bytes::Bytes::new(),
+            n if n > format::COPIES_MAX => bytes::Bytes::new(),
+            n => {
+                let mut copies = Vec::with_capacity(n as usize);
+                for e in entries.iter().filter(|e| format::is_copied(e)) {
+                    copies.extend_from_slice(&out[e.offset as usize..e.offset as usize + e.len as usize]);
+                }
+                bytes::Bytes::from(copies)
+            }
+        };
+        EncodedFrame { bytes: out, crc, entries, copies, value_bytes }
     }
-    let body_len = (out.len() - FRAME_HEADER_LEN) as u32;
-    out[0..4].copy_from_slice(&BATCH_MAGIC.to_le_bytes());
-    out[4..8].copy_from_slice(&body_len.to_le_bytes());
-    out[8..12].copy_from_slice(&(values.len() as u32).to_le_bytes());
-    let body_crc = crc32c::crc32c(&out[FRAME_HEADER_LEN..]);
-    let head_crc = crc32c::crc32c(&out[..12]);
-    let crc = crc32c::crc32c_combine(head_crc, body_crc, body_len as usize);
-    out[12..16].copy_from_slice(&crc.to_le_bytes());
-    let header_crc = crc32c::crc32c_append(head_crc, &out[12..FRAME_HEADER_LEN]);
-    crc32c::crc32c_combine(header_crc, body_crc, body_len as usize)
 }
 
 /// The active segment as the committer sees it.
@@ -121,22 +153,16 @@ impl ActiveSegment {
         Some((self.entries.first()?.lsn, self.entries.last()?.lsn))
     }
 
-    /// Appends one validated batch as a frame at the end (not fsync'd). Returns the index of its
-    /// first entry in [`ActiveSegment::entries`]. On error the segment must not be appended to
-    /// again: the file may hold a partial frame past `len`.
-    pub(crate) fn append(
-        &mut self,
-        values: &[(BufferTag, Lsn, Value)],
-        buf: &mut Vec<u8>,
-    ) -> anyhow::Result<usize> {
+    /// Appends one encoded frame at the end (not fsync'd). Returns the index of its first entry
+    /// in [`ActiveSegment::entries`]. On error the segment must not be appended to again: the
+    /// file may hold a partial frame past `len`.
+    pub(crate) fn append(&mut self, frame: &EncodedFrame) -> anyhow::Result<usize> {
         let first_entry = self.entries.len();
-        let frame_crc = encode_frame(values, self.len, buf, &mut self.entries);
-        if let Err(e) = self.file.write_all_at(buf, self.len) {
-            self.entries.truncate(first_entry);
-            return Err(e).context("write batch frame");
-        }
-        self.len += buf.len() as u64;
-        self.crc = crc32c::crc32c_combine(self.crc, frame_crc, buf.len());
+        self.file.write_all_at(&frame.bytes, self.len).context("write batch frame")?;
+        let at = self.len;
+        self.entries.extend(frame.entries.iter().map(|e| IndexEntry { offset: at + e.offset, ..*e }));
+        self.len += frame.bytes.len() as u64;
+        self.crc = crc::combine(self.crc, frame.crc, frame.bytes.len());
         Ok(first_entry)
     }
 }
@@ -377,9 +403,8 @@ mod tests {
         let dir_file = File::open(dir.path()).unwrap();
         let mut seg =
             ActiveSegment::create(dir.path(), &dir_file, 0, &StorageMetrics::unregistered()).unwrap();
-        let mut buf = Vec::new();
         for b in batches {
-            seg.append(b, &mut buf).unwrap();
+            seg.append(&EncodedFrame::encode(b)).unwrap();
         }
         (dir, seg)
     }

@@ -20,17 +20,17 @@ use tokio_util::sync::CancellationToken;
 use super::layer::DiskWait;
 use super::manifest::{self, Manifest};
 use super::read::{Picked, Snapshot};
+use super::segment::EncodedFrame;
 use super::{
     index, FsyncFailed, GetError, IngestError, ReadLimits, StorageConf, StorageMetrics, StorageWriteError,
-    Value,
 };
 
 /// Bytes of encoded batches that may wait for the committer; `ingest` waits for room beyond it.
 pub(super) const QUEUE_BUDGET_KIB: usize = 256 << 10;
 
-/// A batch waiting for the committer.
+/// A batch waiting for the committer, encoded by its submitter.
 pub(super) struct Pending {
-    pub(super) values: Vec<(BufferTag, Lsn, Value)>,
+    pub(super) frame: EncodedFrame,
     pub(super) last_lsn: Lsn,
     pub(super) done: oneshot::Sender<Result<Lsn, IngestError>>,
     /// Queue budget held until the batch is written.

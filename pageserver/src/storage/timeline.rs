@@ -30,6 +30,7 @@ use super::index::Version;
 use super::layer::DiskWait;
 use super::read::{would_wait, Lookup, ReadPlan, ReadStart, Snapshot};
 use super::residence::{Fetch, ResidentLayer};
+use super::segment::EncodedFrame;
 use super::shared::{pick_through, Below, Pending, Queue, Shared, QUEUE_BUDGET_KIB};
 use super::{
     commit, recovery, validate, GetError, IngestBatch, IngestError, ReadLimits, ReconstructData, StorageConf,
@@ -217,6 +218,10 @@ impl Timeline {
             .map_err(|_| IngestError::Invalid("batch too large".to_string()))?;
         let permit =
             self.shared.budget.clone().acquire_many_owned(permits).await.map_err(|_| self.refusal())?;
+        // Encoded here, by the submitting task, not by the committer: a timeline's batches all
+        // pass through its committer, which then only writes, syncs and indexes them.
+        let frame = EncodedFrame::encode(&batch.values);
+        drop(batch);
         let (done, rx) = oneshot::channel();
         {
             let mut q = self.shared.queue();
@@ -236,7 +241,7 @@ impl Timeline {
                 return Err(IngestError::LsnWentBackwards { last: q.last_queued, got: first });
             }
             q.last_queued = last;
-            q.pending.push(Pending { values: batch.values, last_lsn: last, done, _permit: permit });
+            q.pending.push(Pending { frame, last_lsn: last, done, _permit: permit });
         }
         self.shared.wake();
         Ok(async move {
