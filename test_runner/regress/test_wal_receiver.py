@@ -192,6 +192,11 @@ def test_kill_9_and_a_primary_restart_resume_with_no_gap_and_no_duplicate(pg, pa
     # A restart of PostgreSQL: the receiver sees the stream end, reconnects, and goes on.
     ps.allowed_errors.append(".*WAL receiver: .*")
     pg.stop()
+    # What the stream held when it ended is stored before the connection goes, the shutdown
+    # checkpoint included: after a promotion no later connection would stream it again.
+    shutdown = lsn_int(pg.controldata()["Latest checkpoint location"])
+    wait_until(lambda: ps.http.tenant_status(tenant)["last_durable_lsn"] > shutdown, timeout=30,
+               desc="the WAL up to the end of the stream to be durable while the primary is down")
     pg.start()
     pg.pgbench("-c", "2", "-j", "2", "-T", "2", "-n")
     s = caught_up(ps, tenant, pg)

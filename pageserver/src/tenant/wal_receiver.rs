@@ -65,7 +65,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
-use page_types::wal::{rmgr, WalDecodeError, WalDecoder, MAXALIGN, WAL_PAGE_SIZE};
+use page_types::wal::{rmgr, DecodedRecord, WalDecodeError, WalDecoder, MAXALIGN, WAL_PAGE_SIZE};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -548,6 +548,84 @@ impl InFlight {
     }
 }
 
+/// Messages of WAL the decoding stage may hold (taken and not yet decoded, or decoded and not
+/// yet stored): the next message is read only below it, which bounds what a connection holds
+/// in memory to about this many messages (the primary sends at most 128 KiB in one).
+const DECODE_AHEAD: usize = 8;
+
+/// The decoding stage of a connection: its own task turns each message of WAL into records
+/// while the receiver stores the previous message's values, so that decoding and value
+/// building run on two threads. Records come back in the order the messages went in; the
+/// task ends with the stage (dropped with the connection) or at its first decode error.
+struct DecodeStage {
+    to_decode: tokio::sync::mpsc::UnboundedSender<Bytes>,
+    decoded: tokio::sync::mpsc::UnboundedReceiver<Result<Vec<DecodedRecord>, WalDecodeError>>,
+    /// Messages fed and not yet taken back by [`DecodeStage::next`].
+    in_stage: usize,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl DecodeStage {
+    fn start(mut decoder: WalDecoder) -> DecodeStage {
+        let (to_decode, mut data) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+        let (records, decoded) = tokio::sync::mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            while let Some(data) = data.recv().await {
+                decoder.feed(&data);
+                let mut out = Vec::new();
+                let result = loop {
+                    match decoder.next_record() {
+                        Ok(Some(record)) => out.push(record),
+                        Ok(None) => break Ok(out),
+                        Err(e) => break Err(e),
+                    }
+                };
+                let failed = result.is_err();
+                if records.send(result).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        DecodeStage { to_decode, decoded, in_stage: 0, task }
+    }
+
+    /// Whether another message may be read (see [`DECODE_AHEAD`]).
+    fn has_room(&self) -> bool {
+        self.in_stage < DECODE_AHEAD
+    }
+
+    /// Whether a message fed is still to be taken back.
+    fn busy(&self) -> bool {
+        self.in_stage > 0
+    }
+
+    fn feed(&mut self, data: Bytes) {
+        // Sent while the task lives; once it stopped (a decode error), `next` reports it.
+        let _ = self.to_decode.send(data);
+        self.in_stage += 1;
+    }
+
+    /// The records of the oldest message fed. Cancel-safe.
+    async fn next(&mut self) -> anyhow::Result<Vec<DecodedRecord>> {
+        let decoded = self.decoded.recv().await.context("the WAL decoding task ended")?;
+        self.in_stage -= 1;
+        decoded.map_err(decode_error)
+    }
+}
+
+impl Drop for DecodeStage {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What the streaming loop woke for.
+enum Event {
+    Message(Result<ReplicationMessage, pq::PqError>),
+    Decoded(anyhow::Result<Vec<DecodedRecord>>),
+    Tick,
+}
+
 struct Task {
     /// The relation sizes as this connection's records left them (cleared at each connection:
     /// a failed batch may have lost what they say; bounded between messages).
@@ -675,9 +753,10 @@ impl Task {
             .await
             .context("START_REPLICATION")?;
         let seg_size = u32::try_from(seg_size).context("wal_segment_size")?;
-        let mut decoder = WalDecoder::with_segment_size(start, seg_size)
+        let decoder = WalDecoder::with_segment_size(start, seg_size)
             .context("start the WAL decoder")?
             .max_record_len(self.max_record_size);
+        let mut decoding = DecodeStage::start(decoder);
         tracing::info!(%config, start = %start, resume = %resume, timeline = system.timeline, "streaming WAL");
         {
             let mut shared = lock(&self.shared);
@@ -700,9 +779,10 @@ impl Task {
             // Wake for the next status update even while the primary is quiet, so that what
             // was processed becomes durable and reported within a status interval.
             let tick = tokio::time::sleep_until((last_status + STATUS_INTERVAL).into());
-            let message = tokio::select! {
-                m = conn.next_message() => Some(m),
-                () = tick => None,
+            let event = tokio::select! {
+                m = conn.next_message(), if decoding.has_room() => Event::Message(m),
+                d = decoding.next(), if decoding.busy() => Event::Decoded(d),
+                () = tick => Event::Tick,
                 () = self.cancel.cancelled() => {
                     self.in_flight.settle(&self.timeline, &mut processed, true).await?;
                     self.persist(processed, &mut persisted).await?;
@@ -710,19 +790,26 @@ impl Task {
                 }
             };
             let mut reply_now = false;
-            match message {
+            match event {
                 // The status tick: nothing came.
-                None => anyhow::ensure!(
+                Event::Tick => anyhow::ensure!(
                     last_message.elapsed() < SILENCE_TIMEOUT,
                     "no message from {config} for {SILENCE_TIMEOUT:?}"
                 ),
-                Some(message) => {
+                Event::Message(message) => {
                     let message = message.context("replication stream")?;
+                    if matches!(message, ReplicationMessage::End) {
+                        // The WAL before the end is stored first: after a promotion, no later
+                        // connection streams this timeline's last records again.
+                        while decoding.busy() {
+                            self.store(decoding.next().await?, resume, &mut processed).await?;
+                        }
+                    }
                     last_message = Instant::now();
                     lock(&self.shared).last_message = Some(SystemTime::now());
-                    reply_now =
-                        self.handle(message, &mut decoder, &mut received, resume, &mut processed).await?;
+                    reply_now = self.handle(message, &mut decoding, &mut received)?;
                 }
+                Event::Decoded(decoded) => self.store(decoded?, resume, &mut processed).await?,
             }
             self.in_flight.settle(&self.timeline, &mut processed, false).await?;
             if reply_now || last_status.elapsed() >= STATUS_INTERVAL {
@@ -738,91 +825,23 @@ impl Task {
         }
     }
 
-    /// Takes one message of the stream: WAL is decoded and its values submitted to storage
-    /// (in LSN order; durable later, see [`InFlight`]). Whether the primary asked for a status
-    /// update now.
-    async fn handle(
+    /// Takes one message of the stream: WAL goes to the decoding stage (its records come back
+    /// through [`DecodeStage::next`], for [`Task::store`]). Whether the primary asked for a
+    /// status update now.
+    fn handle(
         &mut self,
         message: ReplicationMessage,
-        decoder: &mut WalDecoder,
+        decoding: &mut DecodeStage,
         received: &mut Lsn,
-        resume: Lsn,
-        processed: &mut Lsn,
     ) -> anyhow::Result<bool> {
-        let mut values = Vec::new();
         match message {
             ReplicationMessage::XLogData { start: at, wal_end, data } => {
                 anyhow::ensure!(at == *received, "the primary sent WAL at {at}, expected {received}: a gap");
-                decoder.feed(&data);
                 *received = received
                     .checked_add(data.len() as u64)
                     .with_context(|| format!("the primary sent WAL past the last LSN, at {at}"))?;
                 self.metrics.received_bytes.inc_by(data.len() as u64);
-                let mut last_end = None;
-                // The counters change with most transactions: one value per message, at the
-                // end of the last record that changed them, where that record's values end.
-                let mut counters_at = None;
-                let mut decoded = Vec::new();
-                while let Some(record) = decoder.next_record().map_err(decode_error)? {
-                    if record.end_lsn > resume {
-                        decoded.push(record);
-                    }
-                }
-                if let (Some(start), Some(first)) = (self.file.start_checkpoint, decoded.first()) {
-                    let is_ours = first.lsn == start
-                        && first.rmid == rmgr::RM_XLOG_ID
-                        && first.info & 0xF0 == rmgr::XLOG_CHECKPOINT_SHUTDOWN;
-                    anyhow::ensure!(
-                        is_ours,
-                        "this PostgreSQL was not started on the branch's base backup: its WAL must begin \
-                         with the backup's shutdown checkpoint at {start}, it has a {} record (info {:#04x}) \
-                         at {}",
-                        rmgr::rmgr_name(first.rmid).unwrap_or_default(),
-                        first.info,
-                        first.lsn
-                    );
-                    self.update_file(|f| f.start_checkpoint = None).await?;
-                }
-                self.load_sizes(&decoded, processed).await?;
-                let records = decoded.len() as u64;
-                let mut counters = self.counters.take().context("the checkpoint counters are not loaded")?;
-                for record in &decoded {
-                    if let Some(copy) = wal_values::database_copy(record, &mut counters)? {
-                        // The values of the records before it stored first: the copy reads
-                        // them back.
-                        self.submit_values(&mut values, &counters, counters_at.take(), last_end.take())
-                            .await?;
-                        self.in_flight.settle(&self.timeline, processed, true).await?;
-                        let read_at = self.timeline.last_durable_lsn();
-                        values = database_copy::values(
-                            &self.timeline,
-                            &self.pages,
-                            &copy,
-                            read_at,
-                            record.end_lsn,
-                            &mut self.sizes,
-                        )
-                        .await
-                        .with_context(|| {
-                            format!("copy database {} (FILE_COPY at {})", copy.src_db, record.lsn)
-                        })?;
-                        counters_at = Some((values.len(), record.end_lsn));
-                        tracing::info!(
-                            db = copy.db, template = copy.src_db, lsn = %record.lsn, values = values.len(),
-                            "copied a database (CREATE DATABASE ... STRATEGY FILE_COPY)"
-                        );
-                    } else if wal_values::record_values(record, &mut self.sizes, &mut counters, &mut values)?
-                    {
-                        counters_at = Some((values.len(), record.end_lsn));
-                    }
-                    last_end = Some(record.end_lsn);
-                }
-                self.submit_values(&mut values, &counters, counters_at, last_end).await?;
-                self.counters = Some(counters);
-                // Between messages: what it forgets is loaded again (`load_sizes`) once this
-                // message's batch, which holds the sizes it set, is durable.
-                self.sizes.trim();
-                self.metrics.records.inc_by(records);
+                decoding.feed(data);
                 let mut shared = lock(&self.shared);
                 shared.status.received_lsn = *received;
                 shared.status.server_wal_end = wal_end.max(*received);
@@ -839,6 +858,75 @@ impl Task {
                 self.file.timeline.unwrap_or(0)
             ),
         }
+    }
+
+    /// Takes the records one message of WAL held, in order: the values of those that end past
+    /// `resume` (where this connection resumed) are submitted to storage (in LSN order;
+    /// durable later, see [`InFlight`]).
+    async fn store(
+        &mut self,
+        mut decoded: Vec<DecodedRecord>,
+        resume: Lsn,
+        processed: &mut Lsn,
+    ) -> anyhow::Result<()> {
+        decoded.retain(|r| r.end_lsn > resume);
+        let mut values = Vec::new();
+        let mut last_end = None;
+        // The counters change with most transactions: one value per message, at the end of
+        // the last record that changed them, where that record's values end.
+        let mut counters_at = None;
+        if let (Some(start), Some(first)) = (self.file.start_checkpoint, decoded.first()) {
+            let is_ours = first.lsn == start
+                && first.rmid == rmgr::RM_XLOG_ID
+                && first.info & 0xF0 == rmgr::XLOG_CHECKPOINT_SHUTDOWN;
+            anyhow::ensure!(
+                is_ours,
+                "this PostgreSQL was not started on the branch's base backup: its WAL must begin \
+                 with the backup's shutdown checkpoint at {start}, it has a {} record (info {:#04x}) \
+                 at {}",
+                rmgr::rmgr_name(first.rmid).unwrap_or_default(),
+                first.info,
+                first.lsn
+            );
+            self.update_file(|f| f.start_checkpoint = None).await?;
+        }
+        self.load_sizes(&decoded, processed).await?;
+        let records = decoded.len() as u64;
+        let mut counters = self.counters.take().context("the checkpoint counters are not loaded")?;
+        for record in &decoded {
+            if let Some(copy) = wal_values::database_copy(record, &mut counters)? {
+                // The values of the records before it stored first: the copy reads
+                // them back.
+                self.submit_values(&mut values, &counters, counters_at.take(), last_end.take()).await?;
+                self.in_flight.settle(&self.timeline, processed, true).await?;
+                let read_at = self.timeline.last_durable_lsn();
+                values = database_copy::values(
+                    &self.timeline,
+                    &self.pages,
+                    &copy,
+                    read_at,
+                    record.end_lsn,
+                    &mut self.sizes,
+                )
+                .await
+                .with_context(|| format!("copy database {} (FILE_COPY at {})", copy.src_db, record.lsn))?;
+                counters_at = Some((values.len(), record.end_lsn));
+                tracing::info!(
+                    db = copy.db, template = copy.src_db, lsn = %record.lsn, values = values.len(),
+                    "copied a database (CREATE DATABASE ... STRATEGY FILE_COPY)"
+                );
+            } else if wal_values::record_values(record, &mut self.sizes, &mut counters, &mut values)? {
+                counters_at = Some((values.len(), record.end_lsn));
+            }
+            last_end = Some(record.end_lsn);
+        }
+        self.submit_values(&mut values, &counters, counters_at, last_end).await?;
+        self.counters = Some(counters);
+        // Between messages: what it forgets is loaded again (`load_sizes`) once this
+        // message's batch, which holds the sizes it set, is durable.
+        self.sizes.trim();
+        self.metrics.records.inc_by(records);
+        Ok(())
     }
 
     /// Submits `values` (taken), with the counters' value inserted where `counters_at` says,
