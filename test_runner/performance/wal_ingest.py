@@ -24,15 +24,18 @@ tenants each (each imported before the workload with its own slot), their ingest
 
 It prints, and writes as JSON with --out, the WAL bytes and records, both elapsed times and
 rates, the ingest CPU per value stored next to PostgreSQL's replay CPU per record, the ratio (the issue's target: the pageserver >= 2x PostgreSQL's replay rate), and the
-pageserver's CPU seconds. Both replays read WAL already in the page cache of this machine; the
+pageserver's CPU seconds; per ingest also the machine's busy CPU seconds (all CPUs, from
+/proc/stat: the daemon's, the walsender's, the kernel's writeback), and the daemon's fsyncs,
+their seconds and its batches. Both replays read WAL already in the page cache of this machine; the
 pageserver's includes the replication connection (PostgreSQL's walsender reads the files).
 `--perf FILE` records the first ingest with `perf record -e cpu-clock` (`--perf-call-graph dwarf` for
 callers through the release build, which has no frame pointers).
 
-Reference (2026-11-29, the 2-vCPU machine of docs/performance.md, the commit after b0f594e;
-results/2026-11-29-wal-ingest-measured-again.json): scale 10, 20 s: 174 MB, 675k records, 765k
-values; PostgreSQL replays it in 1.33 s, the pageserver ingests it in 1.09 s (median of 5, 1.10 s
-of CPU): 1.22x. The target (2x) is not met; what bounds it is in docs/performance.md. Runs before
+Reference (2026-11-29, the 2-vCPU machine of docs/performance.md, 4e59400;
+results/2026-11-29-wal-ingest-pipelined.json, run 3): scale 10, 20 s: 178 MB, 726k records, 816k
+values; PostgreSQL replays it in 1.19 s, the pageserver ingests it in 0.935 s (median of 7, 0.95 s
+of CPU, the machine busy 1.31 s): 1.27x. The target (2x) is not met; what bounds it is in
+docs/performance/2026-11-29-wal-ingest-pipelined.md. Runs before
 2026-11-29 timed the source's `durable_lsn`, written down once a second: they read 2.0-2.2 s
 whatever the ingest took.
 """
