@@ -222,8 +222,13 @@ impl WalDecoder {
                     if pad > 0 {
                         self.consume(pad.min(avail));
                     } else {
-                        self.state =
-                            State::InRecord(Partial { start: self.pos, tot_len: None, bytes: Vec::new() });
+                        // The record's whole length when its first 4 bytes are here (most
+                        // records): one allocation of the right size, where growing from
+                        // empty took two or three.
+                        let room = le_u32(self.pending.get(self.head..).unwrap_or_default(), 0)
+                            .map_or(0, |tot_len| (tot_len as usize).min(RECORD_PREALLOC));
+                        let bytes = Vec::with_capacity(room);
+                        self.state = State::InRecord(Partial { start: self.pos, tot_len: None, bytes });
                     }
                 }
                 State::SkipContinuation { remaining } => {
@@ -253,9 +258,10 @@ impl WalDecoder {
     ) -> Result<Option<DecodedRecord>, WalDecodeError> {
         let start = Lsn(partial.start);
         let got = partial.bytes.len();
+        // The length first (it bounds what is held), then the rest: the header is checked once
+        // its bytes are in, in the same call.
         let want = match partial.tot_len {
             None => 4usize.saturating_sub(got),
-            Some(_) if got < XLOG_RECORD_HEADER_LEN => XLOG_RECORD_HEADER_LEN - got,
             Some(tot_len) => (tot_len as usize).saturating_sub(got),
         };
         let n = want.min(in_page).min(avail);
