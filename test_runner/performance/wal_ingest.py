@@ -31,7 +31,7 @@ pageserver's includes the replication connection (PostgreSQL's walsender reads t
 `--perf FILE` records the first ingest with `perf record -e cpu-clock` (`--perf-call-graph dwarf` for
 callers through the release build, which has no frame pointers).
 
-Reference (2026-11-29, the 2-vCPU machine of docs/performance.md, 683f6b5;
+Reference (2026-11-29, the 2-vCPU machine of docs/performance.md, b2b7ba9;
 results/2026-11-29-wal-ingest-pipelined.json, run 5): scale 10, 20 s: 177 MB, 722k records, 812k
 values; PostgreSQL replays it in 1.17 s, the pageserver ingests it in 0.883 s (median of 7, 0.97 s
 of CPU, the machine busy 1.31 s): 1.33x. The target (2x) is not met; what bounds it is in
