@@ -572,14 +572,9 @@ impl DecodeStage {
         let task = tokio::spawn(async move {
             while let Some(data) = data.recv().await {
                 decoder.feed(&data);
-                let mut out = Vec::new();
-                let result = loop {
-                    match decoder.next_record() {
-                        Ok(Some(record)) => out.push(record),
-                        Ok(None) => break Ok(out),
-                        Err(e) => break Err(e),
-                    }
-                };
+                // Every whole record fed so far, or the first error.
+                let result: Result<Vec<_>, _> =
+                    std::iter::from_fn(|| decoder.next_record().transpose()).collect();
                 let failed = result.is_err();
                 if records.send(result).is_err() || failed {
                     return;
