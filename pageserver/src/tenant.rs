@@ -838,7 +838,7 @@ impl Tenant {
                 import_incomplete: Arc::clone(&self.import_incomplete),
                 max_record_size: self.deps.wal_max_record_size,
                 pages: self.page_source(),
-                uploaded: self.remote.as_ref().map(|r| r.subscribe()),
+                uploaded: self.remote.clone(),
             },
             &self.cancel,
         );
@@ -974,40 +974,43 @@ impl Tenant {
 /// index yet) while the layers alone cannot serve the timeline: an import not complete, or
 /// values durable here and not in the layers yet (the active segment held some when the layers
 /// were listed) and none of the source's WAL in the layers (its values are not known to be all
-/// there before one is).
+/// there before one is). The position is at most what the layers are known to cover: their last
+/// LSN, or the durable LSN that `all_in_layers` carries (the WAL up to a shutdown checkpoint,
+/// whose records after the last value carry none, is then covered too).
 pub(crate) fn remote_metadata(
     tenant_dir: &Path,
     meta_dir: &Path,
     ancestor: Option<(String, Lsn)>,
 ) -> remote::MetadataFn {
     let (tenant_dir, meta_dir) = (tenant_dir.to_path_buf(), meta_dir.to_path_buf());
-    Arc::new(move |disk_consistent: Lsn, all_in_layers: bool| {
+    Arc::new(move |disk_consistent: Lsn, all_in_layers: Option<Lsn>| {
         let tenant_conf = std::fs::read_to_string(tenant_dir.join(TENANT_CONFIG_FILE)).ok()?;
         let wal_source = match wal_receiver::read_source_file(&meta_dir).ok()? {
             None => None,
             Some(mut file) => {
                 let position = file.position?;
+                // Every value at or below it is in the layers.
+                let covered = all_in_layers.map_or(disk_consistent, |durable| durable.max(disk_consistent));
                 file.position = Some(match (&file.import, &ancestor) {
                     // The import's values are below its start; the WAL's above it.
                     (Some(import), _) => {
                         let start = import.start_lsn?;
-                        match (disk_consistent > start, all_in_layers) {
-                            (true, _) => position.min(disk_consistent),
-                            (false, true) => position.min(start),
-                            (false, false) => return None,
+                        match (covered > start, all_in_layers) {
+                            (true, _) => position.min(covered),
+                            (false, Some(_)) => position.min(start),
+                            (false, None) => return None,
                         }
                     }
                     // A branch's values are above its point; until its first record is seen
                     // (`start_checkpoint`) it has none, and streams from its start point.
-                    (None, Some((_, point))) => match (disk_consistent > *point, file.start_checkpoint) {
-                        (true, _) => position.min(disk_consistent),
-                        (false, Some(_)) if all_in_layers => position,
+                    (None, Some((_, point))) => match (covered > *point, file.start_checkpoint) {
+                        (true, _) => position.min(covered),
+                        (false, Some(_)) if all_in_layers.is_some() => position,
                         (false, _) => return None,
                     },
                     (None, None) => match (all_in_layers, disk_consistent > Lsn(0)) {
-                        (true, _) => position,
-                        (false, true) => position.min(disk_consistent),
-                        (false, false) => return None,
+                        (Some(_), _) | (None, true) => position.min(covered),
+                        (None, false) => return None,
                     },
                 });
                 Some(serde_json::to_value(&file).ok()?)
@@ -1064,13 +1067,13 @@ mod remote_metadata_tests {
         file: &SourceFile,
         ancestor: Option<(String, Lsn)>,
         disk_consistent: u64,
-        all_in_layers: bool,
+        all_in_layers: Option<u64>,
     ) -> Option<u64> {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(TENANT_CONFIG_FILE), "").unwrap();
         wal_receiver::write_source_file(dir.path(), file).unwrap();
         let metadata =
-            remote_metadata(dir.path(), dir.path(), ancestor)(Lsn(disk_consistent), all_in_layers)?;
+            remote_metadata(dir.path(), dir.path(), ancestor)(Lsn(disk_consistent), all_in_layers.map(Lsn))?;
         let file: SourceFile = serde_json::from_value(metadata.wal_source.unwrap()).unwrap();
         Some(file.position.unwrap().0)
     }
@@ -1081,24 +1084,34 @@ mod remote_metadata_tests {
         // layers' end once they hold WAL values; with only the import's values in the layers,
         // an index is due only if nothing is left in the active segment, and resumes at the start.
         let imported = source(5000, Some((1000, 1200)), None);
-        assert_eq!(position_in_index(&imported, None, 3000, false), Some(3000));
-        assert_eq!(position_in_index(&imported, None, 7000, false), Some(5000));
-        assert_eq!(position_in_index(&imported, None, 40, false), None);
-        assert_eq!(position_in_index(&imported, None, 40, true), Some(1000));
+        assert_eq!(position_in_index(&imported, None, 3000, None), Some(3000));
+        assert_eq!(position_in_index(&imported, None, 7000, None), Some(5000));
+        assert_eq!(position_in_index(&imported, None, 40, None), None);
+        assert_eq!(position_in_index(&imported, None, 40, Some(40)), Some(1000));
+        // All in the layers: up to the durable LSN read before, past the last value (WAL that
+        // carries no value, such as a shutdown checkpoint's end), never past it.
+        assert_eq!(position_in_index(&imported, None, 3000, Some(5000)), Some(5000));
+        assert_eq!(position_in_index(&imported, None, 3000, Some(4000)), Some(4000));
         let mut incomplete = imported.clone();
         incomplete.import = Some(ImportRecord { attempts: 1, start_lsn: None, end_lsn: None });
-        assert_eq!(position_in_index(&incomplete, None, 3000, true), None);
+        assert_eq!(position_in_index(&incomplete, None, 3000, Some(3000)), None);
         // A branch at 800: its own values are above its point; before its first record it has
         // none and resumes at its start point.
         let branch = Some(("main".to_string(), Lsn(800)));
         let fresh = source(900, None, Some(900));
-        assert_eq!(position_in_index(&fresh, branch.clone(), 0, true), Some(900));
-        assert_eq!(position_in_index(&fresh, branch.clone(), 0, false), None);
+        assert_eq!(position_in_index(&fresh, branch.clone(), 0, Some(800)), Some(900));
+        assert_eq!(position_in_index(&fresh, branch.clone(), 0, None), None);
         let streaming = source(5000, None, None);
-        assert_eq!(position_in_index(&streaming, branch.clone(), 2000, false), Some(2000));
-        assert_eq!(position_in_index(&streaming, branch, 0, true), None);
+        assert_eq!(position_in_index(&streaming, branch.clone(), 2000, None), Some(2000));
+        assert_eq!(position_in_index(&streaming, branch.clone(), 2000, Some(5000)), Some(5000));
+        assert_eq!(position_in_index(&streaming, branch, 0, Some(0)), None);
+        // Not imported, not a branch: the same bounds.
+        assert_eq!(position_in_index(&streaming, None, 4990, None), Some(4990));
+        assert_eq!(position_in_index(&streaming, None, 4990, Some(5000)), Some(5000));
+        assert_eq!(position_in_index(&streaming, None, 4990, Some(4995)), Some(4995));
+        assert_eq!(position_in_index(&streaming, None, 0, None), None);
         // No index without the tenant's overrides.
         let dir = tempfile::tempdir().unwrap();
-        assert!(remote_metadata(dir.path(), dir.path(), None)(Lsn(1), true).is_none());
+        assert!(remote_metadata(dir.path(), dir.path(), None)(Lsn(1), Some(Lsn(1))).is_none());
     }
 }

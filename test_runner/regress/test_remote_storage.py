@@ -31,6 +31,13 @@ def _remote_args(kind, s3_server, tmp_path):
     return [f'remote_storage={{local_path="{tmp_path / "bucket"}"}}'], {}
 
 
+def _resume_lsn(s3_server, prefix, tenant):
+    """Where a node attaching `tenant` from the bucket resumes streaming: the WAL source
+    position in the index of generation 1 of its `main`."""
+    index = s3_server.object_path(f"{prefix}/tenants/{tenant}/timelines/main/index_part.json-00000001")
+    return json.loads(index.read_text())["metadata"]["wal_source"]["position"]
+
+
 def _uploaded(ps, tenant, lsn, timeout=30):
     """Waits until the bucket's index covers `lsn`; returns the tenant's remote status."""
     wait_until(lambda: ps.http.tenant_status(tenant)["remote"]["remote_consistent_lsn"] >= lsn,
@@ -178,7 +185,7 @@ def test_a_tenant_following_postgres_moves_to_a_node_with_an_empty_disk(pageserv
         _uploaded(a, t, mark)
         uploaded = a.http.tenant_status(t)["remote"]["remote_consistent_lsn"]
         wait_until(lambda: reported() >= mark, timeout=30, desc="the slot to be told")
-        assert reported() <= a.http.tenant_status(t)["remote"]["remote_consistent_lsn"], uploaded
+        assert reported() <= _resume_lsn(s3_server, "p", t), uploaded
 
         # The node's disk is lost; the primary goes on.
         a.kill()
@@ -197,6 +204,42 @@ def test_a_tenant_following_postgres_moves_to_a_node_with_an_empty_disk(pageserv
             assert basebackup.dump(copy) == expected
         finally:
             copy.stop()
+    finally:
+        pg.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_primary_stops_at_once_and_its_shutdown_checkpoint_is_in_the_bucket(pageserver_factory, s3_server,
+                                                                              tmp_path):
+    """A fast shutdown of PostgreSQL waits until the standby reports its WAL flushed up to the
+    shutdown checkpoint, and with remote storage the daemon reports no more than the bucket's
+    index resumes from. The shutdown checkpoint has the daemon seal and upload at once (the
+    seal timer here is an hour away), so the primary stops within `pg_ctl`'s wait, and a node
+    attaching from the bucket resumes after the checkpoint. (Before, the flush reported stopped
+    at the last value's LSN, short of the WAL's 8-byte aligned end, and `pg_ctl` gave up.)"""
+    pg = Postgres(tmp_path / "primary", settings={"autovacuum": "off"}).init().start()
+    try:
+        raw, env = [s3_server.remote_storage_setting("p")], s3_server.env()
+        ps = pageserver_factory(raw_args=raw, env=env, checkpoint_timeout="1 h", compaction="off")
+        ps.allowed_errors.append(".*WAL receiver.*")  # the primary stops before the daemon
+        t = ps.create_tenant()
+        attach(ps, t, pg)
+        pg.sql("CREATE TABLE t (id int PRIMARY KEY)")
+        pg.sql("INSERT INTO t SELECT generate_series(1, 1000)")
+        # An index in the bucket (a pass seals the active segment), then values not in it: the
+        # flush reported is valid and behind (with none, PostgreSQL takes the write position).
+        caught_up(ps, t, pg)
+        assert ps.http.request("POST", f"/v1/tenant/{t}/compact").status == 200
+        wait_until(lambda: ps.http.tenant_status(t)["remote"]["remote_layers"] > 0, timeout=30,
+                   desc="an index in the bucket")
+        pg.sql("INSERT INTO t SELECT generate_series(1001, 2000)")
+        caught_up(ps, t, pg)
+        out = pg.run("pg_ctl", "-D", str(pg.datadir), "-m", "fast", "-w", "-t", "60", "stop", check=False)
+        assert out.returncode == 0, f"the primary did not stop: {out.stdout} {out.stderr}"
+        pg.started = False
+        checkpoint = lsn_int(pg.controldata()["Latest checkpoint location"])
+        assert pg.controldata()["Database cluster state"] == "shut down"
+        assert _resume_lsn(s3_server, "p", t) > checkpoint
     finally:
         pg.stop()
 

@@ -58,8 +58,8 @@ pub struct TimelineMetadata {
     /// The tenant's overrides (`tenant.toml`, as written).
     #[serde(default)]
     pub tenant_conf: String,
-    /// The timeline's WAL source file (`wal_source.json`), its position at most
-    /// `disk_consistent_lsn`.
+    /// The timeline's WAL source file (`wal_source.json`), its position at most what the
+    /// layers cover ([`super::MetadataFn`]).
     #[serde(default)]
     pub wal_source: Option<serde_json::Value>,
 }

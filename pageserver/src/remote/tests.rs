@@ -404,3 +404,35 @@ async fn a_metadata_change_alone_uploads_the_index_again() {
     wait_until(Duration::from_secs(20), || async { conf_of_index().await == "a = 2\n" }).await;
     up.shutdown().await;
 }
+
+#[tokio::test]
+async fn upload_now_seals_and_uploads_without_the_seal_timer_and_the_status_carries_the_metadata() {
+    let Setup { storage, dir, t, .. } = setup().await;
+    let up = RemoteTimeline::start(
+        Uploader {
+            tenant: RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None),
+            timeline_id: "main".into(),
+            timeline: Arc::clone(&t),
+            meta_dir: dir.path().to_path_buf(),
+            // Says which layers' end it was made for.
+            metadata: Arc::new(|disk_consistent, _| {
+                let tenant_conf = format!("end = {}\n", disk_consistent.0);
+                Some(TimelineMetadata { tenant_conf, ..Default::default() })
+            }),
+            checkpoint_timeout: Duration::from_secs(3600),
+        },
+        CancellationToken::new(),
+    );
+    // Half a layer: the values stay in the active segment, an hour from their seal.
+    ingest(&t, 10, 1, 1).await;
+    let durable = t.last_durable_lsn();
+    assert!(t.holds_unsealed_values());
+    assert!(up.wait_uploaded(durable, Duration::from_millis(1500)).await.is_err());
+    up.upload_now();
+    up.wait_uploaded(durable, Duration::from_secs(20)).await.unwrap();
+    assert!(!t.holds_unsealed_values());
+    let (_, index) = storage.newest_index("t1", "main").await.unwrap().unwrap();
+    assert_eq!(index.metadata.tenant_conf, format!("end = {}\n", durable.0));
+    assert_eq!(up.status().metadata.as_deref(), Some(&index.metadata));
+    up.shutdown().await;
+}

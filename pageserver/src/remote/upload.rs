@@ -162,6 +162,10 @@ pub struct RemoteStatus {
     pub stale: bool,
     /// The last failure of a remote operation (each is retried), until one succeeds.
     pub last_error: Option<String>,
+    /// The metadata of the uploaded index: what a node attaching from the bucket takes (the
+    /// WAL source's position, where it resumes streaming). Not shown.
+    #[serde(skip)]
+    pub metadata: Option<Arc<TimelineMetadata>>,
 }
 
 /// A timeline's uploads: the task and what it reports.
@@ -171,15 +175,18 @@ pub struct RemoteTimeline {
     uploaded: Arc<Mutex<BTreeSet<String>>>,
     /// Woken when the timeline's metadata changed ([`RemoteTimeline::metadata_changed`]).
     metadata_changed: Arc<tokio::sync::Notify>,
+    /// Woken by [`RemoteTimeline::upload_now`].
+    upload_now: Arc<tokio::sync::Notify>,
     cancel: CancellationToken,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 /// What the metadata of a timeline's index is made of, given the index's `disk_consistent_lsn`
-/// and whether the layers held every value durable when they were listed (the active segment
-/// held none just before); `None` while the timeline cannot be served from what the layers hold
-/// yet (an index is then not uploaded).
-pub type MetadataFn = Arc<dyn Fn(Lsn, bool) -> Option<TimelineMetadata> + Send + Sync>;
+/// and, if the layers held every value durable when they were listed (the active segment held
+/// none just before), the timeline's durable LSN read before that: every value at or below it
+/// is in the layers. `None` while the timeline cannot be served from what the layers hold yet
+/// (an index is then not uploaded).
+pub type MetadataFn = Arc<dyn Fn(Lsn, Option<Lsn>) -> Option<TimelineMetadata> + Send + Sync>;
 
 /// What starts a timeline's uploader.
 pub struct Uploader {
@@ -202,6 +209,7 @@ impl RemoteTimeline {
             status: watch::Sender::new(RemoteStatus { generation: known, ..RemoteStatus::default() }),
             uploaded: Arc::clone(&uploaded),
             metadata_changed: Arc::new(tokio::sync::Notify::new()),
+            upload_now: Arc::new(tokio::sync::Notify::new()),
             cancel: cancel.clone(),
             task: Mutex::new(None),
         });
@@ -215,7 +223,9 @@ impl RemoteTimeline {
             status: remote.status.clone(),
             uploaded,
             metadata_changed: Arc::clone(&remote.metadata_changed),
+            upload_now: Arc::clone(&remote.upload_now),
             metadata_dirty: false,
+            seal_now: false,
             cancel,
             remote: BTreeMap::new(),
             orphans: BTreeMap::new(),
@@ -242,10 +252,11 @@ impl RemoteTimeline {
         self.metadata_changed.notify_one();
     }
 
-    /// Follows [`RemoteTimeline::status`] (the WAL receiver reports no more than its
-    /// `remote_consistent_lsn` as flushed).
-    pub fn subscribe(&self) -> watch::Receiver<RemoteStatus> {
-        self.status.subscribe()
+    /// Seals the active segment if it holds values and uploads, with the metadata of now,
+    /// without waiting for `checkpoint_timeout`: the WAL receiver asks for it at a shutdown
+    /// checkpoint, whose primary waits for its WAL to be reported flushed before it exits.
+    pub fn upload_now(&self) {
+        self.upload_now.notify_one();
     }
 
     /// Waits until the bucket's index covers `lsn` (the layers hold everything durable up to
@@ -288,8 +299,11 @@ struct State {
     /// [`RemoteTimeline::is_uploaded`]'s names: those of `remote`.
     uploaded: Arc<Mutex<BTreeSet<String>>>,
     metadata_changed: Arc<tokio::sync::Notify>,
+    upload_now: Arc<tokio::sync::Notify>,
     /// The metadata may differ from the uploaded index's.
     metadata_dirty: bool,
+    /// [`RemoteTimeline::upload_now`] was called: seal at the next look, whatever the timer.
+    seal_now: bool,
     cancel: CancellationToken,
     /// The layers the uploaded index lists, by name.
     remote: BTreeMap<String, IndexLayer>,
@@ -315,10 +329,14 @@ impl State {
             if self.sync().await.is_err() || self.delete_queued().await.is_err() {
                 break;
             }
-            let nudged = Arc::clone(&self.metadata_changed);
+            let (nudged, asked) = (Arc::clone(&self.metadata_changed), Arc::clone(&self.upload_now));
             tokio::select! {
                 _ = changes.changed() => {}
                 () = nudged.notified() => self.metadata_dirty = true,
+                () = asked.notified() => {
+                    self.metadata_dirty = true;
+                    self.seal_now = true;
+                }
                 () = tokio::time::sleep(TICK) => {}
                 () = self.cancel.cancelled() => break,
             }
@@ -344,10 +362,11 @@ impl State {
         if let Some(index) = index {
             self.remote = index.layers.iter().map(|l| (l.name.clone(), l.clone())).collect();
             *lock(&self.uploaded) = self.remote.keys().cloned().collect();
-            let lsn = index.disk_consistent_lsn;
+            let (lsn, metadata) = (index.disk_consistent_lsn, Arc::new(index.metadata.clone()));
             self.status.send_modify(|s| {
                 s.remote_consistent_lsn = lsn;
                 s.remote_layers = index.layers.len();
+                s.metadata = Some(metadata);
             });
             self.last_index = Some(index);
         }
@@ -358,8 +377,10 @@ impl State {
     async fn sync(&mut self) -> Result<(), Cancelled> {
         loop {
             // Read before the layers: if the active segment was empty then, every value durable
-            // then is in the layers listed after.
-            let all_in_layers = !self.u.timeline.holds_unsealed_values();
+            // then is in the layers listed after, and every value durable at the LSN read before
+            // that was.
+            let durable = self.u.timeline.last_durable_lsn();
+            let all_in_layers = (!self.u.timeline.holds_unsealed_values()).then_some(durable);
             let files = self.u.timeline.layer_files();
             let missing: Vec<LayerFile> = files
                 .layers
@@ -443,13 +464,14 @@ impl State {
             self.remote = listed;
             *lock(&self.uploaded) = self.remote.keys().cloned().collect();
             self.orphans.clear();
-            let lsn = index.disk_consistent_lsn;
+            let (lsn, metadata) = (index.disk_consistent_lsn, Arc::new(index.metadata.clone()));
             let count = index.layers.len();
             self.last_index = Some(index);
             self.status.send_modify(|s| {
                 s.remote_consistent_lsn = lsn;
                 s.remote_layers = count;
                 s.last_error = None;
+                s.metadata = Some(metadata);
             });
             if !dropped.is_empty() {
                 let dir = self.u.meta_dir.clone();
@@ -544,14 +566,16 @@ impl State {
         .await
     }
 
-    /// Seals the active segment once it has held values for `checkpoint_timeout`.
+    /// Seals the active segment once it has held values for `checkpoint_timeout`, or at once
+    /// if [`RemoteTimeline::upload_now`] asked.
     async fn seal_if_due(&mut self) {
+        let asked = std::mem::take(&mut self.seal_now);
         if !self.u.timeline.holds_unsealed_values() {
             self.unsealed_since = None;
             return;
         }
         let since = *self.unsealed_since.get_or_insert_with(Instant::now);
-        if since.elapsed() >= self.u.checkpoint_timeout {
+        if asked || since.elapsed() >= self.u.checkpoint_timeout {
             if let Err(e) = self.u.timeline.freeze().await {
                 tracing::warn!("failed to seal the active segment for upload: {e:#}");
             }

@@ -67,7 +67,6 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context;
 use page_types::wal::{rmgr, DecodedRecord, WalDecodeError, WalDecoder, MAXALIGN, WAL_PAGE_SIZE};
 use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use prometheus::{IntCounter, Registry};
@@ -80,7 +79,7 @@ use super::{cluster, database_copy, rel_sizes};
 use crate::ingest::counters::Counters;
 use crate::ingest::{import, wal_values};
 use crate::postgres::{connstr, pq};
-use crate::remote::RemoteStatus;
+use crate::remote::{RemoteStatus, RemoteTimeline};
 use crate::storage::{IngestBatch, IngestError, Timeline, Value};
 use crate::util::lock;
 use pq::{BackupMessage, ReplicationConn, ReplicationMessage};
@@ -321,10 +320,11 @@ pub struct ReceiverDeps {
     pub max_record_size: u32,
     /// The tenant's GetPage, for the template's pages of a database copy.
     pub pages: database_copy::PageSource,
-    /// With remote storage, the timeline's uploads: no more than their
-    /// `remote_consistent_lsn` is reported to the primary as flushed, so that the slot keeps
-    /// what a node that lost this disk must stream again.
-    pub uploaded: Option<watch::Receiver<RemoteStatus>>,
+    /// With remote storage, the timeline's uploads: no more than the position the uploaded
+    /// index resumes from ([`bucket_resume_lsn`]) is reported to the primary as flushed, so that
+    /// the slot keeps what a node that lost this disk must stream again; a shutdown checkpoint
+    /// has them upload at once ([`RemoteTimeline::upload_now`]).
+    pub uploaded: Option<Arc<RemoteTimeline>>,
 }
 
 impl WalReceiver {
@@ -377,6 +377,7 @@ impl WalReceiver {
             max_record_size,
             pages,
             uploaded,
+            upload_at: None,
             shared: Arc::clone(&shared),
             cancel: cancel.clone(),
         };
@@ -642,7 +643,12 @@ struct Task {
     max_record_size: u32,
     pages: database_copy::PageSource,
     /// See [`ReceiverDeps::uploaded`].
-    uploaded: Option<watch::Receiver<RemoteStatus>>,
+    uploaded: Option<Arc<RemoteTimeline>>,
+    /// The end of a shutdown checkpoint stored and not yet persisted as the position: once it
+    /// is, the uploader is asked to upload at once. The primary waits, before it exits, until
+    /// its WAL is reported flushed, which is no more than the bucket's index resumes from; the
+    /// seal timer (`checkpoint_timeout`) would hold its shutdown that long.
+    upload_at: Option<Lsn>,
     shared: Arc<Mutex<Shared>>,
     cancel: CancellationToken,
 }
@@ -809,9 +815,16 @@ impl Task {
             self.in_flight.settle(&self.timeline, &mut processed, false).await?;
             if reply_now || last_status.elapsed() >= STATUS_INTERVAL {
                 self.persist(processed, &mut persisted).await?;
+                if let (Some(at), Some(remote)) = (self.upload_at, &self.uploaded) {
+                    if persisted >= at {
+                        tracing::info!(lsn = %at, "stored the primary's shutdown checkpoint: uploading now");
+                        remote.upload_now();
+                        self.upload_at = None;
+                    }
+                }
                 let written = self.in_flight.written(processed);
                 let flushed = match &self.uploaded {
-                    Some(uploaded) => persisted.min(uploaded.borrow().remote_consistent_lsn),
+                    Some(remote) => persisted.min(bucket_resume_lsn(&remote.status())),
                     None => persisted,
                 };
                 conn.send_status(written, flushed, flushed).await.context("status update")?;
@@ -912,6 +925,13 @@ impl Task {
                 );
             } else if wal_values::record_values(record, &mut self.sizes, &mut counters, &mut values)? {
                 counters_at = Some((values.len(), record.end_lsn));
+            }
+            if self.uploaded.is_some()
+                && record.rmid == rmgr::RM_XLOG_ID
+                && record.info & 0xF0 == rmgr::XLOG_CHECKPOINT_SHUTDOWN
+            {
+                // Persisted at its end with the padding after it, as every position is.
+                self.upload_at = record.end_lsn.checked_align_up(MAXALIGN);
             }
             last_end = Some(record.end_lsn);
         }
@@ -1132,6 +1152,15 @@ impl Task {
         }
         Ok(())
     }
+}
+
+/// Where a node attaching the timeline from the bucket resumes streaming: the WAL source
+/// position in the uploaded index's metadata (`Lsn(0)` without one: that node would need all of
+/// the WAL).
+fn bucket_resume_lsn(status: &RemoteStatus) -> Lsn {
+    let wal_source = status.metadata.as_ref().and_then(|m| m.wal_source.clone());
+    let file = wal_source.and_then(|v| serde_json::from_value::<SourceFile>(v).ok());
+    file.and_then(|f| f.position).unwrap_or(Lsn(0))
 }
 
 /// A decode error; one for a record over `wal_max_record_size` names the setting.
