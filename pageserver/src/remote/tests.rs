@@ -118,6 +118,19 @@ fn start_uploader(
     t: &Arc<Timeline>,
     meta_dir: &std::path::Path,
 ) -> Arc<RemoteTimeline> {
+    let metadata: MetadataFn =
+        Arc::new(|_, _| Some(TimelineMetadata { tenant_conf: "x = 1\n".into(), ..Default::default() }));
+    start_uploader_with(storage, t, meta_dir, metadata, Duration::from_millis(200))
+}
+
+/// [`start_uploader`] with this metadata and seal timer.
+fn start_uploader_with(
+    storage: &Arc<RemoteStorage>,
+    t: &Arc<Timeline>,
+    meta_dir: &std::path::Path,
+    metadata: MetadataFn,
+    checkpoint_timeout: Duration,
+) -> Arc<RemoteTimeline> {
     let tenant = RemoteTenant::new(Arc::clone(storage), "t1", meta_dir, "node-a", None);
     RemoteTimeline::start(
         Uploader {
@@ -125,10 +138,8 @@ fn start_uploader(
             timeline_id: "main".into(),
             timeline: Arc::clone(t),
             meta_dir: meta_dir.to_path_buf(),
-            metadata: Arc::new(|_, _| {
-                Some(TimelineMetadata { tenant_conf: "x = 1\n".into(), ..Default::default() })
-            }),
-            checkpoint_timeout: Duration::from_millis(200),
+            metadata,
+            checkpoint_timeout,
         },
         CancellationToken::new(),
     )
@@ -379,22 +390,10 @@ async fn a_metadata_change_alone_uploads_the_index_again() {
     ingest(&t, 10, 12, 1).await;
     let conf = Arc::new(std::sync::Mutex::new("a = 1\n".to_string()));
     let read_conf = Arc::clone(&conf);
-    let up = RemoteTimeline::start(
-        Uploader {
-            tenant: RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None),
-            timeline_id: "main".into(),
-            timeline: Arc::clone(&t),
-            meta_dir: dir.path().to_path_buf(),
-            metadata: Arc::new(move |_, _| {
-                Some(TimelineMetadata {
-                    tenant_conf: read_conf.lock().unwrap().clone(),
-                    ..Default::default()
-                })
-            }),
-            checkpoint_timeout: Duration::from_millis(100),
-        },
-        CancellationToken::new(),
-    );
+    let metadata: MetadataFn = Arc::new(move |_, _| {
+        Some(TimelineMetadata { tenant_conf: read_conf.lock().unwrap().clone(), ..Default::default() })
+    });
+    let up = start_uploader_with(&storage, &t, dir.path(), metadata, Duration::from_millis(100));
     up.wait_uploaded(t.last_durable_lsn(), Duration::from_secs(20)).await.unwrap();
     let conf_of_index =
         || async { storage.newest_index("t1", "main").await.unwrap().unwrap().1.metadata.tenant_conf };
@@ -408,21 +407,12 @@ async fn a_metadata_change_alone_uploads_the_index_again() {
 #[tokio::test]
 async fn upload_now_seals_and_uploads_without_the_seal_timer_and_the_status_carries_the_metadata() {
     let Setup { storage, dir, t, .. } = setup().await;
-    let up = RemoteTimeline::start(
-        Uploader {
-            tenant: RemoteTenant::new(Arc::clone(&storage), "t1", dir.path(), "node-a", None),
-            timeline_id: "main".into(),
-            timeline: Arc::clone(&t),
-            meta_dir: dir.path().to_path_buf(),
-            // Says which layers' end it was made for.
-            metadata: Arc::new(|disk_consistent, _| {
-                let tenant_conf = format!("end = {}\n", disk_consistent.0);
-                Some(TimelineMetadata { tenant_conf, ..Default::default() })
-            }),
-            checkpoint_timeout: Duration::from_secs(3600),
-        },
-        CancellationToken::new(),
-    );
+    // Says which layers' end it was made for.
+    let metadata: MetadataFn = Arc::new(|disk_consistent, _| {
+        let tenant_conf = format!("end = {}\n", disk_consistent.0);
+        Some(TimelineMetadata { tenant_conf, ..Default::default() })
+    });
+    let up = start_uploader_with(&storage, &t, dir.path(), metadata, Duration::from_secs(3600));
     // Half a layer: the values stay in the active segment, an hour from their seal.
     ingest(&t, 10, 1, 1).await;
     let durable = t.last_durable_lsn();
