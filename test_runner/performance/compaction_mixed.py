@@ -29,7 +29,10 @@ Three parts, each chosen with --parts (default: all):
   latest LSN after 10 and after 200 records per page, with compaction `sliced` (the default; the
   daemon compacts by itself, the script waits for it) and, for comparison, chain 10 with
   compaction `off` (the state of the issue's "Why"). The daemons run side by side and their runs
-  alternate. Then one run per daemon under `strace -c -f`: syscalls per GetPage.
+  alternate. Then one run per daemon under `strace -c -f`: syscalls per GetPage. With
+  `--chain-builds A,B`, builds side by side instead: a chain-10 and a chain-200 daemon (both
+  `sliced`) of each build, all runs alternated, and the ratio chain 200 / chain 10 per build
+  (pagebench from --bin-dir; no strace).
 - `threshold`: what a record above the newest image costs a GetPage once a pass has merged the
   layers (compaction_image_threshold=65536, so no pass makes images): GetPage rate at chains of
   1, 8, 32 and 128 records per page, alternating. It is the measurement behind the default of
@@ -267,12 +270,18 @@ def alternate(opts, daemons: dict[str, measure.Daemon]) -> dict:
 
 
 def part_chains(opts) -> dict:
-    setups = {"chain10-sliced": (10, "sliced"), "chain200-sliced": (200, "sliced"), "chain10-off": (10, "off")}
+    builds = [Path(b) for b in opts.chain_builds.split(",")] if opts.chain_builds else []
+    if builds:
+        setups = {f"{tag}{i}": (chain, "sliced", b) for i, b in enumerate(builds)
+                  for tag, chain in (("chain10-build", 10), ("chain200-build", 200))}
+    else:
+        setups = {"chain10-sliced": (10, "sliced", opts.bin_dir), "chain200-sliced": (200, "sliced", opts.bin_dir),
+                  "chain10-off": (10, "off", opts.bin_dir)}
     daemons: dict[str, measure.Daemon] = {}
     result: dict = {"blocks": opts.chain_blocks, "connections": opts.chain_connections}
     try:
-        for name, (chain, mode) in setups.items():
-            daemons[name] = d = measure.Daemon(opts.bin_dir, [f"compaction={mode}", "page_cache_size=0"])
+        for name, (chain, mode, bin_dir) in setups.items():
+            daemons[name] = d = measure.Daemon(bin_dir, [f"compaction={mode}", "page_cache_size=0"])
             print(f"== chains {name}: daemon pid {d.pid}", file=sys.stderr)
             load(opts, d, opts.chain_blocks, chain)
             if mode != "off":
@@ -280,6 +289,15 @@ def part_chains(opts) -> dict:
                 result[f"{name} compacted after s"] = waited
                 print(f"   compacted by itself after {waited} s", file=sys.stderr)
         result["rates"] = alternate(opts, daemons)
+        if builds:
+            for i in range(len(builds)):
+                rates = result["rates"]
+                result[f"chain200/chain10 build{i}"] = round(
+                    rates[f"chain200-build{i}"]["rps_median"] / rates[f"chain10-build{i}"]["rps_median"], 3)
+                # Run by run (the daemons of one round ran one after the other): the median.
+                pairs = zip(rates[f"chain200-build{i}"]["rps_runs"], rates[f"chain10-build{i}"]["rps_runs"])
+                result[f"chain200/chain10 build{i} per round"] = [round(a / b, 3) for a, b in pairs]
+            return result
         base = result["rates"]["chain10-sliced"]["rps_median"]
         result["chain200/chain10 (sliced)"] = round(result["rates"]["chain200-sliced"]["rps_median"] / base, 3)
         result["chain10 sliced/off"] = round(base / result["rates"]["chain10-off"]["rps_median"], 3)
@@ -403,6 +421,7 @@ def main() -> int:
     parser.add_argument("--chain-connections", type=int, default=8, help="chains, threshold: connections")
     parser.add_argument("--point-seconds", type=float, default=10.0, help="chains, threshold: seconds per run")
     parser.add_argument("--repeat", type=int, default=3, help="chains, threshold: runs per daemon (median)")
+    parser.add_argument("--chain-builds", help="chains: build dirs to compare, comma separated (see above)")
     parser.add_argument("--quiet-below", type=float, default=15.0)
     parser.add_argument("--quiet-max-wait", type=float, default=600.0)
     parser.add_argument("--keep", action="store_true", help="keep the daemons' work dirs")
@@ -414,7 +433,7 @@ def main() -> int:
     results: dict = {"meta": {"date": datetime.date.today().isoformat(), "commit": commit,
                               "machine": f"{measure.os.cpu_count()} vCPU",
                               # The options, without the paths of this machine.
-                              **{k: str(v) for k, v in vars(opts).items() if k not in ("out", "plot", "bin_dir")}}}
+                              **{k: str(v) for k, v in vars(opts).items() if k not in ("out", "plot", "bin_dir", "chain_builds")}}}
     results["meta"].update(blocks=opts.blocks, write_rate=opts.write_rate, get_rate=opts.get_rate,
                            connections=opts.connections)
     parts = opts.parts.split(",")

@@ -99,15 +99,20 @@ def scenario_of(name: str) -> dict:
     """The scenario `name`: one of SCENARIOS, or `chain<N>-redo` (`chain10-redo` with chains of N
     records), or `chain<N>-compacted` (the same after one compaction pass that makes no images:
     each page's values adjacent in one layer, as passes leave a chain they do not image): what a
-    GetPage's redo costs against the chain's length."""
-    m = re.fullmatch(r"chain(\d+)-(redo|compacted)", name)
+    GetPage's redo costs against the chain's length; or `chain<N>-imaged` (the same after one
+    pass with the default image policy, which images a page once its records outweigh it: a
+    page of a long history then reads one image under its records in the layer, and
+    `chain1-imaged`, an image alone, is what such a read should cost)."""
+    m = re.fullmatch(r"chain(\d+)-(redo|compacted|imaged)", name)
     if name in SCENARIOS or not m:
         return SCENARIOS[name]
     shape = list(SCENARIOS["chain10-redo"]["shape"])
     shape[shape.index("--chain-length") + 1] = m.group(1)
     if m.group(2) == "redo":
         return {**SCENARIOS["chain10-redo"], "shape": shape}
-    config = [*SCENARIOS["chain10-redo"]["config"], "compaction_image_threshold=65536"]
+    config = list(SCENARIOS["chain10-redo"]["config"])
+    if m.group(2) == "compacted":
+        config.append("compaction_image_threshold=65536")
     return {**SCENARIOS["chain10-redo"], "shape": shape, "config": config, "compact": True}
 
 
@@ -509,7 +514,7 @@ def main() -> int:
                              "loopback floor, with its flags after colons, e.g. floor:--threads=2)")
     parser.add_argument("--scenarios", default="cached,chain10",
                         help="comma separated: " + ", ".join(SCENARIOS)
-                        + ", or chain<N>-redo / chain<N>-compacted (scenario_of)")
+                        + ", or chain<N>-redo / chain<N>-compacted / chain<N>-imaged (scenario_of)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per point; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="pagebench --threads")
     parser.add_argument("--strace", default="8x1", help="point traced with strace -c, or 'none'")

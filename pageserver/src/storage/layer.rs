@@ -31,7 +31,7 @@ use super::segment::{open_data_file, read_at};
 pub(crate) mod block_index;
 
 pub use block_index::DiskWait;
-pub(crate) use block_index::{BlockIndex, WouldWait};
+pub(crate) use block_index::{BlockIndex, EntryAt, WouldWait};
 
 /// First 4 bytes of an index block ("INDX"); never equal to a batch frame's magic.
 pub(crate) const INDEX_MAGIC: u32 = u32::from_le_bytes(*b"INDX");

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use anyhow::{ensure, Context};
 
 use super::format::{IndexEntry, Kind};
-use super::layer::{BlockIndex, DiskWait, LayerIndex, OpenLayer, WouldWait};
+use super::layer::{BlockIndex, DiskWait, EntryAt, LayerIndex, OpenLayer, WouldWait};
 use super::residence::{self, Fetch};
 use page_types::{BufferTag, Lsn};
 
@@ -284,13 +284,18 @@ impl Frozen {
         self.counts.map_or(0, |c| c.1)
     }
 
-    /// The LSN of the newest entry of `key` at or below `lsn`, if any (the first of
-    /// [`Resident::newest_to_image`], without the list). Reads index blocks (through the block
-    /// cache) for a block index, waiting for the disk (and fetching the layer) only where `wait`
-    /// allows.
-    pub(crate) fn newest_lsn(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
+    /// The LSN of the newest entry of `key` at or below `lsn`, if any, and where it is in the
+    /// index (the first of [`Resident::newest_to_image`], without the list). Reads index blocks
+    /// (through the block cache) for a block index, waiting for the disk (and fetching the
+    /// layer) only where `wait` allows.
+    pub(crate) fn newest(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        wait: DiskWait,
+    ) -> anyhow::Result<Option<(Lsn, EntryAt)>> {
         let r = self.resident(wait)?;
-        r.newest_lsn(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
+        r.newest(key, lsn, wait).with_context(|| format!("index of layer {}", self.name))
     }
 
     /// The first key above `after` (from the first key if `None`), if any.
@@ -376,9 +381,23 @@ impl Resident {
         lsn: Lsn,
         wait: DiskWait,
     ) -> anyhow::Result<Vec<IndexEntry>> {
+        match self.newest(key, lsn, wait)? {
+            Some((_, at)) => self.down_to_image(key, at, wait),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// [`Resident::newest_to_image`] from where [`Resident::newest`] found the key's newest
+    /// entry (nothing if `at` holds no entry of `key`).
+    pub(crate) fn down_to_image(
+        &self,
+        key: BufferTag,
+        at: EntryAt,
+        wait: DiskWait,
+    ) -> anyhow::Result<Vec<IndexEntry>> {
         match &self.index {
             FrozenIndex::Flat { entries } => {
-                let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
+                let end = at.entry.saturating_add(1).min(entries.len());
                 let mut out = Vec::new();
                 for e in entries[..end].iter().rev().take_while(|e| e.key == key) {
                     out.push(*e);
@@ -388,17 +407,20 @@ impl Resident {
                 }
                 Ok(out)
             }
-            FrozenIndex::Blocks(b) => b.newest_to_image(key, lsn, wait),
+            FrozenIndex::Blocks(b) => b.down_to_image(key, at, wait),
         }
     }
 
-    fn newest_lsn(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
+    fn newest(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<(Lsn, EntryAt)>> {
         match &self.index {
             FrozenIndex::Flat { entries, .. } => {
                 let end = entries.partition_point(|e| (e.key, e.lsn) <= (key, lsn));
-                Ok(end.checked_sub(1).map(|i| &entries[i]).filter(|e| e.key == key).map(|e| e.lsn))
+                let Some(i) = end.checked_sub(1).filter(|&i| entries[i].key == key) else {
+                    return Ok(None);
+                };
+                Ok(Some((entries[i].lsn, EntryAt { block: 0, entry: i })))
             }
-            FrozenIndex::Blocks(b) => b.newest_lsn(key, lsn, wait),
+            FrozenIndex::Blocks(b) => b.newest(key, lsn, wait),
         }
     }
 
@@ -498,7 +520,7 @@ impl LayerMap {
     /// The layers that may hold values of `key` at or below `lsn`, newest first: the one layer
     /// of each run whose key range holds `key`, if it begins at or below `lsn`.
     pub(super) fn candidates(&self, key: BufferTag, lsn: Lsn) -> impl Iterator<Item = &Arc<Frozen>> {
-        self.walk(None, key, lsn)
+        self.walk(None, key, lsn).map(|(layer, _)| layer)
     }
 
     /// The newest value of `key` at or below `lsn` in the layers: the newest candidate that holds
@@ -506,15 +528,16 @@ impl LayerMap {
     /// layer holds one.
     pub(crate) fn newest(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Found>> {
         for (run, layer) in self.candidates_below(self.runs.len(), key, lsn) {
-            if let Some(found) = self.layers[layer].newest_lsn(key, lsn, wait)? {
-                return Ok(Some(Found { lsn: found, layer, run }));
+            if let Some((found, at)) = self.layers[layer].newest(key, lsn, wait)? {
+                return Ok(Some(Found { lsn: found, layer, run, at }));
             }
         }
         Ok(None)
     }
 
     /// [`LayerMap::candidates`], or, `from` where [`LayerMap::newest`] found the newest value of
-    /// `key` at or below `lsn` in this map, the candidates from there: its layer, then those of
+    /// `key` at or below `lsn` in this map, the candidates from there: its layer, with the place
+    /// of the value in its index (its entries need not be searched for again), then those of
     /// the runs below its own. The runs above it hold no value of the key at or below `lsn`, and
     /// are not looked at again.
     pub(super) fn walk(
@@ -522,12 +545,13 @@ impl LayerMap {
         from: Option<Found>,
         key: BufferTag,
         lsn: Lsn,
-    ) -> impl Iterator<Item = &Arc<Frozen>> {
+    ) -> impl Iterator<Item = (&Arc<Frozen>, Option<EntryAt>)> {
         let (first, below) = match from {
-            Some(f) => (self.layers.get(f.layer), f.run.min(self.runs.len())),
+            Some(f) => (self.layers.get(f.layer).map(|l| (l, Some(f.at))), f.run.min(self.runs.len())),
             None => (None, self.runs.len()),
         };
-        first.into_iter().chain(self.candidates_below(below, key, lsn).map(|(_, layer)| &self.layers[layer]))
+        let rest = self.candidates_below(below, key, lsn).map(|(_, layer)| (&self.layers[layer], None));
+        first.into_iter().chain(rest)
     }
 
     /// The candidates of the runs below run `end` (all of them: the number of runs), newest
@@ -560,6 +584,8 @@ pub(crate) struct Found {
     /// The layer that holds it, in [`LayerMap::layers`], and the run it is in.
     layer: usize,
     run: usize,
+    /// Its place in that layer's index.
+    at: EntryAt,
 }
 
 #[cfg(test)]

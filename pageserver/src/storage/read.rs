@@ -222,10 +222,13 @@ impl Snapshot {
                 }
             }
         }
-        for l in self.layers.walk(self.from, key, lsn) {
+        for (l, at) in self.layers.walk(self.from, key, lsn) {
             let r = l.resident(wait).map_err(GetError::Io)?;
-            let entries =
-                r.newest_to_image(key, lsn, wait).with_context(|| format!("index of layer {}", l.name));
+            let entries = match at {
+                Some(at) => r.down_to_image(key, at, wait),
+                None => r.newest_to_image(key, lsn, wait),
+            };
+            let entries = entries.with_context(|| format!("index of layer {}", l.name));
             for e in entries.map_err(GetError::Io)?.iter() {
                 if !f(&r.file, e, None)? {
                     return Ok(());

@@ -237,6 +237,14 @@ impl Block {
     }
 }
 
+/// Where an entry is in a layer's index: its block and its place in the block (a flat index:
+/// block 0). Found by a lookup and handed to the read planned after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct EntryAt {
+    pub(crate) block: usize,
+    pub(crate) entry: usize,
+}
+
 /// Whether a read of an index block may wait for the disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DiskWait {
@@ -449,21 +457,23 @@ impl BlockIndex {
         Ok(out)
     }
 
-    /// The entries of `key` at or below `lsn`, newest first, down to the newest image (the
-    /// last one given; all of them if there is none): what a read of the page needs of this
-    /// layer. Reads the blocks from the last one that may hold them down, and decodes entries
-    /// from the newest down, until the image: however long the key's history below it, a read
-    /// costs what lies above the image.
-    pub(crate) fn newest_to_image(
+    /// The entries of `key` from the one at `at` (the newest at or below an LSN, as
+    /// [`BlockIndex::newest`] found it) down to the newest image (the last one given; all of
+    /// them if there is none): what a read of the page needs of this layer. Decodes entries from
+    /// `at` down, reading the blocks below only while the key's entries go on, until the image:
+    /// however long the key's history below it, a read costs what lies above the image. An `at`
+    /// that does not hold an entry of `key` gives nothing.
+    pub(crate) fn down_to_image(
         &self,
         key: BufferTag,
-        lsn: Lsn,
+        at: EntryAt,
         wait: DiskWait,
     ) -> anyhow::Result<Vec<IndexEntry>> {
         let mut out = Vec::new();
-        for i in self.blocks_of(key, lsn).rev() {
+        let mut end = at.entry.saturating_add(1);
+        for i in (0..=at.block).rev() {
             let block = self.block(i, wait)?;
-            for j in (0..block.end_of(key, lsn)).rev() {
+            for j in (0..end.min(block.len())).rev() {
                 if block.at(j).0 != key {
                     return Ok(out);
                 }
@@ -474,14 +484,21 @@ impl BlockIndex {
                     return Ok(out);
                 }
             }
+            end = usize::MAX;
         }
         Ok(out)
     }
 
-    /// The LSN of the newest entry of `key` at or below `lsn`, if any: [`BlockIndex::lookup`]'s
-    /// last, without collecting the others or decoding any (the page cache's version lookup).
-    /// Reads the blocks from the last one that may hold it down, until one does.
-    pub(crate) fn newest_lsn(&self, key: BufferTag, lsn: Lsn, wait: DiskWait) -> anyhow::Result<Option<Lsn>> {
+    /// The LSN of the newest entry of `key` at or below `lsn`, if any, and where it is:
+    /// [`BlockIndex::lookup`]'s last, without collecting the others or decoding any (the page
+    /// cache's version lookup). Reads the blocks from the last one that may hold it down, until
+    /// one does.
+    pub(crate) fn newest(
+        &self,
+        key: BufferTag,
+        lsn: Lsn,
+        wait: DiskWait,
+    ) -> anyhow::Result<Option<(Lsn, EntryAt)>> {
         for i in self.blocks_of(key, lsn).rev() {
             let block = self.block(i, wait)?;
             // A binary search for the end, not a walk of the key's entries: a long history
@@ -490,7 +507,7 @@ impl BlockIndex {
                 continue;
             };
             let (k, found) = block.at(j);
-            return Ok((k == key).then_some(found));
+            return Ok((k == key).then_some((found, EntryAt { block: i, entry: j })));
         }
         Ok(None)
     }
@@ -594,7 +611,7 @@ mod tests {
                         "{k:?}@{lsn} ({keys}x{per_key})"
                     );
                     assert_eq!(
-                        idx.newest_lsn(*k, Lsn(lsn), DiskWait::Allowed).unwrap(),
+                        idx.newest(*k, Lsn(lsn), DiskWait::Allowed).unwrap().map(|(found, _)| found),
                         want.last().map(|e| e.lsn),
                         "newest of {k:?}@{lsn} ({keys}x{per_key})"
                     );
@@ -605,8 +622,8 @@ mod tests {
             assert_eq!(idx.next_key(None).unwrap(), distinct.first().copied());
             assert!(idx.lookup(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap().is_empty());
             assert!(idx.lookup(key(0, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap().is_empty());
-            assert_eq!(idx.newest_lsn(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap(), None);
-            assert_eq!(idx.newest_lsn(key(0, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap(), None);
+            assert_eq!(idx.newest(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap(), None);
+            assert_eq!(idx.newest(key(0, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap(), None);
             let mut seen = Vec::new();
             idx.for_each(&mut |e| seen.push(*e)).unwrap();
             assert_eq!(seen, all);
@@ -614,7 +631,7 @@ mod tests {
     }
 
     #[test]
-    fn newest_to_image_is_the_newest_entries_down_to_the_image_and_reads_no_block_below_it() {
+    fn down_to_image_is_the_newest_entries_down_to_the_image_and_reads_no_block_below_it() {
         // 3 keys of 600 values, an image every 100th: a key spans several blocks.
         let mut all = entries(3, 600);
         let mut offset = FILE_HEADER_LEN;
@@ -632,15 +649,21 @@ mod tests {
                 if let Some(i) = want.iter().position(|e| e.kind == Kind::Image) {
                     want.truncate(i + 1);
                 }
+                let at = idx.newest(k, Lsn(lsn), DiskWait::Allowed).unwrap();
+                assert_eq!(at.map(|(found, _)| found), want.first().map(|e| e.lsn), "{k:?}@{lsn}");
                 let (before, blocks) = idx.blocks_read();
-                assert_eq!(idx.newest_to_image(k, Lsn(lsn), DiskWait::Allowed).unwrap(), want, "{k:?}@{lsn}");
+                let from_lookup = match at {
+                    Some((_, at)) => idx.down_to_image(k, at, DiskWait::Allowed).unwrap(),
+                    None => Vec::new(),
+                };
+                assert_eq!(from_lookup, want, "{k:?}@{lsn} from {at:?}");
                 let read = idx.blocks_read().0 - before;
                 // At most the blocks the entries down to the image lie in (and the one after).
                 let span = 100usize.div_ceil(BLOCK_ENTRIES) as u64 + 2;
                 assert!(read <= span, "{k:?}@{lsn}: {read} of {blocks} blocks");
             }
         }
-        assert!(idx.newest_to_image(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap().is_empty());
+        assert_eq!(idx.newest(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap(), None);
     }
 
     #[test]
