@@ -526,6 +526,8 @@ def main() -> int:
     parser.add_argument("--max-steal", type=float, default=3.0,
                         help="a run with more hypervisor steal (%% of the machine) is redone")
     parser.add_argument("--keep", action="store_true", help="keep the daemons' work dirs (logs, strace output)")
+    parser.add_argument("--relations", type=int, help="relations of every scenario's data set, in place of its own")
+    parser.add_argument("--blocks", type=int, help="pages per relation of every scenario's data set, in place of its own")
     parser.add_argument("--tenants", type=int, default=1,
                         help="tenants with the scenario's data set each; a point's connections are per tenant")
     opts = parser.parse_args()
@@ -537,6 +539,11 @@ def main() -> int:
     results = []
     for scenario_name in opts.scenarios.split(","):
         scenario = scenario_of(scenario_name)
+        for flag, value in (("--relations", opts.relations), ("--blocks", opts.blocks)):
+            if value is not None:
+                shape = list(scenario["shape"])
+                shape[shape.index(flag) + 1] = str(value)
+                scenario = {**scenario, "shape": shape}
         daemons: dict[str, Daemon] = {}
         try:
             # One daemon per kind, alive together; runs alternate between them (ABAB...), so that
