@@ -388,7 +388,7 @@ impl Resident {
     }
 
     /// [`Resident::newest_to_image`] from where [`Resident::newest`] found the key's newest
-    /// entry (nothing if `at` holds no entry of `key`).
+    /// entry (an error if `at` holds no entry of `key`).
     pub(crate) fn down_to_image(
         &self,
         key: BufferTag,
@@ -397,9 +397,13 @@ impl Resident {
     ) -> anyhow::Result<Vec<IndexEntry>> {
         match &self.index {
             FrozenIndex::Flat { entries } => {
-                let end = at.entry.saturating_add(1).min(entries.len());
+                ensure!(
+                    at.block == 0 && entries.get(at.entry).is_some_and(|e| e.key == key),
+                    "index entry {} is not one of {key:?}",
+                    at.entry
+                );
                 let mut out = Vec::new();
-                for e in entries[..end].iter().rev().take_while(|e| e.key == key) {
+                for e in entries[..=at.entry].iter().rev().take_while(|e| e.key == key) {
                     out.push(*e);
                     if e.kind == Kind::Image {
                         break;

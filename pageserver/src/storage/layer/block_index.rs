@@ -462,15 +462,22 @@ impl BlockIndex {
     /// them if there is none): what a read of the page needs of this layer. Decodes entries from
     /// `at` down, reading the blocks below only while the key's entries go on, until the image:
     /// however long the key's history below it, a read costs what lies above the image. An `at`
-    /// that does not hold an entry of `key` gives nothing.
+    /// that does not hold an entry of `key` (not one this index's lookup gave) is an error.
     pub(crate) fn down_to_image(
         &self,
         key: BufferTag,
         at: EntryAt,
         wait: DiskWait,
     ) -> anyhow::Result<Vec<IndexEntry>> {
+        let first = self.block(at.block, wait)?;
+        ensure!(
+            at.entry < first.len() && first.at(at.entry).0 == key,
+            "index entry {} of block {} is not one of {key:?}",
+            at.entry,
+            at.block
+        );
         let mut out = Vec::new();
-        let mut end = at.entry.saturating_add(1);
+        let mut end = at.entry + 1;
         for i in (0..=at.block).rev() {
             let block = self.block(i, wait)?;
             for j in (0..end.min(block.len())).rev() {
@@ -664,6 +671,14 @@ mod tests {
             }
         }
         assert_eq!(idx.newest(key(999, 0), Lsn(u64::MAX), DiskWait::Allowed).unwrap(), None);
+        // A place that is not one of the key's entries is refused, not read as "no entries".
+        let (_, at) = idx.newest(key(1, 1), Lsn(u64::MAX), DiskWait::Allowed).unwrap().unwrap();
+        assert!(idx.down_to_image(key(1, 0), at, DiskWait::Allowed).is_err());
+        let past = EntryAt { block: at.block, entry: BLOCK_ENTRIES };
+        assert!(idx.down_to_image(key(1, 1), past, DiskWait::Allowed).is_err());
+        assert!(idx
+            .down_to_image(key(1, 1), EntryAt { block: 1 << 20, entry: 0 }, DiskWait::Allowed)
+            .is_err());
     }
 
     #[test]
