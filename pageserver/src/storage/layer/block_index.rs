@@ -469,18 +469,17 @@ impl BlockIndex {
         at: EntryAt,
         wait: DiskWait,
     ) -> anyhow::Result<Vec<IndexEntry>> {
-        let first = self.block(at.block, wait)?;
+        let mut block = self.block(at.block, wait)?;
         ensure!(
-            at.entry < first.len() && first.at(at.entry).0 == key,
+            at.entry < block.len() && block.at(at.entry).0 == key,
             "index entry {} of block {} is not one of {key:?}",
             at.entry,
             at.block
         );
         let mut out = Vec::new();
-        let mut end = at.entry + 1;
-        for i in (0..=at.block).rev() {
-            let block = self.block(i, wait)?;
-            for j in (0..end.min(block.len())).rev() {
+        let (mut i, mut end) = (at.block, at.entry + 1);
+        loop {
+            for j in (0..end).rev() {
                 if block.at(j).0 != key {
                     return Ok(out);
                 }
@@ -491,9 +490,13 @@ impl BlockIndex {
                     return Ok(out);
                 }
             }
-            end = usize::MAX;
+            // The key's entries reach the start of this block: they may go on in the one before.
+            let Some(before) = i.checked_sub(1) else {
+                return Ok(out);
+            };
+            (i, block) = (before, self.block(before, wait)?);
+            end = block.len();
         }
-        Ok(out)
     }
 
     /// The LSN of the newest entry of `key` at or below `lsn`, if any, and where it is:
