@@ -20,7 +20,7 @@ use bytes::Bytes;
 use crate::{Lsn, PAGE_SIZE};
 
 use super::pglz::{pglz_decompress, PglzError};
-use super::rmgr::{rmgr_id_is_valid, RM_XLOG_ID, XLOG_SWITCH};
+use super::rmgr::{rmgr_id_is_valid, RM_XLOG_ID, XLOG_CHECKPOINT_SHUTDOWN, XLOG_SWITCH};
 use super::{le_u32, le_u64, WalDecodeError};
 
 /// Size of the fixed record header (`SizeOfXLogRecord`).
@@ -248,6 +248,12 @@ impl DecodedRecord {
     /// Whether this is `XLOG_SWITCH`, after which the rest of the segment is unused.
     pub fn is_xlog_switch(&self) -> bool {
         self.rmid == RM_XLOG_ID && self.info & 0xF0 == XLOG_SWITCH
+    }
+
+    /// Whether this is `XLOG_CHECKPOINT_SHUTDOWN`: the checkpoint a primary writes as it shuts
+    /// down cleanly (and the one a base backup begins with).
+    pub fn is_shutdown_checkpoint(&self) -> bool {
+        self.rmid == RM_XLOG_ID && self.info & 0xF0 == XLOG_CHECKPOINT_SHUTDOWN
     }
 
     /// `xl_tot_len`: the record's length in bytes.

@@ -884,9 +884,7 @@ impl Task {
         // the last record that changed them, where that record's values end.
         let mut counters_at = None;
         if let (Some(start), Some(first)) = (self.file.start_checkpoint, decoded.first()) {
-            let is_ours = first.lsn == start
-                && first.rmid == rmgr::RM_XLOG_ID
-                && first.info & 0xF0 == rmgr::XLOG_CHECKPOINT_SHUTDOWN;
+            let is_ours = first.lsn == start && first.is_shutdown_checkpoint();
             anyhow::ensure!(
                 is_ours,
                 "this PostgreSQL was not started on the branch's base backup: its WAL must begin \
@@ -926,10 +924,7 @@ impl Task {
             } else if wal_values::record_values(record, &mut self.sizes, &mut counters, &mut values)? {
                 counters_at = Some((values.len(), record.end_lsn));
             }
-            if self.uploaded.is_some()
-                && record.rmid == rmgr::RM_XLOG_ID
-                && record.info & 0xF0 == rmgr::XLOG_CHECKPOINT_SHUTDOWN
-            {
+            if self.uploaded.is_some() && record.is_shutdown_checkpoint() {
                 // Persisted at its end with the padding after it, as every position is.
                 self.upload_at = record.end_lsn.checked_align_up(MAXALIGN);
             }
